@@ -1,0 +1,60 @@
+"""Encode and decode KVEvent v1 batches (MessagePack, positional).
+
+Every failure to decode raises :class:`CodecError` and nothing else, so a subscriber can
+count and skip a malformed batch without losing the ones around it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(EventBatch)
+_event_decoder = msgspec.msgpack.Decoder(KVEvent)
+
+
+class CodecError(ValueError):
+    """A byte string is not a valid KVEvent v1 batch (or event)."""
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """Serialize ``batch`` to its wire form (bytes)."""
+    return _encoder.encode(batch)
+
+
+def encode_event(event: KVEvent) -> bytes:
+    """Serialize one event as it appears inside a batch (used to size batches)."""
+    return _encoder.encode(event)
+
+
+def _check(batch: EventBatch) -> EventBatch:
+    if batch.version != WIRE_VERSION:
+        raise CodecError(f"unsupported wire version {batch.version} (this build reads {WIRE_VERSION})")
+    # A self-parented Store is structurally valid; the index rejects it alone (C11).
+    return batch
+
+
+def decode_batch(data: bytes | bytearray | memoryview) -> EventBatch:
+    """Parse one wire batch.
+
+    Raises:
+        CodecError: on any malformed input (bad msgpack, wrong arity or types,
+            out-of-range integers, unknown event type, unsupported version).
+    """
+    try:
+        batch = _batch_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CodecError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - msgspec may raise others on hostile input
+        raise CodecError(f"{type(exc).__name__}: {exc}") from exc
+    return _check(batch)
+
+
+def decode_event(data: bytes | bytearray | memoryview) -> KVEvent:
+    """Parse one wire event. Raises :class:`CodecError` on malformed input."""
+    try:
+        return _event_decoder.decode(data)
+    except Exception as exc:  # noqa: BLE001
+        raise CodecError(f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,144 @@
+"""Value types shared by the storage agent, its volumes and the placement catalog.
+
+Sizes are in bytes.  A *block key* names one block of KV data under one model
+fingerprint; a *placement* says where its bytes physically are (volume, segment,
+offset, length) and carries the checksum and the catalog version used for
+compare-and-set updates (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class StorageError(RuntimeError):
+    """Base class of every error the storage layer raises on purpose."""
+
+
+class VolumeConfigError(StorageError, ValueError):
+    """A volume descriptor is invalid (unknown kind, missing bucket, bad capacity...)."""
+
+
+class BlockNotFoundError(StorageError, KeyError):
+    """No placement is recorded for a block key."""
+
+
+class ChecksumMismatchError(StorageError):
+    """Bytes read back do not match the stored checksum; the copy is never returned."""
+
+
+class VolumeFullError(StorageError, OSError):
+    """The volume has no room for the write (capacity or ENOSPC); nothing was recorded."""
+
+
+class TransferError(StorageError, OSError):
+    """A NIXL transfer failed or was short; nothing was recorded for its blocks."""
+
+
+class VersionConflictError(StorageError):
+    """A compare-and-set on the catalog lost against a concurrent update."""
+
+
+class VolumeKind(str, enum.Enum):
+    """Backend that serves a volume."""
+
+    POSIX = "posix"
+    S3 = "s3"
+
+
+class MediaClass(str, enum.Enum):
+    """Physical media of a volume, fastest first."""
+
+    NVME = "nvme"
+    SSD = "ssd"
+    HDD = "hdd"
+    OBJECT = "object"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """Identity of a stored block.
+
+    Attributes:
+        namespace: model-fingerprint namespace (``ModelFingerprint.namespace()``), so blocks
+            written under one model are never served to another.
+        sequence_hash: the block's u64 sequence hash (DESIGN.md §4).
+    """
+
+    namespace: str
+    sequence_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeDescriptor:
+    """What ``StorageAgent.register_volume`` needs to know about a volume.
+
+    Attributes:
+        id: volume id; also the ``storage_location`` used in events.
+        kind: ``posix`` (directory, NIXL POSIX backend) or ``s3`` (NIXL OBJ backend).
+        media: media class, used by policies to rank volumes.
+        capacity_bytes: usable capacity (> 0).
+        root: directory for posix volumes.
+        endpoint: S3 endpoint URL (``http://127.0.0.1:9000``) for s3 volumes.
+        bucket: S3 bucket name for s3 volumes.
+        prefix: object-key prefix inside the bucket.
+        region: S3 region.
+        alignment: I/O alignment in bytes for O_DIRECT (power of two).
+        o_direct: open segment files with O_DIRECT (falls back to buffered I/O).
+        segment_bytes: target size of one segment file / object.
+    """
+
+    id: str
+    kind: VolumeKind
+    media: MediaClass
+    capacity_bytes: int
+    root: str | None = None
+    endpoint: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    region: str = "us-east-1"
+    alignment: int = 4096
+    o_direct: bool = False
+    segment_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one block's bytes are.
+
+    Attributes:
+        key: the block.
+        volume_id: volume holding the bytes.
+        segment_id: segment (file or object) inside the volume.
+        offset: byte offset of the block inside the segment.
+        length: block length in bytes.
+        checksum: XXH3-64 of the block's bytes.
+        version: catalog version, +1 on every committed change of this key.
+    """
+
+    key: BlockKey
+    volume_id: str
+    segment_id: int
+    offset: int
+    length: int
+    checksum: int
+    version: int = 0
+
+
+@dataclass(slots=True)
+class VolumeStats:
+    """Usage of one volume (bytes unless stated)."""
+
+    volume_id: str
+    kind: str
+    media: str
+    capacity_bytes: int
+    used_bytes: int
+    live_bytes: int
+    dead_bytes: int
+    segments: int
+    blocks: int
+    reads: int = 0
+    writes: int = 0
+    extra: dict[str, int] = field(default_factory=dict)

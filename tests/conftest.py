@@ -1,0 +1,101 @@
+"""Shared fixtures: real services only (NATS, Redis, an HTTP S3 endpoint).
+
+The machine's NATS (127.0.0.1:4222) and Redis (127.0.0.1:6379) are used when they
+answer; otherwise a private server is started on a free port for the session.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from storage_backends.local_s3 import LocalS3, free_port, start_local_s3
+
+logging.getLogger("nixl").setLevel(logging.WARNING)
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        if _answers("127.0.0.1", port):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port}")
+
+
+def start_nats_server(port: int | None = None, store_dir: str | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start a private ``nats-server -js`` on a free port; returns (process, url, store dir)."""
+    exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+    port = port or free_port()
+    store_dir = store_dir or tempfile.mkdtemp(prefix="kvadvisor-nats-")
+    proc = subprocess.Popen(
+        [exe, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store_dir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_port(port, proc, "nats-server")
+    return proc, f"nats://127.0.0.1:{port}", store_dir
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    """URL of a NATS server with JetStream: the machine's, else a private one."""
+    if _answers("127.0.0.1", 4222):
+        yield "nats://127.0.0.1:4222"
+        return
+    proc, url, _ = start_nats_server()
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a Redis server: the machine's, else a private one."""
+    if _answers("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    port = free_port()
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    proc = subprocess.Popen(
+        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_port(port, proc, "redis-server")
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def local_s3() -> Iterator[LocalS3]:
+    """A real HTTP S3 endpoint (moto_server) on loopback for the whole session."""
+    s3 = start_local_s3()
+    try:
+        yield s3
+    finally:
+        s3.stop()
