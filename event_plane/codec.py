@@ -58,3 +58,31 @@ def decode_event(data: bytes | bytearray | memoryview) -> KVEvent:
         return _event_decoder.decode(data)
     except Exception as exc:  # noqa: BLE001
         raise CodecError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _array_header(n: int) -> bytes:
+    """MessagePack array header for ``n`` elements (fixarray / array16 / array32)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode_batch_parts(source: str, epoch: int, seq: int, ts_ns: int, encoded_events: list[bytes]) -> bytes:
+    """Build a wire batch from events already encoded with :func:`encode_event`.
+
+    The result is byte-identical to ``encode_batch(EventBatch(WIRE_VERSION, source, epoch,
+    seq, ts_ns, events))``; publishers use it so every event is encoded once.
+
+    Args:
+        source, epoch, seq, ts_ns: batch envelope fields (see :class:`EventBatch`).
+        encoded_events: the events' MessagePack bytes, in order.
+
+    Returns:
+        The batch payload (bytes).
+    """
+    # The envelope with an empty event list ends in 0x90 (fixarray of 0): swap that byte
+    # for the real array header and append the events.
+    head = _encoder.encode((WIRE_VERSION, source, epoch, seq, ts_ns, ()))
+    return b"".join((head[:-1], _array_header(len(encoded_events)), *encoded_events))

@@ -1,0 +1,425 @@
+"""NATS transports: core NATS subjects and a JetStream stream as the durable log.
+
+Subject of a batch: ``kvadvisor.events.<namespace>.<source>``; header
+``Nats-Msg-Id: <source>:<epoch>:<seq>`` (JetStream de-duplicates on it). nats-py is
+asyncio: each publisher / subscriber runs a private event loop in a daemon thread and the
+thread-safe methods hand work to it. Extra keyword arguments (``user``, ``password``,
+``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import nats
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError
+from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
+
+from event_plane.codec import CodecError, decode_batch
+from event_plane.config import PublisherConfig
+from event_plane.errors import ConfigError, TransportError
+from event_plane.ordering import GapCallback, SeqTracker
+from event_plane.publisher import EventPublisher, FlushCallback
+from event_plane.schema import EventBatch
+from event_plane.subscriber import Subscriber
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SUBJECT_PREFIX = "kvadvisor.events"
+STREAM_NAME = "KVADVISOR_EVENTS"
+MSG_ID_HEADER = "Nats-Msg-Id"
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-@:+=~]+$")
+_TIMEOUT_S = 30.0
+
+
+def subject_for(namespace: str, source: str) -> str:
+    """NATS subject of ``source``'s batches in ``namespace``.
+
+    Raises:
+        ConfigError: ``namespace`` or ``source`` is not a single subject token
+            (letters, digits and ``_-@:+=~``; no dots, spaces or wildcards).
+    """
+    for what, token in (("namespace", namespace), ("source", source)):
+        if not isinstance(token, str) or not _TOKEN.match(token):
+            raise ConfigError(f"{what} {token!r} cannot be a NATS subject token")
+    return f"{SUBJECT_PREFIX}.{namespace}.{source}"
+
+
+def msg_id(batch: EventBatch) -> str:
+    """``Nats-Msg-Id`` of a batch: ``<source>:<epoch>:<seq>``."""
+    return f"{batch.source}:{batch.epoch}:{batch.seq}"
+
+
+class _LoopThread:
+    """An asyncio event loop running in its own daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = _TIMEOUT_S) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+async def _connect(url: str, connect_timeout_s: float, options: dict[str, Any]) -> nats.NATS:
+    opts: dict[str, Any] = {"connect_timeout": connect_timeout_s, "max_reconnect_attempts": -1, "allow_reconnect": True}
+    opts.update(options)
+    # nats-py retries the initial connect forever with max_reconnect_attempts=-1 unless told
+    # otherwise; bound it so a wrong URL fails fast.
+    return await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+
+
+async def ensure_stream(js: Any, *, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
+    """Create the ``KVADVISOR_EVENTS`` stream on ``kvadvisor.events.>`` unless it exists."""
+    config = js_api.StreamConfig(
+        name=STREAM_NAME,
+        subjects=[f"{SUBJECT_PREFIX}.>"],
+        max_age=max_age_s,
+        max_bytes=max_bytes if max_bytes is not None else -1,
+        duplicate_window=120.0,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.stream_info(STREAM_NAME)  # exists with another config: use it as it is
+
+
+class NatsPublisher(EventPublisher):
+    """Publishes batches to core NATS (``kvadvisor.events.<namespace>.<source>``).
+
+    Args:
+        source: worker id; must be a single NATS subject token.
+        url: NATS server URL.
+        namespace: subject namespace (single token).
+        epoch, config, on_flush: see :class:`EventPublisher`.
+        connect_timeout_s: seconds allowed for the initial connection.
+        **connect_options: passed to ``nats.connect`` (credentials, token, nkey, TLS, ...).
+
+    ``flush`` returns once the server has the batches (a NATS PING/PONG round trip).
+    Batches beyond ``config.queue_capacity`` events not yet written are dropped and
+    counted (``stats().dropped``), or wait for room when ``config.overflow == "block"``.
+
+    Raises:
+        ConfigError: bad source / namespace token.
+        TransportError: the server cannot be reached.
+    """
+
+    _use_jetstream = False
+
+    def __init__(
+        self,
+        source: str,
+        url: str = "nats://127.0.0.1:4222",
+        namespace: str = "default",
+        *,
+        epoch: int | None = None,
+        config: PublisherConfig | None = None,
+        on_flush: FlushCallback | None = None,
+        connect_timeout_s: float = 5.0,
+        **connect_options: Any,
+    ) -> None:
+        super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
+        self.subject = subject_for(namespace, source)
+        self.url = url
+        self._inflight = 0
+        self._dropped = 0
+        self._count_lock = threading.Lock()
+        self._room = threading.Condition(self._count_lock)
+        self._io = _LoopThread(f"kvevents-nats-pub-{source}")
+        try:
+            self._nc = self._io.run(_connect(url, connect_timeout_s, connect_options))
+            self._js = self._nc.jetstream() if self._use_jetstream else None
+            if self._js is not None:
+                self._io.run(ensure_stream(self._js))
+        except Exception as exc:
+            self._io.stop()
+            raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
+        self._aq: asyncio.Queue[tuple[bytes, dict[str, str], int] | None] = self._io.run(self._make_queue())
+        self._sender = asyncio.run_coroutine_threadsafe(self._send_loop(), self._io.loop)
+
+    async def _make_queue(self) -> asyncio.Queue[tuple[bytes, dict[str, str], int] | None]:
+        return asyncio.Queue()
+
+    def _send(self, batch: EventBatch, payload: bytes) -> None:
+        n = len(batch.events)
+        cap = self.config.queue_capacity
+        with self._room:
+            if self.config.overflow == "block":
+                # A batch larger than the whole capacity goes once the queue is empty.
+                self._room.wait_for(lambda: self._inflight == 0 or self._inflight + n <= cap)
+            elif self._inflight + n > cap:
+                self._dropped += n
+                logger.warning("NATS publisher %s: queue full, dropped batch seq=%d", self.source, batch.seq)
+                return
+            self._inflight += n
+        item = (payload, {MSG_ID_HEADER: msg_id(batch)}, n)
+        self._io.loop.call_soon_threadsafe(self._aq.put_nowait, item)
+
+    async def _send_loop(self) -> None:
+        while True:
+            item = await self._aq.get()
+            if item is None:
+                self._aq.task_done()
+                return
+            payload, headers, n = item
+            try:
+                if self._js is not None:
+                    # Re-sending is safe: the stream drops a repeated Nats-Msg-Id.
+                    async for attempt in AsyncRetrying(
+                        stop=stop_after_delay(self.retry_for_s),
+                        wait=wait_exponential(multiplier=0.05, max=1.0),
+                        reraise=True,
+                    ):
+                        with attempt:
+                            await self._js.publish(self.subject, payload, headers=headers, timeout=2.0)
+                else:
+                    await self._nc.publish(self.subject, payload, headers=headers)
+            except Exception:  # noqa: BLE001 - counted; the stream shows the gap
+                logger.exception("NATS publisher %s: publish failed", self.source)
+                with self._count_lock:
+                    self._dropped += n
+            finally:
+                with self._room:
+                    self._inflight -= n
+                    self._room.notify_all()
+                self._aq.task_done()
+
+    async def _drain_queue(self) -> None:
+        await self._aq.join()
+        await self._nc.flush(timeout=10)
+
+    def _wait_sent(self) -> None:
+        self._io.run(self._drain_queue())
+
+    def _transport_dropped(self) -> int:
+        with self._count_lock:
+            return self._dropped
+
+    def _close_transport(self) -> None:
+        async def _shutdown() -> None:
+            await self._aq.join()
+            self._aq.put_nowait(None)
+            await asyncio.wrap_future(self._sender)
+            await self._nc.drain()
+
+        try:
+            self._io.run(_shutdown())
+        except Exception:  # noqa: BLE001 - closing must not raise on a dead server
+            logger.exception("NATS publisher %s: close failed", self.source)
+        finally:
+            self._io.stop()
+
+
+class JetStreamPublisher(NatsPublisher):
+    """Like :class:`NatsPublisher`, but each batch is stored in the ``KVADVISOR_EVENTS``
+    JetStream stream (created if missing) and acknowledged by the server. A batch whose
+    ack does not come is re-sent (exponential back-off, for up to ``retry_for_s`` seconds,
+    e.g. across a server restart); the stream de-duplicates re-sent batches by
+    ``Nats-Msg-Id``, so nothing is doubled. ``flush`` returns once every batch is acked."""
+
+    _use_jetstream = True
+    retry_for_s: float = 30.0
+
+
+class NatsSubscriber(Subscriber):
+    """Subscribes to core NATS subject ``kvadvisor.events.<namespace>.>``.
+
+    Core NATS keeps no history: a gap is reported and counted as unrecovered.
+
+    Args:
+        url: NATS server URL.
+        namespace: subject namespace.
+        on_gap, queue_capacity: see :class:`Subscriber`.
+        connect_timeout_s: seconds allowed for the initial connection.
+        **connect_options: passed to ``nats.connect``.
+
+    Raises:
+        ConfigError: bad namespace.
+    """
+
+    def __init__(
+        self,
+        url: str = "nats://127.0.0.1:4222",
+        namespace: str = "default",
+        *,
+        on_gap: GapCallback | None = None,
+        queue_capacity: int = 100_000,
+        connect_timeout_s: float = 5.0,
+        **connect_options: Any,
+    ) -> None:
+        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity)
+        subject_for(namespace, "x")
+        self.url = url
+        self.subject = f"{SUBJECT_PREFIX}.{namespace}.>"
+        self._connect_timeout_s = connect_timeout_s
+        self._options = connect_options
+        self._io: _LoopThread | None = None
+        self._nc: Any = None
+
+    def start(self) -> None:
+        if self._io is not None:
+            return
+        self._io = _LoopThread("kvevents-nats-sub")
+        try:
+            self._nc = self._io.run(_connect(self.url, self._connect_timeout_s, self._options))
+            self._io.run(self._subscribe())
+        except Exception as exc:
+            self._io.stop()
+            raise TransportError(f"cannot subscribe at {self.url}: {exc}") from exc
+
+    async def _subscribe(self) -> None:
+        await self._nc.subscribe(self.subject, cb=self._on_msg)
+        await self._nc.flush()
+
+    async def _on_msg(self, msg: Any) -> None:
+        self._on_payload(msg.data)
+
+    def _on_payload(self, data: bytes) -> EventBatch | None:
+        try:
+            batch = decode_batch(data)
+        except CodecError:
+            self._stats.decode_errors += 1
+            return None
+        self._tracker.accept(batch, None)
+        return batch
+
+    def close(self) -> None:
+        if self._io is not None and not self._closed.is_set():
+            try:
+                self._io.run(self._nc.drain())
+            except Exception:  # noqa: BLE001
+                logger.exception("NATS subscriber: drain failed")
+            self._io.stop()
+        self._closed.set()
+
+
+class JetStreamSubscriber(NatsSubscriber):
+    """Reads the ``KVADVISOR_EVENTS`` stream through a durable pull consumer with explicit ack.
+
+    Each batch is acknowledged once it is in this subscriber's queue (or known to be a
+    duplicate); when the queue is full the consumer waits instead of dropping, so a restarted subscriber with the same ``durable`` name resumes after the
+    last acknowledged batch. ``deliver`` chooses where a *new* durable starts: ``"all"``
+    (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
+
+    Args:
+        durable: consumer name (one per logical subscriber; shared names split the stream).
+        batch_size: messages fetched per pull.
+    """
+
+    def __init__(
+        self,
+        url: str = "nats://127.0.0.1:4222",
+        namespace: str = "default",
+        *,
+        durable: str = "kvadvisor",
+        deliver: str | tuple[str, Any] = "all",
+        batch_size: int = 256,
+        on_gap: GapCallback | None = None,
+        queue_capacity: int = 100_000,
+        connect_timeout_s: float = 5.0,
+        **connect_options: Any,
+    ) -> None:
+        super().__init__(
+            url,
+            namespace,
+            on_gap=on_gap,
+            queue_capacity=queue_capacity,
+            connect_timeout_s=connect_timeout_s,
+            **connect_options,
+        )
+        if not isinstance(durable, str) or not re.match(r"^[A-Za-z0-9_\-]+$", durable):
+            raise ConfigError(f"durable name {durable!r} is not a valid consumer name")
+        self._durable = durable
+        self._start_at = deliver
+        self._consumer_config()  # raises ConfigError on a bad ``deliver`` now, not at start()
+        self._batch_size = batch_size
+        # A durable resumes mid-stream: earlier seqs were consumed by its previous run.
+        self._tracker = SeqTracker(self._stats, self._deliver, on_gap, first_seq_gap=False)
+        self._task: Any = None
+
+    def _consumer_config(self) -> js_api.ConsumerConfig:
+        kw: dict[str, Any] = {"durable_name": self._durable, "ack_policy": js_api.AckPolicy.EXPLICIT}
+        if self._start_at == "all":
+            kw["deliver_policy"] = js_api.DeliverPolicy.ALL
+        elif self._start_at == "new":
+            kw["deliver_policy"] = js_api.DeliverPolicy.NEW
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "seq":
+            kw["deliver_policy"] = js_api.DeliverPolicy.BY_START_SEQUENCE
+            kw["opt_start_seq"] = int(self._start_at[1])
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "time":
+            kw["deliver_policy"] = js_api.DeliverPolicy.BY_START_TIME
+            kw["opt_start_time"] = str(self._start_at[1])
+        else:
+            raise ConfigError(f"unsupported deliver option {self._start_at!r}")
+        return js_api.ConsumerConfig(**kw)
+
+    async def _subscribe(self) -> None:
+        js = self._nc.jetstream()
+        await ensure_stream(js)
+        psub = await js.pull_subscribe(
+            self.subject, durable=self._durable, stream=STREAM_NAME, config=self._consumer_config()
+        )
+        self._task = asyncio.get_running_loop().create_task(self._pull_loop(psub))
+
+    async def _pull_loop(self, psub: Any) -> None:
+        while not self._closed.is_set():
+            try:
+                msgs = await psub.fetch(self._batch_size, timeout=0.2)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nothing new yet
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
+                logger.exception("JetStream subscriber: fetch failed")
+                await asyncio.sleep(0.1)
+                continue
+            for msg in msgs:
+                # The stream is durable: wait for room instead of dropping (back-pressure).
+                while self._queue.full() and not self._closed.is_set():
+                    await asyncio.sleep(0.005)
+                if self._closed.is_set():
+                    return  # unacked: redelivered to the next run of this durable
+                try:
+                    self._on_payload(msg.data)
+                except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
+                    logger.exception("JetStream subscriber: batch could not be applied")
+                await msg.ack()
+
+    def close(self) -> None:
+        if self._io is not None and not self._closed.is_set():
+            self._closed.set()
+
+            async def _stop() -> None:
+                if self._task is not None:
+                    self._task.cancel()
+                    try:
+                        await self._task
+                    except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                        pass
+                # drain() waits on the pull subscription's inbox forever; acks are already
+                # written, so flush them and close.
+                await self._nc.flush(timeout=5)
+                await self._nc.close()
+
+            try:
+                self._io.run(_stop(), timeout=10)
+            except Exception:  # noqa: BLE001
+                logger.exception("JetStream subscriber: close failed")
+            self._io.stop()
+        self._closed.set()

@@ -1,0 +1,114 @@
+"""Per-source ordering on the subscriber side: seq tracking, gaps, replay, restarts.
+
+Rules (``docs/events.md`` §5):
+
+* per (source, epoch), batches are delivered in seq order, each at most once;
+* a seq jump is a gap: the missing seqs are asked from the transport (``recover``) and
+  delivered before the later batch; seqs it cannot supply are counted as unrecovered;
+* the first batch of a source/epoch never seen before is expected to have seq 0; a higher
+  seq is a gap from 0 (a subscriber that joined late recovers what is still buffered);
+* a new epoch of a known source is a restart: tracking starts afresh, and batches of the
+  superseded epoch that arrive later are dropped (counted as duplicates).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from event_plane.config import SubscriberStats
+from event_plane.schema import EventBatch
+
+logger = logging.getLogger(__name__)
+
+GapCallback = Callable[[str, int, int, int], None]
+"""``on_gap(source, epoch, first_missing, last_missing)``; seqs are inclusive."""
+
+Recover = Callable[[str, int, int, int], list[EventBatch]]
+"""``recover(source, epoch, first, last)`` -> the batches of that range it could fetch."""
+
+
+class SeqTracker:
+    """Applies the ordering rules to batches of one or more sources.
+
+    Not thread-safe: feed it from one thread (a transport's receiver thread).
+
+    Args:
+        stats: counters to update in place.
+        deliver: called with each batch to hand to the application, in delivery order.
+        on_gap: optional gap callback; its exceptions are logged and ignored.
+        first_seq_gap: treat a first batch with seq > 0 of an unseen source/epoch as a gap
+            from 0 (live transports). ``False`` for a durable log read from a stored
+            position (JetStream durable consumers), where earlier seqs were consumed before.
+    """
+
+    def __init__(
+        self,
+        stats: SubscriberStats,
+        deliver: Callable[[EventBatch], None],
+        on_gap: GapCallback | None = None,
+        *,
+        first_seq_gap: bool = True,
+    ) -> None:
+        self._first_seq_gap = first_seq_gap
+        self._stats = stats
+        self._deliver = deliver
+        self._on_gap = on_gap
+        self._current: dict[str, tuple[int, int]] = {}  # source -> (epoch, next expected seq)
+        self._retired: dict[str, set[int]] = {}  # source -> superseded epochs
+
+    def position(self, source: str) -> tuple[int, int] | None:
+        """``(epoch, next expected seq)`` of ``source``, or ``None`` if never seen."""
+        return self._current.get(source)
+
+    def accept(self, batch: EventBatch, recover: Recover | None = None) -> None:
+        """Deliver ``batch`` (and any recovered predecessors) or drop it as a duplicate."""
+        st = self._stats
+        source, epoch, seq = batch.source, batch.epoch, batch.seq
+        cur = self._current.get(source)
+        if cur is not None and cur[0] == epoch:
+            expected = cur[1]
+        else:
+            if cur is not None:
+                retired = self._retired.setdefault(source, set())
+                if epoch in retired:
+                    st.duplicates += 1
+                    return
+                retired.add(cur[0])
+                st.restarts += 1
+            expected = 0 if self._first_seq_gap else seq
+        if seq < expected:
+            st.duplicates += 1
+            return
+        if seq > expected:
+            expected = self._fill_gap(source, epoch, expected, seq - 1, recover)
+        self._current[source] = (epoch, seq + 1)
+        self._deliver(batch)
+
+    def _fill_gap(self, source: str, epoch: int, first: int, last: int, recover: Recover | None) -> int:
+        st = self._stats
+        st.gaps += 1
+        if self._on_gap is not None:
+            try:
+                self._on_gap(source, epoch, first, last)
+            except Exception:  # noqa: BLE001 - a user callback must not stop delivery
+                logger.exception("on_gap callback failed for %s epoch=%d seqs %d..%d", source, epoch, first, last)
+        expected = first
+        fetched: list[EventBatch] = []
+        if recover is not None:
+            try:
+                fetched = recover(source, epoch, first, last)
+            except Exception:  # noqa: BLE001 - replay failure = unrecovered, not a crash
+                logger.exception("replay of %s epoch=%d seqs %d..%d failed", source, epoch, first, last)
+        for b in sorted(fetched, key=lambda b: b.seq):
+            if b.source != source or b.epoch != epoch or not expected <= b.seq <= last:
+                continue
+            st.unrecovered += b.seq - expected
+            st.replayed += 1
+            self._current[source] = (epoch, b.seq + 1)
+            self._deliver(b)
+            expected = b.seq + 1
+        st.unrecovered += last + 1 - expected
+        if last + 1 > expected:
+            logger.warning("lost batches of %s epoch=%d: seqs %d..%d", source, epoch, expected, last)
+        return last + 1

@@ -1,0 +1,143 @@
+"""Build publishers and subscribers from URLs.
+
+=========================================  =============================================
+URL                                        meaning
+=========================================  =============================================
+``null://``                                publisher only: batches, sends nothing
+``zmq://HOST:PORT?replay=PORT&topic=T``    publisher binds ``tcp://HOST:PORT`` (PUB) and
+                                           ``tcp://HOST:REPLAY`` (ROUTER); subscriber
+                                           connects to both
+``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
+``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
+                                           ``KVADVISOR_EVENTS`` (``durable``: subscriber)
+=========================================  =============================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from event_plane.config import PublisherConfig
+from event_plane.errors import EventURLError
+from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
+from event_plane.publisher import EventPublisher, FlushCallback, NullPublisher
+from event_plane.subscriber import MultiSubscriber, Subscriber
+from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber
+
+_ALLOWED = {
+    "null": set(),
+    "zmq": {"replay", "topic"},
+    "nats": {"namespace"},
+    "jetstream": {"namespace", "durable"},
+}
+
+
+def _parse(url: str) -> tuple[str, str, int | None, dict[str, str], str]:
+    """-> (scheme, host, port, query, netloc). Raises EventURLError."""
+    if not isinstance(url, str):
+        raise EventURLError(f"event URL must be a str, got {type(url).__name__}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _ALLOWED:
+        raise EventURLError(f"unsupported event URL scheme {parts.scheme!r} in {url!r} (use {sorted(_ALLOWED)})")
+    query: dict[str, str] = {}
+    for key, values in parse_qs(parts.query, keep_blank_values=True, strict_parsing=False).items():
+        if key not in _ALLOWED[scheme]:
+            raise EventURLError(f"unknown parameter {key!r} in {url!r} (allowed: {sorted(_ALLOWED[scheme])})")
+        if len(values) != 1:
+            raise EventURLError(f"parameter {key!r} given {len(values)} times in {url!r}")
+        query[key] = values[0]
+    if scheme == "null":
+        return scheme, "", None, query, ""
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise EventURLError(f"bad port in {url!r}: {exc}") from exc
+    host = parts.hostname or ""
+    if not host or port is None:
+        raise EventURLError(f"{url!r} needs HOST:PORT")
+    return scheme, host, port, query, parts.netloc
+
+
+def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tuple[str, str | None]:
+    replay = query.get("replay")
+    if replay is not None and not replay.isdigit():
+        raise EventURLError(f"replay must be a port number in {url!r}")
+    host_part = f"[{host}]" if ":" in host else host
+    pub = f"tcp://{host_part}:{port}"
+    return pub, (f"tcp://{host_part}:{replay}" if replay is not None else None)
+
+
+def make_publisher(
+    url: str,
+    source: str,
+    *,
+    config: PublisherConfig | None = None,
+    epoch: int | None = None,
+    on_flush: FlushCallback | None = None,
+    **options: Any,
+) -> EventPublisher:
+    """Create the publisher that ``url`` names (see the module table).
+
+    Args:
+        url: ``null://``, ``zmq://...``, ``nats://...`` or ``jetstream://...``.
+        source: worker / instance id.
+        config, epoch, on_flush: see :class:`EventPublisher`.
+        **options: transport keywords (e.g. NATS credentials).
+
+    Raises:
+        EventURLError: malformed or unsupported URL.
+        TransportError: the endpoint cannot be bound / the server reached.
+    """
+    scheme, host, port, query, netloc = _parse(url)
+    common: dict[str, Any] = {"epoch": epoch, "config": config, "on_flush": on_flush}
+    if scheme == "null":
+        return NullPublisher(source, **common)
+    if scheme == "zmq":
+        pub, replay = _zmq_endpoints(host, port or 0, query, url)
+        return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, **options)
+    cls = JetStreamPublisher if scheme == "jetstream" else NatsPublisher
+    return cls(source, f"nats://{netloc}", query.get("namespace", "default"), **common, **options)
+
+
+def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
+    scheme, host, port, query, netloc = _parse(url)
+    if scheme == "null":
+        raise EventURLError("null:// has nothing to subscribe to")
+    if scheme == "zmq":
+        if host in ("*", "0.0.0.0", "::"):
+            raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {url!r}")
+        pub, replay = _zmq_endpoints(host, port or 0, query, url)
+        return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), **kw)
+    namespace = query.get("namespace", "default")
+    if scheme == "jetstream":
+        if "durable" in query:
+            kw = {**kw, "durable": query["durable"]}
+        return JetStreamSubscriber(f"nats://{netloc}", namespace, **kw)
+    return NatsSubscriber(f"nats://{netloc}", namespace, **kw)
+
+
+def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
+    """Create (not yet started) subscriber(s) for ``urls``; several URLs are merged.
+
+    Args:
+        urls: one URL or a list (``zmq://``, ``nats://``, ``jetstream://``).
+        **kw: subscriber keywords (``on_gap``, ``queue_capacity``, transport options).
+
+    Returns:
+        A :class:`Subscriber`; call ``start()`` (or use it as a context manager).
+
+    Raises:
+        EventURLError: malformed URL, or no URL.
+    """
+    if isinstance(urls, str):
+        return _subscriber(urls, dict(kw))
+    urls = list(urls)
+    if not urls:
+        raise EventURLError("subscribe() needs at least one URL")
+    if len(urls) == 1:
+        return _subscriber(urls[0], dict(kw))
+    capacity = kw.get("queue_capacity", 100_000)
+    return MultiSubscriber([_subscriber(u, dict(kw)) for u in urls], queue_capacity=capacity)

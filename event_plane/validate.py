@@ -1,0 +1,75 @@
+"""Check events before a publisher accepts them.
+
+``msgspec`` structs do not check their constraints when built in Python, so a publisher
+checks each event against KVEvent v1 (DESIGN.md §3, ``docs/events.md``) and encodes it
+once; a bad event raises :class:`InvalidEventError` before anything is accepted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from event_plane.codec import encode_event
+from event_plane.errors import InvalidEventError
+from event_plane.schema import U32_MAX, U64_MAX, EventType, KVEvent
+
+_MAX_LOCATION = 255
+_MAX_SOURCE = 255
+
+
+def check_source(source: object) -> str:
+    """Return ``source`` if it is a valid batch source (str of 1..255 characters).
+
+    Raises:
+        InvalidEventError: otherwise.
+    """
+    if not isinstance(source, str) or not 1 <= len(source) <= _MAX_SOURCE:
+        raise InvalidEventError(f"source must be a str of 1..{_MAX_SOURCE} characters, got {source!r}")
+    return source
+
+
+def check_u64(name: str, value: object) -> int:
+    """Return ``value`` if it is an int in [0, 2**64); raise :class:`InvalidEventError` otherwise."""
+    if type(value) is not int or not 0 <= value <= U64_MAX:  # noqa: E721 - bool is not a hash
+        raise InvalidEventError(f"{name} must be an int in [0, 2**64), got {value!r}")
+    return value
+
+
+def encode_checked(event: object) -> bytes:
+    """Validate one event and return its wire encoding (as inside a batch).
+
+    Args:
+        event: candidate :class:`KVEvent`.
+
+    Returns:
+        MessagePack bytes of the event (typically 30-40 bytes for a Store).
+
+    Raises:
+        InvalidEventError: not a KVEvent, unknown type, hash outside u64, block_size outside
+            u32, storage_location not a str of 1..255 characters, extra_metadata not a map
+            with str keys of encodable values.
+    """
+    if not isinstance(event, KVEvent):
+        raise InvalidEventError(f"expected KVEvent, got {type(event).__name__}")
+    if not isinstance(event.type, EventType):
+        try:
+            EventType(event.type)
+        except ValueError:
+            raise InvalidEventError(f"unknown event type {event.type!r}") from None
+    check_u64("sequence_hash", event.sequence_hash)
+    check_u64("prefix_hash", event.prefix_hash)
+    if event.parent_hash is not None:
+        check_u64("parent_hash", event.parent_hash)
+    if type(event.block_size) is not int or not 0 <= event.block_size <= U32_MAX:  # noqa: E721
+        raise InvalidEventError(f"block_size must be an int in [0, 2**32), got {event.block_size!r}")
+    loc = event.storage_location
+    if not isinstance(loc, str) or not 1 <= len(loc) <= _MAX_LOCATION:
+        raise InvalidEventError(f"storage_location must be a str of 1..{_MAX_LOCATION} characters, got {loc!r}")
+    meta = event.extra_metadata
+    if meta is not None:
+        if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+            raise InvalidEventError("extra_metadata must be None or a dict with str keys")
+    try:
+        return encode_event(event)
+    except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidEventError(f"event cannot be encoded: {exc}") from exc

@@ -1,0 +1,300 @@
+"""ZMQ transport: PUB + ROUTER replay on the publisher, SUB + DEALER on the subscriber.
+
+Frames are described in :mod:`event_plane.frames`. pyzmq sockets are not thread-safe:
+the PUB socket is only used under the publisher's lock, the ROUTER only by its replay
+thread, and every subscriber socket only by the subscriber's receiver thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from functools import partial
+
+import zmq
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
+
+from event_plane.codec import CodecError, decode_batch
+from event_plane.config import PublisherConfig
+from event_plane.errors import ConfigError, TransportError
+from event_plane.frames import END_SEQ, SEQ_BYTES, seq_from_bytes, seq_to_bytes
+from event_plane.ordering import GapCallback
+from event_plane.publisher import EventPublisher, FlushCallback
+from event_plane.schema import EventBatch
+from event_plane.subscriber import Subscriber
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50
+_PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
+
+
+def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> str:
+    """Bind ``sock``; retry EADDRINUSE for ``retry_s`` seconds (a restarted publisher often
+    rebinds a port whose previous socket ZMQ is still closing in its I/O thread)."""
+    try:
+        for attempt in Retrying(
+            stop=stop_after_delay(retry_s),
+            wait=wait_fixed(0.05),
+            retry=retry_if_exception(lambda e: isinstance(e, zmq.ZMQError) and e.errno == zmq.EADDRINUSE),
+            reraise=True,
+        ):
+            with attempt:
+                sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise TransportError(f"cannot bind {what} to {endpoint}: {exc}") from exc
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class ZmqPublisher(EventPublisher):
+    """Publishes batches on a ZMQ PUB socket and serves replays on a ROUTER socket.
+
+    Args:
+        source: worker / instance id.
+        endpoint: PUB bind address (``tcp://HOST:PORT``; ``PORT`` may be ``*``).
+        replay_endpoint: ROUTER bind address, or ``None`` for no replay.
+        topic: topic frame of every message (UTF-8), e.g. ``"kv@podA@modelX"``.
+        epoch, config, on_flush: see :class:`EventPublisher`.
+        context: ZMQ context (the process-wide one by default).
+        bind_retry_s: seconds to keep retrying a bind that fails with EADDRINUSE.
+
+    Attributes:
+        endpoint / replay_endpoint: the addresses actually bound (resolved wildcards).
+
+    Raises:
+        TransportError: an endpoint cannot be bound.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        endpoint: str = "tcp://127.0.0.1:5557",
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        epoch: int | None = None,
+        config: PublisherConfig | None = None,
+        on_flush: FlushCallback | None = None,
+        context: zmq.Context | None = None,
+        bind_retry_s: float = 2.0,
+    ) -> None:
+        super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
+        self.topic: bytes = topic.encode()
+        ctx = context or zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, _PUB_HWM)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        self.endpoint: str = _bind(self._pub, endpoint, "PUB", bind_retry_s)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.replay_buffer)
+        self._buffer_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.replay_endpoint: str | None = None
+        self._replay_thread: threading.Thread | None = None
+        self.replay_requests = 0
+        if replay_endpoint is not None:
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.SNDHWM, 0)  # a reply of the whole buffer must not be cut
+            try:
+                self.replay_endpoint = _bind(router, replay_endpoint, "ROUTER", bind_retry_s)
+            except TransportError:
+                self._pub.close(linger=0)
+                raise
+            self._replay_thread = threading.Thread(
+                target=self._serve_replay, args=(router,), name=f"kvevents-replay-{source}", daemon=True
+            )
+            self._replay_thread.start()
+
+    def _send(self, batch: EventBatch, payload: bytes) -> None:
+        seq = seq_to_bytes(batch.seq)
+        with self._buffer_lock:
+            self._buffer.append((batch.seq, payload))
+        self._pub.send_multipart((self.topic, seq, payload), copy=False)
+
+    def _close_transport(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join()
+        self._pub.close()
+
+    def buffered_seqs(self) -> list[int]:
+        """Seqs currently held for replay, oldest first."""
+        with self._buffer_lock:
+            return [seq for seq, _ in self._buffer]
+
+    def _serve_replay(self, router: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not router.poll(_POLL_MS):
+                    continue
+                frames = router.recv_multipart()
+                self.replay_requests += 1
+                self._answer(router, frames)
+        except Exception:  # noqa: BLE001 - keep the publisher alive; replay is best effort
+            logger.exception("replay server of %s stopped", self.source)
+        finally:
+            router.close(linger=0)
+
+    def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        # [identity, b"", start] from a DEALER that adds the delimiter (our subscriber, vLLM's
+        # documented client); [identity, start] from one that does not.
+        identity, rest = frames[0], frames[1:]
+        envelope = [identity]
+        if rest and rest[0] == b"":
+            envelope.append(b"")
+            rest = rest[1:]
+        if len(rest) == 1 and len(rest[0]) == SEQ_BYTES:
+            start = seq_from_bytes(rest[0])
+            with self._buffer_lock:
+                hits = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+            for seq, payload in hits:
+                router.send_multipart([*envelope, self.topic, seq_to_bytes(seq), payload], copy=False)
+        else:
+            logger.warning("replay server of %s: malformed request of %d frames", self.source, len(rest))
+        router.send_multipart([*envelope, self.topic, END_SEQ, b""])
+
+
+class ZmqSubscriber(Subscriber):
+    """Subscribes to one or more ZMQ publishers, with gap recovery through their replay sockets.
+
+    Args:
+        endpoints: ``(pub_endpoint, replay_endpoint | None)`` pairs; one SUB connects to each.
+        topic: topic prefix to subscribe to (``b""`` = everything).
+        on_gap, queue_capacity: see :class:`Subscriber`.
+        replay_timeout_s: seconds to wait for a full replay answer before giving up
+            (the missing batches then count as unrecovered).
+        context: ZMQ context (the process-wide one by default).
+
+    Raises:
+        ConfigError: no endpoints.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, str | None]],
+        topic: bytes = b"",
+        *,
+        on_gap: GapCallback | None = None,
+        queue_capacity: int = 100_000,
+        replay_timeout_s: float = 2.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity)
+        if not endpoints:
+            raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
+        self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
+        self._topic = bytes(topic)
+        self._replay_timeout_s = replay_timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._dealers: dict[int, zmq.Socket] = {}
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvevents-zmq-sub", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise TransportError(f"cannot connect ZMQ subscriber: {self._error}") from self._error
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        subs: list[zmq.Socket] = []
+        try:
+            poller = zmq.Poller()
+            for pub_ep, _ in self._endpoints:
+                sock = self._ctx.socket(zmq.SUB)
+                subs.append(sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, _PUB_HWM)
+                sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+                sock.connect(pub_ep)
+                poller.register(sock, zmq.POLLIN)
+        except Exception as exc:  # noqa: BLE001 - reported to start()
+            self._error = exc
+            for sock in subs:
+                sock.close(linger=0)
+            self._ready.set()
+            return
+        self._ready.set()
+        index = {sock: i for i, sock in enumerate(subs)}
+        try:
+            while not self._closed.is_set():
+                for sock, _ in poller.poll(_POLL_MS):
+                    for _ in range(1000):  # drain, but keep polling the others fairly
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(index[sock], frames)
+        finally:
+            for sock in subs:
+                sock.close(linger=0)
+            for dealer in self._dealers.values():
+                dealer.close(linger=0)
+            self._dealers.clear()
+
+    def _on_message(self, i: int, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            self._stats.decode_errors += 1
+            return
+        try:
+            batch = decode_batch(frames[2])
+        except CodecError:
+            self._stats.decode_errors += 1
+            return
+        recover = partial(self._replay, i) if self._endpoints[i][1] is not None else None
+        self._tracker.accept(batch, recover)
+
+    def _replay(self, i: int, source: str, epoch: int, first: int, last: int) -> list[EventBatch]:
+        """Ask endpoint ``i``'s ROUTER for seqs ``first..last``; runs on the receiver thread."""
+        dealer = self._dealers.get(i)
+        if dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(self._endpoints[i][1])  # type: ignore[arg-type]
+            self._dealers[i] = dealer
+        dealer.send_multipart([b"", seq_to_bytes(first)])
+        deadline = time.monotonic() + self._replay_timeout_s
+        out: list[EventBatch] = []
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not dealer.poll(remaining_ms):
+                # No end marker: drop the socket so a late answer cannot pollute the next one.
+                logger.warning("replay from %s timed out after %d batches", self._endpoints[i][1], len(out))
+                dealer.close(linger=0)
+                del self._dealers[i]
+                return out
+            frames = dealer.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:  # [topic, seq, payload]
+                seq_frame, payload = frames[1], frames[2]
+            elif len(frames) == 2:  # older peers: [seq, payload]
+                seq_frame, payload = frames
+            else:
+                self._stats.decode_errors += 1
+                continue
+            if seq_frame == END_SEQ:
+                return out
+            if len(seq_frame) != SEQ_BYTES:
+                self._stats.decode_errors += 1
+                continue
+            if not first <= seq_from_bytes(seq_frame) <= last:
+                continue
+            try:
+                out.append(decode_batch(payload))
+            except CodecError:
+                self._stats.decode_errors += 1

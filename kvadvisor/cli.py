@@ -1,0 +1,123 @@
+"""The ``kvadvisor`` command line (typer + rich)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache block tiering: runtime, event plane, advisor, API.")
+advisor_app = typer.Typer(no_args_is_help=True, help="Run the advisor service.")
+app.add_typer(advisor_app, name="advisor")
+console = Console(stderr=False)
+
+
+def _fail(msg: str) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def demo(
+    trace: Annotated[Optional[Path], typer.Option(help="Mooncake jsonl trace (default: bundled 2,000-request slice)")] = None,
+    requests: Annotated[Optional[int], typer.Option(help="replay only the first N requests (default 1000; 0 = all)")] = None,
+    workers: Annotated[int, typer.Option(help="simulated inference workers")] = 2,
+    transport: Annotated[str, typer.Option(help="zmq | nats | mixed")] = "zmq",
+    nats_url: Annotated[str, typer.Option(help="NATS server for --transport nats/mixed")] = "nats://127.0.0.1:4222",
+    s3_endpoint: Annotated[Optional[str], typer.Option(help="S3 endpoint (default: start a local one)")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="keep volumes, journal and catalog here")] = None,
+    verify: Annotated[bool, typer.Option(help="check index == held blocks and read every block back")] = True,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+) -> None:
+    """Replay a real trace through workers, event plane, advisor, volumes and the REST API."""
+    from kvadvisor.demo import DemoError, run_demo
+    from kvadvisor.settings import DemoSettings
+    from kvadvisor.trace import TraceFormatError
+
+    try:
+        s = DemoSettings(
+            trace=trace,
+            requests=None if requests == 0 else (requests or 1000),
+            workers=workers,
+            transport=transport,  # type: ignore[arg-type]
+            nats_url=nats_url,
+            s3_endpoint=s3_endpoint,
+            workdir=workdir,
+            verify=verify,
+        )
+    except ValidationError as exc:
+        _fail(f"invalid demo settings:\n{exc}")
+        return
+    with Progress(
+        TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
+    ) as bar:
+        task = bar.add_task("replay", total=s.requests or 0)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        try:
+            report = run_demo(s, progress=progress)
+        except (DemoError, TraceFormatError, FileNotFoundError) as exc:
+            _fail(str(exc))
+            return
+    _print_report(report)
+    if json_out:
+        json_out.write_text(json.dumps(report.as_dict(), indent=2, default=str))
+    if verify and not _verified(report.verified):
+        _fail("verification failed: the advisor's index or the stored bytes disagree with what is held")
+
+
+def _verified(v: dict) -> bool:
+    if not v:
+        return False
+    locs = [x for k, x in v.items() if isinstance(x, dict)]
+    return all(x["equal"] for x in locs) and v.get("bytes_ok") == v.get("bytes_checked")
+
+
+def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
+    t = Table(title="kvadvisor demo report", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    blocks = max(r.blocks, 1)
+    rows = [
+        ("requests replayed", f"{r.requests:,} across {r.workers} workers"),
+        ("full blocks requested", f"{r.blocks:,} ({r.computed_blocks:,} computed)"),
+        ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
+        ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
+        ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
+        ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
+        ("advisor apply rate", f"{r.advisor_events_per_s:,.0f} events/s"),
+        ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
+        ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
+        ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
+        ("API (while it was up)", r.api_url),
+        ("wall time", f"{r.wall_s:.1f} s"),
+    ]
+    if r.verified:
+        locs = {k: x for k, x in r.verified.items() if isinstance(x, dict)}
+        same = sum(1 for x in locs.values() if x["equal"])
+        rows.append(("index == held blocks", f"{same}/{len(locs)} locations"))
+        rows.append(("blocks read back byte-exact", f"{r.verified.get('bytes_ok', 0):,}/{r.verified.get('bytes_checked', 0):,}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+@advisor_app.command("run")
+def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
+    """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""
+    from advisor.service import main
+
+    sys.exit(main(["--config", str(config)]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

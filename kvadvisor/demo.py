@@ -1,0 +1,443 @@
+"""``kvadvisor demo``: replay a real trace through every part of kvadvisor.
+
+Topology (DESIGN.md §1, embedded mode)::
+
+    this process                                   advisor process (python -m advisor)
+    ┌───────────────────────────────┐  ZMQ / NATS  ┌──────────────────────────────────┐
+    │ worker-0 BlockManager ── pub ─┼────────────▶ │ journal (SQLite) → PrefixIndex    │
+    │ worker-1 BlockManager ── pub ─┼────────────▶ │ policies → mover (NIXL) → events  │
+    │   G1/G2 torch pools           │              │ REST API (uvicorn)                │
+    │   G3 via StorageAgent ────────┼─┐            └────────────┬─────────────────────┘
+    └───────────────────────────────┘ │ NIXL put/get           │ NIXL get/put
+                                      ▼                        ▼
+                   volumes: fast/ (posix), slow/ (posix), s3 (NIXL OBJ on a local S3 endpoint)
+                   placement catalog: one SQLite file shared by both processes
+
+Each request's prompt tokens are synthesized from its block ids (``kvadvisor.trace``), the
+workers hash them, look up the longest cached prefix across G1, G2 and the volumes, compute
+(fill) the missing blocks, register and offload them; the advisor folds the events and
+promotes, demotes and compacts.  The report gives the figures the issue asks for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from event_plane import EventPublisher, make_publisher
+from kvadvisor.kvdata import expected_block, fill_block
+from kvadvisor.settings import DemoSettings
+from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
+from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult
+from storage_backends import (
+    LocalS3,
+    MediaClass,
+    SqliteCatalog,
+    StorageAgent,
+    VolumeDescriptor,
+    VolumeKind,
+    free_port,
+    start_local_s3,
+)
+
+FAST, SLOW, S3 = "fast", "slow", "s3"
+
+
+class DemoError(RuntimeError):
+    """The replay could not run (advisor did not start, did not catch up, ...)."""
+
+
+@dataclass
+class DemoReport:
+    """Figures of one replay (counts; bytes; seconds)."""
+
+    requests: int = 0
+    workers: int = 0
+    blocks: int = 0
+    computed_blocks: int = 0
+    hits: dict[str, int] = field(default_factory=lambda: {"g1": 0, "g2": 0, "g3": 0, "g4": 0})
+    events: int = 0
+    worker_events: int = 0
+    advisor_events: int = 0
+    batches: int = 0
+    event_bytes_per_event: float = 0.0
+    payload_bytes_per_event: float = 0.0
+    promotions: int = 0
+    demotions: int = 0
+    compactions: int = 0
+    bytes_moved: int = 0
+    advisor_events_per_s: float = 0.0
+    api_url: str = ""
+    wall_s: float = 0.0
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    index_blocks: dict[str, int] = field(default_factory=dict)
+    verified: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-serialisable)."""
+        return asdict(self)
+
+
+@dataclass
+class Topology:
+    """Where everything of one replay lives."""
+
+    workdir: Path
+    catalog_path: Path
+    journal_path: Path
+    volumes: list[VolumeDescriptor]
+    worker_pub_urls: list[str]
+    worker_sub_urls: list[str]
+    advisor_pub_url: str
+    api_host: str
+    api_port: int
+    s3: LocalS3 | None
+
+
+def block_bytes(s: DemoSettings) -> int:
+    """Bytes of one KV block of the demo's geometry (float16)."""
+    return s.num_layers * s.outer_dim * s.page_size * s.inner_dim * 2
+
+
+def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | None, secret: str | None) -> list[VolumeDescriptor]:
+    bb = block_bytes(s)
+    seg = max(bb * 32, 1 << 20)
+    return [
+        VolumeDescriptor(FAST, VolumeKind.POSIX, MediaClass.NVME, s.fast_capacity_blocks * bb,
+                         root=str(workdir / "volumes" / FAST), segment_bytes=seg),
+        VolumeDescriptor(SLOW, VolumeKind.POSIX, MediaClass.HDD, s.slow_capacity_blocks * bb,
+                         root=str(workdir / "volumes" / SLOW), segment_bytes=seg),
+        VolumeDescriptor(S3, VolumeKind.S3, MediaClass.OBJECT, s.s3_capacity_blocks * bb,
+                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix="kv", segment_bytes=seg),
+    ]
+
+
+def _worker_urls(s: DemoSettings, i: int) -> tuple[str, str]:
+    """(publisher URL, subscriber URL) of worker ``i``."""
+    use_nats = s.transport == "nats" or (s.transport == "mixed" and i % 2 == 1)
+    if use_nats:
+        url = f"{s.nats_url}?namespace={s.namespace}"
+        return url, url
+    pub, rep = free_port(), free_port()
+    return f"zmq://127.0.0.1:{pub}?replay={rep}", f"zmq://127.0.0.1:{pub}?replay={rep}"
+
+
+def advisor_config(s: DemoSettings, topo: Topology) -> dict[str, Any]:
+    """JSON config for ``python -m advisor --config``."""
+    subs = sorted(set(topo.worker_sub_urls))
+    return {
+        "subscribe": subs,
+        "publish": topo.advisor_pub_url,
+        "source": "advisor-0",
+        "journal_path": str(topo.journal_path),
+        "catalog_path": str(topo.catalog_path),
+        "namespace": s.namespace,
+        "volumes": [_descriptor_json(v) for v in topo.volumes],
+        "fast_volume": FAST,
+        "slow_volume": SLOW,
+        "object_volume": S3,
+        "policy_interval_s": 0,
+        "api_host": topo.api_host,
+        "api_port": topo.api_port,
+    }
+
+
+def _descriptor_json(v: VolumeDescriptor) -> dict[str, Any]:
+    d = {k: getattr(v, k) for k in v.__slots__}  # type: ignore[attr-defined]
+    d["kind"] = v.kind.value
+    d["media"] = v.media.value
+    return d
+
+
+@contextmanager
+def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], timeout_s: float = 60.0) -> Iterator[str]:
+    """Start the advisor service as its own process; yield its API URL; stop it on exit.
+
+    Raises:
+        DemoError: if the process exits or does not print ``ADVISOR READY <url>`` in time.
+    """
+    cfg_path = workdir / "advisor.json"
+    cfg_path.write_text(json.dumps(config, indent=2))
+    log_path = workdir / "advisor.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "advisor", "--config", str(cfg_path)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=env,
+    )
+    assert proc.stdout is not None
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            log.write(raw)
+            log.flush()
+            if line.startswith("ADVISOR READY"):
+                url.append(line.split()[-1])
+                ready.set()
+        ready.set()
+
+    t = threading.Thread(target=pump, name="advisor-stdout", daemon=True)
+    t.start()
+    try:
+        if not ready.wait(timeout_s) or not url:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise DemoError(f"advisor did not become ready (exit code {proc.poll()}); log tail:\n{tail}")
+        yield url[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        t.join(timeout=5)
+        log.close()
+
+
+class AdvisorClient:
+    """Thin REST client of the advisor's API (used by the demo and the e2e test)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.http = httpx.Client(base_url=base_url, timeout=120.0)
+
+    def stats(self) -> dict[str, Any]:
+        r = self.http.get("/v1/stats")
+        r.raise_for_status()
+        return r.json()
+
+    def volumes(self) -> Any:
+        r = self.http.get("/v1/volumes")
+        r.raise_for_status()
+        return r.json()
+
+    def run_policies(self) -> Any:
+        r = self.http.post("/v1/plans/run")
+        r.raise_for_status()
+        return r.json()
+
+    def blocks_at(self, location: str) -> set[int]:
+        r = self.http.get(f"/v1/locations/{location}/blocks")
+        r.raise_for_status()
+        return {int(h) for h in r.json()["sequence_hashes"]}
+
+    def wait_caught_up(self, publishers: list[EventPublisher], timeout_s: float = 120.0) -> dict[str, Any]:
+        """Block until the advisor has applied every batch the publishers sent.
+
+        Raises:
+            DemoError: on timeout, naming the sources still behind.
+        """
+        want = {p.source: (p.epoch, p.stats().batches - 1) for p in publishers}
+        deadline = time.monotonic() + timeout_s
+        behind: dict[str, Any] = {}
+        while True:
+            st = self.stats()
+            sources = st.get("sources", {})
+            behind = {
+                src: (sources.get(src), want_seq)
+                for src, (epoch, want_seq) in want.items()
+                if want_seq >= 0
+                and not (
+                    src in sources
+                    and int(sources[src]["epoch"]) == epoch
+                    and int(sources[src]["last_seq"]) >= want_seq
+                )
+            }
+            if not behind:
+                return st
+            if time.monotonic() > deadline:
+                raise DemoError(f"advisor did not catch up within {timeout_s} s: {behind}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    env["PYTHONUNBUFFERED"] = "1"
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_demo(
+    s: DemoSettings,
+    progress: Callable[[int, int], None] | None = None,
+    inspect: Callable[[DemoReport, AdvisorClient, list[BlockManager], StorageAgent], None] | None = None,
+) -> DemoReport:
+    """Replay ``s.requests`` requests of the trace and return the report.
+
+    ``progress(done, total)`` is called after every request.  ``inspect`` (used by the
+    end-to-end test) is called while every component is still up.
+
+    Raises:
+        DemoError: if a component fails to start or the advisor falls behind.
+        TraceFormatError: if the trace is malformed.
+    """
+    t0 = time.monotonic()
+    trace_path = s.trace or bundled_trace()
+    reqs = list(read_mooncake(trace_path, limit=s.requests))
+    env = _env()
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with ExitStack() as stack:
+        workdir = Path(s.workdir) if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        if not s.keep and not s.workdir:
+            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        s3: LocalS3 | None = None
+        endpoint = s.s3_endpoint
+        if endpoint is None:
+            s3 = start_local_s3()
+            stack.callback(s3.stop)
+            endpoint = s3.endpoint
+            env.setdefault("AWS_ACCESS_KEY_ID", s3.access_key)
+            env.setdefault("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", s3.access_key)
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+        urls = [_worker_urls(s, i) for i in range(s.workers)]
+        adv_pub, adv_rep = free_port(), free_port()
+        topo = Topology(
+            workdir=workdir,
+            catalog_path=workdir / "catalog.sqlite",
+            journal_path=workdir / "journal.sqlite",
+            volumes=_volumes(s, workdir, endpoint, None, None),
+            worker_pub_urls=[u[0] for u in urls],
+            worker_sub_urls=[u[1] for u in urls],
+            advisor_pub_url=f"zmq://127.0.0.1:{adv_pub}?replay={adv_rep}",
+            api_host="127.0.0.1",
+            api_port=s.api_port or free_port(),
+            s3=s3,
+        )
+        api_url = stack.enter_context(advisor_process(advisor_config(s, topo), workdir, env))
+        client = AdvisorClient(api_url)
+        stack.callback(client.close)
+
+        agent = StorageAgent(SqliteCatalog(topo.catalog_path), name="demo-workers")
+        stack.callback(agent.close)
+        for v in topo.volumes:
+            agent.register_volume(v)
+        managers: list[BlockManager] = []
+        publishers: list[EventPublisher] = []
+        for i in range(s.workers):
+            pub = make_publisher(topo.worker_pub_urls[i], source=f"worker-{i}")
+            publishers.append(pub)
+            cfg = RuntimeConfig(
+                model_name="demo/mooncake-conversation",
+                num_layers=s.num_layers,
+                outer_dim=s.outer_dim,
+                page_size=s.page_size,
+                inner_dim=s.inner_dim,
+                dtype="float16",
+                g1_blocks=s.g1_blocks,
+                g2_blocks=s.g2_blocks,
+                namespace=s.namespace,
+            )
+            mgr = BlockManager(cfg, pub, store=agent, g3_volume=SLOW)
+            managers.append(mgr)
+            stack.callback(mgr.close)
+
+        report = DemoReport(requests=len(reqs), workers=s.workers, api_url=api_url)
+        for n, req in enumerate(reqs, 1):
+            mgr = managers[(n - 1) % s.workers]
+            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_block)
+            report.blocks += res.num_blocks
+            report.computed_blocks += res.computed
+            report.hits["g1"] += res.hits_g1
+            report.hits["g2"] += res.hits_g2
+            report.hits["g3"] += res.hits_g3
+            report.hits["g4"] += res.hits_g4
+            if n % s.policy_every == 0 or n == len(reqs):
+                for p in publishers:
+                    p.flush()
+                client.wait_caught_up(publishers)
+                client.run_policies()
+            if progress:
+                progress(n, len(reqs))
+
+        for p in publishers:
+            p.flush()
+        st = client.wait_caught_up(publishers)
+        _fill_report(report, st, publishers, client)
+        if s.verify or inspect:
+            report.verified = verify_consistency(client, managers, agent, s)
+        if inspect:
+            inspect(report, client, managers, agent)
+        report.wall_s = time.monotonic() - t0
+        return report
+
+
+def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventPublisher], client: AdvisorClient) -> None:
+    ev = sum(p.stats().events for p in publishers)
+    pb = sum(p.stats().payload_bytes for p in publishers)
+    eb = sum(p.stats().event_bytes for p in publishers)
+    report.worker_events = ev
+    report.batches = sum(p.stats().batches for p in publishers)
+    report.event_bytes_per_event = eb / ev if ev else 0.0
+    report.payload_bytes_per_event = pb / ev if ev else 0.0
+    mv = st.get("moves", {})
+    report.promotions = int(mv.get("promotions", 0))
+    report.demotions = int(mv.get("demotions", 0))
+    report.compactions = int(mv.get("compactions", 0))
+    report.bytes_moved = int(mv.get("bytes_moved", 0))
+    report.advisor_events = int(st.get("advisor_events", 0))
+    report.events = report.worker_events + report.advisor_events
+    report.advisor_events_per_s = float(st.get("events_per_s", 0.0))
+    report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
+    report.volumes = client.volumes()
+
+
+def verify_consistency(client: AdvisorClient, managers: list[BlockManager], agent: StorageAgent, s: DemoSettings) -> dict[str, Any]:
+    """Compare the advisor's index with what the runtimes and the storage agent hold.
+
+    Returns a dict per location: ``{"index": n, "held": n, "equal": bool}`` plus
+    ``"bytes_ok"``/``"bytes_checked"`` for blocks read back from their final volume
+    (through NIXL) against the bytes the runtime wrote (recomputed from the hash).
+    """
+    out: dict[str, Any] = {}
+    for mgr in managers:
+        src = mgr.source
+        for tier in ("g1", "g2"):
+            held = mgr.resident(tier)
+            idx = client.blocks_at(f"{src}/{tier}")
+            out[f"{src}/{tier}"] = {"index": len(idx), "held": len(held), "equal": idx == held}
+    for v in (FAST, SLOW, S3):
+        held = {p.key.sequence_hash for p in agent.catalog.iter_volume(v)}
+        idx = client.blocks_at(v)
+        out[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
+    shape = (s.num_layers, s.outer_dim, s.page_size, s.inner_dim)
+    checked = ok = 0
+    for v in (FAST, SLOW, S3):
+        placements = list(agent.catalog.iter_volume(v))
+        for i in range(0, len(placements), 256):
+            chunk = placements[i : i + 256]
+            datas = agent.get([p.key for p in chunk])
+            for p, data in zip(chunk, datas):
+                want = expected_block(p.key.sequence_hash, shape, torch.float16).view(torch.uint8).reshape(-1)
+                checked += 1
+                ok += int(torch.equal(data.reshape(-1), want))
+    out["bytes_checked"] = checked
+    out["bytes_ok"] = ok
+    return out

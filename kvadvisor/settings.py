@@ -1,0 +1,49 @@
+"""Settings of the ``kvadvisor demo`` replay (pydantic-settings, env prefix ``KVADVISOR_DEMO_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DemoSettings(BaseSettings):
+    """Everything one replay needs; every field can also come from ``KVADVISOR_DEMO_<NAME>``.
+
+    Sizes are bytes unless the name says blocks.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVADVISOR_DEMO_", extra="forbid")
+
+    trace: Path | None = Field(None, description="Mooncake jsonl; default: the bundled 2,000-request slice")
+    requests: int | None = Field(1000, ge=1, description="replay only the first N requests (None: all)")
+    workers: int = Field(2, ge=1, le=16)
+    transport: Literal["zmq", "nats", "mixed"] = "zmq"
+    nats_url: str = "nats://127.0.0.1:4222"
+    namespace: str = "demo"
+    workdir: Path | None = None
+    s3_endpoint: str | None = Field(None, description="S3 endpoint; default: start a local one")
+    s3_bucket: str = "kvadvisor-demo"
+    # KV geometry of one block: [num_layers][outer_dim][page_size][inner_dim] of float16
+    num_layers: int = Field(2, ge=1)
+    outer_dim: int = Field(2, ge=1)
+    page_size: int = Field(512, ge=1, description="tokens per block (the trace's block size)")
+    inner_dim: int = Field(4, ge=1)
+    g1_blocks: int = Field(256, ge=1, description="G1 blocks per worker")
+    g2_blocks: int = Field(1024, ge=1, description="G2 blocks per worker")
+    fast_capacity_blocks: int = Field(600, ge=1, description="capacity of the fast volume in blocks")
+    slow_capacity_blocks: int = Field(200_000, ge=1)
+    s3_capacity_blocks: int = Field(10_000_000, ge=1)
+    policy_every: int = Field(100, ge=1, description="run one advisor policy round every N requests")
+    api_port: int = Field(0, ge=0, le=65535, description="0: a free port")
+    verify: bool = Field(False, description="check index == held blocks and read every block back")
+    keep: bool = Field(False, description="keep the work directory")
+
+    @field_validator("trace")
+    @classmethod
+    def _trace_exists(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"trace file {v} does not exist")
+        return v

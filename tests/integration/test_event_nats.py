@@ -1,0 +1,260 @@
+"""NATS transports on a real server: core subjects + headers, JetStream durability."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterator
+
+import nats
+import pytest
+from conftest import start_nats_server
+
+from event_plane import (
+    ConfigError,
+    EventBatch,
+    JetStreamPublisher,
+    JetStreamSubscriber,
+    NatsPublisher,
+    NatsSubscriber,
+    PublisherConfig,
+    TransportError,
+    encode_batch,
+    make_publisher,
+    store,
+    subscribe,
+)
+from storage_backends.local_s3 import free_port
+
+
+def evs(n: int, start: int = 1) -> list:
+    return [store(start + i, start, (start + i - 1) if i else None, 4096, "g2") for i in range(n)]
+
+
+def namespace() -> str:
+    return "t" + secrets.token_hex(4)
+
+
+class RawTap:
+    """A plain nats-py subscriber on its own loop thread, recording subject/header/payload."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.msgs: list[tuple[str, dict[str, str], bytes]] = []
+        self.loop = asyncio.new_event_loop()
+        import threading
+
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.nc = self._run(nats.connect(url))
+        self._run(self._sub(subject))
+
+    def _run(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _sub(self, subject: str) -> None:
+        async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+            self.msgs.append((msg.subject, dict(msg.headers or {}), msg.data))
+
+        await self.nc.subscribe(subject, cb=cb)
+        await self.nc.flush()
+
+    def publish(self, subject: str, data: bytes) -> None:
+        async def go() -> None:
+            await self.nc.publish(subject, data)
+            await self.nc.flush()
+
+        self._run(go())
+
+    def close(self) -> None:
+        self._run(self.nc.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+def test_core_pub_sub_exact_order_and_msg_id_header(nats_url: str) -> None:
+    ns = namespace()
+    tap = RawTap(nats_url, f"kvadvisor.events.{ns}.>")
+    sub = subscribe(f"{nats_url}?namespace={ns}")
+    sub.start()
+    pub = make_publisher(f"{nats_url}?namespace={ns}", "w0", config=PublisherConfig(max_events=3), epoch=77)
+    try:
+        assert isinstance(pub, NatsPublisher)
+        events = evs(10)
+        pub.publish(events)
+        pub.close()
+        got = sub.get_many(4, 5.0)
+        assert [b.seq for b in got] == [0, 1, 2, 3]
+        assert [e for b in got for e in b.events] == events
+        assert [len(b.events) for b in got] == [3, 3, 3, 1]
+        for _ in range(100):
+            if len(tap.msgs) == 4:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert [m[0] for m in tap.msgs] == [f"kvadvisor.events.{ns}.w0"] * 4
+        assert [m[1]["Nats-Msg-Id"] for m in tap.msgs] == [f"w0:77:{s}" for s in range(4)]
+        assert [m[2] for m in tap.msgs] == [encode_batch(b) for b in got]
+        assert pub.stats().payload_bytes == sum(len(m[2]) for m in tap.msgs)
+    finally:
+        pub.close()
+        sub.close()
+        tap.close()
+
+
+def test_core_gap_and_garbage_are_counted(nats_url: str) -> None:
+    ns = namespace()
+    gaps: list[tuple] = []
+    sub = NatsSubscriber(nats_url, ns, on_gap=lambda *g: gaps.append(g))
+    sub.start()
+    tap = RawTap(nats_url, "unused.subject")
+    try:
+        subject = f"kvadvisor.events.{ns}.ext"
+        b0 = EventBatch(1, "ext", 5, 0, 0, evs(1))
+        b3 = EventBatch(1, "ext", 5, 3, 0, evs(1, 10))
+        tap.publish(subject, encode_batch(b0))
+        tap.publish(subject, b"\xc1not msgpack")
+        tap.publish(subject, encode_batch(b3))
+        tap.publish(subject, encode_batch(b0))  # duplicate
+        got = sub.get_many(2, 5.0)
+        assert got == [b0, b3]
+        assert sub.get(0.2) is None
+        st = sub.stats()
+        assert (st.decode_errors, st.gaps, st.unrecovered, st.duplicates) == (1, 1, 2, 1)
+        assert gaps == [("ext", 5, 1, 2)]
+    finally:
+        sub.close()
+        tap.close()
+
+
+def test_bad_token_and_unreachable_server() -> None:
+    with pytest.raises(ConfigError):
+        NatsPublisher("has.dot", "nats://127.0.0.1:4222")
+    with pytest.raises(ConfigError):
+        NatsSubscriber("nats://127.0.0.1:4222", "bad ns")
+    with pytest.raises(TransportError):
+        NatsPublisher("w0", f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
+
+
+@pytest.fixture()
+def private_nats(tmp_path) -> Iterator[tuple[str, int, str, dict]]:  # type: ignore[no-untyped-def]
+    """A private JetStream server (own store dir) so durable state does not leak.
+
+    Yields (url, port, store dir, {"proc": server process}); a test may restart the server.
+    """
+    port = free_port()
+    proc, url, store_dir = start_nats_server(port, str(tmp_path / "js"))
+    holder = {"proc": proc}
+    try:
+        yield url, port, store_dir, holder
+    finally:
+        holder["proc"].terminate()
+        holder["proc"].wait(timeout=10)
+
+
+def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> None:  # type: ignore[no-untyped-def]
+    url, _, _, _ = private_nats
+    pub = JetStreamPublisher("w0", url, "ns1", epoch=9, config=PublisherConfig(max_events=3))
+    try:
+        pub.publish(evs(7))
+        pub.flush()
+        # late subscriber: the whole history comes from the stream
+        sub = JetStreamSubscriber(url, "ns1", durable="vendor")
+        sub.start()
+        first = sub.get_many(3, 5.0)
+        assert [b.seq for b in first] == [0, 1, 2]
+        assert [e.sequence_hash for b in first for e in b.events] == list(range(1, 8))
+        sub.close()
+
+        pub.publish(evs(4, 100))  # seq 3 (3 events) and, on flush, seq 4 (1 event)
+        pub.flush()
+        # a re-sent batch (same Nats-Msg-Id) is dropped by the stream
+        tap = RawTap(url, "unused.subject")
+        try:
+            dup = EventBatch(1, "w0", 9, 3, 0, evs(3, 100))
+
+            async def resend() -> bool:
+                ack = await tap.nc.jetstream().publish(
+                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": "w0:9:3"}
+                )
+                return bool(ack.duplicate)
+
+            assert tap._run(resend()) is True
+        finally:
+            tap.close()
+
+        sub = JetStreamSubscriber(url, "ns1", durable="vendor")
+        sub.start()
+        rest = sub.get_many(10, 1.5)
+        assert [b.seq for b in rest] == [3, 4]  # resumes after the last ack, no doubles
+        assert [e.sequence_hash for b in rest for e in b.events] == [100, 101, 102, 103]
+        st = sub.stats()
+        assert (st.gaps, st.duplicates, st.unrecovered) == (0, 0, 0)
+        sub.close()
+    finally:
+        pub.close()
+
+
+def test_jetstream_server_restart_mid_stream_loses_and_doubles_nothing(private_nats) -> None:  # type: ignore[no-untyped-def]
+    url, port, store_dir, holder = private_nats
+    pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1)
+    try:
+        pub.publish(evs(6))
+        pub.flush()
+        holder["proc"].terminate()
+        holder["proc"].wait(timeout=10)
+        pub.publish(evs(4, 50))  # while the server is down: retried until it is back
+        holder["proc"], _, _ = start_nats_server(port, store_dir)
+        pub.flush()
+        assert pub.stats().dropped == 0
+        sub = JetStreamSubscriber(url, "ns2", durable="after-restart")
+        sub.start()
+        try:
+            got = sub.get_many(10, 5.0)
+            assert [b.seq for b in got] == [0, 1, 2, 3, 4]
+            assert [e.sequence_hash for b in got for e in b.events] == [1, 2, 3, 4, 5, 6, 50, 51, 52, 53]
+            assert sub.get(0.3) is None
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_jetstream_publisher_killed_and_restarted_new_epoch(private_nats) -> None:  # type: ignore[no-untyped-def]
+    url, _, _, _ = private_nats
+    sub = JetStreamSubscriber(url, "ns3", durable="d")
+    sub.start()
+    try:
+        old = JetStreamPublisher("w0", url, "ns3", epoch=1, config=PublisherConfig(max_delay_s=3600))
+        old.publish(evs(2))
+        old.flush()
+        old.publish(evs(1, 40))  # pending, never flushed: the process "dies"
+        old._io.stop()  # kill the connection without close(): no flush happens
+        new = JetStreamPublisher("w0", url, "ns3", epoch=2)
+        new.publish(evs(1, 70))
+        new.close()
+        got = sub.get_many(2, 5.0)
+        assert [(b.epoch, b.seq) for b in got] == [(1, 0), (2, 0)]
+        assert [e.sequence_hash for b in got for e in b.events] == [1, 2, 70]
+        assert sub.stats().restarts == 1
+    finally:
+        sub.close()
+
+
+
+def test_jetstream_block_overflow_loses_nothing_in_a_burst(private_nats) -> None:  # type: ignore[no-untyped-def]
+    url, _, _, _ = private_nats
+    cfg = PublisherConfig(max_events=1, queue_capacity=2, overflow="block")
+    pub = JetStreamPublisher("w0", url, "ns4", config=cfg)
+    try:
+        pub.publish(evs(60))  # 60 one-event batches through a 2-event queue
+        pub.flush()
+        assert pub.stats().dropped == 0 and pub.stats().batches == 60
+        sub = JetStreamSubscriber(url, "ns4", durable="burst")
+        sub.start()
+        try:
+            got = sub.get_many(60, 5.0)
+            assert [b.seq for b in got] == list(range(60))
+            assert [b.events[0].sequence_hash for b in got] == list(range(1, 61))
+        finally:
+            sub.close()
+    finally:
+        pub.close()

@@ -1,0 +1,276 @@
+"""ZMQ transport end to end on real sockets: order, replay frames, gaps, restarts, late join."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from event_plane import (
+    EventBatch,
+    PublisherConfig,
+    TransportError,
+    ZmqPublisher,
+    ZmqSubscriber,
+    decode_batch,
+    encode_batch,
+    store,
+)
+from event_plane.frames import END_SEQ, seq_to_bytes
+from storage_backends.local_s3 import free_port
+
+ONE = PublisherConfig(max_events=1)
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def ev(i: int, loc: str = "g1") -> object:
+    return store(1000 + i, 1000, (999 + i) if i else None, 65536, loc)
+
+
+def started(sub: ZmqSubscriber, pub: ZmqPublisher | None = None) -> ZmqSubscriber:
+    """Start ``sub`` and wait out ZMQ's slow-joiner window."""
+    sub.start()
+    time.sleep(0.3)
+    return sub
+
+
+def drain(sub: ZmqSubscriber, n: int, timeout: float = 5.0) -> list[EventBatch]:
+    got = sub.get_many(n, timeout)
+    assert len(got) == n, f"got {len(got)} of {n} batches; stats {sub.stats()}"
+    return got
+
+
+def test_pub_sub_exact_order_of_batches_and_events() -> None:
+    pub_ep, rep_ep = endpoints()
+    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=PublisherConfig(max_events=3))
+    sub = started(ZmqSubscriber([(pub_ep, rep_ep)]))
+    try:
+        evs = [ev(i) for i in range(30)]
+        pub.publish(evs)
+        got = drain(sub, 10)
+        assert [b.seq for b in got] == list(range(10))
+        assert [e for b in got for e in b.events] == evs
+        st = sub.stats()
+        assert (st.batches, st.events, st.gaps, st.duplicates, st.decode_errors) == (10, 30, 0, 0, 0)
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_replay_frames_from_seq_2(tmp_path: object) -> None:
+    """Six batches with topic kv@podA@modelX; a replay from seq 2 yields seq 2..5 as exactly
+    three frames each with the same topic, then the end marker."""
+    pub_ep, rep_ep = endpoints()
+    topic = "kv@podA@modelX"
+    pub = ZmqPublisher("podA", pub_ep, rep_ep, topic, config=ONE)
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep_ep)
+    try:
+        payloads = {}
+        for i in range(6):
+            pub.publish([ev(i)])
+        assert pub.buffered_seqs() == [0, 1, 2, 3, 4, 5]
+        dealer.send_multipart([b"", seq_to_bytes(2)])
+        messages = []
+        while True:
+            assert dealer.poll(3000), "replay answer timed out"
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""  # ROUTER envelope delimiter
+            messages.append(frames[1:])
+            if frames[2] == END_SEQ:
+                break
+        assert all(len(m) == 3 for m in messages)
+        assert [m[0] for m in messages] == [topic.encode()] * 5
+        assert [m[1] for m in messages] == [seq_to_bytes(s) for s in (2, 3, 4, 5)] + [END_SEQ]
+        assert messages[-1][2] == b""
+        for m in messages[:-1]:
+            batch = decode_batch(m[2])
+            payloads[batch.seq] = batch
+            assert batch.source == "podA" and batch.seq == int.from_bytes(m[1], "big")
+        assert [payloads[s].events[0].sequence_hash for s in (2, 3, 4, 5)] == [1002, 1003, 1004, 1005]
+        # vLLM-style client that omits the delimiter gets exactly 3 frames per message
+        dealer.send_multipart([seq_to_bytes(4)])
+        seen = []
+        while True:
+            assert dealer.poll(3000)
+            frames = dealer.recv_multipart()
+            assert len(frames) == 3 and frames[0] == topic.encode()
+            seen.append(frames[1])
+            if frames[1] == END_SEQ:
+                break
+        assert seen == [seq_to_bytes(4), seq_to_bytes(5), END_SEQ]
+        # a malformed request gets only the end marker; the server keeps serving
+        dealer.send_multipart([b"", b"bad"])
+        assert dealer.poll(3000)
+        assert dealer.recv_multipart() == [b"", topic.encode(), END_SEQ, b""]
+    finally:
+        dealer.close()
+        pub.close()
+
+
+class LossyZmqPublisher(ZmqPublisher):
+    """Fault injection: batches whose seq is in ``skip_live`` go to the replay buffer only
+    (as if the network lost them between PUB and SUB)."""
+
+    skip_live: set[int] = set()
+
+    def _send(self, batch: EventBatch, payload: bytes) -> None:
+        if batch.seq in self.skip_live:
+            with self._buffer_lock:
+                self._buffer.append((batch.seq, payload))
+            return
+        super()._send(batch, payload)
+
+
+def test_gap_is_replayed_in_order_and_restart_handled() -> None:
+    """seq 0..5 arrive, 6..8 are lost, 9 arrives: 6..8 are fetched by replay and delivered
+    in order before 9. The publisher then restarts (new epoch, seq 0 again) on the same
+    endpoints and its batches are all delivered, none dropped as stale."""
+    pub_ep, rep_ep = endpoints()
+    gaps: list[tuple[str, int, int, int]] = []
+    pub = LossyZmqPublisher("w0", pub_ep, rep_ep, epoch=111, config=ONE)
+    pub.skip_live = {6, 7, 8}
+    sub = started(ZmqSubscriber([(pub_ep, rep_ep)], on_gap=lambda *g: gaps.append(g)))
+    try:
+        for i in range(10):
+            pub.publish([ev(i)])
+        got = drain(sub, 10)
+        assert [(b.epoch, b.seq) for b in got] == [(111, s) for s in range(10)]
+        assert [b.events[0].sequence_hash for b in got] == [1000 + i for i in range(10)]
+        assert gaps == [("w0", 111, 6, 8)]
+        st = sub.stats()
+        assert (st.gaps, st.replayed, st.unrecovered) == (1, 3, 0)
+        pub.close()
+
+        pub = ZmqPublisher("w0", pub_ep, rep_ep, epoch=222, config=ONE)
+        time.sleep(0.3)  # SUB reconnects (ZMQ reconnect interval 100 ms)
+        for i in range(4):
+            pub.publish([ev(i, "g2")])
+        got = drain(sub, 4)
+        assert [(b.epoch, b.seq) for b in got] == [(222, s) for s in range(4)]
+        assert all(b.events[0].storage_location == "g2" for b in got)
+        st = sub.stats()
+        assert st.restarts == 1 and st.unrecovered == 0 and st.duplicates == 0
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_late_subscriber_recovers_first_batches_by_replay() -> None:
+    pub_ep, rep_ep = endpoints()
+    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=ONE)
+    try:
+        for i in range(5):
+            pub.publish([ev(i)])  # nobody listens yet
+        sub = started(ZmqSubscriber([(pub_ep, rep_ep)]))
+        try:
+            pub.publish([ev(5)])
+            got = drain(sub, 6)
+            assert [b.seq for b in got] == [0, 1, 2, 3, 4, 5]
+            st = sub.stats()
+            assert (st.gaps, st.replayed, st.unrecovered) == (1, 5, 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_batches_evicted_from_replay_buffer_are_unrecovered() -> None:
+    pub_ep, rep_ep = endpoints()
+    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=PublisherConfig(max_events=1, replay_buffer=2))
+    try:
+        for i in range(5):
+            pub.publish([ev(i)])
+        sub = started(ZmqSubscriber([(pub_ep, rep_ep)]))
+        try:
+            pub.publish([ev(5)])  # the buffer now holds seq 4, 5 only
+            got = drain(sub, 2)
+            assert [b.seq for b in got] == [4, 5]
+            st = sub.stats()
+            assert (st.gaps, st.replayed, st.unrecovered) == (1, 1, 4)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_no_replay_endpoint_counts_loss_and_garbage_is_skipped() -> None:
+    pub_ep = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind(pub_ep)
+    sub = started(ZmqSubscriber([(pub_ep, None)]))
+    good = EventBatch(1, "ext", 9, 0, 0, [ev(0)])
+    later = EventBatch(1, "ext", 9, 3, 0, [ev(3)])
+    try:
+        raw.send_multipart([b"", seq_to_bytes(0), encode_batch(good)])
+        raw.send_multipart([b"", seq_to_bytes(1), b"\x93garbage"])
+        raw.send_multipart([b"", b"short", encode_batch(good)])
+        raw.send_multipart([b"only-one-frame"])
+        raw.send_multipart([b"", seq_to_bytes(3), encode_batch(later)])
+        got = drain(sub, 2)
+        assert got == [good, later]
+        st = sub.stats()
+        assert (st.decode_errors, st.gaps, st.unrecovered) == (3, 1, 2)
+    finally:
+        sub.close()
+        raw.close()
+
+
+def test_full_delivery_queue_counts_drops() -> None:
+    pub_ep, rep_ep = endpoints()
+    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=ONE)
+    sub = started(ZmqSubscriber([(pub_ep, rep_ep)], queue_capacity=5))
+    try:
+        for i in range(20):
+            pub.publish([ev(i)])
+        deadline = time.monotonic() + 5
+        while sub.stats().dropped + sub.stats().batches < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = sub.stats()
+        assert (st.batches, st.dropped) == (5, 15)
+        assert [b.seq for b in sub.get_many(10, 0.5)] == [0, 1, 2, 3, 4]
+    finally:
+        pub.close()
+        sub.close()
+
+
+def test_two_publishers_one_subscriber_per_source_order() -> None:
+    a_pub, a_rep = endpoints()
+    b_pub, b_rep = endpoints()
+    pa = ZmqPublisher("a", a_pub, a_rep, config=ONE)
+    pb = ZmqPublisher("b", b_pub, b_rep, config=ONE)
+    sub = started(ZmqSubscriber([(a_pub, a_rep), (b_pub, b_rep)]))
+    try:
+        for i in range(20):
+            pa.publish([ev(i)])
+            pb.publish([ev(i, "g2")])
+        got = drain(sub, 40)
+        assert [x.seq for x in got if x.source == "a"] == list(range(20))
+        assert [x.seq for x in got if x.source == "b"] == list(range(20))
+    finally:
+        pa.close()
+        pb.close()
+        sub.close()
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    pub_ep, rep_ep = endpoints()
+    first = ZmqPublisher("w0", pub_ep, rep_ep)
+    try:
+        with pytest.raises(TransportError, match="cannot bind PUB"):
+            ZmqPublisher("w1", pub_ep, None, bind_retry_s=0.2)
+        other = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(TransportError, match="cannot bind ROUTER"):
+            ZmqPublisher("w1", other, rep_ep, bind_retry_s=0.2)
+        again = ZmqPublisher("w1", other, None, bind_retry_s=0.2)  # the failed one freed its PUB
+        again.close()
+    finally:
+        first.close()

@@ -1,0 +1,179 @@
+"""Batching publisher: count / bytes / time limits, seq numbering, bad input, threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from event_plane import (
+    ConfigError,
+    EventBatch,
+    InvalidEventError,
+    NullPublisher,
+    PublisherClosedError,
+    PublisherConfig,
+    decode_batch,
+    encode_batch,
+    store,
+)
+from event_plane.codec import encode_event
+
+
+class Journal:
+    """Collects what on_flush reports, checking payload == encode(batch)."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: EventBatch, payload: bytes) -> None:
+        assert decode_batch(payload) == batch
+        assert encode_batch(batch) == payload
+        with self.lock:
+            self.batches.append(batch)
+
+
+def chain(n: int, start: int = 1, loc: str = "g1") -> list:
+    return [store(start + i, start, (start + i - 1) if i else None, 4096, loc) for i in range(n)]
+
+
+def test_flush_on_count_limit_keeps_order_and_seq() -> None:
+    j = Journal()
+    pub = NullPublisher("w0", epoch=42, config=PublisherConfig(max_events=4), on_flush=j)
+    evs = chain(10)
+    pub.publish(evs)
+    assert [len(b.events) for b in j.batches] == [4, 4]
+    assert [b.seq for b in j.batches] == [0, 1]
+    pub.close()
+    assert [len(b.events) for b in j.batches] == [4, 4, 2]
+    assert [b.seq for b in j.batches] == [0, 1, 2]
+    assert [ev for b in j.batches for ev in b.events] == evs
+    assert {(b.source, b.epoch, b.version) for b in j.batches} == {("w0", 42, 1)}
+    st = pub.stats()
+    assert (st.events, st.batches, st.dropped) == (10, 3, 0)
+    assert st.event_bytes == sum(len(encode_event(e)) for e in evs)
+    assert st.payload_bytes == sum(len(encode_batch(b)) for b in j.batches)
+
+
+def test_flush_on_bytes_limit() -> None:
+    j = Journal()
+    size = len(encode_event(chain(2)[1]))
+    pub = NullPublisher("w0", config=PublisherConfig(max_bytes=3 * size), on_flush=j)
+    pub.publish(chain(2) + chain(5, start=10)[1:])  # 6 events of the same size
+    assert [len(b.events) for b in j.batches] == [3]
+    pub.flush()
+    assert [len(b.events) for b in j.batches] == [3, 3]
+    # an event larger than max_bytes travels alone
+    big = store(99, 99, None, 1, "g1", {"blob": "x" * (4 * size)})
+    pub.publish([chain(1, start=50)[0], big, chain(1, start=60)[0]])
+    pub.close()
+    assert [len(b.events) for b in j.batches] == [3, 3, 1, 1, 1]
+    assert j.batches[3].events == [big]
+
+
+def test_time_limit_flushes_without_help() -> None:
+    j = Journal()
+    pub = NullPublisher("w0", config=PublisherConfig(max_delay_s=0.15), on_flush=j)
+    t0 = time.monotonic()
+    pub.publish(chain(3))
+    assert j.batches == []
+    while not j.batches and time.monotonic() - t0 < 3:
+        time.sleep(0.01)
+    waited = time.monotonic() - t0
+    assert [len(b.events) for b in j.batches] == [3]
+    assert 0.14 <= waited < 1.0
+    # the timer restarts for the next batch
+    pub.publish(chain(1, start=100))
+    time.sleep(0.4)
+    assert [b.seq for b in j.batches] == [0, 1]
+    pub.close()
+    assert len(j.batches) == 2  # nothing pending: close sends no empty batch
+
+
+def test_empty_batches_are_never_sent() -> None:
+    j = Journal()
+    pub = NullPublisher("w0", on_flush=j)
+    pub.flush()
+    pub.publish([])
+    pub.flush()
+    pub.close()
+    pub.close()  # idempotent
+    assert j.batches == [] and pub.stats().batches == 0
+
+
+def test_bad_event_rejects_whole_call_and_keeps_accepted_ones() -> None:
+    j = Journal()
+    pub = NullPublisher("w0", on_flush=j)
+    pub.publish(chain(2))
+    with pytest.raises(InvalidEventError, match="sequence_hash"):
+        pub.publish([store(7, 7, None, 1, "g1"), store(-1, 7, 7, 1, "g1")])
+    pub.close()
+    assert [ev.sequence_hash for b in j.batches for ev in b.events] == [1, 2]
+    with pytest.raises(PublisherClosedError):
+        pub.publish(chain(1))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_events": 0},
+        {"max_bytes": -1},
+        {"max_delay_s": 0},
+        {"replay_buffer": 0},
+        {"queue_capacity": 1.5},
+        {"overflow": "wait"},
+    ],
+)
+def test_config_rejects_bad_limits(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        PublisherConfig(**kw)
+
+
+def test_bad_source_and_epoch_rejected() -> None:
+    with pytest.raises(InvalidEventError):
+        NullPublisher("")
+    with pytest.raises(InvalidEventError):
+        NullPublisher("w", epoch=2**64)
+    a, b = NullPublisher("w"), NullPublisher("w")
+    assert a.epoch != b.epoch and 0 <= a.epoch < 2**64
+
+
+def test_concurrent_publishers_threads_lose_nothing_and_seq_is_dense() -> None:
+    j = Journal()
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=7, max_delay_s=0.01), on_flush=j)
+    per_thread = 500
+
+    def worker(k: int) -> None:
+        for i in range(per_thread):
+            pub.publish([store(k * 10_000 + i + 1, k, None, 1, "g1")])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pub.close()
+    assert [b.seq for b in j.batches] == list(range(len(j.batches)))
+    hashes = [ev.sequence_hash for b in j.batches for ev in b.events]
+    assert sorted(hashes) == sorted(k * 10_000 + i + 1 for k in range(4) for i in range(per_thread))
+    for k in range(4):  # each thread's events keep their order
+        mine = [h for h in hashes if h // 10_000 == k]
+        assert mine == sorted(mine)
+
+
+def test_on_flush_may_publish_again() -> None:
+    seen: list[int] = []
+    pub: NullPublisher
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        seen.append(batch.seq)
+        if batch.seq == 0:
+            pub.publish([store(500, 500, None, 1, "g2")])
+
+    pub = NullPublisher("w0", on_flush=on_flush)
+    pub.publish(chain(1))
+    pub.flush()
+    pub.close()
+    assert seen == [0, 1]

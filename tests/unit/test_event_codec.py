@@ -1,0 +1,151 @@
+"""Codec: round trips, hostile bytes, event validation, wire size."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from event_plane import (
+    CodecError,
+    EventBatch,
+    EventType,
+    InvalidEventError,
+    KVEvent,
+    cleared,
+    decode_batch,
+    encode_batch,
+    remove,
+    store,
+)
+from event_plane.codec import encode_batch_parts, encode_event
+from event_plane.validate import encode_checked
+
+u64 = st.integers(min_value=0, max_value=2**64 - 1)
+u32 = st.integers(min_value=0, max_value=2**32 - 1)
+names = st.text(min_size=1, max_size=20)
+meta_values = st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=8), st.booleans(), st.none())
+metadata = st.one_of(st.none(), st.dictionaries(st.text(max_size=8), meta_values, max_size=3))
+
+events = st.builds(
+    KVEvent,
+    st.sampled_from(list(EventType)),
+    u64,
+    u64,
+    st.one_of(st.none(), u64),
+    u32,
+    names,
+    metadata,
+)
+batches = st.builds(EventBatch, st.just(1), names, u64, u64, u64, st.lists(events, max_size=40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches)
+def test_encode_decode_round_trip(batch: EventBatch) -> None:
+    wire = encode_batch(batch)
+    assert decode_batch(wire) == batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches)
+def test_batch_from_parts_is_byte_identical(batch: EventBatch) -> None:
+    parts = [encode_event(ev) for ev in batch.events]
+    assert encode_batch_parts(batch.source, batch.epoch, batch.seq, batch.ts_ns, parts) == encode_batch(batch)
+
+
+def test_batch_from_parts_array_headers_16_and_65536() -> None:
+    for n in (15, 16, 65535, 65536):
+        evs = [store(i, 0, None, 1, "g1") for i in range(n)]
+        batch = EventBatch(1, "w", 1, 2, 3, evs)
+        parts = [encode_event(ev) for ev in evs]
+        assert encode_batch_parts("w", 1, 2, 3, parts) == encode_batch(batch)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_decode_or_codec_error(data: bytes) -> None:
+    try:
+        batch = decode_batch(data)
+    except CodecError:
+        return
+    assert isinstance(batch, EventBatch) and batch.version == 1
+    assert all(isinstance(ev, KVEvent) for ev in batch.events)
+
+
+@settings(max_examples=500, deadline=None)
+@given(batches, st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+def test_corrupted_batches_decode_or_codec_error(batch: EventBatch, pos: int, byte: int) -> None:
+    wire = bytearray(encode_batch(batch))
+    wire[pos % len(wire)] = byte
+    for candidate in (bytes(wire), bytes(wire[: pos % len(wire)])):
+        try:
+            decoded = decode_batch(candidate)
+        except CodecError:
+            continue
+        assert isinstance(decoded, EventBatch)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [1, "w", 1, 0, 0, [[0, 2**64, 1, None, 1, "g1", None]]],  # hash > u64 (encoded as... float)
+        [1, "w", 1, 0, 0, [[0, 1, 1, None, 2**32, "g1", None]]],  # block_size > u32
+        [1, "", 1, 0, 0, []],  # empty source
+        [1, "w", 1, 0, 0, [[0, 1, 1, None, 1, "", None]]],  # empty location
+        [1, "w", 1, 0, 0, [[9, 1, 1, None, 1, "g1", None]]],  # unknown type
+        [1, "w", 1, 0, 0, [[0, 1, 1, None, 1, "g1", {1: 2}]]],  # non-str metadata key
+        [1, "w", 1, 0],  # short batch
+        [2, "w", 1, 0, 0, []],  # version 2
+        {"version": 1},  # map form
+    ],
+)
+def test_malformed_values_raise_codec_error(value: object) -> None:
+    try:
+        wire = msgspec.msgpack.encode(value)
+    except OverflowError:
+        wire = b"\x96\x01\xa1w\x01\x00\x00\x91\x97\x00\xcb" + b"\x43\xf0" + b"\x00" * 6 + b"\x01\xc0\x01\xa2g1\xc0"
+    with pytest.raises(CodecError):
+        decode_batch(wire)
+
+
+def test_trailing_bytes_are_rejected() -> None:
+    wire = encode_batch(EventBatch(1, "w", 1, 0, 0, [cleared("g1")]))
+    with pytest.raises(CodecError):
+        decode_batch(wire + b"\xc0")
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (store(-1, 0, None, 1, "g1"), "sequence_hash"),
+        (store(2**64, 0, None, 1, "g1"), "sequence_hash"),
+        (store(1, 2**64, None, 1, "g1"), "prefix_hash"),
+        (store(1, 1, -5, 1, "g1"), "parent_hash"),
+        (store(1, 1, None, 2**32, "g1"), "block_size"),
+        (store(1, 1, None, 1, ""), "storage_location"),
+        (store(1, 1, None, 1, "x" * 256), "storage_location"),
+        (store(1, 1, None, 1, "g1", {1: "a"}), "extra_metadata"),
+        (store(1, 1, None, 1, "g1", {"a": object()}), "encoded"),
+        (KVEvent(7, 1, 1, None, 1, "g1"), "type"),  # type: ignore[arg-type]
+        ("not an event", "KVEvent"),
+    ],
+)
+def test_encode_checked_rejects_bad_events(bad: object, message: str) -> None:
+    with pytest.raises(InvalidEventError, match=message):
+        encode_checked(bad)
+
+
+def test_typical_store_is_38_bytes_and_batch_under_64_bytes_per_event() -> None:
+    rng = random.Random(7)
+    hashes = [rng.getrandbits(64) for _ in range(1025)]
+    evs = [store(hashes[i + 1], hashes[0], hashes[i], 65536, "g1") for i in range(1024)]
+    assert {len(encode_event(ev)) for ev in evs} <= {36, 37, 38}  # a random hash < 2^32 is rare but shorter
+    wire = encode_batch(EventBatch(1, "worker-0", rng.getrandbits(64), 12345, 1_700_000_000_000_000_000, evs))
+    per_event = len(wire) / len(evs)
+    assert per_event <= 38.1
+    rm = remove(hashes[1], hashes[0], hashes[0], 65536, "vol-fast")
+    assert len(encode_event(rm)) <= 64
