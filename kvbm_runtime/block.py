@@ -1,0 +1,373 @@
+"""Block lifecycle states and the handles engines hold (DESIGN.md §5).
+
+States::
+
+    Reset --init_sequence(salt)--> Partial --commit() (full)--> Complete --register()--> Registered
+    Reset --init_from(meta)--> Complete          (a copy of a block of another tier)
+
+Handles:
+
+* :class:`MutableBlock` — exclusive handle on a Reset / Partial / Complete block.  Every
+  transition returns a *new* handle and consumes the old one; using a consumed handle
+  raises :class:`ConsumedHandleError`.  Dropping (or :meth:`MutableBlock.release`) a
+  mutable handle returns the block to the pool's Reset list.
+* :class:`ImmutableBlock` — strong reference to a Registered block; while one exists the
+  block is *active* and cannot be evicted.  Dropping the last one (or ``release()``)
+  moves the block to the *inactive* set, where it stays matchable until evicted.
+* :class:`WeakBlock` — does not keep the block alive; :meth:`WeakBlock.upgrade` returns a
+  new strong handle only while the block still holds the same registered identity, never
+  after it was evicted (even if the physical block was reused for the same hash).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .errors import BlockStateError, ConsumedHandleError
+from .hashing import chain_hash, local_hash
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+
+
+class BlockState(enum.Enum):
+    """Lifecycle state of a physical block."""
+
+    RESET = "reset"
+    PARTIAL = "partial"
+    COMPLETE = "complete"
+    REGISTERED = "registered"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """Identity of a full block, the same at every tier.
+
+    Attributes:
+        sequence_hash: positional lineage hash (u64, DESIGN.md §4).
+        parent_hash: sequence hash of the previous block of the sequence, ``None`` for the first.
+        prefix_hash: sequence hash of the first block of the sequence.
+        salt: salt hash the local hash was seeded with.
+    """
+
+    sequence_hash: int
+    parent_hash: int | None
+    prefix_hash: int
+    salt: int
+
+    def __post_init__(self) -> None:
+        if self.parent_hash is not None and self.parent_hash == self.sequence_hash:
+            raise BlockStateError(f"block {self.sequence_hash:#x} cannot be its own parent")
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """A physical block slot of a pool; engines never hold it directly, only handles.
+
+    Attributes:
+        block_id: index in the pool's layout.
+        state: lifecycle state.
+        generation: +1 every time the block returns to Reset (invalidates weak handles).
+        salt: salt hash set by ``init_sequence`` / ``init_from``.
+        parent: metadata of the parent block (``None`` for the first block of a sequence).
+        tokens: token ids appended while Partial.
+        meta: identity once Complete / Registered.
+        ref_count: live :class:`ImmutableBlock` handles (Registered only).
+        frequency: uses since registration (register, dedup hit, match).
+        last_use: pool tick of the last use.
+    """
+
+    block_id: int
+    state: BlockState = BlockState.RESET
+    generation: int = 0
+    salt: int | None = None
+    parent: BlockMeta | None = None
+    tokens: list[int] = field(default_factory=list)
+    meta: BlockMeta | None = None
+    ref_count: int = 0
+    frequency: int = 0
+    last_use: int = 0
+
+    def clear(self) -> None:
+        """Back to Reset (the pool calls this; bumps the generation)."""
+        self.state = BlockState.RESET
+        self.generation += 1
+        self.salt = None
+        self.parent = None
+        self.tokens = []
+        self.meta = None
+        self.ref_count = 0
+        self.frequency = 0
+
+
+class _Handle:
+    """Common part of the handles: the block, its pool and a consumed flag."""
+
+    __slots__ = ("_block", "_pool", "_live", "__weakref__")
+
+    def __init__(self, pool: BlockPool, block: Block) -> None:
+        self._pool = pool
+        self._block = block
+        self._live = True
+
+    def _get(self) -> Block:
+        if not self._live:
+            raise ConsumedHandleError(f"{type(self).__name__} of block {self._block.block_id} was already consumed")
+        return self._block
+
+    def _consume(self) -> Block:
+        block = self._get()
+        self._live = False
+        return block
+
+    @property
+    def consumed(self) -> bool:
+        """True once a transition or release consumed this handle."""
+        return not self._live
+
+    @property
+    def block_id(self) -> int:
+        """Index of the block in its pool's layout."""
+        return self._get().block_id
+
+    @property
+    def tier(self) -> str:
+        """Tier name of the owning pool (``"g1"``, ``"g2"``)."""
+        return self._pool.tier
+
+    def view(self) -> torch.Tensor:
+        """Typed ``[num_layers, outer_dim, page_size, inner_dim]`` view of the block's data."""
+        return self._pool.layout.block_view(self._get().block_id)
+
+
+class MutableBlock(_Handle):
+    """Exclusive handle on a Reset, Partial or Complete block (see module doc)."""
+
+    __slots__ = ()
+
+    @property
+    def state(self) -> BlockState:
+        """Current state of the block."""
+        return self._get().state
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Token ids appended so far."""
+        return tuple(self._get().tokens)
+
+    @property
+    def meta(self) -> BlockMeta | None:
+        """Identity once Complete, else ``None``."""
+        return self._get().meta
+
+    @property
+    def sequence_hash(self) -> int | None:
+        """Sequence hash once Complete, else ``None``."""
+        meta = self._get().meta
+        return None if meta is None else meta.sequence_hash
+
+    def _transition(self, block: Block) -> MutableBlock:
+        self._live = False
+        return MutableBlock(self._pool, block)
+
+    def init_sequence(self, salt: int, parent: BlockMeta | None = None) -> MutableBlock:
+        """Reset → Partial: start a block of a sequence under ``salt``.
+
+        Args:
+            salt: salt hash (``hashing.salt_hash``) seeding the local hash.
+            parent: identity of the previous full block of the sequence; ``None`` for the
+                first block.  Must have been produced under the same salt.
+
+        Returns:
+            The new (Partial) handle; this one is consumed.
+
+        Raises:
+            BlockStateError: the block is not Reset, or ``parent`` has another salt.
+            ConsumedHandleError: this handle was consumed.
+        """
+        block = self._get()
+        if block.state is not BlockState.RESET:
+            raise BlockStateError(f"init_sequence needs a Reset block, block {block.block_id} is {block.state.value}")
+        if parent is not None and parent.salt != salt:
+            raise BlockStateError("parent block was hashed under another salt")
+        block.salt = salt
+        block.parent = parent
+        block.tokens = []
+        block.state = BlockState.PARTIAL
+        return self._transition(block)
+
+    def append_tokens(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Append token ids to a Partial block (not a transition: the handle stays valid).
+
+        Returns:
+            Free token slots left.
+
+        Raises:
+            BlockStateError: the block is not Partial, or the tokens would overflow it
+                (nothing is appended then).
+        """
+        block = self._get()
+        if block.state is not BlockState.PARTIAL:
+            raise BlockStateError(f"append_tokens needs a Partial block, block {block.block_id} is {block.state.value}")
+        items = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        room = self._pool.page_size - len(block.tokens)
+        if len(items) > room:
+            raise BlockStateError(f"{len(items)} tokens do not fit: block {block.block_id} has room for {room}")
+        block.tokens.extend(items)
+        return room - len(items)
+
+    def commit(self) -> MutableBlock:
+        """Partial → Complete: the block must be full; computes its sequence hash.
+
+        Returns:
+            The new (Complete) handle; this one is consumed.
+
+        Raises:
+            BlockStateError: not Partial, or fewer than ``page_size`` tokens (partial
+                blocks are never registered, case C10).
+        """
+        block = self._get()
+        if block.state is not BlockState.PARTIAL:
+            raise BlockStateError(f"commit needs a Partial block, block {block.block_id} is {block.state.value}")
+        if len(block.tokens) != self._pool.page_size:
+            raise BlockStateError(
+                f"commit needs a full block: {len(block.tokens)} of {self._pool.page_size} tokens"
+            )
+        assert block.salt is not None
+        parent = block.parent
+        seq = chain_hash(None if parent is None else parent.sequence_hash, local_hash(block.tokens, block.salt))
+        block.meta = BlockMeta(
+            sequence_hash=seq,
+            parent_hash=None if parent is None else parent.sequence_hash,
+            prefix_hash=seq if parent is None else parent.prefix_hash,
+            salt=block.salt,
+        )
+        block.state = BlockState.COMPLETE
+        return self._transition(block)
+
+    def init_from(self, meta: BlockMeta) -> MutableBlock:
+        """Reset → Complete with a known identity (the block is a copy of a block of
+        another tier, e.g. onboarding G2 → G1 or offloading G1 → G2).
+
+        The caller copies the data into :meth:`view` before registering.
+
+        Raises:
+            BlockStateError: the block is not Reset.
+        """
+        block = self._get()
+        if block.state is not BlockState.RESET:
+            raise BlockStateError(f"init_from needs a Reset block, block {block.block_id} is {block.state.value}")
+        block.salt = meta.salt
+        block.meta = meta
+        block.state = BlockState.COMPLETE
+        return self._transition(block)
+
+    def release(self) -> None:
+        """Give the block back to the pool's Reset list (consumes the handle)."""
+        block = self._consume()
+        self._pool._reset_block(block)
+
+    def __del__(self) -> None:
+        if getattr(self, "_live", False):
+            self._live = False
+            try:
+                self._pool._reset_block(self._block)
+            except Exception:  # noqa: BLE001 - interpreter shutdown / pool gone
+                pass
+
+    def __repr__(self) -> str:
+        state = "consumed" if not self._live else self._block.state.value
+        return f"MutableBlock(tier={self._pool.tier}, id={self._block.block_id}, {state})"
+
+
+class ImmutableBlock(_Handle):
+    """Strong reference to a Registered block (see module doc)."""
+
+    __slots__ = ()
+
+    @property
+    def meta(self) -> BlockMeta:
+        """Identity of the block."""
+        meta = self._get().meta
+        assert meta is not None
+        return meta
+
+    @property
+    def sequence_hash(self) -> int:
+        """Sequence hash of the block."""
+        return self.meta.sequence_hash
+
+    def clone(self) -> ImmutableBlock:
+        """Another strong reference to the same block."""
+        block = self._get()
+        self._pool._acquire(block, touch=False)
+        return ImmutableBlock(self._pool, block)
+
+    def weak(self) -> WeakBlock:
+        """A weak reference; this strong handle stays valid."""
+        block = self._get()
+        return WeakBlock(self._pool, block, block.generation, self.sequence_hash)
+
+    def downgrade(self) -> WeakBlock:
+        """Strong → weak: returns a weak handle and releases (consumes) this one."""
+        weak = self.weak()
+        self.release()
+        return weak
+
+    def release(self) -> None:
+        """Drop this strong reference (consumes the handle); the last one makes the
+        block inactive (still matchable, evictable)."""
+        block = self._consume()
+        self._pool._release(block)
+
+    def __enter__(self) -> ImmutableBlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live:
+            self.release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_live", False):
+            self._live = False
+            try:
+                self._pool._release(self._block)
+            except Exception:  # noqa: BLE001 - interpreter shutdown / pool gone
+                pass
+
+    def __repr__(self) -> str:
+        if not self._live:
+            return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, consumed)"
+        return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, hash={self.sequence_hash:#018x})"
+
+
+class WeakBlock:
+    """Weak reference to a Registered block; never keeps it alive or resurrects it."""
+
+    __slots__ = ("_pool", "_block", "_generation", "sequence_hash")
+
+    def __init__(self, pool: BlockPool, block: Block, generation: int, sequence_hash: int) -> None:
+        self._pool = pool
+        self._block = block
+        self._generation = generation
+        self.sequence_hash = sequence_hash
+
+    def upgrade(self) -> ImmutableBlock | None:
+        """A new strong handle while the block is still registered with this identity
+        (active or inactive), else ``None``."""
+        return self._pool._upgrade(self._block, self._generation, self.sequence_hash)
+
+    @property
+    def alive(self) -> bool:
+        """Whether :meth:`upgrade` would succeed now."""
+        b = self._block
+        return b.generation == self._generation and b.state is BlockState.REGISTERED
+
+    def __repr__(self) -> str:
+        return f"WeakBlock(tier={self._pool.tier}, hash={self.sequence_hash:#018x}, alive={self.alive})"

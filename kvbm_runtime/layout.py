@@ -1,0 +1,408 @@
+"""Block layouts over one torch tensor per pool (DESIGN.md §5, KVBM's layout terms).
+
+A block holds ``[num_layers][outer_dim][page_size][inner_dim]`` elements of one dtype:
+``outer_dim`` is 2 for separate K and V (1 for MLA-style fused KV), ``page_size`` is the
+block size in tokens and ``inner_dim`` is ``num_kv_heads * head_dim``.
+
+Byte geometry (all in bytes):
+
+* ``outer_stride = page_size * inner_dim * itemsize``
+* ``layer_stride = outer_dim * outer_stride`` (one layer of one block)
+* ``block_bytes  = num_layers * layer_stride`` (KV data of one block, no padding)
+
+``FullyContiguous``: every block is one contiguous region; blocks follow each other at
+``block_stride = align_up(num_layers * layer_stride, alignment)``.
+
+``LayerSeparated``: one region per layer; inside a layer, blocks follow each other at
+``layer_block_stride = align_up(layer_stride, alignment)``.
+
+Both allocate exactly one ``uint8`` tensor.  :meth:`BlockLayout.block_view` gives the typed
+``[num_layers, outer_dim, page_size, inner_dim]`` view of one block (contiguous for
+``FullyContiguous``, strided across layers for ``LayerSeparated``); the *universal* format
+of a block's bytes (what goes to storage) is that view made contiguous.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .errors import LayoutConfigError
+
+LayoutKind = Literal["FullyContiguous", "LayerSeparated"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float16"`` → ``torch.float16``.
+
+    Raises:
+        LayoutConfigError: for a name outside :data:`_DTYPES`.
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise LayoutConfigError(f"unsupported KV dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` → ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` (a power of two) that is ``>= value``."""
+    return (value + alignment - 1) & ~(alignment - 1)
+
+
+class MemoryKind(str, enum.Enum):
+    """Where a pool's tensor lives."""
+
+    DEVICE = "device"
+    """CUDA device memory (G1 when CUDA is present)."""
+    PINNED = "pinned"
+    """Page-locked host memory (G2 when CUDA is present)."""
+    SYSTEM = "system"
+    """Plain pageable host memory (G1 and G2 without CUDA)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutConfig:
+    """Geometry of one block.
+
+    Attributes:
+        num_layers: transformer layers (> 0).
+        outer_dim: 2 for separate K/V, 1 for fused (> 0).
+        page_size: tokens per block (> 0); the block size used for hashing.
+        inner_dim: ``num_kv_heads * head_dim`` (> 0).
+        dtype: element dtype.
+        alignment: byte alignment of block (or per-layer block) starts; a power of two.
+
+    Raises:
+        LayoutConfigError: on any invalid field.
+    """
+
+    num_layers: int
+    outer_dim: int
+    page_size: int
+    inner_dim: int
+    dtype: torch.dtype = torch.float16
+    alignment: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "outer_dim", "page_size", "inner_dim", "alignment"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LayoutConfigError(f"LayoutConfig.{name} must be a positive int, got {value!r}")
+        if self.alignment & (self.alignment - 1):
+            raise LayoutConfigError(f"LayoutConfig.alignment must be a power of two, got {self.alignment}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise LayoutConfigError(f"LayoutConfig.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def outer_stride(self) -> int:
+        """Bytes of one ``[page_size, inner_dim]`` page."""
+        return self.page_size * self.inner_dim * self.itemsize
+
+    @property
+    def layer_stride(self) -> int:
+        """Bytes of one layer of one block (``outer_dim`` pages)."""
+        return self.outer_dim * self.outer_stride
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of KV data in one block (no padding); the ``block_size`` of events."""
+        return self.num_layers * self.layer_stride
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """``(num_layers, outer_dim, page_size, inner_dim)``."""
+        return (self.num_layers, self.outer_dim, self.page_size, self.inner_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutDescriptor:
+    """Serializable description of an allocated layout (for remote readers / debugging).
+
+    Attributes:
+        kind: ``"FullyContiguous"`` or ``"LayerSeparated"``.
+        num_blocks: blocks in the layout.
+        num_layers, outer_dim, page_size, inner_dim: block geometry.
+        dtype: dtype name (``"float16"``).
+        alignment: byte alignment.
+        base_address: address of the first byte of the tensor.
+        block_stride: bytes between consecutive blocks (within a layer for LayerSeparated).
+        layer_stride: bytes between consecutive layers of one block.
+        outer_stride: bytes between consecutive outer (K/V) pages.
+        total_bytes: bytes of the whole tensor.
+        device: torch device string (``"cpu"``, ``"cuda:0"``).
+        memory_kind: :class:`MemoryKind` value.
+    """
+
+    kind: str
+    num_blocks: int
+    num_layers: int
+    outer_dim: int
+    page_size: int
+    inner_dim: int
+    dtype: str
+    alignment: int
+    base_address: int
+    block_stride: int
+    layer_stride: int
+    outer_stride: int
+    total_bytes: int
+    device: str
+    memory_kind: str
+
+    def to_dict(self) -> dict[str, int | str]:
+        """Plain dict (JSON / msgpack friendly)."""
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+def default_device(tier: Literal["g1", "g2"]) -> tuple[torch.device, MemoryKind]:
+    """Device and memory kind for a tier: G1 on CUDA when present (else CPU), G2 on host
+    (pinned when CUDA is present)."""
+    if torch.cuda.is_available():
+        if tier == "g1":
+            return torch.device("cuda", torch.cuda.current_device()), MemoryKind.DEVICE
+        return torch.device("cpu"), MemoryKind.PINNED
+    return torch.device("cpu"), MemoryKind.SYSTEM
+
+
+@dataclass(eq=False)
+class BlockLayout(ABC):
+    """``num_blocks`` blocks of ``config`` geometry in one ``uint8`` tensor.
+
+    Attributes:
+        config: block geometry.
+        num_blocks: number of blocks (> 0).
+        device: torch device of the tensor.
+        memory_kind: :class:`MemoryKind` of the tensor.
+        storage: the single ``uint8`` tensor backing every block.
+    """
+
+    config: LayoutConfig
+    num_blocks: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    memory_kind: MemoryKind = MemoryKind.SYSTEM
+    storage: torch.Tensor = field(init=False, repr=False)
+
+    kind: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
+            raise LayoutConfigError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+        pin = self.memory_kind is MemoryKind.PINNED
+        if self.memory_kind is MemoryKind.DEVICE and self.device.type != "cuda":
+            raise LayoutConfigError("MemoryKind.DEVICE needs a CUDA device")
+        self.storage = torch.zeros(self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+
+    @classmethod
+    def for_tier(cls, config: LayoutConfig, num_blocks: int, tier: Literal["g1", "g2"]) -> BlockLayout:
+        """Allocate on the tier's default device (see :func:`default_device`)."""
+        device, kind = default_device(tier)
+        return cls(config, num_blocks, device, kind)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of KV data per block."""
+        return self.config.block_bytes
+
+    @property
+    @abstractmethod
+    def block_stride(self) -> int:
+        """Bytes between the starts of consecutive blocks (within one layer region for
+        ``LayerSeparated``)."""
+
+    @property
+    @abstractmethod
+    def total_bytes(self) -> int:
+        """Bytes of the backing tensor."""
+
+    @abstractmethod
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """Typed ``[num_layers, outer_dim, page_size, inner_dim]`` view of one block.
+
+        Raises:
+            IndexError: when ``block_id`` is outside ``[0, num_blocks)``.
+        """
+
+    def layer_view(self, block_id: int, layer: int, outer: int) -> torch.Tensor:
+        """Typed ``[page_size, inner_dim]`` view of one (block, layer, outer) page."""
+        return self.block_view(block_id)[layer, outer]
+
+    def read_bytes(self, block_id: int) -> torch.Tensor:
+        """Copy of one block in universal format: a contiguous CPU ``uint8`` tensor of
+        ``block_bytes`` bytes (layer-major, then outer, page, inner)."""
+        view = self.block_view(block_id)
+        return view.contiguous().view(torch.uint8).reshape(-1).to("cpu", copy=True)
+
+    def write_bytes(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill one block from ``block_bytes`` bytes in universal format (any device).
+
+        Raises:
+            ValueError: when ``data`` does not hold exactly ``block_bytes`` bytes.
+        """
+        flat = data.reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.contiguous().view(torch.uint8)
+        if flat.numel() != self.block_bytes:
+            raise ValueError(f"block data has {flat.numel()} bytes, layout needs {self.block_bytes}")
+        typed = flat.contiguous().view(self.config.dtype).view(self.config.block_shape)
+        self.block_view(block_id).copy_(typed)
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} outside [0, {self.num_blocks})")
+
+    def descriptor(self) -> LayoutDescriptor:
+        """Serializable description of this allocation."""
+        c = self.config
+        return LayoutDescriptor(
+            kind=self.kind,
+            num_blocks=self.num_blocks,
+            num_layers=c.num_layers,
+            outer_dim=c.outer_dim,
+            page_size=c.page_size,
+            inner_dim=c.inner_dim,
+            dtype=dtype_name(c.dtype),
+            alignment=c.alignment,
+            base_address=self.storage.data_ptr(),
+            block_stride=self.block_stride,
+            layer_stride=self._layer_step(),
+            outer_stride=c.outer_stride,
+            total_bytes=self.total_bytes,
+            device=str(self.device),
+            memory_kind=self.memory_kind.value,
+        )
+
+    @abstractmethod
+    def _layer_step(self) -> int:
+        """Bytes between layer ``l`` and ``l + 1`` of the same block."""
+
+
+@dataclass(eq=False)
+class FullyContiguous(BlockLayout):
+    """Each block is one contiguous ``[num_layers][outer_dim][page_size][inner_dim]`` region."""
+
+    kind: str = field(init=False, default="FullyContiguous")
+
+    @property
+    def block_stride(self) -> int:
+        return align_up(self.config.num_layers * self.config.layer_stride, self.config.alignment)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_stride
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        self._check(block_id)
+        start = block_id * self.block_stride
+        raw = self.storage[start : start + self.block_bytes]
+        return raw.view(self.config.dtype).view(self.config.block_shape)
+
+    def blocks_bytes_view(self) -> torch.Tensor:
+        """``[num_blocks, block_stride]`` uint8 view of the whole tensor (batched copies)."""
+        return self.storage.view(self.num_blocks, self.block_stride)
+
+    def _layer_step(self) -> int:
+        return self.config.layer_stride
+
+
+@dataclass(eq=False)
+class LayerSeparated(BlockLayout):
+    """One region per layer; a layer region holds every block's page set for that layer."""
+
+    kind: str = field(init=False, default="LayerSeparated")
+
+    @property
+    def block_stride(self) -> int:
+        return align_up(self.config.layer_stride, self.config.alignment)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.config.num_layers * self.num_blocks * self.block_stride
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        self._check(block_id)
+        c = self.config
+        per_layer = self.storage.view(c.num_layers, self.num_blocks, self.block_stride)
+        raw = per_layer[:, block_id, : c.layer_stride]  # [num_layers, layer_stride], strided
+        return raw.view(c.dtype).view(c.num_layers, c.outer_dim, c.page_size, c.inner_dim)
+
+    def _layer_step(self) -> int:
+        return self.num_blocks * self.block_stride
+
+
+def make_layout(
+    kind: LayoutKind,
+    config: LayoutConfig,
+    num_blocks: int,
+    device: torch.device | None = None,
+    memory_kind: MemoryKind | None = None,
+    tier: Literal["g1", "g2"] = "g2",
+) -> BlockLayout:
+    """Allocate a layout of ``kind``; device and memory kind default to the tier's.
+
+    Raises:
+        LayoutConfigError: unknown ``kind`` or invalid geometry.
+    """
+    classes: dict[str, type[BlockLayout]] = {"FullyContiguous": FullyContiguous, "LayerSeparated": LayerSeparated}
+    if kind not in classes:
+        raise LayoutConfigError(f"unknown layout kind {kind!r}; use one of {sorted(classes)}")
+    if device is None or memory_kind is None:
+        d, m = default_device(tier)
+        device = device or d
+        memory_kind = memory_kind or m
+    return classes[kind](config, num_blocks, device, memory_kind)
+
+
+def copy_blocks(src: BlockLayout, src_ids: list[int], dst: BlockLayout, dst_ids: list[int]) -> None:
+    """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst`` (same geometry).
+
+    Uses one batched index copy when both are ``FullyContiguous`` with the same stride,
+    else one typed copy per block (works across layouts and devices).
+
+    Raises:
+        ValueError: different geometry or id lists of different lengths.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids vs {len(dst_ids)} destination ids")
+    if src.config.block_shape != dst.config.block_shape or src.config.dtype != dst.config.dtype:
+        raise ValueError("source and destination layouts have different block geometry")
+    if not src_ids:
+        return
+    if (
+        isinstance(src, FullyContiguous)
+        and isinstance(dst, FullyContiguous)
+        and src.block_stride == dst.block_stride
+        and len(src_ids) > 1
+    ):
+        s_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+        d_idx = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+        rows = src.blocks_bytes_view().index_select(0, s_idx).to(dst.device)
+        dst.blocks_bytes_view().index_copy_(0, d_idx, rows)
+    else:
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            dst.block_view(d).copy_(src.block_view(s), non_blocking=True)
+    # copies touching CUDA may still be in flight: the bytes must be there when we return
+    for dev in {src.device, dst.device}:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)

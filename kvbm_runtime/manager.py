@@ -1,0 +1,563 @@
+"""One worker's block manager: G1 and G2 pools, write-through offload, onboarding.
+
+Data path of :meth:`BlockManager.serve` for one request (DESIGN.md §1, §5)::
+
+    tokens ──hash──▶ sequence hashes of the full blocks
+      lookup, per block in order: G1 → G2 → storage agent (G3 volume, or G4 when the
+      volume's media is "object"); stop at the first block found nowhere
+      onboard  G2 → G1 (copy), G3/G4 → G1 (storage ``get``, checksum-verified)
+      compute  the remaining blocks in G1 through ``kv_fill``
+      offload  write-through G1 → G2 (missing ones), G2 → G3 (``store.put`` of the keys
+               the agent does not hold yet, one call per request)
+      release  every handle of the request (blocks stay matchable, inactive)
+
+Events, in causal order: Store("g1") per block newly registered in G1, Store("g2") per
+block newly offloaded to G2, Store(<volume id>) per block put into the storage agent, and
+Remove(tier) when an eviction drops the last copy of a hash at a tier.  Parents are the
+sequence predecessors (case C1), so every published parent was published before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from event_plane.schema import KVEvent, store as store_event
+from storage_backends.types import BlockKey, BlockNotFoundError, MediaClass, Placement, VolumeDescriptor
+
+from .block import BlockMeta, ImmutableBlock, MutableBlock
+from .config import RuntimeConfig
+from .errors import PoolExhaustedError, StorageTierError
+from .hashing import ModelFingerprint, salt_hash, sequence_hashes
+from .layout import BlockLayout, FullyContiguous, copy_blocks, make_layout
+from .metrics import RuntimeMetrics
+from .pool import BlockPool, EventSink, PoolStats
+
+logger = logging.getLogger(__name__)
+
+KvFill = Callable[[int, torch.Tensor], None]
+"""``kv_fill(sequence_hash, block_view)`` writes a block's KV into ``block_view``
+(``[num_layers, outer_dim, page_size, inner_dim]``, on the G1 device)."""
+
+
+class BlockStore(Protocol):
+    """What the runtime needs from ``storage_backends.StorageAgent``."""
+
+    def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]: ...
+
+    def get(self, keys: Sequence[BlockKey], out: Any = None) -> list[torch.Tensor]: ...
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def locate(self, keys: Sequence[BlockKey]) -> list[Placement | None]: ...
+
+    def volume(self, volume_id: str) -> VolumeDescriptor: ...
+
+
+class Publisher(EventSink, Protocol):
+    """What the manager needs from ``event_plane.EventPublisher``."""
+
+    def flush(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServeError:
+    """A failure recorded while serving a request (the request itself still completes).
+
+    Attributes:
+        position: block index in the request.
+        sequence_hash: the block's sequence hash.
+        stage: ``"onboard"`` (storage read) or ``"offload"`` (storage write).
+        error: exception class name.
+        message: exception text.
+    """
+
+    position: int
+    sequence_hash: int
+    stage: str
+    error: str
+    message: str
+
+
+@dataclass(slots=True)
+class ServeResult:
+    """Outcome of :meth:`BlockManager.serve` (blocks unless stated).
+
+    Attributes:
+        num_blocks: full blocks in the request (tail tokens are never blocks, case C10).
+        hits_g1, hits_g2, hits_g3, hits_g4: prefix blocks found at each tier and reused.
+        computed: blocks filled by ``kv_fill`` (``num_blocks - hits``).
+        onboarded_bytes: bytes copied into G1 from G2 / G3 / G4.
+        offloaded_bytes: bytes written to G2 and to the G3 volume.
+        stored_g3: blocks newly put into the storage agent.
+        sequence_hashes: the request's sequence hashes, in block order.
+        errors: failures recorded (e.g. a storage read that failed during onboarding,
+            case C17: the prefix stops there and the rest is recomputed).
+    """
+
+    num_blocks: int
+    hits_g1: int = 0
+    hits_g2: int = 0
+    hits_g3: int = 0
+    hits_g4: int = 0
+    computed: int = 0
+    onboarded_bytes: int = 0
+    offloaded_bytes: int = 0
+    stored_g3: int = 0
+    sequence_hashes: list[int] = field(default_factory=list)
+    errors: list[ServeError] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        """Blocks reused from any tier."""
+        return self.hits_g1 + self.hits_g2 + self.hits_g3 + self.hits_g4
+
+
+@dataclass(slots=True)
+class _Totals:
+    requests: int = 0
+    blocks: int = 0
+    hits_g1: int = 0
+    hits_g2: int = 0
+    hits_g3: int = 0
+    hits_g4: int = 0
+    computed: int = 0
+    onboarded_bytes: int = 0
+    offloaded_bytes: int = 0
+    stored_g3: int = 0
+    errors: int = 0
+
+
+class BlockManager:
+    """Owns one worker's G1 and G2 pools and its path to the storage agent.
+
+    Args:
+        config: runtime configuration (geometry, pool sizes, model / salt fields).
+        publisher: event publisher of this worker (``event_plane.EventPublisher``).
+        store: the storage agent for G3/G4 (``storage_backends.StorageAgent``), or ``None``
+            for a G1+G2-only runtime.
+        g3_volume: volume id that offloaded blocks are put into (needed with ``store``).
+        metrics: metrics holder (a fresh one labelled with the publisher's source when None).
+
+    Raises:
+        CapacityConfigError: G2 smaller than G1 (or G3 smaller than G2), naming the numbers.
+        StorageTierError: ``store`` given without ``g3_volume``, or the other way round.
+        LayoutConfigError: invalid geometry.
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        publisher: Publisher,
+        store: BlockStore | None = None,
+        g3_volume: str | None = None,
+        *,
+        metrics: RuntimeMetrics | None = None,
+    ) -> None:
+        config.check_capacities()
+        if (store is None) != (g3_volume is None):
+            raise StorageTierError("store and g3_volume must be given together")
+        self.config = config
+        self.publisher = publisher
+        self.store = store
+        self.g3_volume = g3_volume
+        self.layout_config = config.layout_config()
+        self.fingerprint: ModelFingerprint = config.fingerprint()
+        self.namespace = self.fingerprint.namespace()
+        self.salt = salt_hash(self.fingerprint, config.lora_name, config.cache_salt)
+        self.block_bytes = self.layout_config.block_bytes
+        assert config.g2_blocks is not None
+        g1_layout = make_layout(config.layout, self.layout_config, config.g1_blocks, tier="g1")
+        g2_layout = make_layout(config.layout, self.layout_config, config.g2_blocks, tier="g2")
+        self.g1 = BlockPool("g1", g1_layout, publisher)
+        self.g2 = BlockPool("g2", g2_layout, publisher)
+        source = str(getattr(publisher, "source", "worker"))
+        self.metrics = metrics or RuntimeMetrics(source, window=config.hit_rate_window)
+        self._lock = threading.RLock()
+        self._totals = _Totals()
+        self._media: dict[str, MediaClass] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ identity helpers
+
+    def sequence_hashes(self, tokens: np.ndarray | Sequence[int]) -> list[int]:
+        """Sequence hashes of the full blocks of ``tokens`` under this manager's salt."""
+        return sequence_hashes(tokens, self.layout_config.page_size, self.salt)
+
+    def block_key(self, sequence_hash: int) -> BlockKey:
+        """Storage key of a block of this model."""
+        return BlockKey(self.namespace, sequence_hash)
+
+    def pool(self, tier: str) -> BlockPool:
+        """The ``"g1"`` or ``"g2"`` pool.
+
+        Raises:
+            ValueError: another tier name.
+        """
+        if tier == "g1":
+            return self.g1
+        if tier == "g2":
+            return self.g2
+        raise ValueError(f"tier must be 'g1' or 'g2', got {tier!r}")
+
+    # ------------------------------------------------------------------ main entry
+
+    def serve(self, tokens: np.ndarray | Sequence[int], kv_fill: KvFill) -> ServeResult:
+        """Serve one request: reuse the longest cached prefix, compute the rest, offload.
+
+        Args:
+            tokens: token ids (u32 values); the tail after the last full block is ignored.
+            kv_fill: called as ``kv_fill(sequence_hash, block_view)`` for every block that
+                is computed, in block order; ``block_view`` is the G1 block's typed
+                ``[num_layers, outer_dim, page_size, inner_dim]`` view.
+
+        Returns:
+            A :class:`ServeResult`; storage read failures during onboarding are recorded in
+            ``errors`` (prefix stops at the failed block, which is recomputed).
+
+        Raises:
+            PoolExhaustedError: the request has more full blocks than G1 can hold at once.
+            ValueError: a token id outside ``[0, 2**32)``.
+        """
+        hashes = self.sequence_hashes(tokens)
+        n = len(hashes)
+        result = ServeResult(num_blocks=n, sequence_hashes=list(hashes))
+        if n == 0:
+            self._account(result, looked_up=0)
+            return result
+        if n > self.g1.num_blocks:
+            raise PoolExhaustedError(f"request has {n} full blocks but G1 holds only {self.g1.num_blocks}")
+        metas = [
+            BlockMeta(h, hashes[i - 1] if i else None, hashes[0], self.salt) for i, h in enumerate(hashes)
+        ]
+        toks = np.asarray(tokens).reshape(-1)
+        with self._lock:
+            g1_handles: dict[int, ImmutableBlock] = {}
+            scratch: list[MutableBlock] = []
+            try:
+                self._serve_locked(toks, metas, kv_fill, result, g1_handles, scratch)
+            finally:
+                # on an error (kv_fill raising, storage failing hard...) unregistered blocks
+                # go back to Reset at once, not whenever the traceback is collected
+                for mb in scratch:
+                    if not mb.consumed:
+                        mb.release()
+                for handle in g1_handles.values():
+                    if not handle.consumed:
+                        handle.release()
+        return result
+
+    def _serve_locked(
+        self,
+        tokens: np.ndarray,
+        metas: list[BlockMeta],
+        kv_fill: KvFill,
+        result: ServeResult,
+        g1_handles: dict[int, ImmutableBlock],
+        scratch: list[MutableBlock],
+    ) -> None:
+        n = len(metas)
+        page = self.layout_config.page_size
+        # 1-2. lookup: G1 → G2 → storage, per position, stop at first miss
+        g2_handles: dict[int, ImmutableBlock] = {}
+        storage_pos: list[int] = []
+        storage_tier: dict[int, str] = {}
+        try:
+            placements = self._locate_missing(metas)
+            prefix = 0
+            for i, meta in enumerate(metas):
+                h = meta.sequence_hash
+                got = self.g1.match_blocks([h])
+                if got:
+                    g1_handles[i] = got[0]
+                else:
+                    got = self.g2.match_blocks([h])
+                    if got:
+                        g2_handles[i] = got[0]
+                    elif placements.get(i) is not None:
+                        storage_pos.append(i)
+                        storage_tier[i] = self._tier_of(placements[i])  # type: ignore[arg-type]
+                    else:
+                        break
+                prefix = i + 1
+            # storage reads (one batch); a failure stops the prefix at the failed block
+            loaded, failed_at = self._read_storage(metas, storage_pos, result)
+            valid = prefix if failed_at is None else failed_at
+            # handles past the valid prefix are not reused
+            for i in [i for i in g1_handles if i >= valid]:
+                g1_handles.pop(i).release()
+            for i in [i for i in g2_handles if i >= valid]:
+                g2_handles.pop(i).release()
+            onboard = [i for i in range(valid) if i not in g1_handles]
+            compute = list(range(valid, n))
+            fresh = self.g1.allocate(len(onboard) + len(compute))
+            scratch.extend(fresh)
+            # 3a. onboard G2 / storage hits into G1, in block order
+            ready: list[MutableBlock] = []
+            from_g2 = [i for i in onboard if i in g2_handles]
+            dst = fresh[: len(onboard)]
+            slot = {i: dst[k] for k, i in enumerate(onboard)}
+            copy_blocks(
+                self.g2.layout,
+                [g2_handles[i].block_id for i in from_g2],
+                self.g1.layout,
+                [slot[i].block_id for i in from_g2],
+            )
+            for i in from_g2:
+                g2_handles.pop(i).release()
+            for i in onboard:
+                if i in loaded:
+                    self.g1.layout.write_bytes(slot[i].block_id, loaded[i])
+                ready.append(slot[i].init_from(metas[i]))
+                scratch.append(ready[-1])
+            for i, handle in zip(onboard, self.g1.register_blocks(ready), strict=True):
+                g1_handles[i] = handle
+            result.hits_g1 = valid - len(onboard)
+            result.hits_g2 = len(from_g2)
+            result.hits_g3 = sum(1 for i in onboard if storage_tier.get(i) == "g3")
+            result.hits_g4 = sum(1 for i in onboard if storage_tier.get(i) == "g4")
+            result.onboarded_bytes = len(onboard) * self.block_bytes
+            self.metrics.onboard_h2d.inc(result.hits_g2)
+            self.metrics.onboard_d2d.inc(result.hits_g3 + result.hits_g4)
+            self.metrics.matched_tokens.inc(len(onboard) * page)
+        finally:
+            for handle in g2_handles.values():
+                handle.release()
+        # 3b. compute the rest in G1, in block order
+        computed: list[MutableBlock] = []
+        for k, i in enumerate(compute):
+            mb = fresh[len(onboard) + k].init_sequence(self.salt, metas[i - 1] if i else None)
+            scratch.append(mb)
+            mb.append_tokens(tokens[i * page : (i + 1) * page])
+            mb = mb.commit()
+            scratch.append(mb)
+            assert mb.sequence_hash == metas[i].sequence_hash
+            kv_fill(metas[i].sequence_hash, mb.view())
+            computed.append(mb)
+        for i, handle in zip(compute, self.g1.register_blocks(computed), strict=True):
+            g1_handles[i] = handle
+        result.computed = len(compute)
+        # 4. write-through offload G1 → G2 → G3
+        result.offloaded_bytes = self._offload(metas, g1_handles, result)
+        self._account(result, looked_up=n - result.hits_g1)
+
+    # ------------------------------------------------------------------ lookup / onboarding helpers
+
+    def _locate_missing(self, metas: list[BlockMeta]) -> dict[int, Placement | None]:
+        """Placements (from the storage agent) of blocks held neither in G1 nor in G2."""
+        if self.store is None:
+            return {}
+        want = [i for i, m in enumerate(metas) if not self.g1.contains(m.sequence_hash) and not self.g2.contains(m.sequence_hash)]
+        if not want:
+            return {}
+        found = self.store.locate([self.block_key(metas[i].sequence_hash) for i in want])
+        return dict(zip(want, found, strict=True))
+
+    def _tier_of(self, placement: Placement) -> str:
+        """``"g4"`` for a volume whose media is ``object``, else ``"g3"``."""
+        media = self._media.get(placement.volume_id)
+        if media is None:
+            assert self.store is not None
+            media = MediaClass(self.store.volume(placement.volume_id).media)
+            self._media[placement.volume_id] = media
+        return "g4" if media is MediaClass.OBJECT else "g3"
+
+    def _read_storage(
+        self, metas: list[BlockMeta], positions: list[int], result: ServeResult
+    ) -> tuple[dict[int, torch.Tensor], int | None]:
+        """Read the blocks at ``positions`` from the storage agent.
+
+        Returns:
+            (position → bytes of the blocks read before the first failure, position of the
+            first failed block or ``None``).  The failure is recorded in ``result.errors``
+            and the ``kvbm_onboard_errors`` counter.
+        """
+        if not positions:
+            return {}, None
+        assert self.store is not None
+        keys = [self.block_key(metas[i].sequence_hash) for i in positions]
+        try:
+            data = self.store.get(keys)
+            return dict(zip(positions, data, strict=True)), None
+        except Exception as exc:  # noqa: BLE001 - find the first failing block below
+            batch_exc = exc
+        loaded: dict[int, torch.Tensor] = {}
+        for i, key in zip(positions, keys, strict=True):
+            try:
+                loaded[i] = self.store.get([key])[0]
+            except Exception as exc:  # noqa: BLE001 - recorded, prefix stops here (C17)
+                # the failed batch read may have quarantined the copy (checksum mismatch):
+                # then the batch error is the cause, "not found" only its consequence
+                cause = batch_exc if isinstance(exc, BlockNotFoundError) and not isinstance(batch_exc, BlockNotFoundError) else exc
+                logger.warning("onboard read of block %d (%#x) failed: %r", i, key.sequence_hash, cause)
+                result.errors.append(ServeError(i, key.sequence_hash, "onboard", type(cause).__name__, str(cause)))
+                self.metrics.onboard_errors.inc()
+                return loaded, i
+        return loaded, None
+
+    # ------------------------------------------------------------------ offload
+
+    def _offload(self, metas: list[BlockMeta], g1_handles: dict[int, ImmutableBlock], result: ServeResult) -> int:
+        """Write-through G1 → G2 (blocks G2 lacks), then G2 → G3 (keys the agent lacks).
+
+        Returns:
+            Bytes written (G2 + G3).
+        """
+        n = len(metas)
+        written = 0
+        g2_handles: dict[int, ImmutableBlock] = {}
+        try:
+            # pin the blocks G2 already holds so allocating the missing ones cannot evict them
+            missing: list[int] = []
+            for i, m in enumerate(metas):
+                handle = self.g2.get(m.sequence_hash)
+                if handle is None:
+                    missing.append(i)
+                else:
+                    g2_handles[i] = handle
+            if missing:
+                dst = self.g2.allocate(len(missing))
+                try:
+                    copy_blocks(
+                        self.g1.layout,
+                        [g1_handles[i].block_id for i in missing],
+                        self.g2.layout,
+                        [b.block_id for b in dst],
+                    )
+                    ready = [b.init_from(metas[i]) for b, i in zip(dst, missing, strict=True)]
+                    for i, handle in zip(missing, self.g2.register_blocks(ready), strict=True):
+                        g2_handles[i] = handle
+                except BaseException:
+                    for b in dst:
+                        if not b.consumed:
+                            b.release()
+                    raise
+                written += len(missing) * self.block_bytes
+                self.metrics.offload_d2h.inc(len(missing))
+            if self.store is None:
+                return written
+            assert self.g3_volume is not None
+            keys = [self.block_key(m.sequence_hash) for m in metas]
+            held = self.store.exists(keys)
+            todo = [i for i in range(n) if not held[i]]
+            if not todo:
+                return written
+            items: list[tuple[BlockKey, torch.Tensor]] = []
+            sources: list[int] = []
+            for i in todo:
+                if i in g2_handles:
+                    items.append((keys[i], self._host_bytes(self.g2.layout, g2_handles[i].block_id)))
+                else:  # no G2 copy (not expected while pinned): device → disk
+                    items.append((keys[i], self._host_bytes(self.g1.layout, g1_handles[i].block_id)))
+                    sources.append(i)
+            try:
+                placements = self.store.put(items, self.g3_volume)
+            except Exception as exc:  # noqa: BLE001 - recorded; G1/G2 copies stay registered
+                logger.warning("offload of %d blocks to %s failed: %r", len(items), self.g3_volume, exc)
+                for i in todo:
+                    result.errors.append(ServeError(i, metas[i].sequence_hash, "offload", type(exc).__name__, str(exc)))
+                return written
+            events: list[KVEvent] = []
+            for i, placement in zip(todo, placements, strict=True):
+                m = metas[i]
+                events.append(store_event(m.sequence_hash, m.prefix_hash, m.parent_hash, self.block_bytes, placement.volume_id))
+            self.publisher.publish(events)
+            result.stored_g3 = len(todo)
+            self.metrics.offload_h2d.inc(len(todo) - len(sources))
+            self.metrics.offload_d2d.inc(len(sources))
+            return written + len(todo) * self.block_bytes
+        finally:
+            for handle in g2_handles.values():
+                handle.release()
+
+    @staticmethod
+    def _host_bytes(layout: BlockLayout, block_id: int) -> torch.Tensor:
+        """Contiguous CPU ``uint8`` bytes of a block in universal format (a view when the
+        layout allows it, else a copy)."""
+        if isinstance(layout, FullyContiguous) and layout.storage.device.type == "cpu":
+            start = block_id * layout.block_stride
+            return layout.storage[start : start + layout.block_bytes]
+        return layout.read_bytes(block_id)
+
+    # ------------------------------------------------------------------ accounting / introspection
+
+    def _account(self, result: ServeResult, looked_up: int) -> None:
+        t = self._totals
+        t.requests += 1
+        t.blocks += result.num_blocks
+        t.hits_g1 += result.hits_g1
+        t.hits_g2 += result.hits_g2
+        t.hits_g3 += result.hits_g3
+        t.hits_g4 += result.hits_g4
+        t.computed += result.computed
+        t.onboarded_bytes += result.onboarded_bytes
+        t.offloaded_bytes += result.offloaded_bytes
+        t.stored_g3 += result.stored_g3
+        t.errors += len(result.errors)
+        self.metrics.record_lookup(looked_up, result.hits_g2, result.hits_g3 + result.hits_g4)
+
+    def resident(self, tier: str) -> set[int]:
+        """Sequence hashes registered at ``"g1"`` or ``"g2"`` (active or inactive)."""
+        return self.pool(tier).resident()
+
+    def read_block(self, tier: str, sequence_hash: int) -> torch.Tensor:
+        """Bytes (universal format, CPU ``uint8``, ``block_bytes`` long) of a resident block.
+
+        Raises:
+            KeyError: the block is not registered at ``tier``.
+            ValueError: unknown tier.
+        """
+        pool = self.pool(tier)
+        handle = pool.get(sequence_hash)
+        if handle is None:
+            raise KeyError(f"block {sequence_hash:#x} is not resident at {tier}")
+        try:
+            return pool.layout.read_bytes(handle.block_id)
+        finally:
+            handle.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Totals since start, per-pool counts and hit rates (plain dict)."""
+        with self._lock:
+            t = self._totals
+            pools: dict[str, PoolStats] = {"g1": self.g1.stats(), "g2": self.g2.stats()}
+            return {
+                "requests": t.requests,
+                "blocks": t.blocks,
+                "hits_g1": t.hits_g1,
+                "hits_g2": t.hits_g2,
+                "hits_g3": t.hits_g3,
+                "hits_g4": t.hits_g4,
+                "computed": t.computed,
+                "onboarded_bytes": t.onboarded_bytes,
+                "offloaded_bytes": t.offloaded_bytes,
+                "stored_g3": t.stored_g3,
+                "errors": t.errors,
+                "block_bytes": self.block_bytes,
+                "pools": {name: vars_of(s) for name, s in pools.items()},
+                "host_cache_hit_rate": self.metrics.sample("kvbm_host_cache_hit_rate"),
+                "disk_cache_hit_rate": self.metrics.sample("kvbm_disk_cache_hit_rate"),
+            }
+
+    def flush(self) -> None:
+        """Send the publisher's pending events now."""
+        self.publisher.flush()
+
+    def close(self) -> None:
+        """Flush the publisher (it is not closed: the caller owns it). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.publisher.flush()
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    """Fields of a slotted dataclass as a dict."""
+    return {name: getattr(obj, name) for name in obj.__slots__}
