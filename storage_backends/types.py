@@ -40,6 +40,10 @@ class VersionConflictError(StorageError):
     """A compare-and-set on the catalog lost against a concurrent update."""
 
 
+class InvalidRequestError(StorageError, ValueError):
+    """A call's arguments are malformed (bad block key, wrong ``out`` size, unknown volume...)."""
+
+
 class VolumeKind(str, enum.Enum):
     """Backend that serves a volume."""
 
@@ -86,7 +90,10 @@ class VolumeDescriptor:
         region: S3 region.
         alignment: I/O alignment in bytes for O_DIRECT (power of two).
         o_direct: open segment files with O_DIRECT (falls back to buffered I/O).
-        segment_bytes: target size of one segment file / object.
+        segment_bytes: target size of one segment file / object; a ``put`` larger than this
+            is split into several segments.
+        access_key / secret_key: S3 credentials; ``None`` uses the standard AWS chain
+            (environment, shared config, instance profile) as resolved by boto3.
     """
 
     id: str
@@ -101,6 +108,8 @@ class VolumeDescriptor:
     alignment: int = 4096
     o_direct: bool = False
     segment_bytes: int = 64 << 20
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +133,39 @@ class Placement:
     length: int
     checksum: int
     version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """Accounting of one segment (file or object) of a volume.
+
+    Attributes:
+        segment_id: id, unique across every volume of a catalog (never reused).
+        volume_id: volume holding the segment.
+        size_bytes: bytes the segment occupies (blocks, padding and dead space).
+        live_bytes: sum of the lengths of the blocks the catalog still points at.
+        live_blocks: number of those blocks.
+        sealed: ``False`` while its writer may still commit blocks into it.
+        created_at: creation time (Unix seconds).
+    """
+
+    segment_id: int
+    volume_id: str
+    size_bytes: int
+    live_bytes: int
+    live_blocks: int
+    sealed: bool = True
+    created_at: float = 0.0
+
+    @property
+    def dead_bytes(self) -> int:
+        """Bytes no live block uses any more."""
+        return self.size_bytes - self.live_bytes
+
+    @property
+    def live_fraction(self) -> float:
+        """``live_bytes / size_bytes`` (0.0 for an empty segment)."""
+        return self.live_bytes / self.size_bytes if self.size_bytes else 0.0
 
 
 @dataclass(slots=True)

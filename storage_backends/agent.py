@@ -1,0 +1,624 @@
+"""The NIXL storage agent: volumes, packed segments, verified reads, moves and compaction.
+
+Write path (``put``): skip keys the catalog already holds -> allocate a segment in the
+catalog (capacity checked atomically across processes) -> pack the blocks into a
+registered staging buffer -> ONE NIXL WRITE (durable) -> ``insert_if_absent`` -> seal.
+A block is visible only after its bytes are durable, so a crash at any step loses
+nothing that was acknowledged; at worst it leaves an unreferenced segment that
+:meth:`StorageAgent.collect_garbage` removes.
+
+Read path (``get``): catalog snapshot -> one NIXL READ per volume and batch (ranged, many
+segments) -> XXH3-64 check per block.  A read that fails while the catalog moved the block
+(a concurrent compaction or move) is retried at the new placement; a checksum mismatch
+of a placement that is still current quarantines it and raises.
+
+Moves (``copy`` -> ``commit_move``) and ``compact`` keep the invariant of DESIGN.md §7:
+the catalog always points at a copy that was verified after it was written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .catalog import PlacementCatalog
+from .checksum import as_bytes, checksum, clone, pack
+from .keys import validate_block_key
+from .nixl_engine import NixlHub
+from .types import (
+    BlockKey,
+    BlockNotFoundError,
+    ChecksumMismatchError,
+    InvalidRequestError,
+    Placement,
+    SegmentInfo,
+    StorageError,
+    TransferError,
+    VersionConflictError,
+    VolumeConfigError,
+    VolumeDescriptor,
+    VolumeStats,
+)
+from .volume import Volume, descriptor_identity, validate_descriptor, volume_class
+
+logger = logging.getLogger(__name__)
+
+_READ_BATCH_BYTES = 64 << 20
+_READ_RETRIES = 3
+
+
+@dataclass
+class AgentCounters:
+    """Agent-level events since start."""
+
+    checksum_mismatches: int = 0
+    quarantined: int = 0
+    read_retries: int = 0
+    dedup_skipped: int = 0
+    move_conflicts: int = 0
+    segments_dropped: int = 0
+
+
+class StorageAgent:
+    """Block store over registered volumes, backed by a shared placement catalog.
+
+    Args:
+        catalog: the placement catalog (shared with other processes); not closed by
+            :meth:`close`.
+        name: name of the NIXL agent.
+
+    Thread-safe; several processes may use agents on the same catalog and volumes.
+    """
+
+    def __init__(self, catalog: PlacementCatalog, name: str = "kvadvisor-storage") -> None:
+        self.catalog = catalog
+        self.name = name
+        self.counters = AgentCounters()
+        self._hub = NixlHub(name)
+        self._volumes: dict[str, Volume] = {}
+        self._lock = threading.RLock()
+        # uncommitted copies per (volume, segment): keys still expected to be committed
+        self._pending: dict[tuple[str, int], set[BlockKey]] = {}
+        self._closed = False
+
+    # ================================================================== volumes
+    def register_volume(self, desc: VolumeDescriptor) -> Volume:
+        """Validate and open a volume (idempotent for an identical descriptor).
+
+        Raises:
+            VolumeConfigError: invalid descriptor (unknown kind, posix without root, s3
+                without endpoint/bucket, capacity <= 0, ...), or the id is already
+                registered (here or in the shared catalog) for another place.
+        """
+        validate_descriptor(desc)
+        ident = descriptor_identity(desc)
+        with self._lock:
+            self._check_open()
+            cur = self._volumes.get(desc.id)
+            if cur is not None:
+                if cur.desc == desc:
+                    return cur
+                raise VolumeConfigError(f"volume {desc.id!r} is already registered with another descriptor: {cur.desc}")
+            stored = self.catalog.record_volume(desc.id, ident)
+            if stored != ident:
+                raise VolumeConfigError(
+                    f"volume {desc.id!r} is recorded in the catalog as {stored}, not {ident}; "
+                    "unregister it (drain=True) before reusing the id"
+                )
+            cls = volume_class(desc.kind)
+            backend, params = cls.engine_spec(desc)
+            vol = cls(desc, self._hub.engine(backend, params))
+            self._volumes[desc.id] = vol
+            return vol
+
+    def unregister_volume(self, volume_id: str, drain: bool = False) -> None:
+        """Close a volume and forget it in the catalog.
+
+        Args:
+            drain: delete the blocks that still live there (their bytes and entries).
+
+        Raises:
+            StorageError: blocks live on the volume and ``drain`` is false.
+            InvalidRequestError: unknown volume.
+        """
+        with self._lock:
+            vol = self._vol(volume_id)
+            live = [p.key for p in self.catalog.iter_volume(volume_id)]
+            if live and not drain:
+                raise StorageError(
+                    f"volume {volume_id!r} still holds {len(live)} blocks; unregister with drain=True to delete them"
+                )
+            if live:
+                self.catalog.delete_many(live)
+            for seg in self.catalog.segments(volume_id):
+                if self.catalog.drop_segment(volume_id, seg.segment_id):
+                    vol.delete_segment(seg.segment_id)
+            self.catalog.forget_volume(volume_id)
+            vol.close()
+            del self._volumes[volume_id]
+
+    def volumes(self) -> list[VolumeDescriptor]:
+        """Descriptors of the volumes registered in this agent, by id."""
+        with self._lock:
+            return [self._volumes[k].desc for k in sorted(self._volumes)]
+
+    def volume(self, volume_id: str) -> VolumeDescriptor:
+        """Descriptor of one registered volume.
+
+        Raises:
+            InvalidRequestError: unknown volume.
+        """
+        return self._vol(volume_id).desc
+
+    def _vol(self, volume_id: str) -> Volume:
+        vol = self._volumes.get(volume_id)
+        if vol is None:
+            raise InvalidRequestError(f"volume {volume_id!r} is not registered (known: {sorted(self._volumes)})")
+        return vol
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("storage agent is closed")
+
+    # ================================================================== put
+    def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]:
+        """Store blocks on a volume, packed into new segments (one per ``segment_bytes``).
+
+        Args:
+            items: ``(key, tensor)``; any dtype/shape of CPU tensor, the block is its
+                contiguous bytes.  A key repeated in ``items`` is stored once.
+            volume_id: destination volume.
+
+        Returns:
+            the placement of each item, in order; for keys already stored (anywhere), the
+            existing placement (not rewritten).
+
+        Raises:
+            InvalidRequestError: bad key, non-CPU or empty tensor, unknown volume.
+            VolumeFullError: the volume's capacity would be exceeded (nothing recorded).
+            TransferError: a write failed or was short (nothing recorded for its blocks;
+                blocks of earlier segments of the same call stay stored).
+        """
+        vol = self._vol(volume_id)
+        keys: list[BlockKey] = []
+        datas: list[torch.Tensor] = []
+        for key, t in items:
+            validate_block_key(key)
+            if not isinstance(t, torch.Tensor):
+                raise InvalidRequestError(f"block {key} is a {type(t).__name__}, not a torch.Tensor")
+            try:
+                b = as_bytes(t)
+            except ValueError as exc:
+                raise InvalidRequestError(f"block {key}: {exc}") from exc
+            if b.numel() == 0:
+                raise InvalidRequestError(f"block {key} is empty")
+            keys.append(key)
+            datas.append(b)
+        result: dict[BlockKey, Placement] = {}
+        unique: dict[BlockKey, torch.Tensor] = {}
+        for k, b in zip(keys, datas):
+            unique.setdefault(k, b)
+        ukeys = list(unique)
+        for k, p in zip(ukeys, self.catalog.get_many(ukeys)):
+            if p is not None:
+                result[k] = p
+        todo = [(k, unique[k]) for k in ukeys if k not in result]
+        self.counters.dedup_skipped += len(ukeys) - len(todo)
+        for group in self._segment_groups(vol, todo):
+            placed = self._write_segment(vol, group, version=0)
+            winners = self.catalog.insert_if_absent(placed)
+            seg = placed[0].segment_id
+            self.catalog.seal_segment(volume_id, seg)
+            if all(w.segment_id != seg or w.volume_id != volume_id for w in winners):
+                self._drop_if_empty(volume_id, seg)
+            for w in winners:
+                result[w.key] = w
+        return [result[k] for k in keys]
+
+    def _segment_groups(
+        self, vol: Volume, todo: list[tuple[BlockKey, torch.Tensor]]
+    ) -> Iterator[list[tuple[BlockKey, torch.Tensor]]]:
+        limit = vol.desc.segment_bytes
+        group: list[tuple[BlockKey, torch.Tensor]] = []
+        size = 0
+        for item in todo:
+            n = item[1].numel()
+            if group and size + n > limit:
+                yield group
+                group, size = [], 0
+            group.append(item)
+            size += n
+        if group:
+            yield group
+
+    def _write_segment(
+        self, vol: Volume, group: Sequence[tuple[BlockKey, torch.Tensor]], version: int,
+        checksums: Sequence[int] | None = None,
+    ) -> list[Placement]:
+        """Allocate a segment, write ``group`` into it with one transfer, return the
+        (unrecorded) placements.  On failure the segment is released and re-raised."""
+        lengths = [b.numel() for _, b in group]
+        offsets, size = vol.plan(lengths)
+        cks = list(checksums) if checksums is not None else [checksum(b) for _, b in group]
+        vid = vol.desc.id
+        seg = self.catalog.new_segment(vid, size, capacity_bytes=vol.desc.capacity_bytes)
+        try:
+            eng = vol.engine
+            with eng.lock:
+                buf = eng.staging(size, vol.buffer_alignment)
+                pack(buf, offsets, [b for _, b in group], size)
+                vol.write_segment(seg, buf, size)
+        except BaseException:
+            try:
+                self.catalog.drop_segment(vid, seg)
+            except Exception as exc:  # the write error matters more
+                logger.warning("cannot release segment %d of %s: %s", seg, vid, exc)
+            raise
+        vol.counters.blocks_written += len(group)
+        return [
+            Placement(key=k, volume_id=vid, segment_id=seg, offset=off, length=n, checksum=ck, version=version)
+            for (k, _), off, n, ck in zip(group, offsets, lengths, cks)
+        ]
+
+    # ================================================================== get
+    def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Read and verify blocks.
+
+        Args:
+            keys: blocks to read.
+            out: optional destination per key (CPU, contiguous, exactly the block's size in
+                bytes, any dtype); filled and returned instead of new tensors.
+
+        Returns:
+            per key, a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).
+
+        Raises:
+            BlockNotFoundError: a key has no placement.
+            ChecksumMismatchError: stored bytes do not match their checksum (the placement
+                is quarantined; nothing wrong is returned).
+            TransferError: a read failed.
+            InvalidRequestError: bad key or ``out``.
+        """
+        keys = list(keys)
+        if out is not None and len(out) != len(keys):
+            raise InvalidRequestError(f"{len(out)} out tensors for {len(keys)} keys")
+        placements = self.catalog.get_many(keys)
+        for k, p in zip(keys, placements):
+            if p is None:
+                raise BlockNotFoundError(f"no stored block for {k}")
+        places: list[Placement] = [p for p in placements if p is not None]
+        dests: list[torch.Tensor] | None = None
+        if out is not None:
+            dests = []
+            for k, p, t in zip(keys, places, out):
+                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+                    raise InvalidRequestError(f"out tensor for {k} must be a contiguous CPU tensor")
+                if t.numel() * t.element_size() != p.length:
+                    raise InvalidRequestError(
+                        f"out tensor for {k} has {t.numel() * t.element_size()} bytes, the block has {p.length}"
+                    )
+                dests.append(t.view(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.view(-1))
+        results = self._read_verified(places, dests)
+        if out is not None:
+            return list(out)
+        return results
+
+    def _read_verified(self, places: list[Placement], dests: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Read every placement (retrying at a new placement when the catalog moved it)."""
+        n = len(places)
+        results: list[torch.Tensor | None] = [None] * n
+        todo = list(range(n))
+        cur = list(places)
+        for attempt in range(_READ_RETRIES + 1):
+            failed: list[int] = []
+            errors: list[Exception] = []
+            bad: list[int] = []
+            for batch in self._batches([(i, cur[i]) for i in todo]):
+                vol = self._vol(batch[0][1].volume_id)
+                try:
+                    got = self._read_batch(vol, [p for _, p in batch])
+                except TransferError as exc:
+                    failed.extend(i for i, _ in batch)
+                    errors.append(exc)
+                    continue
+                for (i, p), data in zip(batch, got):
+                    if data is None:
+                        bad.append(i)
+                        continue
+                    if dests is not None:
+                        np.copyto(dests[i].numpy(), data.numpy())
+                        results[i] = dests[i]
+                    else:
+                        results[i] = data
+            if not failed and not bad:
+                break
+            # did the catalog move any of them meanwhile?
+            retry_idx = failed + bad
+            fresh = self.catalog.get_many([cur[i].key for i in retry_idx])
+            moved: list[int] = []
+            for i, f in zip(retry_idx, fresh):
+                if f is None:
+                    raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+                if f != cur[i]:
+                    cur[i] = f
+                    moved.append(i)
+            stuck_bad = [i for i in bad if i not in moved]
+            if stuck_bad:
+                for i in stuck_bad:
+                    self.counters.checksum_mismatches += 1
+                    if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
+                        self.counters.quarantined += 1
+                p = cur[stuck_bad[0]]
+                raise ChecksumMismatchError(
+                    f"{len(stuck_bad)} block(s) failed verification, first {p.key} on {p.volume_id!r} "
+                    f"segment {p.segment_id} offset {p.offset}: copy quarantined"
+                )
+            stuck_failed = [i for i in failed if i not in moved]
+            if stuck_failed or attempt == _READ_RETRIES:
+                raise errors[0] if errors else TransferError("read kept failing while blocks moved")
+            self.counters.read_retries += 1
+            todo = moved
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _batches(items: list[tuple[int, Placement]]) -> Iterator[list[tuple[int, Placement]]]:
+        """Group by volume (ordered by segment, offset) and cap each batch's bytes."""
+        by_vol: dict[str, list[tuple[int, Placement]]] = {}
+        for it in items:
+            by_vol.setdefault(it[1].volume_id, []).append(it)
+        for group in by_vol.values():
+            group.sort(key=lambda it: (it[1].segment_id, it[1].offset))
+            batch: list[tuple[int, Placement]] = []
+            size = 0
+            for it in group:
+                if batch and size + it[1].length > _READ_BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+                batch.append(it)
+                size += it[1].length
+            if batch:
+                yield batch
+
+    def _read_batch(self, vol: Volume, places: Sequence[Placement]) -> list[torch.Tensor | None]:
+        """One transfer; per placement a fresh uint8 tensor, or ``None`` on checksum mismatch."""
+        eng = vol.engine
+        with eng.lock:
+            buf = eng.staging(vol.read_buffer_bytes([(p.segment_id, p.offset, p.length) for p in places]), vol.buffer_alignment)
+            views = vol.read_many([(p.segment_id, p.offset, p.length) for p in places], buf)
+            out: list[torch.Tensor | None] = []
+            for p, v in zip(places, views):
+                out.append(clone(v) if checksum(v) == p.checksum else None)
+        return out
+
+    # ================================================================== queries
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key has a placement (catalog only, no I/O)."""
+        return [p is not None for p in self.catalog.get_many(list(keys))]
+
+    def locate(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
+        """Placement of each key, or ``None``."""
+        return self.catalog.get_many(list(keys))
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Forget blocks; their bytes become dead space, and a sealed segment left without
+        live blocks is deleted.  Returns how many keys were stored."""
+        removed = self.catalog.delete_many(list(keys))
+        segs = {(p.volume_id, p.segment_id) for p in removed if p is not None}
+        for vid, seg in sorted(segs):
+            self._drop_if_empty(vid, seg)
+        return sum(p is not None for p in removed)
+
+    def _drop_if_empty(self, volume_id: str, segment_id: int) -> bool:
+        if not self.catalog.drop_segment_if_empty(volume_id, segment_id):
+            return False
+        self.counters.segments_dropped += 1
+        vol = self._volumes.get(volume_id)
+        if vol is not None:
+            vol.delete_segment(segment_id)
+        else:
+            logger.warning("segment %d of unregistered volume %s dropped; its bytes stay until collect_garbage",
+                           segment_id, volume_id)
+        return True
+
+    # ================================================================== moves
+    def copy(self, placement: Placement, dst_volume: str) -> Placement:
+        """Copy one block to a new segment on ``dst_volume`` and verify it there.
+
+        Returns:
+            the new placement, NOT committed (``version`` = ``placement.version``); pass it
+            to :meth:`commit_move` (or :meth:`discard`).
+
+        Raises:
+            ChecksumMismatchError: the source copy is bad (quarantined) or the new copy
+                does not read back right (its segment is released).
+        """
+        return self.copy_many([placement], dst_volume)[0]
+
+    def copy_many(self, placements: Sequence[Placement], dst_volume: str) -> list[Placement]:
+        """:meth:`copy` for many blocks, packed into as few new segments as possible."""
+        dst = self._vol(dst_volume)
+        src = list(placements)
+        if not src:
+            return []
+        datas = self._read_verified(src, None)
+        out: list[Placement] = []
+        group = list(zip([p.key for p in src], datas))
+        cks = {p.key: p.checksum for p in src}
+        for chunk in self._segment_groups(dst, group):
+            new = self._write_segment(dst, chunk, version=0, checksums=[cks[k] for k, _ in chunk])
+            seg = new[0].segment_id
+            try:
+                with dst.engine.lock:
+                    buf = dst.engine.staging(dst.read_buffer_bytes([(p.segment_id, p.offset, p.length) for p in new]), dst.buffer_alignment)
+                    views = dst.read_many([(p.segment_id, p.offset, p.length) for p in new], buf)
+                    for p, v in zip(new, views):
+                        if checksum(v) != p.checksum:
+                            raise ChecksumMismatchError(f"copy of {p.key} to {dst_volume!r} did not read back right")
+            except BaseException:
+                self._release_segment(dst_volume, seg)
+                raise
+            with self._lock:
+                self._pending[(dst_volume, seg)] = {p.key for p in new}
+            out.extend(new)
+        version = {p.key: p.version for p in src}
+        return [replace(p, version=version[p.key]) for p in out]
+
+    def commit_move(self, old: Placement, new: Placement) -> Placement:
+        """Point the catalog at ``new`` if it still points at ``old`` (compare-and-set).
+
+        Returns:
+            the committed placement (version ``old.version + 1``).  The old bytes become
+            dead space; the old segment is deleted when no live block remains in it.
+
+        Raises:
+            VersionConflictError: the block changed or was deleted since ``old`` was read;
+                the new copy's space is released.
+        """
+        try:
+            committed = self.catalog.compare_and_set(old, new)
+        except VersionConflictError:
+            self.counters.move_conflicts += 1
+            self._settle(new, committed=False)
+            raise
+        except StorageError as exc:  # the new segment was released meanwhile
+            self.counters.move_conflicts += 1
+            self._settle(new, committed=False)
+            raise VersionConflictError(f"cannot commit {new.key}: {exc}") from exc
+        self._settle(new, committed=True)
+        self._drop_if_empty(old.volume_id, old.segment_id)
+        return committed
+
+    def discard(self, new: Placement) -> None:
+        """Give up an uncommitted copy from :meth:`copy`; its space is released."""
+        self._settle(new, committed=False)
+
+    def _settle(self, new: Placement, committed: bool) -> None:
+        """Bookkeeping of an uncommitted copy's segment once the copy is committed or not."""
+        sk = (new.volume_id, new.segment_id)
+        with self._lock:
+            pending = self._pending.get(sk)
+            if pending is not None:
+                pending.discard(new.key)
+                if pending:
+                    return
+                del self._pending[sk]
+        self.catalog.seal_segment(new.volume_id, new.segment_id)
+        if not committed or pending is not None:
+            self._drop_if_empty(new.volume_id, new.segment_id)
+
+    def _release_segment(self, volume_id: str, segment_id: int) -> None:
+        try:
+            if self.catalog.drop_segment(volume_id, segment_id):
+                self.counters.segments_dropped += 1
+        except StorageError as exc:
+            logger.warning("cannot release segment %d of %s: %s", segment_id, volume_id, exc)
+            return
+        vol = self._volumes.get(volume_id)
+        if vol is not None:
+            vol.delete_segment(segment_id)
+
+    def compact(self, volume_id: str, segment_id: int) -> int:
+        """Rewrite the live blocks of a segment into a new one and drop the old one.
+
+        Crash-safe: the new segment is written and verified before any catalog entry
+        moves (compare-and-set per block), and the old segment is dropped only when no
+        entry points into it.
+
+        Returns:
+            blocks moved (blocks deleted or moved concurrently are skipped).
+        """
+        vol = self._vol(volume_id)
+        live = list(self.catalog.iter_segment(volume_id, segment_id))
+        moved = 0
+        if live:
+            news = self.copy_many(live, volume_id)
+            for old, new in zip(live, news):
+                try:
+                    self.commit_move(old, new)
+                    moved += 1
+                except VersionConflictError:
+                    pass
+        try:
+            if self.catalog.drop_segment(volume_id, segment_id):
+                self.counters.segments_dropped += 1
+                vol.delete_segment(segment_id)
+        except StorageError as exc:  # a block landed there meanwhile: keep the segment
+            logger.info("compaction of %s/%d: segment kept: %s", volume_id, segment_id, exc)
+        return moved
+
+    def collect_garbage(self, volume_id: str, min_age_s: float = 600.0) -> int:
+        """Remove leftovers of crashed writers on one volume.
+
+        * unsealed segments without live blocks older than ``min_age_s`` (a writer died
+          between allocating and committing);
+        * segment files/objects the catalog does not know (a process died between
+          dropping a segment and deleting its bytes).
+
+        Returns:
+            segments removed.
+        """
+        vol = self._vol(volume_id)
+        now = time.time()
+        removed = 0
+        known = set()
+        for seg in self.catalog.segments(volume_id):
+            known.add(seg.segment_id)
+            with self._lock:
+                mine = (volume_id, seg.segment_id) in self._pending
+            if not seg.sealed and seg.live_blocks == 0 and now - seg.created_at >= min_age_s and not mine:
+                self._release_segment(volume_id, seg.segment_id)
+                known.discard(seg.segment_id)
+                removed += 1
+        for seg_id in vol.list_segments():
+            if seg_id not in known and self.catalog.segment(volume_id, seg_id) is None:
+                vol.delete_segment(seg_id)
+                removed += 1
+        return removed
+
+    # ================================================================== stats
+    def segments(self, volume_id: str) -> list[SegmentInfo]:
+        """Segments of a volume with live accounting (from the shared catalog)."""
+        return self.catalog.segments(volume_id)
+
+    def stats(self) -> list[VolumeStats]:
+        """Usage per registered volume: capacity, used (segment sizes), live, dead, counts,
+        and this process's read/write counters (blocks)."""
+        out: list[VolumeStats] = []
+        with self._lock:
+            vols = [self._volumes[k] for k in sorted(self._volumes)]
+        for vol in vols:
+            segs = self.catalog.segments(vol.desc.id)
+            used = sum(s.size_bytes for s in segs)
+            live = sum(s.live_bytes for s in segs)
+            extra = {k: int(v) for k, v in vol.describe().items()}
+            out.append(VolumeStats(
+                volume_id=vol.desc.id, kind=str(getattr(vol.desc.kind, "value", vol.desc.kind)),
+                media=str(getattr(vol.desc.media, "value", vol.desc.media)),
+                capacity_bytes=vol.desc.capacity_bytes, used_bytes=used, live_bytes=live,
+                dead_bytes=used - live, segments=len(segs), blocks=sum(s.live_blocks for s in segs),
+                reads=vol.counters.blocks_read, writes=vol.counters.blocks_written, extra=extra,
+            ))
+        return out
+
+    def close(self) -> None:
+        """Close volumes and NIXL registrations (idempotent); the catalog stays open."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for vol in self._volumes.values():
+                vol.close()
+            self._hub.close()
+
+    def __enter__(self) -> StorageAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,52 @@
+"""Block bytes: XXH3-64 checksums (DESIGN.md §6) and single-threaded byte copies.
+
+Copies go through numpy (one ``memcpy`` on the calling thread) rather than
+``Tensor.copy_``, whose intra-op thread pool costs milliseconds per small block when the
+cores are busy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 CPU view of a tensor's contiguous bytes (copies only if not contiguous).
+
+    Raises:
+        ValueError: for a tensor that is not on the CPU.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"storage blocks must be CPU tensors, got one on {t.device}")
+    t = t.contiguous()
+    if t.dtype == torch.uint8:
+        return t.reshape(-1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(data: torch.Tensor) -> int:
+    """XXH3-64 (seed 0) of ``data``'s bytes, as an unsigned 64-bit int."""
+    return xxhash.xxh3_64_intdigest(memoryview(as_bytes(data).numpy()))
+
+
+def clone(data: torch.Tensor) -> torch.Tensor:
+    """A new uint8 CPU tensor with ``data``'s bytes (``data``: 1-D uint8 CPU)."""
+    return torch.from_numpy(data.numpy().copy())
+
+
+def pack(buf: torch.Tensor, offsets: Sequence[int], blocks: Sequence[torch.Tensor], size: int) -> None:
+    """Copy 1-D uint8 ``blocks`` into ``buf`` at ``offsets`` and zero every gap up to ``size``."""
+    dst = buf.numpy()
+    pos = 0
+    for off, b in zip(offsets, blocks):
+        if off > pos:
+            dst[pos:off] = 0
+        n = b.numel()
+        np.copyto(dst[off : off + n], b.numpy())
+        pos = off + n
+    if size > pos:
+        dst[pos:size] = 0

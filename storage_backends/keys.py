@@ -1,0 +1,103 @@
+"""Injective names for block keys, volumes and segments.
+
+Nothing here is lossy: every name is either kept byte for byte or percent-encoded with
+``%`` itself encoded, so two different inputs never give the same file name or object key
+(DESIGN.md §6, case C13).  S3 limits object keys to 1024 bytes of UTF-8; the limits below
+keep ``<prefix>/<volume>/seg-<id>`` under it and are checked when a volume is registered.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .types import BlockKey, InvalidRequestError, VolumeConfigError
+
+U64_MAX = (1 << 64) - 1
+MAX_VOLUME_ID_BYTES = 128
+MAX_PREFIX_BYTES = 600
+MAX_OBJECT_KEY_BYTES = 1024
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def encode_component(name: str) -> str:
+    """Percent-encode ``name`` (UTF-8) keeping only ``[A-Za-z0-9_-]``.
+
+    Injective: ``%`` and ``.`` are encoded too, so ``"."``/``".."`` can never appear and
+    ``"a/b"`` (``a%2Fb``) differs from a literal ``"a%2Fb"`` (``a%252Fb``).
+    """
+    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in name.encode("utf-8"))
+
+
+def validate_volume_id(volume_id: str) -> None:
+    """Raise VolumeConfigError unless ``volume_id`` is 1..128 UTF-8 bytes without control chars."""
+    if not isinstance(volume_id, str) or not volume_id:
+        raise VolumeConfigError("volume id must be a non-empty string")
+    if len(volume_id.encode("utf-8")) > MAX_VOLUME_ID_BYTES:
+        raise VolumeConfigError(f"volume id {volume_id[:40]!r}... is longer than {MAX_VOLUME_ID_BYTES} bytes")
+    if _CONTROL.search(volume_id):
+        raise VolumeConfigError(f"volume id {volume_id!r} contains control characters")
+
+
+def normalize_prefix(prefix: str) -> str:
+    """Validate an S3 key prefix and drop its leading/trailing ``/``.
+
+    Raises:
+        VolumeConfigError: control characters, empty path segments (``a//b``), or more
+            than 600 UTF-8 bytes.
+    """
+    p = prefix.strip("/")
+    if _CONTROL.search(p):
+        raise VolumeConfigError(f"S3 prefix {prefix!r} contains control characters")
+    if p and any(part in ("", ".", "..") for part in p.split("/")):
+        raise VolumeConfigError(f"S3 prefix {prefix!r} has an empty, '.' or '..' path segment")
+    if len(p.encode("utf-8")) > MAX_PREFIX_BYTES:
+        raise VolumeConfigError(f"S3 prefix is longer than {MAX_PREFIX_BYTES} bytes")
+    return p
+
+
+def segment_object_key(prefix: str, volume_id: str, segment_id: int) -> str:
+    """S3 object key of a segment: ``<prefix>/<encoded volume id>/seg-<id>``.
+
+    Raises:
+        VolumeConfigError: if the key would exceed 1024 UTF-8 bytes.
+    """
+    p = normalize_prefix(prefix)
+    key = f"{encode_component(volume_id)}/seg-{segment_id:012d}"
+    if p:
+        key = f"{p}/{key}"
+    if len(key.encode("utf-8")) > MAX_OBJECT_KEY_BYTES:
+        raise VolumeConfigError(f"object key for volume {volume_id!r} exceeds {MAX_OBJECT_KEY_BYTES} bytes")
+    return key
+
+
+def segment_file_name(segment_id: int) -> str:
+    """File name of a segment inside its volume directory."""
+    return f"seg-{segment_id:012d}.kvs"
+
+
+def parse_segment_name(name: str) -> int | None:
+    """Inverse of :func:`segment_file_name` / the last part of :func:`segment_object_key`."""
+    m = re.fullmatch(r"seg-(\d{12,})(?:\.kvs)?", name.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def validate_block_key(key: BlockKey) -> None:
+    """Raise InvalidRequestError unless ``key`` has a str namespace and a u64 sequence hash."""
+    if not isinstance(key, BlockKey):
+        raise InvalidRequestError(f"expected a BlockKey, got {type(key).__name__}")
+    if not isinstance(key.namespace, str) or not key.namespace:
+        raise InvalidRequestError(f"block key namespace must be a non-empty string: {key!r}")
+    h = key.sequence_hash
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= U64_MAX:
+        raise InvalidRequestError(f"sequence hash must be an unsigned 64-bit int: {key!r}")
+
+
+def u64_to_i64(v: int) -> int:
+    """Two's-complement view of a u64 (SQLite INTEGER is signed 64-bit)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def i64_to_u64(v: int) -> int:
+    """Inverse of :func:`u64_to_i64`."""
+    return v + (1 << 64) if v < 0 else v

@@ -1,0 +1,332 @@
+"""POSIX volume: a directory of segment files, written and read through NIXL POSIX.
+
+Layout: ``<root>/<encoded volume id>/seg-<id>.kvs`` (``keys.encode_component``: injective).
+A segment is created with ``O_EXCL``, preallocated (``posix_fallocate``; zero-fill with
+page-aligned buffers where the filesystem does not support it, case C16), written with
+one NIXL WRITE of FILE memory, ``fsync``-ed, and its directory ``fsync``-ed, before the
+agent records any placement in it.
+
+O_DIRECT (``desc.o_direct``): block offsets and read lengths are padded to
+``desc.alignment`` and staging buffers are aligned.  When the filesystem refuses
+O_DIRECT, or a buffer/offset/length is not aligned, the I/O falls back to buffered mode,
+``o_direct_fallbacks`` rises and the errno is logged (case C15).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .keys import encode_component, parse_segment_name, segment_file_name
+from .nixl_engine import NixlEngine
+from .types import TransferError, VolumeConfigError, VolumeDescriptor, VolumeFullError, VolumeKind
+from .volume import Volume, align_up
+
+logger = logging.getLogger(__name__)
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_ZERO_CHUNK = 1 << 20
+_FALLBACK_ERRNOS = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+
+
+class _OpenSegment:
+    """A segment file opened for reading and registered as NIXL FILE memory."""
+
+    __slots__ = ("fd", "reg", "size", "direct")
+
+    def __init__(self, fd: int, reg: Any, size: int, direct: bool) -> None:
+        self.fd, self.reg, self.size, self.direct = fd, reg, size, direct
+
+
+class PosixVolume(Volume):
+    """Segments as files under a root directory (NIXL POSIX backend, FILE memory).
+
+    Attributes:
+        fallocate: the preallocation call, ``os.posix_fallocate`` (replaceable for fault
+            injection).
+        max_open: segment files kept open and registered for reads (LRU).
+    """
+
+    kind: ClassVar[VolumeKind] = VolumeKind.POSIX
+    max_open: int = 64
+
+    def __init__(self, desc: VolumeDescriptor, engine: NixlEngine) -> None:
+        super().__init__(desc, engine)
+        assert desc.root is not None
+        self.dir = Path(desc.root).expanduser().resolve() / encode_component(desc.id)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise VolumeConfigError(f"volume {desc.id!r}: cannot create {self.dir}: {exc}") from exc
+        self.fallocate: Callable[[int, int, int], None] = os.posix_fallocate
+        self._open: OrderedDict[int, _OpenSegment] = OrderedDict()
+        self._open_lock = threading.RLock()
+        self._direct = bool(desc.o_direct and _O_DIRECT)
+        if desc.o_direct and not _O_DIRECT:
+            self._fallback("open", errno.EINVAL, "O_DIRECT is not available on this platform")
+
+    # ------------------------------------------------------------------ class-level
+    @classmethod
+    def validate(cls, desc: VolumeDescriptor) -> None:
+        """A posix volume needs ``root``."""
+        if not desc.root:
+            raise VolumeConfigError(f"posix volume {desc.id!r} needs a root directory (root=...)")
+        root = Path(desc.root).expanduser()
+        if root.exists() and not root.is_dir():
+            raise VolumeConfigError(f"posix volume {desc.id!r}: root {root} exists and is not a directory")
+
+    @classmethod
+    def engine_spec(cls, desc: VolumeDescriptor) -> tuple[str, dict[str, str]]:
+        """Every posix volume shares one POSIX backend with default parameters."""
+        return "POSIX", {}
+
+    @property
+    def block_alignment(self) -> int:
+        return self.desc.alignment if self._direct else 1
+
+    @property
+    def buffer_alignment(self) -> int:
+        return max(self.desc.alignment, 64) if self._direct else 64
+
+    def path(self, segment_id: int) -> Path:
+        """File of a segment."""
+        return self.dir / segment_file_name(segment_id)
+
+    def _fallback(self, where: str, err: int, why: str) -> None:
+        self.counters.bump("o_direct_fallbacks")
+        logger.warning("volume %s: O_DIRECT %s fell back to buffered I/O (errno %d %s): %s",
+                       self.desc.id, where, err, errno.errorcode.get(err, "?"), why)
+
+    def _aligned(self, *values: int) -> bool:
+        a = self.desc.alignment
+        return all(v % a == 0 for v in values)
+
+    # ------------------------------------------------------------------ write
+    def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
+        """See :meth:`Volume.write_segment`."""
+        path = self.path(segment_id)
+        direct = self._direct
+        if direct and not self._aligned(buffer.data_ptr(), size):
+            self._fallback("write", errno.EINVAL,
+                           f"buffer address {buffer.data_ptr():#x} or size {size} not aligned to {self.desc.alignment}")
+            direct = False
+        fd = -1
+        created = False
+        try:
+            fd, direct = self._create(path, direct)
+            created = True
+            self._preallocate(fd, size, direct)
+            try:
+                self._write(fd, path, buffer, size)
+            except TransferError as exc:
+                if not direct:
+                    raise self._classify(exc, size) from exc
+                self._fallback("write", errno.EIO, f"NIXL write with O_DIRECT failed: {exc}")
+                os.close(fd)
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                direct = False
+                try:
+                    self._write(fd, path, buffer, size)
+                except TransferError as exc2:
+                    raise self._classify(exc2, size) from exc2
+            os.fsync(fd)
+            st = os.fstat(fd)
+            if st.st_size < size:
+                raise TransferError(f"segment {path} is {st.st_size} bytes after writing {size}")
+        except BaseException as exc:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+            if created:
+                path.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and not isinstance(exc, (TransferError, VolumeFullError)):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+                raise TransferError(f"volume {self.desc.id!r}: writing segment {segment_id} failed: {exc}") from exc
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        self._fsync_dir()
+        self.counters.segments_written += 1
+        self.counters.bytes_written += size
+
+    def _create(self, path: Path, direct: bool) -> tuple[int, bool]:
+        """Create a new segment file; returns ``(fd, opened with O_DIRECT)``."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if direct:
+            try:
+                return os.open(path, flags | _O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._fallback("open", exc.errno, str(exc))
+                path.unlink(missing_ok=True)
+        return os.open(path, flags, 0o644), False
+
+    def _preallocate(self, fd: int, size: int, direct: bool) -> None:
+        try:
+            self.fallocate(fd, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+            if exc.errno not in _FALLBACK_ERRNOS:
+                raise
+            self.counters.bump("fallocate_fallbacks")
+            logger.info("volume %s: posix_fallocate unsupported (errno %d), zero-filling", self.desc.id, exc.errno)
+        # Zero-fill with page-aligned buffers (valid for O_DIRECT as long as the chunk
+        # lengths are aligned; the tail goes through a buffered descriptor).
+        with mmap.mmap(-1, _ZERO_CHUNK) as zeros:
+            view = memoryview(zeros)
+            a = self.desc.alignment if direct else 1
+            pos = 0
+            while pos < size:
+                n = min(_ZERO_CHUNK, size - pos)
+                if direct and n % a:
+                    n = n - n % a
+                    if n == 0:
+                        break
+                try:
+                    written = os.pwrite(fd, view[:n], pos)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+                    raise
+                if written <= 0:
+                    raise VolumeFullError(f"volume {self.desc.id!r}: zero-fill stopped at {pos} of {size} bytes")
+                pos += written
+            view.release()
+        if pos < size:  # unaligned tail under O_DIRECT: extend the file size only
+            os.ftruncate(fd, size)
+
+    def _write(self, fd: int, path: Path, buffer: torch.Tensor, size: int) -> None:
+        reg = self.engine.register([(0, size, fd, path.name)], "FILE")
+        try:
+            self.engine.transfer("WRITE", [(buffer.data_ptr(), size)], [(0, size, fd)], "FILE")
+        finally:
+            self.engine.deregister(reg)
+
+    def _classify(self, exc: TransferError, size: int) -> Exception:
+        """ENOSPC shows up from NIXL as a generic error; tell it apart by free space."""
+        try:
+            st = os.statvfs(self.dir)
+            if st.f_bavail * st.f_frsize < size:
+                return VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes (ENOSPC): {exc}")
+        except OSError:
+            pass
+        return exc
+
+    def _fsync_dir(self) -> None:
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    # ------------------------------------------------------------------ read
+    def _segment(self, segment_id: int, direct: bool) -> _OpenSegment:
+        with self._open_lock:
+            seg = self._open.get(segment_id)
+            if seg is not None and seg.direct == direct:
+                self._open.move_to_end(segment_id)
+                return seg
+            if seg is not None:
+                self._close_one(segment_id)
+            path = self.path(segment_id)
+            flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+            try:
+                fd = os.open(path, flags)
+            except FileNotFoundError as exc:
+                raise TransferError(f"volume {self.desc.id!r}: segment {segment_id} is missing ({path})") from exc
+            try:
+                size = os.fstat(fd).st_size
+                reg = self.engine.register([(0, max(size, 1), fd, path.name)], "FILE")
+            except BaseException:
+                os.close(fd)
+                raise
+            seg = _OpenSegment(fd, reg, size, direct)
+            self._open[segment_id] = seg
+            return seg
+
+    def _trim(self) -> None:
+        """Close the least recently used segment files beyond :attr:`max_open`."""
+        with self._open_lock:
+            while len(self._open) > self.max_open:
+                self._close_one(next(iter(self._open)))
+
+    def _close_one(self, segment_id: int) -> None:
+        seg = self._open.pop(segment_id, None)
+        if seg is not None:
+            self.engine.deregister(seg.reg)
+            os.close(seg.fd)
+
+    def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
+        """See :meth:`Volume.read_many`."""
+        starts = self._place([n for _, _, n in items], out)
+        direct = self._direct
+        if direct and not self._aligned(out.data_ptr(), *(o for _, o, _ in items)):
+            self._fallback("read", errno.EINVAL, "read buffer or offsets not aligned")
+            direct = False
+        try:
+            self._read(items, out, starts, direct)
+        except TransferError as exc:
+            if not direct:
+                raise
+            self._fallback("read", errno.EIO, f"NIXL read with O_DIRECT failed: {exc}")
+            self._read(items, out, starts, False)
+        self.counters.blocks_read += len(items)
+        self.counters.bytes_read += sum(n for _, _, n in items)
+        return [out[s : s + n] for s, (_, _, n) in zip(starts, items)]
+
+    def _read(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor, starts: list[int], direct: bool) -> None:
+        a = self.desc.alignment if direct else 1
+        base = out.data_ptr()
+        with self._open_lock:
+            local: list[tuple[int, int]] = []
+            remote: list[tuple[int, int, int]] = []
+            for (seg_id, off, n), s in zip(items, starts):
+                seg = self._segment(seg_id, direct)
+                ln = align_up(n, a)
+                if off + n > seg.size:
+                    raise TransferError(
+                        f"volume {self.desc.id!r}: segment {seg_id} is {seg.size} bytes, block at {off}+{n} is past its end"
+                    )
+                ln = min(ln, seg.size - off) if not direct else ln
+                local.append((base + s, ln))
+                remote.append((off, ln, seg.fd))
+            try:
+                self.engine.transfer("READ", local, remote, "FILE")
+            finally:
+                self._trim()  # only now: every segment of this batch stayed registered
+
+    # ------------------------------------------------------------------ admin
+    def delete_segment(self, segment_id: int) -> None:
+        """See :meth:`Volume.delete_segment`."""
+        with self._open_lock:
+            self._close_one(segment_id)
+        try:
+            self.path(segment_id).unlink()
+            self.counters.segments_deleted += 1
+        except FileNotFoundError:
+            pass
+
+    def list_segments(self) -> list[int]:
+        """See :meth:`Volume.list_segments`."""
+        ids = (parse_segment_name(p.name) for p in self.dir.iterdir() if p.is_file())
+        return sorted(i for i in ids if i is not None)
+
+    def close(self) -> None:
+        """Close and deregister every open segment file."""
+        with self._open_lock:
+            for seg_id in list(self._open):
+                self._close_one(seg_id)

@@ -1,0 +1,269 @@
+"""S3 volume: one object per segment, written and read through NIXL OBJ.
+
+Object key: ``<prefix>/<encoded volume id>/seg-<id>`` (``keys.segment_object_key``,
+injective, <= 1024 bytes).  The data path is NIXL OBJ (a WRITE of one descriptor creates
+the object; READs are ranged GETs, several per transfer).  boto3 is used only for bucket
+creation, ``HEAD`` checks after a write, listing and deletes, with tenacity retries on
+5xx, throttling and connection errors.  Credentials come from the descriptor or, when it
+has none, from the standard AWS chain as boto3 resolves it; NIXL gets the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlparse
+
+import torch
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+
+from .keys import MAX_OBJECT_KEY_BYTES, normalize_prefix, parse_segment_name, segment_object_key
+from .nixl_engine import NixlEngine
+from .types import TransferError, VolumeConfigError, VolumeDescriptor, VolumeKind
+from .volume import Volume
+
+logger = logging.getLogger(__name__)
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_RETRY_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
+})
+T = TypeVar("T")
+
+
+def _retryable(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, EndpointConnectionError
+
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return status >= 500 or str(err.get("Code", "")) in _RETRY_CODES
+    return isinstance(exc, (BotoConnectionError, EndpointConnectionError, TransferError))
+
+
+def _with_retries(fn: Callable[[], T], attempts: int = 4) -> T:
+    """Run ``fn`` with exponential backoff on retryable S3 / transfer errors."""
+    return retry(
+        retry=retry_if_exception(_retryable),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.05, max=2.0),
+        reraise=True,
+    )(fn)()
+
+
+def _credentials(desc: VolumeDescriptor) -> tuple[str, str, str | None]:
+    """``(access_key, secret_key, session_token)`` from the descriptor or the AWS chain."""
+    if desc.access_key and desc.secret_key:
+        return desc.access_key, desc.secret_key, None
+    if desc.access_key or desc.secret_key:
+        raise VolumeConfigError(f"s3 volume {desc.id!r}: give both access_key and secret_key, or neither")
+    import boto3
+
+    creds = boto3.Session().get_credentials()
+    if creds is None:
+        raise VolumeConfigError(
+            f"s3 volume {desc.id!r}: no credentials (set access_key/secret_key or the standard AWS "
+            "environment variables / shared config)"
+        )
+    frozen = creds.get_frozen_credentials()
+    return frozen.access_key, frozen.secret_key, frozen.token
+
+
+class S3Volume(Volume):
+    """Segments as objects in an S3 bucket (NIXL OBJ backend)."""
+
+    kind: ClassVar[VolumeKind] = VolumeKind.S3
+
+    def __init__(self, desc: VolumeDescriptor, engine: NixlEngine) -> None:
+        super().__init__(desc, engine)
+        import boto3
+        from botocore.config import Config
+
+        ak, sk, token = _credentials(desc)
+        self.prefix = normalize_prefix(desc.prefix)
+        self.client = boto3.client(
+            "s3", endpoint_url=desc.endpoint, region_name=desc.region,
+            aws_access_key_id=ak, aws_secret_access_key=sk, aws_session_token=token,
+            config=Config(retries={"max_attempts": 1}, s3={"addressing_style": "path"}),
+        )
+        self._lock = threading.Lock()
+        self._ensure_bucket()
+
+    # ------------------------------------------------------------------ class-level
+    @classmethod
+    def validate(cls, desc: VolumeDescriptor) -> None:
+        """An s3 volume needs an http(s) endpoint, a valid bucket name and a short prefix."""
+        if not desc.endpoint:
+            raise VolumeConfigError(f"s3 volume {desc.id!r} needs an endpoint (endpoint='http://host:port')")
+        u = urlparse(desc.endpoint)
+        if u.scheme not in ("http", "https") or not u.netloc:
+            raise VolumeConfigError(f"s3 volume {desc.id!r}: endpoint {desc.endpoint!r} is not an http(s) URL")
+        if not desc.bucket:
+            raise VolumeConfigError(f"s3 volume {desc.id!r} needs a bucket (bucket=...)")
+        if not _BUCKET_RE.match(desc.bucket) or ".." in desc.bucket:
+            raise VolumeConfigError(
+                f"s3 volume {desc.id!r}: bucket {desc.bucket!r} is not a valid S3 bucket name "
+                "(3-63 lowercase letters, digits, '.', '-')"
+            )
+        key = segment_object_key(desc.prefix, desc.id, 10**15)
+        if len(key.encode("utf-8")) > MAX_OBJECT_KEY_BYTES:  # pragma: no cover - checked inside
+            raise VolumeConfigError(f"s3 volume {desc.id!r}: object keys would exceed 1024 bytes")
+
+    @classmethod
+    def engine_spec(cls, desc: VolumeDescriptor) -> tuple[str, dict[str, str]]:
+        """One OBJ backend per (endpoint, bucket, region, credentials)."""
+        ak, sk, token = _credentials(desc)
+        u = urlparse(desc.endpoint or "")
+        params = {
+            "endpoint_override": desc.endpoint or "",
+            "bucket": desc.bucket or "",
+            "region": desc.region,
+            "scheme": u.scheme or "https",
+            "access_key": ak,
+            "secret_key": sk,
+            "use_virtual_addressing": "false",
+        }
+        if token:
+            params["session_token"] = token
+        return "OBJ", params
+
+    # ------------------------------------------------------------------ admin
+    def _ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        bucket = self.desc.bucket
+        try:
+            _with_retries(lambda: self.client.head_bucket(Bucket=bucket))
+            return
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code not in ("404", "NoSuchBucket", "NotFound"):
+                raise VolumeConfigError(f"s3 volume {self.desc.id!r}: bucket {bucket!r}: {exc}") from exc
+        except Exception as exc:
+            raise VolumeConfigError(f"s3 volume {self.desc.id!r}: endpoint {self.desc.endpoint} unreachable: {exc}") from exc
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        if self.desc.region and self.desc.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.desc.region}
+        try:
+            _with_retries(lambda: self.client.create_bucket(**kwargs))
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise VolumeConfigError(f"s3 volume {self.desc.id!r}: cannot create bucket {bucket!r}: {exc}") from exc
+
+    def key(self, segment_id: int) -> str:
+        """Object key of a segment."""
+        return segment_object_key(self.prefix, self.desc.id, segment_id)
+
+    # ------------------------------------------------------------------ write
+    def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
+        """See :meth:`Volume.write_segment` (one OBJ descriptor: one PUT)."""
+        key = self.key(segment_id)
+
+        def attempt() -> None:
+            dev = self.engine.new_dev_id()
+            reg = self.engine.register([(0, size, dev, key)], "OBJ")
+            try:
+                self.engine.transfer("WRITE", [(buffer.data_ptr(), size)], [(0, size, dev)], "OBJ")
+            finally:
+                self.engine.deregister(reg)
+            head = self.client.head_object(Bucket=self.desc.bucket, Key=key)
+            if int(head["ContentLength"]) != size:
+                raise TransferError(f"object {key} is {head['ContentLength']} bytes after writing {size}")
+
+        try:
+            _with_retries(attempt)
+        except BaseException as exc:
+            self._delete_quietly(key)
+            if isinstance(exc, TransferError):
+                raise
+            if isinstance(exc, Exception):
+                raise TransferError(f"volume {self.desc.id!r}: writing segment {segment_id} failed: {exc}") from exc
+            raise
+        self.counters.segments_written += 1
+        self.counters.bytes_written += size
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            _with_retries(lambda: self.client.delete_object(Bucket=self.desc.bucket, Key=key))
+        except Exception as exc:
+            logger.warning("volume %s: cannot delete %s: %s", self.desc.id, key, exc)
+
+    # ------------------------------------------------------------------ read
+    #: ranges of one segment closer than this are fetched with one ranged GET
+    coalesce_gap: int = 256 << 10
+
+    def _spans(self, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, list[int]]]:
+        """Merge requested ranges into ``[(segment_id, start, end, item indexes)]``."""
+        order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1]))
+        spans: list[tuple[int, int, int, list[int]]] = []
+        for i in order:
+            seg, off, n = items[i]
+            if spans and spans[-1][0] == seg and off - spans[-1][2] <= self.coalesce_gap:
+                s_seg, s_start, s_end, idx = spans[-1]
+                spans[-1] = (s_seg, s_start, max(s_end, off + n), idx + [i])
+            else:
+                spans.append((seg, off, off + n, [i]))
+        return spans
+
+    def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
+        """Sum of the coalesced spans' lengths."""
+        return sum(end - start for _, start, end, _ in self._spans(items))
+
+    def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
+        """See :meth:`Volume.read_many`: nearby ranges of a segment are coalesced, then every
+        span is one ranged GET of a single NIXL READ."""
+        spans = self._spans(items)
+        need = sum(end - start for _, start, end, _ in spans)
+        if need > out.numel():
+            raise ValueError(f"read buffer of {out.numel()} bytes is smaller than the {need} needed")
+        ends: dict[int, int] = {}
+        for seg_id, _, end, _ in spans:
+            ends[seg_id] = max(ends.get(seg_id, 0), end)
+        devs = {seg_id: self.engine.new_dev_id() for seg_id in ends}
+        views: list[torch.Tensor | None] = [None] * len(items)
+        local: list[tuple[int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        pos = 0
+        base = out.data_ptr()
+        for seg_id, start, end, idx in spans:
+            local.append((base + pos, end - start))
+            remote.append((start, end - start, devs[seg_id]))
+            for i in idx:
+                off, n = items[i][1], items[i][2]
+                views[i] = out[pos + off - start : pos + off - start + n]
+            pos += end - start
+        regs = []
+        try:
+            for seg_id, end in ends.items():
+                regs.append(self.engine.register([(0, end, devs[seg_id], self.key(seg_id))], "OBJ"))
+            _with_retries(lambda: self.engine.transfer("READ", local, remote, "OBJ"), attempts=2)
+        finally:
+            for reg in regs:
+                self.engine.deregister(reg)
+        self.counters.blocks_read += len(items)
+        self.counters.bytes_read += pos
+        self.counters.bump("ranged_gets", len(spans))
+        return [v for v in views if v is not None]
+
+    # ------------------------------------------------------------------ admin
+    def delete_segment(self, segment_id: int) -> None:
+        """See :meth:`Volume.delete_segment`."""
+        self._delete_quietly(self.key(segment_id))
+        self.counters.segments_deleted += 1
+
+    def list_segments(self) -> list[int]:
+        """See :meth:`Volume.list_segments` (paginated listing of this volume's prefix)."""
+        pfx = self.key(0).rsplit("/", 1)[0] + "/"
+        ids: list[int] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.desc.bucket, Prefix=pfx):
+            for obj in page.get("Contents", []):
+                seg = parse_segment_name(obj["Key"])
+                if seg is not None and obj["Key"] == self.key(seg):
+                    ids.append(seg)
+        return sorted(ids)

@@ -1,0 +1,386 @@
+"""SQLite placement catalog, shared by several processes through one database file.
+
+WAL mode lets readers run while one writer commits; every read-modify-write runs in a
+short ``BEGIN IMMEDIATE`` transaction (the write lock is taken up front, so two processes
+never both read the old state and both write), and ``busy_timeout`` makes a waiting
+process block instead of failing.  Hashes are u64; SQLite integers are signed 64-bit, so
+sequence hashes and checksums are stored in two's complement (``keys.u64_to_i64``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from .catalog import PlacementCatalog
+from .keys import i64_to_u64, u64_to_i64, validate_block_key
+from .types import (
+    BlockKey,
+    InvalidRequestError,
+    Placement,
+    SegmentInfo,
+    StorageError,
+    VersionConflictError,
+    VolumeFullError,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS placements (
+    ns TEXT NOT NULL, seq INTEGER NOT NULL,
+    volume TEXT NOT NULL, segment INTEGER NOT NULL,
+    off INTEGER NOT NULL, len INTEGER NOT NULL,
+    checksum INTEGER NOT NULL, version INTEGER NOT NULL,
+    PRIMARY KEY (ns, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS placements_by_segment ON placements (volume, segment, off);
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    volume TEXT NOT NULL, size INTEGER NOT NULL,
+    sealed INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS segments_by_volume ON segments (volume, id);
+CREATE TABLE IF NOT EXISTS volumes (id TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantine (
+    ns TEXT NOT NULL, seq INTEGER NOT NULL, volume TEXT NOT NULL, segment INTEGER NOT NULL,
+    off INTEGER NOT NULL, len INTEGER NOT NULL, checksum INTEGER NOT NULL,
+    version INTEGER NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL
+);
+"""
+
+_COLS = "ns, seq, volume, segment, off, len, checksum, version"
+
+
+def _row(p: Placement) -> tuple[str, int, str, int, int, int, int, int]:
+    return (
+        p.key.namespace, u64_to_i64(p.key.sequence_hash), p.volume_id, p.segment_id,
+        p.offset, p.length, u64_to_i64(p.checksum), p.version,
+    )
+
+
+def _placement(r: Sequence[object]) -> Placement:
+    ns, seq, vol, seg, off, ln, ck, ver = r
+    return Placement(
+        key=BlockKey(str(ns), i64_to_u64(int(seq))),  # type: ignore[call-overload]
+        volume_id=str(vol), segment_id=int(seg), offset=int(off), length=int(ln),  # type: ignore[call-overload]
+        checksum=i64_to_u64(int(ck)), version=int(ver),  # type: ignore[call-overload]
+    )
+
+
+class SqliteCatalog(PlacementCatalog):
+    """Placement catalog in one SQLite file (embedded mode).
+
+    Args:
+        path: database file; created with its schema if missing.  Every process that
+            shares the volumes opens the same path.
+        busy_timeout_s: how long a call waits for another process's write lock.
+        synchronous: SQLite ``synchronous`` level; ``NORMAL`` (default) survives a
+            process crash (kill -9), ``FULL`` also a power loss.
+
+    Thread-safe: one connection guarded by a lock.
+    """
+
+    def __init__(self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "NORMAL") -> None:
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise InvalidRequestError(f"unknown SQLite synchronous level {synchronous!r}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db: sqlite3.Connection | None = sqlite3.connect(
+            str(self.path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        self._set_wal(busy_timeout_s)
+        self._db.execute(f"PRAGMA synchronous = {synchronous.upper()}")
+        with self._write() as db:
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+
+    def _set_wal(self, timeout_s: float) -> None:
+        # journal_mode needs a moment without other writers; it is persistent, so only
+        # the first opener really switches it.
+        assert self._db is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if str(mode).lower() == "wal":
+                    return
+            except sqlite3.OperationalError:
+                pass
+            if time.monotonic() > deadline:
+                raise StorageError(f"cannot switch {self.path} to WAL mode")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StorageError("catalog is closed")
+        return self._db
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """A ``BEGIN IMMEDIATE`` transaction: commit on success, roll back on any error."""
+        with self._lock:
+            db = self.db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction (one snapshot for several statements)."""
+        with self._lock:
+            db = self.db
+            db.execute("BEGIN")
+            try:
+                yield db
+            finally:
+                db.execute("COMMIT")
+
+    @staticmethod
+    def _select(db: sqlite3.Connection, key: BlockKey) -> Placement | None:
+        r = db.execute(
+            f"SELECT {_COLS} FROM placements WHERE ns = ? AND seq = ?",
+            (key.namespace, u64_to_i64(key.sequence_hash)),
+        ).fetchone()
+        return _placement(r) if r is not None else None
+
+    @staticmethod
+    def _check_segment(db: sqlite3.Connection, p: Placement) -> None:
+        r = db.execute("SELECT volume FROM segments WHERE id = ?", (p.segment_id,)).fetchone()
+        if r is None or r[0] != p.volume_id:
+            raise StorageError(
+                f"placement of {p.key} names segment {p.segment_id} of volume {p.volume_id!r}, "
+                "which the catalog does not hold"
+            )
+
+    # ------------------------------------------------------------------ placements
+    def get(self, key: BlockKey) -> Placement | None:
+        """See :meth:`PlacementCatalog.get`."""
+        validate_block_key(key)
+        with self._lock:
+            return self._select(self.db, key)
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
+        """See :meth:`PlacementCatalog.get_many`."""
+        for k in keys:
+            validate_block_key(k)
+        with self._read() as db:
+            return [self._select(db, k) for k in keys]
+
+    def insert_if_absent(self, placements: Sequence[Placement]) -> list[Placement]:
+        """See :meth:`PlacementCatalog.insert_if_absent`."""
+        for p in placements:
+            validate_block_key(p.key)
+        out: list[Placement] = []
+        with self._write() as db:
+            checked: set[tuple[str, int]] = set()
+            for p in placements:
+                cur = self._select(db, p.key)
+                if cur is not None:
+                    out.append(cur)
+                    continue
+                if (p.volume_id, p.segment_id) not in checked:
+                    self._check_segment(db, p)
+                    checked.add((p.volume_id, p.segment_id))
+                db.execute(f"INSERT INTO placements ({_COLS}) VALUES (?,?,?,?,?,?,?,?)", _row(p))
+                out.append(p)
+        return out
+
+    def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
+        """See :meth:`PlacementCatalog.compare_and_set`."""
+        validate_block_key(expected.key)
+        if new.key != expected.key:
+            raise InvalidRequestError(f"compare_and_set of {expected.key} with a placement of {new.key}")
+        with self._write() as db:
+            cur = self._select(db, expected.key)
+            if cur is None:
+                raise VersionConflictError(f"{expected.key} was deleted (expected version {expected.version})")
+            if (cur.version, cur.volume_id, cur.segment_id) != (
+                expected.version, expected.volume_id, expected.segment_id
+            ):
+                raise VersionConflictError(
+                    f"{expected.key} is at version {cur.version} on {cur.volume_id!r}/{cur.segment_id}, "
+                    f"expected version {expected.version} on {expected.volume_id!r}/{expected.segment_id}"
+                )
+            stored = Placement(
+                key=new.key, volume_id=new.volume_id, segment_id=new.segment_id, offset=new.offset,
+                length=new.length, checksum=new.checksum, version=expected.version + 1,
+            )
+            self._check_segment(db, stored)
+            db.execute(
+                "UPDATE placements SET volume=?, segment=?, off=?, len=?, checksum=?, version=? "
+                "WHERE ns=? AND seq=?",
+                (*_row(stored)[2:], stored.key.namespace, u64_to_i64(stored.key.sequence_hash)),
+            )
+        return stored
+
+    def delete(self, key: BlockKey, expected_version: int | None = None) -> Placement | None:
+        """See :meth:`PlacementCatalog.delete`."""
+        validate_block_key(key)
+        with self._write() as db:
+            cur = self._select(db, key)
+            if cur is None:
+                return None
+            if expected_version is not None and cur.version != expected_version:
+                raise VersionConflictError(f"{key} is at version {cur.version}, expected {expected_version}")
+            db.execute("DELETE FROM placements WHERE ns=? AND seq=?", (key.namespace, u64_to_i64(key.sequence_hash)))
+            return cur
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
+        """See :meth:`PlacementCatalog.delete_many` (one transaction)."""
+        for k in keys:
+            validate_block_key(k)
+        out: list[Placement | None] = []
+        with self._write() as db:
+            for k in keys:
+                cur = self._select(db, k)
+                if cur is not None:
+                    db.execute("DELETE FROM placements WHERE ns=? AND seq=?", (k.namespace, u64_to_i64(k.sequence_hash)))
+                out.append(cur)
+        return out
+
+    def iter_volume(self, volume_id: str) -> Iterator[Placement]:
+        """See :meth:`PlacementCatalog.iter_volume` (materialized: safe to modify while iterating)."""
+        with self._lock:
+            rows = self.db.execute(
+                f"SELECT {_COLS} FROM placements WHERE volume = ? ORDER BY segment, off", (volume_id,)
+            ).fetchall()
+        return iter([_placement(r) for r in rows])
+
+    def iter_segment(self, volume_id: str, segment_id: int) -> Iterator[Placement]:
+        """See :meth:`PlacementCatalog.iter_segment`."""
+        with self._lock:
+            rows = self.db.execute(
+                f"SELECT {_COLS} FROM placements WHERE volume = ? AND segment = ? ORDER BY off",
+                (volume_id, segment_id),
+            ).fetchall()
+        return iter([_placement(r) for r in rows])
+
+    def quarantine(self, placement: Placement, reason: str) -> bool:
+        """See :meth:`PlacementCatalog.quarantine`."""
+        with self._write() as db:
+            cur = self._select(db, placement.key)
+            if cur != placement:
+                return False
+            db.execute(f"INSERT INTO quarantine ({_COLS}, reason, at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (*_row(cur), reason, time.time()))
+            db.execute("DELETE FROM placements WHERE ns=? AND seq=?",
+                       (cur.key.namespace, u64_to_i64(cur.key.sequence_hash)))
+            return True
+
+    def quarantined(self) -> list[tuple[Placement, str]]:
+        """Every quarantined placement with the reason."""
+        with self._lock:
+            rows = self.db.execute(f"SELECT {_COLS}, reason FROM quarantine ORDER BY at").fetchall()
+        return [(_placement(r[:8]), str(r[8])) for r in rows]
+
+    # ------------------------------------------------------------------ segments
+    def new_segment(self, volume_id: str, size_bytes: int, *, capacity_bytes: int | None = None) -> int:
+        """See :meth:`PlacementCatalog.new_segment`."""
+        if size_bytes < 0:
+            raise InvalidRequestError(f"segment size must be >= 0, got {size_bytes}")
+        with self._write() as db:
+            if capacity_bytes is not None:
+                used = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM segments WHERE volume = ?",
+                                      (volume_id,)).fetchone()[0])
+                if used + size_bytes > capacity_bytes:
+                    raise VolumeFullError(
+                        f"volume {volume_id!r}: {size_bytes} more bytes would exceed its capacity "
+                        f"({used} of {capacity_bytes} bytes used)"
+                    )
+            cur = db.execute("INSERT INTO segments (volume, size, sealed, created) VALUES (?, ?, 0, ?)",
+                             (volume_id, size_bytes, time.time()))
+            seg = cur.lastrowid
+        assert seg is not None
+        return int(seg)
+
+    def seal_segment(self, volume_id: str, segment_id: int) -> None:
+        """See :meth:`PlacementCatalog.seal_segment`."""
+        with self._write() as db:
+            db.execute("UPDATE segments SET sealed = 1 WHERE id = ? AND volume = ?", (segment_id, volume_id))
+
+    _SEG_SQL = (
+        "SELECT s.id, s.volume, s.size, COALESCE(SUM(p.len), 0), COUNT(p.seq), s.sealed, s.created "
+        "FROM segments s LEFT JOIN placements p ON p.volume = s.volume AND p.segment = s.id "
+    )
+
+    @staticmethod
+    def _seg(r: Sequence[object]) -> SegmentInfo:
+        return SegmentInfo(int(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4]), bool(r[5]), float(r[6]))  # type: ignore[call-overload]
+
+    def segments(self, volume_id: str) -> list[SegmentInfo]:
+        """See :meth:`PlacementCatalog.segments`."""
+        with self._lock:
+            rows = self.db.execute(self._SEG_SQL + "WHERE s.volume = ? GROUP BY s.id ORDER BY s.id",
+                                   (volume_id,)).fetchall()
+        return [self._seg(r) for r in rows]
+
+    def segment(self, volume_id: str, segment_id: int) -> SegmentInfo | None:
+        """See :meth:`PlacementCatalog.segment`."""
+        with self._lock:
+            r = self.db.execute(self._SEG_SQL + "WHERE s.volume = ? AND s.id = ? GROUP BY s.id",
+                                (volume_id, segment_id)).fetchone()
+        return self._seg(r) if r is not None else None
+
+    @staticmethod
+    def _live(db: sqlite3.Connection, volume_id: str, segment_id: int) -> int:
+        return int(db.execute("SELECT COUNT(*) FROM placements WHERE volume = ? AND segment = ?",
+                              (volume_id, segment_id)).fetchone()[0])
+
+    def drop_segment(self, volume_id: str, segment_id: int) -> bool:
+        """See :meth:`PlacementCatalog.drop_segment`."""
+        with self._write() as db:
+            live = self._live(db, volume_id, segment_id)
+            if live:
+                raise StorageError(f"segment {segment_id} of {volume_id!r} still holds {live} live blocks")
+            return db.execute("DELETE FROM segments WHERE id = ? AND volume = ?", (segment_id, volume_id)).rowcount > 0
+
+    def drop_segment_if_empty(self, volume_id: str, segment_id: int) -> bool:
+        """See :meth:`PlacementCatalog.drop_segment_if_empty`."""
+        with self._write() as db:
+            if self._live(db, volume_id, segment_id):
+                return False
+            return db.execute("DELETE FROM segments WHERE id = ? AND volume = ? AND sealed = 1",
+                              (segment_id, volume_id)).rowcount > 0
+
+    # ------------------------------------------------------------------ volumes
+    def record_volume(self, volume_id: str, spec: str) -> str:
+        """See :meth:`PlacementCatalog.record_volume`."""
+        with self._write() as db:
+            r = db.execute("SELECT spec FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+            if r is not None:
+                return str(r[0])
+            db.execute("INSERT INTO volumes (id, spec) VALUES (?, ?)", (volume_id, spec))
+            return spec
+
+    def forget_volume(self, volume_id: str) -> None:
+        """See :meth:`PlacementCatalog.forget_volume`."""
+        with self._write() as db:
+            n = int(db.execute("SELECT COUNT(*) FROM placements WHERE volume = ?", (volume_id,)).fetchone()[0])
+            if n:
+                raise StorageError(f"volume {volume_id!r} still holds {n} blocks")
+            db.execute("DELETE FROM segments WHERE volume = ?", (volume_id,))
+            db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
+
+    def volume_specs(self) -> dict[str, str]:
+        """See :meth:`PlacementCatalog.volume_specs`."""
+        with self._lock:
+            return {str(i): str(s) for i, s in self.db.execute("SELECT id, spec FROM volumes ORDER BY id")}
+
+    def close(self) -> None:
+        """See :meth:`PlacementCatalog.close`."""
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

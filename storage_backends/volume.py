@@ -1,0 +1,226 @@
+"""The ``Volume`` interface, descriptor validation and the kind -> class registry.
+
+A volume stores *segments*: immutable byte strings (a file for ``posix``, an object for
+``s3``) that pack many blocks.  Volumes know nothing about block keys or the catalog; the
+:class:`~storage_backends.agent.StorageAgent` decides what goes into which segment.
+Classes are imported lazily by kind (as SGLang does for its storage backends), so an S3
+dependency problem never breaks a POSIX-only deployment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .keys import validate_volume_id
+from .types import MediaClass, VolumeConfigError, VolumeDescriptor, VolumeKind
+
+if TYPE_CHECKING:
+    from .nixl_engine import NixlEngine
+
+_VOLUME_CLASSES: dict[str, tuple[str, str]] = {
+    VolumeKind.POSIX.value: ("storage_backends.posix_volume", "PosixVolume"),
+    VolumeKind.S3.value: ("storage_backends.s3_volume", "S3Volume"),
+}
+
+
+def volume_class(kind: VolumeKind | str) -> type[Volume]:
+    """The :class:`Volume` subclass serving ``kind`` (imported on first use).
+
+    Raises:
+        VolumeConfigError: unknown kind.
+    """
+    k = kind.value if isinstance(kind, VolumeKind) else kind
+    entry = _VOLUME_CLASSES.get(k) if isinstance(k, str) else None
+    if entry is None:
+        raise VolumeConfigError(f"unknown volume kind {kind!r}; known kinds: {sorted(_VOLUME_CLASSES)}")
+    module, name = entry
+    cls: type[Volume] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def validate_descriptor(desc: VolumeDescriptor) -> None:
+    """Check the fields every kind needs, then the kind's own rules.
+
+    Raises:
+        VolumeConfigError: with a message naming the volume and the bad field.
+    """
+    if not isinstance(desc, VolumeDescriptor):
+        raise VolumeConfigError(f"expected a VolumeDescriptor, got {type(desc).__name__}")
+    validate_volume_id(desc.id)
+    try:
+        VolumeKind(desc.kind)
+    except ValueError:
+        raise VolumeConfigError(
+            f"volume {desc.id!r}: unknown kind {desc.kind!r} (expected one of {[k.value for k in VolumeKind]})"
+        ) from None
+    try:
+        MediaClass(desc.media)
+    except ValueError:
+        raise VolumeConfigError(
+            f"volume {desc.id!r}: unknown media class {desc.media!r} (expected one of {[m.value for m in MediaClass]})"
+        ) from None
+    if isinstance(desc.capacity_bytes, bool) or not isinstance(desc.capacity_bytes, int) or desc.capacity_bytes <= 0:
+        raise VolumeConfigError(f"volume {desc.id!r}: capacity_bytes must be a positive int, got {desc.capacity_bytes!r}")
+    a = desc.alignment
+    if isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1):
+        raise VolumeConfigError(f"volume {desc.id!r}: alignment must be a power of two, got {a!r}")
+    if isinstance(desc.segment_bytes, bool) or not isinstance(desc.segment_bytes, int) or desc.segment_bytes <= 0:
+        raise VolumeConfigError(f"volume {desc.id!r}: segment_bytes must be a positive int, got {desc.segment_bytes!r}")
+    volume_class(desc.kind).validate(desc)
+
+
+def descriptor_identity(desc: VolumeDescriptor) -> str:
+    """Canonical JSON of the fields that say *where* a volume's bytes are (no secrets).
+
+    Two registrations of one volume id must agree on these; capacity, endpoint URL,
+    credentials and tuning may differ between processes and restarts.
+    """
+    d = asdict(desc)
+    keep = {k: d[k] for k in ("id", "kind", "root", "bucket", "prefix")}
+    keep["kind"] = VolumeKind(desc.kind).value
+    if desc.root:
+        keep["root"] = os.path.abspath(os.path.expanduser(desc.root))
+    return json.dumps(keep, sort_keys=True)
+
+
+def align_up(n: int, a: int) -> int:
+    """Smallest multiple of ``a`` that is >= ``n``."""
+    return -(-n // a) * a
+
+
+@dataclass
+class VolumeCounters:
+    """I/O counters of one volume in this process (blocks and bytes)."""
+
+    blocks_read: int = 0
+    blocks_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    segments_written: int = 0
+    segments_deleted: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the free-form counter ``name``."""
+        self.extra[name] = self.extra.get(name, 0) + n
+
+
+class Volume(ABC):
+    """A place that stores segments through one NIXL backend.
+
+    Args:
+        desc: a validated descriptor.
+        engine: the NIXL engine (agent + backend + staging buffer) to use.
+    """
+
+    kind: ClassVar[VolumeKind]
+
+    def __init__(self, desc: VolumeDescriptor, engine: NixlEngine) -> None:
+        self.desc = desc
+        self.engine = engine
+        self.counters = VolumeCounters()
+
+    # ------------------------------------------------------------------ class-level
+    @classmethod
+    @abstractmethod
+    def validate(cls, desc: VolumeDescriptor) -> None:
+        """Kind-specific checks; raise VolumeConfigError."""
+
+    @classmethod
+    @abstractmethod
+    def engine_spec(cls, desc: VolumeDescriptor) -> tuple[str, dict[str, str]]:
+        """NIXL backend type and parameters this volume needs."""
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def block_alignment(self) -> int:
+        """Alignment of block offsets and read lengths inside segments (1 = none)."""
+        return 1
+
+    @property
+    def buffer_alignment(self) -> int:
+        """Alignment the DRAM staging buffer's address must have."""
+        return 64
+
+    def plan(self, lengths: Sequence[int]) -> tuple[list[int], int]:
+        """Offsets of blocks of ``lengths`` packed in a segment, and the segment's size."""
+        a = self.block_alignment
+        offsets: list[int] = []
+        pos = 0
+        for n in lengths:
+            offsets.append(pos)
+            pos = align_up(pos + n, a)
+        return offsets, max(pos, a if a > 1 else 0)
+
+    def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
+        """Bytes of staging buffer :meth:`read_many` needs for ``[(segment_id, offset, length)]``."""
+        a = self.block_alignment
+        return sum(align_up(n, a) for _, _, n in items)
+
+    # ------------------------------------------------------------------ I/O
+    @abstractmethod
+    def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
+        """Write ``buffer[:size]`` (registered uint8 DRAM) as segment ``segment_id`` in ONE
+        NIXL transfer, durably.  The segment must not exist yet.
+
+        Raises:
+            VolumeFullError: no room (ENOSPC); nothing is left behind.
+            TransferError: the transfer failed or was short; nothing is left behind.
+        """
+
+    @abstractmethod
+    def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
+        """Read ``[(segment_id, offset, length)]`` in one NIXL transfer into ``out``.
+
+        Args:
+            out: registered uint8 DRAM of at least ``read_buffer_bytes(items)`` bytes
+                whose address is a multiple of :attr:`buffer_alignment`.
+
+        Returns:
+            one uint8 view of ``out`` per item, each of exactly ``length`` bytes.
+
+        Raises:
+            TransferError: a segment is missing or the transfer failed.
+        """
+
+    def read(self, segment_id: int, ranges: Sequence[tuple[int, int]], out: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`read_many` for ``[(offset, length)]`` ranges of one segment."""
+        return self.read_many([(segment_id, o, n) for o, n in ranges], out)
+
+    def _place(self, lengths: Sequence[int], out: torch.Tensor) -> list[int]:
+        """Start of each item inside ``out`` (aligned as :attr:`block_alignment` needs)."""
+        a = self.block_alignment
+        pos, starts = 0, []
+        for n in lengths:
+            starts.append(pos)
+            pos += align_up(n, a)
+        if pos > out.numel():
+            raise ValueError(f"read buffer of {out.numel()} bytes is smaller than the {pos} needed")
+        return starts
+
+    @abstractmethod
+    def delete_segment(self, segment_id: int) -> None:
+        """Delete a segment (missing is fine)."""
+
+    @abstractmethod
+    def list_segments(self) -> list[int]:
+        """Ids of the segments physically present, ascending."""
+
+    def close(self) -> None:
+        """Release open files and registrations."""
+
+    def describe(self) -> dict[str, Any]:
+        """Counters as a flat dict (for stats)."""
+        c = self.counters
+        return {
+            "bytes_read": c.bytes_read, "bytes_written": c.bytes_written,
+            "segments_written": c.segments_written, "segments_deleted": c.segments_deleted, **c.extra,
+        }
