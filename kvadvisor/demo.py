@@ -21,6 +21,7 @@ promotes, demotes and compacts.  The report gives the figures the issue asks for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -40,10 +41,9 @@ import httpx
 import torch
 
 from event_plane import EventPublisher, make_publisher
-from kvadvisor.kvdata import expected_block, fill_block
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
-from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult
+from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult, fill_synthetic_kv, synthetic_block_bytes
 from storage_backends import (
     LocalS3,
     MediaClass,
@@ -131,26 +131,50 @@ def _worker_urls(s: DemoSettings, i: int) -> tuple[str, str]:
     """(publisher URL, subscriber URL) of worker ``i``."""
     use_nats = s.transport == "nats" or (s.transport == "mixed" and i % 2 == 1)
     if use_nats:
-        url = f"{s.nats_url}?namespace={s.namespace}"
+        url = f"{s.nats_url}?namespace={s.nats_namespace}"
         return url, url
     pub, rep = free_port(), free_port()
     return f"zmq://127.0.0.1:{pub}?replay={rep}", f"zmq://127.0.0.1:{pub}?replay={rep}"
 
 
-def advisor_config(s: DemoSettings, topo: Topology) -> dict[str, Any]:
-    """JSON config for ``python -m advisor --config``."""
-    subs = sorted(set(topo.worker_sub_urls))
+def runtime_config(s: DemoSettings) -> RuntimeConfig:
+    """The workers' runtime configuration (same model fingerprint for every worker)."""
+    return RuntimeConfig(
+        model_name="demo/mooncake-conversation",
+        num_layers=s.num_layers,
+        outer_dim=s.outer_dim,
+        page_size=s.page_size,
+        inner_dim=s.inner_dim,
+        kv_dtype="float16",
+        g1_blocks=s.g1_blocks,
+        g2_blocks=s.g2_blocks,
+    )
+
+
+def advisor_config(s: DemoSettings, topo: Topology, namespace: str, access_key: str | None, secret_key: str | None) -> dict[str, Any]:
+    """JSON settings for ``python -m advisor --config`` (see ``advisor.settings.AdvisorSettings``)."""
+    vols = []
+    for v in topo.volumes:
+        d = _descriptor_json(v)
+        if v.kind is VolumeKind.S3 and access_key:
+            d["access_key"], d["secret_key"] = access_key, secret_key
+        vols.append(d)
     return {
-        "subscribe": subs,
-        "publish": topo.advisor_pub_url,
         "source": "advisor-0",
+        "subscribe_urls": sorted(set(topo.worker_sub_urls)),
+        "publish_url": topo.advisor_pub_url,
         "journal_path": str(topo.journal_path),
         "catalog_path": str(topo.catalog_path),
-        "namespace": s.namespace,
-        "volumes": [_descriptor_json(v) for v in topo.volumes],
+        "namespace": namespace,
+        "volumes": vols,
         "fast_volume": FAST,
-        "slow_volume": SLOW,
-        "object_volume": S3,
+        "slow_volumes": [SLOW],
+        "archive_volume": S3,
+        "policy": {
+            "promotion": {"min_hits": 2},
+            "demotion": {"high_watermark": 0.8, "low_watermark": 0.6},
+            "compaction": {"live_fraction": s.compaction_live_fraction},
+        },
         "policy_interval_s": 0,
         "api_host": topo.api_host,
         "api_port": topo.api_port,
@@ -158,10 +182,10 @@ def advisor_config(s: DemoSettings, topo: Topology) -> dict[str, Any]:
 
 
 def _descriptor_json(v: VolumeDescriptor) -> dict[str, Any]:
-    d = {k: getattr(v, k) for k in v.__slots__}  # type: ignore[attr-defined]
+    d = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
     d["kind"] = v.kind.value
     d["media"] = v.media.value
-    return d
+    return {k: val for k, val in d.items() if val is not None}
 
 
 @contextmanager
@@ -331,7 +355,11 @@ def run_demo(
             api_port=s.api_port or free_port(),
             s3=s3,
         )
-        api_url = stack.enter_context(advisor_process(advisor_config(s, topo), workdir, env))
+        rcfg = runtime_config(s)
+        namespace = rcfg.fingerprint().namespace()
+        access = env.get("AWS_ACCESS_KEY_ID")
+        secret = env.get("AWS_SECRET_ACCESS_KEY")
+        api_url = stack.enter_context(advisor_process(advisor_config(s, topo, namespace, access, secret), workdir, env))
         client = AdvisorClient(api_url)
         stack.callback(client.close)
 
@@ -344,25 +372,14 @@ def run_demo(
         for i in range(s.workers):
             pub = make_publisher(topo.worker_pub_urls[i], source=f"worker-{i}")
             publishers.append(pub)
-            cfg = RuntimeConfig(
-                model_name="demo/mooncake-conversation",
-                num_layers=s.num_layers,
-                outer_dim=s.outer_dim,
-                page_size=s.page_size,
-                inner_dim=s.inner_dim,
-                dtype="float16",
-                g1_blocks=s.g1_blocks,
-                g2_blocks=s.g2_blocks,
-                namespace=s.namespace,
-            )
-            mgr = BlockManager(cfg, pub, store=agent, g3_volume=SLOW)
+            mgr = BlockManager(rcfg, pub, store=agent, g3_volume=SLOW)
             managers.append(mgr)
             stack.callback(mgr.close)
 
         report = DemoReport(requests=len(reqs), workers=s.workers, api_url=api_url)
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
-            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_block)
+            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
             report.blocks += res.num_blocks
             report.computed_blocks += res.computed
             report.hits["g1"] += res.hits_g1
@@ -418,7 +435,7 @@ def verify_consistency(client: AdvisorClient, managers: list[BlockManager], agen
     """
     out: dict[str, Any] = {}
     for mgr in managers:
-        src = mgr.source
+        src = mgr.publisher.source
         for tier in ("g1", "g2"):
             held = mgr.resident(tier)
             idx = client.blocks_at(f"{src}/{tier}")
@@ -435,7 +452,7 @@ def verify_consistency(client: AdvisorClient, managers: list[BlockManager], agen
             chunk = placements[i : i + 256]
             datas = agent.get([p.key for p in chunk])
             for p, data in zip(chunk, datas):
-                want = expected_block(p.key.sequence_hash, shape, torch.float16).view(torch.uint8).reshape(-1)
+                want = synthetic_block_bytes(p.key.sequence_hash, shape, torch.float16)
                 checked += 1
                 ok += int(torch.equal(data.reshape(-1), want))
     out["bytes_checked"] = checked

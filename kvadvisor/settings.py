@@ -22,7 +22,7 @@ class DemoSettings(BaseSettings):
     workers: int = Field(2, ge=1, le=16)
     transport: Literal["zmq", "nats", "mixed"] = "zmq"
     nats_url: str = "nats://127.0.0.1:4222"
-    namespace: str = "demo"
+    nats_namespace: str = Field("demo", description="NATS subject namespace (kvadvisor.events.<ns>.<source>)")
     workdir: Path | None = None
     s3_endpoint: str | None = Field(None, description="S3 endpoint; default: start a local one")
     s3_bucket: str = "kvadvisor-demo"
@@ -36,6 +36,7 @@ class DemoSettings(BaseSettings):
     fast_capacity_blocks: int = Field(600, ge=1, description="capacity of the fast volume in blocks")
     slow_capacity_blocks: int = Field(200_000, ge=1)
     s3_capacity_blocks: int = Field(10_000_000, ge=1)
+    compaction_live_fraction: float = Field(0.75, gt=0.0, le=1.0, description="compact segments less live than this")
     policy_every: int = Field(100, ge=1, description="run one advisor policy round every N requests")
     api_port: int = Field(0, ge=0, le=65535, description="0: a free port")
     verify: bool = Field(False, description="check index == held blocks and read every block back")

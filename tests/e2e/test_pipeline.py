@@ -12,13 +12,14 @@ volume on a real HTTP endpoint.  Then checks, while everything is still up:
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
 import torch
 
 from kvadvisor.demo import FAST, S3, SLOW, AdvisorClient, DemoReport, run_demo
-from kvadvisor.kvdata import expected_block
+from kvbm_runtime import synthetic_block_bytes
 from kvadvisor.settings import DemoSettings
 
 pytestmark = pytest.mark.e2e
@@ -31,12 +32,12 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
         workers=2,
         transport="mixed",
         nats_url=nats_url,
-        namespace=f"e2e{tmp_path_factory.getbasetemp().name[-6:]}",
+        nats_namespace=f"e2e{uuid.uuid4().hex[:8]}",
         s3_endpoint=local_s3.endpoint,
         s3_bucket="kvadvisor-e2e",
         workdir=tmp_path_factory.mktemp("demo"),
-        g1_blocks=64,
-        g2_blocks=256,
+        g1_blocks=256,
+        g2_blocks=512,
         fast_capacity_blocks=48,
         policy_every=25,
         inner_dim=2,
@@ -48,7 +49,7 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
         per_loc: dict[str, tuple[set[int], set[int]]] = {}
         for mgr in managers:
             for tier in ("g1", "g2"):
-                per_loc[f"{mgr.source}/{tier}"] = (client.blocks_at(f"{mgr.source}/{tier}"), mgr.resident(tier))
+                per_loc[f"{mgr.publisher.source}/{tier}"] = (client.blocks_at(f"{mgr.publisher.source}/{tier}"), mgr.resident(tier))
         for vol in (FAST, SLOW, S3):
             held = {p.key.sequence_hash for p in agent.catalog.iter_volume(vol)}
             per_loc[vol] = (client.blocks_at(vol), held)
@@ -63,7 +64,7 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
                 chunk = placements[i : i + 128]
                 for p, data in zip(chunk, agent.get([p.key for p in chunk])):
                     n += 1
-                    want = expected_block(p.key.sequence_hash, shape, torch.float16).view(torch.uint8).reshape(-1)
+                    want = synthetic_block_bytes(p.key.sequence_hash, shape, torch.float16)
                     if not torch.equal(data.reshape(-1), want):
                         bad.append(p.key.sequence_hash)
         seen["read_back"] = (n, bad)
