@@ -1,0 +1,62 @@
+"""The advisor: journal → PrefixIndex fold, tiering policies, planner and mover, query API.
+
+Imports ``event_plane`` and ``storage_backends`` only (the REST API is loaded by name).
+"""
+
+from advisor.index import BlockInfo, IndexCounters, PrefixIndex
+from advisor.journal import BadPayloadError, JournalError, SqliteJournal
+from advisor.mover import Mover
+from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
+from advisor.planner import Plan, Planner
+from advisor.policies import (
+    CompactionSettings,
+    DemotionSettings,
+    PlannerSettings,
+    PolicyInput,
+    PolicySettings,
+    PromotionSettings,
+    VolumeUsage,
+    plan_all,
+    plan_compactions,
+    plan_demotions,
+    plan_promotions,
+)
+from advisor.query import AdvisorQuery, LookupResult, VolumeView
+from advisor.service import AdvisorError, AdvisorService, main
+from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
+
+__all__ = [
+    "AdvisorError",
+    "AdvisorQuery",
+    "AdvisorService",
+    "AdvisorSettings",
+    "BadPayloadError",
+    "BlockInfo",
+    "CompactionSettings",
+    "DemotionSettings",
+    "IndexCounters",
+    "JournalError",
+    "LookupResult",
+    "Mover",
+    "Plan",
+    "PlanItem",
+    "PlanKind",
+    "PlanResult",
+    "PlanStatus",
+    "Planner",
+    "PlannerSettings",
+    "PolicyInput",
+    "PolicySettings",
+    "PrefixIndex",
+    "PromotionSettings",
+    "SettingsError",
+    "SqliteJournal",
+    "VolumeSettings",
+    "VolumeUsage",
+    "VolumeView",
+    "main",
+    "plan_all",
+    "plan_compactions",
+    "plan_demotions",
+    "plan_promotions",
+]

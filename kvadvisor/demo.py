@@ -115,6 +115,7 @@ def block_bytes(s: DemoSettings) -> int:
 
 
 def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | None, secret: str | None) -> list[VolumeDescriptor]:
+    """The three volumes: ``fast`` and ``slow`` directories, and the ``s3`` bucket."""
     bb = block_bytes(s)
     seg = max(bb * 32, 1 << 20)
     return [
@@ -123,7 +124,8 @@ def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | Non
         VolumeDescriptor(SLOW, VolumeKind.POSIX, MediaClass.HDD, s.slow_capacity_blocks * bb,
                          root=str(workdir / "volumes" / SLOW), segment_bytes=seg),
         VolumeDescriptor(S3, VolumeKind.S3, MediaClass.OBJECT, s.s3_capacity_blocks * bb,
-                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix="kv", segment_bytes=seg),
+                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix="kv", segment_bytes=seg,
+                         access_key=access, secret_key=secret),
     ]
 
 
@@ -151,13 +153,11 @@ def runtime_config(s: DemoSettings) -> RuntimeConfig:
     )
 
 
-def advisor_config(s: DemoSettings, topo: Topology, namespace: str, access_key: str | None, secret_key: str | None) -> dict[str, Any]:
+def advisor_config(s: DemoSettings, topo: Topology, namespace: str) -> dict[str, Any]:
     """JSON settings for ``python -m advisor --config`` (see ``advisor.settings.AdvisorSettings``)."""
     vols = []
     for v in topo.volumes:
         d = _descriptor_json(v)
-        if v.kind is VolumeKind.S3 and access_key:
-            d["access_key"], d["secret_key"] = access_key, secret_key
         vols.append(d)
     return {
         "source": "advisor-0",
@@ -333,21 +333,18 @@ def run_demo(
             stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         s3: LocalS3 | None = None
         endpoint = s.s3_endpoint
+        access, secret = s.s3_access_key, s.s3_secret_key
         if endpoint is None:
             s3 = start_local_s3()
             stack.callback(s3.stop)
-            endpoint = s3.endpoint
-            env.setdefault("AWS_ACCESS_KEY_ID", s3.access_key)
-            env.setdefault("AWS_SECRET_ACCESS_KEY", s3.secret_key)
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", s3.access_key)
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+            endpoint, access, secret = s3.endpoint, s3.access_key, s3.secret_key
         urls = [_worker_urls(s, i) for i in range(s.workers)]
         adv_pub, adv_rep = free_port(), free_port()
         topo = Topology(
             workdir=workdir,
             catalog_path=workdir / "catalog.sqlite",
             journal_path=workdir / "journal.sqlite",
-            volumes=_volumes(s, workdir, endpoint, None, None),
+            volumes=_volumes(s, workdir, endpoint, access, secret),
             worker_pub_urls=[u[0] for u in urls],
             worker_sub_urls=[u[1] for u in urls],
             advisor_pub_url=f"zmq://127.0.0.1:{adv_pub}?replay={adv_rep}",
@@ -357,9 +354,7 @@ def run_demo(
         )
         rcfg = runtime_config(s)
         namespace = rcfg.fingerprint().namespace()
-        access = env.get("AWS_ACCESS_KEY_ID")
-        secret = env.get("AWS_SECRET_ACCESS_KEY")
-        api_url = stack.enter_context(advisor_process(advisor_config(s, topo, namespace, access, secret), workdir, env))
+        api_url = stack.enter_context(advisor_process(advisor_config(s, topo, namespace), workdir, env))
         client = AdvisorClient(api_url)
         stack.callback(client.close)
 

@@ -26,6 +26,8 @@ class DemoSettings(BaseSettings):
     workdir: Path | None = None
     s3_endpoint: str | None = Field(None, description="S3 endpoint; default: start a local one")
     s3_bucket: str = "kvadvisor-demo"
+    s3_access_key: str | None = Field(None, description="default: the standard AWS credential chain")
+    s3_secret_key: str | None = None
     # KV geometry of one block: [num_layers][outer_dim][page_size][inner_dim] of float16
     num_layers: int = Field(2, ge=1)
     outer_dim: int = Field(2, ge=1)

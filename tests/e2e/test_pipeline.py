@@ -1,6 +1,6 @@
 """End to end: a real trace through real workers, ZMQ, NATS, NIXL, S3, the advisor and its API.
 
-Replays 300 Mooncake requests through two workers — one publishing over ZMQ, one over the
+Replays 500 Mooncake requests through two workers — one publishing over ZMQ, one over the
 NATS server — into an advisor running in its own process, with two POSIX volumes and an S3
 volume on a real HTTP endpoint.  Then checks, while everything is still up:
 
@@ -28,17 +28,19 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: Any) -> dict[str, Any]:
     s = DemoSettings(
-        requests=300,
+        requests=500,
         workers=2,
         transport="mixed",
         nats_url=nats_url,
         nats_namespace=f"e2e{uuid.uuid4().hex[:8]}",
         s3_endpoint=local_s3.endpoint,
         s3_bucket="kvadvisor-e2e",
+        s3_access_key=local_s3.access_key,
+        s3_secret_key=local_s3.secret_key,
         workdir=tmp_path_factory.mktemp("demo"),
         g1_blocks=256,
         g2_blocks=512,
-        fast_capacity_blocks=48,
+        fast_capacity_blocks=32,
         policy_every=25,
         inner_dim=2,
     )
@@ -104,6 +106,6 @@ def test_both_transports_and_the_wire_budget(replay: dict[str, Any]) -> None:
     r: DemoReport = replay["report"]
     sources = replay["stats"]["sources"]
     assert {"worker-0", "worker-1"} <= set(sources)  # one over ZMQ, one over NATS
-    assert r.requests == 300
+    assert r.requests == 500
     assert r.hits["g1"] + r.hits["g2"] + r.hits["g3"] + r.hits["g4"] > 0
     assert 0 < r.event_bytes_per_event <= 100

@@ -1,0 +1,7 @@
+"""``python -m advisor --config FILE.json``: run the advisor service as its own process."""
+
+import sys
+
+from advisor.service import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one advisor (a private ``CollectorRegistry`` per service).
+
+Counters are updated where things happen (ingest, mover); gauges that mirror state
+(index blocks per location, subscriber counters) are read at scrape time through a
+custom collector, so they can never drift from the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from advisor.plan import PlanResult
+
+
+class _StateCollector(Collector):
+    """Reads a snapshot dict at scrape time (see :meth:`AdvisorMetrics.__init__`)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        blocks = GaugeMetricFamily("kvadvisor_index_blocks", "Blocks indexed per location", labels=["location"])
+        for loc, n in snap.get("blocks_per_location", {}).items():
+            blocks.add_metric([loc], n)
+        yield blocks
+        yield GaugeMetricFamily("kvadvisor_index_blocks_total", "Distinct blocks indexed", value=snap.get("blocks", 0))
+        yield GaugeMetricFamily(
+            "kvadvisor_index_orphans", "Indexed blocks whose parent is not indexed", value=snap.get("orphans_pending", 0)
+        )
+        idx = CounterMetricFamily("kvadvisor_index_events", "Index counters by kind", labels=["kind"])
+        for name, n in snap.get("index_counters", {}).items():
+            idx.add_metric([name], n)
+        yield idx
+        sub = CounterMetricFamily("kvadvisor_subscriber", "Subscriber counters (gaps, replayed, ...)", labels=["kind"])
+        for name, n in snap.get("subscriber", {}).items():
+            sub.add_metric([name], n)
+        yield sub
+        yield CounterMetricFamily(
+            "kvadvisor_subscriber_gaps", "Gaps detected in source seq numbers", value=snap.get("subscriber", {}).get("gaps", 0)
+        )
+        yield GaugeMetricFamily(
+            "kvadvisor_events_per_second", "Events applied per second (recent window)", value=snap.get("events_per_s", 0.0)
+        )
+
+
+class AdvisorMetrics:
+    """The advisor's metrics.
+
+    Args:
+        snapshot: returns ``{"blocks_per_location": {loc: n}, "blocks": n,
+            "orphans_pending": n, "index_counters": {...}, "subscriber": {...},
+            "events_per_s": float}``; called at every scrape.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.events_applied = Counter("kvadvisor_events_applied", "Events applied to the index", registry=r)
+        self.batches_applied = Counter("kvadvisor_batches_applied", "Batches journaled and applied", registry=r)
+        self.duplicate_batches = Counter(
+            "kvadvisor_duplicate_batches", "Batches already journaled (not applied again)", registry=r
+        )
+        self.bad_batches = Counter("kvadvisor_bad_batches", "Batches refused by the journal", registry=r)
+        self.moves = Counter("kvadvisor_moves", "Plan items executed", ["kind", "status"], registry=r)
+        self.bytes_moved = Counter("kvadvisor_bytes_moved", "Bytes written by moves and compactions", ["kind"], registry=r)
+        self.policy_rounds = Counter("kvadvisor_policy_rounds", "Policy rounds run", registry=r)
+        self.journal_position = Gauge("kvadvisor_journal_position", "Last journal position applied", registry=r)
+        r.register(_StateCollector(snapshot))
+
+    def record_results(self, results: list[PlanResult]) -> None:
+        """Count executed plan items and bytes moved."""
+        for res in results:
+            kind = res.item.kind.value
+            self.moves.labels(kind=kind, status=res.status.value).inc()
+            if res.bytes_moved:
+                self.bytes_moved.labels(kind=kind).inc(res.bytes_moved)

@@ -1,0 +1,359 @@
+"""Tiering policies: hot promotion, cold demotion, compaction of sparse segments.
+
+Each policy is a pure function of its settings, a :class:`PolicyInput` (volume usage and
+catalog facts gathered by the service) and the :class:`~advisor.index.PrefixIndex`
+(block hits, last access and lineage).  It returns :class:`~advisor.plan.PlanItem` s,
+each with a ``reason``; the planner then applies rate limits and the mover executes them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel, Field, model_validator
+
+from advisor.index import PrefixIndex
+from advisor.plan import PlanItem, PlanKind
+
+
+class SegmentLike(Protocol):
+    """What compaction reads of a segment (``storage_backends.SegmentInfo``)."""
+
+    segment_id: int
+    volume_id: str
+    size_bytes: int
+    live_bytes: int
+    live_blocks: int
+
+
+class PlacementLike(Protocol):
+    """What demotion reads of a placement (``storage_backends.Placement``)."""
+
+    @property
+    def key(self) -> object: ...  # BlockKey(namespace, sequence_hash)
+
+    volume_id: str
+    segment_id: int
+    length: int
+
+
+class PromotionSettings(BaseModel):
+    """Hot promotion: blocks hit often on a slow volume are copied to the fast volume.
+
+    Attributes:
+        enabled: run this policy.
+        min_hits: a block qualifies at ``hits >= min_hits``.
+        max_fill: never promote the fast volume past this fraction of its capacity.  Set
+            above the demotion high watermark (default 0.95 vs 0.8) so hot blocks keep
+            flowing in while demotion pushes the least recently used leaves out; at or
+            below it, a full fast volume would freeze with its first promotions.
+        from_archive: also promote from the archive (S3) volume, not only slow volumes.
+    """
+
+    enabled: bool = True
+    min_hits: int = Field(2, ge=1)
+    max_fill: float = Field(0.95, gt=0.0, le=1.0)
+    from_archive: bool = False
+
+
+class DemotionSettings(BaseModel):
+    """Cold demotion: fast volume above ``high_watermark`` → LRU leaves to the archive.
+
+    Attributes:
+        enabled: run this policy.
+        high_watermark: fraction of capacity (used bytes) that triggers demotion.
+        low_watermark: demote until live bytes fall to this fraction of capacity.
+    """
+
+    enabled: bool = True
+    high_watermark: float = Field(0.8, gt=0.0, le=1.0)
+    low_watermark: float = Field(0.6, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _order(self) -> DemotionSettings:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"demotion low_watermark ({self.low_watermark}) must be below high_watermark ({self.high_watermark})"
+            )
+        return self
+
+
+class CompactionSettings(BaseModel):
+    """Compaction: rewrite segments whose live fraction fell under ``live_fraction``.
+
+    Attributes:
+        enabled: run this policy.
+        live_fraction: a segment with ``live_bytes / size_bytes`` below this is compacted.
+        min_dead_bytes: ignore segments with fewer dead bytes than this.
+    """
+
+    enabled: bool = True
+    live_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    min_dead_bytes: int = Field(0, ge=0)
+
+
+class PlannerSettings(BaseModel):
+    """Rate limits of one policy round.
+
+    Attributes:
+        max_moves_per_round: block moves (promotions + demotions) per round.
+        max_bytes_per_round: bytes copied per round (moves + compactions).
+        max_compactions_per_round: segments compacted per round.
+    """
+
+    max_moves_per_round: int = Field(256, ge=0)
+    max_bytes_per_round: int = Field(1 << 30, ge=0)
+    max_compactions_per_round: int = Field(8, ge=0)
+
+
+class PolicySettings(BaseModel):
+    """All policy knobs (nested in ``AdvisorSettings.policy``)."""
+
+    promotion: PromotionSettings = Field(default_factory=PromotionSettings)
+    demotion: DemotionSettings = Field(default_factory=DemotionSettings)
+    compaction: CompactionSettings = Field(default_factory=CompactionSettings)
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
+
+
+@dataclass
+class VolumeUsage:
+    """Capacity and usage of one volume, in bytes."""
+
+    capacity_bytes: int
+    used_bytes: int
+    live_bytes: int
+
+
+@dataclass
+class PolicyInput:
+    """Facts the policies need besides the index, gathered before a round.
+
+    Attributes:
+        fast_volume: id of the fast volume (promotion target, demotion source).
+        slow_volumes: ids of slow volumes (promotion sources).
+        archive_volume: id of the archive (S3) volume (demotion target).
+        usage: per volume id, capacity / used / live bytes.
+        fast_placements: the catalog's placements on the fast volume.
+        segments: per volume id, its segments.
+    """
+
+    fast_volume: str | None
+    slow_volumes: Sequence[str]
+    archive_volume: str | None
+    usage: dict[str, VolumeUsage] = field(default_factory=dict)
+    fast_placements: Sequence[PlacementLike] = ()
+    segments: dict[str, Sequence[SegmentLike]] = field(default_factory=dict)
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def plan_promotions(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex) -> list[PlanItem]:
+    """Blocks with ``hits >= min_hits`` on a slow volume and not on the fast volume.
+
+    Hottest first (hits, then most recent access); an ancestor that also qualifies is
+    always planned before its descendants, so a promoted prefix is never missing its
+    head.  Stops when the fast volume would pass ``max_fill`` of its capacity.
+    """
+    fast = inp.fast_volume
+    if not settings.enabled or fast is None:
+        return []
+    sources = list(inp.slow_volumes)
+    if settings.from_archive and inp.archive_volume:
+        sources.append(inp.archive_volume)
+    usage = inp.usage.get(fast)
+    budget = (settings.max_fill * usage.capacity_bytes - usage.used_bytes) if usage else float("inf")
+    if budget <= 0:
+        return []
+    cand: dict[int, tuple[str, int, int, int]] = {}  # h -> (src, hits, last_access, size)
+    for src in sources:
+        for h in index.blocks_at(src):
+            if h in cand or index.holds(h, fast):
+                continue
+            info = index.block(h)
+            if info is not None and info.hits >= settings.min_hits:
+                cand[h] = (src, info.hits, info.last_access_ns, info.size)
+    order = sorted(cand, key=lambda h: (-cand[h][1], -cand[h][2], h))
+    planned: set[int] = set()
+    items: list[PlanItem] = []
+    used = 0.0
+
+    def emit(h: int) -> bool:
+        nonlocal used
+        src, hits, _last, size = cand[h]
+        if used + size > budget:
+            return False
+        used += size
+        planned.add(h)
+        items.append(
+            PlanItem(
+                PlanKind.PROMOTE,
+                f"hits={hits} >= min_hits={settings.min_hits} on slow volume '{src}'; "
+                f"fast volume '{fast}' stays under {_pct(settings.max_fill)}",
+                src,
+                fast,
+                sequence_hash=h,
+                bytes=size,
+            )
+        )
+        return True
+
+    for h in order:
+        if h in planned:
+            continue
+        # ancestors that also qualify go first (a prefix is only useful with its head)
+        chain = [h]
+        info = index.block(h)
+        seen = {h}
+        while info is not None and info.parent is not None and info.parent in cand and info.parent not in planned:
+            if info.parent in seen:
+                break
+            seen.add(info.parent)
+            chain.append(info.parent)
+            info = index.block(info.parent)
+        for x in reversed(chain):
+            if not emit(x):
+                return items
+    return items
+
+
+def _leaves_first(on_fast: dict[int, PlacementLike], index: PrefixIndex) -> Iterator[tuple[int, int]]:
+    """Yield ``(last_access_ns, h)`` for the blocks of ``on_fast``, least recently used leaf first.
+
+    A block is yielded only after every child of it that is in ``on_fast`` was yielded,
+    so taking any prefix of this order never leaves a child without its parent.
+    """
+    pending_children: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    for h in on_fast:
+        n = sum(1 for c in index.children(h) if c in on_fast and c != h)
+        pending_children[h] = n
+        if n == 0:
+            info = index.block(h)
+            heapq.heappush(heap, (info.last_access_ns if info else 0, h))
+    while heap:
+        last, h = heapq.heappop(heap)
+        yield last, h
+        info = index.block(h)
+        parent = info.parent if info else None
+        if parent is not None and parent in pending_children:
+            pending_children[parent] -= 1
+            if pending_children[parent] == 0:
+                pinfo = index.block(parent)
+                heapq.heappush(heap, (pinfo.last_access_ns if pinfo else 0, parent))
+
+
+def plan_demotions(
+    settings: DemotionSettings, inp: PolicyInput, index: PrefixIndex, compact_below: float = 0.5
+) -> list[PlanItem]:
+    """Least recently used *leaves* of the fast volume, moved to the archive volume.
+
+    Triggers when the fast volume's used bytes exceed ``high_watermark`` × capacity;
+    plans until its live bytes would be at most ``low_watermark`` × capacity.  A block
+    becomes a candidate only once none of its children remain on the fast volume
+    (leaves first), so a cached prefix is never cut in the middle.  Blocks the index
+    does not know (no access recorded) go first.
+
+    When live bytes are already at the low watermark, the excess is dead space, which
+    compaction reclaims.  If no sparse segment (live fraction < ``compact_below``) can be
+    compacted because its live bytes do not fit in the free space, the volume would stay
+    over its watermark forever; then the sparsest segment is *evacuated*: all its live
+    blocks are demoted (leaves first), and the agent drops the emptied segment.
+    """
+    fast, archive = inp.fast_volume, inp.archive_volume
+    if not settings.enabled or fast is None or archive is None:
+        return []
+    usage = inp.usage.get(fast)
+    if usage is None or usage.capacity_bytes <= 0:
+        return []
+    fill = usage.used_bytes / usage.capacity_bytes
+    if fill <= settings.high_watermark:
+        return []
+    on_fast: dict[int, PlacementLike] = {}
+    for p in inp.fast_placements:
+        on_fast.setdefault(p.key.sequence_hash, p)  # type: ignore[attr-defined]
+    head = f"fast volume '{fast}' at {_pct(fill)} > high watermark {_pct(settings.high_watermark)}; "
+
+    def item(h: int, reason: str) -> PlanItem:
+        p = on_fast[h]
+        return PlanItem(PlanKind.DEMOTE, head + reason, fast, archive, sequence_hash=h,
+                        namespace=p.key.namespace, bytes=p.length)  # type: ignore[attr-defined]
+
+    need = usage.live_bytes - settings.low_watermark * usage.capacity_bytes
+    items: list[PlanItem] = []
+    if need > 0:
+        freed = 0
+        for last, h in _leaves_first(on_fast, index):
+            if freed >= need:
+                break
+            freed += on_fast[h].length
+            items.append(item(h, f"LRU leaf (last access ts {last}) moved to '{archive}' until "
+                                 f"{_pct(settings.low_watermark)} live"))
+        return items
+    # the excess is dead space: compaction reclaims it if a sparse segment fits in the free space
+    free = usage.capacity_bytes - usage.used_bytes
+    segs = [s for s in inp.segments.get(fast, ()) if getattr(s, "sealed", True) and s.live_blocks > 0
+            and s.size_bytes > s.live_bytes]
+    if not segs or any(s.live_bytes <= free and s.live_bytes < compact_below * s.size_bytes for s in segs):
+        return []
+    victim = min(segs, key=lambda s: (s.live_bytes / s.size_bytes, s.live_bytes, s.segment_id))
+    members = {h: p for h, p in on_fast.items() if p.segment_id == victim.segment_id}  # type: ignore[attr-defined]
+    why = (f"no room to compact (free {free} B < live bytes of every sparse segment): evacuating segment "
+           f"{victim.segment_id} ({_pct(victim.live_bytes / victim.size_bytes)} live) to '{archive}'")
+    return [item(h, why) for _, h in _leaves_first(members, index)]
+
+
+def plan_compactions(settings: CompactionSettings, inp: PolicyInput) -> list[PlanItem]:
+    """Segments whose live fraction is below ``live_fraction`` (sparsest first).
+
+    A compaction writes the live blocks to a new segment before the old one is dropped,
+    so a segment is planned only if its live bytes fit in the volume's free space
+    (capacity - used, when ``inp.usage`` knows the volume); each planned compaction then
+    frees ``size - live`` bytes for the next.  Empty segments are left to the storage
+    agent (it deletes them itself), unsealed ones to their writer.
+    """
+    if not settings.enabled:
+        return []
+    found: list[tuple[float, str, int, PlanItem]] = []
+    for vol, segs in sorted(inp.segments.items()):
+        usage = inp.usage.get(vol)
+        free = float(usage.capacity_bytes - usage.used_bytes) if usage is not None else float("inf")
+        sparse = []
+        for s in segs:
+            if s.size_bytes <= 0 or s.live_blocks <= 0 or not getattr(s, "sealed", True):
+                continue  # empty segments are the agent's; unsealed ones are still being written
+            frac = s.live_bytes / s.size_bytes
+            dead = s.size_bytes - s.live_bytes
+            if frac >= settings.live_fraction or dead < settings.min_dead_bytes:
+                continue
+            sparse.append((frac, s))
+        for frac, s in sorted(sparse, key=lambda t: (t[0], t[1].segment_id)):
+            if s.live_bytes > free:
+                continue  # no room to rewrite it yet (demotion or other compactions free space)
+            free += s.size_bytes - s.live_bytes
+            dead = s.size_bytes - s.live_bytes
+            item = PlanItem(
+                PlanKind.COMPACT,
+                f"segment {s.segment_id} of '{vol}' is {_pct(frac)} live < {_pct(settings.live_fraction)} "
+                f"({s.live_blocks} live blocks, {dead} dead bytes)",
+                vol,
+                None,
+                segment_id=s.segment_id,
+                bytes=s.live_bytes,
+            )
+            found.append((frac, vol, s.segment_id, item))
+    found.sort(key=lambda t: t[:3])  # keeps each volume's own order, so its free-space accounting holds
+    return [t[3] for t in found]
+
+
+def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> list[PlanItem]:
+    """Demotions first (they make room), then promotions, then compactions."""
+    return (
+        plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction)
+        + plan_promotions(settings.promotion, inp, index)
+        + plan_compactions(settings.compaction, inp)
+    )

@@ -1,0 +1,459 @@
+"""AdvisorService: ingest → journal → PrefixIndex, policy rounds → planner → mover, REST API.
+
+Threads:
+    * ``ingest``: ``subscriber.get`` → :meth:`AdvisorService.ingest` (journal, then apply);
+    * ``policy``: every ``policy_interval_s``, :meth:`AdvisorService.run_policies_once`;
+    * the API server (uvicorn), loaded by name from ``settings.api_factory``.
+
+One re-entrant *state lock* orders journal appends and index updates, so the journal
+order is exactly the apply order and a replay of the journal rebuilds the same index.
+The advisor's own events (moves) go through its publisher, whose ``on_flush`` callback
+calls :meth:`ingest` as well.  Lock order: publisher lock → state lock; the service
+never calls into the publisher while holding the state lock.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
+from advisor.journal import BadPayloadError, SqliteJournal
+from advisor.metrics import AdvisorMetrics
+from advisor.mover import Mover
+from advisor.plan import PlanKind, PlanResult
+from advisor.planner import Planner
+from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.settings import AdvisorSettings
+from event_plane.codec import encode_batch
+from event_plane.schema import EventBatch, remove, store
+
+logger = logging.getLogger(__name__)
+
+
+class AdvisorError(RuntimeError):
+    """The advisor cannot start or was used in the wrong state."""
+
+
+class RateMeter:
+    """Events per second over a sliding window of ``window_s`` seconds (not thread-safe)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, total before)
+        self.total = 0
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more events now."""
+        now = time.monotonic()
+        if not self._samples or now - self._samples[-1][0] >= 0.25:
+            self._samples.append((now, self.total))
+            self._prune(now)
+        self.total += n
+
+    def _prune(self, now: float) -> None:
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float:
+        """Events per second over the last ``window_s`` seconds (at least 1 s is assumed)."""
+        now = time.monotonic()
+        self._prune(now)
+        if not self._samples:
+            return 0.0
+        t0, n0 = self._samples[0]
+        if now - t0 > 2 * self.window_s:
+            return 0.0
+        return (self.total - n0) / max(now - t0, 1.0)
+
+
+class AdvisorService:
+    """The advisor: event-sourced prefix index plus tiering policies over the volumes.
+
+    Args:
+        settings: :class:`AdvisorSettings`.
+
+    Use ``start()`` then ``run_forever()`` (blocks until ``stop()``), or ``start()`` and
+    ``stop()`` around a test.
+    """
+
+    def __init__(self, settings: AdvisorSettings) -> None:
+        self.settings = settings
+        self.index = PrefixIndex()
+        self.lock = threading.RLock()
+        self._round_lock = threading.Lock()
+        self.journal: SqliteJournal | None = None
+        self.catalog: Any = None
+        self.agent: Any = None
+        self.publisher: Any = None
+        self.subscriber: Any = None
+        self.mover: Mover | None = None
+        self.planner = Planner(settings.policy.planner)
+        self.api: Any = None
+        self.metrics = AdvisorMetrics(self._metrics_snapshot)
+        self.plans: deque[PlanResult] = deque(maxlen=1000)
+        self.position = 0
+        self.counters: dict[str, int] = {
+            "replayed_batches": 0,
+            "ingested_batches": 0,
+            "duplicate_batches": 0,
+            "bad_batches": 0,
+            "policy_rounds": 0,
+            "plans_deferred": 0,
+            "reconciled_events": 0,
+        }
+        self.rate = RateMeter()
+        self.started_at: float | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Open the journal, replay it into the index, register volumes, subscribe, serve.
+
+        Raises:
+            AdvisorError: already started, or ``api_factory`` cannot be loaded.
+            Errors of the parts propagate unchanged (``JournalError``,
+            ``VolumeConfigError``, ``EventURLError`` / ``TransportError``, ``ServerError``);
+            call :meth:`stop` to release what was opened.
+        """
+        if self._started:
+            raise AdvisorError("advisor already started")
+        self._started = True
+        s = self.settings
+        self.started_at = time.monotonic()
+        self.journal = SqliteJournal(s.journal_path, synchronous=s.journal_synchronous)
+        self._replay_journal()
+        if s.catalog_path is not None:
+            self._open_storage()
+        from event_plane import make_publisher
+
+        self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch)
+        if self.agent is not None:
+            from storage_backends.types import BlockKey
+
+            self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
+            if s.reconcile_on_start:
+                self.reconcile()
+        if s.subscribe_urls:
+            from event_plane import subscribe
+
+            self.subscriber = subscribe(s.subscribe_urls)
+            self.subscriber.start()
+            self._spawn("kvadvisor-ingest", self._ingest_loop)
+        if self.mover is not None and s.policy_interval_s > 0:
+            self._spawn("kvadvisor-policy", self._policy_loop)
+        if s.api_enabled:
+            self.api = self._load_api_factory()(self.query(), s.api_host, s.api_port)
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _replay_journal(self) -> None:
+        assert self.journal is not None
+        with self.lock:
+            n = 0
+            for pos, batch in self.journal.read(self.position):
+                self.index.apply_batch(batch)
+                self.position = pos
+                n += 1
+            self.counters["replayed_batches"] += n
+            self.metrics.journal_position.set(self.position)
+        logger.info("advisor: replayed %d journal batches (position %d)", n, self.position)
+
+    def _open_storage(self) -> None:
+        from storage_backends import SqliteCatalog, StorageAgent
+
+        s = self.settings
+        self.catalog = SqliteCatalog(s.catalog_path)
+        self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}")
+        for vol in s.volumes:
+            self.agent.register_volume(vol.to_descriptor())
+
+    def _load_api_factory(self) -> Callable[..., Any]:
+        mod_name, _, fn_name = self.settings.api_factory.partition(":")
+        try:
+            return getattr(importlib.import_module(mod_name), fn_name)  # type: ignore[no-any-return]
+        except (ImportError, AttributeError) as exc:
+            raise AdvisorError(f"cannot load api_factory {self.settings.api_factory!r}: {exc}") from exc
+
+    @property
+    def api_url(self) -> str | None:
+        """Base URL of the running API (``http://HOST:PORT``), if any."""
+        return getattr(self.api, "url", None)
+
+    def run_forever(self) -> None:
+        """Block until :meth:`stop` is called (from another thread or a signal handler)."""
+        self._stop.wait()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run_forever` to return (safe from a signal handler)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stop threads, flush the publisher, close everything. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if self.subscriber is not None:
+            self.subscriber.close()
+        for t in self._threads:
+            t.join(timeout=30)
+        if self.api is not None:
+            self.api.stop()
+        if self.publisher is not None:
+            self.publisher.close()  # flushes: the last batch is journaled via on_flush
+        if self.agent is not None:
+            self.agent.close()
+        if self.catalog is not None:
+            self.catalog.close()
+        if self.journal is not None:
+            self.journal.close()
+
+    def __enter__(self) -> AdvisorService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(self, batch: EventBatch, payload: bytes | None = None, *, verify: bool = True) -> bool:
+        """Journal ``batch`` durably, then apply it to the index.
+
+        Args:
+            batch: a decoded batch.
+            payload: its wire bytes (encoded from ``batch`` when ``None``).
+            verify: check that ``payload`` decodes to ``batch`` before journaling.
+
+        Returns:
+            ``True`` if applied, ``False`` if it was already journaled (duplicate) or
+            refused as bad (counted in ``counters``; nothing else changes).
+        """
+        if self.journal is None:
+            raise AdvisorError("advisor not started")
+        if payload is None:
+            payload = encode_batch(batch)
+        with self.lock:
+            try:
+                pos = self.journal.append(payload, batch, verify=verify)
+            except BadPayloadError as exc:
+                self.counters["bad_batches"] += 1
+                self.metrics.bad_batches.inc()
+                logger.warning("advisor: refused batch %s:%s:%s: %s", batch.source, batch.epoch, batch.seq, exc)
+                return False
+            if pos is None:
+                self.counters["duplicate_batches"] += 1
+                self.metrics.duplicate_batches.inc()
+                return False
+            self.index.apply_batch(batch)
+            self.position = pos
+            self.counters["ingested_batches"] += 1
+            self.rate.add(len(batch.events))
+        self.metrics.batches_applied.inc()
+        self.metrics.events_applied.inc(len(batch.events))
+        self.metrics.journal_position.set(pos)
+        return True
+
+    def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
+        self.ingest(batch, payload, verify=False)
+
+    def _ingest_loop(self) -> None:
+        sub = self.subscriber
+        timeout = self.settings.get_timeout_s
+        while not self._stop.is_set():
+            try:
+                batch = sub.get(timeout=timeout)
+                if batch is not None:
+                    self.ingest(batch, verify=False)
+            except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
+                logger.exception("advisor: ingest failed")
+
+    # ------------------------------------------------------------------ policies
+    def _policy_loop(self) -> None:
+        interval = self.settings.policy_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self.run_policies_once()
+            except Exception:  # noqa: BLE001
+                logger.exception("advisor: policy round failed")
+
+    def policy_input(self) -> PolicyInput:
+        """Gather volume usage, fast-volume placements and segments from storage."""
+        s = self.settings
+        inp = PolicyInput(s.fast_volume, list(s.slow_volumes), s.archive_volume)
+        if self.agent is None:
+            return inp
+        for st in self.agent.stats():
+            inp.usage[st.volume_id] = VolumeUsage(st.capacity_bytes, st.used_bytes, st.live_bytes)
+        namespaces = set(s.namespaces)
+        if s.fast_volume is not None:
+            inp.fast_placements = [p for p in self.catalog.iter_volume(s.fast_volume) if p.key.namespace in namespaces]
+        for vol in s.volumes:
+            inp.segments[vol.id] = list(self.agent.segments(vol.id))
+        return inp
+
+    def run_policies_once(self) -> list[PlanResult]:
+        """Run one round now: plan (policies + rate limits), execute, record.
+
+        Returns:
+            The results of the executed items, in execution order (empty without storage).
+        """
+        if self.mover is None:
+            return []
+        with self._round_lock:
+            inp = self.policy_input()
+            with self.lock:
+                proposed = plan_all(self.settings.policy, inp, self.index)
+            plan = self.planner.plan(proposed)
+            results = self.mover.execute_many(plan.items)
+            with self.lock:
+                self.plans.extend(results)
+                self.counters["policy_rounds"] += 1
+                self.counters["plans_deferred"] += plan.deferred
+            self.metrics.policy_rounds.inc()
+            self.metrics.record_results(results)
+            return results
+
+    def reconcile(self) -> int:
+        """Publish the events a crash between catalog commit and publish left out.
+
+        For each managed volume: a block the catalog holds there but the index places
+        elsewhere gets a Store; a block the index places there but the catalog does not
+        gets a Remove.  Blocks the index does not know at all are left to their owners.
+
+        Returns:
+            Number of events published.
+        """
+        if self.agent is None or self.publisher is None:
+            return 0
+        namespaces = set(self.settings.namespaces)
+        events = []
+        for vol in self.settings.volumes:
+            in_catalog = {p.key.sequence_hash: p for p in self.catalog.iter_volume(vol.id) if p.key.namespace in namespaces}
+            with self.lock:
+                in_index = self.index.blocks_at(vol.id)
+                for h, p in in_catalog.items():
+                    if h not in in_index:
+                        info = self.index.block(h)
+                        if info is not None:
+                            events.append(store(h, info.prefix_hash, info.parent, p.length, vol.id,
+                                                {PLACEMENT_KEYS[1]: True}))
+                for h in sorted(in_index - in_catalog.keys()):
+                    info = self.index.block(h)
+                    assert info is not None
+                    events.append(remove(h, info.prefix_hash, info.parent, info.size, vol.id))
+        if events:
+            self.publisher.publish(events)
+            self.publisher.flush()
+            logger.warning("advisor: reconciled %d placement events with the catalog", len(events))
+        self.counters["reconciled_events"] += len(events)
+        return len(events)
+
+    # ------------------------------------------------------------------ reads
+    def block_info(self, h: int) -> BlockInfo | None:
+        """Index view of one block (thread-safe)."""
+        with self.lock:
+            return self.index.block(h)
+
+    def query(self) -> Any:
+        """An :class:`advisor.query.AdvisorQuery` over this service."""
+        from advisor.query import AdvisorQuery
+
+        return AdvisorQuery(self)
+
+    def mover_summary(self) -> dict[str, Any]:
+        """Done / skipped / failed counts and bytes moved per plan kind."""
+        if self.mover is None:
+            zero = {k.value: 0 for k in PlanKind}
+            return {"done": dict(zero), "skipped": dict(zero), "failed": dict(zero), "bytes_moved": dict(zero),
+                    "blocks_moved": dict(zero)}
+        return asdict(self.mover.counters)
+
+    def subscriber_stats(self) -> dict[str, int]:
+        """The subscriber's counters (empty without subscriptions)."""
+        if self.subscriber is None:
+            return {}
+        return dict(asdict(self.subscriber.stats()))
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            st = self.index.stats()
+            rate = self.rate.rate()
+        return {
+            "blocks": st["blocks"],
+            "blocks_per_location": st["blocks_per_location"],
+            "orphans_pending": st["orphans_pending"],
+            "index_counters": st["counters"],
+            "subscriber": self.subscriber_stats(),
+            "events_per_s": rate,
+        }
+
+
+def results_summary(results: list[PlanResult]) -> dict[str, int]:
+    """Count results by ``"<kind>_<status>"`` (e.g. ``promote_done``)."""
+    out: dict[str, int] = {}
+    for r in results:
+        key = f"{r.item.kind.value}_{r.status.value}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the advisor as its own process: ``python -m advisor --config FILE.json``.
+
+    Prints ``ADVISOR READY http://HOST:PORT`` (or ``ADVISOR READY -`` without API) on
+    stdout once it is subscribed and serving; SIGTERM / SIGINT stop it cleanly.
+
+    Returns:
+        Exit status: 0 after a clean stop, 2 on a configuration error, 1 on a start error.
+    """
+    import argparse
+    import signal
+    import sys
+
+    from advisor.settings import SettingsError
+
+    parser = argparse.ArgumentParser(prog="python -m advisor", description="kvadvisor advisor service")
+    parser.add_argument("--config", help="JSON settings file (environment KVADVISOR_ADVISOR_* fills the rest)")
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = AdvisorSettings.from_json_file(args.config) if args.config else AdvisorSettings()
+    except (SettingsError, ValueError) as exc:
+        print(f"advisor: configuration error: {exc}", file=sys.stderr)
+        return 2
+    service = AdvisorService(settings)
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        service.request_stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        service.start()
+    except Exception as exc:  # noqa: BLE001 - report any start failure and exit non-zero
+        print(f"advisor: start failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        service.stop()
+        return 1
+    print(f"ADVISOR READY {service.api_url or '-'}", flush=True)
+    try:
+        service.run_forever()
+    finally:
+        service.stop()
+    return 0
+
+
+__all__ = ["AdvisorError", "AdvisorService", "RateMeter", "main", "results_summary"]

@@ -1,0 +1,168 @@
+"""Advisor settings (pydantic-settings; env prefix ``KVADVISOR_ADVISOR_``, or a JSON file).
+
+Nested fields use ``__`` in environment variables, e.g.
+``KVADVISOR_ADVISOR_POLICY__DEMOTION__HIGH_WATERMARK=0.9``.  Values passed to the
+constructor (or read from the JSON file by :meth:`AdvisorSettings.from_json_file`) win
+over the environment.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from advisor.policies import PolicySettings
+
+
+class SettingsError(ValueError):
+    """The advisor configuration is invalid or unreadable (message names the field)."""
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One ``field.path: message`` per problem, joined with ``; ``."""
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
+    return "; ".join(parts)
+
+
+class VolumeSettings(BaseModel):
+    """One storage volume, as in ``storage_backends.VolumeDescriptor`` (bytes for sizes)."""
+
+    id: str = Field(min_length=1, max_length=255)
+    kind: Literal["posix", "s3"]
+    media: Literal["nvme", "ssd", "hdd", "object"]
+    capacity_bytes: int = Field(gt=0)
+    root: str | None = None
+    endpoint: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    region: str = "us-east-1"
+    alignment: int = Field(4096, gt=0)
+    o_direct: bool = False
+    segment_bytes: int = Field(64 << 20, gt=0)
+    access_key: str | None = None
+    secret_key: SecretStr | None = None
+
+    def to_descriptor(self) -> Any:
+        """The ``storage_backends.VolumeDescriptor`` for this volume."""
+        from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
+
+        return VolumeDescriptor(
+            id=self.id,
+            kind=VolumeKind(self.kind),
+            media=MediaClass(self.media),
+            capacity_bytes=self.capacity_bytes,
+            root=self.root,
+            endpoint=self.endpoint,
+            bucket=self.bucket,
+            prefix=self.prefix,
+            region=self.region,
+            alignment=self.alignment,
+            o_direct=self.o_direct,
+            segment_bytes=self.segment_bytes,
+            access_key=self.access_key,
+            secret_key=self.secret_key.get_secret_value() if self.secret_key is not None else None,
+        )
+
+
+class AdvisorSettings(BaseSettings):
+    """Everything an advisor process needs.
+
+    Attributes:
+        source: the advisor's own event source name (its moves are published under it).
+        subscribe_urls: event streams to ingest (``zmq://H:P?replay=R``, ``nats://H:P``...).
+        publish_url: where the advisor publishes its moves (``null://`` = journal only).
+        journal_path: SQLite journal file.
+        journal_synchronous: ``NORMAL`` (survives a process crash) or ``FULL`` (power loss).
+        catalog_path: SQLite placement catalog shared with the workers; ``None`` runs the
+            advisor as an index only (no volumes, no policies).
+        namespace: key namespace (model fingerprint) of the blocks it manages.
+        extra_namespaces: further namespaces it manages.
+        volumes: the volumes to register.
+        fast_volume / slow_volumes / archive_volume: roles of the volume ids.
+        policy: policy and planner settings.
+        policy_interval_s: seconds between policy rounds; ``0`` disables the timer
+            (rounds then run only on request).
+        reconcile_on_start: compare the catalog with the index at start and publish the
+            Store/Remove events a crash between commit and publish left out.
+        get_timeout_s: subscriber poll timeout of the ingest loop.
+        api_enabled / api_host / api_port: the REST API (port 0 = a free port).
+        api_factory: ``module:function`` that serves the API for an ``AdvisorQuery``
+            (loaded by name so ``advisor`` does not import ``api``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVADVISOR_ADVISOR_", env_nested_delimiter="__", extra="forbid")
+
+    source: str = Field("advisor", min_length=1, max_length=255)
+    subscribe_urls: list[str] = Field(default_factory=list)
+    publish_url: str = "null://"
+    journal_path: str = "kvadvisor-journal.sqlite"
+    journal_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    catalog_path: str | None = None
+    namespace: str = Field("default", min_length=1)
+    extra_namespaces: list[str] = Field(default_factory=list)
+    volumes: list[VolumeSettings] = Field(default_factory=list)
+    fast_volume: str | None = None
+    slow_volumes: list[str] = Field(default_factory=list)
+    archive_volume: str | None = None
+    policy: PolicySettings = Field(default_factory=PolicySettings)
+    policy_interval_s: float = Field(5.0, ge=0.0)
+    reconcile_on_start: bool = True
+    get_timeout_s: float = Field(0.2, gt=0.0)
+    api_enabled: bool = True
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8080, ge=0, le=65535)
+    api_factory: str = "api.server:serve_query"
+
+    @model_validator(mode="after")
+    def _roles(self) -> AdvisorSettings:
+        ids = [v.id for v in self.volumes]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"volume ids must be unique, repeated: {dup}")
+        known = set(ids)
+        roles = ([self.fast_volume] if self.fast_volume else []) + list(self.slow_volumes) + (
+            [self.archive_volume] if self.archive_volume else []
+        )
+        unknown = [r for r in roles if r not in known]
+        if unknown:
+            raise ValueError(f"volume roles name unknown volume ids {unknown} (configured: {sorted(known)})")
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"a volume can play one role only: fast={self.fast_volume} slow={self.slow_volumes} "
+                             f"archive={self.archive_volume}")
+        if self.volumes and self.catalog_path is None:
+            raise ValueError("volumes are configured but catalog_path is not set")
+        return self
+
+    @property
+    def namespaces(self) -> list[str]:
+        """``namespace`` followed by ``extra_namespaces`` (duplicates removed)."""
+        out = [self.namespace]
+        for ns in self.extra_namespaces:
+            if ns not in out:
+                out.append(ns)
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> AdvisorSettings:
+        """Load settings from a JSON object file (environment fills what it leaves out).
+
+        Raises:
+            SettingsError: unreadable file, bad JSON, or invalid values (message names them).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"cannot read advisor config {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SettingsError(f"advisor config {path} must hold a JSON object, not {type(data).__name__}")
+        try:
+            return cls(**data)
+        except ValidationError as exc:
+            raise SettingsError(f"invalid advisor config {path}: {format_validation_error(exc)}") from exc

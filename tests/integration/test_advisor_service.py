@@ -1,0 +1,210 @@
+"""Advisor service over real transports: ZMQ and NATS ingest, journal restart, own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from advisor import AdvisorService, AdvisorSettings
+from event_plane import PublisherConfig, make_publisher
+from event_plane.schema import remove, store
+from storage_backends.local_s3 import free_port
+
+BS = 4096
+REPO = Path(__file__).resolve().parents[2]
+
+
+def chain(hashes: list[int], loc: str) -> list:
+    out, parent = [], None
+    for h in hashes:
+        out.append(store(h, hashes[0], parent, BS, loc))
+        parent = h
+    return out
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def test_zmq_ingest_then_restart_from_journal_rebuilds_the_same_index(tmp_path) -> None:  # noqa: ANN001
+    port, replay = free_port(), free_port()
+    url = f"zmq://127.0.0.1:{port}?replay={replay}"
+    settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[url], api_enabled=False,
+                               get_timeout_s=0.05)
+    pub = make_publisher(url, "w0", config=PublisherConfig(max_events=4, max_delay_s=0.05))
+    svc = AdvisorService(settings)
+    svc.start()
+    try:
+        # batches sent before the subscriber joined are recovered by replay (slow joiner)
+        pub.publish(chain([1, 2, 3, 4, 5, 6], "g1"))
+        pub.publish(chain([1, 2, 3], "g2"))
+        pub.publish([remove(6, 1, 5, BS, "g1"), remove(42, 42, None, BS, "g1")])
+        pub.flush()
+        wait_for(lambda: svc.query().stats()["events_applied"] == 11)
+        q = svc.query()
+        assert q.lookup([1, 2, 3, 4, 5, 6]).per_location == {"w0/g1": 5, "w0/g2": 3}
+        st = q.stats()
+        assert st["sources"]["w0"]["last_seq"] == pub.next_seq - 1
+        assert st["index_counters"]["unknown_removes"] == 1
+        live = svc.index.dump()
+        position = svc.position
+    finally:
+        svc.stop()
+        pub.close()
+    again = AdvisorService(settings.model_copy(update={"subscribe_urls": []}))
+    again.start()
+    try:
+        assert again.counters["replayed_batches"] == position
+        assert again.index.dump() == live
+    finally:
+        again.stop()
+
+
+def test_nats_ingest_and_own_moves_are_not_applied_twice(tmp_path, nats_url: str) -> None:  # noqa: ANN001
+    ns = f"adv{os.getpid()}{time.monotonic_ns() % 100000}"
+    url = f"{nats_url}?namespace={ns}"
+    # the advisor publishes on the same subjects it subscribes to: its own batches come
+    # back through NATS and must be recognised as already journaled
+    settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[url], publish_url=url,
+                               api_enabled=False, get_timeout_s=0.05)
+    svc = AdvisorService(settings)
+    svc.start()
+    pub = make_publisher(url, "w7", config=PublisherConfig(max_delay_s=0.05))
+    try:
+        time.sleep(0.3)  # core NATS: let the subscription settle
+        pub.publish(chain([10, 11, 12], "slow"))
+        pub.flush()
+        wait_for(lambda: svc.query().stats()["events_applied"] == 3)
+        svc.publisher.publish([store(10, 10, None, BS, "fast", {"moved_from": "slow"})])
+        svc.publisher.flush()
+        wait_for(lambda: svc.counters["duplicate_batches"] == 1)
+        assert svc.index.lookup([10, 11, 12]) == {"slow": 3, "fast": 1}
+        assert svc.counters["ingested_batches"] == 2
+        assert svc.index.block(10).hits == 0
+    finally:
+        pub.close()
+        svc.stop()
+
+
+def spawn_advisor(cfg: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+    """Start ``python -m advisor --config cfg``; stderr goes to a file (never a full pipe)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"}
+    err = tmp / "advisor.stderr"
+    with err.open("w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "advisor", "--config", str(cfg)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=fh, text=True)
+    return proc, err
+
+
+def test_advisor_runs_as_its_own_process(tmp_path) -> None:  # noqa: ANN001
+    port, replay, api_port = free_port(), free_port(), free_port()
+    url = f"zmq://127.0.0.1:{port}?replay={replay}"
+    cfg = tmp_path / "advisor.json"
+    cfg.write_text(json.dumps({
+        "journal_path": str(tmp_path / "j.sqlite"),
+        "subscribe_urls": [url],
+        "api_port": api_port,
+        "get_timeout_s": 0.05,
+    }))
+    pub = make_publisher(url, "w0", config=PublisherConfig(max_delay_s=0.05))
+    proc, err = spawn_advisor(cfg, tmp_path)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == f"ADVISOR READY http://127.0.0.1:{api_port}", err.read_text()
+        pub.publish(chain([7, 8, 9], "g1"))
+        pub.flush()
+        base = f"http://127.0.0.1:{api_port}"
+        wait_for(lambda: httpx.get(base + "/v1/stats").json()["blocks"] == 3)
+        body = httpx.post(base + "/v1/lookup", json={"sequence_hashes": [7, 8, 9]}).json()
+        assert body["prefix_blocks"] == {"w0/g1": 3}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pub.close()
+
+
+def test_bad_config_exits_with_a_clear_message(tmp_path) -> None:  # noqa: ANN001
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"fast_volume": "nvme0", "policy": {"demotion": {"low_watermark": 0.9}}}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "advisor", "--config", str(cfg)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "configuration error" in res.stderr
+    assert "policy.demotion: Value error, demotion low_watermark (0.9) must be below high_watermark" in res.stderr
+    cfg.write_text(json.dumps({"fast_volume": "nvme0"}))
+    res = subprocess.run([sys.executable, "-m", "advisor", "--config", str(cfg)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "unknown volume ids ['nvme0']" in res.stderr
+
+
+def test_advisor_process_promotes_in_the_background(tmp_path) -> None:  # noqa: ANN001
+    import torch
+
+    from storage_backends import BlockKey, SqliteCatalog, StorageAgent
+
+    port, replay, api_port = free_port(), free_port(), free_port()
+    url = f"zmq://127.0.0.1:{port}?replay={replay}"
+    vols = [
+        {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 1 << 24, "root": str(tmp_path / "fast")},
+        {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 24, "root": str(tmp_path / "slow")},
+    ]
+    cfg = tmp_path / "advisor.json"
+    cfg.write_text(json.dumps({
+        "journal_path": str(tmp_path / "j.sqlite"), "catalog_path": str(tmp_path / "catalog.sqlite"),
+        "namespace": "ns1", "volumes": vols, "fast_volume": "fast", "slow_volumes": ["slow"],
+        "subscribe_urls": [url], "api_port": api_port, "policy_interval_s": 0.2, "get_timeout_s": 0.05,
+    }))
+    cat = SqliteCatalog(tmp_path / "catalog.sqlite")
+    worker = StorageAgent(cat, name="bg-worker")
+    from advisor import VolumeSettings
+
+    for v in vols:
+        worker.register_volume(VolumeSettings(**v).to_descriptor())
+    data = {h: torch.full((4096,), h, dtype=torch.uint8) for h in (1, 2)}
+    worker.put([(BlockKey("ns1", h), t) for h, t in data.items()], "slow")
+    pub = make_publisher(url, "w0", config=PublisherConfig(max_delay_s=0.05))
+    proc, err = spawn_advisor(cfg, tmp_path)
+    try:
+        assert proc.stdout.readline().startswith("ADVISOR READY"), err.read_text()
+        pub.publish([store(1, 1, None, 4096, "slow"), store(2, 1, 1, 4096, "slow")])
+        pub.publish([store(1, 1, None, 4096, "g1"), store(2, 1, 1, 4096, "g1")])  # onboarded into g1: hit 1
+        pub.flush()
+        base = f"http://127.0.0.1:{api_port}"
+        wait_for(lambda: httpx.get(base + "/v1/stats").json()["events_applied"] == 4)
+        pub.publish([remove(1, 1, None, 4096, "g1"), remove(2, 1, 1, 4096, "g1")])
+        pub.publish([store(1, 1, None, 4096, "g1"), store(2, 1, 1, 4096, "g1")])  # onboarded again: hit 2
+        pub.flush()
+        wait_for(lambda: httpx.get(base + "/v1/stats").json()["promotions"] == 2)
+        assert [p.volume_id for p in worker.locate([BlockKey("ns1", 1), BlockKey("ns1", 2)])] == ["fast", "fast"]
+        got = worker.get([BlockKey("ns1", 1), BlockKey("ns1", 2)])
+        assert all(torch.equal(g, data[h]) for g, h in zip(got, (1, 2)))
+        body = httpx.post(base + "/v1/lookup", json={"sequence_hashes": [1, 2]}).json()
+        assert body["prefix_blocks"] == {"fast": 2, "w0/g1": 2}
+        plans = httpx.get(base + "/v1/plans").json()
+        assert plans["summary"] == {"promote_done": 2}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pub.close()
+        worker.close()
+        cat.close()

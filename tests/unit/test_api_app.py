@@ -1,0 +1,148 @@
+"""REST API over an index-only advisor (no volumes): TestClient and one real uvicorn socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from advisor import AdvisorService, AdvisorSettings
+from api import create_app, serve_in_thread
+from event_plane.schema import EventBatch, remove, store
+
+BS = 2048
+H = [0xF000_0000_0000_0001, 11, 12, 13]  # first hash above 2**63
+
+
+def chain(hashes: list[int], loc: str) -> list:
+    out, parent = [], None
+    for h in hashes:
+        out.append(store(h, hashes[0], parent, BS, loc))
+        parent = h
+    return out
+
+
+@pytest.fixture
+def service(tmp_path) -> Iterator[AdvisorService]:  # noqa: ANN001
+    svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), api_enabled=False))
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture
+def client(service: AdvisorService) -> TestClient:
+    return TestClient(create_app(service.query()))
+
+
+def test_block_by_decimal_and_hex(service: AdvisorService, client: TestClient) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1") + chain(H[:2], "slow")))
+    r = client.get(f"/v1/blocks/{H[0]}")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["sequence_hash"] == H[0]
+    assert body["sequence_hash_hex"] == "0xf000000000000001"
+    assert body["locations"] == ["slow", "w0/g1"]
+    assert body["size_bytes"] == BS and body["parent"] is None and body["prefix_hash"] == H[0]
+    assert body["children"] == [11] and body["hits"] == 0 and body["orphan"] is False
+    r2 = client.get("/v1/blocks/0x0b")
+    assert r2.status_code == 200 and r2.json()["parent"] == H[0] and r2.json()["locations"] == ["slow", "w0/g1"]
+
+
+def test_unknown_and_bad_hashes_get_clear_errors(client: TestClient) -> None:
+    r = client.get("/v1/blocks/42")
+    assert r.status_code == 404
+    assert r.json()["error"] == "unknown_block" and "42" in r.json()["detail"]
+    for bad in ("xyz", "-1", str(1 << 64), "0xzz"):
+        r = client.get(f"/v1/blocks/{bad}")
+        assert r.status_code == 400, bad
+        assert r.json()["error"] == "bad_sequence_hash"
+    r = client.post("/v1/lookup", json={"sequence_hashes": [1, "nope"]})
+    assert r.status_code == 422
+    assert r.json()["error"] == "invalid_request" and "sequence_hashes[1]" in r.json()["detail"]
+    r = client.post("/v1/lookup", json={"hashes": [1]})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+
+
+def test_lookup_longest_prefix_per_location(service: AdvisorService, client: TestClient) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1") + chain(H[:2], "slow")))
+    service.ingest(EventBatch(1, "w1", 6, 0, 100, chain(H[:3], "g2")))
+    r = client.post("/v1/lookup", json={"sequence_hashes": [hex(H[0]), *H[1:], 99]})
+    assert r.status_code == 200
+    assert r.json() == {
+        "requested": 5,
+        "prefix_blocks": {"slow": 2, "w0/g1": 4, "w1/g2": 3},
+        "any_location": 4,
+        "longest": 4,
+    }
+    assert client.post("/v1/lookup", json={"sequence_hashes": []}).json()["longest"] == 0
+
+
+def test_blocks_per_location(service: AdvisorService, client: TestClient) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1") + chain(H[:2], "slow")))
+    assert client.get("/v1/locations").json() == {"locations": {"slow": 2, "w0/g1": 4}}
+    r = client.get("/v1/locations/w0/g1/blocks").json()
+    assert r == {"location": "w0/g1", "count": 4, "sequence_hashes": sorted(H)}
+    assert client.get("/v1/locations/slow/blocks").json()["sequence_hashes"] == sorted(H[:2])
+    assert client.get("/v1/locations/nowhere/blocks").json() == {"location": "nowhere", "count": 0,
+                                                                 "sequence_hashes": []}
+
+
+def test_duplicate_store_batch_counts_once_in_rest_stats(service: AdvisorService, client: TestClient) -> None:  # C3
+    b = EventBatch(1, "w0", 5, 0, 100, chain(H[1:], "g1"))
+    assert service.ingest(b) is True
+    assert service.ingest(b) is False  # the journal recognises the re-sent batch
+    # the same Stores again in a new batch (e.g. re-published after a reconnect)
+    service.ingest(EventBatch(1, "w0", 5, 1, 200, chain(H[1:], "g1")))
+    st = client.get("/v1/stats").json()
+    assert st["blocks"] == 3
+    assert st["blocks_per_location"] == {"w0/g1": 3}
+    assert st["index_counters"]["duplicate_stores"] == 3
+    assert st["ingest"]["duplicate_batches"] == 1
+    assert st["sources"]["w0"] == {"epoch": 5, "last_seq": 1, "batches": 2, "events": 6}
+    assert st["journal_position"] == 2 and st["batches_applied"] == 2 and st["events_applied"] == 6
+    assert st["advisor_events"] == 0
+    assert st["moves"]["promotions"] == 0 and st["moves"]["done"] == {"promote": 0, "demote": 0, "compact": 0}
+
+
+def test_stats_counts_index_anomalies(service: AdvisorService, client: TestClient) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, [store(3, 1, 1, BS, "g1"), store(7, 7, 7, BS, "g1"),
+                                                   remove(99, 99, None, BS, "g1")]))
+    st = client.get("/v1/stats").json()
+    c = st["index_counters"]
+    assert (c["orphans"], c["self_parent_rejected"], c["unknown_removes"]) == (1, 1, 1)
+    assert st["orphans_pending"] == 1
+
+
+def test_metrics_volumes_plans_health(service: AdvisorService, client: TestClient) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1")))
+    text = client.get("/metrics").text
+    assert 'kvadvisor_index_blocks{location="w0/g1"} 4.0' in text
+    assert "kvadvisor_events_applied_total 4.0" in text
+    assert "kvadvisor_batches_applied_total 1.0" in text
+    assert "kvadvisor_subscriber_gaps_total 0.0" in text
+    assert client.get("/v1/volumes").json() == {"volumes": []}
+    assert client.get("/v1/plans").json() == {"plans": [], "summary": {}}
+    assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}}  # no storage attached
+    h = client.get("/healthz").json()
+    assert h == {"status": "ok", "journal_position": 1, "subscribed": False, "storage": False}
+
+
+def test_real_uvicorn_socket(service: AdvisorService) -> None:
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "fast")))
+    handle = serve_in_thread(create_app(service.query()), "127.0.0.1", 0)
+    try:
+        assert handle.port > 0
+        with httpx.Client(base_url=handle.url, timeout=5.0) as c:
+            assert c.get("/healthz").json()["status"] == "ok"
+            assert c.post("/v1/lookup", json={"sequence_hashes": H}).json()["prefix_blocks"] == {"fast": 4}
+            assert c.get(f"/v1/blocks/{H[3]}").json()["parent"] == H[2]
+            assert c.get("/metrics").headers["content-type"].startswith("text/plain")
+    finally:
+        handle.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(handle.url + "/healthz", timeout=1.0)
