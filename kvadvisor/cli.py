@@ -13,9 +13,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from event_plane.cli import events_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache block tiering: runtime, event plane, advisor, API.")
 advisor_app = typer.Typer(no_args_is_help=True, help="Run the advisor service.")
 app.add_typer(advisor_app, name="advisor")
+app.add_typer(events_app, name="events")
 console = Console(stderr=False)
 
 

@@ -150,6 +150,7 @@ def runtime_config(s: DemoSettings) -> RuntimeConfig:
         kv_dtype="float16",
         g1_blocks=s.g1_blocks,
         g2_blocks=s.g2_blocks,
+        disk_offload_filter=s.disk_offload_filter,
     )
 
 

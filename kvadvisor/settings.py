@@ -35,6 +35,7 @@ class DemoSettings(BaseSettings):
     inner_dim: int = Field(4, ge=1)
     g1_blocks: int = Field(256, ge=1, description="G1 blocks per worker")
     g2_blocks: int = Field(1024, ge=1, description="G2 blocks per worker")
+    disk_offload_filter: bool = Field(False, description="KVBM's G3 admission filter (frequency >= 2); off: write-through")
     fast_capacity_blocks: int = Field(600, ge=1, description="capacity of the fast volume in blocks")
     slow_capacity_blocks: int = Field(200_000, ge=1)
     s3_capacity_blocks: int = Field(10_000_000, ge=1)
