@@ -16,7 +16,15 @@ class PublisherConfig:
         max_bytes: a batch is sent before the encoded size of its events (sum of each
             event's MessagePack size, envelope excluded) would exceed this many bytes.
             An event larger than the limit travels alone.
-        max_delay_s: seconds; no event waits in the pending batch longer than this.
+        max_delay_s: seconds; ceiling of the flush time limit: no event waits in the
+            pending batch longer than this.
+        adaptive_delay: lower the time limit as the event rate rises (rule in
+            :mod:`event_plane.flush_policy`, ``docs/events.md`` §3.1); ``False`` keeps it
+            at ``max_delay_s``.
+        min_delay_s: seconds; floor of the adaptive time limit.
+        target_batch_events: the adaptive time limit is about the time the current rate
+            needs to gather this many events.
+        rate_window_s: seconds; time constant of the event-rate estimate.
         replay_buffer: number of most recent batches a ZMQ publisher keeps for replay.
         queue_capacity: events a transport may hold in flight (queued, not yet handed
             to the network / acknowledged by JetStream).
@@ -31,17 +39,25 @@ class PublisherConfig:
     max_events: int = 1024
     max_bytes: int = 64 * 1024
     max_delay_s: float = 10.0
+    adaptive_delay: bool = True
+    min_delay_s: float = 0.01
+    target_batch_events: int = 256
+    rate_window_s: float = 1.0
     replay_buffer: int = 10_000
     queue_capacity: int = 100_000
     overflow: str = "drop"
 
     def __post_init__(self) -> None:
-        for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity"):
+        for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity", "target_batch_events"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PublisherConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.max_delay_s, int | float) or not self.max_delay_s > 0:
-            raise ConfigError(f"PublisherConfig.max_delay_s must be > 0 seconds, got {self.max_delay_s!r}")
+        for name in ("max_delay_s", "min_delay_s", "rate_window_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"PublisherConfig.{name} must be > 0 seconds, got {value!r}")
+        if not isinstance(self.adaptive_delay, bool):
+            raise ConfigError(f"PublisherConfig.adaptive_delay must be a bool, got {self.adaptive_delay!r}")
         if self.overflow not in ("drop", "block"):
             raise ConfigError(f"PublisherConfig.overflow must be 'drop' or 'block', got {self.overflow!r}")
 
@@ -56,6 +72,9 @@ class PublisherStats:
         payload_bytes: sum of encoded batch sizes (envelope included).
         event_bytes: sum of each event's encoded size inside its batch.
         dropped: events in batches the transport could not take (queue full, send error).
+        flush_delay_s: the flush time limit in force when the snapshot was taken, seconds
+            (``max_delay_s`` at rest, lower under load when ``adaptive_delay`` is on).
+        event_rate: the publisher's recent event rate, events per second.
     """
 
     events: int = 0
@@ -63,6 +82,8 @@ class PublisherStats:
     payload_bytes: int = 0
     event_bytes: int = 0
     dropped: int = 0
+    flush_delay_s: float = 0.0
+    event_rate: float = 0.0
 
 
 @dataclass
@@ -79,6 +100,8 @@ class SubscriberStats:
         duplicates: batches dropped as already delivered (or from a superseded epoch).
         restarts: new epochs seen for a known source.
         dropped: batches dropped because the delivery queue was full.
+        resyncs: resyncs scheduled (a source entered ``resync_needed``: a dropped or
+            unrecovered batch means the application's state of it is no longer exact).
     """
 
     batches: int = 0
@@ -90,6 +113,7 @@ class SubscriberStats:
     duplicates: int = 0
     restarts: int = 0
     dropped: int = 0
+    resyncs: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

@@ -24,10 +24,10 @@ from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
 from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig
 from event_plane.errors import ConfigError, TransportError
-from event_plane.ordering import GapCallback, SeqTracker
+from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback
 from event_plane.schema import EventBatch
-from event_plane.subscriber import Subscriber
+from event_plane.subscriber import ResyncCallback, Subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class NatsSubscriber(Subscriber):
     Args:
         url: NATS server URL.
         namespace: subject namespace.
-        on_gap, queue_capacity: see :class:`Subscriber`.
+        on_gap, queue_capacity, on_resync: see :class:`Subscriber`.
         connect_timeout_s: seconds allowed for the initial connection.
         **connect_options: passed to ``nats.connect``.
 
@@ -261,9 +261,10 @@ class NatsSubscriber(Subscriber):
         on_gap: GapCallback | None = None,
         queue_capacity: int = 100_000,
         connect_timeout_s: float = 5.0,
+        on_resync: ResyncCallback | None = None,
         **connect_options: Any,
     ) -> None:
-        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity)
+        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
         subject_for(namespace, "x")
         self.url = url
         self.subject = f"{SUBJECT_PREFIX}.{namespace}.>"
@@ -333,6 +334,7 @@ class JetStreamSubscriber(NatsSubscriber):
         on_gap: GapCallback | None = None,
         queue_capacity: int = 100_000,
         connect_timeout_s: float = 5.0,
+        on_resync: ResyncCallback | None = None,
         **connect_options: Any,
     ) -> None:
         super().__init__(
@@ -341,6 +343,7 @@ class JetStreamSubscriber(NatsSubscriber):
             on_gap=on_gap,
             queue_capacity=queue_capacity,
             connect_timeout_s=connect_timeout_s,
+            on_resync=on_resync,
             **connect_options,
         )
         if not isinstance(durable, str) or not re.match(r"^[A-Za-z0-9_\-]+$", durable):
@@ -350,7 +353,7 @@ class JetStreamSubscriber(NatsSubscriber):
         self._consumer_config()  # raises ConfigError on a bad ``deliver`` now, not at start()
         self._batch_size = batch_size
         # A durable resumes mid-stream: earlier seqs were consumed by its previous run.
-        self._tracker = SeqTracker(self._stats, self._deliver, on_gap, first_seq_gap=False)
+        self._tracker = self._make_tracker(first_seq_gap=False)
         self._task: Any = None
 
     def _consumer_config(self) -> js_api.ConsumerConfig:

@@ -1,6 +1,6 @@
 """Per-source ordering on the subscriber side: seq tracking, gaps, replay, restarts.
 
-Rules (``docs/events.md`` §5):
+Rules (``docs/events.md`` §4):
 
 * per (source, epoch), batches are delivered in seq order, each at most once;
 * a seq jump is a gap: the missing seqs are asked from the transport (``recover``) and
@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 GapCallback = Callable[[str, int, int, int], None]
 """``on_gap(source, epoch, first_missing, last_missing)``; seqs are inclusive."""
 
+LostCallback = Callable[[str, int, int], None]
+"""``on_lost(source, epoch, count)``: ``count`` batches of that source are known lost."""
+
 Recover = Callable[[str, int, int, int], list[EventBatch]]
 """``recover(source, epoch, first, last)`` -> the batches of that range it could fetch."""
 
@@ -40,6 +43,8 @@ class SeqTracker:
         first_seq_gap: treat a first batch with seq > 0 of an unseen source/epoch as a gap
             from 0 (live transports). ``False`` for a durable log read from a stored
             position (JetStream durable consumers), where earlier seqs were consumed before.
+        on_lost: optional ``on_lost(source, epoch, count)``, called once per gap that
+            recovery could not fill completely; its exceptions are logged and ignored.
     """
 
     def __init__(
@@ -49,8 +54,10 @@ class SeqTracker:
         on_gap: GapCallback | None = None,
         *,
         first_seq_gap: bool = True,
+        on_lost: LostCallback | None = None,
     ) -> None:
         self._first_seq_gap = first_seq_gap
+        self._on_lost = on_lost
         self._stats = stats
         self._deliver = deliver
         self._on_gap = on_gap
@@ -94,6 +101,7 @@ class SeqTracker:
             except Exception:  # noqa: BLE001 - a user callback must not stop delivery
                 logger.exception("on_gap callback failed for %s epoch=%d seqs %d..%d", source, epoch, first, last)
         expected = first
+        lost = 0
         fetched: list[EventBatch] = []
         if recover is not None:
             try:
@@ -103,12 +111,18 @@ class SeqTracker:
         for b in sorted(fetched, key=lambda b: b.seq):
             if b.source != source or b.epoch != epoch or not expected <= b.seq <= last:
                 continue
-            st.unrecovered += b.seq - expected
+            lost += b.seq - expected
             st.replayed += 1
             self._current[source] = (epoch, b.seq + 1)
             self._deliver(b)
             expected = b.seq + 1
-        st.unrecovered += last + 1 - expected
+        lost += last + 1 - expected
+        st.unrecovered += lost
         if last + 1 > expected:
             logger.warning("lost batches of %s epoch=%d: seqs %d..%d", source, epoch, expected, last)
+        if lost and self._on_lost is not None:
+            try:
+                self._on_lost(source, epoch, lost)
+            except Exception:  # noqa: BLE001 - a user callback must not stop delivery
+                logger.exception("on_lost callback failed for %s epoch=%d", source, epoch)
         return last + 1

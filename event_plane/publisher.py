@@ -2,7 +2,8 @@
 
 A publisher keeps one pending batch per (source, epoch). ``publish`` appends to it and
 sends it when it reaches ``max_events`` events or would exceed ``max_bytes`` encoded
-event bytes; a timer thread sends it once its oldest event has waited ``max_delay_s``;
+event bytes; a timer thread sends it once its oldest event has waited the flush time limit
+(``max_delay_s``, lowered as the event rate rises: :mod:`event_plane.flush_policy`);
 ``flush`` and ``close`` send it at once. Each sent batch gets the next ``seq`` (0, 1, ...),
 empty batches are never sent. Transports implement :meth:`EventPublisher._send`.
 """
@@ -20,6 +21,7 @@ from dataclasses import replace
 from event_plane.codec import encode_batch_parts
 from event_plane.config import PublisherConfig, PublisherStats
 from event_plane.errors import PublisherClosedError
+from event_plane.flush_policy import AdaptiveDelay
 from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
 from event_plane.validate import check_source, check_u64, encode_checked
 
@@ -72,6 +74,13 @@ class EventPublisher(abc.ABC):
         self._stats = PublisherStats()
         self._closed = False
         self._timer: threading.Thread | None = None
+        cfg = self.config
+        self._delay = AdaptiveDelay(
+            cfg.max_delay_s, cfg.min_delay_s, cfg.target_batch_events, cfg.rate_window_s, enabled=cfg.adaptive_delay
+        )
+        # Monotonic time the pending batch must be sent by: set when its first event
+        # arrives, moved earlier (never later) as the event rate rises.
+        self._deadline: float | None = None
 
     # ------------------------------------------------------------------ public API
     def publish(self, events: Sequence[KVEvent]) -> None:
@@ -89,17 +98,26 @@ class EventPublisher(abc.ABC):
             if self._closed:
                 raise PublisherClosedError(f"publisher {self.source!r} is closed")
             self._ensure_timer()
+            now = time.monotonic()
+            self._delay.observe(len(encoded), now)
             for ev, data in zip(events, encoded):
                 if self._events and self._pending_bytes + len(data) > max_bytes:
                     self._flush_locked()
                 if not self._events:
-                    self._oldest_at = time.monotonic()
+                    self._oldest_at = now
+                    self._deadline = now + self._delay.delay(now)
                     self._cond.notify_all()
                 self._events.append(ev)
                 self._encoded.append(data)
                 self._pending_bytes += len(data)
                 if len(self._events) >= max_events:
                     self._flush_locked()
+            # A rising rate shortens the time limit: move the deadline earlier, wake the timer.
+            if self._oldest_at is not None and self._deadline is not None:
+                deadline = self._oldest_at + self._delay.delay(now)
+                if deadline < self._deadline - 0.001:
+                    self._deadline = deadline
+                    self._cond.notify_all()
 
     def flush(self) -> None:
         """Send the pending batch now (if any) and wait until the transport took it."""
@@ -122,7 +140,18 @@ class EventPublisher(abc.ABC):
     def stats(self) -> PublisherStats:
         """A snapshot of this publisher's counters."""
         with self._lock:
-            return replace(self._stats, dropped=self._stats.dropped + self._transport_dropped())
+            now = time.monotonic()
+            return replace(
+                self._stats,
+                dropped=self._stats.dropped + self._transport_dropped(),
+                flush_delay_s=self._delay.delay(now),
+                event_rate=self._delay.rate(now),
+            )
+
+    def current_flush_delay(self) -> float:
+        """The flush time limit now in force, seconds (``docs/events.md`` §3.1)."""
+        with self._lock:
+            return self._delay.delay(time.monotonic())
 
     @property
     def next_seq(self) -> int:
@@ -156,7 +185,7 @@ class EventPublisher(abc.ABC):
             return
         events, encoded = self._events, self._encoded
         self._events, self._encoded = [], []
-        event_bytes, self._pending_bytes, self._oldest_at = self._pending_bytes, 0, None
+        event_bytes, self._pending_bytes, self._oldest_at, self._deadline = self._pending_bytes, 0, None, None
         seq = self._next_seq
         self._next_seq += 1
         ts_ns = time.time_ns()
@@ -181,13 +210,12 @@ class EventPublisher(abc.ABC):
             self._timer.start()
 
     def _timer_loop(self) -> None:
-        delay = float(self.config.max_delay_s)
         with self._cond:
             while not self._closed:
-                if self._oldest_at is None:
+                if self._deadline is None:
                     self._cond.wait()
                     continue
-                remaining = self._oldest_at + delay - time.monotonic()
+                remaining = self._deadline - time.monotonic()
                 if remaining > 0:
                     self._cond.wait(remaining)
                     continue

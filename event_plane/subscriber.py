@@ -1,12 +1,21 @@
-"""Subscriber interface: a thread-safe queue of ordered batches fed by a transport thread."""
+"""Subscriber interface: a thread-safe queue of ordered batches fed by a transport thread.
+
+The delivery queue is bounded (``queue_capacity`` batches). A batch that finds it full is
+dropped and counted, and its source is put in :attr:`Subscriber.resync_needed` (the
+``on_resync(source)`` hook fires once when it enters): the application's view of that
+source is no longer exact and should be rebuilt (snapshot, ZMQ replay, JetStream re-read)
+before :meth:`Subscriber.resync_done` clears the mark. Batches known lost for good
+(unrecovered gaps) schedule a resync the same way.
+"""
 
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from event_plane.config import SubscriberStats
@@ -14,7 +23,12 @@ from event_plane.errors import ConfigError
 from event_plane.ordering import GapCallback, SeqTracker
 from event_plane.schema import EventBatch
 
+logger = logging.getLogger(__name__)
+
 _POLL_S = 0.05
+
+ResyncCallback = Callable[[str], None]
+"""``on_resync(source)``: called once when ``source`` enters ``resync_needed``."""
 
 
 class Subscriber(abc.ABC):
@@ -24,7 +38,10 @@ class Subscriber(abc.ABC):
         on_gap: ``on_gap(source, epoch, first_missing, last_missing)``, called from the
             transport thread whenever a gap is detected (before recovery).
         queue_capacity: batches held for ``get``; when full, further batches are dropped
-            and counted in ``stats().dropped``.
+            and counted in ``stats().dropped``, and their source needs a resync.
+        on_resync: ``on_resync(source)``, called from the transport thread when ``source``
+            enters :attr:`resync_needed` (a batch of it was dropped or lost for good). It
+            must be quick; exceptions are logged and ignored.
 
     Raises:
         ConfigError: ``queue_capacity`` < 1.
@@ -35,13 +52,28 @@ class Subscriber(abc.ABC):
         *,
         on_gap: GapCallback | None = None,
         queue_capacity: int = 100_000,
+        on_resync: ResyncCallback | None = None,
     ) -> None:
-        if not isinstance(queue_capacity, int) or queue_capacity < 1:
+        if not isinstance(queue_capacity, int) or isinstance(queue_capacity, bool) or queue_capacity < 1:
             raise ConfigError(f"queue_capacity must be a positive int, got {queue_capacity!r}")
         self._queue: queue.Queue[EventBatch] = queue.Queue(queue_capacity)
         self._stats = SubscriberStats()
-        self._tracker = SeqTracker(self._stats, self._deliver, on_gap)
+        self._on_gap = on_gap
+        self._on_resync = on_resync
+        self._resync: set[str] = set()
+        self._resync_lock = threading.Lock()
+        self._tracker = self._make_tracker()
         self._closed = threading.Event()
+
+    def _make_tracker(self, *, first_seq_gap: bool = True) -> SeqTracker:
+        """The ordering state machine feeding this subscriber's queue."""
+        return SeqTracker(
+            self._stats,
+            self._deliver,
+            self._on_gap,
+            first_seq_gap=first_seq_gap,
+            on_lost=lambda source, epoch, count: self._schedule_resync(source),
+        )
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -90,6 +122,30 @@ class Subscriber(abc.ABC):
         """A snapshot of this subscriber's counters."""
         return replace(self._stats)
 
+    @property
+    def resync_needed(self) -> frozenset[str]:
+        """Sources whose delivered stream is incomplete (a batch dropped on a full queue or
+        lost for good) since their last :meth:`resync_done`."""
+        with self._resync_lock:
+            return frozenset(self._resync)
+
+    def resync_done(self, source: str) -> None:
+        """Mark ``source`` as resynchronised (its next loss schedules a new resync)."""
+        with self._resync_lock:
+            self._resync.discard(source)
+
+    def _schedule_resync(self, source: str) -> None:
+        with self._resync_lock:
+            if source in self._resync:
+                return
+            self._resync.add(source)
+            self._stats.resyncs += 1
+        if self._on_resync is not None:
+            try:
+                self._on_resync(source)
+            except Exception:  # noqa: BLE001 - a user callback must not stop delivery
+                logger.exception("on_resync callback failed for %s", source)
+
     def __enter__(self) -> Subscriber:
         self.start()
         return self
@@ -102,6 +158,7 @@ class Subscriber(abc.ABC):
             self._queue.put_nowait(batch)
         except queue.Full:
             self._stats.dropped += 1
+            self._schedule_resync(batch.source)
             return
         self._stats.batches += 1
         self._stats.events += len(batch.events)
@@ -115,13 +172,21 @@ class MultiSubscriber(Subscriber):
         queue_capacity: capacity of the shared queue (the children's own is unused).
     """
 
-    def __init__(self, children: Sequence[Subscriber], *, queue_capacity: int = 100_000) -> None:
-        super().__init__(queue_capacity=queue_capacity)
+    def __init__(
+        self,
+        children: Sequence[Subscriber],
+        *,
+        queue_capacity: int = 100_000,
+        on_resync: ResyncCallback | None = None,
+    ) -> None:
+        super().__init__(queue_capacity=queue_capacity, on_resync=on_resync)
         if not children:
             raise ConfigError("MultiSubscriber needs at least one child subscriber")
         self._children = list(children)
         for child in self._children:
             child._queue = self._queue
+            if on_resync is not None and child._on_resync is None:
+                child._on_resync = on_resync
 
     def start(self) -> None:
         for child in self._children:
@@ -137,3 +202,14 @@ class MultiSubscriber(Subscriber):
         for child in self._children:
             total = total.add(child.stats())
         return total
+
+    @property
+    def resync_needed(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for child in self._children:
+            out |= child.resync_needed
+        return out
+
+    def resync_done(self, source: str) -> None:
+        for child in self._children:
+            child.resync_done(source)

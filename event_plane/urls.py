@@ -10,6 +10,10 @@ URL                                        meaning
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
 ``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
                                            ``KVADVISOR_EVENTS`` (``durable``: subscriber)
+``vllm+zmq://HOST:PORT?replay=PORT&source=NAME``  subscriber only: an unmodified vLLM's
+                                           KV events, converted to KVEvent v1
+``sglang+zmq://HOST:PORT?replay=PORT&source=NAME``  same for SGLang (more parameters:
+                                           :mod:`event_plane.adapters`)
 =========================================  =============================================
 """
 
@@ -31,7 +35,10 @@ _ALLOWED = {
     "zmq": {"replay", "topic"},
     "nats": {"namespace"},
     "jetstream": {"namespace", "durable"},
+    "vllm+zmq": {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"},
+    "sglang+zmq": {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"},
 }
+_PEER_SCHEMES = {"vllm+zmq": "vllm", "sglang+zmq": "sglang"}
 
 
 def _parse(url: str) -> tuple[str, str, int | None, dict[str, str], str]:
@@ -92,6 +99,8 @@ def make_publisher(
         TransportError: the endpoint cannot be bound / the server reached.
     """
     scheme, host, port, query, netloc = _parse(url)
+    if scheme in _PEER_SCHEMES:
+        raise EventURLError(f"{scheme}:// is subscriber only (it reads another engine's events)")
     common: dict[str, Any] = {"epoch": epoch, "config": config, "on_flush": on_flush}
     if scheme == "null":
         return NullPublisher(source, **common)
@@ -106,10 +115,14 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     scheme, host, port, query, netloc = _parse(url)
     if scheme == "null":
         raise EventURLError("null:// has nothing to subscribe to")
-    if scheme == "zmq":
+    if scheme == "zmq" or scheme in _PEER_SCHEMES:
         if host in ("*", "0.0.0.0", "::"):
             raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {url!r}")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
+        if scheme in _PEER_SCHEMES:
+            from event_plane.adapters.urls import peer_subscriber  # lazy: adapters are optional
+
+            return peer_subscriber(_PEER_SCHEMES[scheme], pub, replay, query, url, **kw)
         return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), **kw)
     namespace = query.get("namespace", "default")
     if scheme == "jetstream":
@@ -123,8 +136,10 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
     """Create (not yet started) subscriber(s) for ``urls``; several URLs are merged.
 
     Args:
-        urls: one URL or a list (``zmq://``, ``nats://``, ``jetstream://``).
-        **kw: subscriber keywords (``on_gap``, ``queue_capacity``, transport options).
+        urls: one URL or a list (``zmq://``, ``nats://``, ``jetstream://``,
+            ``vllm+zmq://``, ``sglang+zmq://``).
+        **kw: subscriber keywords (``on_gap``, ``queue_capacity``, ``on_resync``,
+            transport options).
 
     Returns:
         A :class:`Subscriber`; call ``start()`` (or use it as a context manager).
@@ -140,4 +155,6 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
     if len(urls) == 1:
         return _subscriber(urls[0], dict(kw))
     capacity = kw.get("queue_capacity", 100_000)
-    return MultiSubscriber([_subscriber(u, dict(kw)) for u in urls], queue_capacity=capacity)
+    return MultiSubscriber(
+        [_subscriber(u, dict(kw)) for u in urls], queue_capacity=capacity, on_resync=kw.get("on_resync")
+    )

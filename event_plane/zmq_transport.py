@@ -24,7 +24,7 @@ from event_plane.frames import END_SEQ, SEQ_BYTES, seq_from_bytes, seq_to_bytes
 from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback
 from event_plane.schema import EventBatch
-from event_plane.subscriber import Subscriber
+from event_plane.subscriber import ResyncCallback, Subscriber
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class ZmqSubscriber(Subscriber):
     Args:
         endpoints: ``(pub_endpoint, replay_endpoint | None)`` pairs; one SUB connects to each.
         topic: topic prefix to subscribe to (``b""`` = everything).
-        on_gap, queue_capacity: see :class:`Subscriber`.
+        on_gap, queue_capacity, on_resync: see :class:`Subscriber`.
         replay_timeout_s: seconds to wait for a full replay answer before giving up
             (the missing batches then count as unrecovered).
         context: ZMQ context (the process-wide one by default).
@@ -182,8 +182,9 @@ class ZmqSubscriber(Subscriber):
         queue_capacity: int = 100_000,
         replay_timeout_s: float = 2.0,
         context: zmq.Context | None = None,
+        on_resync: ResyncCallback | None = None,
     ) -> None:
-        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity)
+        super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
         if not endpoints:
             raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
         self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
@@ -245,12 +246,23 @@ class ZmqSubscriber(Subscriber):
                 dealer.close(linger=0)
             self._dealers.clear()
 
+    def _decode(self, seq: int, payload: bytes, *, live: bool) -> EventBatch:
+        """Turn one message payload (seq from its seq frame) into a batch.
+
+        ``live`` is ``True`` for PUB messages and ``False`` for replay answers. Adapters of
+        other wire formats override this (``event_plane.adapters``).
+
+        Raises:
+            CodecError: the payload is malformed.
+        """
+        return decode_batch(payload)
+
     def _on_message(self, i: int, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             self._stats.decode_errors += 1
             return
         try:
-            batch = decode_batch(frames[2])
+            batch = self._decode(seq_from_bytes(frames[1]), frames[2], live=True)
         except CodecError:
             self._stats.decode_errors += 1
             return
@@ -292,9 +304,10 @@ class ZmqSubscriber(Subscriber):
             if len(seq_frame) != SEQ_BYTES:
                 self._stats.decode_errors += 1
                 continue
-            if not first <= seq_from_bytes(seq_frame) <= last:
+            seq = seq_from_bytes(seq_frame)
+            if not first <= seq <= last:
                 continue
             try:
-                out.append(decode_batch(payload))
+                out.append(self._decode(seq, payload, live=False))
             except CodecError:
                 self._stats.decode_errors += 1

@@ -1,0 +1,45 @@
+"""Adapters that ingest other engines' KV events (vLLM, SGLang) as KVEvent v1 batches.
+
+Submodules are imported lazily, so ``import event_plane`` stays light. Usually reached
+through URLs: ``event_plane.subscribe("vllm+zmq://HOST:5557?replay=5558&source=pod-a")``
+or ``sglang+zmq://...`` (parameters: ``replay``, ``topic``, ``source``,
+``bytes_per_token``, ``disk_volume``, ``external_volume``, ``keep_peer_fields``).
+Mapping rules: :mod:`event_plane.adapters.peer` and ``docs/events.md`` §10.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PeerConfig": "event_plane.adapters.peer",
+    "PeerConverter": "event_plane.adapters.peer",
+    "PeerFormatError": "event_plane.adapters.peer",
+    "PeerStats": "event_plane.adapters.peer",
+    "PeerSubscriber": "event_plane.adapters.peer",
+    "hash_to_u64": "event_plane.adapters.peer",
+    "VllmSubscriber": "event_plane.adapters.vllm",
+    "vllm_config": "event_plane.adapters.vllm",
+    "vllm_converter": "event_plane.adapters.vllm",
+    "SglangSubscriber": "event_plane.adapters.sglang",
+    "sglang_config": "event_plane.adapters.sglang",
+    "sglang_converter": "event_plane.adapters.sglang",
+    "PeerEmitter": "event_plane.adapters.emit",
+    "peer_subscriber": "event_plane.adapters.urls",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'event_plane.adapters' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

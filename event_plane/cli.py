@@ -1,0 +1,162 @@
+"""``kvadvisor events ...``: watch an event stream from the command line.
+
+* ``tail URL``: every event as one JSON line ``{"source", "epoch", "seq", "index", "type",
+  "sequence_hash", "prefix_hash", "parent_hash", "block_size", "storage_location",
+  "extra_metadata"}``; a gap the subscriber detected prints ``{"gap": {"source", "epoch",
+  "first", "last"}}`` just before the first batch after it (recovered batches, if any,
+  follow the marker). Stops after ``--count`` events or ``--duration`` seconds.
+* ``stats URL --duration S``: one JSON object with events/s, batches/s, bytes per event (of
+  the KVEvent v1 encoding), gaps, replayed, unrecovered, drops, decode errors, restarts.
+
+URLs: anything :func:`event_plane.subscribe` takes (``zmq://``, ``nats://``,
+``jetstream://``, ``vllm+zmq://``, ``sglang+zmq://``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Annotated, Any, Optional
+
+import typer
+
+from event_plane.codec import encode_batch
+from event_plane.errors import EventPlaneError
+from event_plane.schema import EventBatch, EventType, KVEvent
+from event_plane.urls import subscribe
+
+events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats).")
+
+_TYPE_NAMES = {EventType.STORE: "store", EventType.REMOVE: "remove", EventType.CLEARED: "cleared"}
+
+
+def event_json(batch: EventBatch, index: int, ev: KVEvent) -> dict[str, Any]:
+    """JSON-ready dict of one event with its batch coordinates (see module docstring)."""
+    return {
+        "source": batch.source,
+        "epoch": batch.epoch,
+        "seq": batch.seq,
+        "index": index,
+        "type": _TYPE_NAMES.get(ev.type, int(ev.type)),
+        "sequence_hash": ev.sequence_hash,
+        "prefix_hash": ev.prefix_hash,
+        "parent_hash": ev.parent_hash,
+        "block_size": ev.block_size,
+        "storage_location": ev.storage_location,
+        "extra_metadata": ev.extra_metadata,
+    }
+
+
+class _GapMarkers:
+    """Gaps reported by the subscriber thread, printed before the first batch after them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, int, int, int]] = []
+
+    def __call__(self, source: str, epoch: int, first: int, last: int) -> None:
+        with self._lock:
+            self._pending.append((source, epoch, first, last))
+
+    def due(self, batch: EventBatch) -> list[dict[str, Any]]:
+        """Markers to print before ``batch`` (a gap of its source/epoch starting at or
+        before its seq)."""
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            keep = []
+            for source, epoch, first, last in self._pending:
+                if source == batch.source and epoch == batch.epoch and first <= batch.seq:
+                    out.append({"gap": {"source": source, "epoch": epoch, "first": first, "last": last}})
+                else:
+                    keep.append((source, epoch, first, last))
+            self._pending = keep
+        return out
+
+
+def _open(url: str, **kw: Any) -> Any:
+    try:
+        sub = subscribe(url, **kw)
+        sub.start()
+    except EventPlaneError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    return sub
+
+
+@events_app.command()
+def tail(
+    url: Annotated[str, typer.Argument(help="event URL, e.g. zmq://127.0.0.1:5557?replay=5558")],
+    count: Annotated[Optional[int], typer.Option("--count", "-n", help="stop after N events")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after S seconds")] = None,
+) -> None:
+    """Print every event as a JSON line, with gap markers."""
+    gaps = _GapMarkers()
+    sub = _open(url, on_gap=gaps)
+    printed = 0
+    deadline = None if duration is None else time.monotonic() + duration
+    try:
+        while count is None or printed < count:
+            wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            batch = sub.get(timeout=wait)
+            if batch is None:
+                continue
+            for marker in gaps.due(batch):
+                typer.echo(json.dumps(marker))
+            for i, ev in enumerate(batch.events):
+                typer.echo(json.dumps(event_json(batch, i, ev)))
+                printed += 1
+                if count is not None and printed >= count:
+                    break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+
+
+@events_app.command()
+def stats(
+    url: Annotated[str, typer.Argument(help="event URL")],
+    duration: Annotated[float, typer.Option("--duration", "-d", help="seconds to measure")] = 10.0,
+) -> None:
+    """Measure a stream for DURATION seconds; print rates and sizes as one JSON object."""
+    sub = _open(url)
+    batches = events = wire_bytes = 0
+    t0 = time.monotonic()
+    deadline = t0 + duration
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            batch = sub.get(timeout=min(0.2, left))
+            if batch is None:
+                continue
+            batches += 1
+            events += len(batch.events)
+            wire_bytes += len(encode_batch(batch))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        elapsed = max(time.monotonic() - t0, 1e-9)
+        sub.close()
+    st = sub.stats()
+    report = {
+        "url": url,
+        "seconds": round(elapsed, 3),
+        "batches": batches,
+        "events": events,
+        "events_per_s": round(events / elapsed, 1),
+        "batches_per_s": round(batches / elapsed, 1),
+        "bytes_per_event": round(wire_bytes / events, 2) if events else None,
+        "gaps": st.gaps,
+        "replayed": st.replayed,
+        "unrecovered": st.unrecovered,
+        "drops": st.dropped,
+        "decode_errors": st.decode_errors,
+        "duplicates": st.duplicates,
+        "restarts": st.restarts,
+    }
+    typer.echo(json.dumps(report))

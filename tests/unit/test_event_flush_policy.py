@@ -1,0 +1,96 @@
+"""Adaptive flush time limit: the rule, the rate estimate, and a publisher under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from event_plane import ConfigError, EventBatch, NullPublisher, PublisherConfig, store
+from event_plane.flush_policy import AdaptiveDelay, flush_delay
+
+
+def test_rule_clamps_target_over_rate() -> None:
+    assert flush_delay(0.0, 256, 0.01, 10.0) == 10.0  # at rest: the ceiling
+    assert flush_delay(10.0, 256, 0.01, 10.0) == 10.0  # 25.6 s clamped to 10 s
+    assert flush_delay(1000.0, 256, 0.01, 10.0) == pytest.approx(0.256)
+    assert flush_delay(1e6, 256, 0.01, 10.0) == 0.01  # floor
+    rates = [0.0, 1.0, 30.0, 100.0, 1e3, 1e4, 1e5, 1e7]
+    delays = [flush_delay(r, 256, 0.01, 10.0) for r in rates]
+    assert delays == sorted(delays, reverse=True)  # never longer at a higher rate
+
+
+def test_rate_estimate_converges_and_decays() -> None:
+    d = AdaptiveDelay(10.0, 0.01, 100, window_s=1.0)
+    assert d.delay(0.0) == 10.0
+    t = 0.0
+    for _ in range(5000):  # 1,000 events/s for 5 s: 1 event per ms
+        t += 0.001
+        d.observe(1, t)
+    assert d.rate(t) == pytest.approx(1000.0, rel=0.02)
+    assert d.delay(t) == pytest.approx(0.1, rel=0.02)
+    assert d.rate(t + 1.0) == pytest.approx(1000.0 / 2.718281828, rel=0.02)  # e-fold per window
+    assert d.delay(t + 60.0) == 10.0  # idle again: back to the ceiling
+    off = AdaptiveDelay(10.0, 0.01, 100, enabled=False)
+    off.observe(10**6, 1.0)
+    assert off.delay(1.0) == 10.0
+
+
+@pytest.mark.parametrize("kw", [{"min_delay_s": 0}, {"rate_window_s": -1.0}, {"target_batch_events": 0}, {"adaptive_delay": 1}])
+def test_config_rejects_bad_adaptive_settings(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        PublisherConfig(**kw)
+
+
+def _run_load(adaptive: bool) -> tuple[list[float], NullPublisher]:
+    """~20k events/s for 0.4 s into a publisher whose count and byte limits never trigger;
+    returns each batch's age at flush (flush time - first event's publish time)."""
+    sent_at: dict[int, float] = {}
+    ages: list[float] = []
+    lock = threading.Lock()
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        now = time.monotonic()
+        with lock:
+            ages.append(now - sent_at[batch.events[0].sequence_hash])
+
+    cfg = PublisherConfig(
+        max_events=10**6, max_bytes=10**8, max_delay_s=10.0, adaptive_delay=adaptive, min_delay_s=0.02, target_batch_events=200
+    )
+    pub = NullPublisher("w0", config=cfg, on_flush=on_flush)
+    h = 1
+    t_end = time.monotonic() + 0.4
+    while time.monotonic() < t_end:
+        now = time.monotonic()
+        for _ in range(20):
+            sent_at[h] = now
+            pub.publish([store(h, 1, None, 4096, "g1")])
+            h += 1
+        time.sleep(0.001)
+    time.sleep(0.15)
+    return ages, pub
+
+
+def test_publisher_time_limit_drops_under_load_and_latency_stays_bounded() -> None:
+    ages, pub = _run_load(adaptive=True)
+    st = pub.stats()
+    assert st.event_rate > 2000  # the estimate saw the load
+    assert st.flush_delay_s < 0.1  # time limit lowered from 10 s
+    assert len(ages) >= 4  # the timer flushed repeatedly during 0.4 s
+    # every batch left within target/rate (+ scheduling slack), never near the 10 s ceiling
+    assert max(ages) < 0.25, ages
+    pub.close()
+    assert pub.stats().batches == len(ages)  # the close flush is reported too; nothing else
+
+    ages_off, pub_off = _run_load(adaptive=False)
+    assert ages_off == []  # fixed 10 s limit: nothing left yet
+    assert pub_off.current_flush_delay() == 10.0
+    pub_off.close()
+
+
+def test_low_rate_keeps_the_ceiling() -> None:
+    pub = NullPublisher("w0", config=PublisherConfig(max_delay_s=10.0))
+    pub.publish([store(1, 1, None, 1, "g1")])
+    assert pub.current_flush_delay() == pytest.approx(10.0)
+    pub.close()
