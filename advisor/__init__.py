@@ -3,6 +3,7 @@
 Imports ``event_plane`` and ``storage_backends`` only (the REST API is loaded by name).
 """
 
+from advisor.frequency import FrequencySettings, FrequencySketch, SsdAdmissionFilter
 from advisor.index import BlockInfo, IndexCounters, PrefixIndex
 from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.mover import Mover
@@ -21,11 +22,19 @@ from advisor.policies import (
     plan_demotions,
     plan_promotions,
 )
+from advisor.prefix_policy import BlockScorer, PrefixPolicySettings, PrefixValueCache, ReuseStats
 from advisor.query import AdvisorQuery, LookupResult, VolumeView
 from advisor.service import AdvisorError, AdvisorService, main
 from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
 
 __all__ = [
+    "SsdAdmissionFilter",
+    "ReuseStats",
+    "PrefixValueCache",
+    "PrefixPolicySettings",
+    "FrequencySketch",
+    "FrequencySettings",
+    "BlockScorer",
     "AdvisorError",
     "AdvisorQuery",
     "AdvisorService",

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from advisor.frequency import FrequencySketch
 from event_plane.schema import EventBatch, EventType
 
 PRIVATE_TIERS: frozenset[str] = frozenset({"g1", "g2"})
@@ -135,7 +136,10 @@ class PrefixIndex:
     Not thread-safe: the advisor serialises writers and readers with its own lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, frequency: FrequencySketch | None = None) -> None:
+        self.frequency = frequency
+        """Optional decayed frequency sketch fed by first Stores, re-Stores that are accesses
+        and ``extra_metadata["hits"]`` (not part of :meth:`dump`)."""
         self._blocks: dict[int, _Entry] = {}
         # parent hash -> child hash (int) or set of child hashes; parents may be unknown.
         self._children: dict[int, int | set[int]] = {}
@@ -233,16 +237,53 @@ class PrefixIndex:
 
         source = batch.source
         ts = batch.ts_ns
+        # Hot path (new block with a known or no parent, or a duplicate Store) inlined with
+        # local bindings; every other case goes through _store.
+        STORE = EventType.STORE
+        blocks = self._blocks
+        children = self._children
+        loc_blocks = self._loc_blocks
+        flags: dict[str, tuple[int, int]] = {}
+        fast_new = fast_dup = 0
+        freq = self.frequency
         for ev in batch.events:
             t = ev.type
-            if t == EventType.STORE:
-                self._store(source, ev.sequence_hash, ev.prefix_hash, ev.parent_hash, ev.block_size,
-                            ev.storage_location, ev.extra_metadata, ts)
+            if t == STORE:
+                h = ev.sequence_hash
+                parent = ev.parent_hash
+                sl = ev.storage_location
+                fl = flags.get(sl)
+                if fl is None:
+                    bit = self._bit(self.qualify(source, sl))
+                    fl = flags[sl] = (1 << bit, bit)
+                e = blocks.get(h)
+                if e is not None:
+                    if e.mask & fl[0] and parent != h:
+                        fast_dup += 1
+                        continue
+                elif (ev.extra_metadata is None and freq is None and parent != h and h not in children
+                      and (parent is None or parent in blocks)):
+                    blocks[h] = _Entry(parent, ev.prefix_hash, ev.block_size, fl[0], ts)
+                    loc_blocks[fl[1]].add(h)
+                    if parent is not None:
+                        cur = children.get(parent)
+                        if cur is None:
+                            children[parent] = h
+                        elif isinstance(cur, set):
+                            cur.add(h)
+                        else:
+                            children[parent] = {cur, h}
+                    fast_new += 1
+                    continue
+                self._store(source, h, ev.prefix_hash, parent, ev.block_size, sl, ev.extra_metadata, ts)
             elif t == EventType.REMOVE:
                 self._remove(self.qualify(source, ev.storage_location), ev.sequence_hash)
             else:
                 self.counters.cleared += 1
                 self._clear_location(self.qualify(source, ev.storage_location))
+        c = self.counters
+        c.stores += fast_new + fast_dup
+        c.duplicate_stores += fast_dup
 
     def _store(
         self,
@@ -284,6 +325,8 @@ class PrefixIndex:
             if hits:
                 e.hits += hits
                 c.hits += hits
+            if self.frequency is not None:
+                self.frequency.increment(h, 1 + hits)
             return
         if e.mask & flag:
             c.duplicate_stores += 1
@@ -300,6 +343,8 @@ class PrefixIndex:
             e.hits += hits
             c.hits += hits
             e.last_access = ts
+            if self.frequency is not None:
+                self.frequency.increment(h, hits)
 
     def _is_access(self, source: str, storage_location: str, other_mask: int) -> bool:
         """Whether a Store of a known block at a new location is a reuse of the block.

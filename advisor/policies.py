@@ -9,9 +9,9 @@ each with a ``reason``; the planner then applies rate limits and the mover execu
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -71,6 +71,11 @@ class DemotionSettings(BaseModel):
     enabled: bool = True
     high_watermark: float = Field(0.8, gt=0.0, le=1.0)
     low_watermark: float = Field(0.6, ge=0.0, lt=1.0)
+    scoring: Literal["lru", "prefix_value"] = "lru"
+    """Order of the leaves: least recently used, or lowest prefix value
+    (:class:`advisor.prefix_policy.BlockScorer`: last access + horizon × P(reuse | hits))."""
+    horizon_s: float = Field(600.0, gt=0.0)
+    """Horizon of the ``prefix_value`` scoring, seconds."""
 
     @model_validator(mode="after")
     def _order(self) -> DemotionSettings:
@@ -221,20 +226,21 @@ def plan_promotions(settings: PromotionSettings, inp: PolicyInput, index: Prefix
     return items
 
 
-def _leaves_first(on_fast: dict[int, PlacementLike], index: PrefixIndex) -> Iterator[tuple[int, int]]:
+def _leaves_first(on_fast: dict[int, PlacementLike], index: PrefixIndex,
+                  score: Callable[[int], float] | None = None) -> Iterator[tuple[float, int]]:
     """Yield ``(last_access_ns, h)`` for the blocks of ``on_fast``, least recently used leaf first.
 
     A block is yielded only after every child of it that is in ``on_fast`` was yielded,
     so taking any prefix of this order never leaves a child without its parent.
     """
     pending_children: dict[int, int] = {}
-    heap: list[tuple[int, int]] = []
+    heap: list[tuple[float, int]] = []
     for h in on_fast:
         n = sum(1 for c in index.children(h) if c in on_fast and c != h)
         pending_children[h] = n
         if n == 0:
             info = index.block(h)
-            heapq.heappush(heap, (info.last_access_ns if info else 0, h))
+            heapq.heappush(heap, (score(h) if score else (info.last_access_ns if info else 0), h))
     while heap:
         last, h = heapq.heappop(heap)
         yield last, h
@@ -244,7 +250,7 @@ def _leaves_first(on_fast: dict[int, PlacementLike], index: PrefixIndex) -> Iter
             pending_children[parent] -= 1
             if pending_children[parent] == 0:
                 pinfo = index.block(parent)
-                heapq.heappush(heap, (pinfo.last_access_ns if pinfo else 0, parent))
+                heapq.heappush(heap, (score(parent) if score else (pinfo.last_access_ns if pinfo else 0), parent))
 
 
 def plan_demotions(
@@ -287,12 +293,25 @@ def plan_demotions(
     items: list[PlanItem] = []
     if need > 0:
         freed = 0
-        for last, h in _leaves_first(on_fast, index):
+        score = None
+        if settings.scoring == "prefix_value":
+            from advisor.prefix_policy import BlockScorer
+
+            scorer = BlockScorer(horizon_ns=int(settings.horizon_s * 1e9))
+
+            def score(h: int) -> float:
+                info = index.block(h)
+                if info is None:
+                    return 0.0
+                depth = 0 if not any(c in on_fast for c in index.children(h)) else 1
+                return scorer.score(info.last_access_ns, info.hits, depth)
+
+        for last, h in _leaves_first(on_fast, index, score):
             if freed >= need:
                 break
             freed += on_fast[h].length
-            items.append(item(h, f"LRU leaf (last access ts {last}) moved to '{archive}' until "
-                                 f"{_pct(settings.low_watermark)} live"))
+            what = f"prefix-value leaf (score {last:.0f})" if score else f"LRU leaf (last access ts {last})"
+            items.append(item(h, f"{what} moved to '{archive}' until {_pct(settings.low_watermark)} live"))
         return items
     # the excess is dead space: compaction reclaims it if a sparse segment fits in the free space
     free = usage.capacity_bytes - usage.used_bytes

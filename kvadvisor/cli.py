@@ -114,6 +114,36 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     console.print(t)
 
 
+@app.command()
+def evaluate(
+    trace: Annotated[Path, typer.Option(help="Mooncake jsonl, or a WEKA trace_NNNN.json[.gz] file / directory")],
+    capacity: Annotated[str, typer.Option(help="fast-tier capacities in blocks, comma-separated")],
+    format: Annotated[Optional[str], typer.Option("--format", help="mooncake | weka (default: from the name)")] = None,
+    policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated")] = "prefix_value,seen_twice",
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG plot of hit rate vs capacity")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="replay only the first N requests")] = None,
+    stagger_s: Annotated[float, typer.Option(help="WEKA: seconds between conversation starts")] = 60.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results as JSON")] = None,
+) -> None:
+    """Replay a trace: fast-tier hit rate of LRU, Belady and our policies per capacity."""
+    from kvadvisor import evaluate as ev_mod
+    from kvadvisor.trace import TraceFormatError
+
+    try:
+        caps = ev_mod.parse_capacities(capacity)
+        reqs = ev_mod.load_trace(trace, format, limit, stagger_s)  # type: ignore[arg-type]
+        result = ev_mod.evaluate(reqs, caps, [p.strip() for p in policies.split(",") if p.strip()], trace=trace.name)
+    except (ev_mod.EvaluateError, TraceFormatError, FileNotFoundError) as exc:
+        _fail(str(exc))
+        return
+    console.print(ev_mod.render_table(result))
+    console.print(f"replayed in {result.seconds:.1f} s")
+    if plot:
+        console.print(f"plot: {ev_mod.plot(result, plot)}")
+    if json_out:
+        json_out.write_text(json.dumps(result.as_dict(), indent=2))
+
+
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""

@@ -214,3 +214,20 @@ def test_bad_policy_settings_are_refused() -> None:
         PromotionSettings(min_hits=0)
     with pytest.raises(ValidationError):
         CompactionSettings(live_fraction=1.5)
+
+
+def test_demotion_prefix_value_scoring_keeps_leaves_first_and_explains() -> None:
+    log = Log()
+    log.apply("w0", *chain_events([1, 2, 3], "fast"))
+    log.apply("w0", *chain_events([10, 11], "fast"))
+    log.apply("w1", *chain_events([10, 11], "g1"))
+    on_fast = placements([1, 2, 3, 10, 11])
+    usage = VolumeUsage(capacity_bytes=5_000, used_bytes=5_000, live_bytes=5_000)
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": usage}, fast_placements=on_fast)
+    s = DemotionSettings(high_watermark=0.8, low_watermark=0.3, scoring="prefix_value")
+    items = plan_demotions(s, pin, log.idx)
+    # 3,500 bytes -> 4 blocks; chain A (older, never re-used) leaf to root, then B's leaf
+    assert [i.sequence_hash for i in items] == [3, 2, 1, 11]
+    assert all("prefix-value leaf" in i.reason for i in items)
+    with pytest.raises(ValidationError):
+        DemotionSettings(scoring="fifo")

@@ -1,0 +1,143 @@
+"""Offline evaluator: hand-computed LRU / Belady / seen-twice hit counts, trace loaders,
+the prefix-value policy's invariants, and the CLI on a slice of the Mooncake trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from advisor.prefix_policy import PrefixPolicySettings, PrefixValueCache
+from kvadvisor.cli import app
+from kvadvisor.evaluate import (
+    EvaluateError,
+    evaluate,
+    load_trace,
+    load_weka,
+    next_uses,
+    parse_capacities,
+    simulate_belady,
+    simulate_lru,
+    simulate_prefix_value,
+    simulate_seen_twice,
+)
+from kvadvisor.trace import bundled_trace
+
+# 4 requests, 10 block references
+REQS = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]
+
+
+def test_lru_hand_computed() -> None:
+    # cap 3: r1 hits 1,2 (2); inserting 4 evicts 3; r2 inserts 5 evicting 1; r3 misses at 1
+    assert simulate_lru(REQS, 3) == 2
+    # cap 5: nothing evicted before r3 (1,2,3,4,5 fit) -> 2 + 3
+    assert simulate_lru(REQS, 5) == 5
+    assert simulate_lru(REQS, 1) == 0
+
+
+def test_belady_hand_computed() -> None:
+    assert next_uses(REQS) == [[1, 1, 3], [3, 3, 4], [4], [4, 4, 4]]
+    # cap 3: after r1, 4 (never used again) is evicted; after r2, 5 is evicted; r3 hits all 3
+    assert simulate_belady(REQS, 3) == 5
+    assert simulate_belady(REQS, 1) == 0
+
+
+def test_seen_twice_hand_computed() -> None:
+    # only 1,2 are admitted (at r1); r3 hits them, 3 is admitted then
+    assert simulate_seen_twice(REQS, 3) == 2
+
+
+def test_unbounded_capacity_all_policies_equal() -> None:
+    best = simulate_lru(REQS, 100)
+    assert best == 5
+    assert simulate_belady(REQS, 100) == simulate_prefix_value(REQS, 100) == best
+
+
+def test_prefix_value_evicts_leaves_and_descendants() -> None:
+    cache = PrefixValueCache(3)
+    assert cache.access([10, 11, 12, 13]) == 0  # 4 blocks > 3: the deepest (13) goes first
+    assert 13 not in cache and cache.cached_prefix([10, 11, 12]) == 3
+    assert cache.access([10, 11, 12, 14]) == 3
+    assert len(cache) == 3
+    # never a child without its parent
+    for h in (11, 12):
+        if h in cache:
+            assert h - 1 in cache
+
+
+def test_prefix_value_never_holds_a_child_without_its_parent() -> None:
+    reqs = load_trace(bundled_trace(), "mooncake", limit=400)
+    cache = PrefixValueCache(300)
+    for r in reqs:
+        cache.access(r)
+        held = cache.cached()
+        assert len(held) <= 300
+        for h in held:
+            p = cache.parent_of(h)
+            assert p is None or p in held, (h, p)
+    with pytest.raises(ValueError):
+        PrefixValueCache(0)
+
+
+def test_evaluate_table_and_errors() -> None:
+    ev = evaluate(REQS, [3, 100], ["prefix_value", "seen_twice"], trace="toy")
+    r3 = ev.results[0]
+    assert r3.hit_rate["lru"] == pytest.approx(0.2)
+    assert r3.hit_rate["belady"] == pytest.approx(0.5)
+    assert r3.gap_closed("seen_twice") == pytest.approx(0.0)
+    assert ev.results[1].gap_closed("prefix_value") is None  # Belady == LRU
+    with pytest.raises(EvaluateError):
+        evaluate([], [3])
+    with pytest.raises(EvaluateError):
+        evaluate(REQS, [0])
+    with pytest.raises(EvaluateError):
+        evaluate(REQS, [3], ["fifo"])
+    assert parse_capacities("1_000, 5859") == [1000, 5859]
+    with pytest.raises(EvaluateError):
+        parse_capacities("10,x")
+
+
+def test_weka_loader_pairs_ids_with_file_and_flattens_subagents(tmp_path: Path) -> None:
+    conv = {"id": "trace_0007", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "hash_ids": [1, 2]},
+        {"t": 10.0, "type": "subagent", "requests": [
+            {"t": 0.0, "type": "n", "hash_ids": [50]},
+            {"t": 5.0, "type": "n", "hash_ids": [50, 51]}]},
+        {"t": 12.0, "type": "s", "hash_ids": [1, 2, 3]},
+    ]}
+    with gzip.open(tmp_path / "trace_0007.json.gz", "wt") as fh:
+        json.dump(conv, fh)
+    other = {"id": "trace_0009", "requests": [{"t": 1.0, "type": "n", "hash_ids": [1]}]}
+    (tmp_path / "trace_0009.json").write_text(json.dumps(other))
+    reqs = load_weka(tmp_path, stagger_s=100.0)
+    t7, t9 = 7 << 32, 9 << 32
+    # file 0009 starts 100 s later, subagent requests at 10 s and 15 s
+    assert reqs == [[t7 | 1, t7 | 2], [t7 | 50], [t7 | 1, t7 | 2, t7 | 3], [t7 | 50, t7 | 51], [t9 | 1]]
+    (tmp_path / "trace_0010.json").write_text("{\"requests\": [{\"t\": 0}]}")
+    from kvadvisor.trace import TraceFormatError
+    with pytest.raises(TraceFormatError):
+        load_weka(tmp_path)
+
+
+def test_mooncake_slice_policy_beats_lru() -> None:
+    reqs = load_trace(bundled_trace(), "mooncake")
+    ev = evaluate(reqs, [500, 2000], ["prefix_value"])
+    for r in ev.results:
+        assert r.hit_rate["lru"] <= r.hit_rate["prefix_value"] <= r.hit_rate["belady"]
+
+
+def test_cli_evaluate_prints_table_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "p.png"
+    res = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "300,1000",
+                                   "--limit", "600", "--plot", str(out), "--json", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    assert "LRU" in res.output and "replayed in" in res.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [r["capacity"] for r in data["results"]] == [300, 1000]
+    assert set(data["results"][0]["hit_rate"]) == {"lru", "belady", "prefix_value", "seen_twice"}
+    bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "0"])
+    assert bad.exit_code == 2
