@@ -8,6 +8,7 @@ from .catalog import PlacementCatalog
 from .checksum import checksum
 from .local_s3 import LocalS3, free_port, start_local_s3
 from .metrics import StorageCollector, register_storage_metrics
+from .redis_catalog import RedisCatalog
 from .sqlite_catalog import SqliteCatalog
 from .types import (
     BlockKey,
@@ -37,6 +38,7 @@ __all__ = [
     "MediaClass",
     "Placement",
     "PlacementCatalog",
+    "RedisCatalog",
     "SegmentInfo",
     "SqliteCatalog",
     "StorageAgent",

@@ -7,8 +7,10 @@ A block is visible only after its bytes are durable, so a crash at any step lose
 nothing that was acknowledged; at worst it leaves an unreferenced segment that
 :meth:`StorageAgent.collect_garbage` removes.
 
-Read path (``get``): catalog snapshot -> one NIXL READ per volume and batch (ranged, many
-segments) -> XXH3-64 check per block.  A read that fails while the catalog moved the block
+Read path (``get``): catalog snapshot -> per volume, batches of up to 64 MiB cut into
+8 MiB pieces, each one NIXL READ (ranged, many segments) into one of two registered
+staging buffers, while a worker thread verifies (XXH3-64 per block) and copies out the
+previous piece.  A read that fails while the catalog moved the block
 (a concurrent compaction or move) is retried at the new placement; a checksum mismatch
 of a placement that is still current quarantines it and raises.
 
@@ -19,16 +21,18 @@ the catalog always points at a copy that was verified after it was written.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from .catalog import PlacementCatalog
-from .checksum import as_bytes, checksum, clone, pack
+from .checksum import as_bytes, checksum, checksum_np, pack
 from .keys import validate_block_key
 from .nixl_engine import NixlHub
 from .types import (
@@ -50,6 +54,8 @@ from .volume import Volume, descriptor_identity, validate_descriptor, volume_cla
 logger = logging.getLogger(__name__)
 
 _READ_BATCH_BYTES = 64 << 20
+#: piece of a read batch: one NIXL READ, verified while the next piece is read
+_PIPE_BYTES = 8 << 20
 _READ_RETRIES = 3
 
 
@@ -72,19 +78,27 @@ class StorageAgent:
         catalog: the placement catalog (shared with other processes); not closed by
             :meth:`close`.
         name: name of the NIXL agent.
+        allowed_roots: directories posix volumes must live under (``None``: anywhere).
 
     Thread-safe; several processes may use agents on the same catalog and volumes.
     """
 
-    def __init__(self, catalog: PlacementCatalog, name: str = "kvadvisor-storage") -> None:
+    def __init__(
+        self, catalog: PlacementCatalog, name: str = "kvadvisor-storage",
+        allowed_roots: Sequence[str | os.PathLike[str]] | None = None,
+    ) -> None:
         self.catalog = catalog
         self.name = name
+        self.allowed_roots: tuple[str, ...] | None = (
+            None if allowed_roots is None else tuple(os.fspath(r) for r in allowed_roots)
+        )
         self.counters = AgentCounters()
         self._hub = NixlHub(name)
         self._volumes: dict[str, Volume] = {}
         self._lock = threading.RLock()
         # uncommitted copies per (volume, segment): keys still expected to be committed
         self._pending: dict[tuple[str, int], set[BlockKey]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
     # ================================================================== volumes
@@ -92,11 +106,12 @@ class StorageAgent:
         """Validate and open a volume (idempotent for an identical descriptor).
 
         Raises:
-            VolumeConfigError: invalid descriptor (unknown kind, posix without root, s3
-                without endpoint/bucket, capacity <= 0, ...), or the id is already
-                registered (here or in the shared catalog) for another place.
+            VolumeConfigError: invalid descriptor (unknown kind, posix without root or with
+                a root outside ``allowed_roots``, s3 without endpoint/bucket, capacity not a
+                positive int, ...), or the id is already registered (here or in the shared
+                catalog) for another place.
         """
-        validate_descriptor(desc)
+        validate_descriptor(desc, self.allowed_roots)
         ident = descriptor_identity(desc)
         with self._lock:
             self._check_open()
@@ -245,7 +260,7 @@ class StorageAgent:
         (unrecorded) placements.  On failure the segment is released and re-raised."""
         lengths = [b.numel() for _, b in group]
         offsets, size = vol.plan(lengths)
-        cks = list(checksums) if checksums is not None else [checksum(b) for _, b in group]
+        cks = list(checksums) if checksums is not None else [checksum_np(b.numpy()) for _, b in group]
         vid = vol.desc.id
         seg = self.catalog.new_segment(vid, size, capacity_bytes=vol.desc.capacity_bytes)
         try:
@@ -322,7 +337,8 @@ class StorageAgent:
             for batch in self._batches([(i, cur[i]) for i in todo]):
                 vol = self._vol(batch[0][1].volume_id)
                 try:
-                    got = self._read_batch(vol, [p for _, p in batch])
+                    got = self._read_batch(vol, [p for _, p in batch],
+                                           None if dests is None else [dests[i] for i, _ in batch])
                 except TransferError as exc:
                     failed.extend(i for i, _ in batch)
                     errors.append(exc)
@@ -331,11 +347,7 @@ class StorageAgent:
                     if data is None:
                         bad.append(i)
                         continue
-                    if dests is not None:
-                        np.copyto(dests[i].numpy(), data.numpy())
-                        results[i] = dests[i]
-                    else:
-                        results[i] = data
+                    results[i] = data
             if not failed and not bad:
                 break
             # did the catalog move any of them meanwhile?
@@ -386,16 +398,80 @@ class StorageAgent:
             if batch:
                 yield batch
 
-    def _read_batch(self, vol: Volume, places: Sequence[Placement]) -> list[torch.Tensor | None]:
-        """One transfer; per placement a fresh uint8 tensor, or ``None`` on checksum mismatch."""
+    def _read_batch(
+        self, vol: Volume, places: Sequence[Placement], dests: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Read, verify and copy out ``places`` (one volume).
+
+        The batch is cut into pieces of about :data:`_PIPE_BYTES`; each piece is one NIXL
+        READ into staging slot 0 or 1, and while the next piece is being read, a worker
+        thread verifies the previous one (XXH3) and copies its blocks into ``dests[i]``
+        (or fresh uint8 tensors).  Returns per placement the tensor, or ``None`` on a
+        checksum mismatch (the destination is then left untouched).
+        """
+        out: list[torch.Tensor | None] = [None] * len(places)
+        pieces: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(places):
+            if pieces[-1] and size + p.length > _PIPE_BYTES:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(i)
+            size += p.length
         eng = vol.engine
         with eng.lock:
-            buf = eng.staging(vol.read_buffer_bytes([(p.segment_id, p.offset, p.length) for p in places]), vol.buffer_alignment)
-            views = vol.read_many([(p.segment_id, p.offset, p.length) for p in places], buf)
-            out: list[torch.Tensor | None] = []
-            for p, v in zip(places, views):
-                out.append(clone(v) if checksum(v) == p.checksum else None)
+            if len(pieces) == 1:
+                self._read_piece(vol, places, pieces[0], dests, out, 0)
+                return out
+            pending: dict[int, Future[None]] = {}
+            try:
+                for k, idx in enumerate(pieces):
+                    slot = k % 2
+                    f = pending.pop(slot, None)
+                    if f is not None:
+                        f.result()  # that slot's buffer is free again
+                    pending[slot] = self._read_piece(vol, places, idx, dests, out, slot, self._verifier())
+            finally:
+                for f in pending.values():
+                    f.result()
         return out
+
+    def _read_piece(
+        self, vol: Volume, places: Sequence[Placement], idx: list[int], dests: Sequence[torch.Tensor] | None,
+        out: list[torch.Tensor | None], slot: int, pool: ThreadPoolExecutor | None = None,
+    ) -> Future[None]:
+        """Read ``places[idx]`` into staging ``slot``; verify + copy now, or on ``pool``."""
+        items = [(places[i].segment_id, places[i].offset, places[i].length) for i in idx]
+        buf = vol.engine.staging(vol.read_buffer_bytes(items), vol.buffer_alignment, slot=slot)
+        starts = vol.read_into(items, buf)
+        whole = buf.numpy()
+
+        def verify() -> None:
+            # numpy views of the staging buffer: per-block tensor slicing costs more than
+            # hashing a 64 KiB block
+            for i, start in zip(idx, starts):
+                p = places[i]
+                src = whole[start : start + p.length]
+                if checksum_np(src) != p.checksum:
+                    out[i] = None
+                elif dests is not None:
+                    np.copyto(dests[i].numpy(), src)
+                    out[i] = dests[i]
+                else:
+                    out[i] = torch.from_numpy(src.copy())
+
+        if pool is not None:
+            return pool.submit(verify)
+        done: Future[None] = Future()
+        verify()
+        done.set_result(None)
+        return done
+
+    def _verifier(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-verify")
+            return self._pool
 
     # ================================================================== queries
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -616,6 +692,9 @@ class StorageAgent:
             for vol in self._volumes.values():
                 vol.close()
             self._hub.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def __enter__(self) -> StorageAgent:
         return self

@@ -33,6 +33,12 @@ def checksum(data: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(as_bytes(data).numpy()))
 
 
+def checksum_np(data: np.ndarray) -> int:
+    """XXH3-64 (seed 0) of a contiguous 1-D uint8 numpy array (no tensor overhead: the
+    hot path of small blocks)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def clone(data: torch.Tensor) -> torch.Tensor:
     """A new uint8 CPU tensor with ``data``'s bytes (``data``: 1-D uint8 CPU)."""
     return torch.from_numpy(data.numpy().copy())

@@ -52,27 +52,30 @@ class NixlEngine:
         self.agent_name = agent_name
         self.backend = backend
         self.lock = lock
-        self._staging: torch.Tensor | None = None
-        self._staging_reg: Any = None
+        self._slots: dict[int, tuple[torch.Tensor, Any]] = {}
         self._next_dev_id = 1
 
     # ------------------------------------------------------------------ memory
-    def staging(self, nbytes: int, alignment: int = 64) -> torch.Tensor:
+    def staging(self, nbytes: int, alignment: int = 64, slot: int = 0) -> torch.Tensor:
         """A registered uint8 CPU buffer of at least ``nbytes`` whose address is a multiple of
         ``alignment`` (a power of two); reused across calls, grown by doubling.
 
-        The returned view is valid until the next call; hold :attr:`lock` while using it.
+        Args:
+            slot: which buffer (0, 1, ...): readers double-buffer with slots 0 and 1 so
+                that verifying one batch overlaps the transfer of the next.
+
+        The returned view is valid until the next call for the same slot; hold
+        :attr:`lock` while using it.
         """
         need = max(nbytes, 1)
-        cur = self._staging
-        if cur is None or cur.numel() - (alignment - 1) < need:
+        cur = self._slots.get(slot)
+        if cur is None or cur[0].numel() - (alignment - 1) < need:
             size = max(_MIN_STAGING, 1 << (need - 1).bit_length()) + alignment
-            self._release_staging()
+            self._release_slot(slot)
             buf = torch.empty(size, dtype=torch.uint8)
-            self._staging_reg = self.register_dram(buf)
-            self._staging = cur = buf
-        pad = (-cur.data_ptr()) % alignment
-        return cur[pad : pad + need]
+            self._slots[slot] = cur = (buf, self.register_dram(buf))
+        pad = (-cur[0].data_ptr()) % alignment
+        return cur[0][pad : pad + need]
 
     def register_dram(self, t: torch.Tensor) -> Any:
         """Register a CPU tensor with this engine's backend (``agent.register_memory``)."""
@@ -100,11 +103,14 @@ class NixlEngine:
         self._next_dev_id += 1
         return self._next_dev_id
 
+    def _release_slot(self, slot: int) -> None:
+        cur = self._slots.pop(slot, None)
+        if cur is not None:
+            self.deregister(cur[1])
+
     def _release_staging(self) -> None:
-        if self._staging_reg is not None:
-            self.deregister(self._staging_reg)
-        self._staging = None
-        self._staging_reg = None
+        for slot in list(self._slots):
+            self._release_slot(slot)
 
     # ------------------------------------------------------------------ transfers
     def transfer(
@@ -162,7 +168,7 @@ class NixlEngine:
                     logger.debug("NIXL release_xfer_handle: %s", exc)
 
     def close(self) -> None:
-        """Deregister the staging buffer."""
+        """Deregister the staging buffers."""
         with self.lock:
             self._release_staging()
 

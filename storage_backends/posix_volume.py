@@ -1,10 +1,12 @@
 """POSIX volume: a directory of segment files, written and read through NIXL POSIX.
 
 Layout: ``<root>/<encoded volume id>/seg-<id>.kvs`` (``keys.encode_component``: injective).
-A segment is created with ``O_EXCL``, preallocated (``posix_fallocate``; zero-fill with
-page-aligned buffers where the filesystem does not support it, case C16), written with
-one NIXL WRITE of FILE memory, ``fsync``-ed, and its directory ``fsync``-ed, before the
-agent records any placement in it.
+A segment is created with ``O_EXCL``, preallocated (``fallocate(FALLOC_FL_KEEP_SIZE)``, so
+ENOSPC surfaces before any byte moves while the file size still only counts written
+bytes; zero-fill with page-aligned buffers where the filesystem does not support it, case
+C16), written with one NIXL WRITE of FILE memory, checked (the file must be exactly the
+written length: a short write is an error, case C14), ``fsync``-ed, and its directory
+``fsync``-ed, before the agent records any placement in it.
 
 O_DIRECT (``desc.o_direct``): block offsets and read lengths are padded to
 ``desc.alignment`` and staging buffers are aligned.  When the filesystem refuses
@@ -14,6 +16,8 @@ O_DIRECT, or a buffer/offset/length is not aligned, the I/O falls back to buffer
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -36,6 +40,37 @@ logger = logging.getLogger(__name__)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _ZERO_CHUNK = 1 << 20
 _FALLBACK_ERRNOS = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FALLOC_FL_KEEP_SIZE = 0x01
+
+
+def _load_fallocate() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_LIBC_FALLOCATE = _load_fallocate()
+
+
+def reserve_keep_size(fd: int, offset: int, length: int) -> None:
+    """Reserve ``length`` bytes at ``offset`` of ``fd`` without changing the file size
+    (Linux ``fallocate(FALLOC_FL_KEEP_SIZE)``; ``os.posix_fallocate`` where unavailable).
+
+    Raises:
+        OSError: with the filesystem's errno (ENOSPC, EOPNOTSUPP, ...).
+    """
+    if _LIBC_FALLOCATE is None:
+        os.posix_fallocate(fd, offset, length)
+        return
+    if _LIBC_FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 class _OpenSegment:
@@ -51,8 +86,8 @@ class PosixVolume(Volume):
     """Segments as files under a root directory (NIXL POSIX backend, FILE memory).
 
     Attributes:
-        fallocate: the preallocation call, ``os.posix_fallocate`` (replaceable for fault
-            injection).
+        fallocate: the preallocation call ``(fd, offset, length)``, :func:`reserve_keep_size`
+            (replaceable for fault injection).
         max_open: segment files kept open and registered for reads (LRU).
     """
 
@@ -67,7 +102,7 @@ class PosixVolume(Volume):
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise VolumeConfigError(f"volume {desc.id!r}: cannot create {self.dir}: {exc}") from exc
-        self.fallocate: Callable[[int, int, int], None] = os.posix_fallocate
+        self.fallocate: Callable[[int, int, int], None] = reserve_keep_size
         self._open: OrderedDict[int, _OpenSegment] = OrderedDict()
         self._open_lock = threading.RLock()
         self._direct = bool(desc.o_direct and _O_DIRECT)
@@ -138,10 +173,12 @@ class PosixVolume(Volume):
                     self._write(fd, path, buffer, size)
                 except TransferError as exc2:
                     raise self._classify(exc2, size) from exc2
-            os.fsync(fd)
             st = os.fstat(fd)
-            if st.st_size < size:
-                raise TransferError(f"segment {path} is {st.st_size} bytes after writing {size}")
+            if st.st_size != size:
+                raise self._classify(TransferError(
+                    f"volume {self.desc.id!r}: short write: segment {path.name} is {st.st_size} bytes "
+                    f"after writing {size}"), size)
+            os.fsync(fd)
         except BaseException as exc:
             if fd >= 0:
                 os.close(fd)
@@ -149,8 +186,8 @@ class PosixVolume(Volume):
             if created:
                 path.unlink(missing_ok=True)
             if isinstance(exc, OSError) and not isinstance(exc, (TransferError, VolumeFullError)):
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+                if exc.errno in _FULL_ERRNOS:
+                    raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})", exc.errno) from exc
                 raise TransferError(f"volume {self.desc.id!r}: writing segment {segment_id} failed: {exc}") from exc
             raise
         finally:
@@ -178,8 +215,8 @@ class PosixVolume(Volume):
             self.fallocate(fd, 0, size)
             return
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+            if exc.errno in _FULL_ERRNOS:
+                raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})", exc.errno) from exc
             if exc.errno not in _FALLBACK_ERRNOS:
                 raise
             self.counters.bump("fallocate_fallbacks")
@@ -199,8 +236,8 @@ class PosixVolume(Volume):
                 try:
                     written = os.pwrite(fd, view[:n], pos)
                 except OSError as exc:
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})") from exc
+                    if exc.errno in _FULL_ERRNOS:
+                        raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})", exc.errno) from exc
                     raise
                 if written <= 0:
                     raise VolumeFullError(f"volume {self.desc.id!r}: zero-fill stopped at {pos} of {size} bytes")
@@ -217,7 +254,8 @@ class PosixVolume(Volume):
             self.engine.deregister(reg)
 
     def _classify(self, exc: TransferError, size: int) -> Exception:
-        """ENOSPC shows up from NIXL as a generic error; tell it apart by free space."""
+        """ENOSPC shows up from NIXL as a generic error (or a short file); tell it apart by
+        free space."""
         try:
             st = os.statvfs(self.dir)
             if st.f_bavail * st.f_frsize < size:
@@ -272,6 +310,11 @@ class PosixVolume(Volume):
 
     def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
         """See :meth:`Volume.read_many`."""
+        starts = self.read_into(items, out)
+        return [out[s : s + n] for s, (_, _, n) in zip(starts, items)]
+
+    def read_into(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[int]:
+        """See :meth:`Volume.read_into`."""
         starts = self._place([n for _, _, n in items], out)
         direct = self._direct
         if direct and not self._aligned(out.data_ptr(), *(o for _, o, _ in items)):
@@ -286,7 +329,7 @@ class PosixVolume(Volume):
             self._read(items, out, starts, False)
         self.counters.blocks_read += len(items)
         self.counters.bytes_read += sum(n for _, _, n in items)
-        return [out[s : s + n] for s, (_, _, n) in zip(starts, items)]
+        return starts
 
     def _read(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor, starts: list[int], direct: bool) -> None:
         a = self.desc.alignment if direct else 1
@@ -294,14 +337,23 @@ class PosixVolume(Volume):
         with self._open_lock:
             local: list[tuple[int, int]] = []
             remote: list[tuple[int, int, int]] = []
+            opened: dict[int, _OpenSegment] = {}
             for (seg_id, off, n), s in zip(items, starts):
-                seg = self._segment(seg_id, direct)
+                seg = opened.get(seg_id)
+                if seg is None:
+                    seg = opened[seg_id] = self._segment(seg_id, direct)
                 ln = align_up(n, a)
                 if off + n > seg.size:
                     raise TransferError(
                         f"volume {self.desc.id!r}: segment {seg_id} is {seg.size} bytes, block at {off}+{n} is past its end"
                     )
                 ln = min(ln, seg.size - off) if not direct else ln
+                if remote and remote[-1][2] == seg.fd and remote[-1][0] + remote[-1][1] == off \
+                        and local[-1][0] + local[-1][1] == base + s:
+                    # contiguous in the file and in the buffer: one larger descriptor
+                    local[-1] = (local[-1][0], local[-1][1] + ln)
+                    remote[-1] = (remote[-1][0], remote[-1][1] + ln, seg.fd)
+                    continue
                 local.append((base + s, ln))
                 remote.append((off, ln, seg.fd))
             try:

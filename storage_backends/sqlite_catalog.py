@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS quarantine (
 """
 
 _COLS = "ns, seq, volume, segment, off, len, checksum, version"
+_IN_CHUNK = 500  # keys per IN (...) query (SQLite allows 32766 parameters)
 
 
 def _row(p: Placement) -> tuple[str, int, str, int, int, int, int, int]:
@@ -156,6 +157,26 @@ class SqliteCatalog(PlacementCatalog):
         return _placement(r) if r is not None else None
 
     @staticmethod
+    def _select_many(db: sqlite3.Connection, keys: Sequence[BlockKey]) -> list[Placement | None]:
+        """Placements of ``keys`` with one ``IN`` query per namespace and 500 keys."""
+        found: dict[tuple[str, int], Placement] = {}
+        by_ns: dict[str, list[int]] = {}
+        for k in keys:
+            by_ns.setdefault(k.namespace, []).append(u64_to_i64(k.sequence_hash))
+        for ns, seqs in by_ns.items():
+            uniq = list(dict.fromkeys(seqs))
+            for i in range(0, len(uniq), _IN_CHUNK):
+                chunk = uniq[i : i + _IN_CHUNK]
+                rows = db.execute(
+                    f"SELECT {_COLS} FROM placements WHERE ns = ? AND seq IN ({','.join('?' * len(chunk))})",
+                    (ns, *chunk),
+                ).fetchall()
+                for r in rows:
+                    p = _placement(r)
+                    found[(p.key.namespace, p.key.sequence_hash)] = p
+        return [found.get((k.namespace, k.sequence_hash)) for k in keys]
+
+    @staticmethod
     def _check_segment(db: sqlite3.Connection, p: Placement) -> None:
         r = db.execute("SELECT volume FROM segments WHERE id = ?", (p.segment_id,)).fetchone()
         if r is None or r[0] != p.volume_id:
@@ -176,7 +197,7 @@ class SqliteCatalog(PlacementCatalog):
         for k in keys:
             validate_block_key(k)
         with self._read() as db:
-            return [self._select(db, k) for k in keys]
+            return self._select_many(db, keys)
 
     def insert_if_absent(self, placements: Sequence[Placement]) -> list[Placement]:
         """See :meth:`PlacementCatalog.insert_if_absent`."""
@@ -184,17 +205,21 @@ class SqliteCatalog(PlacementCatalog):
             validate_block_key(p.key)
         out: list[Placement] = []
         with self._write() as db:
+            stored = self._select_many(db, [p.key for p in placements])
             checked: set[tuple[str, int]] = set()
-            for p in placements:
-                cur = self._select(db, p.key)
-                if cur is not None:
-                    out.append(cur)
+            batch: dict[BlockKey, Placement] = {}
+            for p, cur in zip(placements, stored):
+                win = cur if cur is not None else batch.get(p.key)
+                if win is not None:
+                    out.append(win)
                     continue
                 if (p.volume_id, p.segment_id) not in checked:
                     self._check_segment(db, p)
                     checked.add((p.volume_id, p.segment_id))
-                db.execute(f"INSERT INTO placements ({_COLS}) VALUES (?,?,?,?,?,?,?,?)", _row(p))
+                batch[p.key] = p
                 out.append(p)
+            db.executemany(f"INSERT INTO placements ({_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                           [_row(p) for p in batch.values()])
         return out
 
     def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
@@ -241,13 +266,16 @@ class SqliteCatalog(PlacementCatalog):
         """See :meth:`PlacementCatalog.delete_many` (one transaction)."""
         for k in keys:
             validate_block_key(k)
-        out: list[Placement | None] = []
         with self._write() as db:
-            for k in keys:
-                cur = self._select(db, k)
+            stored = self._select_many(db, keys)
+            gone: set[BlockKey] = set()
+            out: list[Placement | None] = []
+            for k, cur in zip(keys, stored):
+                out.append(cur if cur is not None and k not in gone else None)
                 if cur is not None:
-                    db.execute("DELETE FROM placements WHERE ns=? AND seq=?", (k.namespace, u64_to_i64(k.sequence_hash)))
-                out.append(cur)
+                    gone.add(k)
+            db.executemany("DELETE FROM placements WHERE ns=? AND seq=?",
+                           [(k.namespace, u64_to_i64(k.sequence_hash)) for k in gone])
         return out
 
     def iter_volume(self, volume_id: str) -> Iterator[Placement]:

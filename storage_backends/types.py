@@ -9,6 +9,7 @@ compare-and-set updates (DESIGN.md §6).
 from __future__ import annotations
 
 import enum
+import errno as _errno
 from dataclasses import dataclass, field
 
 
@@ -29,7 +30,16 @@ class ChecksumMismatchError(StorageError):
 
 
 class VolumeFullError(StorageError, OSError):
-    """The volume has no room for the write (capacity or ENOSPC); nothing was recorded."""
+    """The volume has no room for the write (capacity or ENOSPC); nothing was recorded.
+
+    ``errno`` is ``ENOSPC`` (or the errno the filesystem reported, e.g. ``EDQUOT``);
+    ``str()`` is ``[Errno 28] <message>``.
+    """
+
+    def __init__(self, message: str, err: int = _errno.ENOSPC) -> None:
+        super().__init__(err, message)
+        self.errno = err
+        self.strerror = message
 
 
 class TransferError(StorageError, OSError):

@@ -15,6 +15,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -46,8 +47,37 @@ def volume_class(kind: VolumeKind | str) -> type[Volume]:
     return cls
 
 
-def validate_descriptor(desc: VolumeDescriptor) -> None:
+def resolve_root(root: str | os.PathLike[str]) -> Path:
+    """Absolute, symlink-free form of a directory path (``~`` expanded; need not exist)."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(root))))
+
+
+def check_allowed_root(desc: VolumeDescriptor, allowed_roots: Sequence[str | os.PathLike[str]]) -> None:
+    """Refuse a posix volume whose root is not inside one of ``allowed_roots``.
+
+    Paths are compared after ``realpath`` (so ``..`` and symlinks cannot escape).
+
+    Raises:
+        VolumeConfigError: naming the volume's root and the allowed roots.
+    """
+    if not desc.root:
+        return
+    root = resolve_root(desc.root)
+    allowed = [resolve_root(a) for a in allowed_roots]
+    if not any(root == a or root.is_relative_to(a) for a in allowed):
+        raise VolumeConfigError(
+            f"volume {desc.id!r}: root {desc.root!r} (resolved {str(root)!r}) is outside the allowed roots "
+            f"{[str(a) for a in allowed]}"
+        )
+
+
+def validate_descriptor(
+    desc: VolumeDescriptor, allowed_roots: Sequence[str | os.PathLike[str]] | None = None
+) -> None:
     """Check the fields every kind needs, then the kind's own rules.
+
+    Args:
+        allowed_roots: when given, a posix volume's root must lie inside one of them.
 
     Raises:
         VolumeConfigError: with a message naming the volume and the bad field.
@@ -68,13 +98,17 @@ def validate_descriptor(desc: VolumeDescriptor) -> None:
             f"volume {desc.id!r}: unknown media class {desc.media!r} (expected one of {[m.value for m in MediaClass]})"
         ) from None
     if isinstance(desc.capacity_bytes, bool) or not isinstance(desc.capacity_bytes, int) or desc.capacity_bytes <= 0:
-        raise VolumeConfigError(f"volume {desc.id!r}: capacity_bytes must be a positive int, got {desc.capacity_bytes!r}")
+        raise VolumeConfigError(
+            f"volume {desc.id!r}: capacity_bytes must be a positive size in bytes (int > 0), got {desc.capacity_bytes!r}"
+        )
     a = desc.alignment
     if isinstance(a, bool) or not isinstance(a, int) or a <= 0 or a & (a - 1):
         raise VolumeConfigError(f"volume {desc.id!r}: alignment must be a power of two, got {a!r}")
     if isinstance(desc.segment_bytes, bool) or not isinstance(desc.segment_bytes, int) or desc.segment_bytes <= 0:
         raise VolumeConfigError(f"volume {desc.id!r}: segment_bytes must be a positive int, got {desc.segment_bytes!r}")
     volume_class(desc.kind).validate(desc)
+    if allowed_roots is not None and VolumeKind(desc.kind) is VolumeKind.POSIX:
+        check_allowed_root(desc, allowed_roots)
 
 
 def descriptor_identity(desc: VolumeDescriptor) -> str:
@@ -190,6 +224,12 @@ class Volume(ABC):
         Raises:
             TransferError: a segment is missing or the transfer failed.
         """
+
+    def read_into(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[int]:
+        """:meth:`read_many`, returning where each item starts inside ``out`` instead of
+        tensor views (cheaper for many small blocks)."""
+        base = out.storage_offset()
+        return [v.storage_offset() - base for v in self.read_many(items, out)]
 
     def read(self, segment_id: int, ranges: Sequence[tuple[int, int]], out: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`read_many` for ``[(offset, length)]`` ranges of one segment."""

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from storage_backends import (
     BlockKey,
     LocalS3,
     MediaClass,
+    PlacementCatalog,
+    RedisCatalog,
     SqliteCatalog,
     StorageAgent,
     VolumeDescriptor,
@@ -101,20 +104,53 @@ def test_two_processes_put_to_one_catalog_and_volume(tmp_path: Path, local_s3: L
         cat.close()
 
 
-def _crasher(db: str, root: str, ack_path: str) -> None:
-    """Put acknowledged batches, then compact and put forever (until killed)."""
+def _open_catalog(spec: tuple[str, str, str]) -> PlacementCatalog:
+    """``("sqlite", path, "")`` or ``("redis", url, prefix)``."""
+    kind, where, prefix = spec
+    return SqliteCatalog(where) if kind == "sqlite" else RedisCatalog(where, prefix=prefix)
+
+
+def _crasher(db: tuple[str, str, str], root: str, ack_path: str, base: int, kill_at: str) -> None:
+    """Put acknowledged batches, delete one block of each, compact, forever.
+
+    ``kill_at`` = ``"timed"``: run until the parent kills it.  Otherwise the process
+    SIGKILLs itself at that step, once at least three batches were acknowledged:
+    ``"put"`` (segment written durably, catalog not yet updated), ``"compact-copy"`` (new
+    segment written and verified, no block moved yet) or ``"compact-commit"`` (the first
+    block of a compaction moved, the rest not).
+    """
     os.environ["NIXL_LOG_LEVEL"] = "WARN"
-    cat = SqliteCatalog(db)
-    agent = StorageAgent(cat, name="mp-crasher")
+    cat = _open_catalog(db)
+    agent = StorageAgent(cat, name=f"mp-crasher-{base}")
     agent.register_volume(_descs(root, None, "", "")[0])
+    batches = 0
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if kill_at == "put":
+        insert = cat.insert_if_absent
+        cat.insert_if_absent = lambda ps: die() if batches >= 3 else insert(ps)  # type: ignore[method-assign]
+    elif kill_at in ("compact-copy", "compact-commit"):
+        commit = agent.commit_move
+        moved = [0]
+
+        def commit_then_die(old, new):  # type: ignore[no-untyped-def]
+            if batches >= 3 and kill_at == "compact-copy":
+                die()
+            out = commit(old, new)
+            moved[0] += 1
+            if batches >= 3 and moved[0] >= 1:
+                die()
+            return out
+
+        agent.commit_move = commit_then_die  # type: ignore[method-assign]
     with open(ack_path, "a") as ack:
-        h = 0
+        h = base
         while True:
             hashes = list(range(h, h + 8))
             h += 8
             agent.put([(BlockKey(NS, x), block(x)) for x in hashes], "shared")
             ack.write(" ".join(map(str, hashes)) + "\n")  # acknowledged only after put returned
             ack.flush()
+            batches += 1
             agent.delete([BlockKey(NS, hashes[0])])  # holes for compaction
             ack.write(f"-{hashes[0]}\n")
             ack.flush()
@@ -123,23 +159,28 @@ def _crasher(db: str, root: str, ack_path: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(tmp_path: Path) -> None:
-    db, root, ack_path = str(tmp_path / "catalog.sqlite"), str(tmp_path / "vol"), str(tmp_path / "acks")
-    ctx = mp.get_context("spawn")
-    for kill_after in (0.3, 0.7):
-        p = ctx.Process(target=_crasher, args=(db, root, ack_path))
-        p.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not os.path.exists(ack_path) or os.path.getsize(ack_path) == 0):
-            time.sleep(0.02)
-        time.sleep(kill_after)
-        assert p.is_alive(), "the crasher died on its own"
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        assert p.exitcode == -signal.SIGKILL
+@pytest.mark.parametrize("catalog", ["sqlite", "redis"])
+def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(
+    tmp_path: Path, catalog: str, request: pytest.FixtureRequest
+) -> None:
+    root = str(tmp_path / "vol")
+    db = (("sqlite", str(tmp_path / "catalog.sqlite"), "") if catalog == "sqlite"
+          else ("redis", request.getfixturevalue("redis_url"), f"kvadvisor-test:{uuid.uuid4().hex}"))
+    try:
+        modes = ["put", "compact-copy", "compact-commit", "timed"] if catalog == "sqlite" else ["compact-commit", "timed"]
+        _kill_and_recover(db, root, str(tmp_path), modes)
+    finally:
+        if catalog == "redis":
+            c = _open_catalog(db)
+            assert isinstance(c, RedisCatalog)
+            c.destroy()
+            c.close()
 
-        live: set[int] = set()
-        with open(ack_path) as f:
+
+def _acknowledged(paths: list[str]) -> set[int]:
+    live: set[int] = set()
+    for path in paths:
+        with open(path) as f:
             for line in f:
                 if not line.endswith("\n"):
                     continue  # torn last line: that batch's ack never completed
@@ -147,8 +188,32 @@ def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(tmp_path:
                     live.discard(int(line[1:]))
                 else:
                     live.update(int(x) for x in line.split())
-        assert len(live) >= 7
-        cat = SqliteCatalog(db)
+    return live
+
+
+def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: list[str]) -> None:
+    """One crasher per mode, each on the same catalog and volume; after each kill, a fresh
+    process view must read every block acknowledged so far, by any run, with its bytes."""
+    ctx = mp.get_context("spawn")
+    acks: list[str] = []
+    for run, mode in enumerate(modes):
+        ack_path = os.path.join(ack_dir, f"acks-{run}")
+        acks.append(ack_path)
+        p = ctx.Process(target=_crasher, args=(db, root, ack_path, run * 1_000_000, mode))
+        p.start()
+        if mode == "timed":
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (not os.path.exists(ack_path) or os.path.getsize(ack_path) == 0):
+                time.sleep(0.02)
+            time.sleep(0.4)
+            assert p.is_alive(), "the crasher died on its own"
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(timeout=60)
+        assert p.exitcode == -signal.SIGKILL, (mode, p.exitcode)
+
+        live = _acknowledged(acks)
+        assert len(_acknowledged([ack_path])) >= 7 * 3 - 1
+        cat = _open_catalog(db)
         agent = StorageAgent(cat, name="mp-recover")
         try:
             agent.register_volume(_descs(root, None, "", "")[0])
@@ -159,7 +224,10 @@ def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(tmp_path:
             vol = agent._vol("shared")  # type: ignore[attr-defined]
             assert set(vol.list_segments()) == {s.segment_id for s in agent.segments("shared")}
             assert all(s.sealed or s.live_blocks for s in agent.segments("shared"))
+            # the catalog's accounting agrees with its placements
+            placed = list(cat.iter_volume("shared"))
+            assert sum(s.live_blocks for s in agent.segments("shared")) == len(placed)
+            assert live <= {p.key.sequence_hash for p in placed}
         finally:
             agent.close()
             cat.close()
-        os.remove(ack_path)

@@ -1,0 +1,229 @@
+"""S3 volumes: retries on 5xx/throttling, lifecycle, credentials from the AWS chain.
+
+Faults come from a real HTTP proxy in front of the real S3 endpoint (moto_server): it
+answers chosen requests with ``503 SlowDown`` and forwards every other one unchanged, so
+boto3 and NIXL OBJ (aws-sdk-cpp) both see a throttling S3.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import boto3
+import pytest
+import torch
+
+from storage_backends import (
+    BlockKey,
+    InvalidRequestError,
+    LocalS3,
+    MediaClass,
+    SqliteCatalog,
+    StorageAgent,
+    VolumeConfigError,
+    VolumeDescriptor,
+    VolumeKind,
+)
+from storage_backends.s3_volume import S3Volume
+
+_ids = itertools.count()
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    """HTTP proxy to ``upstream_port`` that fails the next ``n`` matching requests with 503."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.lock = threading.Lock()
+        self.fail_left = 0
+        self.fail_methods: set[str] = set()
+        self.injected: list[str] = []
+        self.requests: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    parts = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return b"".join(parts)
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _handle(self) -> None:
+                body = self._body()
+                with proxy.lock:
+                    proxy.requests.append(f"{self.command} {self.path}")
+                    fail = proxy.fail_left > 0 and (not proxy.fail_methods or self.command in proxy.fail_methods)
+                    if fail:
+                        proxy.fail_left -= 1
+                        proxy.injected.append(f"{self.command} {self.path}")
+                if fail:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(_SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                hdrs = {k: v for k, v in self.headers.items()
+                        if k.lower() not in ("transfer-encoding", "expect", "content-length")}
+                hdrs["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=hdrs)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, n: int, methods: set[str] | None = None) -> None:
+        with self.lock:
+            self.fail_left, self.fail_methods = n, set(methods or ())
+            self.injected.clear()
+            self.requests.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(local_s3: LocalS3) -> Iterator[FaultProxy]:
+    p = FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[StorageAgent]:
+    cat = SqliteCatalog(tmp_path / "c.sqlite")
+    a = StorageAgent(cat, name=f"s3-admin-{tmp_path.name}")
+    yield a
+    a.close()
+    cat.close()
+
+
+def desc(endpoint: str, s3: LocalS3 | None, vid: str = "cold", prefix: str = "kv", bucket: str | None = None) -> VolumeDescriptor:
+    return VolumeDescriptor(
+        vid, VolumeKind.S3, MediaClass.OBJECT, 1 << 30, endpoint=endpoint, prefix=prefix,
+        bucket=bucket or f"kvadvisor-admin-{next(_ids)}",
+        access_key=s3.access_key if s3 else None, secret_key=s3.secret_key if s3 else None,
+    )
+
+
+def block(h: int, n: int = 50_000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(h)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_admin_calls_retry_on_503_slowdown(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+    proxy.fail(2)  # bucket HEAD twice
+    vol = agent.register_volume(desc(proxy.endpoint, local_s3))
+    assert [r.split()[0] for r in proxy.injected] == ["HEAD", "HEAD"]
+    assert vol.counters.extra["s3_retries"] == 2
+    (p,) = agent.put([(BlockKey("ns", 1), block(1))], "cold")
+    proxy.fail(1, {"GET"})  # listing throttled once
+    assert vol.list_segments() == [p.segment_id]
+    assert len(proxy.injected) == 1 and vol.counters.extra["s3_retries"] == 3
+    proxy.fail(1, {"DELETE"})  # the segment delete throttled once
+    assert agent.delete([BlockKey("ns", 1)]) == 1
+    assert proxy.requests.count(proxy.injected[0]) == 2  # the DELETE was sent again
+    assert vol.list_segments() == []
+
+
+def test_admin_calls_give_up_after_the_attempts(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+    proxy.fail(100, {"HEAD"})
+    with pytest.raises(VolumeConfigError, match="503|SlowDown"):
+        agent.register_volume(desc(proxy.endpoint, local_s3))
+    assert len(proxy.injected) == S3Volume.attempts
+    assert agent.volumes() == [] and agent.catalog.volume_specs() != {}  # recorded, not opened
+
+
+def test_nixl_obj_transfers_survive_throttling(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+    agent.register_volume(desc(proxy.endpoint, local_s3))
+    keys = [BlockKey("ns", i) for i in range(4)]
+    proxy.fail(1, {"PUT"})  # the segment upload
+    agent.put([(k, block(i)) for i, k in enumerate(keys)], "cold")
+    assert len(proxy.injected) == 1 and proxy.injected[0].startswith("PUT /")
+    assert proxy.requests.count(proxy.injected[0]) >= 2  # sent again after the 503
+    proxy.fail(1, {"GET"})  # the ranged GET of the read
+    got = agent.get(keys)
+    assert len(proxy.injected) == 1
+    assert all(torch.equal(g, block(i)) for i, g in enumerate(got))
+
+
+def test_configure_lifecycle_keeps_other_rules(agent: StorageAgent, local_s3: LocalS3) -> None:
+    bucket = f"kvadvisor-lc-{next(_ids)}"
+    a = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="a", prefix="kv", bucket=bucket))
+    b = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="b/β", prefix="kv", bucket=bucket))
+    assert isinstance(a, S3Volume) and isinstance(b, S3Volume)
+    a.configure_lifecycle(7)
+    b.configure_lifecycle(30)
+    a.configure_lifecycle(3)  # replaces a's rule, keeps b's
+    c = boto3.client("s3", endpoint_url=local_s3.endpoint, aws_access_key_id=local_s3.access_key,
+                     aws_secret_access_key=local_s3.secret_key, region_name="us-east-1")
+    rules = {r["ID"]: r for r in c.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+    assert set(rules) == {"kvadvisor-kv/a/", "kvadvisor-kv/b%2F%CE%B2/"}
+    assert rules["kvadvisor-kv/a/"]["Expiration"]["Days"] == 3
+    assert rules["kvadvisor-kv/b%2F%CE%B2/"]["Expiration"]["Days"] == 30
+    assert rules["kvadvisor-kv/a/"]["Filter"]["Prefix"] == "kv/a/" and rules["kvadvisor-kv/a/"]["Status"] == "Enabled"
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="days"):
+            a.configure_lifecycle(bad)  # type: ignore[arg-type]
+
+
+def test_credentials_from_the_standard_aws_chain(
+    agent: StorageAgent, local_s3: LocalS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    d = desc(local_s3.endpoint, None)
+    assert d.access_key is None and d.secret_key is None
+    with pytest.raises(VolumeConfigError, match="no credentials"):
+        agent.register_volume(d)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-access-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret-key")
+    backend, params = S3Volume.engine_spec(d)
+    assert backend == "OBJ" and (params["access_key"], params["secret_key"]) == ("env-access-key", "env-secret-key")
+    vol = agent.register_volume(d)
+    creds = vol.client._request_signer._credentials  # type: ignore[attr-defined]
+    assert creds.access_key == "env-access-key"
+    (p,) = agent.put([(BlockKey("ns", 5), block(5))], "cold")
+    assert torch.equal(agent.get([p.key])[0], block(5))
