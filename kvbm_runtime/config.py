@@ -8,8 +8,19 @@ Also accepts the names KVBM users already set (KVBM configuration reference):
 ``DYN_KVBM_CPU_CACHE_GB``                    ``cpu_cache_gb`` (→ ``g2_blocks``)
 ``DYN_KVBM_DISK_CACHE_GB``                   ``disk_cache_gb`` (→ ``g3_blocks``)
 ``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER``     ``disable_disk_offload_filter``
+``DYN_KVBM_DISK_ZEROFILL_FALLBACK``          ``disk_zerofill_fallback``
+``DYN_KVBM_DISK_ALLOCATOR_TYPE``             ``disk_allocator_type``
+``DYN_KVBM_DISK_DISABLE_O_DIRECT``           ``disk_disable_o_direct``
 ``DYN_KVBM_METRICS``                         ``metrics``
+``DYN_KVBM_METRICS_PORT``                    ``metrics_port``
+``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS`` ``leader_worker_init_timeout_secs``
 =========================================== =====================================
+
+The disk-offload admission filter (a block is written to G3 only once it was offered at
+least twice, see :class:`~kvbm_runtime.transfer.DiskOffloadFilter`) is on by default; it is
+off when ``disk_offload_filter=False`` (``KVADVISOR_RUNTIME_DISK_OFFLOAD_FILTER=false``) or
+``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=true``.  :attr:`RuntimeConfig.offload_filter_enabled`
+combines both.
 
 A block-count override wins over a size in GB (10^9 bytes), as in KVBM.  Capacities that
 shrink from G1 to G2 (or from G2 to G3 when G3 is sized) are refused with
@@ -46,9 +57,22 @@ class RuntimeConfig(BaseSettings):
         g3_blocks: disk budget in blocks (≥ g2_blocks when set; informational otherwise).
         cpu_cache_gb, disk_cache_gb: KVBM-style sizes in GB, used when the block counts
             are not given.
-        disable_disk_offload_filter: accepted for KVBM compatibility (no filter yet: every
-            offloaded block is written to G3).
-        metrics: accepted for KVBM compatibility.
+        disk_offload_filter: admission filter before G3 writes (frequency >= 2, doubling
+            on each offer, halved every ``disk_filter_decay_s``); on by default.
+        disable_disk_offload_filter: KVBM's switch; ``True`` turns the filter off.
+        disk_filter_decay_s: seconds between two halvings of the filter's counts.
+        disk_zerofill_fallback, disk_allocator_type, disk_disable_o_direct: KVBM's disk
+            options; handed to whoever creates the G3 volume (:meth:`volume_options`); the
+            runtime itself writes through the storage agent.
+        metrics: serve ``/metrics`` over HTTP (prometheus-client) on ``metrics_port``.
+        metrics_port: port of that endpoint (0: a free port is chosen).
+        leader_worker_init_timeout_secs: how long parallel ranks wait for each other at
+            start-up (``kvbm_runtime.parallel``).
+        tp_rank, tp_size: tensor-parallel rank and world size; with ``tp_size > 1`` the
+            storage namespace gets a ``/tp<rank>of<size>`` suffix (each rank stores its own
+            shard under the same sequence hashes).
+        transfer_batch_blocks: most blocks one transfer-manager batch moves.
+        bounce_blocks: blocks in the host bounce buffer of the G3 → G1 path.
         hit_rate_window: requests in the sliding window of the hit-rate gauges.
     """
 
@@ -75,7 +99,26 @@ class RuntimeConfig(BaseSettings):
     disable_disk_offload_filter: bool = Field(
         False, validation_alias=_alias("disable_disk_offload_filter", "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER")
     )
+    disk_offload_filter: bool = Field(True, validation_alias=_alias("disk_offload_filter"))
+    disk_filter_decay_s: float = Field(600.0, gt=0)
+    disk_zerofill_fallback: bool = Field(
+        False, validation_alias=_alias("disk_zerofill_fallback", "DYN_KVBM_DISK_ZEROFILL_FALLBACK")
+    )
+    disk_allocator_type: str | None = Field(
+        None, validation_alias=_alias("disk_allocator_type", "DYN_KVBM_DISK_ALLOCATOR_TYPE")
+    )
+    disk_disable_o_direct: bool = Field(
+        False, validation_alias=_alias("disk_disable_o_direct", "DYN_KVBM_DISK_DISABLE_O_DIRECT")
+    )
     metrics: bool = Field(False, validation_alias=_alias("metrics", "DYN_KVBM_METRICS"))
+    metrics_port: int = Field(6880, ge=0, le=65535, validation_alias=_alias("metrics_port", "DYN_KVBM_METRICS_PORT"))
+    leader_worker_init_timeout_secs: float = Field(
+        120.0, gt=0, validation_alias=_alias("leader_worker_init_timeout_secs", "DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS")
+    )
+    tp_rank: int = Field(0, ge=0)
+    tp_size: int = Field(1, gt=0)
+    transfer_batch_blocks: int = Field(256, gt=0)
+    bounce_blocks: int = Field(32, gt=0)
     hit_rate_window: int = Field(1000, gt=0)
 
     @model_validator(mode="after")
@@ -91,7 +134,27 @@ class RuntimeConfig(BaseSettings):
                 self.g2_blocks = 4 * self.g1_blocks
         if self.g3_blocks is None and self.disk_cache_gb is not None:
             self.g3_blocks = max(1, int(self.disk_cache_gb * _GB) // layout.block_bytes)
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside [0, tp_size={self.tp_size})")
         return self
+
+    @property
+    def offload_filter_enabled(self) -> bool:
+        """Whether G3 writes go through the disk-offload admission filter."""
+        return self.disk_offload_filter and not self.disable_disk_offload_filter
+
+    def namespace_suffix(self) -> str:
+        """``""``, or ``"/tp<rank>of<size>"`` for a tensor-parallel rank."""
+        return f"/tp{self.tp_rank}of{self.tp_size}" if self.tp_size > 1 else ""
+
+    def volume_options(self) -> dict[str, object]:
+        """KVBM disk options for whoever registers the G3 volume: ``o_direct`` (bool),
+        ``zerofill_fallback`` (bool), ``allocator_type`` (str or ``None``)."""
+        return {
+            "o_direct": not self.disk_disable_o_direct,
+            "zerofill_fallback": self.disk_zerofill_fallback,
+            "allocator_type": self.disk_allocator_type,
+        }
 
     def layout_config(self) -> LayoutConfig:
         """Block geometry as a :class:`LayoutConfig`.

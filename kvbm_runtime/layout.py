@@ -113,7 +113,7 @@ class LayoutConfig:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def outer_stride(self) -> int:
@@ -175,6 +175,42 @@ class LayoutDescriptor:
         """Plain dict (JSON / msgpack friendly)."""
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
+    @classmethod
+    def from_dict(cls, data: dict[str, int | str]) -> LayoutDescriptor:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            LayoutConfigError: missing or extra keys, or a value of the wrong type.
+        """
+        names = list(cls.__slots__)  # type: ignore[attr-defined]
+        missing = [n for n in names if n not in data]
+        extra = [k for k in data if k not in names]
+        if missing or extra:
+            raise LayoutConfigError(f"layout descriptor: missing keys {missing}, unknown keys {extra}")
+        text = {"kind", "dtype", "device", "memory_kind"}
+        for n in names:
+            want = str if n in text else int
+            if not isinstance(data[n], want) or isinstance(data[n], bool):
+                raise LayoutConfigError(f"layout descriptor field {n!r} must be {want.__name__}, got {data[n]!r}")
+        return cls(**data)  # type: ignore[arg-type]
+
+    def config(self) -> LayoutConfig:
+        """Block geometry as a :class:`LayoutConfig`."""
+        return LayoutConfig(
+            num_layers=self.num_layers,
+            outer_dim=self.outer_dim,
+            page_size=self.page_size,
+            inner_dim=self.inner_dim,
+            dtype=dtype_from_name(self.dtype),
+            alignment=self.alignment,
+        )
+
+    def byte_offset(self, block_id: int, layer: int, outer: int) -> int:
+        """Offset from ``base_address`` of page ``(block_id, layer, outer)``:
+        ``block_id·block_stride + layer·layer_stride + outer·outer_stride`` (valid for both
+        layout kinds)."""
+        return block_id * self.block_stride + layer * self.layer_stride + outer * self.outer_stride
+
 
 def default_device(tier: Literal["g1", "g2"]) -> tuple[torch.device, MemoryKind]:
     """Device and memory kind for a tier: G1 on CUDA when present (else CPU), G2 on host
@@ -224,6 +260,12 @@ class BlockLayout(ABC):
     def block_bytes(self) -> int:
         """Bytes of KV data per block."""
         return self.config.block_bytes
+
+    @property
+    def has_block_views(self) -> bool:
+        """Whether :meth:`block_view` gives a writable view (False only for an
+        :class:`ExternalLayout` whose layers are separate tensors)."""
+        return True
 
     @property
     @abstractmethod
@@ -374,11 +416,28 @@ def make_layout(
     return classes[kind](config, num_blocks, device, memory_kind)
 
 
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired id lists into runs ``(src_start, dst_start, length)`` that are
+    consecutive on both sides, in order."""
+    runs: list[tuple[int, int, int]] = []
+    s0, d0, n = src_ids[0], dst_ids[0], 1
+    for s, d in zip(src_ids[1:], dst_ids[1:]):
+        if s == s0 + n and d == d0 + n:
+            n += 1
+        else:
+            runs.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    runs.append((s0, d0, n))
+    return runs
+
+
 def copy_blocks(src: BlockLayout, src_ids: list[int], dst: BlockLayout, dst_ids: list[int]) -> None:
     """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst`` (same geometry).
 
-    Uses one batched index copy when both are ``FullyContiguous`` with the same stride,
-    else one typed copy per block (works across layouts and devices).
+    When both are ``FullyContiguous`` with the same stride, ids are grouped into runs that
+    are consecutive on both sides and each run is one slice copy (no gather buffer: the
+    bytes move once); otherwise one typed copy per block (works across layouts and
+    devices), or per page for an :class:`ExternalLayout` without block views.
 
     Raises:
         ValueError: different geometry or id lists of different lengths.
@@ -389,20 +448,141 @@ def copy_blocks(src: BlockLayout, src_ids: list[int], dst: BlockLayout, dst_ids:
         raise ValueError("source and destination layouts have different block geometry")
     if not src_ids:
         return
-    if (
-        isinstance(src, FullyContiguous)
-        and isinstance(dst, FullyContiguous)
-        and src.block_stride == dst.block_stride
-        and len(src_ids) > 1
-    ):
-        s_idx = torch.tensor(src_ids, dtype=torch.long, device=src.device)
-        d_idx = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
-        rows = src.blocks_bytes_view().index_select(0, s_idx).to(dst.device)
-        dst.blocks_bytes_view().index_copy_(0, d_idx, rows)
-    else:
+    if isinstance(src, FullyContiguous) and isinstance(dst, FullyContiguous) and src.block_stride == dst.block_stride:
+        for s0, d0, n in block_runs(src_ids, dst_ids):
+            if s0 < 0 or s0 + n > src.num_blocks or d0 < 0 or d0 + n > dst.num_blocks:
+                raise IndexError(f"block ids outside the layouts: {s0}+{n} of {src.num_blocks}, {d0}+{n} of {dst.num_blocks}")
+            stride = src.block_stride
+            dst.storage[d0 * stride : (d0 + n) * stride].copy_(src.storage[s0 * stride : (s0 + n) * stride], non_blocking=True)
+    elif src.has_block_views and dst.has_block_views:
         for s, d in zip(src_ids, dst_ids, strict=True):
             dst.block_view(d).copy_(src.block_view(s), non_blocking=True)
+    else:  # an engine cache whose layers are separate tensors: page by page
+        c = src.config
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            for layer in range(c.num_layers):
+                for outer in range(c.outer_dim):
+                    dst.layer_view(d, layer, outer).copy_(src.layer_view(s, layer, outer), non_blocking=True)
     # copies touching CUDA may still be in flight: the bytes must be there when we return
     for dev in {src.device, dst.device}:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+
+class ExternalLayout(BlockLayout):
+    """Blocks held in an engine's own per-layer KV-cache tensors (not allocated here).
+
+    Every layer tensor has shape ``[num_blocks, outer_dim, page_size, inner_dim]`` (vLLM's
+    connector hands them over as ``{layer_name: tensor}`` in layer order), one dtype, one
+    device.  When the layers are views of one allocation at a constant distance (the usual
+    ``kv[l]`` of a ``[num_layers, num_blocks, ...]`` tensor), :meth:`block_view` is a real
+    strided view; otherwise blocks are moved page by page through :meth:`layer_view`.
+
+    Args:
+        layers: the layer tensors, in layer order.
+        alignment: reported alignment (bytes).
+
+    Raises:
+        LayoutConfigError: no layers, or layers of different shape / dtype / device, or a
+            shape that is not 4-D.
+    """
+
+    kind: str = "External"
+
+    def __init__(self, layers: list[torch.Tensor], alignment: int = 1) -> None:  # noqa: D107
+        if not layers:
+            raise LayoutConfigError("an external layout needs at least one layer tensor")
+        first = layers[0]
+        if first.dim() != 4:
+            raise LayoutConfigError(
+                f"layer tensors must be [num_blocks, outer_dim, page_size, inner_dim], got shape {tuple(first.shape)}"
+            )
+        for i, t in enumerate(layers):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise LayoutConfigError(
+                    f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}; layer 0 is "
+                    f"{tuple(first.shape)} {first.dtype} on {first.device}"
+                )
+        num_blocks, outer, page, inner = (int(x) for x in first.shape)
+        self.config = LayoutConfig(len(layers), outer, page, inner, first.dtype, alignment)
+        self.num_blocks = num_blocks
+        self.device = first.device
+        self.memory_kind = MemoryKind.DEVICE if first.device.type == "cuda" else MemoryKind.SYSTEM
+        self.layers = list(layers)
+        self.storage = first
+        self._step = self._uniform_step()
+
+    def _uniform_step(self) -> int | None:
+        """Elements between layer l and l+1 when all layers share one storage, else None."""
+        layers = self.layers
+        if len(layers) == 1:
+            return 0
+        try:
+            base = layers[0].untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() != base for t in layers):
+                return None
+        except RuntimeError:
+            return None
+        step = layers[1].storage_offset() - layers[0].storage_offset()
+        if step == 0 or any(
+            layers[i].storage_offset() - layers[i - 1].storage_offset() != step or layers[i].stride() != layers[0].stride()
+            for i in range(1, len(layers))
+        ):
+            return None
+        return step
+
+    @property
+    def has_block_views(self) -> bool:
+        return self._step is not None
+
+    @property
+    def block_stride(self) -> int:
+        return self.layers[0].stride(0) * self.config.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() for t in self.layers) * self.config.itemsize
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """Strided ``[num_layers, outer_dim, page_size, inner_dim]`` view of one block.
+
+        Raises:
+            IndexError: ``block_id`` out of range.
+            LayoutConfigError: the layers are separate tensors (use :meth:`layer_view`).
+        """
+        self._check(block_id)
+        if self._step is None:
+            raise LayoutConfigError("layers are separate tensors: no single view of a block")
+        t = self.layers[0]
+        return torch.as_strided(
+            t,
+            size=self.config.block_shape,
+            stride=(self._step, *t.stride()[1:]),
+            storage_offset=t.storage_offset() + block_id * t.stride(0),
+        )
+
+    def layer_view(self, block_id: int, layer: int, outer: int) -> torch.Tensor:
+        self._check(block_id)
+        return self.layers[layer][block_id, outer]
+
+    def read_bytes(self, block_id: int) -> torch.Tensor:
+        self._check(block_id)
+        pages = [self.layers[layer][block_id] for layer in range(self.config.num_layers)]
+        return torch.stack(pages).contiguous().view(torch.uint8).reshape(-1).to("cpu", copy=True)
+
+    def write_bytes(self, block_id: int, data: torch.Tensor) -> None:
+        self._check(block_id)
+        flat = data.reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.contiguous().view(torch.uint8)
+        if flat.numel() != self.block_bytes:
+            raise ValueError(f"block data has {flat.numel()} bytes, layout needs {self.block_bytes}")
+        typed = flat.contiguous().view(self.config.dtype).view(self.config.block_shape)
+        for layer in range(self.config.num_layers):
+            self.layers[layer][block_id].copy_(typed[layer])
+
+    def _layer_step(self) -> int:
+        return (self._step or 0) * self.config.itemsize
+
+    def __repr__(self) -> str:
+        return f"ExternalLayout({self.num_blocks} blocks x {self.config.block_shape} {self.config.dtype}, {self.device})"

@@ -28,16 +28,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from event_plane.schema import KVEvent, store as store_event
-from storage_backends.types import BlockKey, BlockNotFoundError, MediaClass, Placement, VolumeDescriptor
+from storage_backends.types import BlockKey, MediaClass, Placement, VolumeDescriptor
 
 from .block import BlockMeta, ImmutableBlock, MutableBlock
 from .config import RuntimeConfig
 from .errors import PoolExhaustedError, StorageTierError
 from .hashing import ModelFingerprint, salt_hash, sequence_hashes
-from .layout import BlockLayout, FullyContiguous, copy_blocks, make_layout
+from .layout import BlockLayout, make_layout
 from .metrics import RuntimeMetrics
 from .pool import BlockPool, EventSink, PoolStats
+from .transfer import DiskOffloadFilter, HostOffloadItem, StepEvent, StorageOffloadItem, TransferManager, host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class BlockManager:
         self.g3_volume = g3_volume
         self.layout_config = config.layout_config()
         self.fingerprint: ModelFingerprint = config.fingerprint()
-        self.namespace = self.fingerprint.namespace()
+        self.namespace = self.fingerprint.namespace() + config.namespace_suffix()
         self.salt = salt_hash(self.fingerprint, config.lora_name, config.cache_salt)
         self.block_bytes = self.layout_config.block_bytes
         assert config.g2_blocks is not None
@@ -179,6 +179,24 @@ class BlockManager:
         self.g2 = BlockPool("g2", g2_layout, publisher)
         source = str(getattr(publisher, "source", "worker"))
         self.metrics = metrics or RuntimeMetrics(source, window=config.hit_rate_window)
+        self.disk_filter: DiskOffloadFilter | None = (
+            DiskOffloadFilter(decay_interval_s=config.disk_filter_decay_s)
+            if store is not None and config.offload_filter_enabled
+            else None
+        )
+        self.transfers = TransferManager(
+            self.g2,
+            publisher,
+            self.metrics,
+            store,
+            g3_volume,
+            disk_filter=self.disk_filter,
+            max_batch_blocks=config.transfer_batch_blocks,
+            bounce_blocks=config.bounce_blocks,
+        )
+        self.metrics_url: str | None = None
+        if config.metrics:
+            self.metrics_url = self.metrics.serve_http(config.metrics_port)
         self._lock = threading.RLock()
         self._totals = _Totals()
         self._media: dict[str, MediaClass] = {}
@@ -208,7 +226,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ main entry
 
-    def serve(self, tokens: np.ndarray | Sequence[int], kv_fill: KvFill) -> ServeResult:
+    def serve(self, tokens: np.ndarray | Sequence[int], kv_fill: KvFill, *, max_prefix: int | None = None) -> ServeResult:
         """Serve one request: reuse the longest cached prefix, compute the rest, offload.
 
         Args:
@@ -216,6 +234,8 @@ class BlockManager:
             kv_fill: called as ``kv_fill(sequence_hash, block_view)`` for every block that
                 is computed, in block order; ``block_view`` is the G1 block's typed
                 ``[num_layers, outer_dim, page_size, inner_dim]`` view.
+            max_prefix: reuse at most this many leading blocks (tensor-parallel ranks
+                agree on one prefix length, see :mod:`kvbm_runtime.parallel`).
 
         Returns:
             A :class:`ServeResult`; storage read failures during onboarding are recorded in
@@ -241,7 +261,7 @@ class BlockManager:
             g1_handles: dict[int, ImmutableBlock] = {}
             scratch: list[MutableBlock] = []
             try:
-                self._serve_locked(toks, metas, kv_fill, result, g1_handles, scratch)
+                self._serve_locked(toks, metas, kv_fill, result, g1_handles, scratch, max_prefix)
             finally:
                 # on an error (kv_fill raising, storage failing hard...) unregistered blocks
                 # go back to Reset at once, not whenever the traceback is collected
@@ -261,9 +281,11 @@ class BlockManager:
         result: ServeResult,
         g1_handles: dict[int, ImmutableBlock],
         scratch: list[MutableBlock],
+        max_prefix: int | None = None,
     ) -> None:
         n = len(metas)
         page = self.layout_config.page_size
+        tm = self.transfers
         # 1-2. lookup: G1 → G2 → storage, per position, stop at first miss
         g2_handles: dict[int, ImmutableBlock] = {}
         storage_pos: list[int] = []
@@ -272,6 +294,8 @@ class BlockManager:
             placements = self._locate_missing(metas)
             prefix = 0
             for i, meta in enumerate(metas):
+                if max_prefix is not None and i >= max_prefix:
+                    break
                 h = meta.sequence_hash
                 got = self.g1.match_blocks([h])
                 if got:
@@ -286,34 +310,45 @@ class BlockManager:
                     else:
                         break
                 prefix = i + 1
-            # storage reads (one batch); a failure stops the prefix at the failed block
-            loaded, failed_at = self._read_storage(metas, storage_pos, result)
-            valid = prefix if failed_at is None else failed_at
-            # handles past the valid prefix are not reused
-            for i in [i for i in g1_handles if i >= valid]:
-                g1_handles.pop(i).release()
-            for i in [i for i in g2_handles if i >= valid]:
-                g2_handles.pop(i).release()
-            onboard = [i for i in range(valid) if i not in g1_handles]
-            compute = list(range(valid, n))
-            fresh = self.g1.allocate(len(onboard) + len(compute))
+            onboard = [i for i in range(prefix) if i not in g1_handles]
+            fresh = self.g1.allocate(len(onboard) + n - prefix)
             scratch.extend(fresh)
-            # 3a. onboard G2 / storage hits into G1, in block order
-            ready: list[MutableBlock] = []
+            slot = {i: fresh[k] for k, i in enumerate(onboard)}
+            spare: list[MutableBlock] = fresh[len(onboard) :]
+            # 3a. onboard: storage → G1 first (G3_TO_G1 path); a failed read stops the prefix
+            valid = prefix
+            if storage_pos:
+                keys = [self.block_key(metas[i].sequence_hash) for i in storage_pos]
+                got3 = tm.onboard_from_storage(keys, self.g1.layout, [slot[i].block_id for i in storage_pos]).result()
+                if got3.failed_index is not None:
+                    valid = storage_pos[got3.failed_index]
+                    cause = got3.error
+                    assert cause is not None
+                    logger.warning("onboard read of block %d (%#x) failed: %r", valid, metas[valid].sequence_hash, cause)
+                    result.errors.append(
+                        ServeError(valid, metas[valid].sequence_hash, "onboard", type(cause).__name__, str(cause))
+                    )
+                    self.metrics.onboard_errors.inc()
+            if valid < prefix:
+                # blocks past the failed one are recomputed, not reused
+                for i in [i for i in g1_handles if i >= valid]:
+                    g1_handles.pop(i).release()
+                for i in [i for i in g2_handles if i >= valid]:
+                    g2_handles.pop(i).release()
+                spare = [slot.pop(i) for i in onboard if i >= valid] + spare
+                onboard = [i for i in onboard if i < valid]
+                short = (n - valid) - len(spare)
+                if short > 0:
+                    extra = self.g1.allocate(short)
+                    scratch.extend(extra)
+                    spare.extend(extra)
+            # G2 → G1 (G2_TO_G1 path; the job releases the G2 handles)
             from_g2 = [i for i in onboard if i in g2_handles]
-            dst = fresh[: len(onboard)]
-            slot = {i: dst[k] for k, i in enumerate(onboard)}
-            copy_blocks(
-                self.g2.layout,
-                [g2_handles[i].block_id for i in from_g2],
-                self.g1.layout,
-                [slot[i].block_id for i in from_g2],
-            )
-            for i in from_g2:
-                g2_handles.pop(i).release()
+            tm.onboard_from_host(
+                [g2_handles.pop(i) for i in from_g2], self.g1.layout, [slot[i].block_id for i in from_g2]
+            ).result()
+            ready: list[MutableBlock] = []
             for i in onboard:
-                if i in loaded:
-                    self.g1.layout.write_bytes(slot[i].block_id, loaded[i])
                 ready.append(slot[i].init_from(metas[i]))
                 scratch.append(ready[-1])
             for i, handle in zip(onboard, self.g1.register_blocks(ready), strict=True):
@@ -323,16 +358,17 @@ class BlockManager:
             result.hits_g3 = sum(1 for i in onboard if storage_tier.get(i) == "g3")
             result.hits_g4 = sum(1 for i in onboard if storage_tier.get(i) == "g4")
             result.onboarded_bytes = len(onboard) * self.block_bytes
-            self.metrics.onboard_h2d.inc(result.hits_g2)
-            self.metrics.onboard_d2d.inc(result.hits_g3 + result.hits_g4)
             self.metrics.matched_tokens.inc(len(onboard) * page)
         finally:
             for handle in g2_handles.values():
                 handle.release()
         # 3b. compute the rest in G1, in block order
+        compute = list(range(valid, n))
+        for extra_block in spare[len(compute) :]:
+            extra_block.release()
         computed: list[MutableBlock] = []
         for k, i in enumerate(compute):
-            mb = fresh[len(onboard) + k].init_sequence(self.salt, metas[i - 1] if i else None)
+            mb = spare[k].init_sequence(self.salt, metas[i - 1] if i else None)
             scratch.append(mb)
             mb.append_tokens(tokens[i * page : (i + 1) * page])
             mb = mb.commit()
@@ -343,9 +379,25 @@ class BlockManager:
         for i, handle in zip(compute, self.g1.register_blocks(computed), strict=True):
             g1_handles[i] = handle
         result.computed = len(compute)
-        # 4. write-through offload G1 → G2 → G3
+        # 4. write-through offload G1 → G2 → G3 (the producing step is over)
         result.offloaded_bytes = self._offload(metas, g1_handles, result)
         self._account(result, looked_up=n - result.hits_g1)
+
+    def lookup(self, tokens: np.ndarray | Sequence[int]) -> int:
+        """Leading full blocks of ``tokens`` held in G1, G2 or storage (no side effects:
+        nothing is pinned, touched or read).
+
+        Raises:
+            ValueError: a token id outside ``[0, 2**32)``.
+        """
+        hashes = self.sequence_hashes(tokens)
+        metas = [BlockMeta(h, hashes[i - 1] if i else None, hashes[0], self.salt) for i, h in enumerate(hashes)]
+        with self._lock:
+            placements = self._locate_missing(metas)
+            for i, h in enumerate(hashes):
+                if not (self.g1.contains(h) or self.g2.contains(h) or placements.get(i) is not None):
+                    return i
+            return len(hashes)
 
     # ------------------------------------------------------------------ lookup / onboarding helpers
 
@@ -368,122 +420,42 @@ class BlockManager:
             self._media[placement.volume_id] = media
         return "g4" if media is MediaClass.OBJECT else "g3"
 
-    def _read_storage(
-        self, metas: list[BlockMeta], positions: list[int], result: ServeResult
-    ) -> tuple[dict[int, torch.Tensor], int | None]:
-        """Read the blocks at ``positions`` from the storage agent.
-
-        Returns:
-            (position → bytes of the blocks read before the first failure, position of the
-            first failed block or ``None``).  The failure is recorded in ``result.errors``
-            and the ``kvbm_onboard_errors`` counter.
-        """
-        if not positions:
-            return {}, None
-        assert self.store is not None
-        keys = [self.block_key(metas[i].sequence_hash) for i in positions]
-        try:
-            data = self.store.get(keys)
-            return dict(zip(positions, data, strict=True)), None
-        except Exception as exc:  # noqa: BLE001 - find the first failing block below
-            batch_exc = exc
-        loaded: dict[int, torch.Tensor] = {}
-        for i, key in zip(positions, keys, strict=True):
-            try:
-                loaded[i] = self.store.get([key])[0]
-            except Exception as exc:  # noqa: BLE001 - recorded, prefix stops here (C17)
-                # the failed batch read may have quarantined the copy (checksum mismatch):
-                # then the batch error is the cause, "not found" only its consequence
-                cause = batch_exc if isinstance(exc, BlockNotFoundError) and not isinstance(batch_exc, BlockNotFoundError) else exc
-                logger.warning("onboard read of block %d (%#x) failed: %r", i, key.sequence_hash, cause)
-                result.errors.append(ServeError(i, key.sequence_hash, "onboard", type(cause).__name__, str(cause)))
-                self.metrics.onboard_errors.inc()
-                return loaded, i
-        return loaded, None
-
     # ------------------------------------------------------------------ offload
 
     def _offload(self, metas: list[BlockMeta], g1_handles: dict[int, ImmutableBlock], result: ServeResult) -> int:
-        """Write-through G1 → G2 (blocks G2 lacks), then G2 → G3 (keys the agent lacks).
+        """Write-through G1 → G2 (blocks G2 lacks), then G2 → G3 (keys the agent lacks and
+        the admission filter lets through), through the transfer manager; waits for both.
 
         Returns:
             Bytes written (G2 + G3).
         """
-        n = len(metas)
-        written = 0
-        g2_handles: dict[int, ImmutableBlock] = {}
-        try:
-            # pin the blocks G2 already holds so allocating the missing ones cannot evict them
-            missing: list[int] = []
-            for i, m in enumerate(metas):
-                handle = self.g2.get(m.sequence_hash)
-                if handle is None:
-                    missing.append(i)
-                else:
-                    g2_handles[i] = handle
-            if missing:
-                dst = self.g2.allocate(len(missing))
-                try:
-                    copy_blocks(
-                        self.g1.layout,
-                        [g1_handles[i].block_id for i in missing],
-                        self.g2.layout,
-                        [b.block_id for b in dst],
-                    )
-                    ready = [b.init_from(metas[i]) for b, i in zip(dst, missing, strict=True)]
-                    for i, handle in zip(missing, self.g2.register_blocks(ready), strict=True):
-                        g2_handles[i] = handle
-                except BaseException:
-                    for b in dst:
-                        if not b.consumed:
-                            b.release()
-                    raise
-                written += len(missing) * self.block_bytes
-                self.metrics.offload_d2h.inc(len(missing))
-            if self.store is None:
-                return written
-            assert self.g3_volume is not None
-            keys = [self.block_key(m.sequence_hash) for m in metas]
-            held = self.store.exists(keys)
-            todo = [i for i in range(n) if not held[i]]
-            if not todo:
-                return written
-            items: list[tuple[BlockKey, torch.Tensor]] = []
-            sources: list[int] = []
-            for i in todo:
-                if i in g2_handles:
-                    items.append((keys[i], self._host_bytes(self.g2.layout, g2_handles[i].block_id)))
-                else:  # no G2 copy (not expected while pinned): device → disk
-                    items.append((keys[i], self._host_bytes(self.g1.layout, g1_handles[i].block_id)))
-                    sources.append(i)
-            try:
-                placements = self.store.put(items, self.g3_volume)
-            except Exception as exc:  # noqa: BLE001 - recorded; G1/G2 copies stay registered
-                logger.warning("offload of %d blocks to %s failed: %r", len(items), self.g3_volume, exc)
-                for i in todo:
-                    result.errors.append(ServeError(i, metas[i].sequence_hash, "offload", type(exc).__name__, str(exc)))
-                return written
-            events: list[KVEvent] = []
-            for i, placement in zip(todo, placements, strict=True):
-                m = metas[i]
-                events.append(store_event(m.sequence_hash, m.prefix_hash, m.parent_hash, self.block_bytes, placement.volume_id))
-            self.publisher.publish(events)
-            result.stored_g3 = len(todo)
-            self.metrics.offload_h2d.inc(len(todo) - len(sources))
-            self.metrics.offload_d2d.inc(len(sources))
-            return written + len(todo) * self.block_bytes
-        finally:
-            for handle in g2_handles.values():
-                handle.release()
+        step = StepEvent.completed()
+        tm = self.transfers
+        g1_weak = [g1_handles[i].weak() for i in range(len(metas))]
+        host = tm.offload_to_host(
+            [HostOffloadItem(m, self.g1.layout, g1_handles[i].block_id, g1_weak[i]) for i, m in enumerate(metas)], step
+        ).result()
+        written = host.copied * self.block_bytes
+        if self.store is None:
+            return written
+        items = [
+            StorageOffloadItem(m, self.block_key(m.sequence_hash), (host.blocks[i], g1_weak[i]))
+            for i, m in enumerate(metas)
+        ]
+        res = tm.offload_to_storage(items, step).result()
+        if res.error is not None:
+            exc = res.error
+            for i in res.submitted:
+                result.errors.append(ServeError(i, metas[i].sequence_hash, "offload", type(exc).__name__, str(exc)))
+            return written
+        result.stored_g3 = res.written
+        return written + res.written * self.block_bytes
 
     @staticmethod
     def _host_bytes(layout: BlockLayout, block_id: int) -> torch.Tensor:
         """Contiguous CPU ``uint8`` bytes of a block in universal format (a view when the
         layout allows it, else a copy)."""
-        if isinstance(layout, FullyContiguous) and layout.storage.device.type == "cpu":
-            start = block_id * layout.block_stride
-            return layout.storage[start : start + layout.block_bytes]
-        return layout.read_bytes(block_id)
+        return host_bytes(layout, block_id)
 
     # ------------------------------------------------------------------ accounting / introspection
 
@@ -550,11 +522,15 @@ class BlockManager:
         self.publisher.flush()
 
     def close(self) -> None:
-        """Flush the publisher (it is not closed: the caller owns it). Idempotent."""
+        """Stop the transfer manager (queued transfers are cancelled), stop the metrics
+        endpoint and flush the publisher (it is not closed: the caller owns it).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self.transfers.close()
+            self.metrics.stop_http()
             self.publisher.flush()
 
 

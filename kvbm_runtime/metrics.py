@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 
 @dataclass(slots=True)
@@ -63,6 +65,31 @@ class RuntimeMetrics:
         self.host_hit_rate = gauge("kvbm_host_cache_hit_rate", "Host cache hit rate, sliding window").labels(worker)
         self.disk_hit_rate = gauge("kvbm_disk_cache_hit_rate", "Disk cache hit rate, sliding window").labels(worker)
         self._window: deque[_Window] = deque(maxlen=window)
+        self._http: tuple[Any, Any] | None = None
+
+    def serve_http(self, port: int = 6880, addr: str = "127.0.0.1") -> str:
+        """Serve this registry at ``http://addr:port/metrics`` (prometheus-client's
+        ``start_http_server``); ``port=0`` picks a free port.
+
+        Returns:
+            The URL of the metrics page.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        if self._http is None:
+            self._http = start_http_server(port, addr=addr, registry=self.registry)
+        server = self._http[0]
+        return f"http://{addr}:{server.server_port}/metrics"
+
+    def stop_http(self) -> None:
+        """Stop the endpoint started by :meth:`serve_http` (idempotent)."""
+        if self._http is not None:
+            server, thread = self._http
+            self._http = None
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
 
     def record_lookup(self, looked_up: int, host_hits: int, disk_hits: int) -> None:
         """Add one request's lookup beyond G1 to the window and refresh the gauges.

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from event_plane.schema import KVEvent, remove, store
 
-from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock
+from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
 from .errors import BlockStateError, PoolExhaustedError
 from .layout import BlockLayout
 
@@ -58,7 +58,8 @@ class _InactiveSet:
         return len(self._where)
 
     def add(self, block: Block) -> None:
-        level = _level(block.frequency)
+        f = block.frequency
+        level = 0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))  # == _level(f)
         self._levels[level][block.block_id] = block
         self._where[block.block_id] = level
 
@@ -120,6 +121,7 @@ class BlockPool:
         self.tier = tier
         self.layout = layout
         self.page_size = layout.config.page_size
+        self._block_bytes = layout.block_bytes
         self.allow_duplicates = allow_duplicates
         self._publisher = publisher
         self._lock = threading.RLock()
@@ -143,7 +145,7 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of KV data per block."""
-        return self.layout.block_bytes
+        return self._block_bytes
 
     def contains(self, sequence_hash: int) -> bool:
         """Whether a block with this hash is registered (active or inactive); no side effect."""
@@ -205,29 +207,51 @@ class BlockPool:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
-            have = len(self._reset) + len(self._inactive)
-            if count > have:
-                raise PoolExhaustedError(
-                    f"{self.tier}: cannot allocate {count} blocks: {len(self._reset)} reset + "
-                    f"{len(self._inactive)} inactive of {self.num_blocks} (the rest are in use)"
-                )
-            out: list[MutableBlock] = []
-            events: list[KVEvent] = []
-            for _ in range(count):
-                if self._reset:
-                    block = self._blocks[self._reset.popleft()]
-                else:
-                    victim = self._inactive.pop_victim()
-                    assert victim is not None
-                    self._evictions += 1
-                    ev = self._unregister(victim)
-                    if ev is not None:
-                        events.append(ev)
-                    victim.clear()
-                    block = victim
-                out.append(MutableBlock(self, block))
-            self._emit(events)
-            return out
+            return [MutableBlock(self, b) for b in self._take(count)]
+
+    def _take(self, count: int) -> list[Block]:
+        """Reset blocks, evicting inactive ones as needed (all-or-nothing); lock held."""
+        reset, inactive = self._reset, self._inactive
+        if count > len(reset) + len(inactive):
+            raise PoolExhaustedError(
+                f"{self.tier}: cannot allocate {count} blocks: {len(reset)} reset + "
+                f"{len(inactive)} inactive of {self.num_blocks} (the rest are in use)"
+            )
+        out: list[Block] = []
+        events: list[KVEvent] = []
+        blocks = self._blocks
+        for _ in range(count):
+            if reset:
+                out.append(blocks[reset.popleft()])
+                continue
+            victim = inactive.pop_victim()
+            assert victim is not None
+            self._evictions += 1
+            ev = self._unregister(victim)
+            if ev is not None:
+                events.append(ev)
+            victim.clear()
+            out.append(victim)
+        self._emit(events)
+        return out
+
+    def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
+        """``allocate(len(metas))`` followed by ``init_from(meta)`` on each block, in one
+        pass: Complete handles carrying the given identities, ready for their data and
+        :meth:`register_blocks` (the offload / onboard path).
+
+        Raises:
+            PoolExhaustedError: as :meth:`allocate` (nothing allocated or evicted).
+        """
+        out: list[MutableBlock] = []
+        complete = BlockState.COMPLETE
+        with self._lock:
+            for b, meta in zip(self._take(len(metas)), metas, strict=True):
+                b.salt = meta.salt
+                b.meta = meta
+                b.state = complete
+                out.append(MutableBlock(self, b))
+        return out
 
     def evict(self, count: int | None = None) -> int:
         """Evict up to ``count`` inactive blocks (all when ``None``) back to Reset.
@@ -311,7 +335,7 @@ class BlockPool:
                 else:
                     self._registry[meta.sequence_hash] = [b]
                     events.append(
-                        store(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self.block_bytes, self.tier)
+                        store(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier)
                     )
                     self._stores += 1
                 out.append(ImmutableBlock(self, b))
@@ -325,12 +349,20 @@ class BlockPool:
         stops at the first miss.  Each hit counts as a use (frequency + 1)."""
         with self._lock:
             out: list[ImmutableBlock] = []
+            registry = self._registry
+            inactive = self._inactive
             for h in sequence_hashes:
-                copies = self._registry.get(h)
+                copies = registry.get(h)
                 if not copies:
                     break
                 block = copies[0]
-                self._acquire(block)
+                # inline of _acquire (the hot path of every request)
+                if block.ref_count == 0:
+                    inactive.discard(block)
+                block.ref_count += 1
+                block.frequency += 1
+                self._tick += 1
+                block.last_use = self._tick
                 out.append(ImmutableBlock(self, block))
             return out
 
@@ -359,6 +391,45 @@ class BlockPool:
             self._acquire(copies[0], touch=touch)
             return ImmutableBlock(self, copies[0])
 
+    # ------------------------------------------------------------------ batched handle operations
+
+    def get_many(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock | None]:
+        """:meth:`get` (no use counted) for many hashes under one lock."""
+        with self._lock:
+            out: list[ImmutableBlock | None] = []
+            for h in sequence_hashes:
+                copies = self._registry.get(h)
+                if not copies:
+                    out.append(None)
+                    continue
+                block = copies[0]
+                if block.ref_count == 0:
+                    self._inactive.discard(block)
+                block.ref_count += 1
+                out.append(ImmutableBlock(self, block))
+            return out
+
+    def upgrade_many(self, weaks: Iterable[WeakBlock]) -> list[ImmutableBlock | None]:
+        """:meth:`WeakBlock.upgrade` for many weak handles of this pool under one lock
+        (``None`` for each block evicted or reused since).
+
+        Raises:
+            BlockStateError: a weak handle belongs to another pool.
+        """
+        with self._lock:
+            out: list[ImmutableBlock | None] = []
+            for w in weaks:
+                if w._pool is not self:
+                    raise BlockStateError(f"weak handle of pool {w._pool.tier} upgraded through pool {self.tier}")
+                out.append(self._upgrade(w._block, w._generation, w.sequence_hash))
+            return out
+
+    def downgrade_many(self, handles: Sequence[ImmutableBlock]) -> list[WeakBlock]:
+        """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them)."""
+        weaks = [WeakBlock(self, h._get(), h._block.generation, h.sequence_hash) for h in handles]
+        self.release_blocks(handles)
+        return weaks
+
     # ------------------------------------------------------------------ internals used by handles
 
     def _emit(self, events: list[KVEvent]) -> None:
@@ -375,7 +446,7 @@ class BlockPool:
             return None
         del self._registry[meta.sequence_hash]
         self._removes += 1
-        return remove(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self.block_bytes, self.tier)
+        return remove(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier)
 
     def _acquire(self, block: Block, touch: bool = True) -> None:
         """One more strong ref (reactivates an inactive block); ``touch`` counts a use."""
@@ -389,6 +460,30 @@ class BlockPool:
                 block.frequency += 1
                 self._tick += 1
                 block.last_use = self._tick
+
+    def release_blocks(self, handles: Iterable[ImmutableBlock]) -> None:
+        """Release many strong handles under one lock (same as ``h.release()`` for each,
+        in order; consumed handles raise before anything is released).
+
+        Raises:
+            ConsumedHandleError: a handle was already consumed.
+            BlockStateError: a handle belongs to another pool.
+        """
+        hs = list(handles)
+        for h in hs:
+            h._get()
+            if h._pool is not self:
+                raise BlockStateError(f"handle of pool {h._pool.tier} released through pool {self.tier}")
+        with self._lock:
+            inactive = self._inactive
+            for h in hs:
+                h._live = False
+                block = h._block
+                if block.state is not BlockState.REGISTERED or block.ref_count <= 0:
+                    continue
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    inactive.add(block)
 
     def _release(self, block: Block) -> None:
         """Drop one strong ref; the last one makes the block inactive."""

@@ -46,6 +46,7 @@ def config(**kw: object) -> RuntimeConfig:
         "inner_dim": 16,
         "g1_blocks": 8,
         "g2_blocks": 16,
+        "disk_offload_filter": False,  # write-through to G3 on the first use
     }
     base.update(kw)
     return RuntimeConfig(**base)  # type: ignore[arg-type]

@@ -1,0 +1,860 @@
+"""Transfer manager: asynchronous per-path queues that move blocks between tiers.
+
+Paths (KVBM's names for the directions in parentheses)::
+
+    G1_TO_G2  offload  device → host        (d2h)   batched index copy into reserved G2 blocks
+    G2_TO_G3  offload  host → storage       (h2d)   one ``store.put`` per batch; the G1 copy
+                                            (d2d)   is used when the G2 copy is gone
+    G2_TO_G1  onboard  host → device        (h2d)   batched copy into caller-owned G1 blocks
+    G3_TO_G1  onboard  storage → device     (d2d)   ``store.get`` straight into G1 when the G1
+                                                    block is contiguous host memory, else
+                                                    through a host bounce buffer
+
+Each path has one worker thread and a FIFO queue of jobs; a worker takes the head job and
+every following job that is ready, up to ``max_batch_blocks`` blocks, and moves them with one
+transfer.  Submitting returns a :class:`concurrent.futures.Future`; ``future.cancel()``
+withdraws a job that has not started, and a cancelled offload gives back the G2 blocks it
+had reserved at once (they return to the Reset list).
+
+Offload pipeline (both offload paths)::
+
+    submit:  policy check (G1→G2: skip hashes G2 already holds; G2→G3: skip keys the store
+             holds, then the disk admission filter) → reserve destination blocks → queue
+    worker:  batch → wait for the producing step (:class:`StepEvent`) → weak → strong
+             upgrade of each source (a block evicted meanwhile is skipped) → transfer →
+             register at the destination / publish Store(volume) → release sources
+
+The disk admission filter (:class:`DiskOffloadFilter`, KVBM's frequency filter) keeps
+blocks used once off the disk: a block is written to G3 only once it was offered at least
+``min_frequency`` (2) times; its count doubles on each offer and is halved every
+``decay_interval_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from event_plane.schema import KVEvent, store as store_event
+from storage_backends.types import BlockKey, BlockNotFoundError, Placement
+
+from .block import BlockMeta, ImmutableBlock, MutableBlock, WeakBlock
+from .errors import KvbmError
+from .layout import BlockLayout, FullyContiguous, copy_blocks
+from .metrics import RuntimeMetrics
+from .pool import BlockPool, EventSink
+
+logger = logging.getLogger(__name__)
+
+
+class TransferClosedError(KvbmError):
+    """A job was submitted to (or was still queued in) a closed transfer manager."""
+
+
+class TransferPath(str, enum.Enum):
+    """Direction of a transfer (see module doc)."""
+
+    G1_TO_G2 = "g1_to_g2"
+    G2_TO_G3 = "g2_to_g3"
+    G2_TO_G1 = "g2_to_g1"
+    G3_TO_G1 = "g3_to_g1"
+
+
+class StepEvent:
+    """Completion of the engine step that produces some blocks' KV.
+
+    Offloads queued with a step wait until :meth:`done` is called: KV written by a forward
+    pass must not be copied before the pass has finished.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self, done: bool = False) -> None:
+        self._event = threading.Event()
+        if done:
+            self._event.set()
+
+    @classmethod
+    def completed(cls) -> StepEvent:
+        """A step that has already finished."""
+        return cls(done=True)
+
+    def done(self) -> None:
+        """Mark the step finished (idempotent)."""
+        self._event.set()
+
+    @property
+    def is_done(self) -> bool:
+        """Whether :meth:`done` was called."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds; True once the step is done."""
+        return self._event.wait(timeout)
+
+
+class DiskOffloadFilter:
+    """Admission filter before blocks are written to disk (G3).
+
+    ``offer(h)`` counts one offer of block ``h``: the first offer sets its count to 1, each
+    later one doubles it (capped at 2**16); the block is admitted when its count is at
+    least ``min_frequency``.  Every ``decay_interval_s`` seconds (measured with ``clock``)
+    all counts are halved (integer division) and zero counts forgotten; the same happens
+    early when more than ``max_entries`` blocks are tracked.
+
+    Args:
+        min_frequency: count needed for admission (>= 1).
+        decay_interval_s: seconds between two halvings (> 0).
+        max_entries: most blocks tracked (> 0).
+        clock: monotonic seconds (``time.monotonic``).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+    """
+
+    _CAP = 1 << 16
+
+    def __init__(
+        self,
+        min_frequency: int = 2,
+        decay_interval_s: float = 600.0,
+        max_entries: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if min_frequency < 1 or decay_interval_s <= 0 or max_entries < 1:
+            raise ValueError(
+                f"invalid filter settings: min_frequency={min_frequency}, "
+                f"decay_interval_s={decay_interval_s}, max_entries={max_entries}"
+            )
+        self.min_frequency = min_frequency
+        self.decay_interval_s = decay_interval_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._counts: dict[int, int] = {}
+        self._last_decay = clock()
+        self._lock = threading.Lock()
+
+    def offer(self, sequence_hash: int) -> bool:
+        """Count one offer of a block; True when it may be written to disk now."""
+        with self._lock:
+            self._decay_due()
+            count = self._counts.get(sequence_hash)
+            count = 1 if count is None else min(count * 2, self._CAP)
+            self._counts[sequence_hash] = count
+            while len(self._counts) > self.max_entries:
+                self._halve()
+            return count >= self.min_frequency
+
+    def frequency(self, sequence_hash: int) -> int:
+        """Current count of a block (0 when not tracked)."""
+        with self._lock:
+            self._decay_due()
+            return self._counts.get(sequence_hash, 0)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)
+
+    def _decay_due(self) -> None:
+        now = self._clock()
+        steps = int((now - self._last_decay) // self.decay_interval_s)
+        if steps <= 0:
+            return
+        self._last_decay += steps * self.decay_interval_s
+        for _ in range(min(steps, 17)):  # 17 halvings empty any count <= 2**16
+            if not self._counts:
+                break
+            self._halve()
+
+    def _halve(self) -> None:
+        self._counts = {h: c // 2 for h, c in self._counts.items() if c > 1}
+
+
+class BlockStore(Protocol):
+    """The part of ``storage_backends.StorageAgent`` the transfer manager uses."""
+
+    def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]: ...
+
+    def get(self, keys: Sequence[BlockKey], out: Any = None) -> list[torch.Tensor]: ...
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+
+# ---------------------------------------------------------------------------- job inputs / results
+
+
+@dataclass(frozen=True, slots=True)
+class HostOffloadItem:
+    """One block to copy into G2.
+
+    Attributes:
+        meta: identity of the block.
+        src_layout: layout holding the source (G1 pool layout, or an engine's KV cache).
+        src_block_id: block index in ``src_layout``.
+        src: weak handle on the source; upgraded before the copy, the item is skipped when
+            the block was evicted meanwhile.  ``None`` when the caller keeps the source alive
+            (an engine's own KV cache).
+    """
+
+    meta: BlockMeta
+    src_layout: BlockLayout
+    src_block_id: int
+    src: WeakBlock | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOffloadItem:
+    """One block to put into the storage agent.
+
+    Attributes:
+        meta: identity of the block.
+        key: storage key.
+        sources: weak handles tried in order (the G2 copy first, then G1); the item is
+            skipped when none upgrades.
+    """
+
+    meta: BlockMeta
+    key: BlockKey
+    sources: tuple[WeakBlock | None, ...]
+
+
+@dataclass(slots=True)
+class HostOffloadResult:
+    """Outcome of an offload to G2.
+
+    Attributes:
+        blocks: per item, a weak handle on the G2 copy (new or already held), ``None`` when
+            the source was evicted before the copy.
+        copied: blocks copied into G2 by this job.
+        already: blocks G2 held before (policy check; no copy).
+        skipped: items whose source was gone at transfer time.
+    """
+
+    blocks: list[WeakBlock | None]
+    copied: int = 0
+    already: int = 0
+    skipped: int = 0
+
+
+@dataclass(slots=True)
+class StorageOffloadResult:
+    """Outcome of an offload to the storage agent.
+
+    Attributes:
+        placements: per item, its placement; ``None`` when not written (already stored,
+            refused by the admission filter, skipped, or failed).
+        submitted: indices of the items that passed the policy check (queued for writing).
+        held: items the store already held.
+        filtered: items the admission filter kept off the disk.
+        skipped: items whose sources were all gone at transfer time.
+        from_host, from_device: items written from a G2 / G1 copy.
+        error: the exception of a failed ``put`` (nothing of that batch was recorded).
+    """
+
+    placements: list[Placement | None]
+    submitted: list[int] = field(default_factory=list)
+    held: int = 0
+    filtered: int = 0
+    skipped: int = 0
+    from_host: int = 0
+    from_device: int = 0
+    error: BaseException | None = None
+
+    @property
+    def written(self) -> int:
+        """Items written to storage by this job."""
+        return self.from_host + self.from_device
+
+
+@dataclass(slots=True)
+class StorageOnboardResult:
+    """Outcome of an onboard from the storage agent.
+
+    Attributes:
+        loaded: items read and copied into their destination: always a prefix of the
+            request (reading stops at the first failure).
+        failed_index: index of the first item that could not be read, else ``None``.
+        error: its exception (for a checksum mismatch, the mismatch, not the "not found"
+            that a retry of the quarantined copy gives).
+    """
+
+    loaded: int
+    failed_index: int | None = None
+    error: BaseException | None = None
+
+
+# ---------------------------------------------------------------------------- internals
+
+
+@dataclass(eq=False)
+class _Job:
+    path: TransferPath
+    size: int
+    run: Callable[[list[_Job]], None]
+    future: Future[Any]
+    step: StepEvent | None = None
+    payload: Any = None
+    cleanup: Callable[[], None] | None = None
+
+    def ready(self) -> bool:
+        return self.step is None or self.step.is_done
+
+
+class _PathWorker:
+    """Queue + thread of one path."""
+
+    def __init__(self, path: TransferPath, max_batch: int) -> None:
+        self.path = path
+        self.max_batch = max_batch
+        self.queue: deque[_Job] = deque()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.batches = 0
+        self.jobs_done = 0
+        self.thread = threading.Thread(target=self._loop, name=f"kvbm-{path.value}", daemon=True)
+        self.started = False  # the thread starts with the first job
+
+    def submit(self, job: _Job) -> None:
+        with self.cond:
+            if self.closed:
+                raise TransferClosedError(f"transfer manager is closed ({self.path.value})")
+            self.queue.append(job)
+            if not self.started:
+                self.started = True
+                self.thread.start()
+            self.cond.notify()
+
+    def pending(self) -> int:
+        with self.cond:
+            return sum(1 for j in self.queue if not j.future.cancelled())
+
+    def _next_batch(self) -> list[_Job] | None:
+        with self.cond:
+            while True:
+                while self.queue and self.queue[0].future.cancelled():
+                    self.queue.popleft()
+                if self.closed and not self.queue:
+                    return None
+                if not self.queue:
+                    self.cond.wait()
+                    continue
+                head = self.queue[0]
+                if not head.ready():
+                    # the head's step is still running: poll it (and cancellations / close)
+                    self.cond.wait(0.002)
+                    continue
+                batch: list[_Job] = []
+                size = 0
+                while self.queue:
+                    job = self.queue[0]
+                    if job.future.cancelled():
+                        self.queue.popleft()
+                        continue
+                    if not job.ready() or (batch and size + job.size > self.max_batch):
+                        break
+                    self.queue.popleft()
+                    if job.future.set_running_or_notify_cancel():
+                        batch.append(job)
+                        size += job.size
+                if batch:
+                    return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                batch[0].run(batch)
+            except BaseException as exc:  # noqa: BLE001 - handed to every job of the batch
+                logger.warning("%s batch of %d jobs failed: %r", self.path.value, len(batch), exc)
+                for job in batch:
+                    if job.cleanup is not None:
+                        job.cleanup()
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+            self.batches += 1
+            self.jobs_done += len(batch)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            queued = list(self.queue)
+            self.cond.notify_all()
+        for job in queued:
+            job.future.cancel()
+        if self.started:
+            self.thread.join(timeout=10)
+
+
+def host_bytes(layout: BlockLayout, block_id: int) -> torch.Tensor:
+    """Contiguous CPU ``uint8`` bytes of a block in universal format: a view into the
+    layout when the block is contiguous host memory, else a copy."""
+    if isinstance(layout, FullyContiguous) and layout.storage.device.type == "cpu":
+        start = block_id * layout.block_stride
+        return layout.storage[start : start + layout.block_bytes]
+    return layout.read_bytes(block_id)
+
+
+def direct_host_slot(layout: BlockLayout, block_id: int) -> torch.Tensor | None:
+    """The block's bytes as a writable contiguous CPU view (a direct storage → block path),
+    or ``None`` when the block is not contiguous host memory (needs a bounce buffer)."""
+    if isinstance(layout, FullyContiguous) and layout.storage.device.type == "cpu":
+        start = block_id * layout.block_stride
+        return layout.storage[start : start + layout.block_bytes]
+    return None
+
+
+class TransferManager:
+    """Per-path asynchronous transfers of one worker (see module doc).
+
+    Args:
+        g2: the host pool offloads go to.
+        publisher: where Store(volume) events of storage offloads go.
+        metrics: counters to advance (``kvbm_offload_blocks_*``, ``kvbm_onboard_blocks_*``).
+        store: the storage agent (``None``: no G3 paths).
+        g3_volume: volume id offloads are put into.
+        disk_filter: admission filter of the G2 → G3 path (``None``: write through).
+        max_batch_blocks: most blocks one batch moves.
+        bounce_blocks: blocks in the host bounce buffer of the G3 → G1 path.
+
+    Raises:
+        ValueError: ``store`` without ``g3_volume`` or the reverse, or non-positive sizes.
+    """
+
+    def __init__(
+        self,
+        g2: BlockPool,
+        publisher: EventSink,
+        metrics: RuntimeMetrics,
+        store: BlockStore | None = None,
+        g3_volume: str | None = None,
+        *,
+        disk_filter: DiskOffloadFilter | None = None,
+        max_batch_blocks: int = 256,
+        bounce_blocks: int = 32,
+    ) -> None:
+        if (store is None) != (g3_volume is None):
+            raise ValueError("store and g3_volume must be given together")
+        if max_batch_blocks <= 0 or bounce_blocks <= 0:
+            raise ValueError(f"max_batch_blocks ({max_batch_blocks}) and bounce_blocks ({bounce_blocks}) must be > 0")
+        self.g2 = g2
+        self.publisher = publisher
+        self.metrics = metrics
+        self.store = store
+        self.g3_volume = g3_volume
+        self.disk_filter = disk_filter
+        self.block_bytes = g2.block_bytes
+        self.bounce_blocks = bounce_blocks
+        self._bounce: torch.Tensor | None = None
+        self._workers = {p: _PathWorker(p, max_batch_blocks) for p in TransferPath}
+        self._closed = False
+
+    # ------------------------------------------------------------------ introspection
+
+    def pending(self, path: TransferPath) -> int:
+        """Jobs queued (not started, not cancelled) on ``path``."""
+        return self._workers[path].pending()
+
+    def batches(self, path: TransferPath) -> int:
+        """Batches executed on ``path`` since start."""
+        return self._workers[path].batches
+
+    def bounce_buffer(self) -> torch.Tensor:
+        """``[bounce_blocks, block_bytes]`` uint8 host buffer (pinned when CUDA is present)."""
+        if self._bounce is None:
+            pin = torch.cuda.is_available()
+            self._bounce = torch.empty((self.bounce_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        return self._bounce
+
+    # ------------------------------------------------------------------ G1 → G2
+
+    def offload_to_host(self, items: Sequence[HostOffloadItem], step: StepEvent | None = None) -> Future[HostOffloadResult]:
+        """Queue an offload of ``items`` into G2.
+
+        Policy check at submit: items whose hash G2 already holds are not copied (their
+        result is a weak handle on the existing copy); destination blocks for the others
+        are reserved now (G2 blocks of this request are pinned meanwhile, so the
+        reservation cannot evict them).  The copy waits for ``step``.
+
+        Returns:
+            A future of :class:`HostOffloadResult`; ``cancel()`` before it starts returns
+            the reserved G2 blocks to Reset and publishes nothing.
+
+        Raises:
+            PoolExhaustedError: G2 cannot reserve the blocks (nothing reserved then).
+            TransferClosedError: the manager is closed.
+        """
+        self._check_open()
+        n = len(items)
+        blocks: list[WeakBlock | None] = [None] * n
+        held = self.g2.get_many([it.meta.sequence_hash for it in items])
+        todo = [i for i, h in enumerate(held) if h is None]
+        present = [(i, h) for i, h in enumerate(held) if h is not None]
+        try:
+            # Complete blocks carrying their identities; the copy fills them later
+            reserved = self.g2.allocate_complete([items[i].meta for i in todo]) if todo else []
+        finally:
+            for (i, _), weak in zip(present, self.g2.downgrade_many([h for _, h in present]), strict=True):
+                blocks[i] = weak
+        result = HostOffloadResult(blocks=blocks, already=n - len(todo))
+        future: Future[HostOffloadResult] = Future()
+        if not todo:
+            future.set_running_or_notify_cancel()
+            future.set_result(result)
+            return future
+        payload = (list(items), todo, reserved, result)
+
+        def cleanup() -> None:
+            for mb in reserved:
+                if not mb.consumed:
+                    mb.release()
+
+        self._enqueue(TransferPath.G1_TO_G2, len(todo), self._run_host_offload, future, step, payload, cleanup)
+        return future
+
+    def _run_host_offload(self, jobs: list[_Job]) -> None:
+        # weak → strong upgrade of every source, one lock per source pool; evicted ones
+        # are skipped (their reserved block goes back to Reset)
+        weak_by_pool: dict[int, tuple[BlockPool, list[WeakBlock]]] = {}
+        for job in jobs:
+            items, todo, _, _ = job.payload
+            for i in todo:
+                src = items[i].src
+                if src is not None:
+                    weak_by_pool.setdefault(id(src._pool), (src._pool, []))[1].append(src)
+        strong: dict[int, ImmutableBlock | None] = {}
+        held: list[tuple[BlockPool, list[ImmutableBlock]]] = []
+        for pool, weaks in weak_by_pool.values():
+            got = pool.upgrade_many(weaks)
+            held.append((pool, [h for h in got if h is not None]))
+            for w, h in zip(weaks, got, strict=True):
+                strong[id(w)] = h
+        plan: list[tuple[_Job, int, MutableBlock]] = []
+        groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
+        for job in jobs:
+            items, todo, reserved, result = job.payload
+            for i, dst in zip(todo, reserved, strict=True):
+                item: HostOffloadItem = items[i]
+                if item.src is not None and strong[id(item.src)] is None:
+                    result.skipped += 1
+                    dst.release()
+                    continue
+                plan.append((job, i, dst))
+                g = groups.setdefault(id(item.src_layout), (item.src_layout, [], []))
+                g[1].append(item.src_block_id)
+                g[2].append(dst.block_id)
+        try:
+            for layout, src_ids, dst_ids in groups.values():
+                copy_blocks(layout, src_ids, self.g2.layout, dst_ids)
+            # register per job, in submission order (Store("g2") events in block order)
+            for job in jobs:
+                items, _, _, result = job.payload
+                mine = [(i, dst) for j, i, dst in plan if j is job]
+                registered = self.g2.register_blocks([dst for _, dst in mine])
+                for (i, _), weak in zip(mine, self.g2.downgrade_many(registered), strict=True):
+                    result.blocks[i] = weak
+                result.copied = len(mine)
+                self.metrics.offload_d2h.inc(len(mine))
+        finally:
+            for pool, handles in held:
+                pool.release_blocks(handles)
+            for _, _, dst in plan:
+                if not dst.consumed:
+                    dst.release()
+        for job in jobs:
+            job.future.set_result(job.payload[3])
+
+    # ------------------------------------------------------------------ G2 → G3
+
+    def offload_to_storage(
+        self, items: Sequence[StorageOffloadItem], step: StepEvent | None = None
+    ) -> Future[StorageOffloadResult]:
+        """Queue a put of ``items`` into the storage volume.
+
+        Policy check at submit: keys the store already holds are dropped, then each
+        remaining block is offered to the admission filter (when one is set); only admitted
+        blocks are queued.  At transfer time each item uses its first source that still
+        upgrades; Store(<volume id>) events follow the item order.
+
+        Returns:
+            A future of :class:`StorageOffloadResult`; a failed ``put`` is reported in its
+            ``error`` (the future itself does not fail for it).
+
+        Raises:
+            StorageTierError-like ``ValueError``: no store configured.
+            TransferClosedError: the manager is closed.
+        """
+        self._check_open()
+        if self.store is None:
+            raise ValueError("no storage agent configured for G2 → G3 offloads")
+        n = len(items)
+        result = StorageOffloadResult(placements=[None] * n)
+        future: Future[StorageOffloadResult] = Future()
+        held = self.store.exists([it.key for it in items]) if items else []
+        for i, it in enumerate(items):
+            if held[i]:
+                result.held += 1
+            elif self.disk_filter is not None and not self.disk_filter.offer(it.meta.sequence_hash):
+                result.filtered += 1
+            else:
+                result.submitted.append(i)
+        if not result.submitted:
+            future.set_running_or_notify_cancel()
+            future.set_result(result)
+            return future
+        self._enqueue(TransferPath.G2_TO_G3, len(result.submitted), self._run_storage_offload, future, step, (list(items), result), None)
+        return future
+
+    def _run_storage_offload(self, jobs: list[_Job]) -> None:
+        assert self.store is not None and self.g3_volume is not None
+        entries: list[tuple[_Job, int, bool]] = []  # job, item index, from host
+        puts: list[tuple[BlockKey, torch.Tensor]] = []
+        holds: list[ImmutableBlock] = []
+        try:
+            for job in jobs:
+                items, result = job.payload
+                for i in result.submitted:
+                    item: StorageOffloadItem = items[i]
+                    strong = None
+                    for src in item.sources:
+                        strong = src.upgrade() if src is not None else None
+                        if strong is not None:
+                            break
+                    if strong is None:
+                        result.skipped += 1
+                        continue
+                    holds.append(strong)
+                    puts.append((item.key, host_bytes(strong._pool.layout, strong.block_id)))
+                    entries.append((job, i, strong.tier != "g1"))
+            error: BaseException | None = None
+            placements: list[Placement] = []
+            if puts:
+                try:
+                    placements = self.store.put(puts, self.g3_volume)
+                except Exception as exc:  # noqa: BLE001 - reported in the results
+                    logger.warning("offload of %d blocks to %s failed: %r", len(puts), self.g3_volume, exc)
+                    error = exc
+        finally:
+            for h in holds:
+                h.release()
+        if error is None:
+            for (job, i, from_host), placement in zip(entries, placements, strict=True):
+                result = job.payload[1]
+                result.placements[i] = placement
+                if from_host:
+                    result.from_host += 1
+                else:
+                    result.from_device += 1
+            for job in jobs:
+                items, result = job.payload
+                events: list[KVEvent] = []
+                for i in result.submitted:
+                    p = result.placements[i]
+                    if p is not None:
+                        m = items[i].meta
+                        events.append(store_event(m.sequence_hash, m.prefix_hash, m.parent_hash, self.block_bytes, p.volume_id))
+                if events:
+                    self.publisher.publish(events)
+                self.metrics.offload_h2d.inc(result.from_host)
+                self.metrics.offload_d2d.inc(result.from_device)
+        else:
+            for job in jobs:
+                job.payload[1].error = error
+        for job in jobs:
+            job.future.set_result(job.payload[1])
+
+    # ------------------------------------------------------------------ G2 → G1
+
+    def onboard_from_host(
+        self, sources: Sequence[ImmutableBlock], dst_layout: BlockLayout, dst_ids: Sequence[int]
+    ) -> Future[int]:
+        """Queue copies of G2 blocks into ``dst_layout`` blocks ``dst_ids`` (caller-owned).
+
+        The job owns ``sources`` (strong handles): it releases them after the copy, or at
+        cancellation.
+
+        Returns:
+            A future of the number of blocks copied.
+
+        Raises:
+            ValueError: lists of different lengths.
+            TransferClosedError: the manager is closed (the sources are released).
+        """
+        if len(sources) != len(dst_ids):
+            raise ValueError(f"{len(sources)} sources for {len(dst_ids)} destinations")
+        srcs = list(sources)
+
+        def cleanup() -> None:
+            for h in srcs:
+                if not h.consumed:
+                    h.release()
+
+        future: Future[int] = Future()
+        if not srcs:
+            future.set_running_or_notify_cancel()
+            future.set_result(0)
+            return future
+        try:
+            self._check_open()
+        except TransferClosedError:
+            cleanup()
+            raise
+        self._enqueue(TransferPath.G2_TO_G1, len(srcs), self._run_host_onboard, future, None, (srcs, dst_layout, list(dst_ids)), cleanup)
+        return future
+
+    def _run_host_onboard(self, jobs: list[_Job]) -> None:
+        groups: dict[int, tuple[BlockLayout, BlockLayout, list[int], list[int]]] = {}
+        for job in jobs:
+            srcs, dst_layout, dst_ids = job.payload
+            for h, d in zip(srcs, dst_ids, strict=True):
+                layout = h._pool.layout
+                g = groups.setdefault(hash((id(layout), id(dst_layout))), (layout, dst_layout, [], []))
+                g[2].append(h.block_id)
+                g[3].append(d)
+        try:
+            for src, dst, s_ids, d_ids in groups.values():
+                copy_blocks(src, s_ids, dst, d_ids)
+        finally:
+            for job in jobs:
+                assert job.cleanup is not None
+                job.cleanup()
+        for job in jobs:
+            n = len(job.payload[0])
+            self.metrics.onboard_h2d.inc(n)
+            job.future.set_result(n)
+
+    # ------------------------------------------------------------------ G3 → G1
+
+    def onboard_from_storage(
+        self, keys: Sequence[BlockKey], dst_layout: BlockLayout, dst_ids: Sequence[int]
+    ) -> Future[StorageOnboardResult]:
+        """Queue reads of ``keys`` (checksum-verified) into ``dst_layout`` blocks ``dst_ids``.
+
+        Blocks that are contiguous host memory are read into directly; others go through
+        the host bounce buffer (``bounce_blocks`` at a time) and are then copied (to the
+        device when the layout is on CUDA).  Reading stops at the first failure.
+
+        Returns:
+            A future of :class:`StorageOnboardResult`.
+
+        Raises:
+            ValueError: lists of different lengths or no store configured.
+            TransferClosedError: the manager is closed.
+        """
+        self._check_open()
+        if self.store is None:
+            raise ValueError("no storage agent configured for G3 → G1 onboarding")
+        if len(keys) != len(dst_ids):
+            raise ValueError(f"{len(keys)} keys for {len(dst_ids)} destinations")
+        future: Future[StorageOnboardResult] = Future()
+        if not keys:
+            future.set_running_or_notify_cancel()
+            future.set_result(StorageOnboardResult(loaded=0))
+            return future
+        self._enqueue(TransferPath.G3_TO_G1, len(keys), self._run_storage_onboard, future, None, (list(keys), dst_layout, list(dst_ids)), None)
+        return future
+
+    def _run_storage_onboard(self, jobs: list[_Job]) -> None:
+        # jobs are read one after the other: each stops at its own first failure
+        for job in jobs:
+            keys, layout, dst_ids = job.payload
+            try:
+                res = self._read_into(keys, layout, dst_ids)
+            except BaseException as exc:  # noqa: BLE001 - per job
+                job.future.set_exception(exc)
+                continue
+            self.metrics.onboard_d2d.inc(res.loaded)
+            job.future.set_result(res)
+
+    def _read_into(self, keys: list[BlockKey], layout: BlockLayout, dst_ids: list[int]) -> StorageOnboardResult:
+        assert self.store is not None
+        direct = [direct_host_slot(layout, d) for d in dst_ids]
+        loaded = 0
+        chunk = len(keys) if all(s is not None for s in direct) else self.bounce_blocks
+        for start in range(0, len(keys), chunk):
+            ks = keys[start : start + chunk]
+            outs = self._outs(direct[start : start + chunk])
+            try:
+                self.store.get(ks, out=outs)
+            except Exception as batch_exc:  # noqa: BLE001 - find the first failing block
+                for k, (key, out) in enumerate(zip(ks, outs, strict=True)):
+                    try:
+                        self.store.get([key], out=[out])
+                    except Exception as exc:  # noqa: BLE001 - reading stops here (C17)
+                        # the failed batch may have quarantined the copy (checksum
+                        # mismatch): then the batch error is the cause, "not found" only
+                        # its consequence
+                        cause = (
+                            batch_exc
+                            if isinstance(exc, BlockNotFoundError) and not isinstance(batch_exc, BlockNotFoundError)
+                            else exc
+                        )
+                        self._land(layout, dst_ids[start : start + k], direct[start : start + k], outs[:k])
+                        return StorageOnboardResult(loaded=loaded + k, failed_index=start + k, error=cause)
+            self._land(layout, dst_ids[start : start + len(ks)], direct[start : start + len(ks)], outs)
+            loaded += len(ks)
+        return StorageOnboardResult(loaded=loaded)
+
+    def _outs(self, direct: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        bounce = None
+        outs: list[torch.Tensor] = []
+        for k, slot in enumerate(direct):
+            if slot is not None:
+                outs.append(slot)
+            else:
+                bounce = self.bounce_buffer() if bounce is None else bounce
+                outs.append(bounce[k])
+        return outs
+
+    @staticmethod
+    def _land(layout: BlockLayout, dst_ids: list[int], direct: list[torch.Tensor | None], outs: list[torch.Tensor]) -> None:
+        """Copy bounce-buffer rows into their blocks (direct reads are already there)."""
+        for d, slot, out in zip(dst_ids, direct, outs, strict=True):
+            if slot is None:
+                layout.write_bytes(d, out)
+        if layout.device.type == "cuda":
+            torch.cuda.synchronize(layout.device)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _enqueue(
+        self,
+        path: TransferPath,
+        size: int,
+        run: Callable[[list[_Job]], None],
+        future: Future[Any],
+        step: StepEvent | None,
+        payload: Any,
+        cleanup: Callable[[], None] | None,
+    ) -> None:
+        job = _Job(path, size, run, future, step, payload, cleanup)
+        if cleanup is not None:
+            future.add_done_callback(lambda f: cleanup() if f.cancelled() else None)
+        try:
+            self._workers[path].submit(job)
+        except TransferClosedError:
+            future.cancel()
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferClosedError("transfer manager is closed")
+
+    def close(self) -> None:
+        """Cancel queued jobs (their reserved blocks are freed), finish running ones, stop
+        the workers.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers.values():
+            worker.close()

@@ -1,0 +1,208 @@
+"""Transfer manager: step-gated offloads, batching, cancellation, weak → strong upgrade,
+G2 → G1 onboarding, disk admission filter."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from event_plane import KVEvent, NullPublisher
+from kvbm_runtime import BlockMeta, BlockPool, LayoutConfig, RuntimeMetrics, make_layout
+from kvbm_runtime.transfer import (
+    DiskOffloadFilter,
+    HostOffloadItem,
+    StepEvent,
+    TransferClosedError,
+    TransferManager,
+    TransferPath,
+)
+
+CFG = LayoutConfig(num_layers=2, outer_dim=2, page_size=4, inner_dim=8, dtype=torch.float32)
+SALT = 7
+
+
+class Capture:
+    def __init__(self) -> None:
+        self.batches: list[list[KVEvent]] = []
+        self.publisher = NullPublisher("transfer-unit", on_flush=lambda b, _p: self.batches.append(list(b.events)))
+
+    def events(self) -> list[tuple[str, int, str]]:
+        self.publisher.flush()
+        return [(e.type.name, e.sequence_hash, e.storage_location) for b in self.batches for e in b]
+
+    def clear(self) -> None:
+        self.publisher.flush()
+        self.batches.clear()
+
+
+class Rig:
+    """A G1 pool, a G2 pool and a transfer manager over them (no storage)."""
+
+    def __init__(self, g1_blocks: int = 8, g2_blocks: int = 8, batch: int = 256) -> None:
+        self.cap = Capture()
+        self.g1 = BlockPool("g1", make_layout("FullyContiguous", CFG, g1_blocks, tier="g1"), self.cap.publisher)
+        self.g2 = BlockPool("g2", make_layout("FullyContiguous", CFG, g2_blocks, tier="g2"), self.cap.publisher)
+        self.metrics = RuntimeMetrics("transfer-unit")
+        self.tm = TransferManager(self.g2, self.cap.publisher, self.metrics, max_batch_blocks=batch)
+
+    def registered(self, hashes: list[int]) -> list:
+        """Register blocks with these hashes in G1 (data = hash value) and return strong handles."""
+        blocks = self.g1.allocate(len(hashes))
+        ready = []
+        for i, (mb, h) in enumerate(zip(blocks, hashes)):
+            mb.view().fill_(float(h % 1000))
+            ready.append(mb.init_from(BlockMeta(h, hashes[i - 1] if i else None, hashes[0], SALT)))
+        return self.g1.register_blocks(ready)
+
+    def items(self, handles: list) -> list[HostOffloadItem]:
+        return [HostOffloadItem(h.meta, self.g1.layout, h.block_id, h.weak()) for h in handles]
+
+    def close(self) -> None:
+        self.tm.close()
+        self.cap.publisher.close()
+
+
+@pytest.fixture()
+def rig() -> Rig:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_offload_waits_for_its_step_then_copies_and_publishes_in_order(rig: Rig) -> None:
+    hs = [101, 102, 103]
+    handles = rig.registered(hs)
+    rig.cap.clear()
+    step = StepEvent()
+    fut = rig.tm.offload_to_host(rig.items(handles), step)
+    time.sleep(0.05)
+    assert not fut.done() and rig.g2.resident() == set()
+    assert rig.g2.stats().reset == 8 - 3  # destinations reserved at submit
+    step.done()
+    res = fut.result(timeout=5)
+    assert (res.copied, res.already, res.skipped) == (3, 0, 0)
+    assert [w.sequence_hash for w in res.blocks] == hs and all(w.alive for w in res.blocks)
+    assert rig.cap.events() == [("STORE", h, "g2") for h in hs]
+    for h in hs:
+        got = rig.g2.get(h)
+        assert torch.equal(rig.g2.layout.block_view(got.block_id), torch.full(CFG.block_shape, float(h % 1000)))
+        got.release()
+    assert rig.metrics.sample("kvbm_offload_blocks_d2h") == 3
+    # again: the policy check finds every block in G2, nothing is queued or copied
+    again = rig.tm.offload_to_host(rig.items(handles), StepEvent()).result(timeout=5)
+    assert (again.copied, again.already) == (0, 3) and rig.cap.events() == [("STORE", h, "g2") for h in hs]
+    for h in handles:
+        h.release()
+
+
+def test_cancelled_offload_frees_its_blocks_and_the_next_job_still_runs(rig: Rig) -> None:
+    a, b = rig.registered([201, 202, 203]), rig.registered([301, 302])
+    rig.cap.clear()
+    step_a, step_b = StepEvent(), StepEvent()
+    fa = rig.tm.offload_to_host(rig.items(a), step_a)
+    fb = rig.tm.offload_to_host(rig.items(b), step_b)
+    assert rig.g2.stats().reset == 8 - 5 and rig.tm.pending(TransferPath.G1_TO_G2) == 2
+    assert fa.cancel()
+    assert fa.cancelled() and rig.g2.stats().reset == 8 - 2  # A's 3 reserved blocks are back
+    assert rig.tm.pending(TransferPath.G1_TO_G2) == 1
+    step_a.done()  # the cancelled job's step finishing changes nothing
+    step_b.done()
+    res = fb.result(timeout=5)
+    assert res.copied == 2 and rig.g2.resident() == {301, 302}
+    assert rig.cap.events() == [("STORE", 301, "g2"), ("STORE", 302, "g2")]
+    assert not fb.cancel()  # finished jobs cannot be cancelled
+    st = rig.g2.stats()
+    assert (st.reset, st.inactive, st.active) == (6, 2, 0)
+    for h in a + b:
+        h.release()
+
+
+def test_ready_jobs_are_batched_into_one_transfer(rig: Rig) -> None:
+    step = StepEvent()
+    futs = [rig.tm.offload_to_host(rig.items(rig.registered([400 + 10 * k, 401 + 10 * k])), step) for k in range(3)]
+    before = rig.tm.batches(TransferPath.G1_TO_G2)
+    step.done()
+    assert [f.result(timeout=5).copied for f in futs] == [2, 2, 2]
+    assert rig.tm.batches(TransferPath.G1_TO_G2) - before == 1
+    # Stores follow submission order
+    assert [h for _, h, loc in rig.cap.events() if loc == "g2"] == [400, 401, 410, 411, 420, 421]
+
+
+def test_batch_size_limit_splits_batches() -> None:
+    r = Rig(batch=2)
+    try:
+        step = StepEvent()
+        futs = [r.tm.offload_to_host(r.items(r.registered([500 + k])), step) for k in range(3)]
+        step.done()
+        assert [f.result(timeout=5).copied for f in futs] == [1, 1, 1]
+        assert r.tm.batches(TransferPath.G1_TO_G2) == 2
+    finally:
+        r.close()
+
+
+def test_source_evicted_before_the_step_ends_is_skipped_not_resurrected(rig: Rig) -> None:
+    handles = rig.registered([601, 602])
+    items = rig.items(handles)
+    step = StepEvent()
+    fut = rig.tm.offload_to_host(items, step)
+    handles[1].release()
+    assert rig.g1.evict() == 1  # 602 is gone from G1 before the copy
+    handles[1] = None
+    step.done()
+    res = fut.result(timeout=5)
+    assert (res.copied, res.skipped) == (1, 1) and res.blocks[1] is None
+    assert rig.g2.resident() == {601} and rig.g2.stats().reset == 7  # the unused reservation is free
+    handles[0].release()
+
+
+def test_onboard_from_host_copies_and_releases_sources(rig: Rig) -> None:
+    handles = rig.registered([701, 702])
+    rig.tm.offload_to_host(rig.items(handles), StepEvent.completed()).result(timeout=5)
+    srcs = rig.g2.match_blocks([701, 702])
+    assert rig.g2.stats().active == 2
+    dst = make_layout("LayerSeparated", CFG, 4, tier="g1")
+    assert rig.tm.onboard_from_host(srcs, dst, [3, 1]).result(timeout=5) == 2
+    assert torch.equal(dst.block_view(3), torch.full(CFG.block_shape, 701.0))
+    assert torch.equal(dst.block_view(1), torch.full(CFG.block_shape, 702.0))
+    assert rig.g2.stats().active == 0 and all(s.consumed for s in srcs)
+    assert rig.metrics.sample("kvbm_onboard_blocks_h2d") == 2
+    with pytest.raises(ValueError, match="2 sources for 1 destinations"):
+        rig.tm.onboard_from_host(rig.g2.match_blocks([701, 702]), dst, [0])
+    for h in handles:
+        h.release()
+
+
+def test_closed_manager_refuses_and_cancels_queued_work(rig: Rig) -> None:
+    handles = rig.registered([801])
+    fut = rig.tm.offload_to_host(rig.items(handles), StepEvent())
+    rig.tm.close()
+    assert fut.cancelled() and rig.g2.stats().reset == 8
+    with pytest.raises(TransferClosedError):
+        rig.tm.offload_to_host(rig.items(handles), StepEvent.completed())
+    handles[0].release()
+
+
+def test_disk_filter_needs_two_offers_doubles_and_decays() -> None:
+    now = [0.0]
+    f = DiskOffloadFilter(min_frequency=2, decay_interval_s=10.0, clock=lambda: now[0])
+    assert [f.offer(1), f.offer(1), f.offer(1)] == [False, True, True]
+    assert f.frequency(1) == 4 and f.frequency(2) == 0
+    assert f.offer(2) is False
+    now[0] = 10.5  # one halving: 4 → 2, 1 → 0 (forgotten)
+    assert (f.frequency(1), f.frequency(2), len(f)) == (2, 0, 1)
+    assert f.offer(2) is False  # counted from scratch again
+    now[0] = 30.0  # two more halvings
+    assert f.frequency(1) == 0 and len(f) == 0
+    with pytest.raises(ValueError, match="min_frequency=0"):
+        DiskOffloadFilter(min_frequency=0)
+
+
+def test_disk_filter_bounds_its_table() -> None:
+    f = DiskOffloadFilter(max_entries=3)
+    for h in range(3):
+        f.offer(h)
+    f.offer(0)  # 0 now has count 2
+    f.offer(99)  # fourth entry: one halving forgets the count-1 entries
+    assert len(f) <= 3 and f.frequency(0) == 1
