@@ -8,7 +8,7 @@ from advisor.index import BlockInfo, IndexCounters, PrefixIndex
 from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.mover import Mover
 from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
-from advisor.planner import Plan, Planner
+from advisor.planner import Plan, Planner, TokenBucket
 from advisor.policies import (
     CompactionSettings,
     DemotionSettings,
@@ -26,8 +26,21 @@ from advisor.prefix_policy import BlockScorer, PrefixPolicySettings, PrefixValue
 from advisor.query import AdvisorQuery, LookupResult, VolumeView
 from advisor.service import AdvisorError, AdvisorService, main
 from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
+from advisor.snapshot import (
+    RedisSnapshotStore,
+    Snapshot,
+    SnapshotError,
+    SqliteSnapshotStore,
+    load_latest,
+)
 
 __all__ = [
+    "RedisSnapshotStore",
+    "Snapshot",
+    "SnapshotError",
+    "SqliteSnapshotStore",
+    "TokenBucket",
+    "load_latest",
     "SsdAdmissionFilter",
     "ReuseStats",
     "PrefixValueCache",

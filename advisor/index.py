@@ -47,6 +47,27 @@ change, not an access (no hit, last access unchanged)."""
 PLACEMENT_KEYS: tuple[str, ...] = (MOVE_KEY, "reconciled")
 """``extra_metadata`` keys marking a Store as a placement change (never an access)."""
 
+STATE_VERSION = 1
+"""Version of :meth:`PrefixIndex.export_state` arrays."""
+
+_U64 = 1 << 64
+
+
+class IndexStateError(ValueError):
+    """An exported index state cannot be imported (wrong version or shape)."""
+
+
+def _bits(mask: int) -> list[int]:
+    out = []
+    bit = 0
+    while mask:
+        if mask & 1:
+            out.append(bit)
+        mask >>= 1
+        bit += 1
+    return out
+
+
 HITS_KEY = "hits"
 """``extra_metadata`` key a partner may set to report extra hits of a block."""
 
@@ -148,6 +169,7 @@ class PrefixIndex:
         self._loc_names: list[str] = []
         self._loc_blocks: list[set[int]] = []
         self._sources: dict[str, SourceState] = {}
+        self._sizes: dict[int, int] = {}  # intern table of block sizes (a handful of values)
         self.counters = IndexCounters()
 
     # ------------------------------------------------------------------ locations
@@ -237,14 +259,23 @@ class PrefixIndex:
 
         source = batch.source
         ts = batch.ts_ns
-        # Hot path (new block with a known or no parent, or a duplicate Store) inlined with
-        # local bindings; every other case goes through _store.
+        # Hot path inlined with local bindings (no extra_metadata, no frequency sketch):
+        #   * a new block whose parent is indexed (or that has none) and no orphan child;
+        #   * a duplicate Store;
+        #   * a known block at a new location (onboarding, another worker, an offload);
+        #   * a Remove that does not forget the block.
+        # Every other case goes through _store / _remove.  Sizes and prefix hashes are
+        # shared with the parent's entry / a small intern table (memory per block).
         STORE = EventType.STORE
+        REMOVE = EventType.REMOVE
         blocks = self._blocks
         children = self._children
         loc_blocks = self._loc_blocks
-        flags: dict[str, tuple[int, int]] = {}
-        fast_new = fast_dup = 0
+        sizes = self._sizes
+        c = self.counters
+        flags: dict[str, tuple[int, int, bool]] = {}
+        priv = self._private_mask(source)
+        fast_new = fast_dup = fast_known = fast_hits = fast_rm = 0
         freq = self.frequency
         for ev in batch.events:
             t = ev.type
@@ -255,35 +286,85 @@ class PrefixIndex:
                 fl = flags.get(sl)
                 if fl is None:
                     bit = self._bit(self.qualify(source, sl))
-                    fl = flags[sl] = (1 << bit, bit)
+                    fl = flags[sl] = (1 << bit, bit, sl == "g1")
+                    priv = self._private_mask(source)
                 e = blocks.get(h)
                 if e is not None:
-                    if e.mask & fl[0] and parent != h:
-                        fast_dup += 1
-                        continue
-                elif (ev.extra_metadata is None and freq is None and parent != h and h not in children
-                      and (parent is None or parent in blocks)):
-                    blocks[h] = _Entry(parent, ev.prefix_hash, ev.block_size, fl[0], ts)
+                    if parent != h:
+                        m = e.mask
+                        if m & fl[0]:
+                            fast_dup += 1
+                            continue
+                        if ev.extra_metadata is None and freq is None:
+                            e.mask = m | fl[0]
+                            sz = ev.block_size
+                            e.size = sizes.setdefault(sz, sz)
+                            loc_blocks[fl[1]].add(h)
+                            fast_known += 1
+                            if fl[2] or not (m & priv):
+                                e.hits += 1
+                                e.last_access = ts
+                                fast_hits += 1
+                            continue
+                elif ev.extra_metadata is None and freq is None and parent != h and h not in children:
+                    prefix = ev.prefix_hash
+                    if parent is None:
+                        if prefix == h:
+                            prefix = h
+                    else:
+                        pe = blocks.get(parent)
+                        if pe is None:
+                            self._store(source, h, prefix, parent, ev.block_size, sl, None, ts)
+                            continue
+                        if pe.prefix == prefix:
+                            prefix = pe.prefix
+                    sz = ev.block_size
+                    blocks[h] = _Entry(parent, prefix, sizes.setdefault(sz, sz), fl[0], ts)
                     loc_blocks[fl[1]].add(h)
                     if parent is not None:
                         cur = children.get(parent)
                         if cur is None:
                             children[parent] = h
-                        elif isinstance(cur, set):
+                        elif cur.__class__ is set:
                             cur.add(h)
                         else:
                             children[parent] = {cur, h}
                     fast_new += 1
                     continue
                 self._store(source, h, ev.prefix_hash, parent, ev.block_size, sl, ev.extra_metadata, ts)
-            elif t == EventType.REMOVE:
-                self._remove(self.qualify(source, ev.storage_location), ev.sequence_hash)
+            elif t == REMOVE:
+                h = ev.sequence_hash
+                sl = ev.storage_location
+                fl = flags.get(sl)
+                if fl is None:
+                    bit = self._bit(self.qualify(source, sl))
+                    fl = flags[sl] = (1 << bit, bit, sl == "g1")
+                    priv = self._private_mask(source)
+                e = blocks.get(h)
+                if e is not None:
+                    m = e.mask
+                    if m & fl[0] and m != fl[0]:
+                        e.mask = m & ~fl[0]
+                        loc_blocks[fl[1]].discard(h)
+                        fast_rm += 1
+                        continue
+                self._remove(self.qualify(source, sl), h)
             else:
-                self.counters.cleared += 1
+                c.cleared += 1
                 self._clear_location(self.qualify(source, ev.storage_location))
-        c = self.counters
-        c.stores += fast_new + fast_dup
+        c.stores += fast_new + fast_dup + fast_known
         c.duplicate_stores += fast_dup
+        c.hits += fast_hits
+        c.removes += fast_rm
+
+    def _private_mask(self, source: str) -> int:
+        """Bits of ``source``'s own g1/g2 locations (0 for those not seen yet)."""
+        m = 0
+        for tier in ("g1", "g2"):
+            bit = self._loc_bit.get(f"{source}/{tier}")
+            if bit is not None:
+                m |= 1 << bit
+        return m
 
     def _store(
         self,
@@ -526,6 +607,87 @@ class PrefixIndex:
             "orphans_pending": len(self._orphans),
             "counters": dict(vars(self.counters)),
         }
+
+    # ------------------------------------------------------------------ snapshots
+    def export_state(self) -> list[Any]:
+        """The whole fold state as plain msgpack-able values (for :mod:`advisor.snapshot`).
+
+        Returns:
+            ``[STATE_VERSION, locations, blocks, orphans, sources, counters]`` with
+            ``locations`` the location names in bit order, ``blocks`` a flat list of
+            ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
+            (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
+            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
+            and ``counters`` the :class:`IndexCounters` fields.  Children and
+            per-location sets are derived again on import.  The frequency sketch is not
+            part of the state (like :meth:`dump`).
+        """
+        flat: list[Any] = []
+        ext = flat.extend
+        for h, e in self._blocks.items():
+            m = e.mask
+            ext((h, e.parent, e.prefix, e.size, m if m < _U64 else _bits(m), e.hits, e.last_access))
+        sources = [
+            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
+            for name, st in self._sources.items()
+        ]
+        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources, dict(vars(self.counters))]
+
+    @classmethod
+    def from_state(cls, state: Sequence[Any], frequency: FrequencySketch | None = None) -> PrefixIndex:
+        """Rebuild an index from :meth:`export_state` output (``dump()`` is equal).
+
+        Raises:
+            IndexStateError: the state has another version or a malformed shape.
+        """
+        try:
+            version, locs, flat, orphans, sources, counters = state
+        except (TypeError, ValueError) as exc:
+            raise IndexStateError(f"index state must be a 6-item array: {exc}") from exc
+        if version != STATE_VERSION:
+            raise IndexStateError(f"index state version {version!r} is not {STATE_VERSION}")
+        if len(flat) % 7:
+            raise IndexStateError(f"index state block array has {len(flat)} items, not a multiple of 7")
+        idx = cls(frequency)
+        try:
+            for name in locs:
+                idx._bit(str(name))
+            blocks = idx._blocks
+            children = idx._children
+            loc_blocks = idx._loc_blocks
+            nloc = len(loc_blocks)
+            it = iter(flat)
+            for h, parent, prefix, size, mask, hits, last in zip(it, it, it, it, it, it, it):
+                if not isinstance(mask, int):
+                    mask = sum(1 << b for b in mask)
+                e = _Entry(parent, prefix, size, mask, last)
+                e.hits = hits
+                blocks[h] = e
+                if parent is not None:
+                    cur = children.get(parent)
+                    if cur is None:
+                        children[parent] = h
+                    elif isinstance(cur, set):
+                        cur.add(h)
+                    else:
+                        children[parent] = {cur, h}
+                bit = 0
+                while mask:
+                    if mask & 1:
+                        if bit >= nloc:
+                            raise IndexStateError(f"block {h} uses location bit {bit} of {nloc}")
+                        loc_blocks[bit].add(h)
+                    mask >>= 1
+                    bit += 1
+            idx._orphans = set(orphans)
+            for name, epoch, last_seq, nb, ne, last_ts, retired in sources:
+                idx._sources[name] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
+            idx.counters = IndexCounters(**counters)
+        except IndexStateError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise IndexStateError(f"malformed index state: {exc}") from exc
+        return idx
 
     def dump(self) -> dict[str, Any]:
         """Canonical, order-independent state (for equality checks of two folds).

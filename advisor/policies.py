@@ -107,11 +107,20 @@ class PlannerSettings(BaseModel):
         max_moves_per_round: block moves (promotions + demotions) per round.
         max_bytes_per_round: bytes copied per round (moves + compactions).
         max_compactions_per_round: segments compacted per round.
+        max_bytes_per_s / burst_bytes: token bucket on bytes copied (all rounds).
+        max_concurrent_moves: items in flight at once (all rounds).
     """
 
     max_moves_per_round: int = Field(256, ge=0)
     max_bytes_per_round: int = Field(1 << 30, ge=0)
     max_compactions_per_round: int = Field(8, ge=0)
+    max_bytes_per_s: float = Field(0.0, ge=0.0)
+    """Token bucket on copied bytes across rounds (bytes per second); ``0`` = unlimited."""
+    burst_bytes: int = Field(0, ge=0)
+    """Bucket depth in bytes; ``0`` = one second of ``max_bytes_per_s``."""
+    max_concurrent_moves: int = Field(0, ge=0)
+    """Items (moves + compactions) planned but not yet finished, over all rounds and
+    callers; ``0`` = unlimited."""
 
 
 class PolicySettings(BaseModel):

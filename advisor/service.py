@@ -31,7 +31,15 @@ from advisor.plan import PlanKind, PlanResult
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.settings import AdvisorSettings
-from event_plane.codec import encode_batch
+from advisor.snapshot import (
+    RedisSnapshotStore,
+    SnapshotStore,
+    SqliteSnapshotStore,
+    encode_index,
+    load_latest,
+    make_snapshot,
+)
+from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
 logger = logging.getLogger(__name__)
@@ -99,6 +107,12 @@ class AdvisorService:
         self.metrics = AdvisorMetrics(self._metrics_snapshot)
         self.plans: deque[PlanResult] = deque(maxlen=1000)
         self.position = 0
+        self.snapshots: SnapshotStore | None = None
+        self.stream_log: Any = None
+        self._snap_lock = threading.Lock()
+        self._snapshot_position = 0
+        self._batches_since_snapshot = 0
+        self._last_snapshot_t = time.monotonic()
         self.counters: dict[str, int] = {
             "replayed_batches": 0,
             "ingested_batches": 0,
@@ -107,6 +121,9 @@ class AdvisorService:
             "policy_rounds": 0,
             "plans_deferred": 0,
             "reconciled_events": 0,
+            "snapshots_taken": 0,
+            "snapshot_position": 0,
+            "snapshot_loaded_position": 0,
         }
         self.rate = RateMeter()
         self.started_at: float | None = None
@@ -130,8 +147,14 @@ class AdvisorService:
         self._started = True
         s = self.settings
         self.started_at = time.monotonic()
-        self.journal = SqliteJournal(s.journal_path, synchronous=s.journal_synchronous)
-        self._replay_journal()
+        self.snapshots = self._open_snapshot_store()
+        if s.log == "sqlite":
+            self.journal = SqliteJournal(s.journal_path, synchronous=s.journal_synchronous)
+            self._load_snapshot(self.journal.last_position())
+            self._replay_journal()
+        else:
+            self._load_snapshot(None)
+            self._open_stream_log()
         if s.catalog_path is not None:
             self._open_storage()
         from event_plane import make_publisher
@@ -143,6 +166,10 @@ class AdvisorService:
             self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
             if s.reconcile_on_start:
                 self.reconcile()
+        if self.stream_log is not None:
+            self._spawn("kvadvisor-log", self._log_loop)
+        if self.snapshots is not None and s.snapshot_every_s > 0:
+            self._spawn("kvadvisor-snapshot", self._snapshot_loop)
         if s.subscribe_urls:
             from event_plane import subscribe
 
@@ -159,6 +186,144 @@ class AdvisorService:
         t.start()
         self._threads.append(t)
 
+    # ------------------------------------------------------------------ snapshots + log
+    def _open_snapshot_store(self) -> SnapshotStore | None:
+        s = self.settings
+        if s.snapshot_store == "sqlite":
+            return SqliteSnapshotStore(s.snapshot_file, keep=s.snapshot_keep)
+        if s.snapshot_store == "redis":
+            return RedisSnapshotStore(s.redis_url, s.snapshot_key_prefix, keep=s.snapshot_keep)
+        return None
+
+    def _load_snapshot(self, max_position: int | None) -> None:
+        """Start from the newest usable snapshot the log still covers (if any)."""
+        if self.snapshots is None:
+            return
+        found = load_latest(self.snapshots, max_position)
+        if found is None:
+            return
+        snap, index = found
+        with self.lock:
+            self.index = index
+            self.position = snap.position
+            self._snapshot_position = snap.position
+            self.counters["snapshot_loaded_position"] = snap.position
+        logger.info("advisor: loaded snapshot at position %d", snap.position)
+
+    def snapshot_now(self) -> int | None:
+        """Save a snapshot of the index at the current log position.
+
+        Returns:
+            The position saved, or ``None`` without a snapshot store or when the newest
+            snapshot already covers the current position.
+
+        Raises:
+            SnapshotError: the store refused the write.
+        """
+        if self.snapshots is None:
+            return None
+        with self._snap_lock:
+            with self.lock:
+                pos = self.position
+                if pos <= self._snapshot_position:
+                    self._batches_since_snapshot = 0
+                    return None
+                payload = encode_index(self.index)
+                self._batches_since_snapshot = 0
+            self.snapshots.save(make_snapshot(pos, payload))
+            self._snapshot_position = pos
+            self._last_snapshot_t = time.monotonic()
+            self.counters["snapshots_taken"] += 1
+            self.counters["snapshot_position"] = pos
+        return pos
+
+    def _maybe_snapshot(self) -> None:
+        n = self.settings.snapshot_every_batches
+        if n and self._batches_since_snapshot >= n and self.snapshots is not None:
+            try:
+                self.snapshot_now()
+            except Exception:  # noqa: BLE001 - a failed snapshot only makes the next start slower
+                logger.exception("advisor: snapshot failed")
+
+    def _snapshot_loop(self) -> None:
+        every = self.settings.snapshot_every_s
+        while not self._stop.wait(min(every, 1.0)):
+            if time.monotonic() - self._last_snapshot_t >= every:
+                try:
+                    self.snapshot_now()
+                except Exception:  # noqa: BLE001
+                    logger.exception("advisor: snapshot failed")
+                self._last_snapshot_t = time.monotonic()
+
+    def _open_stream_log(self) -> None:
+        """Scaled mode: read the stream from the snapshot's position + 1 and catch up."""
+        from advisor.jslog import JetStreamLog
+
+        s = self.settings
+        assert s.jetstream_url is not None
+        self.stream_log = JetStreamLog(s.jetstream_url, s.jetstream_namespace, start_seq=self.position + 1)
+        self.stream_log.start()
+        target = self.stream_log.last_sequence()
+        deadline = time.monotonic() + 60.0
+        n = 0
+        while self.position < target and time.monotonic() < deadline:
+            got = self.stream_log.get(timeout=0.5)
+            if got is not None:
+                self._apply_logged(*got)
+                n += 1
+        self.counters["replayed_batches"] += n
+        logger.info("advisor: replayed %d stream batches (stream sequence %d)", n, self.position)
+
+    def _apply_logged(self, seq: int, payload: bytes) -> bool:
+        """Fold one stream entry (scaled mode); entries at or below the position are skipped.
+
+        An entry that does not decode is counted and skipped: it is part of the log, so a
+        fresh fold skips it as well and the position still advances.
+        """
+        with self.lock:
+            if seq <= self.position:
+                self.counters["duplicate_batches"] += 1
+                return False
+            try:
+                batch = decode_batch(payload)
+            except CodecError as exc:
+                self.position = seq
+                self.counters["bad_batches"] += 1
+                self.metrics.bad_batches.inc()
+                logger.warning("advisor: stream entry %d is not a KVEvent v1 batch: %s", seq, exc)
+                return False
+            self.index.apply_batch(batch)
+            self.position = seq
+            self.counters["ingested_batches"] += 1
+            self._batches_since_snapshot += 1
+            self.rate.add(len(batch.events))
+        self.metrics.batches_applied.inc()
+        self.metrics.events_applied.inc(len(batch.events))
+        self.metrics.journal_position.set(seq)
+        self._maybe_snapshot()
+        return True
+
+    def _log_loop(self) -> None:
+        log = self.stream_log
+        assert log is not None
+        timeout = self.settings.get_timeout_s
+        while not self._stop.is_set():
+            try:
+                got = log.get(timeout=timeout)
+                if got is not None:
+                    self._apply_logged(*got)
+            except Exception:  # noqa: BLE001 - keep folding; the error is logged
+                logger.exception("advisor: stream fold failed")
+
+    def wait_position(self, position: int, timeout: float = 10.0) -> bool:
+        """Wait until the fold reached ``position`` (scaled mode: a stream sequence)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.position >= position:
+                return True
+            time.sleep(0.01)
+        return self.position >= position
+
     def _replay_journal(self) -> None:
         assert self.journal is not None
         with self.lock:
@@ -168,8 +333,10 @@ class AdvisorService:
                 self.position = pos
                 n += 1
             self.counters["replayed_batches"] += n
+            self._batches_since_snapshot += n
             self.metrics.journal_position.set(self.position)
         logger.info("advisor: replayed %d journal batches (position %d)", n, self.position)
+        self._maybe_snapshot()
 
     def _open_storage(self) -> None:
         from storage_backends import SqliteCatalog, StorageAgent
@@ -214,6 +381,15 @@ class AdvisorService:
             self.api.stop()
         if self.publisher is not None:
             self.publisher.close()  # flushes: the last batch is journaled via on_flush
+        if self.stream_log is not None:
+            self.stream_log.close()
+        if self.snapshots is not None:
+            if self.settings.snapshot_on_stop and (self.journal is not None or self.stream_log is not None):
+                try:
+                    self.snapshot_now()
+                except Exception:  # noqa: BLE001 - stopping must not fail on a snapshot
+                    logger.exception("advisor: snapshot on stop failed")
+            self.snapshots.close()
         if self.agent is not None:
             self.agent.close()
         if self.catalog is not None:
@@ -242,6 +418,8 @@ class AdvisorService:
             refused as bad (counted in ``counters``; nothing else changes).
         """
         if self.journal is None:
+            if self.stream_log is not None:
+                raise AdvisorError("log=jetstream: batches enter through the stream, not ingest()")
             raise AdvisorError("advisor not started")
         if payload is None:
             payload = encode_batch(batch)
@@ -260,13 +438,17 @@ class AdvisorService:
             self.index.apply_batch(batch)
             self.position = pos
             self.counters["ingested_batches"] += 1
+            self._batches_since_snapshot += 1
             self.rate.add(len(batch.events))
         self.metrics.batches_applied.inc()
         self.metrics.events_applied.inc(len(batch.events))
         self.metrics.journal_position.set(pos)
+        self._maybe_snapshot()
         return True
 
     def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
+        if self.settings.log == "jetstream":
+            return  # the batch enters the stream and is folded when read back, in log order
         self.ingest(batch, payload, verify=False)
 
     def _ingest_loop(self) -> None:
@@ -317,11 +499,16 @@ class AdvisorService:
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index)
             plan = self.planner.plan(proposed)
-            results = self.mover.execute_many(plan.items)
+            try:
+                results = self.mover.execute_many(plan.items)
+            finally:
+                self.planner.release(len(plan.items))
             with self.lock:
                 self.plans.extend(results)
                 self.counters["policy_rounds"] += 1
                 self.counters["plans_deferred"] += plan.deferred
+                for why, n in plan.deferred_reasons.items():
+                    self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
             self.metrics.policy_rounds.inc()
             self.metrics.record_results(results)
             return results

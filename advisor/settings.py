@@ -95,6 +95,19 @@ class AdvisorSettings(BaseSettings):
         api_enabled / api_host / api_port: the REST API (port 0 = a free port).
         api_factory: ``module:function`` that serves the API for an ``AdvisorQuery``
             (loaded by name so ``advisor`` does not import ``api``).
+        log: the event log folded into the index: ``sqlite`` (embedded: ``journal_path``,
+            batches from ``subscribe_urls`` are appended before they are applied) or
+            ``jetstream`` (scaled: the ``KVADVISOR_EVENTS`` stream at ``jetstream_url``,
+            namespace ``jetstream_namespace``, is the log and the position is the stream
+            sequence; ``subscribe_urls`` must be empty and the advisor's moves must be
+            published to the stream, ``publish_url = jetstream://...``).
+        snapshot_store: where index snapshots go: ``sqlite`` (``snapshot_path``, default
+            ``<journal_path>.snapshots``), ``redis`` (``redis_url``, keys under
+            ``snapshot_key_prefix``) or ``none``.
+        snapshot_every_batches / snapshot_every_s: take a snapshot after this many
+            applied batches / seconds with new batches (``0`` disables that trigger).
+        snapshot_keep: snapshots kept in the store.
+        snapshot_on_stop: take a snapshot on a clean stop.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVADVISOR_ADVISOR_", env_nested_delimiter="__", extra="forbid")
@@ -119,6 +132,17 @@ class AdvisorSettings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8080, ge=0, le=65535)
     api_factory: str = "api.server:serve_query"
+    log: Literal["sqlite", "jetstream"] = "sqlite"
+    jetstream_url: str | None = None
+    jetstream_namespace: str = Field("default", min_length=1)
+    snapshot_store: Literal["sqlite", "redis", "none"] = "sqlite"
+    snapshot_path: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    snapshot_key_prefix: str = Field("kvadvisor:advisor", min_length=1)
+    snapshot_every_batches: int = Field(10_000, ge=0)
+    snapshot_every_s: float = Field(300.0, ge=0.0)
+    snapshot_keep: int = Field(2, ge=1)
+    snapshot_on_stop: bool = True
 
     @model_validator(mode="after")
     def _roles(self) -> AdvisorSettings:
@@ -136,6 +160,14 @@ class AdvisorSettings(BaseSettings):
         if len(set(roles)) != len(roles):
             raise ValueError(f"a volume can play one role only: fast={self.fast_volume} slow={self.slow_volumes} "
                              f"archive={self.archive_volume}")
+        if self.log == "jetstream":
+            if not self.jetstream_url:
+                raise ValueError("log=jetstream needs jetstream_url (nats://HOST:PORT)")
+            if self.subscribe_urls:
+                raise ValueError("log=jetstream reads the stream itself: leave subscribe_urls empty")
+            if self.volumes and not self.publish_url.startswith("jetstream://"):
+                raise ValueError("log=jetstream with volumes needs publish_url=jetstream://... so that the "
+                                 "advisor's moves enter the log")
         if self.volumes and self.catalog_path is None:
             raise ValueError("volumes are configured but catalog_path is not set")
         return self
@@ -148,6 +180,11 @@ class AdvisorSettings(BaseSettings):
             if ns not in out:
                 out.append(ns)
         return out
+
+    @property
+    def snapshot_file(self) -> str:
+        """SQLite snapshot file: ``snapshot_path`` or ``<journal_path>.snapshots``."""
+        return self.snapshot_path or f"{self.journal_path}.snapshots"
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> AdvisorSettings:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from advisor import AdvisorService, AdvisorSettings
 from event_plane import PublisherConfig, make_publisher
@@ -38,11 +39,12 @@ def wait_for(pred, timeout: float = 10.0) -> None:  # noqa: ANN001
     raise AssertionError("condition not reached in time")
 
 
-def test_zmq_ingest_then_restart_from_journal_rebuilds_the_same_index(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("snapshot_store", ["none", "sqlite"])
+def test_zmq_ingest_then_restart_from_journal_rebuilds_the_same_index(tmp_path, snapshot_store) -> None:  # noqa: ANN001
     port, replay = free_port(), free_port()
     url = f"zmq://127.0.0.1:{port}?replay={replay}"
     settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[url], api_enabled=False,
-                               get_timeout_s=0.05)
+                               get_timeout_s=0.05, snapshot_store=snapshot_store)
     pub = make_publisher(url, "w0", config=PublisherConfig(max_events=4, max_delay_s=0.05))
     svc = AdvisorService(settings)
     svc.start()
@@ -66,7 +68,11 @@ def test_zmq_ingest_then_restart_from_journal_rebuilds_the_same_index(tmp_path) 
     again = AdvisorService(settings.model_copy(update={"subscribe_urls": []}))
     again.start()
     try:
-        assert again.counters["replayed_batches"] == position
+        if snapshot_store == "none":  # the whole journal is folded again
+            assert again.counters["replayed_batches"] == position
+        else:  # the snapshot taken on the clean stop covers the whole journal
+            assert again.counters["snapshot_loaded_position"] == position
+            assert again.counters["replayed_batches"] == 0
         assert again.index.dump() == live
     finally:
         again.stop()

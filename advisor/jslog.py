@@ -1,0 +1,191 @@
+"""The JetStream stream as the advisor's log (scaled mode, DESIGN.md §7-§8).
+
+In scaled mode the ``KVADVISOR_EVENTS`` stream *is* the journal: the log position is the
+stream sequence of a batch.  :class:`JetStreamLog` reads a namespace's batches from a
+given stream sequence through an ephemeral pull consumer (explicit acks, removed by the
+server after ``inactive_threshold_s`` without a reader) and hands out
+``(stream sequence, wire bytes)`` pairs in stream order.  Nothing is consumed for
+others: each advisor start reads from its snapshot's position + 1.
+
+``event_plane.JetStreamSubscriber`` hands out decoded batches without their stream
+sequence, so the advisor reads the stream itself (same stream, subjects and wire
+format as ``event_plane.nats_transport``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any
+
+import nats
+from nats.js import api as js_api
+
+from event_plane.nats_transport import STREAM_NAME, SUBJECT_PREFIX, ensure_stream, subject_for
+
+logger = logging.getLogger(__name__)
+
+
+class JetStreamLogError(RuntimeError):
+    """The stream cannot be reached or read."""
+
+
+class JetStreamLog:
+    """Reads ``kvadvisor.events.<namespace>.>`` from the stream, from ``start_seq`` on.
+
+    Args:
+        url: NATS server URL.
+        namespace: subject namespace (one token).
+        start_seq: first stream sequence to deliver (>= 1).
+        batch_size: messages per pull.
+        queue_capacity: entries buffered before the reader waits (back-pressure).
+        connect_timeout_s: seconds allowed to connect.
+        inactive_threshold_s: the server removes the consumer after this long unread.
+
+    Raises:
+        ConfigError: bad namespace.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "default",
+        *,
+        start_seq: int = 1,
+        batch_size: int = 256,
+        queue_capacity: int = 10_000,
+        connect_timeout_s: float = 5.0,
+        inactive_threshold_s: float = 60.0,
+    ) -> None:
+        subject_for(namespace, "x")  # validates the namespace token
+        if start_seq < 1:
+            raise JetStreamLogError(f"start_seq must be >= 1, got {start_seq}")
+        self.url = url
+        self.subject = f"{SUBJECT_PREFIX}.{namespace}.>"
+        self.start_seq = start_seq
+        self._batch_size = batch_size
+        self._connect_timeout_s = connect_timeout_s
+        self._inactive_s = inactive_threshold_s
+        self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
+        self._closed = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._nc: Any = None
+        self._js: Any = None
+        self._task: Any = None
+
+    def _run(self, coro: Any, timeout: float = 30.0) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def start(self) -> None:
+        """Connect, make sure the stream exists and start reading.
+
+        Raises:
+            JetStreamLogError: the server cannot be reached or refuses the consumer.
+        """
+        if self._loop is not None:
+            return
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvadvisor-jslog", daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._open(), timeout=self._connect_timeout_s + 30)
+        except Exception as exc:
+            self._stop_loop()
+            raise JetStreamLogError(f"cannot read stream {STREAM_NAME} at {self.url}: {exc}") from exc
+
+    async def _open(self) -> None:
+        self._nc = await nats.connect(self.url, connect_timeout=self._connect_timeout_s, allow_reconnect=True,
+                                      max_reconnect_attempts=-1)
+        self._js = self._nc.jetstream()
+        await ensure_stream(self._js)
+        config = js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.start_seq,
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            inactive_threshold=self._inactive_s,
+        )
+        psub = await self._js.pull_subscribe(self.subject, durable=None, stream=STREAM_NAME, config=config)
+        self._task = asyncio.get_running_loop().create_task(self._pull(psub))
+
+    async def _pull(self, psub: Any) -> None:
+        while not self._closed.is_set():
+            try:
+                msgs = await psub.fetch(self._batch_size, timeout=0.2)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
+                logger.exception("JetStream log: fetch failed")
+                await asyncio.sleep(0.1)
+                continue
+            for msg in msgs:
+                item = (int(msg.metadata.sequence.stream), bytes(msg.data))
+                while not self._closed.is_set():
+                    try:
+                        self._queue.put_nowait(item)
+                        break
+                    except queue.Full:
+                        await asyncio.sleep(0.005)
+                await msg.ack()
+
+    def last_sequence(self) -> int:
+        """The stream's last sequence now (0 when empty)."""
+        if self._loop is None:
+            raise JetStreamLogError("log not started")
+
+        async def _info() -> int:
+            info = await self._js.stream_info(STREAM_NAME)
+            return int(info.state.last_seq or 0)
+
+        try:
+            return int(self._run(_info()))
+        except Exception as exc:
+            raise JetStreamLogError(f"stream info failed: {exc}") from exc
+
+    def get(self, timeout: float | None = None) -> tuple[int, bytes] | None:
+        """Next ``(stream sequence, payload)`` in stream order, or ``None`` after ``timeout`` s."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _stop_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop reading and disconnect (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._loop is None:
+            return
+
+        async def _stop() -> None:
+            if self._task is not None:
+                self._task.cancel()
+                try:
+                    await self._task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+            if self._nc is not None:
+                try:
+                    await self._nc.flush(timeout=2)
+                finally:
+                    await self._nc.close()
+
+        try:
+            self._run(_stop(), timeout=10)
+        except Exception:  # noqa: BLE001 - closing must not raise
+            logger.exception("JetStream log: close failed")
+        self._stop_loop()
+
+
+__all__ = ["JetStreamLog", "JetStreamLogError"]
