@@ -29,6 +29,7 @@ from event_plane.subscriber import ResyncCallback, Subscriber
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
+_END = object()  # end-of-replay marker returned by ZmqSubscriber._parse_reply
 _PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
 
 
@@ -167,6 +168,12 @@ class ZmqSubscriber(Subscriber):
         on_gap, queue_capacity, on_resync: see :class:`Subscriber`.
         replay_timeout_s: seconds to wait for a full replay answer before giving up
             (the missing batches then count as unrecovered).
+        catch_up: right after connecting, ask every replay socket for all it still buffers
+            and deliver that first (a subscriber that joins after the last batch was sent
+            would otherwise never see a later batch revealing the gap). Batches seen again
+            live are dropped as duplicates.
+        catch_up_timeout_s: how long start-up waits for those answers (a publisher that is
+            not up yet simply has nothing to catch up on).
         context: ZMQ context (the process-wide one by default).
 
     Raises:
@@ -183,8 +190,12 @@ class ZmqSubscriber(Subscriber):
         replay_timeout_s: float = 2.0,
         context: zmq.Context | None = None,
         on_resync: ResyncCallback | None = None,
+        catch_up: bool = True,
+        catch_up_timeout_s: float = 0.5,
     ) -> None:
         super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
+        self._catch_up = catch_up
+        self._catch_up_timeout_s = catch_up_timeout_s
         if not endpoints:
             raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
         self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
@@ -228,8 +239,12 @@ class ZmqSubscriber(Subscriber):
                 sock.close(linger=0)
             self._ready.set()
             return
-        self._ready.set()
         index = {sock: i for i, sock in enumerate(subs)}
+        try:
+            if self._catch_up:
+                self._catch_up_all()
+        finally:
+            self._ready.set()
         try:
             while not self._closed.is_set():
                 for sock, _ in poller.poll(_POLL_MS):
@@ -269,6 +284,79 @@ class ZmqSubscriber(Subscriber):
         recover = partial(self._replay, i) if self._endpoints[i][1] is not None else None
         self._tracker.accept(batch, recover)
 
+    def _parse_reply(self, frames: list[bytes]) -> tuple[int, bytes] | object | None:
+        """One replay answer: ``(seq, payload)``, ``_END`` for the end marker, ``None`` if malformed.
+
+        Accepts ``[topic, seq, payload]`` (vLLM >= 0.26, ours) and ``[seq, payload]`` (older
+        peers), with or without the leading empty delimiter frame.
+        """
+        if frames and frames[0] == b"":
+            frames = frames[1:]
+        if len(frames) == 3:
+            seq_frame, payload = frames[1], frames[2]
+        elif len(frames) == 2:
+            seq_frame, payload = frames
+        else:
+            self._stats.decode_errors += 1
+            return None
+        if seq_frame == END_SEQ:
+            return _END
+        if len(seq_frame) != SEQ_BYTES:
+            self._stats.decode_errors += 1
+            return None
+        return seq_from_bytes(seq_frame), payload
+
+    def _catch_up_all(self) -> None:
+        """Fetch every batch the publishers still buffer and deliver it, oldest first.
+
+        Sends one replay request (start seq 0) to every replay socket at once and waits at
+        most ``catch_up_timeout_s`` for the answers; runs on the receiver thread before it
+        starts reading the SUB sockets, so the tracker sees history before live batches.
+        """
+        time.sleep(0.05)  # let the SUB subscriptions reach the publishers first
+        pending: dict[zmq.Socket, tuple[int, list[EventBatch]]] = {}
+        poller = zmq.Poller()
+        for i, (_, rep) in enumerate(self._endpoints):
+            if rep is None:
+                continue
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(rep)
+            dealer.send_multipart([b"", seq_to_bytes(0)])
+            pending[dealer] = (i, [])
+            poller.register(dealer, zmq.POLLIN)
+        deadline = time.monotonic() + self._catch_up_timeout_s
+        try:
+            while pending:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0:
+                    break
+                for dealer, _ in poller.poll(remaining_ms):
+                    i, got = pending[dealer]
+                    reply = self._parse_reply(dealer.recv_multipart())
+                    if reply is None:
+                        continue
+                    if reply is _END:
+                        recover = partial(self._replay, i)
+                        st = self._stats
+                        for batch in sorted(got, key=lambda b: (b.source, b.epoch, b.seq)):
+                            dup = st.duplicates
+                            self._tracker.accept(batch, recover)
+                            st.replayed += st.duplicates == dup  # delivered from the replay buffer
+                        poller.unregister(dealer)
+                        dealer.close(linger=0)
+                        del pending[dealer]
+                        continue
+                    seq, payload = reply
+                    try:
+                        got.append(self._decode(seq, payload, live=False))
+                    except CodecError:
+                        self._stats.decode_errors += 1
+        finally:
+            for dealer in pending:
+                dealer.close(linger=0)
+
     def _replay(self, i: int, source: str, epoch: int, first: int, last: int) -> list[EventBatch]:
         """Ask endpoint ``i``'s ROUTER for seqs ``first..last``; runs on the receiver thread."""
         dealer = self._dealers.get(i)
@@ -289,22 +377,12 @@ class ZmqSubscriber(Subscriber):
                 dealer.close(linger=0)
                 del self._dealers[i]
                 return out
-            frames = dealer.recv_multipart()
-            if frames and frames[0] == b"":
-                frames = frames[1:]
-            if len(frames) == 3:  # [topic, seq, payload]
-                seq_frame, payload = frames[1], frames[2]
-            elif len(frames) == 2:  # older peers: [seq, payload]
-                seq_frame, payload = frames
-            else:
-                self._stats.decode_errors += 1
+            reply = self._parse_reply(dealer.recv_multipart())
+            if reply is None:
                 continue
-            if seq_frame == END_SEQ:
+            if reply is _END:
                 return out
-            if len(seq_frame) != SEQ_BYTES:
-                self._stats.decode_errors += 1
-                continue
-            seq = seq_from_bytes(seq_frame)
+            seq, payload = reply
             if not first <= seq <= last:
                 continue
             try:

@@ -47,7 +47,7 @@ def test_vendor_subscriber_example_builds_tree_and_lru() -> None:
     assert proc.returncode == 0, err
     s = json.loads(out)
     assert (s["batches"], s["events"]) == (5, 14)  # 3 replayed + 2 live (max_events=4 split the live five)
-    assert s["subscriber"] == {"gaps": 1, "replayed": 3, "unrecovered": 0, "dropped": 0}
+    assert s["subscriber"] == {"gaps": 0, "replayed": 3, "unrecovered": 0, "dropped": 0}  # history via catch-up
     assert s["blocks"] == 6  # 1..4, 6 in g1 and the orphan 500; family b cleared, 5 removed
     assert s["blocks_by_location"] == {"g1": 5, "vol-a": 1}
     assert s["prefix_families"] == 2 and s["top_prefixes"][0] == {"prefix_hash": 1, "blocks": 5}

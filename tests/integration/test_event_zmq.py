@@ -174,7 +174,27 @@ def test_late_subscriber_recovers_first_batches_by_replay() -> None:
             got = drain(sub, 6)
             assert [b.seq for b in got] == [0, 1, 2, 3, 4, 5]
             st = sub.stats()
-            assert (st.gaps, st.replayed, st.unrecovered) == (1, 5, 0)
+            # 0..4 come from the start-up catch-up (replay buffer), 5 live: no gap at all
+            assert (st.gaps, st.replayed, st.unrecovered, st.duplicates) == (0, 5, 0, 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_subscriber_joining_after_the_last_batch_gets_the_buffered_history() -> None:
+    """No later batch will ever reveal the gap, so only the start-up catch-up can help."""
+    pub_ep, rep_ep = endpoints()
+    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=ONE)
+    try:
+        for i in range(3):
+            pub.publish([ev(i)])
+        sub = started(ZmqSubscriber([(pub_ep, rep_ep)]))
+        try:
+            got = drain(sub, 3)
+            assert [b.seq for b in got] == [0, 1, 2]
+            assert [b.events[0].sequence_hash for b in got] == [ev(i).sequence_hash for i in range(3)]
+            assert sub.get(timeout=0.3) is None  # nothing doubled
         finally:
             sub.close()
     finally:
@@ -189,11 +209,12 @@ def test_batches_evicted_from_replay_buffer_are_unrecovered() -> None:
             pub.publish([ev(i)])
         sub = started(ZmqSubscriber([(pub_ep, rep_ep)]))
         try:
-            pub.publish([ev(5)])  # the buffer now holds seq 4, 5 only
-            got = drain(sub, 2)
-            assert [b.seq for b in got] == [4, 5]
+            pub.publish([ev(5)])
+            got = drain(sub, 3)
+            # catch-up found seq 3, 4 buffered (0..2 evicted: one gap, 3 unrecovered); 5 live
+            assert [b.seq for b in got] == [3, 4, 5]
             st = sub.stats()
-            assert (st.gaps, st.replayed, st.unrecovered) == (1, 1, 4)
+            assert (st.gaps, st.replayed, st.unrecovered) == (1, 2, 3)
         finally:
             sub.close()
     finally:
