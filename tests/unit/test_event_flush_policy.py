@@ -44,7 +44,8 @@ def test_config_rejects_bad_adaptive_settings(kw: dict) -> None:
 
 
 def _run_load(adaptive: bool) -> tuple[list[float], NullPublisher]:
-    """~20k events/s for 0.4 s into a publisher whose count and byte limits never trigger;
+    """≥ 20k events/s (bursts of 200, so a loaded machine's long sleeps still leave a high
+    rate) for 0.4 s into a publisher whose count and byte limits never trigger;
     returns each batch's age at flush (flush time - first event's publish time)."""
     sent_at: dict[int, float] = {}
     ages: list[float] = []
@@ -63,7 +64,7 @@ def _run_load(adaptive: bool) -> tuple[list[float], NullPublisher]:
     t_end = time.monotonic() + 0.4
     while time.monotonic() < t_end:
         now = time.monotonic()
-        for _ in range(20):
+        for _ in range(200):
             sent_at[h] = now
             pub.publish([store(h, 1, None, 4096, "g1")])
             h += 1
@@ -78,8 +79,9 @@ def test_publisher_time_limit_drops_under_load_and_latency_stays_bounded() -> No
     assert st.event_rate > 2000  # the estimate saw the load
     assert st.flush_delay_s < 0.1  # time limit lowered from 10 s
     assert len(ages) >= 4  # the timer flushed repeatedly during 0.4 s
-    # every batch left within target/rate (+ scheduling slack), never near the 10 s ceiling
-    assert max(ages) < 0.25, ages
+    # every batch left within target/rate (+ scheduling slack on a loaded 2-core machine),
+    # never near the 10 s ceiling
+    assert max(ages) < 0.5, ages
     pub.close()
     assert pub.stats().batches == len(ages)  # the close flush is reported too; nothing else
 
