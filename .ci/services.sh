@@ -19,6 +19,25 @@ if ! answers 6379; then
     echo "services: redis-server not installed; tests start their own where they can" >&2
   fi
 fi
+# Headless browser for tests/integration/test_api_dashboard.py: Debian's chromium.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "services: installing chromium (apt) for the dashboard browser test" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+      || echo "services: chromium install failed; the dashboard browser test will fail" >&2
+  else
+    echo "services: /usr/bin/chromium missing and not root; run as root: apt-get install -y chromium" >&2
+  fi
+fi
+# docker-compose (v1, Debian) validates compose/ in tests/unit/test_compose.py; no engine needed.
+if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } \
+      || echo "services: docker-compose install failed; the compose validation test will fail" >&2
+  else
+    echo "services: docker-compose missing and not root; run as root: apt-get install -y docker-compose" >&2
+  fi
+fi
 for _ in $(seq 1 50); do answers 4222 && answers 6379 && exit 0; sleep 0.1; done
 echo "services: NATS or Redis did not come up" >&2
 exit 1
