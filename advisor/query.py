@@ -115,7 +115,9 @@ class AdvisorQuery:
         Returns:
             ``{"blocks", "blocks_per_location", "orphans_pending", "index_counters",
             "sources": {source: {"epoch", "last_seq", "batches", "events"}},
-            "journal_position", "batches_applied", "events_applied", "events_per_s",
+            "journal_position", "batches_applied", "events_applied", "events_per_s" (arrival rate,
+            last 10 s), "ingest_events_per_busy_s" (journal + apply capacity: events per
+            second of ingest work, idle time excluded),
             "ingest": {...counters}, "advisor_events" (events the advisor published),
             "promotions", "demotions", "compactions", "bytes_moved",
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
@@ -141,6 +143,7 @@ class AdvisorQuery:
             ingest = dict(svc.counters)
             position = svc.position
             rate = svc.rate.rate()
+            capacity = svc.rate.busy_rate()
         return {
             "blocks": st["blocks"],
             "blocks_per_location": st["blocks_per_location"],
@@ -151,6 +154,7 @@ class AdvisorQuery:
             "batches_applied": st["counters"]["batches"],
             "events_applied": st["counters"]["events"],
             "events_per_s": rate,
+            "ingest_events_per_busy_s": capacity,
             "ingest": ingest,
             "advisor_events": own_events,
             **totals,

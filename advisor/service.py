@@ -50,15 +50,22 @@ class AdvisorError(RuntimeError):
 
 
 class RateMeter:
-    """Events per second over a sliding window of ``window_s`` seconds (not thread-safe)."""
+    """Events per second over a sliding window of ``window_s`` seconds (not thread-safe),
+    and the ingest capacity: events per second of time actually spent ingesting."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, total before)
         self.total = 0
+        self.busy_s = 0.0
 
-    def add(self, n: int) -> None:
-        """Count ``n`` more events now."""
+    def busy_rate(self) -> float:
+        """Events per second of ingest work (journal + apply), idle time excluded."""
+        return self.total / self.busy_s if self.busy_s > 0 else 0.0
+
+    def add(self, n: int, busy_s: float = 0.0) -> None:
+        """Count ``n`` more events now, which took ``busy_s`` seconds to ingest."""
+        self.busy_s += busy_s
         now = time.monotonic()
         if not self._samples or now - self._samples[-1][0] >= 0.25:
             self._samples.append((now, self.total))
@@ -281,6 +288,7 @@ class AdvisorService:
         fresh fold skips it as well and the position still advances.
         """
         with self.lock:
+            t0 = time.perf_counter()
             if seq <= self.position:
                 self.counters["duplicate_batches"] += 1
                 return False
@@ -296,7 +304,7 @@ class AdvisorService:
             self.position = seq
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
-            self.rate.add(len(batch.events))
+            self.rate.add(len(batch.events), time.perf_counter() - t0)
         self.metrics.batches_applied.inc()
         self.metrics.events_applied.inc(len(batch.events))
         self.metrics.journal_position.set(seq)
@@ -424,6 +432,7 @@ class AdvisorService:
         if payload is None:
             payload = encode_batch(batch)
         with self.lock:
+            t0 = time.perf_counter()
             try:
                 pos = self.journal.append(payload, batch, verify=verify)
             except BadPayloadError as exc:
@@ -439,7 +448,7 @@ class AdvisorService:
             self.position = pos
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
-            self.rate.add(len(batch.events))
+            self.rate.add(len(batch.events), time.perf_counter() - t0)
         self.metrics.batches_applied.inc()
         self.metrics.events_applied.inc(len(batch.events))
         self.metrics.journal_position.set(pos)

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.dashboard import mount_dashboard
 from api.models import (
     BlockResponse,
     ErrorResponse,
@@ -167,4 +168,5 @@ def create_app(query: AdvisorQuery) -> FastAPI:
     def healthz() -> HealthResponse:
         return HealthResponse.model_validate(query.health())
 
+    mount_dashboard(app)
     return app

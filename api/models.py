@@ -162,7 +162,8 @@ class StatsResponse(BaseModel):
     journal_position: int
     batches_applied: int
     events_applied: int
-    events_per_s: float
+    events_per_s: float = Field(description="arrival rate over the last 10 s")
+    ingest_events_per_busy_s: float = Field(description="ingest capacity: events per second of journal + apply work")
     ingest: dict[str, int]
     advisor_events: int = Field(description="events the advisor published for its own moves")
     promotions: int

@@ -97,7 +97,7 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
         ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
         ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
-        ("advisor apply rate", f"{r.advisor_events_per_s:,.0f} events/s"),
+        ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
         ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),

@@ -417,7 +417,7 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.bytes_moved = int(mv.get("bytes_moved", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
-    report.advisor_events_per_s = float(st.get("events_per_s", 0.0))
+    report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))
     report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
     report.volumes = client.volumes()
 
