@@ -109,6 +109,9 @@ class NatsPublisher(EventPublisher):
         namespace: subject namespace (single token).
         epoch, config, on_flush: see :class:`EventPublisher`.
         connect_timeout_s: seconds allowed for the initial connection.
+        stream_max_age_s / stream_max_bytes: retention limits of the ``KVADVISOR_EVENTS``
+            stream when this publisher creates it (JetStream only; ``None`` = unlimited).
+            An existing stream keeps its own configuration.
         **connect_options: passed to ``nats.connect`` (credentials, token, nkey, TLS, ...).
 
     ``flush`` returns once the server has the batches (a NATS PING/PONG round trip).
@@ -132,6 +135,8 @@ class NatsPublisher(EventPublisher):
         config: PublisherConfig | None = None,
         on_flush: FlushCallback | None = None,
         connect_timeout_s: float = 5.0,
+        stream_max_age_s: float | None = None,
+        stream_max_bytes: int | None = None,
         **connect_options: Any,
     ) -> None:
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
@@ -146,7 +151,7 @@ class NatsPublisher(EventPublisher):
             self._nc = self._io.run(_connect(url, connect_timeout_s, connect_options))
             self._js = self._nc.jetstream() if self._use_jetstream else None
             if self._js is not None:
-                self._io.run(ensure_stream(self._js))
+                self._io.run(ensure_stream(self._js, max_age_s=stream_max_age_s, max_bytes=stream_max_bytes))
         except Exception as exc:
             self._io.stop()
             raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
