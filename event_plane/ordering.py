@@ -31,6 +31,10 @@ Recover = Callable[[str, int, int, int], list[EventBatch]]
 """``recover(source, epoch, first, last)`` -> the batches of that range it could fetch."""
 
 
+MAX_GAP = 1 << 24
+"""Largest seq jump accepted from a source already being tracked (16.7 M batches)."""
+
+
 class SeqTracker:
     """Applies the ordering rules to batches of one or more sources.
 
@@ -45,6 +49,8 @@ class SeqTracker:
             position (JetStream durable consumers), where earlier seqs were consumed before.
         on_lost: optional ``on_lost(source, epoch, count)``, called once per gap that
             recovery could not fill completely; its exceptions are logged and ignored.
+        max_gap: a batch of a tracked (source, epoch) whose seq jumps further than this past
+            the expected one is counted as a decode error and dropped, not treated as a gap.
     """
 
     def __init__(
@@ -55,8 +61,10 @@ class SeqTracker:
         *,
         first_seq_gap: bool = True,
         on_lost: LostCallback | None = None,
+        max_gap: int = MAX_GAP,
     ) -> None:
         self._first_seq_gap = first_seq_gap
+        self._max_gap = max_gap
         self._on_lost = on_lost
         self._stats = stats
         self._deliver = deliver
@@ -86,6 +94,13 @@ class SeqTracker:
             expected = 0 if self._first_seq_gap else seq
         if seq < expected:
             st.duplicates += 1
+            return
+        if cur is not None and cur[0] == epoch and seq - expected > self._max_gap:
+            # A known source cannot have skipped this many batches: a corrupt or hostile
+            # batch must not silence the source (every real later seq would be a "duplicate").
+            st.decode_errors += 1
+            logger.warning("dropped batch of %s epoch=%d: seq %d is %d past the expected %d (max gap %d)",
+                           source, epoch, seq, seq - expected, expected, self._max_gap)
             return
         if seq > expected:
             expected = self._fill_gap(source, epoch, expected, seq - 1, recover)

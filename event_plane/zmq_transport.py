@@ -268,9 +268,13 @@ class ZmqSubscriber(Subscriber):
         other wire formats override this (``event_plane.adapters``).
 
         Raises:
-            CodecError: the payload is malformed.
+            CodecError: the payload is malformed, or its seq differs from the seq frame
+                (a frame that lies about its batch must not move the source's position).
         """
-        return decode_batch(payload)
+        batch = decode_batch(payload)
+        if batch.seq != seq:
+            raise CodecError(f"seq frame {seq} does not match the batch's seq {batch.seq}")
+        return batch
 
     def _on_message(self, i: int, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:

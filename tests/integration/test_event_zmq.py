@@ -295,3 +295,26 @@ def test_port_in_use_is_a_clear_error() -> None:
         again.close()
     finally:
         first.close()
+
+
+def test_a_lying_or_implausible_seq_cannot_silence_its_source() -> None:
+    """A decodable batch whose seq frame disagrees with its payload, or whose seq jumps
+    absurdly far, is counted and dropped; the source's real later batches still arrive."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = started(ZmqSubscriber([(f"tcp://127.0.0.1:{port}", None)]))
+
+    def frames(frame_seq: int, batch_seq: int) -> list[bytes]:
+        return [b"", seq_to_bytes(frame_seq), encode_batch(EventBatch(1, "w", 7, batch_seq, 0, [ev(batch_seq % 100)]))]
+
+    try:
+        for f in (frames(0, 0), frames(1, 1), frames(2, 2**64 - 1), frames(2**64 - 2, 2**64 - 2), frames(2, 2), frames(3, 3)):
+            pub.send_multipart(f)
+        got = drain(sub, 4)
+        assert [b.seq for b in got] == [0, 1, 2, 3]
+        st = sub.stats()
+        assert (st.decode_errors, st.gaps, st.unrecovered) == (2, 0, 0)
+    finally:
+        sub.close()
+        pub.close(linger=0)
