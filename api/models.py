@@ -6,9 +6,11 @@ hash is also given as a ``0x…`` string for clients whose numbers are doubles.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator
 
 U64_MAX = (1 << 64) - 1
 MAX_LOOKUP_HASHES = 100_000
@@ -16,6 +18,9 @@ MAX_LOOKUP_HASHES = 100_000
 
 class HashParseError(ValueError):
     """A sequence hash is not a decimal or 0x-hex u64."""
+
+
+_HASH_TEXT = re.compile(r"0[xX]([0-9a-fA-F]{1,16})|([0-9]{1,20})", re.ASCII)
 
 
 def parse_sequence_hash(value: int | str) -> int:
@@ -29,11 +34,11 @@ def parse_sequence_hash(value: int | str) -> int:
     if isinstance(value, int):
         h = value
     elif isinstance(value, str):
-        text = value.strip()
-        try:
-            h = int(text, 16) if text.lower().startswith("0x") else int(text, 10)
-        except ValueError:
-            raise HashParseError(f"sequence hash {value!r} is neither decimal nor 0x-hex") from None
+        # ASCII digits only: int() alone would also take "1_0" and non-ASCII digits.
+        m = _HASH_TEXT.fullmatch(value.strip())
+        if m is None:
+            raise HashParseError(f"sequence hash {value!r} is neither decimal nor 0x-hex")
+        h = int(m.group(1), 16) if m.group(1) else int(m.group(2), 10)
     else:
         raise HashParseError(f"sequence hash must be an integer or string, got {type(value).__name__}")
     if not 0 <= h <= U64_MAX:
@@ -71,7 +76,7 @@ class BlockResponse(BaseModel):
 class LookupRequest(BaseModel):
     """``{"sequence_hashes": [h0, h1, ...]}``, first block first; ints or decimal/0x strings."""
 
-    sequence_hashes: list[int | str] = Field(max_length=MAX_LOOKUP_HASHES)
+    sequence_hashes: list[StrictInt | StrictStr] = Field(max_length=MAX_LOOKUP_HASHES)
 
     @field_validator("sequence_hashes")
     @classmethod

@@ -146,3 +146,23 @@ def test_real_uvicorn_socket(service: AdvisorService) -> None:
         handle.stop()
     with pytest.raises(httpx.TransportError):
         httpx.get(handle.url + "/healthz", timeout=1.0)
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0661", "0x", "0x1_0", "+1", "1e3", "0x" + "f" * 17])
+def test_sequence_hash_text_must_be_plain_ascii_decimal_or_hex(text: str) -> None:
+    from api.models import HashParseError, parse_sequence_hash
+
+    with pytest.raises(HashParseError):
+        parse_sequence_hash(text)
+    assert parse_sequence_hash(" 0xFF ") == 255 and parse_sequence_hash("18446744073709551615") == 2**64 - 1
+
+
+def test_lookup_refuses_json_booleans_and_floats() -> None:
+    from pydantic import ValidationError
+
+    from api.models import LookupRequest
+
+    for bad in ([True], [1.0], [None]):
+        with pytest.raises(ValidationError):
+            LookupRequest(sequence_hashes=bad)
+    assert LookupRequest(sequence_hashes=[1, "0x2", "3"]).sequence_hashes == [1, 2, 3]
