@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -47,6 +48,14 @@ logger = logging.getLogger(__name__)
 
 class AdvisorError(RuntimeError):
     """The advisor cannot start or was used in the wrong state."""
+
+
+def _open_file(what: str, path: object, factory: Any, *args: Any, **kw: Any) -> Any:
+    """``factory(*args, **kw)``, turning OS / SQLite errors into one AdvisorError naming the file."""
+    try:
+        return factory(*args, **kw)
+    except (OSError, sqlite3.Error) as exc:
+        raise AdvisorError(f"cannot open the {what} at {path}: {type(exc).__name__}: {exc}") from exc
 
 
 class RateMeter:
@@ -156,7 +165,7 @@ class AdvisorService:
         self.started_at = time.monotonic()
         self.snapshots = self._open_snapshot_store()
         if s.log == "sqlite":
-            self.journal = SqliteJournal(s.journal_path, synchronous=s.journal_synchronous)
+            self.journal = _open_file("journal", s.journal_path, SqliteJournal, s.journal_path, synchronous=s.journal_synchronous)
             self._load_snapshot(self.journal.last_position())
             self._replay_journal()
         else:
@@ -197,7 +206,7 @@ class AdvisorService:
     def _open_snapshot_store(self) -> SnapshotStore | None:
         s = self.settings
         if s.snapshot_store == "sqlite":
-            return SqliteSnapshotStore(s.snapshot_file, keep=s.snapshot_keep)
+            return _open_file("snapshot store", s.snapshot_file, SqliteSnapshotStore, s.snapshot_file, keep=s.snapshot_keep)
         if s.snapshot_store == "redis":
             return RedisSnapshotStore(s.redis_url, s.snapshot_key_prefix, keep=s.snapshot_keep)
         return None
@@ -350,7 +359,7 @@ class AdvisorService:
         from storage_backends import SqliteCatalog, StorageAgent
 
         s = self.settings
-        self.catalog = SqliteCatalog(s.catalog_path)
+        self.catalog = _open_file("placement catalog", s.catalog_path, SqliteCatalog, s.catalog_path)
         self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}")
         for vol in s.volumes:
             self.agent.register_volume(vol.to_descriptor())

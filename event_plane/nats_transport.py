@@ -77,12 +77,33 @@ class _LoopThread:
         self.loop.close()
 
 
+def describe(exc: BaseException) -> str:
+    """One line naming an error, also for exceptions whose message is empty (timeouts)."""
+    text = str(exc).strip()
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) and not text:
+        text = "timed out (server unreachable or not answering)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 async def _connect(url: str, connect_timeout_s: float, options: dict[str, Any]) -> nats.NATS:
-    opts: dict[str, Any] = {"connect_timeout": connect_timeout_s, "max_reconnect_attempts": -1, "allow_reconnect": True}
+    up = False
+
+    async def one_line_errors(exc: Exception) -> None:  # nats-py's default logs a traceback
+        # Before the first connection the caller gets one TransportError; after it, say it.
+        logger.log(logging.WARNING if up else logging.DEBUG, "NATS %s: %s", url, describe(exc))
+
+    opts: dict[str, Any] = {
+        "connect_timeout": connect_timeout_s,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+        "error_cb": one_line_errors,
+    }
     opts.update(options)
     # nats-py retries the initial connect forever with max_reconnect_attempts=-1 unless told
     # otherwise; bound it so a wrong URL fails fast.
-    return await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+    nc = await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+    up = True
+    return nc
 
 
 async def ensure_stream(js: Any, *, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
@@ -154,7 +175,7 @@ class NatsPublisher(EventPublisher):
                 self._io.run(ensure_stream(self._js, max_age_s=stream_max_age_s, max_bytes=stream_max_bytes))
         except Exception as exc:
             self._io.stop()
-            raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
+            raise TransportError(f"cannot connect to NATS at {url}: {describe(exc)}") from exc
         self._aq: asyncio.Queue[tuple[bytes, dict[str, str], int] | None] = self._io.run(self._make_queue())
         self._sender = asyncio.run_coroutine_threadsafe(self._send_loop(), self._io.loop)
 
@@ -287,7 +308,7 @@ class NatsSubscriber(Subscriber):
             self._io.run(self._subscribe())
         except Exception as exc:
             self._io.stop()
-            raise TransportError(f"cannot subscribe at {self.url}: {exc}") from exc
+            raise TransportError(f"cannot subscribe at {self.url}: {describe(exc)}") from exc
 
     async def _subscribe(self) -> None:
         await self._nc.subscribe(self.subject, cb=self._on_msg)
@@ -307,10 +328,11 @@ class NatsSubscriber(Subscriber):
 
     def close(self) -> None:
         if self._io is not None and not self._closed.is_set():
-            try:
-                self._io.run(self._nc.drain())
-            except Exception:  # noqa: BLE001
-                logger.exception("NATS subscriber: drain failed")
+            if self._nc is not None:  # None when start() failed to connect
+                try:
+                    self._io.run(self._nc.drain())
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("NATS subscriber: drain failed: %s", describe(exc))
             self._io.stop()
         self._closed.set()
 

@@ -56,7 +56,9 @@ def demo(
             verify=verify,
         )
     except ValidationError as exc:
-        _fail(f"invalid demo settings:\n{exc}")
+        from advisor.settings import format_validation_error
+
+        _fail(f"invalid demo settings: {format_validation_error(exc)}")
         return
     with Progress(
         TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False

@@ -325,6 +325,8 @@ def run_demo(
     t0 = time.monotonic()
     trace_path = s.trace or bundled_trace()
     reqs = list(read_mooncake(trace_path, limit=s.requests))
+    if not reqs:
+        raise DemoError(f"the trace {trace_path} has no requests")
     env = _env()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
