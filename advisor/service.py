@@ -138,6 +138,7 @@ class AdvisorService:
             "plans_deferred": 0,
             "reconciled_events": 0,
             "snapshots_taken": 0,
+            "snapshot_failures": 0,
             "snapshot_position": 0,
             "snapshot_loaded_position": 0,
         }
@@ -258,8 +259,12 @@ class AdvisorService:
         if n and self._batches_since_snapshot >= n and self.snapshots is not None:
             try:
                 self.snapshot_now()
-            except Exception:  # noqa: BLE001 - a failed snapshot only makes the next start slower
-                logger.exception("advisor: snapshot failed")
+            except Exception as exc:  # noqa: BLE001 - a failed snapshot only makes the next start slower
+                # Wait another full interval before retrying: a snapshot that cannot be
+                # written must not turn every later batch into a full re-encode.
+                self._batches_since_snapshot = 0
+                self.counters["snapshot_failures"] += 1
+                logger.warning("advisor: snapshot failed (next try in %d batches): %s: %s", n, type(exc).__name__, exc)
 
     def _snapshot_loop(self) -> None:
         every = self.settings.snapshot_every_s
@@ -267,8 +272,9 @@ class AdvisorService:
             if time.monotonic() - self._last_snapshot_t >= every:
                 try:
                     self.snapshot_now()
-                except Exception:  # noqa: BLE001
-                    logger.exception("advisor: snapshot failed")
+                except Exception as exc:  # noqa: BLE001
+                    self.counters["snapshot_failures"] += 1
+                    logger.warning("advisor: snapshot failed: %s: %s", type(exc).__name__, exc)
                 self._last_snapshot_t = time.monotonic()
 
     def _open_stream_log(self) -> None:
@@ -404,8 +410,8 @@ class AdvisorService:
             if self.settings.snapshot_on_stop and (self.journal is not None or self.stream_log is not None):
                 try:
                     self.snapshot_now()
-                except Exception:  # noqa: BLE001 - stopping must not fail on a snapshot
-                    logger.exception("advisor: snapshot on stop failed")
+                except Exception as exc:  # noqa: BLE001 - stopping must not fail on a snapshot
+                    logger.warning("advisor: snapshot on stop failed: %s: %s", type(exc).__name__, exc)
             self.snapshots.close()
         if self.agent is not None:
             self.agent.close()
