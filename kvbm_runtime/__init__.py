@@ -26,7 +26,7 @@ from kvbm_runtime.errors import (
     StorageTierError,
 )
 from kvbm_runtime.formats import KvFormat, convert, from_universal, to_universal
-from kvbm_runtime.hashing import ModelFingerprint, chain_hash, local_hash, salt_hash, sequence_hashes
+from kvbm_runtime.hashing import ModelFingerprint, TokenIdError, chain_hash, local_hash, salt_hash, sequence_hashes
 from kvbm_runtime.layout import (
     BlockLayout,
     ExternalLayout,
@@ -74,6 +74,7 @@ __all__ = [
     "LayoutDescriptor",
     "MemoryKind",
     "ModelFingerprint",
+    "TokenIdError",
     "MutableBlock",
     "ParallelMode",
     "PoolExhaustedError",

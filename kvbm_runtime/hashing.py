@@ -73,15 +73,36 @@ def salt_hash(fingerprint: ModelFingerprint, lora_name: str | None = None, cache
     return xxhash.xxh3_64_intdigest(body)
 
 
+class TokenIdError(ValueError):
+    """Token ids are not a 1-D sequence of integers in ``[0, 2**32)``."""
+
+
+def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a 1-D integer array, checked; floats, bools, strings are refused.
+
+    Raises:
+        TokenIdError: not 1-D, not integers (a float 1.9 must not alias token 1), or a
+            token id outside ``[0, 2**32)``.
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise TokenIdError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.uint32)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TokenIdError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+        raise TokenIdError("token ids must fit in an unsigned 32-bit int")
+    return arr
+
+
 def local_hash(tokens: Sequence[int] | np.ndarray, seed: int) -> int:
     """XXH3-64 of ``tokens`` as 4-byte little-endian ints, seeded with ``seed`` (u64).
 
     Raises:
-        ValueError: if a token id is outside ``[0, 2**32)``.
+        TokenIdError: see :func:`token_array`.
     """
-    arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in an unsigned 32-bit int")
+    arr = token_array(tokens)
     return xxhash.xxh3_64_intdigest(arr.astype("<u4", copy=False).tobytes(), seed)
 
 
@@ -97,13 +118,18 @@ def sequence_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, seed: i
 
     Returns:
         ``len(tokens) // block_size`` u64 hashes, in block order.
+
+    Raises:
+        ValueError: ``block_size`` not positive.
+        TokenIdError: see :func:`token_array`.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    arr = np.asarray(tokens)
+    arr = token_array(tokens).astype("<u4", copy=False)
     out: list[int] = []
     parent: int | None = None
     for i in range(len(arr) // block_size):
-        parent = chain_hash(parent, local_hash(arr[i * block_size : (i + 1) * block_size], seed))
+        local = xxhash.xxh3_64_intdigest(arr[i * block_size : (i + 1) * block_size].tobytes(), seed)
+        parent = chain_hash(parent, local)
         out.append(parent)
     return out
