@@ -9,9 +9,10 @@ Locations:
     * ``g1`` / ``g2`` are private to one worker, so the index qualifies them with the
       batch's source: ``"<source>/g1"``.
 
-Internally a location is a bit in a per-block integer mask and every location also keeps
-the set of sequence hashes it holds; that keeps ``apply_batch`` and ``lookup`` to a few
-dict/int operations per event.
+Internally a block is one compact record (``h -> _Rec``) and a location is a bit of its
+integer mask with a block count; volumes also keep the set of hashes they hold.  That keeps
+``apply_batch`` and ``lookup`` to a few dict/int operations per event and the index to
+about 180 bytes per block (``bench/advisor.py``, ``docs/BENCHMARKS.md``).
 
 The fold is deterministic: it only uses what is in the batches (``ts_ns`` is the clock),
 so the same log applied twice gives the same :meth:`PrefixIndex.dump`.
@@ -30,9 +31,11 @@ Fault tolerance (failure cases of ``cases/CASES.md``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from advisor.frequency import FrequencySketch
 from event_plane.schema import EventBatch, EventType
@@ -137,37 +140,84 @@ class SourceState:
     retired_epochs: set[int] = field(default_factory=set)
 
 
-class _Entry:
-    """Mutable per-block record (kept small: one slotted object per block)."""
+class _Rec(msgspec.Struct, gc=False):
+    """Mutable per-block record: one 80-byte object per block, no GC header.
 
-    __slots__ = ("parent", "prefix", "size", "mask", "hits", "last_access")
+    ``h`` is the dict key object itself, so a child's ``parent`` shares it (no second int
+    per block); ``kids`` holds the indexed children (``None``, one hash, or a set).  No
+    field ever refers to another record, so the struct cannot be part of a cycle and can
+    skip the garbage collector (``gc=False``).
+    """
 
-    def __init__(self, parent: int | None, prefix: int, size: int, mask: int, last_access: int) -> None:
-        self.parent = parent
-        self.prefix = prefix
-        self.size = size
-        self.mask = mask
-        self.hits = 0
-        self.last_access = last_access
+    h: int
+    parent: int | None
+    prefix: int
+    size: int
+    mask: int
+    hits: int
+    last: int
+    kids: int | set[int] | None = None
+
+
+def _is_private_name(location: str) -> bool:
+    """Whether an index location is a worker's own ``"<source>/g1|g2"``."""
+    head, sep, tier = location.rpartition("/")
+    return bool(sep and head) and tier in PRIVATE_TIERS
+
+
+def _kid_add(kids: int | set[int] | None, h: int) -> int | set[int]:
+    if kids is None:
+        return h
+    if kids.__class__ is set:
+        kids.add(h)  # type: ignore[union-attr]
+        return kids
+    return kids if kids == h else {kids, h}  # type: ignore[return-value]
+
+
+def _kid_discard(kids: int | set[int] | None, h: int) -> int | set[int] | None:
+    if kids is None:
+        return None
+    if kids.__class__ is set:
+        kids.discard(h)  # type: ignore[union-attr]
+        if len(kids) == 1:  # type: ignore[arg-type]
+            return next(iter(kids))  # type: ignore[call-overload]
+        return kids or None
+    return None if kids == h else kids
+
+
+def _kid_tuple(kids: int | set[int] | None) -> tuple[int, ...]:
+    if kids is None:
+        return ()
+    if kids.__class__ is set:
+        return tuple(kids)  # type: ignore[arg-type]
+    return (kids,)  # type: ignore[return-value]
 
 
 class PrefixIndex:
     """Sequence hash → block info, per-location residency and longest-prefix lookup.
 
     Not thread-safe: the advisor serialises writers and readers with its own lock.
+
+    Layout (memory per block, see ``docs/BENCHMARKS.md``): one dict ``h -> _Rec``; the
+    children of an indexed block live in its record, those of a hash that is not indexed
+    (orphans waiting for their parent) in a side dict; a location is a bit of
+    ``_Rec.mask`` with a block count, and global locations (volumes) also keep the set of
+    hashes they hold, so ``blocks_at`` of a volume is a copy while ``blocks_at`` of a
+    private ``g1``/``g2`` scans the index.
     """
 
     def __init__(self, frequency: FrequencySketch | None = None) -> None:
         self.frequency = frequency
         """Optional decayed frequency sketch fed by first Stores, re-Stores that are accesses
         and ``extra_metadata["hits"]`` (not part of :meth:`dump`)."""
-        self._blocks: dict[int, _Entry] = {}
-        # parent hash -> child hash (int) or set of child hashes; parents may be unknown.
-        self._children: dict[int, int | set[int]] = {}
+        self._blocks: dict[int, _Rec] = {}
+        # parent hash not indexed -> its indexed children (orphans): one hash or a set.
+        self._waiting: dict[int, int | set[int]] = {}
         self._orphans: set[int] = set()
         self._loc_bit: dict[str, int] = {}
         self._loc_names: list[str] = []
-        self._loc_blocks: list[set[int]] = []
+        self._loc_sets: list[set[int] | None] = []  # None for private locations (scanned)
+        self._loc_counts: list[int] = []
         self._sources: dict[str, SourceState] = {}
         self._sizes: dict[int, int] = {}  # intern table of block sizes (a handful of values)
         self.counters = IndexCounters()
@@ -179,7 +229,8 @@ class PrefixIndex:
             bit = len(self._loc_names)
             self._loc_bit[location] = bit
             self._loc_names.append(location)
-            self._loc_blocks.append(set())
+            self._loc_sets.append(None if _is_private_name(location) else set())
+            self._loc_counts.append(0)
         return bit
 
     @staticmethod
@@ -199,36 +250,13 @@ class PrefixIndex:
             bit += 1
         return frozenset(names)
 
-    # ------------------------------------------------------------------ children
-    def _add_child(self, parent: int, child: int) -> None:
-        cur = self._children.get(parent)
-        if cur is None:
-            self._children[parent] = child
-        elif isinstance(cur, set):
-            cur.add(child)
-        elif cur != child:
-            self._children[parent] = {cur, child}
-
-    def _remove_child(self, parent: int, child: int) -> None:
-        cur = self._children.get(parent)
-        if cur is None:
-            return
-        if isinstance(cur, set):
-            cur.discard(child)
-            if len(cur) == 1:
-                self._children[parent] = next(iter(cur))
-            elif not cur:
-                del self._children[parent]
-        elif cur == child:
-            del self._children[parent]
-
-    def _iter_children(self, parent: int) -> Iterator[int]:
-        cur = self._children.get(parent)
-        if cur is None:
-            return iter(())
-        if isinstance(cur, set):
-            return iter(tuple(cur))
-        return iter((cur,))
+    def _held(self, bit: int) -> list[int]:
+        """Hashes held at location ``bit`` (set copy for volumes, index scan for g1/g2)."""
+        s = self._loc_sets[bit]
+        if s is not None:
+            return list(s)
+        flag = 1 << bit
+        return [h for h, r in self._blocks.items() if r.mask & flag]
 
     # ------------------------------------------------------------------ mutations
     def apply_batch(self, batch: EventBatch) -> None:
@@ -239,123 +267,167 @@ class PrefixIndex:
         A Cleared event empties the source's ``g1``/``g2``; for a volume id (global) it
         empties that volume's residency in the index.
         """
-        src = self._sources.get(batch.source)
+        source = batch.source
+        events = batch.events
+        c = self.counters
+        src = self._sources.get(source)
         if src is None:
-            src = self._sources[batch.source] = SourceState(epoch=batch.epoch, last_seq=batch.seq)
+            src = self._sources[source] = SourceState(epoch=batch.epoch, last_seq=batch.seq)
         elif batch.epoch != src.epoch:
             if batch.epoch in src.retired_epochs:
-                self.counters.stale_batches += 1
+                c.stale_batches += 1
                 return
             src.retired_epochs.add(src.epoch)
             src.epoch = batch.epoch
-            self.counters.restarts += 1
-            self._drop_private(batch.source)
+            c.restarts += 1
+            self._drop_private(source)
+        n_ev = len(events)
+        ts = batch.ts_ns
         src.last_seq = batch.seq
         src.batches += 1
-        src.events += len(batch.events)
-        src.last_ts_ns = batch.ts_ns
-        self.counters.batches += 1
-        self.counters.events += len(batch.events)
+        src.events += n_ev
+        src.last_ts_ns = ts
+        c.batches += 1
+        c.events += n_ev
 
-        source = batch.source
-        ts = batch.ts_ns
-        # Hot path inlined with local bindings (no extra_metadata, no frequency sketch):
-        #   * a new block whose parent is indexed (or that has none) and no orphan child;
+        # One tight loop over the batch with everything bound to locals.  Inlined cases:
+        #   * a new block with no parent or an indexed one, and no orphan waiting for it;
         #   * a duplicate Store;
         #   * a known block at a new location (onboarding, another worker, an offload);
-        #   * a Remove that does not forget the block.
-        # Every other case goes through _store / _remove.  Sizes and prefix hashes are
-        # shared with the parent's entry / a small intern table (memory per block).
+        #   * a Remove that leaves another copy.
+        # Everything else (orphans, extra_metadata, the frequency sketch, forgetting,
+        # Cleared, self-parented Stores) goes through _store / _remove / _clear_location.
+        # The current location's flag/bit/set/count delta are locals that change only
+        # when storage_location does.
         STORE = EventType.STORE
         REMOVE = EventType.REMOVE
         blocks = self._blocks
-        children = self._children
-        loc_blocks = self._loc_blocks
+        get = blocks.get
+        waiting = self._waiting
+        counts = self._loc_counts
         sizes = self._sizes
-        c = self.counters
-        flags: dict[str, tuple[int, int, bool]] = {}
-        priv = self._private_mask(source)
-        fast_new = fast_dup = fast_known = fast_hits = fast_rm = 0
-        freq = self.frequency
-        for ev in batch.events:
+        fast = self.frequency is None
+        Rec = _Rec
+        cur_sl: str | None = None
+        flag = bit = priv = delta = 0
+        lset: set[int] | None = None
+        is_g1 = False
+        last_sz = -1
+        sz_obj = 0
+        n_new = n_dup = n_known = n_hits = n_rm = 0
+        for ev in events:
             t = ev.type
-            if t == STORE:
-                h = ev.sequence_hash
-                parent = ev.parent_hash
+            if t is STORE:
                 sl = ev.storage_location
-                fl = flags.get(sl)
-                if fl is None:
+                if sl != cur_sl:
+                    if delta:
+                        counts[bit] += delta
+                        delta = 0
                     bit = self._bit(self.qualify(source, sl))
-                    fl = flags[sl] = (1 << bit, bit, sl == "g1")
+                    flag = 1 << bit
+                    lset = self._loc_sets[bit]
+                    is_g1 = sl == "g1"
                     priv = self._private_mask(source)
-                e = blocks.get(h)
-                if e is not None:
-                    if parent != h:
-                        m = e.mask
-                        if m & fl[0]:
-                            fast_dup += 1
-                            continue
-                        if ev.extra_metadata is None and freq is None:
-                            e.mask = m | fl[0]
-                            sz = ev.block_size
-                            e.size = sizes.setdefault(sz, sz)
-                            loc_blocks[fl[1]].add(h)
-                            fast_known += 1
-                            if fl[2] or not (m & priv):
-                                e.hits += 1
-                                e.last_access = ts
-                                fast_hits += 1
-                            continue
-                elif ev.extra_metadata is None and freq is None and parent != h and h not in children:
-                    prefix = ev.prefix_hash
-                    if parent is None:
-                        if prefix == h:
-                            prefix = h
-                    else:
-                        pe = blocks.get(parent)
-                        if pe is None:
-                            self._store(source, h, prefix, parent, ev.block_size, sl, None, ts)
-                            continue
-                        if pe.prefix == prefix:
-                            prefix = pe.prefix
-                    sz = ev.block_size
-                    blocks[h] = _Entry(parent, prefix, sizes.setdefault(sz, sz), fl[0], ts)
-                    loc_blocks[fl[1]].add(h)
-                    if parent is not None:
-                        cur = children.get(parent)
-                        if cur is None:
-                            children[parent] = h
-                        elif cur.__class__ is set:
-                            cur.add(h)
-                        else:
-                            children[parent] = {cur, h}
-                    fast_new += 1
-                    continue
-                self._store(source, h, ev.prefix_hash, parent, ev.block_size, sl, ev.extra_metadata, ts)
-            elif t == REMOVE:
+                    cur_sl = sl
                 h = ev.sequence_hash
-                sl = ev.storage_location
-                fl = flags.get(sl)
-                if fl is None:
-                    bit = self._bit(self.qualify(source, sl))
-                    fl = flags[sl] = (1 << bit, bit, sl == "g1")
-                    priv = self._private_mask(source)
-                e = blocks.get(h)
-                if e is not None:
-                    m = e.mask
-                    if m & fl[0] and m != fl[0]:
-                        e.mask = m & ~fl[0]
-                        loc_blocks[fl[1]].discard(h)
-                        fast_rm += 1
+                r = get(h)
+                if r is not None:
+                    m = r.mask
+                    if m & flag:
+                        if ev.parent_hash != h:
+                            n_dup += 1
+                            continue
+                    elif fast and ev.extra_metadata is None and ev.parent_hash != h:
+                        r.mask = m | flag
+                        sz = ev.block_size
+                        if sz != last_sz:
+                            last_sz = sz
+                            sz_obj = sizes.setdefault(sz, sz)
+                        r.size = sz_obj
+                        if lset is not None:
+                            lset.add(h)
+                        delta += 1
+                        n_known += 1
+                        if is_g1 or not (m & priv):
+                            r.hits += 1
+                            r.last = ts
+                            n_hits += 1
                         continue
+                elif fast and ev.extra_metadata is None and h not in waiting:
+                    parent = ev.parent_hash
+                    sz = ev.block_size
+                    if sz != last_sz:
+                        last_sz = sz
+                        sz_obj = sizes.setdefault(sz, sz)
+                    if parent is None:
+                        prefix = ev.prefix_hash
+                        blocks[h] = Rec(h, None, h if prefix == h else prefix, sz_obj, flag, 0, ts)
+                    elif parent != h and (pr := get(parent)) is not None:
+                        prefix = ev.prefix_hash
+                        if prefix == pr.prefix:
+                            prefix = pr.prefix
+                        blocks[h] = Rec(h, pr.h, prefix, sz_obj, flag, 0, ts)
+                        k = pr.kids
+                        if k is None:
+                            pr.kids = h
+                        elif k.__class__ is set:
+                            k.add(h)  # type: ignore[union-attr]
+                        else:
+                            pr.kids = {k, h}  # type: ignore[assignment]
+                    else:
+                        if delta:
+                            counts[bit] += delta
+                            delta = 0
+                        self._store(source, h, ev.prefix_hash, parent, sz, sl, None, ts)
+                        continue
+                    if lset is not None:
+                        lset.add(h)
+                    delta += 1
+                    n_new += 1
+                    continue
+                if delta:
+                    counts[bit] += delta
+                    delta = 0
+                self._store(source, h, ev.prefix_hash, ev.parent_hash, ev.block_size, sl, ev.extra_metadata, ts)
+            elif t is REMOVE:
+                sl = ev.storage_location
+                if sl != cur_sl:
+                    if delta:
+                        counts[bit] += delta
+                        delta = 0
+                    bit = self._bit(self.qualify(source, sl))
+                    flag = 1 << bit
+                    lset = self._loc_sets[bit]
+                    is_g1 = sl == "g1"
+                    priv = self._private_mask(source)
+                    cur_sl = sl
+                h = ev.sequence_hash
+                r = get(h)
+                if r is not None:
+                    m = r.mask
+                    if m & flag and m != flag:
+                        r.mask = m & ~flag
+                        if lset is not None:
+                            lset.discard(h)
+                        delta -= 1
+                        n_rm += 1
+                        continue
+                if delta:
+                    counts[bit] += delta
+                    delta = 0
                 self._remove(self.qualify(source, sl), h)
             else:
+                if delta:
+                    counts[bit] += delta
+                    delta = 0
                 c.cleared += 1
                 self._clear_location(self.qualify(source, ev.storage_location))
-        c.stores += fast_new + fast_dup + fast_known
-        c.duplicate_stores += fast_dup
-        c.hits += fast_hits
-        c.removes += fast_rm
+        if delta:
+            counts[bit] += delta
+        c.stores += n_new + n_dup + n_known
+        c.duplicate_stores += n_dup
+        c.hits += n_hits
+        c.removes += n_rm
 
     def _private_mask(self, source: str) -> int:
         """Bits of ``source``'s own g1/g2 locations (0 for those not seen yet)."""
@@ -365,6 +437,18 @@ class PrefixIndex:
             if bit is not None:
                 m |= 1 << bit
         return m
+
+    def _hold(self, bit: int, h: int) -> None:
+        s = self._loc_sets[bit]
+        if s is not None:
+            s.add(h)
+        self._loc_counts[bit] += 1
+
+    def _release(self, bit: int, h: int) -> None:
+        s = self._loc_sets[bit]
+        if s is not None:
+            s.discard(h)
+        self._loc_counts[bit] -= 1
 
     def _store(
         self,
@@ -388,17 +472,29 @@ class PrefixIndex:
         if bit is None:
             bit = self._bit(loc)
         flag = 1 << bit
-        e = self._blocks.get(h)
+        blocks = self._blocks
+        e = blocks.get(h)
         if e is None:
-            e = self._blocks[h] = _Entry(parent, prefix, size, flag, ts)
-            self._loc_blocks[bit].add(h)
-            if parent is not None:
-                self._add_child(parent, h)
-                if parent not in self._blocks:
+            size = self._sizes.setdefault(size, size)
+            if parent is None:
+                e = blocks[h] = _Rec(h, None, h if prefix == h else prefix, size, flag, 0, ts)
+            else:
+                pr = blocks.get(parent)
+                if pr is None:
+                    e = blocks[h] = _Rec(h, parent, prefix, size, flag, 0, ts)
+                    self._waiting[parent] = _kid_add(self._waiting.get(parent), h)
                     c.orphans += 1
                     self._orphans.add(h)
-            if h in self._children:
-                for child in self._iter_children(h):
+                else:
+                    if prefix == pr.prefix:
+                        prefix = pr.prefix
+                    e = blocks[h] = _Rec(h, pr.h, prefix, size, flag, 0, ts)
+                    pr.kids = _kid_add(pr.kids, h)
+            self._hold(bit, h)
+            kids = self._waiting.pop(h, None)
+            if kids is not None:
+                e.kids = kids
+                for child in _kid_tuple(kids):
                     if child in self._orphans:
                         self._orphans.discard(child)
                         c.orphans_linked += 1
@@ -414,8 +510,8 @@ class PrefixIndex:
             return
         # A known block at a new location: onboarding, another worker, offload or a move.
         e.mask |= flag
-        e.size = size
-        self._loc_blocks[bit].add(h)
+        e.size = self._sizes.setdefault(size, size)
+        self._hold(bit, h)
         hits = self._reported_hits(extra)
         placement_only = extra is not None and any(k in extra for k in PLACEMENT_KEYS)
         if not placement_only and self._is_access(source, storage_location, e.mask & ~flag):
@@ -423,7 +519,7 @@ class PrefixIndex:
         if hits:
             e.hits += hits
             c.hits += hits
-            e.last_access = ts
+            e.last = ts
             if self.frequency is not None:
                 self.frequency.increment(h, hits)
 
@@ -436,11 +532,7 @@ class PrefixIndex:
         """
         if storage_location == "g1":
             return True
-        for tier in ("g1", "g2"):
-            bit = self._loc_bit.get(f"{source}/{tier}")
-            if bit is not None and other_mask >> bit & 1:
-                return False
-        return True
+        return not (other_mask & self._private_mask(source))
 
     @staticmethod
     def _reported_hits(extra: dict[str, Any] | None) -> int:
@@ -460,31 +552,44 @@ class PrefixIndex:
             c.unknown_removes += 1
             return
         e.mask &= ~(1 << bit)
-        self._loc_blocks[bit].discard(h)
+        self._release(bit, h)
         if not e.mask:
             self._forget(h, e)
 
-    def _forget(self, h: int, e: _Entry) -> None:
+    def _forget(self, h: int, e: _Rec) -> None:
         """Drop a block no location holds; its indexed children become orphans."""
-        del self._blocks[h]
+        blocks = self._blocks
+        del blocks[h]
         self.counters.forgotten += 1
         self._orphans.discard(h)
-        if e.parent is not None:
-            self._remove_child(e.parent, h)
-        if h in self._children:
-            for child in self._iter_children(h):
-                if child in self._blocks:
-                    self._orphans.add(child)
+        parent = e.parent
+        if parent is not None:
+            pr = blocks.get(parent)
+            if pr is not None:
+                pr.kids = _kid_discard(pr.kids, h)
+            else:
+                kids = _kid_discard(self._waiting.get(parent), h)
+                if kids is None:
+                    self._waiting.pop(parent, None)
+                else:
+                    self._waiting[parent] = kids
+        if e.kids is not None:
+            self._waiting[h] = e.kids
+            self._orphans.update(_kid_tuple(e.kids))
 
     def _clear_location(self, loc: str) -> None:
         bit = self._loc_bit.get(loc)
         if bit is None:
             return
-        hashes = self._loc_blocks[bit]
-        self._loc_blocks[bit] = set()
+        hashes = self._held(bit)
+        s = self._loc_sets[bit]
+        if s is not None:
+            s.clear()  # in place: apply_batch holds the current location's set
+        self._loc_counts[bit] = 0
         keep = ~(1 << bit)
+        blocks = self._blocks
         for h in sorted(hashes):  # sorted: forgetting order must not depend on set order
-            e = self._blocks[h]
+            e = blocks[h]
             e.mask &= keep
             if not e.mask:
                 self._forget(h, e)
@@ -505,11 +610,13 @@ class PrefixIndex:
         e = self._blocks.get(h)
         if e is None:
             return None
-        return BlockInfo(h, e.parent, e.prefix, e.size, self._names(e.mask), e.hits, e.last_access,
-                         h in self._orphans)
+        return BlockInfo(h, e.parent, e.prefix, e.size, self._names(e.mask), e.hits, e.last, h in self._orphans)
 
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         """Longest cached prefix of ``hashes`` at each location.
+
+        One pass over ``hashes``: the running AND of the blocks' location masks; a
+        location's answer is the depth where its bit drops out.
 
         Args:
             hashes: sequence hashes of a request's full blocks, first block first.
@@ -519,53 +626,59 @@ class PrefixIndex:
             (``n >= 1``; locations holding none of the prefix are absent).
         """
         result: dict[str, int] = {}
-        if not hashes:
-            return result
-        blocks = self._blocks
-        first = blocks.get(hashes[0])
-        if first is None:
-            return result
-        active = first.mask
-        n = 1
-        for h in hashes[1:]:
-            e = blocks.get(h)
-            mask = e.mask if e is not None else 0
-            lost = active & ~mask
-            if lost:
-                self._record(result, lost, n)
-                active &= mask
-                if not active:
+        names = self._loc_names
+        active = -1
+        n = 0
+        for e in map(self._blocks.get, hashes):
+            if e is None:
+                break
+            m = active & e.mask
+            if m != active:
+                if n:
+                    lost = active & ~m
+                    if lost & (lost - 1):
+                        self._record(result, lost, n)
+                    else:  # one location drops out (inlined _record)
+                        result[names[lost.bit_length() - 1]] = n
+                if not m:
                     return result
+                active = m
             n += 1
-        self._record(result, active, n)
+        if n:
+            self._record(result, active, n)
         return result
 
     def _record(self, result: dict[str, int], mask: int, n: int) -> None:
+        names = self._loc_names
+        if not mask & (mask - 1):  # one location: most drops
+            result[names[mask.bit_length() - 1]] = n
+            return
         bit = 0
         while mask:
             if mask & 1:
-                result[self._loc_names[bit]] = n
+                result[names[bit]] = n
             mask >>= 1
             bit += 1
 
     def lookup_any(self, hashes: Sequence[int]) -> int:
         """Number of leading blocks of ``hashes`` held at *some* location (tiers may mix)."""
         n = 0
+        blocks = self._blocks
         for h in hashes:
-            if h not in self._blocks:
+            if h not in blocks:
                 break
             n += 1
         return n
 
     def blocks_at(self, location: str) -> set[int]:
-        """Sequence hashes held at ``location`` (a copy)."""
+        """Sequence hashes held at ``location`` (a copy; a scan of the index for g1/g2)."""
         bit = self._loc_bit.get(location)
-        return set(self._loc_blocks[bit]) if bit is not None else set()
+        return set(self._held(bit)) if bit is not None else set()
 
     def count_at(self, location: str) -> int:
         """Number of blocks held at ``location``."""
         bit = self._loc_bit.get(location)
-        return len(self._loc_blocks[bit]) if bit is not None else 0
+        return self._loc_counts[bit] if bit is not None else 0
 
     def holds(self, h: int, location: str) -> bool:
         """Whether block ``h`` is held at ``location``."""
@@ -575,11 +688,12 @@ class PrefixIndex:
 
     def children(self, h: int) -> set[int]:
         """Indexed blocks whose parent is ``h`` (``h`` itself need not be indexed)."""
-        return {c for c in self._iter_children(h) if c in self._blocks}
+        e = self._blocks.get(h)
+        return set(_kid_tuple(e.kids if e is not None else self._waiting.get(h)))
 
     def locations(self) -> list[str]:
         """Locations that hold at least one block, sorted."""
-        return sorted(name for name, s in zip(self._loc_names, self._loc_blocks) if s)
+        return sorted(name for name, n in zip(self._loc_names, self._loc_counts) if n)
 
     def orphans(self) -> set[int]:
         """Indexed blocks whose parent is not indexed (a copy)."""
@@ -600,7 +714,7 @@ class PrefixIndex:
             ``{"blocks": int, "blocks_per_location": {loc: n}, "orphans_pending": int,
             "counters": {name: int}}``.
         """
-        per_loc = {name: len(s) for name, s in zip(self._loc_names, self._loc_blocks) if s}
+        per_loc = {name: n for name, n in zip(self._loc_names, self._loc_counts) if n}
         return {
             "blocks": len(self._blocks),
             "blocks_per_location": dict(sorted(per_loc.items())),
@@ -626,7 +740,7 @@ class PrefixIndex:
         ext = flat.extend
         for h, e in self._blocks.items():
             m = e.mask
-            ext((h, e.parent, e.prefix, e.size, m if m < _U64 else _bits(m), e.hits, e.last_access))
+            ext((h, e.parent, e.prefix, e.size, m if m < _U64 else _bits(m), e.hits, e.last))
         sources = [
             [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
             for name, st in self._sources.items()
@@ -653,32 +767,39 @@ class PrefixIndex:
             for name in locs:
                 idx._bit(str(name))
             blocks = idx._blocks
-            children = idx._children
-            loc_blocks = idx._loc_blocks
-            nloc = len(loc_blocks)
+            sizes = idx._sizes
+            nloc = len(idx._loc_names)
+            limit = 1 << nloc
             it = iter(flat)
             for h, parent, prefix, size, mask, hits, last in zip(it, it, it, it, it, it, it):
                 if not isinstance(mask, int):
-                    mask = sum(1 << b for b in mask)
-                e = _Entry(parent, prefix, size, mask, last)
-                e.hits = hits
-                blocks[h] = e
-                if parent is not None:
-                    cur = children.get(parent)
-                    if cur is None:
-                        children[parent] = h
-                    elif isinstance(cur, set):
-                        cur.add(h)
-                    else:
-                        children[parent] = {cur, h}
-                bit = 0
-                while mask:
-                    if mask & 1:
-                        if bit >= nloc:
-                            raise IndexStateError(f"block {h} uses location bit {bit} of {nloc}")
-                        loc_blocks[bit].add(h)
-                    mask >>= 1
-                    bit += 1
+                    mask = sum(1 << b for b in set(mask))
+                if mask >= limit or mask < 0:
+                    raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations")
+                blocks[h] = _Rec(h, parent, prefix, sizes.setdefault(size, size), mask, hits, last)
+            waiting = idx._waiting
+            get = blocks.get
+            for h, e in blocks.items():
+                parent = e.parent
+                if parent is None:
+                    if e.prefix == h:
+                        e.prefix = h
+                    continue
+                pr = get(parent)
+                if pr is None:
+                    waiting[parent] = _kid_add(waiting.get(parent), h)
+                else:
+                    e.parent = pr.h
+                    if e.prefix == pr.prefix:
+                        e.prefix = pr.prefix
+                    pr.kids = _kid_add(pr.kids, h)
+            counts = idx._loc_counts
+            for bit, s in enumerate(idx._loc_sets):
+                flag = 1 << bit
+                held = [h for h, e in blocks.items() if e.mask & flag]
+                counts[bit] = len(held)
+                if s is not None:
+                    s.update(held)
             idx._orphans = set(orphans)
             for name, epoch, last_seq, nb, ne, last_ts, retired in sources:
                 idx._sources[name] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
@@ -698,7 +819,7 @@ class PrefixIndex:
         """
         return {
             "blocks": {
-                h: (e.parent, e.prefix, e.size, tuple(sorted(self._names(e.mask))), e.hits, e.last_access)
+                h: (e.parent, e.prefix, e.size, tuple(sorted(self._names(e.mask))), e.hits, e.last)
                 for h, e in sorted(self._blocks.items())
             },
             "orphans": sorted(self._orphans),

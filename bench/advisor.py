@@ -1,29 +1,41 @@
 """Advisor ingest and lookup benchmark: our PrefixIndex vs NVIDIA Dynamo's RadixTree.
 
 Same data for both, in one run: the Mooncake conversation trace's requests become Store
-events (one per block, 4 workers round-robin, block ids as sequence and local hashes).
+events (one per block, 4 workers round-robin).  Block ids are mapped to u64 sequence hashes
+by a bijection (``--ids u64``, the default: real sequence hashes are u64, DESIGN.md §4, and
+a Python int above 2**60 is bigger than a small id) or used as is (``--ids raw``); both
+sides get the same values, as sequence hashes and as Dynamo's local hashes.
 
 * ours: KVEvent v1 batches (msgpack, ``batch_events`` events each) are decoded with
   :func:`event_plane.codec.decode_batch` and folded with ``PrefixIndex.apply_batch``;
   lookups are ``PrefixIndex.lookup(hashes)`` over every request's block list.
 * Dynamo: one JSON ``stored`` event per request (its Python binding's input format,
-  ``dynamo._core.RadixTree.apply_event(worker_id, json_bytes)``); lookups are
-  ``find_matches(local_hashes)``.  Installed only with the ``bench`` extra.
+  ``dynamo._core.RadixTree.apply_event(worker_id, json_bytes)``; each event carries the
+  request's whole chain, walked from the root); lookups are ``find_matches(local_hashes)``
+  with the lists built before timing.  Installed only with the ``bench`` extra.
 
-Memory per indexed block: ``tracemalloc`` bytes allocated by building the index, divided
-by its number of blocks.
+Both rates count blocks: events/s = Store events (block references, 288,500 for the whole
+file) / seconds.  Each side runs ``--repeat`` times, alternating ours and Dynamo so that
+both see the same machine load; the medians are printed.
 
-Run: ``python bench/advisor.py [--trace FILE] [--requests N]``.
+Memory per indexed block: ``tracemalloc`` bytes still allocated once the whole file is
+decoded and folded (the batches are freed, so every int the index keeps, keys included,
+is counted), divided by the number of indexed blocks.
+
+Run: ``taskset -c 0 python bench/advisor.py [--trace FILE] [--requests N] [--repeat N]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import sys
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,6 +47,12 @@ from kvadvisor.trace import read_mooncake  # noqa: E402
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 WORKERS = 4
 BLOCK_BYTES = 1 << 20
+_M64 = (1 << 64) - 1
+
+
+def to_u64(requests: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Map block ids to u64 hashes with an odd-multiplier bijection (distinct ids stay distinct)."""
+    return [tuple((h * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _M64 for h in r) for r in requests]
 
 
 def build_payloads(requests: list[tuple[int, ...]], batch_events: int) -> tuple[list[bytes], int]:
@@ -64,7 +82,17 @@ def build_payloads(requests: list[tuple[int, ...]], batch_events: int) -> tuple[
     return out, n
 
 
-def bench_ours(payloads: list[bytes], requests: list[tuple[int, ...]], n_events: int) -> dict[str, float]:
+def run_ours(payloads: list[bytes], requests: list[tuple[int, ...]]) -> dict[str, float]:
+    """Seconds to decode + fold every payload, to decode only, to fold only, and to look up."""
+    t0 = time.perf_counter()
+    batches = [decode_batch(p) for p in payloads]
+    decode_s = time.perf_counter() - t0
+    idx = PrefixIndex()
+    t0 = time.perf_counter()
+    for b in batches:
+        idx.apply_batch(b)
+    fold_s = time.perf_counter() - t0
+    del batches, idx
     idx = PrefixIndex()
     t0 = time.perf_counter()
     for p in payloads:
@@ -74,42 +102,44 @@ def bench_ours(payloads: list[bytes], requests: list[tuple[int, ...]], n_events:
     for r in requests:
         idx.lookup(r)
     lookup_s = time.perf_counter() - t0
-    return {"events_per_s": n_events / apply_s, "lookups_per_s": len(requests) / lookup_s,
-            "blocks": float(len(idx))}
+    return {"apply_s": apply_s, "decode_s": decode_s, "fold_s": fold_s, "lookup_s": lookup_s, "blocks": len(idx)}
 
 
 def memory_per_block(payloads: list[bytes]) -> tuple[float, int]:
-    batches = [decode_batch(p) for p in payloads]
+    """Bytes the index keeps per indexed block after folding every payload (tracemalloc)."""
+    gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     idx = PrefixIndex()
-    for b in batches:
-        idx.apply_batch(b)
+    for p in payloads:
+        idx.apply_batch(decode_batch(p))
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     return used / max(len(idx), 1), len(idx)
 
 
-def bench_dynamo(requests: list[tuple[int, ...]], n_events: int) -> dict[str, float] | str:
-    try:
-        from dynamo._core import RadixTree  # type: ignore[import-not-found]
-    except Exception as exc:  # noqa: BLE001 - report why it is unavailable
-        return f"Dynamo RadixTree unavailable: {type(exc).__name__}: {exc} (pip install -e '.[bench]')"
+def dynamo_inputs(requests: list[tuple[int, ...]]) -> tuple[list[tuple[int, bytes]], list[list[int]]]:
+    """Dynamo's JSON ``stored`` events (one per request) and its lookup lists."""
     events = []
     for i, r in enumerate(requests):
         blocks = [{"block_hash": h, "tokens_hash": h} for h in r]
         events.append((i % WORKERS, json.dumps({"event_id": i, "data": {"stored": {
             "parent_hash": None, "blocks": blocks}}}).encode()))
-    tree = RadixTree()
+    return events, [list(r) for r in requests]
+
+
+def run_dynamo(tree_cls: Any, events: list[tuple[int, bytes]], queries: list[list[int]]) -> dict[str, float]:
+    """Seconds for Dynamo's RadixTree to apply every event and to answer every query."""
+    tree = tree_cls()
     t0 = time.perf_counter()
     for w, ev in events:
         tree.apply_event(w, ev)
     apply_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for r in requests:
-        tree.find_matches(list(r))
+    for q in queries:
+        tree.find_matches(q)
     lookup_s = time.perf_counter() - t0
-    return {"events_per_s": n_events / apply_s, "lookups_per_s": len(requests) / lookup_s}
+    return {"apply_s": apply_s, "lookup_s": lookup_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,23 +147,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=0, help="first N requests (0 = all)")
     ap.add_argument("--batch-events", type=int, default=256)
+    ap.add_argument("--ids", choices=("u64", "raw"), default="u64", help="hash values: u64 bijection or trace ids")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per side (medians are printed)")
     args = ap.parse_args(argv)
     reqs = [r.hash_ids for r in read_mooncake(args.trace, args.requests or None)]
+    if args.ids == "u64":
+        reqs = to_u64(reqs)
     payloads, n_events = build_payloads(reqs, args.batch_events)
-    ours = bench_ours(payloads, reqs, n_events)
+    try:
+        from dynamo._core import RadixTree  # type: ignore[import-not-found]
+    except Exception as exc:  # noqa: BLE001 - report why it is unavailable
+        RadixTree = None  # noqa: N806
+        why = f"Dynamo RadixTree unavailable: {type(exc).__name__}: {exc} (pip install -e '.[bench]')"
+    dyn_in = dynamo_inputs(reqs) if RadixTree is not None else None
+    ours: list[dict[str, float]] = []
+    dyn: list[dict[str, float]] = []
+    for _ in range(max(args.repeat, 1)):
+        ours.append(run_ours(payloads, reqs))
+        if dyn_in is not None:
+            dyn.append(run_dynamo(RadixTree, *dyn_in))
     mem, blocks = memory_per_block(payloads)
-    dyn = bench_dynamo(reqs, n_events)
+
+    def med(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    o_apply = n_events / med(ours, "apply_s")
+    o_lookup = len(reqs) / med(ours, "lookup_s")
     print(f"data: {len(reqs):,} requests, {n_events:,} Store events (block refs), {blocks:,} distinct blocks, "
-          f"{len(payloads):,} batches")
+          f"{len(payloads):,} batches, {args.ids} hashes; medians of {len(ours)} runs")
     print(f"{'':24}{'events/s applied':>20}{'lookups/s':>14}")
-    print(f"{'ours (decode + apply)':24}{ours['events_per_s']:>20,.0f}{ours['lookups_per_s']:>14,.0f}")
-    if isinstance(dyn, str):
-        print(dyn)
+    print(f"{'ours (decode + apply)':24}{o_apply:>20,.0f}{o_lookup:>14,.0f}")
+    print(f"{'  decode only':24}{n_events / med(ours, 'decode_s'):>20,.0f}")
+    print(f"{'  apply only':24}{n_events / med(ours, 'fold_s'):>20,.0f}")
+    if not dyn:
+        print(why)
     else:
-        print(f"{'Dynamo RadixTree':24}{dyn['events_per_s']:>20,.0f}{dyn['lookups_per_s']:>14,.0f}")
-        print(f"{'ratio ours / Dynamo':24}{ours['events_per_s'] / dyn['events_per_s']:>19.1f}x"
-              f"{ours['lookups_per_s'] / dyn['lookups_per_s']:>13.1f}x")
-    print(f"memory per indexed block: {mem:.0f} bytes ({blocks:,} blocks)")
+        d_apply = n_events / med(dyn, "apply_s")
+        d_lookup = len(reqs) / med(dyn, "lookup_s")
+        print(f"{'Dynamo RadixTree':24}{d_apply:>20,.0f}{d_lookup:>14,.0f}")
+        print(f"{'ratio ours / Dynamo':24}{o_apply / d_apply:>19.1f}x{o_lookup / d_lookup:>13.1f}x")
+    print(f"memory per indexed block: {mem:.0f} bytes ({blocks:,} blocks, index kept after the batches are freed)")
     return 0
 
 
