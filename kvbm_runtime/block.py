@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import torch
 
@@ -66,33 +67,37 @@ class BlockMeta:
             raise BlockStateError(f"block {self.sequence_hash:#x} cannot be its own parent")
 
 
-@dataclass(slots=True, eq=False)
 class Block:
     """A physical block slot of a pool; engines never hold it directly, only handles.
+
+    A plain ``__slots__`` class (not a dataclass): the pool touches these attributes on
+    every allocate / register / match / release, in batches, under its lock.
 
     Attributes:
         block_id: index in the pool's layout.
         state: lifecycle state.
         generation: +1 every time the block returns to Reset (invalidates weak handles).
-        salt: salt hash set by ``init_sequence`` / ``init_from``.
+        salt: salt hash of a Partial block (``init_sequence``); a Complete or Registered
+            block's salt is ``meta.salt``.
         parent: metadata of the parent block (``None`` for the first block of a sequence).
-        tokens: token ids appended while Partial.
+        tokens: token ids appended while Partial (an empty tuple when none were).
         meta: identity once Complete / Registered.
         ref_count: live :class:`ImmutableBlock` handles (Registered only).
         frequency: uses since registration (register, dedup hit, match).
-        last_use: pool tick of the last use.
     """
 
-    block_id: int
-    state: BlockState = BlockState.RESET
-    generation: int = 0
-    salt: int | None = None
-    parent: BlockMeta | None = None
-    tokens: list[int] = field(default_factory=list)
-    meta: BlockMeta | None = None
-    ref_count: int = 0
-    frequency: int = 0
-    last_use: int = 0
+    __slots__ = ("block_id", "state", "generation", "salt", "parent", "tokens", "meta", "ref_count", "frequency")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.state = BlockState.RESET
+        self.generation = 0
+        self.salt: int | None = None
+        self.parent: BlockMeta | None = None
+        self.tokens: list[int] | tuple[()] = ()
+        self.meta: BlockMeta | None = None
+        self.ref_count = 0
+        self.frequency = 0
 
     def clear(self) -> None:
         """Back to Reset (the pool calls this; bumps the generation)."""
@@ -100,21 +105,30 @@ class Block:
         self.generation += 1
         self.salt = None
         self.parent = None
-        self.tokens = []
+        self.tokens = ()
         self.meta = None
         self.ref_count = 0
         self.frequency = 0
 
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, {self.state.value}, gen={self.generation}, refs={self.ref_count})"
 
-class _Handle:
-    """Common part of the handles: the block, its pool and a consumed flag."""
 
-    __slots__ = ("_block", "_pool", "_live", "__weakref__")
+class _Handle(msgspec.Struct, eq=False, gc=False):
+    """Common part of the handles: the pool, the block and a live (not consumed) flag.
 
-    def __init__(self, pool: BlockPool, block: Block) -> None:
-        self._pool = pool
-        self._block = block
-        self._live = True
+    A ``msgspec.Struct`` for its C-level constructor: the pool creates one handle per block
+    on every allocate / register / match, so construction cost is the per-block cost.
+    ``eq=False``: handles compare and hash by identity.  ``gc=False``: a handle refers to
+    its pool and block only, never to itself or another handle, so it cannot be part of a
+    reference cycle and the cycle collector need not track it.
+
+    Construct as ``MutableBlock(pool, block)`` / ``ImmutableBlock(pool, block)`` (pools do).
+    """
+
+    _pool: BlockPool
+    _block: Block
+    _live: bool = True
 
     def _get(self) -> Block:
         if not self._live:
@@ -148,8 +162,6 @@ class _Handle:
 
 class MutableBlock(_Handle):
     """Exclusive handle on a Reset, Partial or Complete block (see module doc)."""
-
-    __slots__ = ()
 
     @property
     def state(self) -> BlockState:
@@ -219,7 +231,9 @@ class MutableBlock(_Handle):
         room = self._pool.page_size - len(block.tokens)
         if len(items) > room:
             raise BlockStateError(f"{len(items)} tokens do not fit: block {block.block_id} has room for {room}")
-        block.tokens.extend(items)
+        toks = block.tokens
+        assert isinstance(toks, list)  # init_sequence gave the Partial block a list
+        toks.extend(items)
         return room - len(items)
 
     def commit(self) -> MutableBlock:
@@ -274,12 +288,13 @@ class MutableBlock(_Handle):
         self._pool._reset_block(block)
 
     def __del__(self) -> None:
-        if getattr(self, "_live", False):
+        try:
+            if not self._live:
+                return
             self._live = False
-            try:
-                self._pool._reset_block(self._block)
-            except Exception:  # noqa: BLE001 - interpreter shutdown / pool gone
-                pass
+            self._pool._reset_block(self._block)
+        except Exception:  # noqa: BLE001 - half-built handle, interpreter shutdown, pool gone
+            pass
 
     def __repr__(self) -> str:
         state = "consumed" if not self._live else self._block.state.value
@@ -288,8 +303,6 @@ class MutableBlock(_Handle):
 
 class ImmutableBlock(_Handle):
     """Strong reference to a Registered block (see module doc)."""
-
-    __slots__ = ()
 
     @property
     def meta(self) -> BlockMeta:
@@ -322,9 +335,15 @@ class ImmutableBlock(_Handle):
 
     def release(self) -> None:
         """Drop this strong reference (consumes the handle); the last one makes the
-        block inactive (still matchable, evictable)."""
-        block = self._consume()
-        self._pool._release(block)
+        block inactive (still matchable, evictable).
+
+        Raises:
+            ConsumedHandleError: this handle was consumed.
+        """
+        if not self._live:
+            raise ConsumedHandleError(f"ImmutableBlock of block {self._block.block_id} was already consumed")
+        self._live = False
+        self._pool._release(self._block)
 
     def __enter__(self) -> ImmutableBlock:
         return self
@@ -334,12 +353,13 @@ class ImmutableBlock(_Handle):
             self.release()
 
     def __del__(self) -> None:
-        if getattr(self, "_live", False):
+        try:
+            if not self._live:
+                return
             self._live = False
-            try:
-                self._pool._release(self._block)
-            except Exception:  # noqa: BLE001 - interpreter shutdown / pool gone
-                pass
+            self._pool._release(self._block)
+        except Exception:  # noqa: BLE001 - half-built handle, interpreter shutdown, pool gone
+            pass
 
     def __repr__(self) -> str:
         if not self._live:
@@ -347,16 +367,19 @@ class ImmutableBlock(_Handle):
         return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, hash={self.sequence_hash:#018x})"
 
 
-class WeakBlock:
-    """Weak reference to a Registered block; never keeps it alive or resurrects it."""
+class WeakBlock(msgspec.Struct, eq=False, gc=False):
+    """Weak reference to a Registered block; never keeps it alive or resurrects it.
 
-    __slots__ = ("_pool", "_block", "_generation", "sequence_hash")
+    Construct as ``WeakBlock(pool, block, generation, sequence_hash)`` (handles and pools do).
 
-    def __init__(self, pool: BlockPool, block: Block, generation: int, sequence_hash: int) -> None:
-        self._pool = pool
-        self._block = block
-        self._generation = generation
-        self.sequence_hash = sequence_hash
+    Attributes:
+        sequence_hash: hash of the block it refers to.
+    """
+
+    _pool: BlockPool
+    _block: Block
+    _generation: int
+    sequence_hash: int
 
     def upgrade(self) -> ImmutableBlock | None:
         """A new strong handle while the block is still registered with this identity

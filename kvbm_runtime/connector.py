@@ -335,6 +335,10 @@ class KvbmConnectorWorker:
         self._storage: list[Future[StorageOffloadResult]] = []
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
+        # G1 → G2 saves whose G2 → G3 follow-up (a done-callback) has not been queued yet:
+        # a future reads done before its callbacks ran
+        self._chaining = 0
+        self._chained = threading.Condition(self._lock)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Adopt the engine's KV caches, one ``[num_blocks, 2, page_size, inner_dim]``
@@ -402,11 +406,21 @@ class KvbmConnectorWorker:
             items = [HostOffloadItem(b.meta(), layout, b.engine_block_id, None) for b in req.blocks]
             fut = tm.offload_to_host(items, self._step)
             if self.manager.store is not None:
+                with self._lock:
+                    self._chaining += 1
                 fut.add_done_callback(lambda f, blocks=req.blocks: self._to_storage(f, blocks))
             with self._lock:
                 self._sending.setdefault(req.request_id, []).append(fut)
 
     def _to_storage(self, fut: Future[HostOffloadResult], blocks: list[BlockTransfer]) -> None:
+        try:
+            self._queue_storage(fut, blocks)
+        finally:
+            with self._lock:
+                self._chaining -= 1
+                self._chained.notify_all()
+
+    def _queue_storage(self, fut: Future[HostOffloadResult], blocks: list[BlockTransfer]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return
         res = fut.result()
@@ -495,6 +509,10 @@ class KvbmConnectorWorker:
             for f in sending:
                 f.result(timeout)
             with self._lock:
+                # saves that finished (maybe already reported by get_finished) but whose
+                # G2 → G3 follow-up is still being queued by their done-callback
+                if not self._chained.wait_for(lambda: self._chaining == 0, timeout):
+                    raise TimeoutError(f"G2 → G3 saves not queued within {timeout} s")
                 futs, self._storage = self._storage, []
             if not futs:
                 return out

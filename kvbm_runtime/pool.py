@@ -1,18 +1,27 @@
 """Per-tier block pool: Reset list, active set, inactive set, registry (DESIGN.md §5).
 
 * **Reset list** — free physical blocks.
-* **Registry** — sequence hash → the registered physical copies holding it (one, unless
-  duplicates are allowed).  A registered block is *active* while an
-  :class:`~kvbm_runtime.block.ImmutableBlock` references it, else *inactive*.  Both are
-  matchable.
+* **Registry** — sequence hash → the registered physical block holding it, plus a side
+  table of further copies (only when duplicates are allowed).  A registered block is
+  *active* while an :class:`~kvbm_runtime.block.ImmutableBlock` references it, else
+  *inactive*.  Both are matchable.
 * **Inactive set** — a multi-level LRU keyed by use frequency (levels for 1, 2–3, 4–7 and
-  ≥ 8 uses): eviction takes the least recently used block of the lowest non-empty level, so
-  a block used often survives a burst of blocks used once (not plain LRU).
+  ≥ 8 uses), one ``OrderedDict`` per level: eviction takes the least recently used block of
+  the lowest non-empty level, so a block used often survives a burst of blocks used once
+  (not plain LRU).  Insert, remove and evict are O(1).  A block's level is a function of
+  its frequency, which does not change while it is inactive.
+  A registered block is inactive exactly when its ``ref_count`` is 0.
 
 Events: the first copy of a hash registered at this tier publishes one Store; evicting the
 last copy publishes one Remove (case C4).  ``storage_location`` is the tier name and
 ``block_size`` the layout's ``block_bytes``.  One re-entrant lock guards everything, so
 ``match_blocks`` sees active and inactive blocks consistently.
+
+Hot path: the batch calls (:meth:`BlockPool.allocate_complete`,
+:meth:`BlockPool.register_blocks`, :meth:`BlockPool.release_blocks`,
+:meth:`BlockPool.match_blocks`) take the lock once, build one event list and call
+``publisher.publish`` once per batch; per block they create one handle and, for a Store or
+Remove, one event, and nothing else (counters advance per batch).
 """
 
 from __future__ import annotations
@@ -20,13 +29,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from dataclasses import dataclass
 from typing import Protocol
 
-from event_plane.schema import KVEvent, remove, store
+from event_plane.schema import EventType, KVEvent
 
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
-from .errors import BlockStateError, PoolExhaustedError
+from .errors import BlockStateError, ConsumedHandleError, PoolExhaustedError
 from .layout import BlockLayout
 
 
@@ -38,6 +48,10 @@ class EventSink(Protocol):
 
 
 _LEVEL_CAP = 3
+_STORE = EventType.STORE
+_REMOVE = EventType.REMOVE
+_COMPLETE = BlockState.COMPLETE
+_REGISTERED = BlockState.REGISTERED
 
 
 def _level(frequency: int) -> int:
@@ -46,41 +60,42 @@ def _level(frequency: int) -> int:
 
 
 class _InactiveSet:
-    """Multi-level LRU of inactive registered blocks (see module doc)."""
+    """Multi-level LRU of inactive registered blocks (see module doc).
 
-    __slots__ = ("_levels", "_where")
+    ``levels[k]`` holds blocks (keys, identity-hashed; values unused) in recency order,
+    ``k = _level(block.frequency)``; a registered block is here exactly when its
+    ``ref_count`` is 0, and its frequency only changes once it is out again.  The pool's
+    hot loops inline :meth:`add` / :meth:`discard` on ``levels``.
+    """
+
+    __slots__ = ("levels",)
 
     def __init__(self) -> None:
-        self._levels: list[OrderedDict[int, Block]] = [OrderedDict() for _ in range(_LEVEL_CAP + 1)]
-        self._where: dict[int, int] = {}
+        self.levels: list[OrderedDict[Block, None]] = [OrderedDict() for _ in range(_LEVEL_CAP + 1)]
 
     def __len__(self) -> int:
-        return len(self._where)
+        a, b, c, d = self.levels
+        return len(a) + len(b) + len(c) + len(d)
 
     def add(self, block: Block) -> None:
         f = block.frequency
         level = 0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))  # == _level(f)
-        self._levels[level][block.block_id] = block
-        self._where[block.block_id] = level
+        self.levels[level][block] = None
 
-    def discard(self, block: Block) -> bool:
-        level = self._where.pop(block.block_id, None)
-        if level is None:
-            return False
-        del self._levels[level][block.block_id]
-        return True
+    def discard(self, block: Block) -> None:
+        """Take an inactive block out (it must be here)."""
+        f = block.frequency
+        del self.levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
 
     def pop_victim(self) -> Block | None:
-        for level in self._levels:
+        for level in self.levels:
             if level:
-                _, block = level.popitem(last=False)
-                del self._where[block.block_id]
-                return block
+                return level.popitem(last=False)[0]
         return None
 
     def order(self) -> list[int]:
         """Block ids in eviction order."""
-        return [bid for level in self._levels for bid in level]
+        return [b.block_id for level in self.levels for b in level]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +142,9 @@ class BlockPool:
         self._lock = threading.RLock()
         self._blocks = [Block(i) for i in range(layout.num_blocks)]
         self._reset: deque[int] = deque(range(layout.num_blocks))
-        self._registry: dict[int, list[Block]] = {}
+        self._registry: dict[int, Block] = {}  # sequence hash -> first registered copy
+        self._dups: dict[int, list[Block]] = {}  # further copies (allow_duplicates only)
         self._inactive = _InactiveSet()
-        self._tick = 0
         self._stores = 0
         self._removes = 0
         self._evictions = 0
@@ -160,7 +175,9 @@ class BlockPool:
     def copies(self, sequence_hash: int) -> int:
         """Physical copies registered under ``sequence_hash``."""
         with self._lock:
-            return len(self._registry.get(sequence_hash, ()))
+            if sequence_hash not in self._registry:
+                return 0
+            return 1 + len(self._dups.get(sequence_hash, ()))
 
     def eviction_order(self) -> list[int]:
         """Sequence hashes of inactive blocks, next victim first."""
@@ -181,7 +198,7 @@ class BlockPool:
                 tier=self.tier,
                 total=self.num_blocks,
                 reset=reset,
-                active=sum(1 for b in self._blocks if b.state is BlockState.REGISTERED and b.ref_count > 0),
+                active=sum(1 for b in self._blocks if b.state is _REGISTERED and b.ref_count > 0),
                 inactive=inactive,
                 registered_hashes=len(self._registry),
                 stores_published=self._stores,
@@ -207,32 +224,59 @@ class BlockPool:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
-            return [MutableBlock(self, b) for b in self._take(count)]
+            blocks = self._take(count)
+            for b in blocks:
+                if b.meta is not None:  # evicted by _take, not cleared yet
+                    b.clear()
+            return [MutableBlock(self, b) for b in blocks]
 
     def _take(self, count: int) -> list[Block]:
-        """Reset blocks, evicting inactive ones as needed (all-or-nothing); lock held."""
-        reset, inactive = self._reset, self._inactive
-        if count > len(reset) + len(inactive):
-            raise PoolExhaustedError(
-                f"{self.tier}: cannot allocate {count} blocks: {len(reset)} reset + "
-                f"{len(inactive)} inactive of {self.num_blocks} (the rest are in use)"
-            )
-        out: list[Block] = []
-        events: list[KVEvent] = []
+        """``count`` free blocks (all-or-nothing), lock held: Reset ones first, then
+        evicted inactive ones, whose Removes are published here.  Evicted blocks are
+        unregistered but *not* cleared (they still carry their old ``meta`` and ``state``):
+        the caller, under the same lock, clears them (``Block.clear``) or gives
+        them their new identity (bumping ``generation``)."""
+        reset = self._reset
+        n_reset = len(reset)
+        if count <= n_reset:
+            blocks = self._blocks
+            popleft = reset.popleft
+            return [blocks[popleft()] for _ in range(count)]
+        self._check_room(count)
+        inactive = self._inactive
         blocks = self._blocks
-        for _ in range(count):
-            if reset:
-                out.append(blocks[reset.popleft()])
-                continue
-            victim = inactive.pop_victim()
-            assert victim is not None
-            self._evictions += 1
-            ev = self._unregister(victim)
-            if ev is not None:
-                events.append(ev)
-            victim.clear()
-            out.append(victim)
-        self._emit(events)
+        out = [blocks[i] for i in reset]
+        reset.clear()
+        need = count - n_reset
+        events: list[KVEvent] = []
+        append = events.append
+        registry = self._registry
+        dups = self._dups
+        bb = self._block_bytes
+        tier = self.tier
+        kv_event = KVEvent
+        rm = _REMOVE
+        out_append = out.append
+        for level in inactive.levels:
+            popitem = level.popitem
+            for _ in range(min(need, len(level))):
+                victim = popitem(False)[0]
+                meta = victim.meta
+                h = meta.sequence_hash  # type: ignore[union-attr]
+                if dups and h in dups:
+                    self._unregister_copy(victim)
+                else:
+                    del registry[h]
+                    append(kv_event(rm, h, meta.prefix_hash, meta.parent_hash, bb, tier, None))  # type: ignore[union-attr]
+                out_append(victim)
+            need = count - len(out)
+            if not need:
+                break
+        self._evictions += count - n_reset
+        if events:
+            self._removes += len(events)
+            if self._publisher is not None:
+                self._publisher.publish(events)
         return out
 
     def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
@@ -243,15 +287,75 @@ class BlockPool:
         Raises:
             PoolExhaustedError: as :meth:`allocate` (nothing allocated or evicted).
         """
-        out: list[MutableBlock] = []
-        complete = BlockState.COMPLETE
+        complete = _COMPLETE
+        mb = MutableBlock
+        count = len(metas)
         with self._lock:
-            for b, meta in zip(self._take(len(metas)), metas, strict=True):
-                b.salt = meta.salt
-                b.meta = meta
-                b.state = complete
-                out.append(MutableBlock(self, b))
-        return out
+            reset = self._reset
+            n_reset = len(reset)
+            levels = self._inactive.levels
+            if count > n_reset + len(levels[0]):  # level 0 alone does not cover it: count all
+                self._check_room(count)
+            out: list[MutableBlock] = []
+            append = out.append
+            it = iter(metas)
+            if n_reset:
+                blocks = self._blocks
+                popleft = reset.popleft
+                for meta in islice(it, min(count, n_reset)):
+                    b = blocks[popleft()]
+                    b.meta = meta
+                    b.state = complete
+                    append(mb(self, b))
+                if count <= n_reset:
+                    return out
+            # the rest: evict inactive blocks, lowest level first, and give each its new
+            # identity in the same pass (one Remove per hash whose last copy goes)
+            events: list[KVEvent] = []
+            ev_append = events.append
+            registry = self._registry
+            dups = self._dups
+            kv_event = KVEvent
+            rm = _REMOVE
+            bb = self._block_bytes
+            tier = self.tier
+            need = count - n_reset
+            for level in levels:
+                popitem = level.popitem
+                for meta in islice(it, min(need, len(level))):
+                    b = popitem(False)[0]
+                    old = b.meta
+                    h = old.sequence_hash  # type: ignore[union-attr]
+                    if dups and h in dups:
+                        self._unregister_copy(b)
+                    else:
+                        del registry[h]
+                        ev_append(kv_event(rm, h, old.prefix_hash, old.parent_hash, bb, tier))  # type: ignore[union-attr]
+                    b.generation += 1  # a new life: weak handles of the old one are dead
+                    if b.tokens:
+                        b.parent = None
+                        b.tokens = ()
+                    b.meta = meta
+                    b.state = complete
+                    append(mb(self, b))
+                need = count - len(out)
+                if not need:
+                    break
+            self._evictions += count - n_reset
+            if events:
+                self._removes += len(events)
+                if self._publisher is not None:
+                    self._publisher.publish(events)
+            return out
+
+    def _check_room(self, count: int) -> None:
+        """Raise :class:`PoolExhaustedError` unless ``count`` blocks are Reset or inactive."""
+        n_reset, n_inactive = len(self._reset), len(self._inactive)
+        if count > n_reset + n_inactive:
+            raise PoolExhaustedError(
+                f"{self.tier}: cannot allocate {count} blocks: {n_reset} reset + "
+                f"{n_inactive} inactive of {self.num_blocks} (the rest are in use)"
+            )
 
     def evict(self, count: int | None = None) -> int:
         """Evict up to ``count`` inactive blocks (all when ``None``) back to Reset.
@@ -294,76 +398,119 @@ class BlockPool:
             One strong handle per input, in input order; the inputs are consumed.
 
         Raises:
-            BlockStateError: an input is not Complete or belongs to another pool (checked
-                for all inputs before anything changes).
+            BlockStateError: an input is not Complete, belongs to another pool or appears
+                twice (checked for all inputs before anything changes).
             ConsumedHandleError: an input handle was consumed.
         """
+        complete = _COMPLETE
+        registered = _REGISTERED
+        ib = ImmutableBlock
+        kv_event = KVEvent
+        st = _STORE
+        bb = self._block_bytes
+        tier = self.tier
         with self._lock:
-            raw: list[Block] = []
-            for handle in blocks:
-                b = handle._get()
-                if handle._pool is not self:
-                    raise BlockStateError(f"block {b.block_id} belongs to pool {handle._pool.tier}, not {self.tier}")
-                if b.state is not BlockState.COMPLETE:
-                    raise BlockStateError(f"register needs a Complete block, block {b.block_id} is {b.state.value}")
-                raw.append(b)
-            if len({id(b) for b in raw}) != len(raw):
-                raise BlockStateError("the same block handle appears twice")
+            setdefault = self._registry.setdefault
             events: list[KVEvent] = []
-            out: list[ImmutableBlock] = []
-            for handle, b in zip(blocks, raw, strict=True):
+            ev_append = events.append
+            out: list[ImmutableBlock | None] = []
+            append = out.append
+            # A hash already registered (here or earlier in this batch) is resolved after
+            # the loop, so that a bad input found part-way only has fresh registrations
+            # to undo (nothing else changed yet).
+            deferred: list[tuple[int, MutableBlock, Block]] | None = None
+            for handle in blocks:
+                b = handle._block
+                if not handle._live or handle._pool is not self or b.state is not complete:
+                    done = blocks[: len(out)]
+                    self._unregister_batch(done)
+                    raise self._bad_handle(handle, done, "register", complete)
                 handle._live = False
                 meta = b.meta
-                assert meta is not None
-                copies = self._registry.get(meta.sequence_hash)
-                if copies and not self.allow_duplicates:
-                    existing = copies[0]
-                    self._dedup_hits += 1
-                    self._acquire(existing)
-                    b.clear()
-                    self._reset.append(b.block_id)
-                    out.append(ImmutableBlock(self, existing))
-                    continue
-                b.state = BlockState.REGISTERED
+                h = meta.sequence_hash  # type: ignore[union-attr]
+                existing = setdefault(h, b)
+                if existing is b:
+                    b.state = registered
+                    b.ref_count = 1
+                    b.frequency = 1
+                    ev_append(kv_event(st, h, meta.prefix_hash, meta.parent_hash, bb, tier))  # type: ignore[union-attr]
+                    append(ib(self, b))
+                else:
+                    if deferred is None:
+                        deferred = []
+                    deferred.append((len(out), handle, existing))
+                    append(None)
+            if deferred:
+                self._register_existing(deferred, out)
+            if events:
+                self._stores += len(events)
+                if self._publisher is not None:
+                    self._publisher.publish(events)
+            return out  # type: ignore[return-value]
+
+    def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:
+        """Second part of :meth:`register_blocks` (lock held): inputs whose hash was
+        already registered become a further copy (duplicates allowed) or dedup onto the
+        existing block, whose new physical block goes back to Reset."""
+        for i, handle, existing in deferred:
+            b = handle._block
+            self._dedup_hits += 1
+            if self.allow_duplicates:
+                self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
+                b.state = _REGISTERED
                 b.ref_count = 1
                 b.frequency = 1
-                self._tick += 1
-                b.last_use = self._tick
-                if copies:
-                    copies.append(b)
-                    self._dedup_hits += 1
-                else:
-                    self._registry[meta.sequence_hash] = [b]
-                    events.append(
-                        store(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier)
-                    )
-                    self._stores += 1
-                out.append(ImmutableBlock(self, b))
-            self._emit(events)
-            return out
+                out[i] = ImmutableBlock(self, b)
+            else:
+                self._acquire(existing)
+                b.clear()
+                self._reset.append(b.block_id)
+                out[i] = ImmutableBlock(self, existing)
+
+    def _unregister_batch(self, done: Sequence[MutableBlock]) -> None:
+        """Undo the first part of a failed :meth:`register_blocks` (lock held): the inputs
+        in ``done`` are live again and Complete, their fresh registrations gone."""
+        for handle in done:
+            handle._live = True
+            b = handle._block
+            if b.state is _REGISTERED:
+                del self._registry[b.meta.sequence_hash]  # type: ignore[union-attr]
+                b.state = _COMPLETE
+                b.ref_count = 0
+                b.frequency = 0
+
+    def _bad_handle(self, h: MutableBlock | ImmutableBlock, before: Sequence[object], op: str, state: BlockState) -> Exception:
+        """The error for the first invalid handle of a batch (nothing changed yet)."""
+        b = h._block
+        if any(x is h for x in before):
+            return BlockStateError(f"the same handle of block {b.block_id} appears twice")
+        if not h._live:
+            return ConsumedHandleError(f"{type(h).__name__} of block {b.block_id} was already consumed")
+        if h._pool is not self:
+            return BlockStateError(f"block {b.block_id} belongs to pool {h._pool.tier}, not {self.tier}")
+        return BlockStateError(f"{op} needs a {state.value.capitalize()} block, block {b.block_id} is {b.state.value}")
 
     # ------------------------------------------------------------------ matching
 
     def match_blocks(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
         """Strong handles for the longest prefix of ``sequence_hashes`` registered here;
         stops at the first miss.  Each hit counts as a use (frequency + 1)."""
+        ib = ImmutableBlock
         with self._lock:
             out: list[ImmutableBlock] = []
-            registry = self._registry
-            inactive = self._inactive
+            append = out.append
+            get = self._registry.get
+            levels = self._inactive.levels
             for h in sequence_hashes:
-                copies = registry.get(h)
-                if not copies:
+                block = get(h)
+                if block is None:
                     break
-                block = copies[0]
-                # inline of _acquire (the hot path of every request)
-                if block.ref_count == 0:
-                    inactive.discard(block)
+                if block.ref_count == 0:  # inactive → active
+                    f = block.frequency
+                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
                 block.ref_count += 1
                 block.frequency += 1
-                self._tick += 1
-                block.last_use = self._tick
-                out.append(ImmutableBlock(self, block))
+                append(ib(self, block))
             return out
 
     def scan_matches(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
@@ -372,10 +519,10 @@ class BlockPool:
         with self._lock:
             out: list[ImmutableBlock] = []
             for h in sequence_hashes:
-                copies = self._registry.get(h)
-                if copies:
-                    self._acquire(copies[0])
-                    out.append(ImmutableBlock(self, copies[0]))
+                block = self._registry.get(h)
+                if block is not None:
+                    self._acquire(block)
+                    out.append(ImmutableBlock(self, block))
             return out
 
     def get(self, sequence_hash: int, *, touch: bool = False) -> ImmutableBlock | None:
@@ -385,49 +532,79 @@ class BlockPool:
         internal reads such as write-through offload).
         """
         with self._lock:
-            copies = self._registry.get(sequence_hash)
-            if not copies:
+            block = self._registry.get(sequence_hash)
+            if block is None:
                 return None
-            self._acquire(copies[0], touch=touch)
-            return ImmutableBlock(self, copies[0])
+            self._acquire(block, touch=touch)
+            return ImmutableBlock(self, block)
 
     # ------------------------------------------------------------------ batched handle operations
 
     def get_many(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock | None]:
         """:meth:`get` (no use counted) for many hashes under one lock."""
+        ib = ImmutableBlock
         with self._lock:
             out: list[ImmutableBlock | None] = []
+            append = out.append
+            get = self._registry.get
+            levels = self._inactive.levels
             for h in sequence_hashes:
-                copies = self._registry.get(h)
-                if not copies:
-                    out.append(None)
+                block = get(h)
+                if block is None:
+                    append(None)
                     continue
-                block = copies[0]
                 if block.ref_count == 0:
-                    self._inactive.discard(block)
+                    f = block.frequency
+                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
                 block.ref_count += 1
-                out.append(ImmutableBlock(self, block))
+                append(ib(self, block))
             return out
 
     def upgrade_many(self, weaks: Iterable[WeakBlock]) -> list[ImmutableBlock | None]:
         """:meth:`WeakBlock.upgrade` for many weak handles of this pool under one lock
-        (``None`` for each block evicted or reused since).
+        (``None`` for each block evicted or reused since).  Each upgrade counts a use.
 
         Raises:
-            BlockStateError: a weak handle belongs to another pool.
+            BlockStateError: a weak handle belongs to another pool (nothing upgraded).
         """
+        ws = weaks if isinstance(weaks, list) else list(weaks)
+        for w in ws:
+            if w._pool is not self:
+                raise BlockStateError(f"weak handle of pool {w._pool.tier} upgraded through pool {self.tier}")
+        ib = ImmutableBlock
+        registered = _REGISTERED
         with self._lock:
+            levels = self._inactive.levels
             out: list[ImmutableBlock | None] = []
-            for w in weaks:
-                if w._pool is not self:
-                    raise BlockStateError(f"weak handle of pool {w._pool.tier} upgraded through pool {self.tier}")
-                out.append(self._upgrade(w._block, w._generation, w.sequence_hash))
+            append = out.append
+            for w in ws:
+                b = w._block
+                if b.generation != w._generation or b.state is not registered or b.meta.sequence_hash != w.sequence_hash:  # type: ignore[union-attr]
+                    append(None)
+                    continue
+                if b.ref_count == 0:
+                    f = b.frequency
+                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b]
+                b.ref_count += 1
+                b.frequency += 1
+                append(ib(self, b))
             return out
 
     def downgrade_many(self, handles: Sequence[ImmutableBlock]) -> list[WeakBlock]:
-        """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them)."""
-        weaks = [WeakBlock(self, h._get(), h._block.generation, h.sequence_hash) for h in handles]
-        self.release_blocks(handles)
+        """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them).
+
+        Raises:
+            ConsumedHandleError: a handle was already consumed (nothing released).
+            BlockStateError: a handle belongs to another pool or appears twice.
+        """
+        hs = handles if isinstance(handles, list) else list(handles)
+        wb = WeakBlock
+        with self._lock:  # the weak handles must name the generation the release leaves
+            for h in hs:
+                if not h._live:
+                    raise self._bad_handle(h, (), "downgrade", _REGISTERED)
+            weaks = [wb(self, b, b.generation, b.meta.sequence_hash) for b in [h._block for h in hs]]  # type: ignore[union-attr]
+            self.release_blocks(hs)
         return weaks
 
     # ------------------------------------------------------------------ internals used by handles
@@ -436,30 +613,44 @@ class BlockPool:
         if events and self._publisher is not None:
             self._publisher.publish(events)
 
-    def _unregister(self, block: Block) -> KVEvent | None:
-        """Remove one registered copy; a Remove event when it was the last copy."""
+    def _unregister_copy(self, block: Block) -> bool:
+        """Remove one registered copy of a hash that has further copies (lock held);
+        True when ``block`` was the last copy (the caller publishes the Remove)."""
         meta = block.meta
         assert meta is not None
-        copies = self._registry[meta.sequence_hash]
-        copies.remove(block)
-        if copies:
+        h = meta.sequence_hash
+        extra = self._dups.get(h)
+        if self._registry.get(h) is block:
+            if not extra:
+                del self._registry[h]
+                return True
+            self._registry[h] = extra.pop(0)
+        else:
+            assert extra is not None
+            extra.remove(block)
+        if not extra:
+            del self._dups[h]
+        return False
+
+    def _unregister(self, block: Block) -> KVEvent | None:
+        """Remove one registered copy; a Remove event when it was the last copy."""
+        if not self._unregister_copy(block):
             return None
-        del self._registry[meta.sequence_hash]
+        meta = block.meta
+        assert meta is not None
         self._removes += 1
-        return remove(meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier)
+        return KVEvent(_REMOVE, meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier, None)
 
     def _acquire(self, block: Block, touch: bool = True) -> None:
         """One more strong ref (reactivates an inactive block); ``touch`` counts a use."""
         with self._lock:
-            if block.state is not BlockState.REGISTERED:
+            if block.state is not _REGISTERED:
                 raise BlockStateError(f"block {block.block_id} is {block.state.value}, not registered")
             if block.ref_count == 0:
                 self._inactive.discard(block)
             block.ref_count += 1
             if touch:
                 block.frequency += 1
-                self._tick += 1
-                block.last_use = self._tick
 
     def release_blocks(self, handles: Iterable[ImmutableBlock]) -> None:
         """Release many strong handles under one lock (same as ``h.release()`` for each,
@@ -467,44 +658,60 @@ class BlockPool:
 
         Raises:
             ConsumedHandleError: a handle was already consumed.
-            BlockStateError: a handle belongs to another pool.
+            BlockStateError: a handle belongs to another pool or appears twice.
         """
-        hs = list(handles)
-        for h in hs:
-            h._get()
-            if h._pool is not self:
-                raise BlockStateError(f"handle of pool {h._pool.tier} released through pool {self.tier}")
+        hs = handles if isinstance(handles, list) else list(handles)
+        registered = _REGISTERED
         with self._lock:
-            inactive = self._inactive
+            levels = self._inactive.levels
+            n = 0
             for h in hs:
+                if not h._live or h._pool is not self:
+                    self._unrelease(hs[:n])
+                    raise self._bad_handle(h, hs[:n], "release", registered)
                 h._live = False
-                block = h._block
-                if block.state is not BlockState.REGISTERED or block.ref_count <= 0:
-                    continue
-                block.ref_count -= 1
-                if block.ref_count == 0:
-                    inactive.add(block)
+                n += 1
+                b = h._block
+                rc = b.ref_count - 1
+                if rc > 0:
+                    b.ref_count = rc
+                elif rc == 0:  # the last strong ref: inactive, at its frequency level
+                    b.ref_count = 0
+                    f = b.frequency
+                    levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
+
+    def _unrelease(self, done: list[ImmutableBlock]) -> None:
+        """Undo the releases of ``done`` (a batch failed part-way; lock held), last first,
+        so every block is back to its ref count and out of the inactive set."""
+        for h in reversed(done):
+            h._live = True
+            b = h._block
+            level = self._inactive.levels[_level(b.frequency)]
+            if b.ref_count == 0 and b in level:
+                del level[b]
+            b.ref_count += 1
 
     def _release(self, block: Block) -> None:
         """Drop one strong ref; the last one makes the block inactive."""
         with self._lock:
-            if block.state is not BlockState.REGISTERED or block.ref_count <= 0:
-                return
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            rc = block.ref_count - 1
+            if rc > 0:
+                block.ref_count = rc
+            elif rc == 0 and block.state is _REGISTERED:
+                block.ref_count = 0
                 self._inactive.add(block)
 
     def _reset_block(self, block: Block) -> None:
         """A mutable handle was dropped: back to the Reset list."""
         with self._lock:
-            if block.state is BlockState.REGISTERED:
+            if block.state is _REGISTERED:
                 return
             block.clear()
             self._reset.append(block.block_id)
 
     def _upgrade(self, block: Block, generation: int, sequence_hash: int) -> ImmutableBlock | None:
         with self._lock:
-            if block.generation != generation or block.state is not BlockState.REGISTERED:
+            if block.generation != generation or block.state is not _REGISTERED:
                 return None
             assert block.meta is not None
             if block.meta.sequence_hash != sequence_hash:
@@ -514,5 +721,5 @@ class BlockPool:
 
     def _meta_of(self, sequence_hash: int) -> BlockMeta | None:
         with self._lock:
-            copies = self._registry.get(sequence_hash)
-            return copies[0].meta if copies else None
+            block = self._registry.get(sequence_hash)
+            return block.meta if block is not None else None

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from event_plane.schema import KVEvent, store as store_event
+from event_plane.schema import EventType, KVEvent
 from storage_backends.types import BlockKey, BlockNotFoundError, Placement
 
 from .block import BlockMeta, ImmutableBlock, MutableBlock, WeakBlock
@@ -523,53 +523,72 @@ class TransferManager:
         return future
 
     def _run_host_offload(self, jobs: list[_Job]) -> None:
-        # weak → strong upgrade of every source, one lock per source pool; evicted ones
-        # are skipped (their reserved block goes back to Reset)
-        weak_by_pool: dict[int, tuple[BlockPool, list[WeakBlock]]] = {}
+        # the batch as flat lists: item, reserved destination, source weak handle
+        items_all: list[HostOffloadItem] = []
+        dsts: list[MutableBlock] = []
         for job in jobs:
-            items, todo, _, _ = job.payload
-            for i in todo:
-                src = items[i].src
-                if src is not None:
-                    weak_by_pool.setdefault(id(src._pool), (src._pool, []))[1].append(src)
-        strong: dict[int, ImmutableBlock | None] = {}
+            items, todo, reserved, _ = job.payload
+            items_all.extend([items[i] for i in todo])
+            dsts.extend(reserved)
+        n = len(items_all)
+        # weak → strong upgrade of the sources, one lock per source pool; an evicted
+        # source comes back None and its item is skipped
+        gone = [False] * n
         held: list[tuple[BlockPool, list[ImmutableBlock]]] = []
-        for pool, weaks in weak_by_pool.values():
-            got = pool.upgrade_many(weaks)
+        by_pool: dict[BlockPool, list[int]] = {}
+        for k, item in enumerate(items_all):
+            src = item.src
+            if src is not None:
+                ks = by_pool.get(src._pool)
+                if ks is None:
+                    ks = by_pool[src._pool] = []
+                ks.append(k)
+        for pool, ks in by_pool.items():
+            got = pool.upgrade_many([items_all[k].src for k in ks])  # type: ignore[misc]
             held.append((pool, [h for h in got if h is not None]))
-            for w, h in zip(weaks, got, strict=True):
-                strong[id(w)] = h
-        plan: list[tuple[_Job, int, MutableBlock]] = []
-        groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
-        for job in jobs:
-            items, todo, reserved, result = job.payload
-            for i, dst in zip(todo, reserved, strict=True):
-                item: HostOffloadItem = items[i]
-                if item.src is not None and strong[id(item.src)] is None:
-                    result.skipped += 1
-                    dst.release()
-                    continue
-                plan.append((job, i, dst))
-                g = groups.setdefault(id(item.src_layout), (item.src_layout, [], []))
-                g[1].append(item.src_block_id)
-                g[2].append(dst.block_id)
+            if len(held[-1][1]) != len(got):
+                for k, h in zip(ks, got, strict=True):
+                    gone[k] = h is None
         try:
+            # copy: one call per source layout (runs of consecutive blocks are one slice copy)
+            groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
+            for item, dst, lost in zip(items_all, dsts, gone, strict=True):
+                if lost:
+                    continue
+                layout = item.src_layout
+                g = groups.get(id(layout))
+                if g is None:
+                    g = groups[id(layout)] = (layout, [], [])
+                g[1].append(item.src_block_id)
+                g[2].append(dst._block.block_id)
             for layout, src_ids, dst_ids in groups.values():
                 copy_blocks(layout, src_ids, self.g2.layout, dst_ids)
             # register per job, in submission order (Store("g2") events in block order)
+            pos = 0
             for job in jobs:
-                items, _, _, result = job.payload
-                mine = [(i, dst) for j, i, dst in plan if j is job]
-                registered = self.g2.register_blocks([dst for _, dst in mine])
-                for (i, _), weak in zip(mine, self.g2.downgrade_many(registered), strict=True):
-                    result.blocks[i] = weak
+                _, todo, reserved, result = job.payload
+                lost_here = gone[pos : pos + len(todo)]
+                pos += len(todo)
+                if any(lost_here):
+                    result.skipped += sum(lost_here)
+                    for dst, lost in zip(reserved, lost_here, strict=True):
+                        if lost:
+                            dst.release()
+                    mine = [dst for dst, lost in zip(reserved, lost_here, strict=True) if not lost]
+                    slots = [i for i, lost in zip(todo, lost_here, strict=True) if not lost]
+                else:
+                    mine, slots = reserved, todo
+                weak_g2 = self.g2.downgrade_many(self.g2.register_blocks(mine))
+                blocks = result.blocks
+                for i, weak in zip(slots, weak_g2, strict=True):
+                    blocks[i] = weak
                 result.copied = len(mine)
                 self.metrics.offload_d2h.inc(len(mine))
         finally:
             for pool, handles in held:
                 pool.release_blocks(handles)
-            for _, _, dst in plan:
-                if not dst.consumed:
+            for dst in dsts:
+                if dst._live:
                     dst.release()
         for job in jobs:
             job.future.set_result(job.payload[3])
@@ -634,8 +653,9 @@ class TransferManager:
                         result.skipped += 1
                         continue
                     holds.append(strong)
-                    puts.append((item.key, host_bytes(strong._pool.layout, strong.block_id)))
-                    entries.append((job, i, strong.tier != "g1"))
+                    pool = strong._pool
+                    puts.append((item.key, host_bytes(pool.layout, strong._block.block_id)))
+                    entries.append((job, i, pool.tier != "g1"))
             error: BaseException | None = None
             placements: list[Placement] = []
             if puts:
@@ -645,8 +665,11 @@ class TransferManager:
                     logger.warning("offload of %d blocks to %s failed: %r", len(puts), self.g3_volume, exc)
                     error = exc
         finally:
+            by_pool: dict[BlockPool, list[ImmutableBlock]] = {}
             for h in holds:
-                h.release()
+                by_pool.setdefault(h._pool, []).append(h)
+            for pool, hs in by_pool.items():
+                pool.release_blocks(hs)
         if error is None:
             for (job, i, from_host), placement in zip(entries, placements, strict=True):
                 result = job.payload[1]
@@ -658,11 +681,12 @@ class TransferManager:
             for job in jobs:
                 items, result = job.payload
                 events: list[KVEvent] = []
+                bb = self.block_bytes
                 for i in result.submitted:
                     p = result.placements[i]
                     if p is not None:
                         m = items[i].meta
-                        events.append(store_event(m.sequence_hash, m.prefix_hash, m.parent_hash, self.block_bytes, p.volume_id))
+                        events.append(KVEvent(EventType.STORE, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, p.volume_id))
                 if events:
                     self.publisher.publish(events)
                 self.metrics.offload_h2d.inc(result.from_host)

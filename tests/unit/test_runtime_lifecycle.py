@@ -336,3 +336,27 @@ def test_chain_events_parent_is_sequence_predecessor(cap: Capture) -> None:
         ("STORE", hashes[1], hashes[0], "g1"),
         ("STORE", full[2], hashes[1], "g1"),
     ]
+
+
+def test_bad_batch_part_way_changes_nothing(cap: Capture) -> None:
+    """Batch calls check and apply in one pass; a bad input found part-way undoes the rest."""
+    pool = make_pool(cap, blocks=4)
+    metas = [BlockMeta(100 + i, 99 + i if i else None, 100, SALT) for i in range(3)]
+    a, b, c = pool.allocate_complete(metas)
+    with pytest.raises(BlockStateError, match="appears twice"):
+        pool.register_blocks([a, b, a])
+    assert not a.consumed and not b.consumed and pool.resident() == set() and cap.events() == []
+    handles = pool.register_blocks([a, b, c])
+    assert [h.sequence_hash for h in handles] == [100, 101, 102]
+    extra = handles[0].clone()
+    stale = pool.match_blocks([100])[0]
+    stale.release()
+    with pytest.raises(ConsumedHandleError):
+        pool.release_blocks([handles[0], handles[1], stale])
+    assert not handles[0].consumed and not handles[1].consumed
+    assert pool.stats().active == 3 and pool.eviction_order() == []
+    with pytest.raises(BlockStateError, match="appears twice"):
+        pool.release_blocks([handles[2], handles[2]])
+    assert pool.stats().active == 3
+    pool.release_blocks([*handles, extra])
+    assert pool.stats().inactive == 3 and pool.eviction_order() == [101, 102, 100]  # 100 was matched: frequency 2
