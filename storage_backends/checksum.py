@@ -7,6 +7,7 @@ cores are busy.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,3 +57,18 @@ def pack(buf: torch.Tensor, offsets: Sequence[int], blocks: Sequence[torch.Tenso
         pos = off + n
     if size > pos:
         dst[pos:size] = 0
+
+
+_BYTE_ARRAYS: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}
+
+
+def memory_at(address: int, nbytes: int) -> ctypes.Array[ctypes.c_ubyte]:
+    """A buffer over ``nbytes`` of live memory at ``address`` (to hash it without building
+    a tensor or array per block: ~0.3 us).  The caller keeps the memory alive."""
+    t = _BYTE_ARRAYS.get(nbytes)
+    if t is None:
+        if len(_BYTE_ARRAYS) > 4096:
+            _BYTE_ARRAYS.clear()
+        t = _BYTE_ARRAYS[nbytes] = ctypes.c_ubyte * nbytes
+    return t.from_address(address)
+

@@ -12,18 +12,28 @@ Facts used here (``../shared/reference/nixl_notes.md``, checked with nixl-cu12 1
   configuration.
 * A transfer is ``initialize_xfer`` -> ``transfer`` -> poll ``check_xfer_state`` until it
   leaves ``PROC`` -> ``release_xfer_handle``.  Errors surface as ``ERR`` or as exceptions
-  from ``check_xfer_state``; both become :class:`TransferError`.
+  from ``check_xfer_state``; both become :class:`TransferError`.  Descriptor lists may be
+  ``N x 3`` int64 numpy arrays (``get_xfer_descs`` takes them ~10x faster than tuples).
+* Every local DRAM descriptor of a transfer must lie inside ONE registered region, and
+  NIXL looks a descriptor up in the region with the greatest start <= its address only
+  (checked here: a descriptor inside an outer region but past a nested inner one is
+  refused).  DRAM registration with the POSIX and OBJ backends is bookkeeping only (no
+  pinning: 1 TiB of unmapped address space registers in < 1 ms), so a registration that
+  outlives its memory is harmless.  :class:`DramRegions` keeps registered regions
+  disjoint, which makes the lookup exact.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .types import TransferError
@@ -33,6 +43,8 @@ logger = logging.getLogger(__name__)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 _MIN_STAGING = 1 << 20
+#: caller buffers kept registered (disjoint regions; the cache starts over beyond it)
+_MAX_DRAM_REGIONS = 1 << 14
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -42,7 +54,8 @@ def _import_nixl() -> tuple[Any, Any]:
 
 
 class NixlEngine:
-    """One NIXL backend on one nixl agent, plus a reusable registered DRAM staging buffer.
+    """One NIXL backend on one nixl agent, its registered DRAM (:attr:`dram`: staging
+    buffers and caller buffers) and reusable staging buffers.
 
     Callers hold :attr:`lock` while they use the staging buffer and run transfers with it.
     """
@@ -52,8 +65,9 @@ class NixlEngine:
         self.agent_name = agent_name
         self.backend = backend
         self.lock = lock
-        self._slots: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._slots: dict[int, torch.Tensor] = {}
         self._next_dev_id = 1
+        self.dram = DramRegions(self)
 
     # ------------------------------------------------------------------ memory
     def staging(self, nbytes: int, alignment: int = 64, slot: int = 0) -> torch.Tensor:
@@ -66,23 +80,44 @@ class NixlEngine:
 
         The returned view is valid until the next call for the same slot; hold
         :attr:`lock` while using it.
+
+        Raises:
+            TransferError: NIXL refused the registration.
         """
         need = max(nbytes, 1)
         cur = self._slots.get(slot)
-        if cur is None or cur[0].numel() - (alignment - 1) < need:
+        if cur is None or cur.numel() - (alignment - 1) < need:
             size = max(_MIN_STAGING, 1 << (need - 1).bit_length()) + alignment
-            self._release_slot(slot)
-            buf = torch.empty(size, dtype=torch.uint8)
-            self._slots[slot] = cur = (buf, self.register_dram(buf))
-        pad = (-cur[0].data_ptr()) % alignment
-        return cur[0][pad : pad + need]
+            self._slots.pop(slot, None)  # its region stays registered: harmless, see DramRegions
+            cur = self._slots[slot] = torch.empty(size, dtype=torch.uint8)
+        self.register_tensor(cur)
+        pad = (-cur.data_ptr()) % alignment
+        return cur[pad : pad + need]
 
-    def register_dram(self, t: torch.Tensor) -> Any:
-        """Register a CPU tensor with this engine's backend (``agent.register_memory``)."""
+    def register_tensor(self, t: torch.Tensor) -> None:
+        """Make sure a CPU tensor's bytes are registered DRAM of this engine (its whole
+        storage is registered once and cached in :attr:`dram`).
+
+        Raises:
+            TransferError: NIXL refused the registration.
+        """
+        addr = t.data_ptr()
+        n = t.numel() * t.element_size()
+        st = t.untyped_storage()
+        self.dram.ensure(np.array([addr], dtype=np.int64), np.array([addr + max(n, 1)], dtype=np.int64),
+                         lambda _: (st.data_ptr(), st.nbytes()))
+
+    def register_dram_range(self, address: int, nbytes: int) -> Any:
+        """Register ``nbytes`` of DRAM at ``address`` (used by :class:`DramRegions`, which
+        keeps the regions of one engine disjoint; do not mix with other DRAM registrations).
+
+        Raises:
+            TransferError: NIXL refused the registration.
+        """
         try:
-            return self.agent.register_memory(t, backends=[self.backend])
+            return self.agent.register_memory([(address, nbytes, 0, "")], "DRAM", backends=[self.backend])
         except Exception as exc:  # nixl raises its own binding errors
-            raise TransferError(f"NIXL {self.backend}: cannot register {t.numel() * t.element_size()} bytes of DRAM: {exc}") from exc
+            raise TransferError(f"NIXL {self.backend}: cannot register {nbytes} bytes of DRAM at {address:#x}: {exc}") from exc
 
     def register(self, regs: Sequence[tuple[int, int, int, str]], mem_type: str) -> Any:
         """Register FILE or OBJ regions ``[(offset, length, fd_or_dev_id, meta)]``."""
@@ -92,7 +127,7 @@ class NixlEngine:
             raise TransferError(f"NIXL {self.backend}: cannot register {mem_type} regions {list(regs)[:2]}: {exc}") from exc
 
     def deregister(self, reg: Any) -> None:
-        """Undo :meth:`register` / :meth:`register_dram`; errors are logged, not raised."""
+        """Undo :meth:`register` / :meth:`register_dram_range`; errors are logged, not raised."""
         try:
             self.agent.deregister_memory(reg, backends=[self.backend])
         except Exception as exc:
@@ -103,21 +138,12 @@ class NixlEngine:
         self._next_dev_id += 1
         return self._next_dev_id
 
-    def _release_slot(self, slot: int) -> None:
-        cur = self._slots.pop(slot, None)
-        if cur is not None:
-            self.deregister(cur[1])
-
-    def _release_staging(self) -> None:
-        for slot in list(self._slots):
-            self._release_slot(slot)
-
     # ------------------------------------------------------------------ transfers
     def transfer(
         self,
         op: str,
-        local: Sequence[tuple[int, int]],
-        remote: Sequence[tuple[int, int, int]],
+        local: Sequence[tuple[int, int]] | np.ndarray,
+        remote: Sequence[tuple[int, int, int]] | np.ndarray,
         remote_mem: str,
         timeout_s: float = 300.0,
     ) -> None:
@@ -125,8 +151,10 @@ class NixlEngine:
 
         Args:
             op: ``"WRITE"`` (DRAM -> storage) or ``"READ"`` (storage -> DRAM).
-            local: ``[(address, length)]`` in registered DRAM.
-            remote: ``[(offset, length, fd_or_dev_id)]`` in registered ``remote_mem``.
+            local: ``[(address, length)]`` in registered DRAM, or an ``N x 3`` int64 array
+                of ``(address, length, 0)`` rows.
+            remote: ``[(offset, length, fd_or_dev_id)]`` in registered ``remote_mem``, or
+                an ``N x 3`` int64 array of such rows.
             remote_mem: ``"FILE"`` or ``"OBJ"``.
 
         Raises:
@@ -135,13 +163,16 @@ class NixlEngine:
         """
         if len(local) != len(remote):
             raise TransferError(f"{len(local)} local descriptors for {len(remote)} remote ones")
-        if not local:
+        if len(local) == 0:
             return
         a = self.agent
         handle = None
         try:
-            ldesc = a.get_xfer_descs([(addr, ln, 0) for addr, ln in local], "DRAM")
-            rdesc = a.get_xfer_descs(list(remote), remote_mem)
+            if isinstance(local, np.ndarray):
+                ldesc = a.get_xfer_descs(local, "DRAM")
+            else:
+                ldesc = a.get_xfer_descs([(addr, ln, 0) for addr, ln in local], "DRAM")
+            rdesc = a.get_xfer_descs(remote if isinstance(remote, np.ndarray) else list(remote), remote_mem)
             handle = a.initialize_xfer(op, ldesc, rdesc, self.agent_name, backends=[self.backend])
             state = a.transfer(handle)
             deadline = time.monotonic() + timeout_s
@@ -168,9 +199,98 @@ class NixlEngine:
                     logger.debug("NIXL release_xfer_handle: %s", exc)
 
     def close(self) -> None:
-        """Deregister the staging buffers."""
+        """Drop the staging buffers and deregister every cached DRAM region."""
         with self.lock:
-            self._release_staging()
+            self._slots.clear()
+            self.dram.clear()
+
+
+class DramRegions:
+    """Caller-owned DRAM (``get(out=...)`` tensors) kept registered with one engine, so that
+    reads land straight in it without a staging copy.
+
+    Regions are the tensors' whole storages, registered on first use and kept (a pool's
+    storage is registered once for good).  They stay pairwise disjoint: a new storage
+    that overlaps cached regions (their memory was freed and reused, or two tensors view
+    one buffer) replaces them with the union of all of them.  When
+    :data:`_MAX_DRAM_REGIONS` regions are held, the next :meth:`ensure` starts from an
+    empty cache (never in the middle of a call's ranges).  Callers hold the engine's
+    :attr:`NixlEngine.lock` from :meth:`ensure` until their transfers are done.
+    """
+
+    def __init__(self, engine: NixlEngine) -> None:
+        self._engine = engine
+        self._regs: dict[int, tuple[int, Any]] = {}  # start -> (end, handle)
+        self._sorted: list[int] = []  # starts, ascending
+        self._starts = np.empty(0, dtype=np.int64)
+        self._ends = np.empty(0, dtype=np.int64)
+        self._dirty = False
+        #: registrations made so far (a steady state makes none)
+        self.registrations = 0
+
+    def __len__(self) -> int:
+        return len(self._regs)
+
+    def uncovered(self, addrs: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Indexes of the ranges ``[addrs[i], ends[i])`` that no registered region holds."""
+        if self._dirty:
+            self._starts = np.array(self._sorted, dtype=np.int64)
+            self._ends = np.array([self._regs[s][0] for s in self._sorted], dtype=np.int64)
+            self._dirty = False
+        if len(self._starts) == 0:
+            return np.arange(len(addrs))
+        idx = np.searchsorted(self._starts, addrs, side="right") - 1
+        ok = (idx >= 0) & (self._ends[np.maximum(idx, 0)] >= ends)
+        return np.flatnonzero(~ok)
+
+    def _covers(self, a: int, e: int) -> bool:
+        j = bisect.bisect_right(self._sorted, a) - 1
+        return j >= 0 and self._regs[self._sorted[j]][0] >= e
+
+    def ensure(self, addrs: np.ndarray, ends: np.ndarray, storage_of: Callable[[int], tuple[int, int]]) -> None:
+        """Register what is needed so that every ``[addrs[i], ends[i])`` lies in one region.
+
+        Args:
+            addrs, ends: int64 arrays of byte ranges (caller tensors' bytes).
+            storage_of: ``i -> (start, nbytes)`` of the allocation holding range ``i``
+                (registered whole, so later tensors of the same storage hit the cache).
+
+        Raises:
+            TransferError: NIXL refused a registration.
+        """
+        if len(self._regs) >= _MAX_DRAM_REGIONS:
+            self.clear()  # before this call's ranges are looked up, so none of them is dropped
+        miss = self.uncovered(addrs, ends)
+        for i in miss.tolist():
+            a, e = int(addrs[i]), int(ends[i])
+            if self._covers(a, e):
+                continue  # an earlier miss of this call registered its storage
+            s, n = storage_of(i)
+            lo, hi = min(s, a), max(s + n, e)
+            j = bisect.bisect_right(self._sorted, lo) - 1
+            if j < 0 or self._regs[self._sorted[j]][0] <= lo:
+                j += 1  # the region starting before lo ends before it: keep it
+            k = j
+            while k < len(self._sorted) and self._sorted[k] < hi:
+                k += 1
+            for start in self._sorted[j:k]:  # overlapping regions: replaced by the union
+                end, handle = self._regs.pop(start)
+                lo, hi = min(lo, start), max(hi, end)
+                self._engine.deregister(handle)
+            del self._sorted[j:k]
+            self._dirty = True
+            handle = self._engine.register_dram_range(lo, hi - lo)
+            self._regs[lo] = (hi, handle)
+            bisect.insort(self._sorted, lo)
+            self.registrations += 1
+
+    def clear(self) -> None:
+        """Deregister every cached region."""
+        for _, handle in self._regs.values():
+            self._engine.deregister(handle)
+        self._regs.clear()
+        self._sorted.clear()
+        self._dirty = True
 
 
 class NixlHub:

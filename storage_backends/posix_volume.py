@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from .keys import encode_component, parse_segment_name, segment_file_name
@@ -360,6 +361,74 @@ class PosixVolume(Volume):
                 self.engine.transfer("READ", local, remote, "FILE")
             finally:
                 self._trim()  # only now: every segment of this batch stayed registered
+
+    #: 4 MiB: measured best here (2 cores, 1 MiB L2, 32 MiB L3) against 1, 2, 8, 16 and
+    #: 64 MiB, and against verifying on a second thread while the next piece is read
+    read_piece_bytes: int = 4 << 20
+
+    def direct_read_ok(self, addrs: np.ndarray, lengths: np.ndarray) -> bool:
+        """Always for buffered volumes; with O_DIRECT only when every address and length
+        is a multiple of ``alignment`` (the offsets are, by :meth:`plan`)."""
+        if not self._direct:
+            return True
+        a = self.desc.alignment
+        return bool(np.all(addrs % a == 0) and np.all(lengths % a == 0))
+
+    def read_direct(self, segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> None:
+        """See :meth:`Volume.read_direct` (O_DIRECT falls back to buffered I/O on EIO)."""
+        direct = self._direct
+        try:
+            self._read_ranges(segments, offsets, lengths, addrs, direct)
+        except TransferError as exc:
+            if not direct:
+                raise
+            self._fallback("read", errno.EIO, f"NIXL read with O_DIRECT failed: {exc}")
+            self._read_ranges(segments, offsets, lengths, addrs, False)
+        self.counters.bytes_read += int(lengths.sum())
+
+    def _read_ranges(
+        self, segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray, direct: bool
+    ) -> None:
+        n = len(segments)
+        with self._open_lock:
+            try:
+                if n == 1 or (segments == segments[0]).all():  # the common case: one segment
+                    seg = self._segment(int(segments[0]), direct)
+                    fds: np.ndarray | int = seg.fd
+                    sizes: np.ndarray | int = seg.size
+                else:
+                    useg, at = np.unique(segments, return_inverse=True)
+                    opened = [self._segment(int(x), direct) for x in useg.tolist()]
+                    fds = np.array([o.fd for o in opened], dtype=np.int64)[at]
+                    sizes = np.array([o.size for o in opened], dtype=np.int64)[at]
+                ends = offsets + lengths
+                past = np.flatnonzero(ends > sizes)
+                if len(past):
+                    i = int(past[0])
+                    size = sizes if isinstance(sizes, int) else int(sizes[i])
+                    raise TransferError(
+                        f"volume {self.desc.id!r}: segment {int(segments[i])} is {size} bytes, "
+                        f"range {int(offsets[i])}+{int(lengths[i])} is past its end"
+                    )
+                # one descriptor per run contiguous in the file and in memory
+                if n > 1:
+                    brk = (offsets[1:] != ends[:-1]) | (addrs[1:] != addrs[:-1] + lengths[:-1])
+                    if not isinstance(fds, int):
+                        brk |= fds[1:] != fds[:-1]
+                    first = np.concatenate(([0], np.flatnonzero(brk) + 1))
+                    if len(first) < n:
+                        lengths = np.add.reduceat(lengths, first)
+                        offsets, addrs = offsets[first], addrs[first]
+                        if not isinstance(fds, int):
+                            fds = fds[first]
+                k = len(lengths)
+                local = np.zeros((k, 3), dtype=np.int64)
+                local[:, 0], local[:, 1] = addrs, lengths
+                remote = np.empty((k, 3), dtype=np.int64)
+                remote[:, 0], remote[:, 1], remote[:, 2] = offsets, lengths, fds
+                self.engine.transfer("READ", local, remote, "FILE")
+            finally:
+                self._trim()  # only now: every segment of this transfer stayed registered
 
     # ------------------------------------------------------------------ admin
     def delete_segment(self, segment_id: int) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 from tenacity import RetryCallState, retry, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -151,6 +152,17 @@ class S3Volume(Volume):
     #: Set ``"supported"`` to have S3 verify a CRC of every upload as well.
     request_checksum: ClassVar[str] = "required"
 
+    #: aws-sdk-cpp response checksums: ``"required"`` validates only when a request asks
+    #: for it (ours never do): every block is checked with its XXH3 after the read.
+    response_checksum: ClassVar[str] = "required"
+    #: concurrent requests of the NIXL OBJ backend (its default is half the cores, 1 on a
+    #: 2-core box): the segments of one read batch are fetched in parallel.
+    threads: ClassVar[int] = 8
+    #: a read batch is ONE transfer: a whole-span ranged GET per segment.  Cutting it
+    #: into pieces costs a request per piece (about 10 ms each on moto) and measured
+    #: 2x slower.
+    read_piece_bytes: int = 1 << 62
+
     @classmethod
     def engine_spec(cls, desc: VolumeDescriptor) -> tuple[str, dict[str, str]]:
         """One OBJ backend per (endpoint, bucket, region, credentials)."""
@@ -165,6 +177,8 @@ class S3Volume(Volume):
             "secret_key": sk,
             "use_virtual_addressing": "false",
             "req_checksum": cls.request_checksum,
+            "resp_checksum": cls.response_checksum,
+            "num_threads": str(cls.threads),
         }
         if token:
             params["session_token"] = token
@@ -288,6 +302,35 @@ class S3Volume(Volume):
         self.counters.bytes_read += pos
         self.counters.bump("ranged_gets", len(spans))
         return [v for v in views if v is not None]
+
+    #: blocks at least this large are read straight into their destination, one ranged
+    #: GET each (smaller ones are coalesced per segment into a staging buffer)
+    direct_min_bytes: int = 4 << 20
+
+    def direct_read_ok(self, addrs: np.ndarray, lengths: np.ndarray) -> bool:
+        """When every block is at least :attr:`direct_min_bytes` long."""
+        return bool(len(lengths)) and int(lengths.min()) >= self.direct_min_bytes
+
+    def read_direct(self, segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> None:
+        """See :meth:`Volume.read_direct`: one ranged GET per range, all in one NIXL READ
+        (run concurrently by the backend's threads), retried as a whole on failure."""
+        seg_l = segments.tolist()
+        ends: dict[int, int] = {}
+        for seg_id, end in zip(seg_l, (offsets + lengths).tolist()):
+            ends[seg_id] = max(ends.get(seg_id, 0), end)
+        devs = {seg_id: self.engine.new_dev_id() for seg_id in ends}
+        local = np.stack([addrs, lengths, np.zeros_like(lengths)], axis=1)
+        remote = np.stack([offsets, lengths, np.array([devs[x] for x in seg_l], dtype=np.int64)], axis=1)
+        regs = []
+        try:
+            for seg_id, end in ends.items():
+                regs.append(self.engine.register([(0, end, devs[seg_id], self.key(seg_id))], "OBJ"))
+            self._retry(lambda: self.engine.transfer("READ", local, remote, "OBJ"))
+        finally:
+            for reg in regs:
+                self.engine.deregister(reg)
+        self.counters.bytes_read += int(lengths.sum())
+        self.counters.bump("ranged_gets", len(seg_l))
 
     # ------------------------------------------------------------------ admin
     def delete_segment(self, segment_id: int) -> None:

@@ -53,6 +53,8 @@ CREATE TABLE IF NOT EXISTS quarantine (
 
 _COLS = "ns, seq, volume, segment, off, len, checksum, version"
 _IN_CHUNK = 500  # keys per IN (...) query (SQLite allows 32766 parameters)
+_PAIR_CHUNK = 400  # (ns, seq) pairs per row-value IN (VALUES ...) query
+_U64 = 1 << 64
 
 
 def _row(p: Placement) -> tuple[str, int, str, int, int, int, int, int]:
@@ -158,23 +160,35 @@ class SqliteCatalog(PlacementCatalog):
 
     @staticmethod
     def _select_many(db: sqlite3.Connection, keys: Sequence[BlockKey]) -> list[Placement | None]:
-        """Placements of ``keys`` with one ``IN`` query per namespace and 500 keys."""
-        found: dict[tuple[str, int], Placement] = {}
-        by_ns: dict[str, list[int]] = {}
+        """Placements of ``keys``: one ``IN`` query per namespace and 500 keys, or, for keys
+        of many namespaces, one ``(ns, seq) IN (VALUES ...)`` query per 400 keys.  The
+        returned placements reuse the caller's key objects (no per-row key parsing)."""
+        by_ns: dict[str, dict[int, BlockKey]] = {}
         for k in keys:
-            by_ns.setdefault(k.namespace, []).append(u64_to_i64(k.sequence_hash))
-        for ns, seqs in by_ns.items():
-            uniq = list(dict.fromkeys(seqs))
-            for i in range(0, len(uniq), _IN_CHUNK):
-                chunk = uniq[i : i + _IN_CHUNK]
-                rows = db.execute(
-                    f"SELECT {_COLS} FROM placements WHERE ns = ? AND seq IN ({','.join('?' * len(chunk))})",
-                    (ns, *chunk),
+            by_ns.setdefault(k.namespace, {})[u64_to_i64(k.sequence_hash)] = k
+        rows: list[tuple[str, int, str, int, int, int, int, int]] = []
+        if len(by_ns) <= 4:
+            for ns, seqs in by_ns.items():
+                uniq = list(seqs)
+                for i in range(0, len(uniq), _IN_CHUNK):
+                    chunk = uniq[i : i + _IN_CHUNK]
+                    rows += db.execute(
+                        f"SELECT {_COLS} FROM placements WHERE ns = ? AND seq IN ({','.join('?' * len(chunk))})",
+                        (ns, *chunk),
+                    ).fetchall()
+        else:
+            pairs = [(ns, q) for ns, seqs in by_ns.items() for q in seqs]
+            for i in range(0, len(pairs), _PAIR_CHUNK):
+                chunk = pairs[i : i + _PAIR_CHUNK]
+                rows += db.execute(
+                    f"SELECT {_COLS} FROM placements WHERE (ns, seq) IN (VALUES {','.join(['(?,?)'] * len(chunk))})",
+                    [v for pair in chunk for v in pair],
                 ).fetchall()
-                for r in rows:
-                    p = _placement(r)
-                    found[(p.key.namespace, p.key.sequence_hash)] = p
-        return [found.get((k.namespace, k.sequence_hash)) for k in keys]
+        found: dict[str, dict[int, Placement]] = {ns: {} for ns in by_ns}
+        for ns, seq, vol, seg, off, ln, ck, ver in rows:
+            key = by_ns[ns][seq]
+            found[ns][seq] = Placement(key, vol, seg, off, ln, ck + _U64 if ck < 0 else ck, ver)
+        return [found[k.namespace].get(u64_to_i64(k.sequence_hash)) for k in keys]
 
     @staticmethod
     def _check_segment(db: sqlite3.Connection, p: Placement) -> None:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 
 from .keys import validate_volume_id
@@ -193,6 +194,29 @@ class Volume(ABC):
             offsets.append(pos)
             pos = align_up(pos + n, a)
         return offsets, max(pos, a if a > 1 else 0)
+
+    #: bytes of one read transfer that the agent verifies before it reads the next one
+    #: (small enough that the bytes are still in the CPU cache when they are hashed)
+    read_piece_bytes: int = 8 << 20
+
+    def direct_read_ok(self, addrs: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether :meth:`read_direct` can land ranges of ``lengths`` bytes straight at the
+        DRAM addresses ``addrs`` (int64 arrays); ``False`` means the agent reads through
+        a staging buffer with :meth:`read_into` instead."""
+        return False
+
+    def read_direct(self, segments: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, addrs: np.ndarray) -> None:
+        """Read ``lengths[i]`` bytes at ``offsets[i]`` of segment ``segments[i]`` into the
+        registered DRAM at ``addrs[i]``, for every i, in ONE NIXL transfer (int64 arrays;
+        a volume may merge ranges contiguous both in the segment and in memory into one
+        descriptor).  Counts bytes, not blocks (the caller counts blocks).
+
+        Raises:
+            TransferError: a segment is missing, a range is past its end, or the transfer
+                failed.
+            NotImplementedError: the volume has no direct reads (see :meth:`direct_read_ok`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no direct reads")
 
     def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
         """Bytes of staging buffer :meth:`read_many` needs for ``[(segment_id, offset, length)]``."""

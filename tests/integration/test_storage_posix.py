@@ -120,27 +120,33 @@ def test_exists_locate_delete_and_empty_segment_removal(agent: StorageAgent) -> 
 
 
 def test_corrupted_byte_is_detected_and_quarantined(agent: StorageAgent) -> None:
-    keys = [BlockKey(NS, i) for i in range(3)]
+    keys = [BlockKey(NS, i) for i in range(4)]
     ps = agent.put([(k, block(i, 4096)) for i, k in enumerate(keys)], "fast")
     path = agent._vol("fast").path(ps[1].segment_id)  # type: ignore[attr-defined]
-    with open(path, "r+b") as f:
-        f.seek(ps[1].offset + 1234)
-        b = f.read(1)
-        f.seek(ps[1].offset + 1234)
-        f.write(bytes([b[0] ^ 0x01]))
+    with open(path, "r+b") as f:  # one flipped bit in block 1 and in block 3
+        for p in (ps[1], ps[3]):
+            f.seek(p.offset + 1234)
+            b = f.read(1)
+            f.seek(p.offset + 1234)
+            f.write(bytes([b[0] ^ 0x01]))
     agent.close()  # drop cached fds/registrations; a fresh agent reads from disk
     fresh = StorageAgent(agent.catalog, name="fresh-reader")
     fresh.register_volume(agent.volume("fast"))
     try:
-        out = torch.full((4096,), 7, dtype=torch.uint8)
+        # read straight into the caller's tensors: the mismatch raises (the contract: only a
+        # normal return vouches for the bytes in ``out``)
+        outs = [torch.full((4096,), 7, dtype=torch.uint8) for _ in range(2)]
+        with pytest.raises(ChecksumMismatchError, match="1 block.*quarantined"):
+            fresh.get([keys[0], keys[1]], out=outs)
+        # and into a new buffer
         with pytest.raises(ChecksumMismatchError, match="quarantined"):
-            fresh.get([keys[1]], out=[out])
-        assert torch.all(out == 7)  # nothing wrong was handed out
-        with pytest.raises(BlockNotFoundError):
-            fresh.get([keys[1]])
+            fresh.get([keys[3]])
+        for k in (keys[1], keys[3]):
+            with pytest.raises(BlockNotFoundError):
+                fresh.get([k])
         good = fresh.get([keys[0], keys[2]])
         assert torch.equal(good[0], block(0, 4096)) and torch.equal(good[1], block(2, 4096))
-        assert fresh.counters.quarantined == 1
+        assert fresh.counters.quarantined == 2 and fresh.counters.checksum_mismatches == 2
     finally:
         fresh.close()
 
