@@ -63,9 +63,12 @@ class FrequencySketch:
         return [((x * k) & _MASK64) >> sh for k in self._seeds]
 
     def increment(self, h: int, n: int = 1) -> None:
-        """Count ``n`` accesses of block ``h`` (``n >= 1``)."""
+        """Count ``n`` accesses of block ``h`` (``n >= 1``; any larger ``n``, up to the u64
+        hit counts partners report, saturates the 8-bit counters at 255)."""
         if n <= 0:
             return
+        if n > 256:
+            n = 256  # the doorkeeper may take one; counters saturate at 255 anyway
         if self.settings.doorkeeper and h not in self._door:
             self._door.add(h)
             n -= 1

@@ -8,11 +8,17 @@ Locations:
       advisor see the same volume, so it is used as is;
     * ``g1`` / ``g2`` are private to one worker, so the index qualifies them with the
       batch's source: ``"<source>/g1"``.
+    * a ``storage_location`` that is empty, blank or contains ``/`` is rejected (the event
+      alone, counted in ``invalid_locations``): volume ids are single tokens, so a
+      qualified private name (always with ``/``) never equals a volume id.
 
 Internally a block is one compact record (``h -> _Rec``) and a location is a bit of its
-integer mask with a block count; volumes also keep the set of hashes they hold.  That keeps
-``apply_batch`` and ``lookup`` to a few dict/int operations per event and the index to
-about 180 bytes per block (``bench/advisor.py``, ``docs/BENCHMARKS.md``).
+integer mask with a block count; volumes also keep the hashes they hold, each with the
+source(s) that stored it there (*storers*, for Cleared).  That keeps ``apply_batch`` and
+``lookup`` to a few dict/int operations per event and the index to about 180 bytes per
+block (``bench/advisor.py``, ``docs/BENCHMARKS.md``).  A location whose block count drops to
+zero gives its bit back at the end of the batch (reused by the next new location), so
+short-lived sources do not grow the masks.
 
 The fold is deterministic: it only uses what is in the batches (``ts_ns`` is the clock),
 so the same log applied twice gives the same :meth:`PrefixIndex.dump`.
@@ -26,11 +32,19 @@ Fault tolerance (failure cases of ``cases/CASES.md``):
     * Remove at one location while others still hold the block: the others stay.
     * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone.
     * a new epoch of a known source drops that source's ``g1``/``g2`` residency; batches
-      of a superseded epoch that arrive later are ignored and counted.
+      of a superseded epoch that arrive later are counted (``stale_batches``) and only their
+      volume events are applied, in order (facts about shared storage; their Stores are
+      placement only, never accesses); their ``g1``/``g2`` events are ignored.
+    * Cleared of a volume from source A removes A from the storers of each block there;
+      a block leaves the volume when no storer remains (other sources' blocks stay).  A
+      Remove at a volume ends the residency whoever stored it (the copy is gone).
+    * hit counts (per block and the global counter) saturate at 2**64 - 1.
 """
 
 from __future__ import annotations
 
+import heapq
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,14 +64,26 @@ change, not an access (no hit, last access unchanged)."""
 PLACEMENT_KEYS: tuple[str, ...] = (MOVE_KEY, "reconciled")
 """``extra_metadata`` keys marking a Store as a placement change (never an access)."""
 
-STATE_VERSION = 1
-"""Version of :meth:`PrefixIndex.export_state` arrays."""
+STATE_VERSION = 2
+"""Version of :meth:`PrefixIndex.export_state` arrays (version 1 states still import)."""
 
 _U64 = 1 << 64
+U64_MAX = _U64 - 1
+"""Ceiling of every hit count (per block and :attr:`IndexCounters.hits`): adds saturate."""
+
+_UNKNOWN_STORER = ""
+"""Storer of volume residency imported from a version-1 state (no source attribution):
+no source's Cleared removes it (a Remove still does)."""
 
 
 class IndexStateError(ValueError):
     """An exported index state cannot be imported (wrong version or shape)."""
+
+
+def is_valid_location(storage_location: str) -> bool:
+    """Whether ``storage_location`` can be indexed: ``g1``, ``g2`` or a volume id, i.e. not
+    empty, not blank and without ``/`` (``/`` separates a source from its private tier)."""
+    return bool(storage_location) and "/" not in storage_location and not storage_location.isspace()
 
 
 def _bits(mask: int) -> list[int]:
@@ -126,6 +152,11 @@ class IndexCounters:
     """Batches of a superseded epoch, ignored."""
     forgotten: int = 0
     """Blocks dropped because no location held them any more."""
+    invalid_locations: int = 0
+    """Events whose ``storage_location`` is empty, blank or contains ``/``, rejected alone."""
+    stale_volume_events: int = 0
+    """Volume events of superseded-epoch batches, applied (also counted in stores/removes/
+    cleared; the batch itself counts only in ``stale_batches``)."""
 
 
 @dataclass
@@ -165,6 +196,17 @@ def _is_private_name(location: str) -> bool:
     return bool(sep and head) and tier in PRIVATE_TIERS
 
 
+def _storer_add(storers: str | frozenset[str], source: str) -> str | frozenset[str]:
+    """Storers of a volume-held block after ``source`` stored it (again)."""
+    if storers.__class__ is str:
+        return storers if storers == source else frozenset((storers, source))  # type: ignore[arg-type]
+    return storers if source in storers else storers | {source}  # type: ignore[operator]
+
+
+def _storer_tuple(storers: str | frozenset[str]) -> tuple[str, ...]:
+    return (storers,) if storers.__class__ is str else tuple(storers)  # type: ignore[return-value,arg-type]
+
+
 def _kid_add(kids: int | set[int] | None, h: int) -> int | set[int]:
     if kids is None:
         return h
@@ -201,9 +243,10 @@ class PrefixIndex:
     Layout (memory per block, see ``docs/BENCHMARKS.md``): one dict ``h -> _Rec``; the
     children of an indexed block live in its record, those of a hash that is not indexed
     (orphans waiting for their parent) in a side dict; a location is a bit of
-    ``_Rec.mask`` with a block count, and global locations (volumes) also keep the set of
-    hashes they hold, so ``blocks_at`` of a volume is a copy while ``blocks_at`` of a
-    private ``g1``/``g2`` scans the index.
+    ``_Rec.mask`` with a block count, and global locations (volumes) also keep the hashes
+    they hold (``h -> storer``: the source that stored it, or a frozenset of sources), so
+    ``blocks_at`` of a volume is a copy while ``blocks_at`` of a private ``g1``/``g2`` scans
+    the index.  A location whose count is zero at the end of a batch frees its bit.
     """
 
     def __init__(self, frequency: FrequencySketch | None = None) -> None:
@@ -215,9 +258,13 @@ class PrefixIndex:
         self._waiting: dict[int, int | set[int]] = {}
         self._orphans: set[int] = set()
         self._loc_bit: dict[str, int] = {}
-        self._loc_names: list[str] = []
-        self._loc_sets: list[set[int] | None] = []  # None for private locations (scanned)
+        self._loc_names: list[str] = []  # "" for a free bit
+        # volumes: held hash -> storer (interned source name, or a frozenset of them);
+        # None for private locations (scanned) and free bits.
+        self._loc_sets: list[dict[int, str | frozenset[str]] | None] = []
         self._loc_counts: list[int] = []
+        self._free_bits: list[int] = []  # heap: lowest free bit is reused first
+        self._touched: list[int] = []  # bits whose count may have reached 0 in this batch
         self._sources: dict[str, SourceState] = {}
         self._sizes: dict[int, int] = {}  # intern table of block sizes (a handful of values)
         self.counters = IndexCounters()
@@ -226,16 +273,45 @@ class PrefixIndex:
     def _bit(self, location: str) -> int:
         bit = self._loc_bit.get(location)
         if bit is None:
-            bit = len(self._loc_names)
+            held = None if _is_private_name(location) else {}
+            if self._free_bits:
+                bit = heapq.heappop(self._free_bits)
+                self._loc_names[bit] = location
+                self._loc_sets[bit] = held
+            else:
+                bit = len(self._loc_names)
+                self._loc_names.append(location)
+                self._loc_sets.append(held)
+                self._loc_counts.append(0)
             self._loc_bit[location] = bit
-            self._loc_names.append(location)
-            self._loc_sets.append(None if _is_private_name(location) else set())
-            self._loc_counts.append(0)
+            self._touched.append(bit)  # freed again if the batch leaves it empty
         return bit
+
+    def _free_empty_bits(self) -> None:
+        """Give back the bits of touched locations that hold no block any more.
+
+        Called between batches only: the batch loop caches the current location's bit.
+        """
+        counts = self._loc_counts
+        names = self._loc_names
+        for bit in set(self._touched):
+            if counts[bit] == 0 and names[bit]:
+                del self._loc_bit[names[bit]]
+                names[bit] = ""
+                self._loc_sets[bit] = None
+                heapq.heappush(self._free_bits, bit)
+        self._touched.clear()
 
     @staticmethod
     def qualify(source: str, storage_location: str) -> str:
-        """Index location of an event: ``"<source>/g1"`` for private tiers, else the volume id."""
+        """Index location of an event: ``"<source>/g1"`` for private tiers, else the volume id.
+
+        Raises:
+            ValueError: ``storage_location`` is empty, blank or contains ``/`` (see
+                :func:`is_valid_location`); :meth:`apply_batch` rejects such events first.
+        """
+        if not is_valid_location(storage_location):
+            raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
         if storage_location in PRIVATE_TIERS:
             return f"{source}/{storage_location}"
         return storage_location
@@ -265,9 +341,11 @@ class PrefixIndex:
         Never raises on event content: every anomaly is counted (see :class:`IndexCounters`).
         ``batch.ts_ns`` is the clock used for last access, so the fold is deterministic.
         A Cleared event empties the source's ``g1``/``g2``; for a volume id (global) it
-        empties that volume's residency in the index.
+        removes this source from the storers of the volume's blocks, and a block leaves the
+        volume when no storer remains (``docs/events.md`` §2.3).  A batch of a superseded
+        epoch applies only its volume events (see the module docstring).
         """
-        source = batch.source
+        source = sys.intern(batch.source)
         events = batch.events
         c = self.counters
         src = self._sources.get(source)
@@ -276,6 +354,9 @@ class PrefixIndex:
         elif batch.epoch != src.epoch:
             if batch.epoch in src.retired_epochs:
                 c.stale_batches += 1
+                self._apply_stale(source, batch)
+                if self._touched:
+                    self._free_empty_bits()
                 return
             src.retired_epochs.add(src.epoch)
             src.epoch = batch.epoch
@@ -296,21 +377,25 @@ class PrefixIndex:
         #   * a known block at a new location (onboarding, another worker, an offload);
         #   * a Remove that leaves another copy.
         # Everything else (orphans, extra_metadata, the frequency sketch, forgetting,
-        # Cleared, self-parented Stores) goes through _store / _remove / _clear_location.
-        # The current location's flag/bit/set/count delta are locals that change only
-        # when storage_location does.
+        # Cleared, self-parented Stores) goes through _store / _remove / _clear_*.
+        # The current location's flag/bit/held-dict/count delta are locals that change only
+        # when storage_location does (an invalid location is skipped without touching them).
+        # Bits are only freed after the loop (_free_empty_bits), so the cached bit stays valid.
         STORE = EventType.STORE
         REMOVE = EventType.REMOVE
+        PRIV = PRIVATE_TIERS
+        HMAX = U64_MAX
         blocks = self._blocks
         get = blocks.get
         waiting = self._waiting
         counts = self._loc_counts
         sizes = self._sizes
+        touched = self._touched
         fast = self.frequency is None
         Rec = _Rec
         cur_sl: str | None = None
         flag = bit = priv = delta = 0
-        lset: set[int] | None = None
+        lset: dict[int, Any] | None = None
         is_g1 = False
         last_sz = -1
         sz_obj = 0
@@ -320,10 +405,13 @@ class PrefixIndex:
             if t is STORE:
                 sl = ev.storage_location
                 if sl != cur_sl:
+                    if not sl or "/" in sl or sl.isspace():
+                        c.invalid_locations += 1
+                        continue
                     if delta:
                         counts[bit] += delta
                         delta = 0
-                    bit = self._bit(self.qualify(source, sl))
+                    bit = self._bit(f"{source}/{sl}" if sl in PRIV else sl)
                     flag = 1 << bit
                     lset = self._loc_sets[bit]
                     is_g1 = sl == "g1"
@@ -336,6 +424,10 @@ class PrefixIndex:
                     if m & flag:
                         if ev.parent_hash != h:
                             n_dup += 1
+                            if lset is not None:
+                                st = lset[h]
+                                if st is not source:
+                                    lset[h] = _storer_add(st, source)
                             continue
                     elif fast and ev.extra_metadata is None and ev.parent_hash != h:
                         r.mask = m | flag
@@ -345,11 +437,12 @@ class PrefixIndex:
                             sz_obj = sizes.setdefault(sz, sz)
                         r.size = sz_obj
                         if lset is not None:
-                            lset.add(h)
+                            lset[h] = source
                         delta += 1
                         n_known += 1
                         if is_g1 or not (m & priv):
-                            r.hits += 1
+                            if r.hits != HMAX:
+                                r.hits += 1
                             r.last = ts
                             n_hits += 1
                         continue
@@ -381,7 +474,7 @@ class PrefixIndex:
                         self._store(source, h, ev.prefix_hash, parent, sz, sl, None, ts)
                         continue
                     if lset is not None:
-                        lset.add(h)
+                        lset[h] = source
                     delta += 1
                     n_new += 1
                     continue
@@ -392,10 +485,14 @@ class PrefixIndex:
             elif t is REMOVE:
                 sl = ev.storage_location
                 if sl != cur_sl:
+                    if not sl or "/" in sl or sl.isspace():
+                        c.invalid_locations += 1
+                        continue
                     if delta:
                         counts[bit] += delta
                         delta = 0
-                    bit = self._bit(self.qualify(source, sl))
+                    bit = self._bit(f"{source}/{sl}" if sl in PRIV else sl)
+                    touched.append(bit)
                     flag = 1 << bit
                     lset = self._loc_sets[bit]
                     is_g1 = sl == "g1"
@@ -408,26 +505,59 @@ class PrefixIndex:
                     if m & flag and m != flag:
                         r.mask = m & ~flag
                         if lset is not None:
-                            lset.discard(h)
+                            del lset[h]
                         delta -= 1
                         n_rm += 1
                         continue
                 if delta:
                     counts[bit] += delta
                     delta = 0
-                self._remove(self.qualify(source, sl), h)
+                self._remove(f"{source}/{sl}" if sl in PRIV else sl, h)
             else:
+                sl = ev.storage_location
+                if not sl or "/" in sl or sl.isspace():
+                    c.invalid_locations += 1
+                    continue
                 if delta:
                     counts[bit] += delta
                     delta = 0
                 c.cleared += 1
-                self._clear_location(self.qualify(source, ev.storage_location))
+                if sl in PRIV:
+                    self._clear_location(f"{source}/{sl}")
+                else:
+                    self._clear_storer(sl, source)
         if delta:
             counts[bit] += delta
         c.stores += n_new + n_dup + n_known
         c.duplicate_stores += n_dup
-        c.hits += n_hits
+        if n_hits:
+            c.hits = min(c.hits + n_hits, U64_MAX)
         c.removes += n_rm
+        if touched:
+            self._free_empty_bits()
+
+    def _apply_stale(self, source: str, batch: EventBatch) -> None:
+        """Apply the volume events of a superseded-epoch batch, in order (private ones are
+        ignored: that epoch's g1/g2 is gone).  Stores are placement only (no hit)."""
+        c = self.counters
+        ts = batch.ts_ns
+        for ev in batch.events:
+            sl = ev.storage_location
+            if not is_valid_location(sl):
+                c.invalid_locations += 1
+                continue
+            if sl in PRIVATE_TIERS:
+                continue
+            c.stale_volume_events += 1
+            t = ev.type
+            if t == EventType.STORE:
+                self._store(source, ev.sequence_hash, ev.prefix_hash, ev.parent_hash, ev.block_size, sl,
+                            ev.extra_metadata, ts, access=False)
+            elif t == EventType.REMOVE:
+                self._remove(sl, ev.sequence_hash)
+            else:
+                c.cleared += 1
+                self._clear_storer(sl, source)
 
     def _private_mask(self, source: str) -> int:
         """Bits of ``source``'s own g1/g2 locations (0 for those not seen yet)."""
@@ -438,17 +568,18 @@ class PrefixIndex:
                 m |= 1 << bit
         return m
 
-    def _hold(self, bit: int, h: int) -> None:
+    def _hold(self, bit: int, h: int, source: str) -> None:
         s = self._loc_sets[bit]
         if s is not None:
-            s.add(h)
+            s[h] = source
         self._loc_counts[bit] += 1
 
     def _release(self, bit: int, h: int) -> None:
         s = self._loc_sets[bit]
         if s is not None:
-            s.discard(h)
+            s.pop(h, None)
         self._loc_counts[bit] -= 1
+        self._touched.append(bit)
 
     def _store(
         self,
@@ -460,7 +591,9 @@ class PrefixIndex:
         storage_location: str,
         extra: dict[str, Any] | None,
         ts: int,
+        access: bool = True,
     ) -> None:
+        """One Store (``access=False``: a placement fact only, never a hit)."""
         c = self.counters
         c.stores += 1
         if parent == h:
@@ -490,7 +623,7 @@ class PrefixIndex:
                         prefix = pr.prefix
                     e = blocks[h] = _Rec(h, pr.h, prefix, size, flag, 0, ts)
                     pr.kids = _kid_add(pr.kids, h)
-            self._hold(bit, h)
+            self._hold(bit, h, source)
             kids = self._waiting.pop(h, None)
             if kids is not None:
                 e.kids = kids
@@ -500,25 +633,28 @@ class PrefixIndex:
                         c.orphans_linked += 1
             hits = self._reported_hits(extra)
             if hits:
-                e.hits += hits
-                c.hits += hits
+                e.hits = hits
+                c.hits = min(c.hits + hits, U64_MAX)
             if self.frequency is not None:
                 self.frequency.increment(h, 1 + hits)
             return
         if e.mask & flag:
             c.duplicate_stores += 1
+            held = self._loc_sets[bit]
+            if held is not None:
+                held[h] = _storer_add(held[h], source)
             return
         # A known block at a new location: onboarding, another worker, offload or a move.
         e.mask |= flag
         e.size = self._sizes.setdefault(size, size)
-        self._hold(bit, h)
+        self._hold(bit, h, source)
         hits = self._reported_hits(extra)
-        placement_only = extra is not None and any(k in extra for k in PLACEMENT_KEYS)
+        placement_only = not access or (extra is not None and any(k in extra for k in PLACEMENT_KEYS))
         if not placement_only and self._is_access(source, storage_location, e.mask & ~flag):
             hits += 1
         if hits:
-            e.hits += hits
-            c.hits += hits
+            e.hits = min(e.hits + hits, U64_MAX)
+            c.hits = min(c.hits + hits, U64_MAX)
             e.last = ts
             if self.frequency is not None:
                 self.frequency.increment(h, hits)
@@ -540,7 +676,7 @@ class PrefixIndex:
             return 0
         n = extra.get(HITS_KEY)
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
+            return n if n < U64_MAX else U64_MAX
         return 0
 
     def _remove(self, loc: str, h: int) -> None:
@@ -578,17 +714,51 @@ class PrefixIndex:
             self._orphans.update(_kid_tuple(e.kids))
 
     def _clear_location(self, loc: str) -> None:
+        """Empty location ``loc`` whole (a source's own g1/g2)."""
         bit = self._loc_bit.get(loc)
         if bit is None:
             return
         hashes = self._held(bit)
         s = self._loc_sets[bit]
         if s is not None:
-            s.clear()  # in place: apply_batch holds the current location's set
+            s.clear()  # in place: apply_batch holds the current location's dict
         self._loc_counts[bit] = 0
+        self._touched.append(bit)
         keep = ~(1 << bit)
         blocks = self._blocks
         for h in sorted(hashes):  # sorted: forgetting order must not depend on set order
+            e = blocks[h]
+            e.mask &= keep
+            if not e.mask:
+                self._forget(h, e)
+
+    def _clear_storer(self, volume: str, source: str) -> None:
+        """Cleared of ``volume`` from ``source``: ``source`` stops being a storer of each
+        block there; blocks with no storer left leave the volume (others' blocks stay)."""
+        bit = self._loc_bit.get(volume)
+        if bit is None:
+            return
+        held = self._loc_sets[bit]
+        if held is None:  # cannot happen for a valid volume id (no '/')
+            return
+        gone = []
+        for h, st in held.items():
+            if st.__class__ is str:
+                if st == source:
+                    gone.append(h)
+            elif source in st:  # type: ignore[operator]
+                rest = st - {source}  # type: ignore[operator]
+                held[h] = next(iter(rest)) if len(rest) == 1 else rest  # value change only
+        if not gone:
+            return
+        gone.sort()  # forgetting order must not depend on dict order
+        for h in gone:
+            del held[h]
+        self._loc_counts[bit] -= len(gone)
+        self._touched.append(bit)
+        keep = ~(1 << bit)
+        blocks = self._blocks
+        for h in gone:
             e = blocks[h]
             e.mask &= keep
             if not e.mask:
@@ -727,8 +897,9 @@ class PrefixIndex:
         """The whole fold state as plain msgpack-able values (for :mod:`advisor.snapshot`).
 
         Returns:
-            ``[STATE_VERSION, locations, blocks, orphans, sources, counters]`` with
-            ``locations`` the location names in bit order, ``blocks`` a flat list of
+            ``[STATE_VERSION, locations, blocks, orphans, sources, counters, storers]`` with
+            ``locations`` the location names in bit order (``""`` for a free bit),
+            ``storers`` ``{volume: {source: [hashes it stored there]}}`` and ``blocks`` a flat list of
             ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
             (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
             rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
@@ -745,27 +916,62 @@ class PrefixIndex:
             [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
             for name, st in self._sources.items()
         ]
-        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources, dict(vars(self.counters))]
+        storers: dict[str, dict[str, list[int]]] = {}
+        for name, held in zip(self._loc_names, self._loc_sets):
+            if not held:
+                continue
+            by_src: dict[str, list[int]] = {}
+            for h, st in held.items():
+                if st.__class__ is str:
+                    by_src.setdefault(st, []).append(h)  # type: ignore[arg-type]
+                else:
+                    for one in st:  # type: ignore[union-attr]
+                        by_src.setdefault(one, []).append(h)
+            storers[name] = by_src
+        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources,
+                dict(vars(self.counters)), storers]
 
     @classmethod
     def from_state(cls, state: Sequence[Any], frequency: FrequencySketch | None = None) -> PrefixIndex:
         """Rebuild an index from :meth:`export_state` output (``dump()`` is equal).
 
+        A version-1 state (no storers) imports with its volume residency attributed to no
+        source (``""``): no source's Cleared removes it, a Remove still does.
+
         Raises:
             IndexStateError: the state has another version or a malformed shape.
         """
         try:
-            version, locs, flat, orphans, sources, counters = state
+            version = state[0]
+        except (TypeError, IndexError, KeyError) as exc:
+            raise IndexStateError(f"index state must be an array: {exc}") from exc
+        if version not in (1, STATE_VERSION):
+            raise IndexStateError(f"index state version {version!r} is not 1 or {STATE_VERSION}")
+        size = 6 if version == 1 else 7
+        try:
+            if len(state) != size:
+                raise ValueError(f"{len(state)} items")
+            _v, locs, flat, orphans, sources, counters, *rest = state
         except (TypeError, ValueError) as exc:
-            raise IndexStateError(f"index state must be a 6-item array: {exc}") from exc
-        if version != STATE_VERSION:
-            raise IndexStateError(f"index state version {version!r} is not {STATE_VERSION}")
+            raise IndexStateError(f"index state version {version} must be a {size}-item array: {exc}") from exc
+        storers = rest[0] if rest else None
         if len(flat) % 7:
             raise IndexStateError(f"index state block array has {len(flat)} items, not a multiple of 7")
         idx = cls(frequency)
         try:
-            for name in locs:
-                idx._bit(str(name))
+            for bit, name in enumerate(locs):
+                name = sys.intern(str(name))
+                idx._loc_names.append(name)
+                idx._loc_counts.append(0)
+                if not name:
+                    idx._loc_sets.append(None)
+                    idx._free_bits.append(bit)  # ascending: already a heap
+                    continue
+                if name in idx._loc_bit:
+                    raise IndexStateError(f"index state location {name!r} is repeated")
+                idx._loc_bit[name] = bit
+                idx._loc_sets.append(None if _is_private_name(name) else {})
+            free_mask = sum(1 << b for b in idx._free_bits)
             blocks = idx._blocks
             sizes = idx._sizes
             nloc = len(idx._loc_names)
@@ -774,8 +980,8 @@ class PrefixIndex:
             for h, parent, prefix, size, mask, hits, last in zip(it, it, it, it, it, it, it):
                 if not isinstance(mask, int):
                     mask = sum(1 << b for b in set(mask))
-                if mask >= limit or mask < 0:
-                    raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations")
+                if mask >= limit or mask < 0 or mask & free_mask:
+                    raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations or a free one")
                 blocks[h] = _Rec(h, parent, prefix, sizes.setdefault(size, size), mask, hits, last)
             waiting = idx._waiting
             get = blocks.get
@@ -798,15 +1004,26 @@ class PrefixIndex:
                 flag = 1 << bit
                 held = [h for h, e in blocks.items() if e.mask & flag]
                 counts[bit] = len(held)
-                if s is not None:
-                    s.update(held)
+                if s is None:
+                    continue
+                if storers is None:
+                    s.update(dict.fromkeys(held, _UNKNOWN_STORER))
+                    continue
+                for src_name, hs in storers.get(idx._loc_names[bit], {}).items():
+                    src_name = sys.intern(str(src_name))
+                    for h in hs:
+                        s[h] = _storer_add(s[h], src_name) if h in s else src_name
+                if len(s) != len(held) or not all(h in s for h in held):
+                    raise IndexStateError(f"index state storers of {idx._loc_names[bit]!r} do not match its blocks")
+            if storers is not None and any(name not in idx._loc_bit for name in storers):
+                raise IndexStateError("index state has storers of an unknown location")
             idx._orphans = set(orphans)
             for name, epoch, last_seq, nb, ne, last_ts, retired in sources:
-                idx._sources[name] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
+                idx._sources[sys.intern(str(name))] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
             idx.counters = IndexCounters(**counters)
         except IndexStateError:
             raise
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
             raise IndexStateError(f"malformed index state: {exc}") from exc
         return idx
 
@@ -815,7 +1032,8 @@ class PrefixIndex:
 
         Returns:
             ``{"blocks": {h: (parent, prefix, size, sorted locations, hits, last_access)},
-            "orphans": sorted list, "sources": {source: (epoch, last_seq)}, "counters": {...}}``.
+            "orphans": sorted list, "sources": {source: (epoch, last_seq)}, "counters": {...},
+            "storers": {volume: {h: sorted sources that stored it there}}}``.
         """
         return {
             "blocks": {
@@ -825,4 +1043,9 @@ class PrefixIndex:
             "orphans": sorted(self._orphans),
             "sources": {s: (st.epoch, st.last_seq) for s, st in sorted(self._sources.items())},
             "counters": dict(vars(self.counters)),
+            "storers": {
+                name: {h: tuple(sorted(_storer_tuple(st))) for h, st in sorted(held.items())}
+                for name, held in sorted(zip(self._loc_names, self._loc_sets), key=lambda x: x[0])
+                if held
+            },
         }

@@ -1,9 +1,10 @@
 """PrefixIndex compact layout: derived views agree with the records, and memory per block.
 
 The index keeps one record per block (children inside it), location bits with counts, and
-hash sets only for volumes; these tests check that every derived view (``blocks_at``,
-``count_at``, ``locations``, ``stats``, ``children``, ``orphans``, ``lookup``) equals what
-the block records themselves say, after any fold and after a snapshot round trip.
+held hashes (each with its storers) only for volumes; these tests check that every derived
+view (``blocks_at``, ``count_at``, ``locations``, ``stats``, ``children``, ``orphans``,
+``lookup``, the storers) equals what the block records themselves say, after any fold and
+after a snapshot round trip.
 """
 
 from __future__ import annotations
@@ -65,9 +66,13 @@ def check_views(idx: PrefixIndex) -> None:
             per_loc.setdefault(loc, set()).add(h)
     assert idx.locations() == sorted(per_loc)
     assert idx.stats()["blocks_per_location"] == {loc: len(s) for loc, s in sorted(per_loc.items())}
+    storers = idx.dump()["storers"]
     for loc in ["w0/g1", "w0/g2", "w1/g1", "w1/g2", "fast", "s3"]:
         assert idx.blocks_at(loc) == per_loc.get(loc, set()), loc
         assert idx.count_at(loc) == len(per_loc.get(loc, ())), loc
+        if "/" not in loc:  # a volume: every block there has at least one storer
+            assert set(storers.get(loc, {})) == per_loc.get(loc, set()), loc
+            assert all(srcs and set(srcs) <= {"w0", "w1"} for srcs in storers.get(loc, {}).values())
     for h in HASHES:
         assert idx.children(h) == {c for c, info in infos.items() if info.parent == h}, h
     assert idx.orphans() == {h for h, info in infos.items() if info.parent is not None and info.parent not in hs}
