@@ -444,10 +444,10 @@ class BlockManager:
         ]
         res = tm.offload_to_storage(items, step).result()
         if res.error is not None:
+            # only the blocks that did not land (a put may fail part-way, case C14)
             exc = res.error
-            for i in res.submitted:
+            for i in res.failed:
                 result.errors.append(ServeError(i, metas[i].sequence_hash, "offload", type(exc).__name__, str(exc)))
-            return written
         result.stored_g3 = res.written
         return written + res.written * self.block_bytes
 

@@ -256,8 +256,13 @@ class StorageOffloadResult:
         held: items the store already held.
         filtered: items the admission filter kept off the disk.
         skipped: items whose sources were all gone at transfer time.
-        from_host, from_device: items written from a G2 / G1 copy.
-        error: the exception of a failed ``put`` (nothing of that batch was recorded).
+        from_host, from_device: items written from a G2 / G1 copy (each has its placement
+            and one Store(<volume id>) event).
+        error: the exception of a failed ``put``.  A put can fail part-way (the volume
+            filled up after some segments landed): the blocks that landed still count as
+            written, get their placement and their Store; the others are in ``failed``.
+        failed: indices of the items the failed ``put`` did not store (no placement, no
+            Store; their host copy stays registered).
     """
 
     placements: list[Placement | None]
@@ -268,6 +273,7 @@ class StorageOffloadResult:
     from_host: int = 0
     from_device: int = 0
     error: BaseException | None = None
+    failed: list[int] = field(default_factory=list)
 
     @property
     def written(self) -> int:
@@ -283,8 +289,8 @@ class StorageOnboardResult:
         loaded: items read and copied into their destination: always a prefix of the
             request (reading stops at the first failure).
         failed_index: index of the first item that could not be read, else ``None``.
-        error: its exception (for a checksum mismatch, the mismatch, not the "not found"
-            that a retry of the quarantined copy gives).
+        error: its exception (for a checksum mismatch or a lost segment, that error, not
+            the "not found" that a retry of the quarantined copy gives).
     """
 
     loaded: int
@@ -670,30 +676,43 @@ class TransferManager:
                 by_pool.setdefault(h._pool, []).append(h)
             for pool, hs in by_pool.items():
                 pool.release_blocks(hs)
+        landed: dict[BlockKey, Placement] = {}
         if error is None:
-            for (job, i, from_host), placement in zip(entries, placements, strict=True):
-                result = job.payload[1]
-                result.placements[i] = placement
-                if from_host:
-                    result.from_host += 1
-                else:
-                    result.from_device += 1
-            for job in jobs:
-                items, result = job.payload
-                events: list[KVEvent] = []
-                bb = self.block_bytes
-                for i in result.submitted:
-                    p = result.placements[i]
-                    if p is not None:
-                        m = items[i].meta
-                        events.append(KVEvent(EventType.STORE, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, p.volume_id))
-                if events:
-                    self.publisher.publish(events)
-                self.metrics.offload_h2d.inc(result.from_host)
-                self.metrics.offload_d2d.inc(result.from_device)
+            landed = {key: p for (key, _), p in zip(puts, placements, strict=True)}
         else:
-            for job in jobs:
-                job.payload[1].error = error
+            # a put that failed part-way still stored the blocks of its earlier segments
+            landed = {p.key: p for p in getattr(error, "stored", None) or []}
+        counted: set[BlockKey] = set()
+        for (job, i, from_host), (key, _) in zip(entries, puts, strict=True):
+            result = job.payload[1]
+            placement = landed.get(key)
+            if placement is None:
+                result.failed.append(i)
+                continue
+            if key in counted:  # the same block queued by two jobs: one write, one Store
+                result.held += 1
+                continue
+            counted.add(key)
+            result.placements[i] = placement
+            if from_host:
+                result.from_host += 1
+            else:
+                result.from_device += 1
+        for job in jobs:
+            items, result = job.payload
+            if error is not None:
+                result.error = error
+            events: list[KVEvent] = []
+            bb = self.block_bytes
+            for i in result.submitted:
+                p = result.placements[i]
+                if p is not None:
+                    m = items[i].meta
+                    events.append(KVEvent(EventType.STORE, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, p.volume_id))
+            if events:
+                self.publisher.publish(events)
+            self.metrics.offload_h2d.inc(result.from_host)
+            self.metrics.offload_d2d.inc(result.from_device)
         for job in jobs:
             job.future.set_result(job.payload[1])
 
@@ -816,8 +835,9 @@ class TransferManager:
                         self.store.get([key], out=[out])
                     except Exception as exc:  # noqa: BLE001 - reading stops here (C17)
                         # the failed batch may have quarantined the copy (checksum
-                        # mismatch): then the batch error is the cause, "not found" only
-                        # its consequence
+                        # mismatch, or its segment is gone): then the batch error is the
+                        # cause, "not found" only its consequence.  The quarantine is what
+                        # lets the recomputed block be put (and published) again.
                         cause = (
                             batch_exc
                             if isinstance(exc, BlockNotFoundError) and not isinstance(batch_exc, BlockNotFoundError)

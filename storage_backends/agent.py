@@ -15,9 +15,12 @@ contiguous in the file and in memory), straight into the destination (the caller
 while it is in the CPU cache.  S3 volumes read a batch with one NIXL READ (a ranged GET
 per segment, run in parallel by the backend's threads) into a registered staging
 buffer, verify and copy out; blocks of 4 MiB or more are fetched straight into the
-destination, one ranged GET each.  A read that fails while the catalog moved the block
-(a concurrent compaction or move) is retried at the new placement; a checksum mismatch
-of a placement that is still current quarantines it and raises.
+destination, one ranged GET each.  When a batch fails, every key of it is looked up
+again: keys the catalog moved (a concurrent compaction or move) are read at their new
+placement, the others are retried in batches of their own, so one moved block never fails
+the others.  A placement that is still current and fails on its own is quarantined when
+its bytes are wrong (checksum mismatch) or its segment is gone (ENOENT / NoSuchKey), so
+the block reads as absent and the next ``put`` stores it again; then ``get`` raises.
 
 Moves (``copy`` -> ``commit_move``) and ``compact`` keep the invariant of DESIGN.md §7:
 the catalog always points at a copy that was verified after it was written.
@@ -49,11 +52,13 @@ from .types import (
     InvalidRequestError,
     Placement,
     SegmentInfo,
+    SegmentMissingError,
     StorageError,
     TransferError,
     VersionConflictError,
     VolumeConfigError,
     VolumeDescriptor,
+    VolumeFullError,
     VolumeStats,
 )
 from .volume import Volume, descriptor_identity, validate_descriptor, volume_class
@@ -83,6 +88,7 @@ class AgentCounters:
     dedup_skipped: int = 0
     move_conflicts: int = 0
     segments_dropped: int = 0
+    segments_missing: int = 0
 
 
 class StorageAgent:
@@ -209,10 +215,17 @@ class StorageAgent:
             existing placement (not rewritten).
 
         Raises:
-            InvalidRequestError: bad key, non-CPU or empty tensor, unknown volume.
-            VolumeFullError: the volume's capacity would be exceeded (nothing recorded).
-            TransferError: a write failed or was short (nothing recorded for its blocks;
-                blocks of earlier segments of the same call stay stored).
+            InvalidRequestError: bad key, non-CPU or empty tensor, unknown volume (nothing
+                written).
+            VolumeFullError: the volume filled up (its capacity, or ENOSPC / EDQUOT).
+            TransferError: a write failed or was short.
+
+        A put may fail part-way: segments are written one after the other, and those
+        written before the failing one stay stored (they were durable and recorded).  The
+        ``VolumeFullError`` / ``TransferError`` then says which blocks landed: its
+        ``stored`` lists the placement of every block of the call that is stored (written
+        by this call or already held), one per distinct key, in item order; nothing of the
+        other blocks was recorded (``stored`` is empty when none of them is stored).
         """
         vol = self._vol(volume_id)
         keys: list[BlockKey] = []
@@ -239,15 +252,19 @@ class StorageAgent:
                 result[k] = p
         todo = [(k, unique[k]) for k in ukeys if k not in result]
         self.counters.dedup_skipped += len(ukeys) - len(todo)
-        for group in self._segment_groups(vol, todo):
-            placed = self._write_segment(vol, group, version=0)
-            winners = self.catalog.insert_if_absent(placed)
-            seg = placed[0].segment_id
-            self.catalog.seal_segment(volume_id, seg)
-            if all(w.segment_id != seg or w.volume_id != volume_id for w in winners):
-                self._drop_if_empty(volume_id, seg)
-            for w in winners:
-                result[w.key] = w
+        try:
+            for group in self._segment_groups(vol, todo):
+                placed = self._write_segment(vol, group, version=0)
+                winners = self.catalog.insert_if_absent(placed)
+                seg = placed[0].segment_id
+                self.catalog.seal_segment(volume_id, seg)
+                if all(w.segment_id != seg or w.volume_id != volume_id for w in winners):
+                    self._drop_if_empty(volume_id, seg)
+                for w in winners:
+                    result[w.key] = w
+        except (VolumeFullError, TransferError) as exc:
+            exc.stored = [result[k] for k in ukeys if k in result]
+            raise
         return [result[k] for k in keys]
 
     def _segment_groups(
@@ -319,7 +336,10 @@ class StorageAgent:
                 is quarantined).  The ``out`` tensors of the call may then hold partial or
                 wrong bytes, like after any failed read: only a normal return means they
                 are right.
-            TransferError: a read failed (``out`` contents undefined, as above).
+            SegmentMissingError: a block's segment file / object is gone while the catalog
+                still points there (the entry is quarantined, as above).
+            TransferError: a read failed on its own at the block's current placement
+                (``out`` contents undefined, as above).
             InvalidRequestError: bad key or ``out``.
         """
         keys = list(keys)
@@ -344,59 +364,155 @@ class StorageAgent:
         return results
 
     def _read_verified(self, places: list[Placement], dests: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Read every placement (retrying at a new placement when the catalog moved it)."""
+        """Read and verify every placement into ``dests[i]`` (or a new tensor).
+
+        A failed batch is not given up as a whole.  Every key of it (and every key whose
+        checksum failed) is looked up again in the catalog:
+
+        * moved meanwhile (a concurrent move or compaction dropped the old segment): read
+          again at the new placement;
+        * unchanged, read failed, segment still there: retried in a batch of its own (the
+          failure may have been another block's, or transient);
+        * unchanged, segment gone (ENOENT / ``NoSuchKey``, :meth:`Volume.segment_exists`)
+          and still unchanged at a second look-up: the entry is quarantined (compare-and-
+          set on the exact placement, so a move that wins the race is never undone);
+        * unchanged, checksum mismatch: quarantined.
+
+        Every key is attempted before the call fails, so one call quarantines every bad
+        entry it meets.
+
+        Raises:
+            BlockNotFoundError: a key was deleted while it was being read.
+            ChecksumMismatchError: a block failed verification at its current placement.
+            SegmentMissingError: a block's segment is gone (its entry was quarantined).
+            TransferError: a block kept failing on its own at its current placement (the
+                first such error), or blocks kept moving for ``_READ_RETRIES`` retries.
+        """
         n = len(places)
         results: list[torch.Tensor | None] = [None] * n
-        todo = list(range(n))
         cur = list(places)
+        todo = list(range(n))
+        alone: set[int] = set()  # read in a batch of their own (their batch failed)
+        mismatched: list[int] = []
+        lost: list[int] = []
+        broken: list[tuple[int, TransferError]] = []
         for attempt in range(_READ_RETRIES + 1):
-            failed: list[int] = []
-            errors: list[Exception] = []
+            if attempt:
+                self.counters.read_retries += 1
+            failed: list[tuple[int, TransferError]] = []
             bad: list[int] = []
-            for batch in self._batches([(i, cur[i]) for i in todo]):
+            if alone:
+                batches = list(self._batches([(i, cur[i]) for i in todo if i not in alone]))
+                batches += [[(i, cur[i])] for i in todo if i in alone]
+            else:
+                batches = list(self._batches([(i, cur[i]) for i in todo]))
+            for batch in batches:
                 vol = self._vol(batch[0][1].volume_id)
                 try:
                     got = self._read_batch(vol, [p for _, p in batch],
                                            None if dests is None else [dests[i] for i, _ in batch])
                 except TransferError as exc:
-                    failed.extend(i for i, _ in batch)
-                    errors.append(exc)
+                    failed.extend((i, exc) for i, _ in batch)
                     continue
-                for (i, p), data in zip(batch, got):
+                for (i, _), data in zip(batch, got):
                     if data is None:
                         bad.append(i)
-                        continue
-                    results[i] = data
+                    else:
+                        results[i] = data
             if not failed and not bad:
+                todo = []
                 break
-            # did the catalog move any of them meanwhile?
-            retry_idx = failed + bad
-            fresh = self.catalog.get_many([cur[i].key for i in retry_idx])
-            moved: list[int] = []
-            for i, f in zip(retry_idx, fresh):
-                if f is None:
-                    raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
-                if f != cur[i]:
-                    cur[i] = f
-                    moved.append(i)
-            stuck_bad = [i for i in bad if i not in moved]
-            if stuck_bad:
-                for i in stuck_bad:
-                    self.counters.checksum_mismatches += 1
-                    if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
-                        self.counters.quarantined += 1
-                p = cur[stuck_bad[0]]
-                raise ChecksumMismatchError(
-                    f"{len(stuck_bad)} block(s) failed verification, first {p.key} on {p.volume_id!r} "
-                    f"segment {p.segment_id} offset {p.offset}: copy quarantined"
-                )
-            stuck_failed = [i for i in failed if i not in moved]
-            if stuck_failed or attempt == _READ_RETRIES:
-                raise errors[0] if errors else TransferError("read kept failing while blocks moved")
-            self.counters.read_retries += 1
-            todo = moved
+            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken)
+            if not todo:
+                break
+        if todo:  # still moving after every retry
+            err = TransferError(f"{len(todo)} block(s) kept moving while being read ({_READ_RETRIES} retries)")
+            broken.extend((i, err) for i in todo)
+        if mismatched:
+            p = cur[mismatched[0]]
+            raise ChecksumMismatchError(
+                f"{len(mismatched)} block(s) failed verification, first {p.key} on {p.volume_id!r} "
+                f"segment {p.segment_id} offset {p.offset}: copy quarantined"
+            )
+        if lost:
+            p = cur[lost[0]]
+            raise SegmentMissingError(
+                f"{len(lost)} block(s) live in segments that are gone, first {p.key} on {p.volume_id!r} "
+                f"segment {p.segment_id}: entries quarantined"
+            )
+        if broken:
+            if len(broken) == 1:
+                raise broken[0][1]
+            raise TransferError(f"{len(broken)} block(s) failed to read, first: {broken[0][1]}") from broken[0][1]
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _triage(
+        self, cur: list[Placement], failed: list[tuple[int, TransferError]], bad: list[int], alone: set[int],
+        mismatched: list[int], lost: list[int], broken: list[tuple[int, TransferError]],
+    ) -> list[int]:
+        """Sort the failures of one read round (see :meth:`_read_verified`): updates
+        ``cur``, ``alone`` and the outcome lists; returns the indexes to read again."""
+        retry_idx = [i for i, _ in failed] + bad
+        fresh = self.catalog.get_many([cur[i].key for i in retry_idx])
+        moved: set[int] = set()
+        for i, f in zip(retry_idx, fresh):
+            if f is None:
+                raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+            if f != cur[i]:
+                cur[i] = f
+                moved.add(i)
+                alone.discard(i)
+        again = [i for i in retry_idx if i in moved]
+        for i in bad:
+            if i not in moved:
+                self.counters.checksum_mismatches += 1
+                if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
+                    self.counters.quarantined += 1
+                mismatched.append(i)
+        stuck = [(i, e) for i, e in failed if i not in moved]
+        if not stuck:
+            return again
+        gone: set[tuple[str, int]] = set()
+        for vid, seg in sorted({(cur[i].volume_id, cur[i].segment_id) for i, _ in stuck}):
+            try:
+                exists = self._vol(vid).segment_exists(seg)
+            except StorageError:
+                raise stuck[0][1] from None  # the volume cannot even be asked: give up now
+            if not exists:
+                gone.add((vid, seg))
+        suspects = [i for i, _ in stuck if (cur[i].volume_id, cur[i].segment_id) in gone]
+        if suspects:
+            # a second look: a move that committed after the first one is not a loss
+            second = self.catalog.get_many([cur[i].key for i in suspects])
+            dropped: set[tuple[str, int]] = set()
+            for i, f in zip(suspects, second):
+                if f is not None and f == cur[i]:
+                    if self.catalog.quarantine(f, "segment missing on read"):
+                        self.counters.segments_missing += 1
+                        self.counters.quarantined += 1
+                        lost.append(i)
+                        dropped.add((f.volume_id, f.segment_id))
+                        continue
+                    f = self.catalog.get_many([f.key])[0]  # it changed in between
+                if f is None:
+                    raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+                cur[i] = f
+                alone.discard(i)
+                again.append(i)
+            for vid, seg in sorted(dropped):
+                logger.warning("volume %s: segment %d is missing; the entries read there were quarantined", vid, seg)
+                self._drop_if_empty(vid, seg)
+        suspect = set(suspects)
+        for i, e in stuck:
+            if i in suspect:
+                continue
+            if i in alone:
+                broken.append((i, e))  # failed on its own at a placement still current
+            else:
+                alone.add(i)
+                again.append(i)
+        return again
 
     @staticmethod
     def _batches(items: list[tuple[int, Placement]]) -> Iterator[list[tuple[int, Placement]]]:

@@ -9,6 +9,7 @@ keep ``<prefix>/<volume>/seg-<id>`` under it and are checked when a volume is re
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from .types import BlockKey, InvalidRequestError, VolumeConfigError
 
@@ -29,14 +30,38 @@ def encode_component(name: str) -> str:
     return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in name.encode("utf-8"))
 
 
+#: tier names of the worker-private tiers; a volume id is a ``storage_location`` in events,
+#: so it must never read as one of them (compared case-insensitively)
+RESERVED_VOLUME_IDS = frozenset({"g1", "g2"})
+
+
 def validate_volume_id(volume_id: str) -> None:
-    """Raise VolumeConfigError unless ``volume_id`` is 1..128 UTF-8 bytes without control chars."""
+    """Check that ``volume_id`` can be an event ``storage_location``: one plain token.
+
+    Rules: a non-empty ``str`` of at most 128 UTF-8 bytes; no whitespace, ``/`` or
+    control characters (Unicode category ``Cc``); not ``.`` or ``..``; not a private tier
+    name (``g1``, ``g2``, any case).
+
+    Raises:
+        VolumeConfigError: naming the id and the rule it breaks.
+    """
     if not isinstance(volume_id, str) or not volume_id:
-        raise VolumeConfigError("volume id must be a non-empty string")
+        raise VolumeConfigError(f"volume id must be a non-empty string, got {volume_id!r}")
     if len(volume_id.encode("utf-8")) > MAX_VOLUME_ID_BYTES:
         raise VolumeConfigError(f"volume id {volume_id[:40]!r}... is longer than {MAX_VOLUME_ID_BYTES} bytes")
-    if _CONTROL.search(volume_id):
+    if _CONTROL.search(volume_id) or any(unicodedata.category(c) == "Cc" for c in volume_id):
         raise VolumeConfigError(f"volume id {volume_id!r} contains control characters")
+    if any(c.isspace() for c in volume_id):
+        raise VolumeConfigError(f"volume id {volume_id!r} contains whitespace (it must be a single token)")
+    if "/" in volume_id:
+        raise VolumeConfigError(f"volume id {volume_id!r} contains '/' (it must be a single token)")
+    if volume_id in (".", ".."):
+        raise VolumeConfigError(f"volume id {volume_id!r} is not allowed ('.' and '..' are path names)")
+    if volume_id.casefold() in RESERVED_VOLUME_IDS:
+        raise VolumeConfigError(
+            f"volume id {volume_id!r} is reserved: {sorted(RESERVED_VOLUME_IDS)} name the private tiers "
+            "in events (case-insensitive)"
+        )
 
 
 def normalize_prefix(prefix: str) -> str:

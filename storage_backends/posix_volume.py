@@ -33,7 +33,7 @@ import torch
 
 from .keys import encode_component, parse_segment_name, segment_file_name
 from .nixl_engine import NixlEngine
-from .types import TransferError, VolumeConfigError, VolumeDescriptor, VolumeFullError, VolumeKind
+from .types import SegmentMissingError, TransferError, VolumeConfigError, VolumeDescriptor, VolumeFullError, VolumeKind
 from .volume import Volume, align_up
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class PosixVolume(Volume):
             try:
                 fd = os.open(path, flags)
             except FileNotFoundError as exc:
-                raise TransferError(f"volume {self.desc.id!r}: segment {segment_id} is missing ({path})") from exc
+                raise SegmentMissingError(f"volume {self.desc.id!r}: segment {segment_id} is missing ({path})") from exc
             try:
                 size = os.fstat(fd).st_size
                 reg = self.engine.register([(0, max(size, 1), fd, path.name)], "FILE")
@@ -440,6 +440,10 @@ class PosixVolume(Volume):
             self.counters.segments_deleted += 1
         except FileNotFoundError:
             pass
+
+    def segment_exists(self, segment_id: int) -> bool:
+        """See :meth:`Volume.segment_exists` (the segment file is there)."""
+        return self.path(segment_id).is_file()
 
     def list_segments(self) -> list[int]:
         """See :meth:`Volume.list_segments`."""

@@ -338,6 +338,27 @@ class S3Volume(Volume):
         self._delete_quietly(self.key(segment_id))
         self.counters.segments_deleted += 1
 
+    def segment_exists(self, segment_id: int) -> bool:
+        """See :meth:`Volume.segment_exists`: a ``HEAD`` of the segment's object (with
+        retries); 404 / ``NoSuchKey`` / ``NotFound`` is ``False``.
+
+        Raises:
+            TransferError: the endpoint keeps failing (5xx, connection errors) or refuses.
+        """
+        from botocore.exceptions import ClientError
+
+        key = self.key(segment_id)
+        try:
+            self._retry(lambda: self.client.head_object(Bucket=self.desc.bucket, Key=key))
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise TransferError(f"volume {self.desc.id!r}: HEAD of segment {segment_id} failed: {exc}") from exc
+        except Exception as exc:
+            raise TransferError(f"volume {self.desc.id!r}: HEAD of segment {segment_id} failed: {exc}") from exc
+        return True
+
     def list_segments(self) -> list[int]:
         """See :meth:`Volume.list_segments` (paginated listing of this volume's prefix)."""
         pfx = self.key_prefix()

@@ -30,20 +30,46 @@ class ChecksumMismatchError(StorageError):
 
 
 class VolumeFullError(StorageError, OSError):
-    """The volume has no room for the write (capacity or ENOSPC); nothing was recorded.
+    """The volume has no room for the write (capacity or ENOSPC).
 
-    ``errno`` is ``ENOSPC`` (or the errno the filesystem reported, e.g. ``EDQUOT``);
-    ``str()`` is ``[Errno 28] <message>``.
+    Nothing of the segment that did not fit was recorded.  ``errno`` is ``ENOSPC`` (or the
+    errno the filesystem reported, e.g. ``EDQUOT``); ``str()`` is ``[Errno 28] <message>``.
+
+    Attributes:
+        stored: when raised by ``StorageAgent.put``: the placements of the call's blocks
+            that ARE stored despite the error (segments written before the volume filled
+            up, and blocks that were already held), one per distinct key, in item order.
+            Every other block of the call was not recorded.  Empty elsewhere.
     """
 
-    def __init__(self, message: str, err: int = _errno.ENOSPC) -> None:
+    def __init__(self, message: str, err: int = _errno.ENOSPC, stored: list[Placement] | None = None) -> None:
         super().__init__(err, message)
         self.errno = err
         self.strerror = message
+        self.stored: list[Placement] = list(stored or [])
 
 
 class TransferError(StorageError, OSError):
-    """A NIXL transfer failed or was short; nothing was recorded for its blocks."""
+    """A NIXL transfer failed or was short; nothing was recorded for its blocks.
+
+    Attributes:
+        stored: when raised by ``StorageAgent.put``: the placements of the call's blocks
+            that ARE stored despite the error (as :attr:`VolumeFullError.stored`).  Empty
+            elsewhere.
+    """
+
+    def __init__(self, *args: object, stored: list[Placement] | None = None) -> None:
+        super().__init__(*args)
+        self.stored: list[Placement] = list(stored or [])
+
+
+class SegmentMissingError(TransferError):
+    """A read needed a segment whose file / object is gone (ENOENT, ``NoSuchKey``).
+
+    Raised by ``StorageAgent.get`` only when the catalog still pointed at the lost
+    segment after a fresh look-up (not a concurrent move); the affected entries were then
+    quarantined, so the blocks read as absent and can be stored again.
+    """
 
 
 class VersionConflictError(StorageError):

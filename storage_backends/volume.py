@@ -274,6 +274,17 @@ class Volume(ABC):
     def delete_segment(self, segment_id: int) -> None:
         """Delete a segment (missing is fine)."""
 
+    def segment_exists(self, segment_id: int) -> bool:
+        """Whether segment ``segment_id``'s file / object is physically present.
+
+        Used after a failed read to tell a lost segment (ENOENT, ``NoSuchKey``) from a
+        transient failure.  The default answers ``True`` (unknown: never treated as lost).
+
+        Raises:
+            StorageError: the volume cannot be asked (e.g. the S3 endpoint is down).
+        """
+        return True
+
     @abstractmethod
     def list_segments(self) -> list[int]:
         """Ids of the segments physically present, ascending."""

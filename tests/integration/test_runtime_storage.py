@@ -211,12 +211,24 @@ def test_deleted_segment_during_onboarding_recomputes_everything(agent: StorageA
     tokens = list(range(500, 512))
     hs = writer.serve(tokens, fill_synthetic_kv).sequence_hashes
     _segment_file(tmp_path / "fast").unlink()
-    reader = manager(agent, Capture("reader"))
+    cap = Capture("reader")
+    reader = manager(agent, cap)
     r = reader.serve(tokens, fill_synthetic_kv)
     assert (r.hits_g3, r.computed) == (0, 3)
-    assert [(e.position, e.stage) for e in r.errors] == [(0, "onboard")]
+    assert [(e.position, e.stage, e.error) for e in r.errors] == [(0, "onboard", "SegmentMissingError")]
     for h in hs:
         assert torch.equal(reader.read_block("g1", h), expected(reader, h))
+    # the lost entries were quarantined, so the recomputed blocks are stored again and
+    # published once each (the index holds what the volume holds)
+    ev = cap.events()
+    assert stores(ev, "fast") == chain_pairs(hs) and r.stored_g3 == 3
+    assert agent.exists([reader.block_key(h) for h in hs]) == [True] * 3
+    # every later worker onboards them from G3 instead of recomputing forever
+    later = manager(agent, Capture("later"))
+    r2 = later.serve(tokens, fill_synthetic_kv)
+    assert (r2.hits_g3, r2.computed, r2.stored_g3, r2.errors) == (3, 0, 0, [])
+    for h in hs:
+        assert torch.equal(later.read_block("g1", h), expected(later, h))
 
 
 def test_blocks_on_an_object_volume_count_as_g4_hits(agent: StorageAgent, local_s3: LocalS3, tmp_path: Path) -> None:

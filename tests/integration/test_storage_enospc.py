@@ -111,6 +111,8 @@ def test_c14_offload_4x256k_onto_1mib_only_whole_blocks_are_stored(tmp_path: Pat
         assert ei.value.errno == errno.ENOSPC and "[Errno 28]" in str(ei.value)
         # blocks 0-2 landed whole and were acknowledged; no placement for block 3
         assert agent.exists(keys) == [True, True, True, False]
+        # the error says which blocks landed, with their placements, in item order
+        assert ei.value.stored == agent.locate(keys[:3])
         got = agent.get(keys[:3])
         assert all(torch.equal(g, block(i)) for i, g in enumerate(got))
         # no partial segment left behind, in the catalog or on the filesystem
@@ -146,9 +148,29 @@ def test_c14_short_nixl_write_is_detected_and_nothing_registered(tmp_path: Path,
             agent.put([(k, block(20 + i)) for i, k in enumerate(rest)], "tiny")
         assert ei.value.errno == errno.ENOSPC
         assert agent.exists(first + rest) == [True, True, True, False]
+        assert ei.value.stored == agent.locate(rest[:1])
         assert len(agent.segments("tiny")) == 3 and len(vol.list_segments()) == 3
         got = agent.get(first + rest[:1])
         assert [torch.equal(g, block(h)) for g, h in zip(got, (10, 11, 20))] == [True] * 3
+    finally:
+        agent.close()
+        cat.close()
+
+
+def test_put_that_fails_on_its_first_segment_reports_only_blocks_already_held(tmp_path: Path, small_fs: Path) -> None:
+    agent, cat = _agent(tmp_path, small_fs, "c14-held")
+    try:
+        vol = agent._vol("tiny")  # type: ignore[attr-defined]
+        if not _CAN_MOUNT:
+            _inject_short_writer(vol)
+        keys = [BlockKey(NS, 30 + i) for i in range(5)]
+        agent.put([(keys[0], block(30))], "tiny")
+        held = agent.locate(keys[:1])
+        agent.put([(k, block(31 + i)) for i, k in enumerate(keys[1:3])], "tiny")
+        with pytest.raises(VolumeFullError) as ei:  # keys[0] is held, 3 and 4 cannot land
+            agent.put([(keys[3], block(33)), (keys[0], block(30)), (keys[4], block(34))], "tiny")
+        assert ei.value.stored == held
+        assert agent.exists(keys) == [True, True, True, False, False]
     finally:
         agent.close()
         cat.close()

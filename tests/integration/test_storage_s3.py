@@ -16,6 +16,7 @@ from storage_backends import (
     ChecksumMismatchError,
     LocalS3,
     MediaClass,
+    SegmentMissingError,
     SqliteCatalog,
     StorageAgent,
     VersionConflictError,
@@ -154,10 +155,10 @@ def test_same_hash_under_odd_model_names_stays_distinct(agent: StorageAgent, loc
     assert len({(p.key, p.offset) for p in ps}) == len(names)
     got = agent.get([BlockKey(n, 12345) for n in reversed(names)])
     assert all(torch.equal(g, t) for g, (_, t) in zip(got, reversed(items)))
-    # odd volume ids and prefixes give valid, distinct, bounded object keys
+    # odd (single-token) volume ids and prefixes give valid, distinct, bounded object keys
     made = []
-    for i, (vid, prefix) in enumerate([("org/model_a", "org_model/a"), ("org_model/a", "org/model_a"),
-                                       ("βeta +=", "p with space/%2F"), ("x" * 128, "y" * 600)]):
+    for i, (vid, prefix) in enumerate([("org%2Fmodel_a", "org_model/a"), ("org_model%2Fa", "org/model_a"),
+                                       ("βeta+=.", "p with space/%2F"), ("x" * 128, "y" * 600)]):
         agent.register_volume(s3vol(local_s3, vid=vid, prefix=prefix, bucket=f"kvadvisor-c13-{i}"))
         (p,) = agent.put([(BlockKey("c13", i), block(9000 + i, 4096))], vid)
         made.append((vid, f"kvadvisor-c13-{i}", p))
@@ -170,6 +171,26 @@ def test_same_hash_under_odd_model_names_stays_distinct(agent: StorageAgent, loc
     assert len(set(keys)) == len(keys)
     with pytest.raises(VolumeConfigError, match="prefix"):
         agent.register_volume(s3vol(local_s3, vid="long", prefix="z" * 900))
+
+
+def test_lost_object_is_quarantined_and_the_block_stored_again(agent: StorageAgent, local_s3: LocalS3) -> None:
+    """An object deleted behind the catalog's back (NoSuchKey): the entries are quarantined,
+    the other blocks of the same get are unaffected, and a new put lands."""
+    keep = [(BlockKey(NS, 700 + i), block(700 + i, 3000)) for i in range(2)]
+    gone = [(BlockKey(NS, 710 + i), block(710 + i, 3000)) for i in range(2)]
+    agent.put(keep, "cold")
+    ps = agent.put(gone, "cold")
+    bucket = agent.volume("cold").bucket
+    s3client(local_s3).delete_object(Bucket=bucket, Key=f"kv/cold/seg-{ps[0].segment_id:012d}")
+    keys = [k for k, _ in keep + gone]
+    with pytest.raises(SegmentMissingError, match="2 block"):
+        agent.get(keys)
+    assert agent.exists(keys) == [True, True, False, False]
+    assert agent.counters.segments_missing == 2
+    got = agent.get(keys[:2])
+    assert all(torch.equal(g, t) for g, (_, t) in zip(got, keep))
+    (p,) = agent.put(gone[:1], "cold")
+    assert p.segment_id != ps[0].segment_id and torch.equal(agent.get([gone[0][0]])[0], gone[0][1])
 
 
 def test_s3_descriptor_errors(agent: StorageAgent, local_s3: LocalS3) -> None:

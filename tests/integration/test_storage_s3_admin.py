@@ -187,7 +187,7 @@ def test_nixl_obj_transfers_survive_throttling(agent: StorageAgent, local_s3: Lo
 def test_configure_lifecycle_keeps_other_rules(agent: StorageAgent, local_s3: LocalS3) -> None:
     bucket = f"kvadvisor-lc-{next(_ids)}"
     a = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="a", prefix="kv", bucket=bucket))
-    b = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="b/β", prefix="kv", bucket=bucket))
+    b = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="b%β", prefix="kv", bucket=bucket))
     assert isinstance(a, S3Volume) and isinstance(b, S3Volume)
     a.configure_lifecycle(7)
     b.configure_lifecycle(30)
@@ -195,9 +195,9 @@ def test_configure_lifecycle_keeps_other_rules(agent: StorageAgent, local_s3: Lo
     c = boto3.client("s3", endpoint_url=local_s3.endpoint, aws_access_key_id=local_s3.access_key,
                      aws_secret_access_key=local_s3.secret_key, region_name="us-east-1")
     rules = {r["ID"]: r for r in c.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
-    assert set(rules) == {"kvadvisor-kv/a/", "kvadvisor-kv/b%2F%CE%B2/"}
+    assert set(rules) == {"kvadvisor-kv/a/", "kvadvisor-kv/b%25%CE%B2/"}
     assert rules["kvadvisor-kv/a/"]["Expiration"]["Days"] == 3
-    assert rules["kvadvisor-kv/b%2F%CE%B2/"]["Expiration"]["Days"] == 30
+    assert rules["kvadvisor-kv/b%25%CE%B2/"]["Expiration"]["Days"] == 30
     assert rules["kvadvisor-kv/a/"]["Filter"]["Prefix"] == "kv/a/" and rules["kvadvisor-kv/a/"]["Status"] == "Enabled"
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidRequestError, match="days"):

@@ -8,13 +8,14 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from storage_backends import VolumeConfigError, checksum
+from storage_backends import MediaClass, VolumeConfigError, VolumeDescriptor, VolumeKind, checksum, validate_descriptor
 from storage_backends.keys import (
     MAX_OBJECT_KEY_BYTES,
     encode_component,
     parse_segment_name,
     segment_file_name,
     segment_object_key,
+    validate_volume_id,
 )
 
 NASTY = ["org/model_a", "org_model/a", "a-SEP-b", "a%2Fb", "a/b", "with space", "a+b", "a=b", "βeta", ".", "..", "x" * 100]
@@ -67,3 +68,27 @@ def test_checksum_is_xxh3_of_the_contiguous_bytes() -> None:
     assert checksum(t.t()) == xxhash.xxh3_64_intdigest(t.t().contiguous().numpy().tobytes())
     b = torch.ones(8, dtype=torch.bfloat16)
     assert checksum(b) == xxhash.xxh3_64_intdigest(b.view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize(
+    ("vid", "rule"),
+    [
+        ("", "non-empty"), (" ", "whitespace"), ("\t", "control"), ("fast ssd", "whitespace"),
+        ("fast\u00a0ssd", "whitespace"), ("a\x85b", "control"), ("w/g1", "'/'"), ("/", "'/'"),
+        (".", "'.' and '..'"), ("..", "'.' and '..'"), ("g1", "reserved"), ("g2", "reserved"),
+        ("G1", "reserved"), ("G2", "reserved"), ("x" * 129, "longer than 128"), ("é" * 65, "longer than 128"),
+        (None, "non-empty"), (7, "non-empty"),
+    ],
+)
+def test_volume_ids_must_be_single_tokens_and_not_tier_names(vid: object, rule: str) -> None:
+    """A volume id is an event ``storage_location``: one token, never ``g1``/``g2``."""
+    with pytest.raises(VolumeConfigError, match=rule):
+        validate_volume_id(vid)  # type: ignore[arg-type]
+    if isinstance(vid, str) and vid:
+        with pytest.raises(VolumeConfigError, match=rule):  # what register_volume runs first
+            validate_descriptor(VolumeDescriptor(vid, VolumeKind.POSIX, MediaClass.NVME, 1 << 20, root="/tmp/x"))
+
+
+@pytest.mark.parametrize("vid", ["fast", "g3", "g12", "G1x", "nvme-0", "a.b", "...", "a%2Fb", "βeta", "x" * 128])
+def test_ordinary_volume_ids_are_accepted(vid: str) -> None:
+    validate_volume_id(vid)
