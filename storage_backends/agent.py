@@ -1,8 +1,10 @@
 """The NIXL storage agent: volumes, packed segments, verified reads, moves and compaction.
 
 Write path (``put``): skip keys the catalog already holds -> allocate a segment in the
-catalog (capacity checked atomically across processes) -> pack the blocks into a
-registered staging buffer -> ONE NIXL WRITE (durable) -> ``insert_if_absent`` -> seal.
+catalog (capacity checked atomically across processes) -> ONE NIXL WRITE (durable), straight
+from the caller's tensors where the volume allows it (their storages stay registered, one
+descriptor per run contiguous in memory, XXH3 from each block's own memory), else from a
+registered staging buffer the blocks are packed into -> ``insert_if_absent`` -> seal.
 A block is visible only after its bytes are durable, so a crash at any step loses
 nothing that was acknowledged; at worst it leaves an unreferenced segment that
 :meth:`StorageAgent.collect_garbage` removes.
@@ -102,6 +104,10 @@ class StorageAgent:
 
     Thread-safe; several processes may use agents on the same catalog and volumes.
     """
+
+    #: puts write straight from the callers' tensors where the volume can (see
+    #: :meth:`_write_segment`); ``False`` always packs into a staging buffer (A/B benches)
+    direct_writes: bool = True
 
     def __init__(
         self, catalog: PlacementCatalog, name: str = "kvadvisor-storage",
@@ -230,6 +236,7 @@ class StorageAgent:
         vol = self._vol(volume_id)
         keys: list[BlockKey] = []
         datas: list[torch.Tensor] = []
+        copied: set[BlockKey] = set()  # blocks whose tensor was not contiguous (a fresh copy)
         for key, t in items:
             validate_block_key(key)
             if not isinstance(t, torch.Tensor):
@@ -240,6 +247,8 @@ class StorageAgent:
                 raise InvalidRequestError(f"block {key}: {exc}") from exc
             if b.numel() == 0:
                 raise InvalidRequestError(f"block {key} is empty")
+            if not t.is_contiguous():
+                copied.add(key)
             keys.append(key)
             datas.append(b)
         result: dict[BlockKey, Placement] = {}
@@ -254,7 +263,8 @@ class StorageAgent:
         self.counters.dedup_skipped += len(ukeys) - len(todo)
         try:
             for group in self._segment_groups(vol, todo):
-                placed = self._write_segment(vol, group, version=0)
+                direct = self.direct_writes and (not copied or all(k not in copied for k, _ in group))
+                placed = self._write_segment(vol, group, version=0, direct=direct)
                 winners = self.catalog.insert_if_absent(placed)
                 seg = placed[0].segment_id
                 self.catalog.seal_segment(volume_id, seg)
@@ -285,31 +295,63 @@ class StorageAgent:
 
     def _write_segment(
         self, vol: Volume, group: Sequence[tuple[BlockKey, torch.Tensor]], version: int,
-        checksums: Sequence[int] | None = None,
+        checksums: Sequence[int] | None = None, direct: bool = False,
     ) -> list[Placement]:
         """Allocate a segment, write ``group`` into it with one transfer, return the
-        (unrecorded) placements.  On failure the segment is released and re-raised."""
+        (unrecorded) placements.  On failure the segment is released and re-raised.
+
+        With ``direct`` (the tensors are the caller's own memory, not temporary copies),
+        a volume that can (:meth:`Volume.direct_write_ok`) writes straight from the
+        tensors, whose storages stay registered with NIXL (one descriptor per run
+        contiguous in memory, e.g. consecutive blocks of one pool), and every block is
+        hashed from its own memory.  Otherwise the blocks are hashed, then packed into a
+        registered staging buffer.  Overlapping tensors always take the staging path."""
+        n = len(group)
         lengths = [b.numel() for _, b in group]
         offsets, size = vol.plan(lengths)
-        cks = list(checksums) if checksums is not None else [checksum_np(b.numpy()) for _, b in group]
         vid = vol.desc.id
+        eng = vol.engine
+        addrs: np.ndarray | None = None
+        if direct:
+            addrs = np.fromiter((b.data_ptr() for _, b in group), dtype=np.int64, count=n)
+            lens = np.array(lengths, dtype=np.int64)
+            if _overlapping(addrs, lens) or not vol.direct_write_ok(addrs, lens, np.array(offsets, dtype=np.int64), size):
+                addrs = None
+        if checksums is not None:
+            cks = list(checksums)
+        elif addrs is not None:
+            h = xxhash.xxh3_64_intdigest
+            cks = [h(memory_at(a, ln)) for a, ln in zip(addrs.tolist(), lengths)]
+        else:
+            cks = [checksum_np(b.numpy()) for _, b in group]
         seg = self.catalog.new_segment(vid, size, capacity_bytes=vol.desc.capacity_bytes)
         try:
-            eng = vol.engine
             with eng.lock:
-                buf = eng.staging(size, vol.buffer_alignment)
-                pack(buf, offsets, [b for _, b in group], size)
-                vol.write_segment(seg, buf, size)
+                if addrs is not None:
+                    tensors = [b for _, b in group]
+
+                    def storage_of(i: int) -> tuple[int, int]:
+                        st = tensors[i].untyped_storage()
+                        return st.data_ptr(), st.nbytes()
+
+                    eng.dram.ensure(addrs, addrs + lens, storage_of)
+                    vol.write_segment_from(seg, addrs, lens, size)
+                else:
+                    buf = eng.staging(size, vol.buffer_alignment)
+                    pack(buf, offsets, [b for _, b in group], size)
+                    vol.write_segment(seg, buf, size)
         except BaseException:
             try:
                 self.catalog.drop_segment(vid, seg)
             except Exception as exc:  # the write error matters more
                 logger.warning("cannot release segment %d of %s: %s", seg, vid, exc)
             raise
-        vol.counters.blocks_written += len(group)
+        vol.counters.blocks_written += n
+        if addrs is not None:
+            vol.counters.bump("direct_writes")
         return [
-            Placement(key=k, volume_id=vid, segment_id=seg, offset=off, length=n, checksum=ck, version=version)
-            for (k, _), off, n, ck in zip(group, offsets, lengths, cks)
+            Placement(key=k, volume_id=vid, segment_id=seg, offset=off, length=ln, checksum=ck, version=version)
+            for (k, _), off, ln, ck in zip(group, offsets, lengths, cks)
         ]
 
     # ================================================================== get

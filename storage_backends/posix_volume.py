@@ -149,11 +149,33 @@ class PosixVolume(Volume):
     # ------------------------------------------------------------------ write
     def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
         """See :meth:`Volume.write_segment`."""
+        local = np.array([[buffer.data_ptr(), size, 0]], dtype=np.int64)
+        self._write_local(segment_id, local, size)
+
+    def direct_write_ok(self, addrs: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, size: int) -> bool:
+        """When the blocks fill the segment without gaps (always for buffered volumes,
+        whose blocks are packed back to back); with O_DIRECT also only when every address
+        and length is a multiple of ``alignment`` (then no padding is planned either)."""
+        if len(lengths) == 0 or int(lengths.sum()) != size:
+            return False
+        if not self._direct:
+            return True
+        a = self.desc.alignment
+        return bool(np.all(addrs % a == 0) and np.all(lengths % a == 0))
+
+    def write_segment_from(self, segment_id: int, addrs: np.ndarray, lengths: np.ndarray, size: int) -> None:
+        """See :meth:`Volume.write_segment_from`."""
+        self._write_local(segment_id, self.runs(addrs, lengths), size)
+
+    def _write_local(self, segment_id: int, local: np.ndarray, size: int) -> None:
+        """Write the DRAM descriptors ``local`` (``K x 3``, back to back, ``size`` bytes in
+        all) as a new segment file: create, preallocate, one NIXL WRITE, length check,
+        fsync of the file, then of the directory.  Nothing is left behind on failure."""
         path = self.path(segment_id)
         direct = self._direct
-        if direct and not self._aligned(buffer.data_ptr(), size):
+        if direct and not self._aligned(size, *local[:, 0].tolist(), *local[:, 1].tolist()):
             self._fallback("write", errno.EINVAL,
-                           f"buffer address {buffer.data_ptr():#x} or size {size} not aligned to {self.desc.alignment}")
+                           f"buffer address {int(local[0, 0]):#x} or size {size} not aligned to {self.desc.alignment}")
             direct = False
         fd = -1
         created = False
@@ -162,7 +184,7 @@ class PosixVolume(Volume):
             created = True
             self._preallocate(fd, size, direct)
             try:
-                self._write(fd, path, buffer, size)
+                self._write(fd, path, local, size)
             except TransferError as exc:
                 if not direct:
                     raise self._classify(exc, size) from exc
@@ -171,7 +193,7 @@ class PosixVolume(Volume):
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 direct = False
                 try:
-                    self._write(fd, path, buffer, size)
+                    self._write(fd, path, local, size)
                 except TransferError as exc2:
                     raise self._classify(exc2, size) from exc2
             st = os.fstat(fd)
@@ -247,10 +269,16 @@ class PosixVolume(Volume):
         if pos < size:  # unaligned tail under O_DIRECT: extend the file size only
             os.ftruncate(fd, size)
 
-    def _write(self, fd: int, path: Path, buffer: torch.Tensor, size: int) -> None:
+    def _write(self, fd: int, path: Path, local: np.ndarray, size: int) -> None:
+        """One NIXL WRITE of the DRAM descriptors ``local`` (``K x 3``) back to back from
+        offset 0 of ``fd`` (``size`` bytes in all)."""
         reg = self.engine.register([(0, size, fd, path.name)], "FILE")
         try:
-            self.engine.transfer("WRITE", [(buffer.data_ptr(), size)], [(0, size, fd)], "FILE")
+            remote = np.empty_like(local)
+            remote[:, 1] = local[:, 1]
+            remote[:, 0] = np.cumsum(local[:, 1]) - local[:, 1]
+            remote[:, 2] = fd
+            self.engine.transfer("WRITE", local, remote, "FILE")
         finally:
             self.engine.deregister(reg)
 

@@ -215,13 +215,32 @@ class S3Volume(Volume):
     # ------------------------------------------------------------------ write
     def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
         """See :meth:`Volume.write_segment` (one OBJ descriptor: one PUT)."""
+        self._put(segment_id, buffer.data_ptr(), size)
+
+    def direct_write_ok(self, addrs: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, size: int) -> bool:
+        """When the blocks are ONE run contiguous in memory that fills the segment (a
+        segment object is one PUT of one descriptor)."""
+        if len(lengths) == 0 or int(lengths.sum()) != size:
+            return False
+        return len(lengths) == 1 or bool(np.all(addrs[1:] == addrs[:-1] + lengths[:-1]))
+
+    def write_segment_from(self, segment_id: int, addrs: np.ndarray, lengths: np.ndarray, size: int) -> None:
+        """See :meth:`Volume.write_segment_from` (one contiguous run: one PUT)."""
+        local = self.runs(addrs, lengths)
+        if len(local) != 1 or int(local[0, 1]) != size:
+            raise TransferError(f"volume {self.desc.id!r}: a direct segment write needs one contiguous run of {size} bytes")
+        self._put(segment_id, int(local[0, 0]), size)
+
+    def _put(self, segment_id: int, address: int, size: int) -> None:
+        """PUT ``size`` bytes of registered DRAM at ``address`` as the segment's object,
+        check its length with a HEAD (retried as a whole; the object is deleted on failure)."""
         key = self.key(segment_id)
 
         def attempt() -> None:
             dev = self.engine.new_dev_id()
             reg = self.engine.register([(0, size, dev, key)], "OBJ")
             try:
-                self.engine.transfer("WRITE", [(buffer.data_ptr(), size)], [(0, size, dev)], "OBJ")
+                self.engine.transfer("WRITE", [(address, size)], [(0, size, dev)], "OBJ")
             finally:
                 self.engine.deregister(reg)
             head = self.client.head_object(Bucket=self.desc.bucket, Key=key)

@@ -234,6 +234,39 @@ class Volume(ABC):
             TransferError: the transfer failed or was short; nothing is left behind.
         """
 
+    def direct_write_ok(self, addrs: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, size: int) -> bool:
+        """Whether :meth:`write_segment_from` can write blocks of ``lengths`` bytes at the
+        DRAM addresses ``addrs``, planned at ``offsets`` of a segment of ``size`` bytes
+        (int64 arrays), straight from that memory; ``False`` means the agent packs them
+        into a staging buffer and calls :meth:`write_segment` instead."""
+        return False
+
+    def write_segment_from(self, segment_id: int, addrs: np.ndarray, lengths: np.ndarray, size: int) -> None:
+        """:meth:`write_segment` from registered caller DRAM instead of one buffer: the
+        segment is the ``lengths[i]`` bytes at ``addrs[i]``, one after the other (no gap;
+        ``size == lengths.sum()``), written in ONE NIXL transfer with one descriptor per
+        run contiguous in memory.  Same durability and errors as :meth:`write_segment`.
+
+        Raises:
+            VolumeFullError, TransferError: as :meth:`write_segment`.
+            NotImplementedError: the volume has no direct writes (see :meth:`direct_write_ok`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no direct writes")
+
+    @staticmethod
+    def runs(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """``K x 3`` int64 NIXL DRAM descriptors ``(address, length, 0)``: the ranges merged
+        into runs contiguous in memory (consecutive blocks of one pool: one descriptor)."""
+        n = len(addrs)
+        if n > 1:
+            first = np.concatenate(([0], np.flatnonzero(addrs[1:] != addrs[:-1] + lengths[:-1]) + 1))
+            if len(first) < n:
+                lengths = np.add.reduceat(lengths, first)
+                addrs = addrs[first]
+        local = np.zeros((len(addrs), 3), dtype=np.int64)
+        local[:, 0], local[:, 1] = addrs, lengths
+        return local
+
     @abstractmethod
     def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
         """Read ``[(segment_id, offset, length)]`` in one NIXL transfer into ``out``.

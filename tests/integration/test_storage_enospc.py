@@ -7,6 +7,7 @@ the test id, so a run that could not use the real filesystem says so.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,11 +90,12 @@ def _inject_short_writer(vol: object) -> None:
     once three segments exist (the fourth would not fit on a 1 MiB filesystem)."""
     orig = vol._write  # type: ignore[attr-defined]
 
-    def write(fd: int, path: Path, buffer: torch.Tensor, size: int) -> None:
+    def write(fd: int, path: Path, local: np.ndarray, size: int) -> None:
         if len(list(vol.dir.iterdir())) <= 3:  # type: ignore[attr-defined]
-            orig(fd, path, buffer, size)
+            orig(fd, path, local, size)
             return
-        os.pwrite(fd, buffer.numpy()[: size - 1].tobytes(), 0)
+        data = b"".join(ctypes.string_at(int(a), int(n)) for a, n, _ in local.tolist())
+        os.pwrite(fd, data[: size - 1], 0)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     vol._write = write  # type: ignore[attr-defined]
