@@ -174,6 +174,10 @@ class ZmqSubscriber(Subscriber):
             live are dropped as duplicates.
         catch_up_timeout_s: how long start-up waits for those answers (a publisher that is
             not up yet simply has nothing to catch up on).
+        idle_probe_s: after this many seconds without a message, ask every replay socket
+            for anything past what was delivered (0 disables): a lost *last* batch, or a
+            publisher that bound after this subscriber connected and then went quiet, is
+            otherwise never revealed by a later batch.
         context: ZMQ context (the process-wide one by default).
 
     Raises:
@@ -192,10 +196,13 @@ class ZmqSubscriber(Subscriber):
         on_resync: ResyncCallback | None = None,
         catch_up: bool = True,
         catch_up_timeout_s: float = 0.5,
+        idle_probe_s: float = 1.0,
     ) -> None:
         super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
         self._catch_up = catch_up
         self._catch_up_timeout_s = catch_up_timeout_s
+        self._idle_probe_s = idle_probe_s
+        self._sources_at: dict[int, set[str]] = {}
         if not endpoints:
             raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
         self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
@@ -246,14 +253,24 @@ class ZmqSubscriber(Subscriber):
         finally:
             self._ready.set()
         try:
+            last_seen = time.monotonic()
             while not self._closed.is_set():
-                for sock, _ in poller.poll(_POLL_MS):
+                ready = poller.poll(_POLL_MS)
+                for sock, _ in ready:
                     for _ in range(1000):  # drain, but keep polling the others fairly
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._on_message(index[sock], frames)
+                now = time.monotonic()
+                if ready:
+                    last_seen = now
+                elif self._idle_probe_s and now - last_seen >= self._idle_probe_s:
+                    # Quiet line: a lost *last* batch is revealed by no later one, so ask
+                    # the replay sockets for anything past what was delivered.
+                    self._catch_up_all(self._probe_starts())
+                    last_seen = time.monotonic()
         finally:
             for sock in subs:
                 sock.close(linger=0)
@@ -285,6 +302,7 @@ class ZmqSubscriber(Subscriber):
         except CodecError:
             self._stats.decode_errors += 1
             return
+        self._sources_at.setdefault(i, set()).add(batch.source)
         recover = partial(self._replay, i) if self._endpoints[i][1] is not None else None
         self._tracker.accept(batch, recover)
 
@@ -310,24 +328,38 @@ class ZmqSubscriber(Subscriber):
             return None
         return seq_from_bytes(seq_frame), payload
 
-    def _catch_up_all(self) -> None:
-        """Fetch every batch the publishers still buffer and deliver it, oldest first.
+    def _probe_starts(self) -> dict[int, int]:
+        """Per endpoint, the lowest seq not yet delivered of the sources seen there (0 if none)."""
+        starts: dict[int, int] = {}
+        for i, (_, rep) in enumerate(self._endpoints):
+            if rep is None:
+                continue
+            seqs = [pos[1] for src in self._sources_at.get(i, ()) if (pos := self._tracker.position(src)) is not None]
+            starts[i] = min(seqs) if seqs else 0
+        return starts
 
-        Sends one replay request (start seq 0) to every replay socket at once and waits at
-        most ``catch_up_timeout_s`` for the answers; runs on the receiver thread before it
-        starts reading the SUB sockets, so the tracker sees history before live batches.
+    def _catch_up_all(self, starts: dict[int, int] | None = None) -> None:
+        """Fetch what the publishers still buffer and deliver it, oldest first.
+
+        Sends one replay request to every replay socket at once (from seq 0 at start-up, or
+        from ``starts[i]`` for endpoint ``i``) and waits at most ``catch_up_timeout_s`` for
+        the answers; runs on the receiver thread, so the tracker sees these batches in order
+        with live ones (those already delivered are dropped as duplicates).
         """
-        time.sleep(0.05)  # let the SUB subscriptions reach the publishers first
+        if starts is None:
+            time.sleep(0.05)  # let the SUB subscriptions reach the publishers first
+            starts = {i: 0 for i, (_, rep) in enumerate(self._endpoints) if rep is not None}
         pending: dict[zmq.Socket, tuple[int, list[EventBatch]]] = {}
         poller = zmq.Poller()
-        for i, (_, rep) in enumerate(self._endpoints):
+        for i, start in starts.items():
+            rep = self._endpoints[i][1]
             if rep is None:
                 continue
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
             dealer.connect(rep)
-            dealer.send_multipart([b"", seq_to_bytes(0)])
+            dealer.send_multipart([b"", seq_to_bytes(start)])
             pending[dealer] = (i, [])
             poller.register(dealer, zmq.POLLIN)
         deadline = time.monotonic() + self._catch_up_timeout_s
@@ -345,6 +377,7 @@ class ZmqSubscriber(Subscriber):
                         recover = partial(self._replay, i)
                         st = self._stats
                         for batch in sorted(got, key=lambda b: (b.source, b.epoch, b.seq)):
+                            self._sources_at.setdefault(i, set()).add(batch.source)
                             dup = st.duplicates
                             self._tracker.accept(batch, recover)
                             st.replayed += st.duplicates == dup  # delivered from the replay buffer

@@ -23,8 +23,20 @@ console = Console(stderr=False)
 
 
 def _fail(msg: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {msg}")
+    """Print ``error: msg`` on one line of stderr and exit with status 2."""
+    typer.echo(f"error: {' '.join(str(msg).split())}", err=True)
     raise typer.Exit(2)
+
+
+def _check_output(path: Path | None, what: str) -> None:
+    """Fail before any work when an output file cannot be written."""
+    if path is None:
+        return
+    parent = path.expanduser().resolve().parent
+    if not parent.is_dir():
+        _fail(f"{what}: directory {parent} does not exist")
+    if path.exists() and path.is_dir():
+        _fail(f"{what}: {path} is a directory")
 
 
 @app.command()
@@ -40,6 +52,8 @@ def demo(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
 ) -> None:
     """Replay a real trace through workers, event plane, advisor, volumes and the REST API."""
+    import signal
+
     from kvadvisor.demo import DemoError, run_demo
     from kvadvisor.settings import DemoSettings
     from kvadvisor.trace import TraceFormatError
@@ -60,6 +74,10 @@ def demo(
 
         _fail(f"invalid demo settings: {format_validation_error(exc)}")
         return
+    _check_output(json_out, "--json")
+    # SIGTERM unwinds like Ctrl-C, so the advisor process, the local S3 endpoint and the
+    # work directory are cleaned up either way.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with Progress(
         TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
     ) as bar:
@@ -73,6 +91,9 @@ def demo(
         except (DemoError, TraceFormatError, FileNotFoundError) as exc:
             _fail(str(exc))
             return
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
+            raise typer.Exit(130) from None
     _print_report(report)
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2, default=str))
@@ -131,6 +152,10 @@ def evaluate(
     from kvadvisor import evaluate as ev_mod
     from kvadvisor.trace import TraceFormatError
 
+    _check_output(plot, "--plot")
+    _check_output(json_out, "--json")
+    if limit is not None and limit < 1:
+        _fail("--limit must be at least 1")
     try:
         caps = ev_mod.parse_capacities(capacity)
         reqs = ev_mod.load_trace(trace, format, limit, stagger_s)  # type: ignore[arg-type]

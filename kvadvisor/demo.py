@@ -357,6 +357,13 @@ def run_demo(
         )
         rcfg = runtime_config(s)
         namespace = rcfg.fingerprint().namespace()
+        # Workers bind their publishers before the advisor subscribes, so it catches up on
+        # anything sent early through their replay sockets (DESIGN §3, docs/events.md §5.2).
+        publishers: list[EventPublisher] = []
+        for i in range(s.workers):
+            pub = make_publisher(topo.worker_pub_urls[i], source=f"worker-{i}")
+            publishers.append(pub)
+            stack.callback(pub.close)
         api_url = stack.enter_context(advisor_process(advisor_config(s, topo, namespace), workdir, env))
         client = AdvisorClient(api_url)
         stack.callback(client.close)
@@ -366,10 +373,7 @@ def run_demo(
         for v in topo.volumes:
             agent.register_volume(v)
         managers: list[BlockManager] = []
-        publishers: list[EventPublisher] = []
-        for i in range(s.workers):
-            pub = make_publisher(topo.worker_pub_urls[i], source=f"worker-{i}")
-            publishers.append(pub)
+        for pub in publishers:
             mgr = BlockManager(rcfg, pub, store=agent, g3_volume=SLOW)
             managers.append(mgr)
             stack.callback(mgr.close)

@@ -68,7 +68,10 @@ def start_local_s3(port: int | None = None, timeout_s: float = 30.0) -> LocalS3:
         RuntimeError: if the ``moto_server`` executable is missing or the server does not
             answer within ``timeout_s`` seconds.
     """
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    # The one installed beside this interpreter (the project's venv) first, then PATH.
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(exe):
+        exe = shutil.which("moto_server") or exe
     if not os.path.exists(exe):
         raise RuntimeError("moto_server not found: install the project (pip install -e .) first")
     port = port or free_port()

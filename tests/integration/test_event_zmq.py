@@ -318,3 +318,24 @@ def test_a_lying_or_implausible_seq_cannot_silence_its_source() -> None:
     finally:
         sub.close()
         pub.close(linger=0)
+
+
+def test_publisher_that_binds_late_and_goes_quiet_is_still_caught_up() -> None:
+    """The subscriber connects first; the publisher binds, sends one batch while the
+    subscription is still travelling, and sends nothing more. No later batch reveals the
+    loss, so the idle probe of the replay socket must."""
+    pub_ep, rep_ep = endpoints()
+    sub = ZmqSubscriber([(pub_ep, rep_ep)], idle_probe_s=0.5)
+    sub.start()
+    try:
+        pub = ZmqPublisher("late", pub_ep, rep_ep, config=ONE)
+        try:
+            pub.publish([ev(0)])
+            got = drain(sub, 1, timeout=5.0)
+            assert [(b.source, b.seq) for b in got] == [("late", 0)]
+            assert sub.get(timeout=1.2) is None  # later probes deliver nothing twice
+            assert sub.stats().duplicates == 0
+        finally:
+            pub.close()
+    finally:
+        sub.close()
