@@ -125,6 +125,7 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
         ("API (while it was up)", r.api_url),
+        (f"event streams ({r.transport}; last: the advisor's)", " ".join(r.event_urls)),
         ("wall time", f"{r.wall_s:.1f} s"),
     ]
     if r.verified:

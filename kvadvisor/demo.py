@@ -83,6 +83,8 @@ class DemoReport:
     bytes_moved: int = 0
     advisor_events_per_s: float = 0.0
     api_url: str = ""
+    event_urls: list[str] = field(default_factory=list)
+    transport: str = ""
     wall_s: float = 0.0
     volumes: list[dict[str, Any]] = field(default_factory=list)
     index_blocks: dict[str, int] = field(default_factory=dict)
@@ -378,7 +380,13 @@ def run_demo(
             managers.append(mgr)
             stack.callback(mgr.close)
 
-        report = DemoReport(requests=len(reqs), workers=s.workers, api_url=api_url)
+        report = DemoReport(
+            requests=len(reqs),
+            workers=s.workers,
+            api_url=api_url,
+            event_urls=sorted(set(topo.worker_sub_urls)) + [topo.advisor_pub_url],
+            transport=s.transport,
+        )
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
             res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
