@@ -20,10 +20,9 @@ import queue
 import threading
 from typing import Any
 
-import nats
 from nats.js import api as js_api
 
-from event_plane.nats_transport import STREAM_NAME, SUBJECT_PREFIX, ensure_stream, subject_for
+from event_plane.nats_transport import STREAM_NAME, SUBJECT_PREFIX, connect_nats, ensure_stream, fetch_forever, subject_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +97,7 @@ class JetStreamLog:
             raise JetStreamLogError(f"cannot read stream {STREAM_NAME} at {self.url}: {exc}") from exc
 
     async def _open(self) -> None:
-        self._nc = await nats.connect(self.url, connect_timeout=self._connect_timeout_s, allow_reconnect=True,
-                                      max_reconnect_attempts=-1)
+        self._nc = await connect_nats(self.url, self._connect_timeout_s, {})
         self._js = self._nc.jetstream()
         await ensure_stream(self._js)
         config = js_api.ConsumerConfig(
@@ -112,26 +110,15 @@ class JetStreamLog:
         self._task = asyncio.get_running_loop().create_task(self._pull(psub))
 
     async def _pull(self, psub: Any) -> None:
-        while not self._closed.is_set():
-            try:
-                msgs = await psub.fetch(self._batch_size, timeout=0.2)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
-                logger.exception("JetStream log: fetch failed")
-                await asyncio.sleep(0.1)
-                continue
-            for msg in msgs:
-                item = (int(msg.metadata.sequence.stream), bytes(msg.data))
-                while not self._closed.is_set():
-                    try:
-                        self._queue.put_nowait(item)
-                        break
-                    except queue.Full:
-                        await asyncio.sleep(0.005)
-                await msg.ack()
+        async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
+            item = (int(msg.metadata.sequence.stream), bytes(msg.data))
+            while not self._closed.is_set():
+                try:
+                    self._queue.put_nowait(item)
+                    break
+                except queue.Full:
+                    await asyncio.sleep(0.005)
+            await msg.ack()
 
     def last_sequence(self) -> int:
         """The stream's last sequence now (0 when empty)."""

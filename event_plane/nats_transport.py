@@ -13,7 +13,7 @@ import asyncio
 import logging
 import re
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import nats
@@ -85,7 +85,12 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-async def _connect(url: str, connect_timeout_s: float, options: dict[str, Any]) -> nats.NATS:
+async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, Any]) -> nats.NATS:
+    """``nats.connect`` with bounded first connect, endless reconnects and one-line error logs.
+
+    Raises:
+        asyncio.TimeoutError / OSError / nats errors: the first connect failed.
+    """
     up = False
 
     async def one_line_errors(exc: Exception) -> None:  # nats-py's default logs a traceback
@@ -104,6 +109,27 @@ async def _connect(url: str, connect_timeout_s: float, options: dict[str, Any]) 
     nc = await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
     up = True
     return nc
+
+
+async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, what: str) -> AsyncIterator[Any]:
+    """Yield the messages of a JetStream pull subscription until ``closed`` is set.
+
+    A fetch that times out is an idle poll; any other fetch error is logged on one line and
+    retried after 0.1 s (reconnecting is nats-py's job). ``what`` names the reader in logs.
+    """
+    while not closed.is_set():
+        try:
+            msgs = await psub.fetch(batch_size, timeout=0.2)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nothing new yet
+            continue
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
+            logger.warning("%s: fetch failed: %s", what, describe(exc))
+            await asyncio.sleep(0.1)
+            continue
+        for msg in msgs:
+            yield msg
 
 
 async def ensure_stream(js: Any, *, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
@@ -169,7 +195,7 @@ class NatsPublisher(EventPublisher):
         self._room = threading.Condition(self._count_lock)
         self._io = _LoopThread(f"kvevents-nats-pub-{source}")
         try:
-            self._nc = self._io.run(_connect(url, connect_timeout_s, connect_options))
+            self._nc = self._io.run(connect_nats(url, connect_timeout_s, connect_options))
             self._js = self._nc.jetstream() if self._use_jetstream else None
             if self._js is not None:
                 self._io.run(ensure_stream(self._js, max_age_s=stream_max_age_s, max_bytes=stream_max_bytes))
@@ -304,7 +330,7 @@ class NatsSubscriber(Subscriber):
             return
         self._io = _LoopThread("kvevents-nats-sub")
         try:
-            self._nc = self._io.run(_connect(self.url, self._connect_timeout_s, self._options))
+            self._nc = self._io.run(connect_nats(self.url, self._connect_timeout_s, self._options))
             self._io.run(self._subscribe())
         except Exception as exc:
             self._io.stop()
@@ -408,28 +434,17 @@ class JetStreamSubscriber(NatsSubscriber):
         self._task = asyncio.get_running_loop().create_task(self._pull_loop(psub))
 
     async def _pull_loop(self, psub: Any) -> None:
-        while not self._closed.is_set():
+        async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream subscriber"):
+            # The stream is durable: wait for room instead of dropping (back-pressure).
+            while self._queue.full() and not self._closed.is_set():
+                await asyncio.sleep(0.005)
+            if self._closed.is_set():
+                return  # unacked: redelivered to the next run of this durable
             try:
-                msgs = await psub.fetch(self._batch_size, timeout=0.2)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nothing new yet
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
-                logger.exception("JetStream subscriber: fetch failed")
-                await asyncio.sleep(0.1)
-                continue
-            for msg in msgs:
-                # The stream is durable: wait for room instead of dropping (back-pressure).
-                while self._queue.full() and not self._closed.is_set():
-                    await asyncio.sleep(0.005)
-                if self._closed.is_set():
-                    return  # unacked: redelivered to the next run of this durable
-                try:
-                    self._on_payload(msg.data)
-                except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
-                    logger.exception("JetStream subscriber: batch could not be applied")
-                await msg.ack()
+                self._on_payload(msg.data)
+            except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
+                logger.exception("JetStream subscriber: batch could not be applied")
+            await msg.ack()
 
     def close(self) -> None:
         if self._io is not None and not self._closed.is_set():
