@@ -86,8 +86,12 @@ def demo(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
+        def ready(api_url: str, event_urls: list[str]) -> None:
+            bar.console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)")
+            bar.console.print("event streams: " + "  ".join(f"'{u}'" for u in event_urls))
+
         try:
-            report = run_demo(s, progress=progress)
+            report = run_demo(s, progress=progress, on_ready=ready)
         except (DemoError, TraceFormatError, FileNotFoundError) as exc:
             _fail(str(exc))
             return

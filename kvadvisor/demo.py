@@ -314,11 +314,13 @@ def run_demo(
     s: DemoSettings,
     progress: Callable[[int, int], None] | None = None,
     inspect: Callable[[DemoReport, AdvisorClient, list[BlockManager], StorageAgent], None] | None = None,
+    on_ready: Callable[[str, list[str]], None] | None = None,
 ) -> DemoReport:
     """Replay ``s.requests`` requests of the trace and return the report.
 
     ``progress(done, total)`` is called after every request.  ``inspect`` (used by the
-    end-to-end test) is called while every component is still up.
+    end-to-end test) is called while every component is still up.  ``on_ready(api_url,
+    event_urls)`` is called once the advisor serves, before the replay starts.
 
     Raises:
         DemoError: if a component fails to start or the advisor falls behind.
@@ -387,6 +389,8 @@ def run_demo(
             event_urls=sorted(set(topo.worker_sub_urls)) + [topo.advisor_pub_url],
             transport=s.transport,
         )
+        if on_ready:
+            on_ready(api_url, report.event_urls)
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
             res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
