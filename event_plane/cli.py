@@ -87,8 +87,8 @@ def _open(url: str, **kw: Any) -> Any:
 @events_app.command()
 def tail(
     url: Annotated[str, typer.Argument(help="event URL, e.g. zmq://127.0.0.1:5557?replay=5558")],
-    count: Annotated[Optional[int], typer.Option("--count", "-n", help="stop after N events")] = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", "-d", help="stop after S seconds")] = None,
+    count: Annotated[Optional[int], typer.Option("--count", "-n", min=1, help="stop after N events")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", "-d", min=0.001, help="stop after S seconds")] = None,
 ) -> None:
     """Print every event as a JSON line, with gap markers."""
     gaps = _GapMarkers()
@@ -119,7 +119,7 @@ def tail(
 @events_app.command()
 def stats(
     url: Annotated[str, typer.Argument(help="event URL")],
-    duration: Annotated[float, typer.Option("--duration", "-d", help="seconds to measure")] = 10.0,
+    duration: Annotated[float, typer.Option("--duration", "-d", min=0.001, help="seconds to measure")] = 10.0,
 ) -> None:
     """Measure a stream for DURATION seconds; print rates and sizes as one JSON object."""
     sub = _open(url)

@@ -362,8 +362,11 @@ def parse_capacities(text: str) -> list[int]:
     Raises:
         EvaluateError: a part is not a positive integer.
     """
+    parts = [x.strip() for x in text.split(",")]
+    if any(not x for x in parts):
+        raise EvaluateError(f"capacities must be comma-separated integers with none empty, got {text!r}")
     try:
-        caps = [int(x.strip().replace("_", "")) for x in text.split(",") if x.strip()]
+        caps = [int(x.replace("_", "")) for x in parts]
     except ValueError as exc:
         raise EvaluateError(f"capacities must be comma-separated integers, got {text!r}") from exc
     if not caps or any(c < 1 for c in caps):
