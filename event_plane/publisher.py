@@ -23,7 +23,7 @@ from event_plane.config import PublisherConfig, PublisherStats
 from event_plane.errors import PublisherClosedError
 from event_plane.flush_policy import AdaptiveDelay
 from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
-from event_plane.validate import check_source, check_u64, encode_checked
+from event_plane.validate import check_source, check_u64, encode_checked_all
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +90,33 @@ class EventPublisher(abc.ABC):
             InvalidEventError: an event is malformed; none of ``events`` is accepted.
             PublisherClosedError: the publisher is closed.
         """
-        encoded = [encode_checked(ev) for ev in events]
+        encoded = encode_checked_all(events)
         if not encoded:
             return
         max_events, max_bytes = self.config.max_events, self.config.max_bytes
+        n = len(encoded)
         with self._lock:
             if self._closed:
                 raise PublisherClosedError(f"publisher {self.source!r} is closed")
-            self._ensure_timer()
+            if self._timer is None:
+                self._ensure_timer()
             now = time.monotonic()
-            self._delay.observe(len(encoded), now)
+            self._delay.observe(n, now)
+            pending = len(self._events)
+            size = sum(map(len, encoded))
+            if pending + n <= max_events and self._pending_bytes + size <= max_bytes:
+                # All of them fit the pending batch: no event would trip a limit before the
+                # last, so append in bulk (same result as the per-event loop below).
+                if not pending:
+                    self._oldest_at = now
+                    self._deadline = now + self._delay.delay(now)
+                    self._cond.notify_all()
+                self._events.extend(events)
+                self._encoded.extend(encoded)
+                self._pending_bytes += size
+                if pending + n >= max_events:
+                    self._flush_locked()
+                events = ()
             for ev, data in zip(events, encoded):
                 if self._events and self._pending_bytes + len(data) > max_bytes:
                     self._flush_locked()

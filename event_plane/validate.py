@@ -7,6 +7,8 @@ once; a bad event raises :class:`InvalidEventError` before anything is accepted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from event_plane.codec import encode_event
@@ -73,3 +75,49 @@ def encode_checked(event: object) -> bytes:
         return encode_event(event)
     except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:
         raise InvalidEventError(f"event cannot be encoded: {exc}") from exc
+
+
+_encode = msgspec.msgpack.Encoder().encode  # same settings as codec's encoder: identical bytes
+
+
+def encode_checked_all(events: Iterable[object]) -> list[bytes]:
+    """Validate and encode a sequence of events; ``[encode_checked(ev) for ev in events]``.
+
+    The common event (exactly a :class:`KVEvent`, an :class:`EventType` member, exact
+    ``int`` fields in range, a plain ``str`` location of 1..255 characters, no
+    ``extra_metadata``) is checked inline; anything else goes through
+    :func:`encode_checked`, so it is accepted or rejected (same message) exactly as there.
+
+    Returns:
+        The events' MessagePack bytes, in order.
+
+    Raises:
+        InvalidEventError: the first malformed event (nothing is returned).
+    """
+    out: list[bytes] = []
+    app = out.append
+    enc = _encode
+    kv, et, int_, str_, type_, len_ = KVEvent, EventType, int, str, type, len
+    for ev in events:
+        if type_(ev) is kv and ev.extra_metadata is None:
+            s = ev.sequence_hash
+            p = ev.prefix_hash
+            par = ev.parent_hash
+            bs = ev.block_size
+            loc = ev.storage_location
+            # ``not x >> 64`` on an exact int <=> 0 <= x < 2**64 (negatives shift to -1).
+            if (
+                type_(ev.type) is et
+                and type_(s) is int_
+                and type_(p) is int_
+                and type_(bs) is int_
+                and type_(loc) is str_
+                and not (s | p) >> 64
+                and not bs >> 32
+                and 0 < len_(loc) <= _MAX_LOCATION
+                and (par is None or (type_(par) is int_ and not par >> 64))
+            ):
+                app(enc(ev))
+                continue
+        app(encode_checked(ev))
+    return out

@@ -149,3 +149,23 @@ def test_typical_store_is_38_bytes_and_batch_under_64_bytes_per_event() -> None:
     assert per_event <= 38.1
     rm = remove(hashes[1], hashes[0], hashes[0], 65536, "vol-fast")
     assert len(encode_event(rm)) <= 64
+
+
+def test_encode_checked_all_matches_encode_checked_and_its_errors() -> None:
+    from event_plane.errors import InvalidEventError
+    from event_plane.schema import EventType, KVEvent, cleared, remove, store
+    from event_plane.validate import encode_checked, encode_checked_all
+
+    good = [store(1, 1, None, 16, "g1"), remove(2**64 - 1, 1, 1, 2**32 - 1, "v" * 255), cleared("g2"),
+            store(3, 1, 2, 16, "g2", {"hits": 3}), KVEvent(0, 4, 1, 3, 16, "g1")]
+    assert encode_checked_all(good) == [encode_checked(ev) for ev in good]
+    bad = [store(-1, 1, None, 16, "g1"), store(2**64, 1, None, 16, "g1"), store(1, 1, 2**64, 16, "g1"),
+           store(1, 1, None, 2**32, "g1"), store(1, 1, None, 16, ""), store(1, 1, None, 16, "x" * 256),
+           store(EventType.REMOVE, 1, None, 16, "g1"), store(True, 1, None, 16, "g1"),
+           store(1, 1, None, 16, "g1", {1: 2}), KVEvent(7, 1, 1, None, 16, "g1"), (0, 1, 1, None, 16, "g1", None)]
+    for ev in bad:
+        with pytest.raises(InvalidEventError) as want:
+            encode_checked(ev)
+        with pytest.raises(InvalidEventError) as got:
+            encode_checked_all([good[0], ev])
+        assert str(got.value) == str(want.value)
