@@ -80,6 +80,11 @@ class IndexStateError(ValueError):
     """An exported index state cannot be imported (wrong version or shape)."""
 
 
+def _located(source: str, storage_location: str) -> str:
+    """Index location of a valid ``storage_location``: private tiers qualified by source."""
+    return f"{source}/{storage_location}" if storage_location in PRIVATE_TIERS else storage_location
+
+
 def is_valid_location(storage_location: str) -> bool:
     """Whether ``storage_location`` can be indexed: ``g1``, ``g2`` or a volume id, i.e. not
     empty, not blank and without ``/`` (``/`` separates a source from its private tier)."""
@@ -312,9 +317,7 @@ class PrefixIndex:
         """
         if not is_valid_location(storage_location):
             raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
-        if storage_location in PRIVATE_TIERS:
-            return f"{source}/{storage_location}"
-        return storage_location
+        return _located(source, storage_location)
 
     def _names(self, mask: int) -> frozenset[str]:
         names = []
@@ -384,6 +387,8 @@ class PrefixIndex:
         STORE = EventType.STORE
         REMOVE = EventType.REMOVE
         PRIV = PRIVATE_TIERS
+        valid = is_valid_location
+        located = _located
         HMAX = U64_MAX
         blocks = self._blocks
         get = blocks.get
@@ -405,13 +410,13 @@ class PrefixIndex:
             if t is STORE:
                 sl = ev.storage_location
                 if sl != cur_sl:
-                    if not sl or "/" in sl or sl.isspace():
+                    if not valid(sl):
                         c.invalid_locations += 1
                         continue
                     if delta:
                         counts[bit] += delta
                         delta = 0
-                    bit = self._bit(f"{source}/{sl}" if sl in PRIV else sl)
+                    bit = self._bit(located(source, sl))
                     flag = 1 << bit
                     lset = self._loc_sets[bit]
                     is_g1 = sl == "g1"
@@ -485,13 +490,13 @@ class PrefixIndex:
             elif t is REMOVE:
                 sl = ev.storage_location
                 if sl != cur_sl:
-                    if not sl or "/" in sl or sl.isspace():
+                    if not valid(sl):
                         c.invalid_locations += 1
                         continue
                     if delta:
                         counts[bit] += delta
                         delta = 0
-                    bit = self._bit(f"{source}/{sl}" if sl in PRIV else sl)
+                    bit = self._bit(located(source, sl))
                     touched.append(bit)
                     flag = 1 << bit
                     lset = self._loc_sets[bit]
@@ -512,10 +517,10 @@ class PrefixIndex:
                 if delta:
                     counts[bit] += delta
                     delta = 0
-                self._remove(f"{source}/{sl}" if sl in PRIV else sl, h)
+                self._remove(located(source, sl), h)
             else:
                 sl = ev.storage_location
-                if not sl or "/" in sl or sl.isspace():
+                if not valid(sl):
                     c.invalid_locations += 1
                     continue
                 if delta:
