@@ -99,3 +99,16 @@ def local_s3() -> Iterator[LocalS3]:
         yield s3
     finally:
         s3.stop()
+
+
+def posix_agent(tmp_path: "os.PathLike[str] | str", name: str, volume_id: str = "fast") -> "StorageAgent":
+    """A StorageAgent on a fresh SQLite catalog with one 64 MiB NVMe-class POSIX volume
+    (1 MiB segments) under ``tmp_path/volume_id``; the caller closes it."""
+    from storage_backends import MediaClass, SqliteCatalog, StorageAgent, VolumeDescriptor, VolumeKind
+
+    root = os.path.join(str(tmp_path), volume_id)
+    agent = StorageAgent(SqliteCatalog(os.path.join(str(tmp_path), "catalog.sqlite")), name)
+    agent.register_volume(
+        VolumeDescriptor(volume_id, VolumeKind.POSIX, MediaClass.NVME, 64 << 20, root=root, segment_bytes=1 << 20)
+    )
+    return agent

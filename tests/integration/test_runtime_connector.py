@@ -26,8 +26,8 @@ from kvbm_runtime.connector import (  # noqa: E402
     SchedulerOutput,
 )
 from kvbm_runtime.testing import TinyConfig, TinyTransformer  # noqa: E402
-from storage_backends import SqliteCatalog, StorageAgent  # noqa: E402
-from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind  # noqa: E402
+from storage_backends import StorageAgent  # noqa: E402
+from conftest import posix_agent  # noqa: E402
 
 MODEL = TinyConfig(vocab=61, num_layers=2, num_heads=4, head_dim=8, page_size=4)
 PAGE = MODEL.page_size
@@ -116,13 +116,7 @@ def config(**kw: object) -> RuntimeConfig:
 
 @pytest.fixture()
 def agent(tmp_path: Path) -> Iterator[StorageAgent]:
-    ag = StorageAgent(SqliteCatalog(str(tmp_path / "catalog.sqlite")), "connector-it")
-    ag.register_volume(
-        VolumeDescriptor(
-            id="nvme0", kind=VolumeKind.POSIX, media=MediaClass.NVME, capacity_bytes=64 << 20,
-            root=str(tmp_path / "nvme0"), segment_bytes=1 << 20,
-        )
-    )
+    ag = posix_agent(tmp_path, "connector-it", "nvme0")
     yield ag
     ag.close()
 

@@ -24,8 +24,8 @@ from event_plane import NullPublisher  # noqa: E402
 from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult  # noqa: E402
 from kvbm_runtime.remote import BlockExport, RemoteExporter, RemoteReader  # noqa: E402
 from kvbm_runtime.testing import TinyConfig, TinyTransformer, paged_kv_fill  # noqa: E402
-from storage_backends import SqliteCatalog, StorageAgent  # noqa: E402
-from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind  # noqa: E402
+from storage_backends import StorageAgent  # noqa: E402
+from conftest import posix_agent  # noqa: E402
 
 TOL = 1e-5
 MODEL = TinyConfig(vocab=61, num_layers=2, num_heads=4, head_dim=8, page_size=4)
@@ -66,17 +66,7 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture()
 def agent(tmp_path: Path) -> Iterator[StorageAgent]:
-    ag = StorageAgent(SqliteCatalog(str(tmp_path / "catalog.sqlite")), "same-output")
-    ag.register_volume(
-        VolumeDescriptor(
-            id="nvme0",
-            kind=VolumeKind.POSIX,
-            media=MediaClass.NVME,
-            capacity_bytes=64 << 20,
-            root=str(tmp_path / "nvme0"),
-            segment_bytes=1 << 20,
-        )
-    )
+    ag = posix_agent(tmp_path, "same-output", "nvme0")
     yield ag
     ag.close()
 

@@ -12,9 +12,10 @@ import torch
 
 from event_plane import KVEvent, NullPublisher
 from kvbm_runtime import BlockManager, RuntimeConfig, fill_synthetic_kv, synthetic_block_bytes
-from storage_backends import SqliteCatalog, StorageAgent
+from storage_backends import StorageAgent
 from storage_backends.local_s3 import LocalS3
 from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
+from conftest import posix_agent
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -54,22 +55,9 @@ def config(**kw: object) -> RuntimeConfig:
 
 @pytest.fixture()
 def agent(tmp_path: Path) -> Iterator[StorageAgent]:
-    catalog = SqliteCatalog(str(tmp_path / "catalog.sqlite"))
-    ag = StorageAgent(catalog, "runtime-it")
-    ag.register_volume(
-        VolumeDescriptor(
-            id="fast",
-            kind=VolumeKind.POSIX,
-            media=MediaClass.NVME,
-            capacity_bytes=64 << 20,
-            root=str(tmp_path / "fast"),
-            segment_bytes=1 << 20,
-        )
-    )
+    ag = posix_agent(tmp_path, "runtime-it", "fast")
     yield ag
-    close = getattr(ag, "close", None)
-    if close is not None:
-        close()
+    ag.close()
 
 
 def manager(agent: StorageAgent, cap: Capture, volume: str = "fast", **kw: object) -> BlockManager:

@@ -14,8 +14,8 @@ import torch
 from event_plane import KVEvent, NullPublisher
 from kvbm_runtime import BlockManager, BlockMeta, RuntimeConfig, fill_synthetic_kv, synthetic_block_bytes
 from kvbm_runtime.transfer import StepEvent, StorageOffloadItem, TransferPath
-from storage_backends import SqliteCatalog, StorageAgent
-from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
+from storage_backends import StorageAgent
+from conftest import posix_agent
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -32,17 +32,7 @@ class Capture:
 
 @pytest.fixture()
 def agent(tmp_path: Path) -> Iterator[StorageAgent]:
-    ag = StorageAgent(SqliteCatalog(str(tmp_path / "catalog.sqlite")), "transfer-it")
-    ag.register_volume(
-        VolumeDescriptor(
-            id="fast",
-            kind=VolumeKind.POSIX,
-            media=MediaClass.NVME,
-            capacity_bytes=64 << 20,
-            root=str(tmp_path / "fast"),
-            segment_bytes=1 << 20,
-        )
-    )
+    ag = posix_agent(tmp_path, "transfer-it", "fast")
     yield ag
     ag.close()
 
