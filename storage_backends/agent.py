@@ -21,7 +21,8 @@ destination, one ranged GET each.  When a batch fails, every key of it is looked
 again: keys the catalog moved (a concurrent compaction or move) are read at their new
 placement, the others are retried in batches of their own, so one moved block never fails
 the others.  A placement that is still current and fails on its own is quarantined when
-its bytes are wrong (checksum mismatch) or its segment is gone (ENOENT / NoSuchKey), so
+its bytes are wrong (checksum mismatch) or its segment is gone (ENOENT / NoSuchKey) or cut
+short before the block ends (a truncated file / object: SegmentTruncatedError), so
 the block reads as absent and the next ``put`` stores it again; then ``get`` raises.
 
 Moves (``copy`` -> ``commit_move``) and ``compact`` keep the invariant of DESIGN.md §7:
@@ -55,6 +56,7 @@ from .types import (
     Placement,
     SegmentInfo,
     SegmentMissingError,
+    SegmentTruncatedError,
     StorageError,
     TransferError,
     VersionConflictError,
@@ -63,7 +65,7 @@ from .types import (
     VolumeFullError,
     VolumeStats,
 )
-from .volume import Volume, descriptor_identity, validate_descriptor, volume_class
+from .volume import UNKNOWN_SIZE, Volume, descriptor_identity, validate_descriptor, volume_class
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +382,8 @@ class StorageAgent:
                 are right.
             SegmentMissingError: a block's segment file / object is gone while the catalog
                 still points there (the entry is quarantined, as above).
+            SegmentTruncatedError: (a :class:`SegmentMissingError`) a block's segment is
+                shorter than the block's end (the entries past its end are quarantined).
             TransferError: a read failed on its own at the block's current placement
                 (``out`` contents undefined, as above).
             InvalidRequestError: bad key or ``out``.
@@ -415,9 +419,10 @@ class StorageAgent:
           again at the new placement;
         * unchanged, read failed, segment still there: retried in a batch of its own (the
           failure may have been another block's, or transient);
-        * unchanged, segment gone (ENOENT / ``NoSuchKey``, :meth:`Volume.segment_exists`)
-          and still unchanged at a second look-up: the entry is quarantined (compare-and-
-          set on the exact placement, so a move that wins the race is never undone);
+        * unchanged, segment gone (ENOENT / ``NoSuchKey``) or cut short before the
+          block's end (:meth:`Volume.segment_size`), and still unchanged at a second
+          look-up: the entry is quarantined (compare-and-set on the exact placement, so a
+          move that wins the race is never undone);
         * unchanged, checksum mismatch: quarantined.
 
         Every key is attempted before the call fails, so one call quarantines every bad
@@ -427,6 +432,8 @@ class StorageAgent:
             BlockNotFoundError: a key was deleted while it was being read.
             ChecksumMismatchError: a block failed verification at its current placement.
             SegmentMissingError: a block's segment is gone (its entry was quarantined).
+            SegmentTruncatedError: a block's segment ends before the block does (its entry
+                was quarantined).
             TransferError: a block kept failing on its own at its current placement (the
                 first such error), or blocks kept moving for ``_READ_RETRIES`` retries.
         """
@@ -437,6 +444,7 @@ class StorageAgent:
         alone: set[int] = set()  # read in a batch of their own (their batch failed)
         mismatched: list[int] = []
         lost: list[int] = []
+        truncated: list[int] = []
         broken: list[tuple[int, TransferError]] = []
         for attempt in range(_READ_RETRIES + 1):
             if attempt:
@@ -464,7 +472,7 @@ class StorageAgent:
             if not failed and not bad:
                 todo = []
                 break
-            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken)
+            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated)
             if not todo:
                 break
         if todo:  # still moving after every retry
@@ -475,6 +483,13 @@ class StorageAgent:
             raise ChecksumMismatchError(
                 f"{len(mismatched)} block(s) failed verification, first {p.key} on {p.volume_id!r} "
                 f"segment {p.segment_id} offset {p.offset}: copy quarantined"
+            )
+        if truncated:
+            p = cur[truncated[0]]
+            raise SegmentTruncatedError(
+                f"{len(lost)} block(s) live in segments that are gone or cut short, first truncated: {p.key} "
+                f"on {p.volume_id!r} segment {p.segment_id} at {p.offset}+{p.length}, past the segment's end: "
+                "entries quarantined"
             )
         if lost:
             p = cur[lost[0]]
@@ -492,9 +507,13 @@ class StorageAgent:
     def _triage(
         self, cur: list[Placement], failed: list[tuple[int, TransferError]], bad: list[int], alone: set[int],
         mismatched: list[int], lost: list[int], broken: list[tuple[int, TransferError]],
+        truncated: list[int] | None = None,
     ) -> list[int]:
         """Sort the failures of one read round (see :meth:`_read_verified`): updates
-        ``cur``, ``alone`` and the outcome lists; returns the indexes to read again."""
+        ``cur``, ``alone`` and the outcome lists (``truncated``: the part of ``lost``
+        whose segment is there but too short); returns the indexes to read again."""
+        if truncated is None:
+            truncated = []
         retry_idx = [i for i, _ in failed] + bad
         fresh = self.catalog.get_many([cur[i].key for i in retry_idx])
         moved: set[int] = set()
@@ -506,35 +525,53 @@ class StorageAgent:
                 moved.add(i)
                 alone.discard(i)
         again = [i for i in retry_idx if i in moved]
-        for i in bad:
-            if i not in moved:
+        wrong = [i for i in bad if i not in moved]
+        stuck = [(i, e) for i, e in failed if i not in moved]
+        if not stuck and not wrong:
+            return again
+        # the segments' sizes now: a wrong or failed read past the end of a segment that
+        # was cut short (or of one that is gone) is a loss, not a bad copy or a hiccup
+        sizes: dict[tuple[str, int], int | None] = {}
+        for vid, seg in sorted({(cur[i].volume_id, cur[i].segment_id) for i in [*wrong, *(i for i, _ in stuck)]}):
+            try:
+                sizes[(vid, seg)] = self._vol(vid).segment_size(seg)
+            except StorageError:
+                if stuck:
+                    raise stuck[0][1] from None  # the volume cannot even be asked: give up now
+                sizes[(vid, seg)] = UNKNOWN_SIZE  # a plain mismatch then
+
+        def lost_at(p: Placement) -> str | None:
+            """Why ``p``'s bytes are gone for good (``None``: they may still be there)."""
+            size = sizes[(p.volume_id, p.segment_id)]
+            if size is None:
+                return "segment missing on read"
+            if p.offset + p.length > size:  # sealed segments never shrink: cut for good
+                return "segment truncated on read"
+            return None
+
+        for i in wrong:
+            if lost_at(cur[i]) is None:
                 self.counters.checksum_mismatches += 1
                 if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
                     self.counters.quarantined += 1
                 mismatched.append(i)
-        stuck = [(i, e) for i, e in failed if i not in moved]
-        if not stuck:
-            return again
-        gone: set[tuple[str, int]] = set()
-        for vid, seg in sorted({(cur[i].volume_id, cur[i].segment_id) for i, _ in stuck}):
-            try:
-                exists = self._vol(vid).segment_exists(seg)
-            except StorageError:
-                raise stuck[0][1] from None  # the volume cannot even be asked: give up now
-            if not exists:
-                gone.add((vid, seg))
-        suspects = [i for i, _ in stuck if (cur[i].volume_id, cur[i].segment_id) in gone]
+        suspects = [i for i in wrong if lost_at(cur[i]) is not None]
+        suspects += [i for i, _ in stuck if lost_at(cur[i]) is not None]
         if suspects:
             # a second look: a move that committed after the first one is not a loss
             second = self.catalog.get_many([cur[i].key for i in suspects])
             dropped: set[tuple[str, int]] = set()
             for i, f in zip(suspects, second):
                 if f is not None and f == cur[i]:
-                    if self.catalog.quarantine(f, "segment missing on read"):
+                    why = lost_at(f)
+                    assert why is not None
+                    if self.catalog.quarantine(f, why):
                         self.counters.segments_missing += 1
                         self.counters.quarantined += 1
                         lost.append(i)
                         dropped.add((f.volume_id, f.segment_id))
+                        if sizes[(f.volume_id, f.segment_id)] is not None:
+                            truncated.append(i)
                         continue
                     f = self.catalog.get_many([f.key])[0]  # it changed in between
                 if f is None:
@@ -543,7 +580,12 @@ class StorageAgent:
                 alone.discard(i)
                 again.append(i)
             for vid, seg in sorted(dropped):
-                logger.warning("volume %s: segment %d is missing; the entries read there were quarantined", vid, seg)
+                size = sizes[(vid, seg)]
+                if size is None:
+                    logger.warning("volume %s: segment %d is missing; the entries read there were quarantined", vid, seg)
+                else:
+                    logger.warning("volume %s: segment %d is truncated to %d bytes; the entries read past its end "
+                                   "were quarantined", vid, seg, size)
                 self._drop_if_empty(vid, seg)
         suspect = set(suspects)
         for i, e in stuck:

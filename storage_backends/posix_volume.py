@@ -473,6 +473,20 @@ class PosixVolume(Volume):
         """See :meth:`Volume.segment_exists` (the segment file is there)."""
         return self.path(segment_id).is_file()
 
+    def segment_size(self, segment_id: int) -> int | None:
+        """See :meth:`Volume.segment_size` (``stat`` of the segment file, not the size
+        cached when it was opened for reads; a cached open file whose size changed is
+        closed, so the next read opens it afresh)."""
+        try:
+            size = self.path(segment_id).stat().st_size
+        except FileNotFoundError:
+            size = None
+        with self._open_lock:
+            seg = self._open.get(segment_id)
+            if seg is not None and seg.size != size:
+                self._close_one(segment_id)
+        return size
+
     def list_segments(self) -> list[int]:
         """See :meth:`Volume.list_segments`."""
         ids = (parse_segment_name(p.name) for p in self.dir.iterdir() if p.is_file())

@@ -364,19 +364,28 @@ class S3Volume(Volume):
         Raises:
             TransferError: the endpoint keeps failing (5xx, connection errors) or refuses.
         """
+        return self.segment_size(segment_id) is not None
+
+    def segment_size(self, segment_id: int) -> int | None:
+        """See :meth:`Volume.segment_size`: the ``ContentLength`` of a ``HEAD`` of the
+        segment's object (with retries); 404 / ``NoSuchKey`` / ``NotFound`` is ``None``.
+
+        Raises:
+            TransferError: the endpoint keeps failing (5xx, connection errors) or refuses.
+        """
         from botocore.exceptions import ClientError
 
         key = self.key(segment_id)
         try:
-            self._retry(lambda: self.client.head_object(Bucket=self.desc.bucket, Key=key))
+            head = self._retry(lambda: self.client.head_object(Bucket=self.desc.bucket, Key=key))
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in ("404", "NoSuchKey", "NotFound"):
-                return False
+                return None
             raise TransferError(f"volume {self.desc.id!r}: HEAD of segment {segment_id} failed: {exc}") from exc
         except Exception as exc:
             raise TransferError(f"volume {self.desc.id!r}: HEAD of segment {segment_id} failed: {exc}") from exc
-        return True
+        return int(head["ContentLength"])
 
     def list_segments(self) -> list[int]:
         """See :meth:`Volume.list_segments` (paginated listing of this volume's prefix)."""

@@ -72,6 +72,18 @@ class SegmentMissingError(TransferError):
     """
 
 
+class SegmentTruncatedError(SegmentMissingError):
+    """A read needed bytes past the end of a segment file / object that is shorter than
+    the catalog's placements in it say (it was cut after it was written and sealed).
+
+    Segments are immutable once their placements are recorded, so the blocks that lie
+    past the end are lost for good: ``StorageAgent.get`` quarantines exactly those
+    entries (after a fresh look-up, as for :class:`SegmentMissingError`, which this
+    subclasses) so the blocks read as absent and can be stored again.  Blocks that lie
+    wholly inside what is left are still read and verified as usual.
+    """
+
+
 class VersionConflictError(StorageError):
     """A compare-and-set on the catalog lost against a concurrent update."""
 

@@ -126,6 +126,10 @@ def descriptor_identity(desc: VolumeDescriptor) -> str:
     return json.dumps(keep, sort_keys=True)
 
 
+#: :meth:`Volume.segment_size` of a segment that is there but whose size is not known
+UNKNOWN_SIZE = 1 << 62
+
+
 def align_up(n: int, a: int) -> int:
     """Smallest multiple of ``a`` that is >= ``n``."""
     return -(-n // a) * a
@@ -317,6 +321,20 @@ class Volume(ABC):
             StorageError: the volume cannot be asked (e.g. the S3 endpoint is down).
         """
         return True
+
+    def segment_size(self, segment_id: int) -> int | None:
+        """Bytes segment ``segment_id``'s file / object holds now, or ``None`` when it is
+        gone (ENOENT, ``NoSuchKey``).
+
+        Used after a failed read to tell a lost or truncated segment (shorter than a
+        placement in it needs) from a transient failure.  The default knows no size: it
+        answers from :meth:`segment_exists`, with :data:`UNKNOWN_SIZE` for a present
+        segment (never taken as truncated).
+
+        Raises:
+            StorageError: the volume cannot be asked (e.g. the S3 endpoint is down).
+        """
+        return UNKNOWN_SIZE if self.segment_exists(segment_id) else None
 
     @abstractmethod
     def list_segments(self) -> list[int]:

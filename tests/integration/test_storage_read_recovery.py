@@ -3,7 +3,8 @@
 A batch that fails is not given up as a whole: moved keys are read at their new
 placement, unchanged ones are retried on their own, and only a key that fails alone at a
 placement the catalog still holds fails the call.  A segment that is gone while the
-catalog still points into it is quarantined (so the block can be stored again).
+catalog still points into it is quarantined (so the block can be stored again), and so
+is a block that lies past the end of a segment that was cut short (truncated).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from storage_backends import (
     MediaClass,
     Placement,
     SegmentMissingError,
+    SegmentTruncatedError,
     SqliteCatalog,
     StorageAgent,
     TransferError,
@@ -138,20 +140,50 @@ def test_transient_batch_failure_retries_the_unchanged_keys_alone(
     assert reader.exists(keys) == [True] * 4 and reader.counters.quarantined == 0
 
 
-def test_a_truncated_segment_fails_only_its_own_keys_and_is_not_quarantined(
+def test_a_truncated_segment_quarantines_only_the_blocks_past_its_end(
     two: tuple[StorageAgent, StorageAgent],
 ) -> None:
-    reader, _ = two
-    good, cut = BlockKey(NS, 30), BlockKey(NS, 31)
+    reader, other = two
+    good, kept, cut = BlockKey(NS, 30), BlockKey(NS, 31), BlockKey(NS, 32)
     reader.put([(good, block(30))], "fast")
-    (p,) = reader.put([(cut, block(31))], "fast")
-    os.truncate(reader._vol("fast").path(p.segment_id), 100)  # type: ignore[attr-defined]
-    with pytest.raises(TransferError, match="past its end") as ei:
-        reader.get([good, cut])
-    assert not isinstance(ei.value, SegmentMissingError)
-    # the file is there: no proof the block is lost for good, so nothing is quarantined
-    assert reader.exists([good, cut]) == [True, True] and reader.counters.quarantined == 0
-    assert torch.equal(reader.get([good])[0], block(30))
+    p_kept, p_cut = reader.put([(kept, block(31)), (cut, block(32))], "fast")  # one segment
+    assert p_kept.segment_id == p_cut.segment_id and p_cut.offset == 4096
+    path = reader._vol("fast").path(p_cut.segment_id)  # type: ignore[attr-defined]
+    os.truncate(path, 4096 + 100)  # the second block is cut, the first is whole
+    with pytest.raises(SegmentTruncatedError, match=r"1 block.*truncated.*segment \d+ at 4096\+4096") as ei:
+        reader.get([good, kept, cut])
+    assert isinstance(ei.value, SegmentMissingError) and isinstance(ei.value, TransferError)
+    # only the block past the end is out of service (in the shared catalog), the rest reads
+    assert reader.exists([good, kept, cut]) == [True, True, False]
+    assert other.exists([good, kept, cut]) == [True, True, False]
+    reasons = [(p.key, r) for p, r in reader.catalog.quarantined()]  # type: ignore[attr-defined]
+    assert reasons == [(cut, "segment truncated on read")]
+    assert reader.counters.quarantined == 1 and reader.counters.segments_missing == 1
+    got = reader.get([good, kept])
+    assert torch.equal(got[0], block(30)) and torch.equal(got[1], block(31))
+    with pytest.raises(BlockNotFoundError):
+        reader.get([cut])
+    # the next put stores it again, in a new segment, and it reads back
+    (fresh,) = other.put([(cut, block(32))], "fast")
+    assert fresh.segment_id != p_cut.segment_id
+    assert torch.equal(reader.get([cut])[0], block(32))
+
+
+def test_a_segment_truncated_after_it_was_opened_is_quarantined_too(
+    two: tuple[StorageAgent, StorageAgent],
+) -> None:
+    """The reader holds the segment file open (and its size) from an earlier read when
+    the file is cut: the stale size must not hide the loss."""
+    reader, _ = two
+    keys = [BlockKey(NS, 35), BlockKey(NS, 36)]
+    placed = reader.put([(k, block(k.sequence_hash)) for k in keys], "fast")
+    assert [torch.equal(g, block(k.sequence_hash)) for g, k in zip(reader.get(keys), keys)] == [True, True]
+    os.truncate(reader._vol("fast").path(placed[0].segment_id), 4096)  # type: ignore[attr-defined]
+    with pytest.raises(SegmentMissingError):  # truncated (or, read short, a mismatch: also quarantined)
+        reader.get(keys)
+    assert reader.exists(keys) == [True, False]
+    assert [r for _, r in reader.catalog.quarantined()] == ["segment truncated on read"]  # type: ignore[attr-defined]
+    assert torch.equal(reader.get(keys[:1])[0], block(35))
 
 
 def test_a_lost_segment_is_quarantined_so_the_block_is_stored_again(two: tuple[StorageAgent, StorageAgent]) -> None:

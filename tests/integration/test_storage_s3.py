@@ -17,6 +17,7 @@ from storage_backends import (
     LocalS3,
     MediaClass,
     SegmentMissingError,
+    SegmentTruncatedError,
     SqliteCatalog,
     StorageAgent,
     VersionConflictError,
@@ -191,6 +192,35 @@ def test_lost_object_is_quarantined_and_the_block_stored_again(agent: StorageAge
     assert all(torch.equal(g, t) for g, (_, t) in zip(got, keep))
     (p,) = agent.put(gone[:1], "cold")
     assert p.segment_id != ps[0].segment_id and torch.equal(agent.get([gone[0][0]])[0], gone[0][1])
+
+
+def test_truncated_object_quarantines_the_blocks_past_its_end(
+    agent: StorageAgent, local_s3: LocalS3, tmp_path: Path,
+) -> None:
+    """An object overwritten with fewer bytes behind the catalog's back: the blocks past
+    its new end are quarantined (SegmentTruncatedError), the block still inside reads.
+
+    A ranged GET past an object's end answers the bytes there are (206), and NIXL OBJ does
+    not report the short body: the bytes past it are whatever the buffer held, so the
+    check that catches it is the checksum, and the segment's size then says why."""
+    items = [(BlockKey(NS, 720 + i), block(720 + i, 3000)) for i in range(3)]
+    ps = agent.put(items, "cold")
+    assert len({p.segment_id for p in ps}) == 1
+    bucket = agent.volume("cold").bucket
+    key = f"kv/cold/seg-{ps[0].segment_id:012d}"
+    c = s3client(local_s3)
+    body = c.get_object(Bucket=bucket, Key=key)["Body"].read()
+    c.put_object(Bucket=bucket, Key=key, Body=body[:3500])  # block 0 whole, 1 cut, 2 gone
+    keys = [k for k, _ in items]
+    # a reader in another process: its buffers never held these bytes
+    with StorageAgent(agent.catalog, name=f"test-s3-reader-{tmp_path.name}") as reader:
+        reader.register_volume(agent.volume("cold"))
+        with pytest.raises(SegmentTruncatedError, match="2 block"):
+            reader.get(keys)
+        assert reader.counters.quarantined == 2 and reader.counters.checksum_mismatches == 0
+    assert agent.exists(keys) == [True, False, False]
+    assert [r for _, r in agent.catalog.quarantined()] == ["segment truncated on read"] * 2  # type: ignore[attr-defined]
+    assert torch.equal(agent.get(keys[:1])[0], items[0][1])
 
 
 def test_s3_descriptor_errors(agent: StorageAgent, local_s3: LocalS3) -> None:
