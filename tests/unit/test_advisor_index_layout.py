@@ -113,17 +113,19 @@ def test_cleared_then_store_at_the_same_volume_in_one_batch() -> None:
     assert idx.counters.forgotten == 3 and idx.counters.cleared == 1
 
 
-def test_parent_and_prefix_ints_are_shared_with_the_parents_key() -> None:
-    """A child keeps its parent's key object (no second int per block), off the wire."""
-    big = [(1 << 63) + i for i in range(4)]
+def test_u64_parent_and_prefix_survive_the_c_records() -> None:
+    """The compiled records keep u64 hashes >= 2**63 exactly (parent, prefix, key), off the wire."""
+    big = [(1 << 64) - 1 - i for i in range(4)]
     idx = PrefixIndex()
     evs = [store(big[0], big[0], None, BS, "g1")] + [store(big[i], big[0], big[i - 1], BS, "g1") for i in range(1, 4)]
     idx.apply_batch(decode_batch(encode_batch(EventBatch(1, "w0", 1, 0, 10, evs))))
-    keys = {h: h for h in idx.hashes()}
+    assert sorted(idx.hashes()) == sorted(big)
     for i in range(1, 4):
         info = idx.block(big[i])
         assert info is not None and info.parent == big[i - 1] and info.prefix_hash == big[0]
-        assert info.parent is keys[big[i - 1]] and info.prefix_hash is keys[big[0]]
+        assert idx.children(big[i - 1]) == {big[i]}
+    assert idx.lookup(big) == {"w0/g1": 4}
+    assert idx.block(-1) is None and idx.block(1 << 64) is None and not idx.holds(1 << 64, "w0/g1")
 
 
 def test_memory_per_block_is_at_most_200_bytes() -> None:

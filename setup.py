@@ -1,0 +1,15 @@
+"""Build the compiled core of the advisor's PrefixIndex (``advisor/_index_core.pyx``).
+
+Project metadata lives in ``pyproject.toml``; this file only declares the Cython extension
+(built by ``pip install -e .`` / ``make install``; Cython comes from ``[build-system] requires``).
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=cythonize(
+        [Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"])],
+        compiler_directives={"language_level": "3"},
+    ),
+)
