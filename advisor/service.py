@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
-from advisor.journal import BadPayloadError, SqliteJournal
+from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
@@ -40,7 +40,7 @@ from advisor.snapshot import (
     load_latest,
     make_snapshot,
 )
-from event_plane.codec import CodecError, decode_batch, encode_batch
+from event_plane.codec import CodecError, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
 logger = logging.getLogger(__name__)
@@ -308,20 +308,21 @@ class AdvisorService:
                 self.counters["duplicate_batches"] += 1
                 return False
             try:
-                batch = decode_batch(payload)
+                # decode + fold in one pass; CodecError exactly when decode_batch raises it,
+                # and then nothing is applied
+                n_events = self.index.apply_payload(payload)
             except CodecError as exc:
                 self.position = seq
                 self.counters["bad_batches"] += 1
                 self.metrics.bad_batches.inc()
                 logger.warning("advisor: stream entry %d is not a KVEvent v1 batch: %s", seq, exc)
                 return False
-            self.index.apply_batch(batch)
             self.position = seq
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
-            self.rate.add(len(batch.events), time.perf_counter() - t0)
+            self.rate.add(n_events, time.perf_counter() - t0)
         self.metrics.batches_applied.inc()
-        self.metrics.events_applied.inc(len(batch.events))
+        self.metrics.events_applied.inc(n_events)
         self.metrics.journal_position.set(seq)
         self._maybe_snapshot()
         return True
@@ -351,8 +352,11 @@ class AdvisorService:
         assert self.journal is not None
         with self.lock:
             n = 0
-            for pos, batch in self.journal.read(self.position):
-                self.index.apply_batch(batch)
+            for pos, payload in self.journal.read_raw(self.position):
+                try:
+                    self.index.apply_payload(payload)  # decode + fold in one pass
+                except CodecError as exc:  # as SqliteJournal.read reports a corrupt entry
+                    raise JournalError(f"journal entry {pos} is corrupt: {exc}") from exc
                 self.position = pos
                 n += 1
             self.counters["replayed_batches"] += n
