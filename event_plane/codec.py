@@ -69,7 +69,9 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def encode_batch_parts(source: str, epoch: int, seq: int, ts_ns: int, encoded_events: list[bytes]) -> bytes:
+def encode_batch_parts(
+    source: str, epoch: int, seq: int, ts_ns: int, encoded_events: list[bytes], count: int | None = None
+) -> bytes:
     """Build a wire batch from events already encoded with :func:`encode_event`.
 
     The result is byte-identical to ``encode_batch(EventBatch(WIRE_VERSION, source, epoch,
@@ -77,7 +79,9 @@ def encode_batch_parts(source: str, epoch: int, seq: int, ts_ns: int, encoded_ev
 
     Args:
         source, epoch, seq, ts_ns: batch envelope fields (see :class:`EventBatch`).
-        encoded_events: the events' MessagePack bytes, in order.
+        encoded_events: the events' MessagePack bytes, in order; one part may hold several
+            consecutive events (their encodings concatenated).
+        count: number of events in ``encoded_events`` (default: one per part).
 
     Returns:
         The batch payload (bytes).
@@ -85,4 +89,5 @@ def encode_batch_parts(source: str, epoch: int, seq: int, ts_ns: int, encoded_ev
     # The envelope with an empty event list ends in 0x90 (fixarray of 0): swap that byte
     # for the real array header and append the events.
     head = _encoder.encode((WIRE_VERSION, source, epoch, seq, ts_ns, ()))
-    return b"".join((head[:-1], _array_header(len(encoded_events)), *encoded_events))
+    n = len(encoded_events) if count is None else count
+    return b"".join((head[:-1], _array_header(n), *encoded_events))

@@ -1,8 +1,8 @@
 """Batching publisher: turns a stream of events into seq-numbered batches.
 
-A publisher keeps one pending batch per (source, epoch). ``publish`` appends to it and
-sends it when it reaches ``max_events`` events or would exceed ``max_bytes`` encoded
-event bytes; a timer thread sends it once its oldest event has waited the flush time limit
+A publisher keeps one pending batch per (source, epoch). ``publish`` (or ``publish_valid``
+for events well-formed by construction) appends to it and sends it when it reaches
+``max_events`` events or would exceed ``max_bytes`` encoded event bytes; a timer thread sends it once its oldest event has waited the flush time limit
 (``max_delay_s``, lowered as the event rate rises: :mod:`event_plane.flush_policy`);
 ``flush`` and ``close`` send it at once. Each sent batch gets the next ``seq`` (0, 1, ...),
 empty batches are never sent. Transports implement :meth:`EventPublisher._send`.
@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from event_plane.codec import encode_batch_parts
+import msgspec
+
+from event_plane.codec import encode_batch_parts, encode_event
 from event_plane.config import PublisherConfig, PublisherStats
 from event_plane.errors import PublisherClosedError
 from event_plane.flush_policy import AdaptiveDelay
 from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
 from event_plane.validate import check_source, check_u64, encode_checked_all
+
+_encode = msgspec.msgpack.Encoder().encode  # same settings as event_plane.codec's: identical bytes
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,11 @@ class EventPublisher(abc.ABC):
         # Monotonic time the pending batch must be sent by: set when its first event
         # arrives, moved earlier (never later) as the event rate rises.
         self._deadline: float | None = None
+        # Monotonic time the timer thread sleeps until (inf: until notified); a new or
+        # earlier deadline only needs a notify when it falls before this.
+        self._timer_until = math.inf
+        self._max_events = self.config.max_events
+        self._max_bytes = self.config.max_bytes
 
     # ------------------------------------------------------------------ public API
     def publish(self, events: Sequence[KVEvent]) -> None:
@@ -93,47 +103,103 @@ class EventPublisher(abc.ABC):
         encoded = encode_checked_all(events)
         if not encoded:
             return
-        max_events, max_bytes = self.config.max_events, self.config.max_bytes
-        n = len(encoded)
         with self._lock:
-            if self._closed:
-                raise PublisherClosedError(f"publisher {self.source!r} is closed")
-            if self._timer is None:
-                self._ensure_timer()
-            now = time.monotonic()
-            self._delay.observe(n, now)
+            self._accept_locked(events, encoded, None)
+
+    def publish_valid(self, events: Sequence[KVEvent]) -> None:
+        """:meth:`publish` for events that are well-formed by construction: the same
+        batching, without checking each event again, all of them encoded in one call.
+
+        For producers that build their events from fields they checked once where those
+        fields were made (the runtime's block pools: a ``BlockMeta`` checks its hashes, a
+        pool its tier name and block size).  An event that is malformed in a way MessagePack
+        can still encode (a negative hash, an empty location) is *not* caught here and would
+        make subscribers reject its batch: anything built from unchecked input must go
+        through :meth:`publish`.  Events that cannot be encoded at all are handed to
+        :meth:`publish`, which rejects them (nothing accepted) with its usual error.
+
+        Raises:
+            InvalidEventError: an event cannot be encoded; none of ``events`` is accepted.
+            PublisherClosedError: the publisher is closed.
+        """
+        if not events:
+            return
+        evs = events if type(events) is list else list(events)
+        n = len(evs)
+        try:
+            data = _encode(evs)  # one call for all: [array header, event, event, ...]
+        except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
+            self.publish(evs)  # names the bad event, accepts nothing
+            return
+        body = data[1 if n < 16 else (3 if n < 1 << 16 else 5) :]  # drop the array header: the events' bytes
+        size = len(body)
+        with self._lock:
             pending = len(self._events)
-            size = sum(map(len, encoded))
-            if pending + n <= max_events and self._pending_bytes + size <= max_bytes:
-                # All of them fit the pending batch: no event would trip a limit before the
-                # last, so append in bulk (same result as the per-event loop below).
-                if not pending:
-                    self._oldest_at = now
-                    self._deadline = now + self._delay.delay(now)
-                    self._cond.notify_all()
-                self._events.extend(events)
-                self._encoded.extend(encoded)
+            # Fast path, the common case: the pending batch is open (its deadline is set),
+            # the events fit it without reaching a limit, and the rate estimate is not due
+            # for an update (AdaptiveDelay.observe's no-update branch, inlined).
+            delay = self._delay
+            now = time.monotonic()
+            if (
+                pending
+                and pending + n < self._max_events
+                and self._pending_bytes + size <= self._max_bytes
+                and 0.0 <= now - delay._at < delay._step
+                and not self._closed
+            ):
+                delay._pending += n
+                self._events.extend(evs)
+                self._encoded.append(body)
                 self._pending_bytes += size
-                if pending + n >= max_events:
-                    self._flush_locked()
-                events = ()
+                return
+            self._accept_locked(evs, None, body)
+
+    def _accept_locked(self, events: Sequence[KVEvent], encoded: list[bytes] | None, body: bytes | None) -> None:
+        """Append checked events (lock held): ``encoded`` holds each event's bytes, or
+        ``body`` all of them concatenated."""
+        if self._closed:
+            raise PublisherClosedError(f"publisher {self.source!r} is closed")
+        if self._timer is None:
+            self._ensure_timer()
+        max_events, max_bytes = self.config.max_events, self.config.max_bytes
+        n = len(events)
+        now = time.monotonic()
+        updated = self._delay.observe(n, now)
+        pending = len(self._events)
+        size = len(body) if body is not None else sum(map(len, encoded))  # type: ignore[arg-type]
+        if pending + n <= max_events and self._pending_bytes + size <= max_bytes:
+            # All of them fit the pending batch: no event would trip a limit before the
+            # last, so append in bulk (same result as the per-event loop below).
+            if not pending:
+                self._open_batch_locked(now)
+            self._events.extend(events)
+            if body is not None:
+                self._encoded.append(body)
+            else:
+                self._encoded.extend(encoded)  # type: ignore[arg-type]
+            self._pending_bytes += size
+            if pending + n >= max_events:
+                self._flush_locked()
+        else:
+            if encoded is None:
+                encoded = [encode_event(ev) for ev in events]
             for ev, data in zip(events, encoded):
                 if self._events and self._pending_bytes + len(data) > max_bytes:
                     self._flush_locked()
                 if not self._events:
-                    self._oldest_at = now
-                    self._deadline = now + self._delay.delay(now)
-                    self._cond.notify_all()
+                    self._open_batch_locked(now)
                 self._events.append(ev)
                 self._encoded.append(data)
                 self._pending_bytes += len(data)
                 if len(self._events) >= max_events:
                     self._flush_locked()
-            # A rising rate shortens the time limit: move the deadline earlier, wake the timer.
-            if self._oldest_at is not None and self._deadline is not None:
-                deadline = self._oldest_at + self._delay.delay(now)
-                if deadline < self._deadline - 0.001:
-                    self._deadline = deadline
+        # A rising rate shortens the time limit: move the deadline earlier, wake the timer
+        # (checked when the rate estimate was updated: at most once a millisecond).
+        if updated and self._oldest_at is not None and self._deadline is not None:
+            deadline = self._oldest_at + self._delay.delay(now)
+            if deadline < self._deadline - 0.001:
+                self._deadline = deadline
+                if deadline < self._timer_until:
                     self._cond.notify_all()
 
     def flush(self) -> None:
@@ -206,7 +272,7 @@ class EventPublisher(abc.ABC):
         seq = self._next_seq
         self._next_seq += 1
         ts_ns = time.time_ns()
-        payload = encode_batch_parts(self.source, self.epoch, seq, ts_ns, encoded)
+        payload = encode_batch_parts(self.source, self.epoch, seq, ts_ns, encoded, len(events))
         batch = EventBatch(WIRE_VERSION, self.source, self.epoch, seq, ts_ns, events)
         st = self._stats
         st.batches += 1
@@ -221,6 +287,15 @@ class EventPublisher(abc.ABC):
         if self._on_flush is not None:
             self._on_flush(batch, payload)
 
+    def _open_batch_locked(self, now: float) -> None:
+        """The first event of a new pending batch arrived at ``now`` (lock held): set its
+        deadline, and wake the timer only if it sleeps past it (a timer already sleeping
+        until an earlier time re-reads the deadline when it wakes)."""
+        self._oldest_at = now
+        deadline = self._deadline = now + self._delay.delay(now)
+        if deadline < self._timer_until:
+            self._cond.notify_all()
+
     def _ensure_timer(self) -> None:
         if self._timer is None:
             self._timer = threading.Thread(target=self._timer_loop, name=f"kvevents-timer-{self.source}", daemon=True)
@@ -230,12 +305,15 @@ class EventPublisher(abc.ABC):
         with self._cond:
             while not self._closed:
                 if self._deadline is None:
+                    self._timer_until = math.inf
                     self._cond.wait()
                     continue
                 remaining = self._deadline - time.monotonic()
                 if remaining > 0:
+                    self._timer_until = self._deadline
                     self._cond.wait(remaining)
                     continue
+                self._timer_until = math.inf
                 try:
                     self._flush_locked()
                 except Exception:  # noqa: BLE001 - on_flush errors must not kill the timer

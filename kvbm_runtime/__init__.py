@@ -17,6 +17,7 @@ from kvbm_runtime.connector import (
     SchedulerOutput,
 )
 from kvbm_runtime.errors import (
+    BlockMetaError,
     BlockStateError,
     CapacityConfigError,
     ConsumedHandleError,
@@ -52,6 +53,7 @@ __all__ = [
     "BlockLayout",
     "BlockManager",
     "BlockMeta",
+    "BlockMetaError",
     "BlockPool",
     "BlockState",
     "BlockStateError",

@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import torch
 
-from .errors import BlockStateError, ConsumedHandleError
+from .errors import BlockMetaError, BlockStateError, ConsumedHandleError
 from .hashing import chain_hash, local_hash
 
 if TYPE_CHECKING:
@@ -55,6 +55,11 @@ class BlockMeta:
         parent_hash: sequence hash of the previous block of the sequence, ``None`` for the first.
         prefix_hash: sequence hash of the first block of the sequence.
         salt: salt hash the local hash was seeded with.
+
+    Raises:
+        BlockMetaError: a hash is not an ``int`` in [0, 2**64) (``parent_hash`` may be
+            ``None``).
+        BlockStateError: ``parent_hash == sequence_hash``.
     """
 
     sequence_hash: int
@@ -63,8 +68,19 @@ class BlockMeta:
     salt: int
 
     def __post_init__(self) -> None:
-        if self.parent_hash is not None and self.parent_hash == self.sequence_hash:
-            raise BlockStateError(f"block {self.sequence_hash:#x} cannot be its own parent")
+        # Checked once here, where the identity is made: every Store / Remove event a pool
+        # or transfer builds from it is then well-formed by construction (u64 hashes) and
+        # goes to the publisher without being checked again (``publish_valid``).
+        s, p, par = self.sequence_hash, self.prefix_hash, self.parent_hash
+        if type(s) is not int or type(p) is not int or (s | p) >> 64 or (  # noqa: E721 - bool is not a hash
+            par is not None and (type(par) is not int or par >> 64)  # noqa: E721
+        ):
+            raise BlockMetaError(
+                "sequence_hash, prefix_hash and parent_hash must be ints in [0, 2**64) "
+                f"(parent_hash may be None), got {s!r}, {p!r}, {par!r}"
+            )
+        if par is not None and par == s:
+            raise BlockStateError(f"block {s:#x} cannot be its own parent")
 
 
 class Block:

@@ -19,6 +19,10 @@ class ConsumedHandleError(BlockStateError):
     """A handle was used after a transition consumed it, or after it was released."""
 
 
+class BlockMetaError(KvbmError, ValueError):
+    """A block identity (``BlockMeta``) has a hash that is not an ``int`` in [0, 2**64)."""
+
+
 class PoolExhaustedError(KvbmError):
     """Not enough Reset or evictable (inactive) blocks to satisfy an allocation.
 

@@ -20,8 +20,9 @@ last copy publishes one Remove (case C4).  ``storage_location`` is the tier name
 Hot path: the batch calls (:meth:`BlockPool.allocate_complete`,
 :meth:`BlockPool.register_blocks`, :meth:`BlockPool.release_blocks`,
 :meth:`BlockPool.match_blocks`) take the lock once, build one event list and call
-``publisher.publish`` once per batch; per block they create one handle and, for a Store or
-Remove, one event, and nothing else (counters advance per batch).
+``publisher.publish_valid`` (``publish`` for a sink without it) once per batch; per block
+they create one handle and, for a Store or Remove, one event, and nothing else (counters
+advance per batch).
 """
 
 from __future__ import annotations
@@ -139,6 +140,17 @@ class BlockPool:
         self._block_bytes = layout.block_bytes
         self.allow_duplicates = allow_duplicates
         self._publisher = publisher
+        # Every event this pool builds is well-formed by construction (hashes from a
+        # BlockMeta, which checks them; this tier name and block size, checked here), so
+        # it goes to ``publish_valid`` (no per-event checks) when the publisher has one.
+        self._publish = None if publisher is None else publisher.publish
+        if (
+            publisher is not None
+            and isinstance(tier, str)
+            and 1 <= len(tier) <= 255
+            and 0 <= self._block_bytes <= 0xFFFFFFFF
+        ):
+            self._publish = getattr(publisher, "publish_valid", publisher.publish)
         self._lock = threading.RLock()
         self._blocks = [Block(i) for i in range(layout.num_blocks)]
         self._reset: deque[int] = deque(range(layout.num_blocks))
@@ -275,8 +287,8 @@ class BlockPool:
         self._evictions += count - n_reset
         if events:
             self._removes += len(events)
-            if self._publisher is not None:
-                self._publisher.publish(events)
+            if self._publish is not None:
+                self._publish(events)
         return out
 
     def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
@@ -344,8 +356,8 @@ class BlockPool:
             self._evictions += count - n_reset
             if events:
                 self._removes += len(events)
-                if self._publisher is not None:
-                    self._publisher.publish(events)
+                if self._publish is not None:
+                    self._publish(events)
             return out
 
     def _check_room(self, count: int) -> None:
@@ -444,8 +456,8 @@ class BlockPool:
                 self._register_existing(deferred, out)
             if events:
                 self._stores += len(events)
-                if self._publisher is not None:
-                    self._publisher.publish(events)
+                if self._publish is not None:
+                    self._publish(events)
             return out  # type: ignore[return-value]
 
     def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:
@@ -610,8 +622,8 @@ class BlockPool:
     # ------------------------------------------------------------------ internals used by handles
 
     def _emit(self, events: list[KVEvent]) -> None:
-        if events and self._publisher is not None:
-            self._publisher.publish(events)
+        if events and self._publish is not None:
+            self._publish(events)
 
     def _unregister_copy(self, block: Block) -> bool:
         """Remove one registered copy of a hash that has further copies (lock held);

@@ -96,3 +96,15 @@ def test_low_rate_keeps_the_ceiling() -> None:
     pub.publish([store(1, 1, None, 1, "g1")])
     assert pub.current_flush_delay() == pytest.approx(10.0)
     pub.close()
+
+
+def test_rate_updates_at_most_once_per_thousandth_of_a_window_and_counts_every_event() -> None:
+    d = AdaptiveDelay(10.0, 0.01, 100, window_s=1.0)
+    assert d.observe(5, 100.0) is True  # the first observation always updates
+    assert d.observe(5, 100.0002) is False  # within 1 ms: summed, not decayed yet
+    assert d.observe(5, 100.0009) is False
+    assert d.rate(100.0009) == pytest.approx(15.0, rel=1e-3)  # summed events count at once
+    assert d.observe(5, 100.0011) is True  # the fold: 20 events, decayed by 1.1 ms at most
+    assert d.rate(100.0011) == pytest.approx(20.0, rel=2e-3)
+    assert d.observe(1, 99.0) is True  # a clock read earlier than the last update: no sum into the past
+    assert d.rate(99.0) == pytest.approx(21.0, rel=2e-3)

@@ -360,3 +360,61 @@ def test_bad_batch_part_way_changes_nothing(cap: Capture) -> None:
     assert pool.stats().active == 3
     pool.release_blocks([*handles, extra])
     assert pool.stats().inactive == 3 and pool.eviction_order() == [101, 102, 100]  # 100 was matched: frequency 2
+
+
+# ---------------------------------------------------------------- identities checked once, events trusted
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (-1, None, 1, SALT),
+        (2**64, None, 1, SALT),
+        (True, None, 1, SALT),
+        (1.0, None, 1, SALT),
+        ("1", None, 1, SALT),
+        (5, None, -3, SALT),
+        (5, 2**64, 1, SALT),
+        (5, False, 1, SALT),
+    ],
+)
+def test_block_meta_rejects_hashes_outside_u64(args: tuple) -> None:
+    from kvbm_runtime import BlockMetaError
+
+    with pytest.raises(BlockMetaError, match=r"\[0, 2\*\*64\)"):
+        BlockMeta(*args)
+    with pytest.raises(ValueError):  # BlockMetaError is a ValueError too
+        BlockMeta(*args)
+
+
+def test_pool_publishes_through_publish_valid_and_events_round_trip(cap: Capture) -> None:
+    """A pool hands its events to ``publish_valid`` (no second check); what comes out of
+    the publisher is the same Store / Remove stream, byte-exact on the wire."""
+    calls: list[str] = []
+    pub = cap.publisher
+    orig_valid, orig = pub.publish_valid, pub.publish
+    pub.publish_valid = lambda evs: (calls.append("valid"), orig_valid(evs))[1]  # type: ignore[method-assign]
+    pub.publish = lambda evs: (calls.append("checked"), orig(evs))[1]  # type: ignore[method-assign]
+    pool = make_pool(cap, blocks=2)
+    hs = [2**64 - 1, 2**63, 7]
+    metas = [BlockMeta(h, hs[i - 1] if i else None, hs[0], SALT) for i, h in enumerate(hs)]
+    pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas[:2])))
+    pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas[2:])))  # evicts one
+    assert calls == ["valid", "valid", "valid"] and set(calls) == {"valid"}
+    evs = cap.events()
+    assert evs == [
+        ("STORE", hs[0], None, "g1"),
+        ("STORE", hs[1], hs[0], "g1"),
+        ("REMOVE", hs[0], None, "g1"),
+        ("STORE", 7, hs[1], "g1"),
+    ]
+
+
+def test_pool_with_an_unpublishable_tier_keeps_the_checked_path(cap: Capture) -> None:
+    """A tier name that is no valid storage_location is not trusted: its events go through
+    ``publish``, which rejects them as before."""
+    from event_plane import InvalidEventError
+
+    pool = BlockPool("", FullyContiguous(CFG, 2), cap.publisher)
+    with pytest.raises(InvalidEventError, match="storage_location"):
+        pool.register_blocks(pool.allocate_complete([BlockMeta(1, None, 1, SALT)]))
