@@ -343,7 +343,8 @@ def main() -> None:
     ap.add_argument("--posix-mib", type=int, default=256, help="MiB written per block size and run, POSIX")
     ap.add_argument("--s3-mib", type=int, default=64, help="MiB written per block size and run, S3 (16 MiB for 64 KiB blocks)")
     ap.add_argument("--quick", action="store_true", help="1 run, small totals")
-    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 part")
+    ap.add_argument("--no-posix", action="store_true", help="skip the POSIX part")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.posix_mib, args.s3_mib = 1, 64, 32
@@ -361,7 +362,7 @@ def main() -> None:
         print(f"{'block':>7} {'MiB':>5} | {'ours put':>8} {'plain':>7} {'ratio':>6} | {'ours hot':>8} {'plain':>7} "
               f"{'ratio':>6} {'floor':>7} {'/floor':>6} | {'ours cold':>9} {'plain':>7} {'ratio':>6} {'floor':>7} "
               f"{'/floor':>6}   (GB/s)")
-        for block in SIZES:
+        for block in [] if args.no_posix else SIZES:
             r = bench_posix(base / f"posix-{block}", block, args.posix_mib * MiB, args.runs)
             op, pp, og, pg, fg, oc, pc, fc = (med(r[k]) for k in (
                 "ours_put", "plain_put", "ours_get", "plain_get", "floor_get", "ours_cold", "plain_cold", "floor_cold"))

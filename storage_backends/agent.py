@@ -65,7 +65,7 @@ from .types import (
     VolumeFullError,
     VolumeStats,
 )
-from .volume import UNKNOWN_SIZE, Volume, descriptor_identity, validate_descriptor, volume_class
+from .volume import UNKNOWN_SIZE, Volume, align_up, descriptor_identity, validate_descriptor, volume_class
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class StorageAgent:
     """
 
     #: puts write straight from the callers' tensors where the volume can (see
-    #: :meth:`_write_segment`); ``False`` always packs into a staging buffer (A/B benches)
+    #: :meth:`_write_segments`); ``False`` always packs into a staging buffer (A/B benches)
     direct_writes: bool = True
 
     def __init__(
@@ -228,8 +228,10 @@ class StorageAgent:
             VolumeFullError: the volume filled up (its capacity, or ENOSPC / EDQUOT).
             TransferError: a write failed or was short.
 
-        A put may fail part-way: segments are written one after the other, and those
-        written before the failing one stay stored (they were durable and recorded).  The
+        A put may fail part-way: segments are written one after the other (on volumes
+        with :attr:`Volume.write_concurrency` > 1, in waves of several segments, each
+        wave one transfer), and those written before the failing one (wave) stay stored
+        (they were durable and recorded).  The
         ``VolumeFullError`` / ``TransferError`` then says which blocks landed: its
         ``stored`` lists the placement of every block of the call that is stored (written
         by this call or already held), one per distinct key, in item order; nothing of the
@@ -264,16 +266,19 @@ class StorageAgent:
         todo = [(k, unique[k]) for k in ukeys if k not in result]
         self.counters.dedup_skipped += len(ukeys) - len(todo)
         try:
-            for group in self._segment_groups(vol, todo):
-                direct = self.direct_writes and (not copied or all(k not in copied for k, _ in group))
-                placed = self._write_segment(vol, group, version=0, direct=direct)
-                winners = self.catalog.insert_if_absent(placed)
-                seg = placed[0].segment_id
-                self.catalog.seal_segment(volume_id, seg)
-                if all(w.segment_id != seg or w.volume_id != volume_id for w in winners):
-                    self._drop_if_empty(volume_id, seg)
-                for w in winners:
-                    result[w.key] = w
+            for wave in self._write_waves(vol, list(self._segment_groups(vol, todo))):
+                direct = [self.direct_writes and (not copied or all(k not in copied for k, _ in g)) for g in wave]
+                written, late = self._write_segments(vol, wave, version=0, direct=direct)
+                for placed in written:
+                    winners = self.catalog.insert_if_absent(placed)
+                    seg = placed[0].segment_id
+                    self.catalog.seal_segment(volume_id, seg)
+                    if all(w.segment_id != seg or w.volume_id != volume_id for w in winners):
+                        self._drop_if_empty(volume_id, seg)
+                    for w in winners:
+                        result[w.key] = w
+                if late is not None:
+                    raise late
         except (VolumeFullError, TransferError) as exc:
             exc.stored = [result[k] for k in ukeys if k in result]
             raise
@@ -295,66 +300,138 @@ class StorageAgent:
         if group:
             yield group
 
+    @staticmethod
+    def _write_waves(
+        vol: Volume, groups: list[list[tuple[BlockKey, torch.Tensor]]]
+    ) -> Iterator[list[list[tuple[BlockKey, torch.Tensor]]]]:
+        """Cut a put's segment groups into waves written with one transfer each: up to
+        :attr:`Volume.write_concurrency` segments and :attr:`Volume.write_wave_bytes`
+        bytes (a staged wave is one staging buffer)."""
+        k = max(1, vol.write_concurrency)
+        wave: list[list[tuple[BlockKey, torch.Tensor]]] = []
+        size = 0
+        for g in groups:
+            n = sum(b.numel() for _, b in g)
+            if wave and (len(wave) >= k or size + n > vol.write_wave_bytes):
+                yield wave
+                wave, size = [], 0
+            wave.append(g)
+            size += n
+        if wave:
+            yield wave
+
     def _write_segment(
         self, vol: Volume, group: Sequence[tuple[BlockKey, torch.Tensor]], version: int,
         checksums: Sequence[int] | None = None, direct: bool = False,
     ) -> list[Placement]:
-        """Allocate a segment, write ``group`` into it with one transfer, return the
-        (unrecorded) placements.  On failure the segment is released and re-raised.
+        """:meth:`_write_segments` of one group: its (unrecorded) placements."""
+        written, late = self._write_segments(
+            vol, [group], version, None if checksums is None else [checksums], [direct])
+        if late is not None:
+            raise late
+        return written[0]
 
-        With ``direct`` (the tensors are the caller's own memory, not temporary copies),
-        a volume that can (:meth:`Volume.direct_write_ok`) writes straight from the
-        tensors, whose storages stay registered with NIXL (one descriptor per run
+    def _write_segments(
+        self, vol: Volume, groups: Sequence[Sequence[tuple[BlockKey, torch.Tensor]]], version: int,
+        checksums: Sequence[Sequence[int]] | None = None, direct: Sequence[bool] | None = None,
+    ) -> tuple[list[list[Placement]], VolumeFullError | None]:
+        """Allocate one segment per group and write them all with ONE volume call
+        (:meth:`Volume.write_segments`: one transfer on volumes that write segments
+        concurrently); return the (unrecorded) placements per group written.
+
+        With ``direct[j]`` (group j's tensors are the caller's own memory, not temporary
+        copies), a volume that can (:meth:`Volume.direct_write_ok`) writes straight from
+        the tensors, whose storages stay registered with NIXL (one descriptor per run
         contiguous in memory, e.g. consecutive blocks of one pool), and every block is
         hashed from its own memory.  Otherwise the blocks are hashed, then packed into a
-        registered staging buffer.  Overlapping tensors always take the staging path."""
-        n = len(group)
-        lengths = [b.numel() for _, b in group]
-        offsets, size = vol.plan(lengths)
+        registered staging buffer (one for the whole call).  Overlapping tensors always
+        take the staging path.
+
+        Returns:
+            ``(placements per group written, error)``: when the volume's capacity runs
+            out at group j > 0, groups ``< j`` are still written and the
+            :class:`VolumeFullError` is returned for the caller to raise after it
+            recorded them.
+
+        Raises:
+            VolumeFullError: no room for the first group.
+            TransferError: the write failed; every segment of the call is released.
+        """
         vid = vol.desc.id
         eng = vol.engine
-        addrs: np.ndarray | None = None
-        if direct:
-            addrs = np.fromiter((b.data_ptr() for _, b in group), dtype=np.int64, count=n)
+        plans = []
+        for j, group in enumerate(groups):
+            n = len(group)
+            lengths = [b.numel() for _, b in group]
+            offsets, size = vol.plan(lengths)
+            addrs: np.ndarray | None = None
             lens = np.array(lengths, dtype=np.int64)
-            if _overlapping(addrs, lens) or not vol.direct_write_ok(addrs, lens, np.array(offsets, dtype=np.int64), size):
-                addrs = None
-        if checksums is not None:
-            cks = list(checksums)
-        elif addrs is not None:
-            h = xxhash.xxh3_64_intdigest
-            cks = [h(memory_at(a, ln)) for a, ln in zip(addrs.tolist(), lengths)]
-        else:
-            cks = [checksum_np(b.numpy()) for _, b in group]
-        seg = self.catalog.new_segment(vid, size, capacity_bytes=vol.desc.capacity_bytes)
+            if direct is not None and direct[j]:
+                addrs = np.fromiter((b.data_ptr() for _, b in group), dtype=np.int64, count=n)
+                if _overlapping(addrs, lens) or not vol.direct_write_ok(addrs, lens, np.array(offsets, dtype=np.int64), size):
+                    addrs = None
+            if checksums is not None:
+                cks = list(checksums[j])
+            elif addrs is not None:
+                h = xxhash.xxh3_64_intdigest
+                cks = [h(memory_at(a, ln)) for a, ln in zip(addrs.tolist(), lengths)]
+            else:
+                cks = [checksum_np(b.numpy()) for _, b in group]
+            plans.append((group, lengths, offsets, size, addrs, lens, cks))
+        segs: list[int] = []
+        late: VolumeFullError | None = None
+        for plan in plans:
+            try:
+                segs.append(self.catalog.new_segment(vid, plan[3], capacity_bytes=vol.desc.capacity_bytes))
+            except VolumeFullError as exc:
+                if not segs:
+                    raise
+                late = exc  # write what has room, then raise
+                break
+        plans = plans[: len(segs)]
         try:
             with eng.lock:
-                if addrs is not None:
-                    tensors = [b for _, b in group]
+                jobs: list[tuple[int, np.ndarray, int]] = []
+                staged = [i for i, pl in enumerate(plans) if pl[4] is None]
+                starts: dict[int, int] = {}
+                need = 0
+                for i in staged:
+                    starts[i] = need
+                    need += align_up(plans[i][3], vol.buffer_alignment)
+                buf = eng.staging(need, vol.buffer_alignment) if staged else None
+                for i, (seg, (group, lengths, offsets, size, addrs, lens, _)) in enumerate(zip(segs, plans)):
+                    if addrs is not None:
+                        tensors = [b for _, b in group]
 
-                    def storage_of(i: int) -> tuple[int, int]:
-                        st = tensors[i].untyped_storage()
-                        return st.data_ptr(), st.nbytes()
+                        def storage_of(k: int, tensors: list[torch.Tensor] = tensors) -> tuple[int, int]:
+                            st = tensors[k].untyped_storage()
+                            return st.data_ptr(), st.nbytes()
 
-                    eng.dram.ensure(addrs, addrs + lens, storage_of)
-                    vol.write_segment_from(seg, addrs, lens, size)
-                else:
-                    buf = eng.staging(size, vol.buffer_alignment)
-                    pack(buf, offsets, [b for _, b in group], size)
-                    vol.write_segment(seg, buf, size)
+                        eng.dram.ensure(addrs, addrs + lens, storage_of)
+                        jobs.append((seg, Volume.runs(addrs, lens), size))
+                    else:
+                        assert buf is not None
+                        part = buf[starts[i] : starts[i] + size]
+                        pack(part, offsets, [b for _, b in group], size)
+                        jobs.append((seg, np.array([[part.data_ptr(), size, 0]], dtype=np.int64), size))
+                vol.write_segments(jobs)
         except BaseException:
-            try:
-                self.catalog.drop_segment(vid, seg)
-            except Exception as exc:  # the write error matters more
-                logger.warning("cannot release segment %d of %s: %s", seg, vid, exc)
+            for seg in segs:
+                try:
+                    self.catalog.drop_segment(vid, seg)
+                except Exception as exc:  # the write error matters more
+                    logger.warning("cannot release segment %d of %s: %s", seg, vid, exc)
             raise
-        vol.counters.blocks_written += n
-        if addrs is not None:
-            vol.counters.bump("direct_writes")
-        return [
-            Placement(key=k, volume_id=vid, segment_id=seg, offset=off, length=ln, checksum=ck, version=version)
-            for (k, _), off, ln, ck in zip(group, offsets, lengths, cks)
-        ]
+        out: list[list[Placement]] = []
+        for seg, (group, lengths, offsets, _, addrs, _, cks) in zip(segs, plans):
+            vol.counters.blocks_written += len(group)
+            if addrs is not None:
+                vol.counters.bump("direct_writes")
+            out.append([
+                Placement(key=k, volume_id=vid, segment_id=seg, offset=off, length=ln, checksum=ck, version=version)
+                for (k, _), off, ln, ck in zip(group, offsets, lengths, cks)
+            ])
+        return out, late
 
     # ================================================================== get
     def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -2,9 +2,10 @@
 
 Object key: ``<prefix>/<encoded volume id>/seg-<id>`` (``keys.segment_object_key``,
 injective, <= 1024 bytes).  The data path is NIXL OBJ (a WRITE of one descriptor creates
-the object; READs are ranged GETs, several per transfer).  boto3 is used only for bucket
-creation, ``HEAD`` checks after a write, listing and deletes, with tenacity retries on
-5xx, throttling and connection errors.  Credentials come from the descriptor or, when it
+the object, and the segments of one put go as one WRITE of several descriptors: PUTs run
+concurrently; READs are ranged GETs, several per transfer).  boto3 is used only for
+bucket creation, a ``HEAD`` of a segment after a failed read (is it there, how long),
+listing and deletes, with tenacity retries on 5xx, throttling and connection errors.  Credentials come from the descriptor or, when it
 has none, from the standard AWS chain as boto3 resolves it; NIXL gets the same ones.
 """
 
@@ -148,7 +149,7 @@ class S3Volume(Volume):
     #: aws-sdk-cpp request checksums of the NIXL OBJ backend: ``"required"`` computes them
     #: only for operations that need one, so a PUT is a plain signed body instead of an
     #: aws-chunked stream with a CRC trailer (3x faster against moto).  Integrity is end to
-    #: end anyway: XXH3 per block, checked on every get, plus a HEAD length check per PUT.
+    #: end anyway: XXH3 per block, checked on every get.
     #: Set ``"supported"`` to have S3 verify a CRC of every upload as well.
     request_checksum: ClassVar[str] = "required"
 
@@ -156,7 +157,8 @@ class S3Volume(Volume):
     #: for it (ours never do): every block is checked with its XXH3 after the read.
     response_checksum: ClassVar[str] = "required"
     #: concurrent requests of the NIXL OBJ backend (its default is half the cores, 1 on a
-    #: 2-core box): the segments of one read batch are fetched in parallel.
+    #: 2-core box): the segments of one read batch are fetched in parallel, and a put
+    #: writes up to this many segment objects at once.
     threads: ClassVar[int] = 8
     #: a read batch is ONE transfer: a whole-span ranged GET per segment.  Cutting it
     #: into pieces costs a request per piece (about 10 ms each on moto) and measured
@@ -215,7 +217,7 @@ class S3Volume(Volume):
     # ------------------------------------------------------------------ write
     def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:
         """See :meth:`Volume.write_segment` (one OBJ descriptor: one PUT)."""
-        self._put(segment_id, buffer.data_ptr(), size)
+        self.write_segments([(segment_id, np.array([[buffer.data_ptr(), size, 0]], dtype=np.int64), size)])
 
     def direct_write_ok(self, addrs: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, size: int) -> bool:
         """When the blocks are ONE run contiguous in memory that fills the segment (a
@@ -226,38 +228,65 @@ class S3Volume(Volume):
 
     def write_segment_from(self, segment_id: int, addrs: np.ndarray, lengths: np.ndarray, size: int) -> None:
         """See :meth:`Volume.write_segment_from` (one contiguous run: one PUT)."""
-        local = self.runs(addrs, lengths)
-        if len(local) != 1 or int(local[0, 1]) != size:
-            raise TransferError(f"volume {self.desc.id!r}: a direct segment write needs one contiguous run of {size} bytes")
-        self._put(segment_id, int(local[0, 0]), size)
+        self.write_segments([(segment_id, self.runs(addrs, lengths), size)])
 
-    def _put(self, segment_id: int, address: int, size: int) -> None:
-        """PUT ``size`` bytes of registered DRAM at ``address`` as the segment's object,
-        check its length with a HEAD (retried as a whole; the object is deleted on failure)."""
-        key = self.key(segment_id)
+    @property
+    def write_concurrency(self) -> int:  # type: ignore[override]
+        """Segment objects one :meth:`write_segments` call PUTs at once: :attr:`threads`."""
+        return self.threads
+
+    def write_segments(self, jobs: Sequence[tuple[int, np.ndarray, int]]) -> None:
+        """See :meth:`Volume.write_segments`: ONE NIXL OBJ WRITE with one descriptor (one
+        PUT of one object) per segment, run concurrently by the backend's
+        :attr:`threads`; retried as a whole (the keys are new, so a PUT sent again is
+        harmless); on failure every object of the call is deleted.
+
+        A PUT that succeeds stored exactly its bytes: the request carries the body's
+        ``Content-Length`` and S3 stores an object whole or not at all (no HEAD after it;
+        a segment that later reads short or wrong is caught by the XXH3 of every block
+        on every get, and quarantined, see :meth:`segment_size`).
+
+        Raises:
+            TransferError: a segment is not one contiguous run, or the transfer kept
+                failing (the error of the last try).
+        """
+        if not jobs:
+            return
+        local = np.empty((len(jobs), 3), dtype=np.int64)
+        keys: list[str] = []
+        for j, (seg, runs, size) in enumerate(jobs):
+            if len(runs) != 1 or int(runs[0, 1]) != size:
+                raise TransferError(f"volume {self.desc.id!r}: segment {seg} is not one contiguous run of {size} bytes")
+            local[j] = (int(runs[0, 0]), size, 0)
+            keys.append(self.key(seg))
 
         def attempt() -> None:
-            dev = self.engine.new_dev_id()
-            reg = self.engine.register([(0, size, dev, key)], "OBJ")
+            devs = [self.engine.new_dev_id() for _ in jobs]
+            remote = np.zeros((len(jobs), 3), dtype=np.int64)
+            remote[:, 1], remote[:, 2] = local[:, 1], devs
+            regs = []
             try:
-                self.engine.transfer("WRITE", [(address, size)], [(0, size, dev)], "OBJ")
+                for key, dev, (_, _, size) in zip(keys, devs, jobs):
+                    regs.append(self.engine.register([(0, size, dev, key)], "OBJ"))
+                self.engine.transfer("WRITE", local, remote, "OBJ")
             finally:
-                self.engine.deregister(reg)
-            head = self.client.head_object(Bucket=self.desc.bucket, Key=key)
-            if int(head["ContentLength"]) != size:
-                raise TransferError(f"object {key} is {head['ContentLength']} bytes after writing {size}")
+                for reg in regs:
+                    self.engine.deregister(reg)
 
         try:
             self._retry(attempt)
         except BaseException as exc:
-            self._delete_quietly(key)
+            for key in keys:
+                self._delete_quietly(key)
             if isinstance(exc, TransferError):
                 raise
             if isinstance(exc, Exception):
-                raise TransferError(f"volume {self.desc.id!r}: writing segment {segment_id} failed: {exc}") from exc
+                segs = [seg for seg, _, _ in jobs]
+                raise TransferError(f"volume {self.desc.id!r}: writing segments {segs} failed: {exc}") from exc
             raise
-        self.counters.segments_written += 1
-        self.counters.bytes_written += size
+        self.counters.segments_written += len(jobs)
+        self.counters.bytes_written += int(local[:, 1].sum())
+        self.counters.bump("put_transfers")
 
     def _delete_quietly(self, key: str) -> None:
         try:

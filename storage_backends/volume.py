@@ -257,6 +257,34 @@ class Volume(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no direct writes")
 
+    #: segments one :meth:`write_segments` call may write at once (in one transfer);
+    #: 1: one after the other
+    write_concurrency: int = 1
+    #: bytes of one :meth:`write_segments` call at most (a staged call is one buffer)
+    write_wave_bytes: int = 256 << 20
+
+    def write_segments(self, jobs: Sequence[tuple[int, np.ndarray, int]]) -> None:
+        """Write several new segments, durably: job ``(segment_id, local, size)`` is the
+        ``size`` bytes of the registered DRAM descriptors ``local`` (``K x 3`` int64
+        ``(address, length, 0)`` rows, back to back) as segment ``segment_id``.
+
+        The default writes them one after the other (:meth:`write_segment_from`); a
+        volume with :attr:`write_concurrency` > 1 writes them in ONE transfer.  All or
+        nothing: on failure no segment of the call is left behind.
+
+        Raises:
+            VolumeFullError, TransferError: as :meth:`write_segment`.
+        """
+        done: list[int] = []
+        try:
+            for seg, local, size in jobs:
+                self.write_segment_from(seg, local[:, 0], local[:, 1], size)
+                done.append(seg)
+        except BaseException:
+            for seg in done:
+                self.delete_segment(seg)
+            raise
+
     @staticmethod
     def runs(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``K x 3`` int64 NIXL DRAM descriptors ``(address, length, 0)``: the ranges merged

@@ -11,6 +11,7 @@ import http.client
 import itertools
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
@@ -26,8 +27,10 @@ from storage_backends import (
     MediaClass,
     SqliteCatalog,
     StorageAgent,
+    TransferError,
     VolumeConfigError,
     VolumeDescriptor,
+    VolumeFullError,
     VolumeKind,
 )
 from storage_backends.s3_volume import S3Volume
@@ -35,6 +38,8 @@ from storage_backends.s3_volume import S3Volume
 _ids = itertools.count()
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+           b"<Message>Access Denied</Message></Error>")
 
 
 class FaultProxy:
@@ -45,6 +50,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.fail_left = 0
         self.fail_methods: set[str] = set()
+        self.fail_status = 503
         self.injected: list[str] = []
         self.requests: list[str] = []
         proxy = self
@@ -77,12 +83,13 @@ class FaultProxy:
                         proxy.fail_left -= 1
                         proxy.injected.append(f"{self.command} {self.path}")
                 if fail:
-                    self.send_response(503)
+                    status, payload = proxy.fail_status, _SLOWDOWN if proxy.fail_status == 503 else _DENIED
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_SLOWDOWN)))
+                    self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(_SLOWDOWN)
+                        self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 hdrs = {k: v for k, v in self.headers.items()
@@ -108,9 +115,11 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def fail(self, n: int, methods: set[str] | None = None) -> None:
+    def fail(self, n: int, methods: set[str] | None = None, status: int = 503) -> None:
+        """Fail the next ``n`` requests of ``methods`` (all: ``None``) with ``status``
+        (503 SlowDown, which the aws-sdk retries on its own, or 403 AccessDenied)."""
         with self.lock:
-            self.fail_left, self.fail_methods = n, set(methods or ())
+            self.fail_left, self.fail_methods, self.fail_status = n, set(methods or ()), status
             self.injected.clear()
             self.requests.clear()
 
@@ -227,3 +236,63 @@ def test_credentials_from_the_standard_aws_chain(
     assert creds.access_key == "env-access-key"
     (p,) = agent.put([(BlockKey("ns", 5), block(5))], "cold")
     assert torch.equal(agent.get([p.key])[0], block(5))
+
+
+def _objects(vol: S3Volume) -> list[str]:
+    return sorted(o["Key"] for o in vol.client.list_objects_v2(Bucket=vol.desc.bucket).get("Contents", []))
+
+
+def test_a_put_of_several_segments_is_one_transfer_of_concurrent_puts(
+    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy,
+) -> None:
+    """Four segments: one NIXL WRITE (one PUT each, no HEAD after them); one PUT throttled:
+    the wave is sent again as a whole and every block reads back."""
+    vol = agent.register_volume(replace(desc(proxy.endpoint, local_s3), segment_bytes=64 << 10))
+    assert isinstance(vol, S3Volume) and vol.write_concurrency == S3Volume.threads
+    keys = [BlockKey("ns", 100 + i) for i in range(4)]
+    proxy.fail(1, {"PUT"})
+    placed = agent.put([(k, block(100 + i)) for i, k in enumerate(keys)], "cold")
+    assert len({p.segment_id for p in placed}) == 4  # 50 kB blocks, 64 KiB segments
+    assert vol.counters.extra["put_transfers"] == 1 and vol.counters.segments_written == 4
+    assert len(proxy.injected) == 1 and proxy.injected[0].startswith("PUT /")
+    methods = [r.split()[0] for r in proxy.requests]
+    assert "HEAD" not in methods and methods.count("PUT") >= 5  # 4, and the wave sent again
+    assert _objects(vol) == sorted(vol.key(p.segment_id) for p in placed)
+    got = agent.get(keys)
+    assert all(torch.equal(g, block(100 + i)) for i, g in enumerate(got))
+
+
+def test_a_put_that_keeps_failing_leaves_nothing_behind(
+    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy,
+) -> None:
+    vol = agent.register_volume(replace(desc(proxy.endpoint, local_s3), segment_bytes=64 << 10))
+    assert isinstance(vol, S3Volume)
+    (kept,) = agent.put([(BlockKey("ns", 1), block(1))], "cold")
+    keys = [BlockKey("ns", 200 + i) for i in range(3)]
+    # 403: the aws-sdk does not retry it on its own (a 503 forever takes it ~25 s a try),
+    # our backoff tries the whole wave S3Volume.attempts times
+    proxy.fail(10_000, {"PUT"}, status=403)
+    with pytest.raises(TransferError, match="ERR|failed") as ei:
+        agent.put([(k, block(200 + i)) for i, k in enumerate(keys)], "cold")
+    assert ei.value.stored == []
+    assert len(proxy.injected) == 3 * S3Volume.attempts and vol.counters.extra["s3_retries"] == S3Volume.attempts - 1
+    proxy.fail(0)
+    assert agent.exists(keys) == [False] * 3
+    assert [s.segment_id for s in agent.segments("cold")] == [kept.segment_id]  # the 3 were released
+    assert _objects(vol) == [vol.key(kept.segment_id)]  # and their objects deleted
+    assert torch.equal(agent.get([kept.key])[0], block(1))
+
+
+def test_a_volume_that_fills_up_mid_wave_keeps_the_segments_that_had_room(
+    agent: StorageAgent, local_s3: LocalS3,
+) -> None:
+    d = replace(desc(local_s3.endpoint, local_s3), segment_bytes=64 << 10, capacity_bytes=2 * 50_000)
+    vol = agent.register_volume(d)
+    keys = [BlockKey("ns", 300 + i) for i in range(4)]
+    with pytest.raises(VolumeFullError) as ei:
+        agent.put([(k, block(300 + i)) for i, k in enumerate(keys)], "cold")
+    assert [p.key for p in ei.value.stored] == keys[:2]
+    assert agent.exists(keys) == [True, True, False, False]
+    assert vol.counters.extra["put_transfers"] == 1 and len(_objects(vol)) == 2
+    got = agent.get(keys[:2])
+    assert all(torch.equal(g, block(300 + i)) for i, g in enumerate(got))
