@@ -132,11 +132,13 @@ cdef enum:
     F_PARENT = 2
     F_WIDE = 4
 
-ctypedef struct Rec:
+ctypedef struct HM:   # what a lookup reads, in its own dense array (same index as Rec)
     uint64_t h
+    uint64_t mask      # location bits 0..63 (bits >= 64 in IndexCore._wide)
+
+ctypedef struct Rec:
     uint64_t parent
     uint64_t prefix
-    uint64_t mask      # location bits 0..63 (bits >= 64 in IndexCore._wide)
     uint64_t hits
     uint64_t last
     uint32_t size
@@ -310,6 +312,7 @@ cdef class IndexCore:
     """
 
     cdef Rec* recs
+    cdef HM* hm
     cdef int32_t nrec          # records used (high-water mark)
     cdef int32_t rcap
     cdef int32_t free_head
@@ -335,10 +338,11 @@ cdef class IndexCore:
     def __cinit__(self, *args, **kwargs):
         self.rcap = 16
         self.recs = <Rec*>PyMem_Malloc(self.rcap * sizeof(Rec))
+        self.hm = <HM*>PyMem_Malloc(self.rcap * sizeof(HM))
         self.slots = <int32_t*>PyMem_Malloc(16 * sizeof(int32_t))
         self.evcap = 0
         self.evs = NULL
-        if self.recs == NULL or self.slots == NULL:
+        if self.recs == NULL or self.slots == NULL or self.hm == NULL:
             raise MemoryError()
         for i in range(16):
             self.slots[i] = -1
@@ -349,6 +353,7 @@ cdef class IndexCore:
 
     def __dealloc__(self):
         PyMem_Free(self.recs)
+        PyMem_Free(self.hm)
         PyMem_Free(self.slots)
         PyMem_Free(self.evs)
 
@@ -374,7 +379,7 @@ cdef class IndexCore:
             j = self.slots[i]
             if j < 0:
                 return -1
-            if self.recs[j].h == h:
+            if self.hm[j].h == h:
                 return j
             i = (i + 1) & self.smask
 
@@ -390,7 +395,7 @@ cdef class IndexCore:
             ns[i] = -1
         for j in range(self.nrec):
             if self.recs[j].flags & F_LIVE:
-                i = _mix(self.recs[j].h) & m
+                i = _mix(self.hm[j].h) & m
                 while ns[i] >= 0:
                     i = (i + 1) & m
                 ns[i] = j
@@ -404,6 +409,7 @@ cdef class IndexCore:
         cdef int32_t j
         cdef int32_t ncap
         cdef Rec* nr
+        cdef HM* nh
         cdef Rec* r
         cdef uint64_t i
         if <uint64_t>(self.nlive + 1) * 2 > self.smask + 1:
@@ -420,14 +426,18 @@ cdef class IndexCore:
                 if nr == NULL:
                     raise MemoryError()
                 self.recs = nr
+                nh = <HM*>_grow_array(self.hm, self.rcap * sizeof(HM), ncap * sizeof(HM))
+                if nh == NULL:
+                    raise MemoryError()
+                self.hm = nh
                 self.rcap = ncap
             j = self.nrec
             self.nrec += 1
         r = &self.recs[j]
-        r.h = h
+        self.hm[j].h = h
+        self.hm[j].mask = 0
         r.parent = 0
         r.prefix = 0
-        r.mask = 0
         r.hits = 0
         r.last = 0
         r.size = 0
@@ -446,7 +456,7 @@ cdef class IndexCore:
     cdef void _delete(self, int32_t j) noexcept:
         """Drop record ``j`` from the table (children links must already be handled)."""
         cdef uint64_t m = self.smask
-        cdef uint64_t i = _mix(self.recs[j].h) & m
+        cdef uint64_t i = _mix(self.hm[j].h) & m
         cdef uint64_t k, home
         while self.slots[i] != j:
             i = (i + 1) & m
@@ -455,7 +465,7 @@ cdef class IndexCore:
             k = (k + 1) & m
             if self.slots[k] < 0:
                 break
-            home = _mix(self.recs[self.slots[k]].h) & m
+            home = _mix(self.hm[self.slots[k]].h) & m
             if (i <= k and (home <= i or home > k)) or (i > k and home <= i and home > k):
                 self.slots[i] = self.slots[k]
                 i = k
@@ -490,34 +500,34 @@ cdef class IndexCore:
         cdef list out = []
         cdef int32_t k = self.recs[j].kid
         while k >= 0:
-            out.append(self.recs[k].h)
+            out.append(self.hm[k].h)
             k = self.recs[k].next
         return out
 
     cdef object _mask(self, int32_t j):
         """Full location mask of record ``j`` (a Python int)."""
-        cdef Rec* r = &self.recs[j]
-        if r.flags & F_WIDE:
-            return r.mask | (self._wide[r.h] << 64)
-        return r.mask
+        cdef HM* x = &self.hm[j]
+        if self.recs[j].flags & F_WIDE:
+            return x.mask | (self._wide[x.h] << 64)
+        return x.mask
 
     cdef int _set_mask(self, int32_t j, object m) except -1:
         cdef Rec* r = &self.recs[j]
         cdef object hi = m >> 64
-        r.mask = <uint64_t>(m & PY_M64)
+        self.hm[j].mask = <uint64_t>(m & PY_M64)
         if hi:
-            self._wide[r.h] = hi
+            self._wide[self.hm[j].h] = hi
             r.flags |= F_WIDE
         elif r.flags & F_WIDE:
-            del self._wide[r.h]
+            del self._wide[self.hm[j].h]
             r.flags &= ~F_WIDE
         return 0
 
     cdef inline bint _has_bit(self, int32_t j, Py_ssize_t bit):
         if bit < 64:
-            return (self.recs[j].mask >> bit) & 1
+            return (self.hm[j].mask >> bit) & 1
         if self.recs[j].flags & F_WIDE:
-            return (self._wide[self.recs[j].h] >> (bit - 64)) & 1
+            return (self._wide[self.hm[j].h] >> (bit - 64)) & 1
         return False
 
     # ------------------------------------------------------------------ locations
@@ -569,7 +579,7 @@ cdef class IndexCore:
         cdef list out = []
         for j in range(self.nrec):
             if self.recs[j].flags & F_LIVE and self._has_bit(j, bit):
-                out.append(self.recs[j].h)
+                out.append(self.hm[j].h)
         return out
 
     def _private_mask(self, str source):
@@ -699,7 +709,7 @@ cdef class IndexCore:
     cdef _forget(self, int32_t j):
         """Drop a block no location holds; its indexed children become orphans."""
         cdef Rec* r = &self.recs[j]
-        cdef uint64_t h = r.h
+        cdef uint64_t h = self.hm[j].h
         cdef int32_t pj, k, nk
         cdef bint has_parent = r.flags & F_PARENT
         cdef uint64_t p = r.parent
@@ -717,7 +727,7 @@ cdef class IndexCore:
         kids = []
         k = self.recs[j].kid
         while k >= 0:
-            kids.append(self.recs[k].h)
+            kids.append(self.hm[k].h)
             nk = self.recs[k].next
             self.recs[k].next = -1
             self.recs[k].prev = -1
@@ -1090,7 +1100,7 @@ cdef class IndexCore:
                     j = self._find(h)
                     if j >= 0:
                         r = &self.recs[j]
-                        lo = r.mask
+                        lo = self.hm[j].mask
                         if lo & flag:
                             if not (e.has_parent and e.parent == h):
                                 n_dup += 1
@@ -1101,7 +1111,7 @@ cdef class IndexCore:
                                 continue
                         elif (fast and e.extra == NULL and not (e.has_parent and e.parent == h)
                               and not (r.flags & F_WIDE) and not priv_wide):
-                            r.mask = lo | flag
+                            self.hm[j].mask = lo | flag
                             r.size = e.size
                             if is_g1 or not (lo & priv):
                                 if r.hits != M64:
@@ -1129,7 +1139,7 @@ cdef class IndexCore:
                         if j >= 0:
                             r.prefix = e.prefix
                             r.size = e.size
-                            r.mask = flag
+                            self.hm[j].mask = flag
                             r.last = ts
                             if lset is not None:
                                 lset[h] = source
@@ -1147,9 +1157,9 @@ cdef class IndexCore:
                     j = self._find(h)
                     if j >= 0:
                         r = &self.recs[j]
-                        lo = r.mask
+                        lo = self.hm[j].mask
                         if lo & flag and (lo != flag or r.flags & F_WIDE):
-                            r.mask = lo & ~flag
+                            self.hm[j].mask = lo & ~flag
                             if lset is not None:
                                 del lset[h]
                             delta -= 1
@@ -1191,8 +1201,8 @@ cdef class IndexCore:
         if j < 0:
             return None
         cdef Rec* r = &self.recs[j]
-        return BlockInfo(r.h, r.parent if r.flags & F_PARENT else None, r.prefix, r.size,
-                         self._names(self._mask(j)), r.hits, r.last, r.h in self._orphans)
+        return BlockInfo(k, r.parent if r.flags & F_PARENT else None, r.prefix, r.size,
+                         self._names(self._mask(j)), r.hits, r.last, k in self._orphans)
 
     cdef Py_ssize_t _resolve(self, PyObject** items, Py_ssize_t n, int32_t* out) except -1:
         """Record numbers of the leading indexed hashes of ``items[:n]`` (``n <= CHUNK``):
@@ -1215,13 +1225,13 @@ cdef class IndexCore:
         for t in range(m):  # the likely record of each hash (first candidate of its probe)
             j = slots[pos[t]]
             if j >= 0:
-                __builtin_prefetch(&self.recs[j])
+                __builtin_prefetch(&self.hm[j])
         for t in range(m):
             i = pos[t]
             h = keys[t]
             while True:
                 j = slots[i]
-                if j < 0 or self.recs[j].h == h:
+                if j < 0 or self.hm[j].h == h:
                     break
                 i = (i + 1) & smask
             if j < 0:
@@ -1256,7 +1266,7 @@ cdef class IndexCore:
             want = total - base if total - base < CHUNK else CHUNK
             got = self._resolve(items + base, want, idx)
             for t in range(got):
-                m = active & self.recs[idx[t]].mask
+                m = active & self.hm[idx[t]].mask
                 if m != active:
                     if n:
                         lost = active & ~m
@@ -1369,7 +1379,7 @@ cdef class IndexCore:
         cdef list out = []
         for j in range(self.nrec):
             if self.recs[j].flags & F_LIVE:
-                out.append(self.recs[j].h)
+                out.append(self.hm[j].h)
         return out
 
     def _records(self):
@@ -1380,7 +1390,7 @@ cdef class IndexCore:
         for j in range(self.nrec):
             r = &self.recs[j]
             if r.flags & F_LIVE:
-                out.append((r.h, r.parent if r.flags & F_PARENT else None, r.prefix, r.size, self._mask(j),
+                out.append((self.hm[j].h, r.parent if r.flags & F_PARENT else None, r.prefix, r.size, self._mask(j),
                             r.hits, r.last))
         return out
 
@@ -1421,15 +1431,15 @@ cdef class IndexCore:
             if pj < 0:
                 ws = self._waiting.get(r.parent)
                 if ws is None:
-                    self._waiting[r.parent] = {r.h}
+                    self._waiting[r.parent] = {self.hm[j].h}
                 else:
-                    ws.add(r.h)
+                    ws.add(self.hm[j].h)
             else:
                 self._link(pj, j)
 
     def _memory_bytes(self):
         """Bytes of the C arrays (records, slots, event scratch)."""
-        return self.rcap * sizeof(Rec) + (self.smask + 1) * sizeof(int32_t) + self.evcap * sizeof(Ev)
+        return self.rcap * (sizeof(Rec) + sizeof(HM)) + (self.smask + 1) * sizeof(int32_t) + self.evcap * sizeof(Ev)
 
 
 def _reported_hits(extra):
