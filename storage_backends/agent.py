@@ -32,13 +32,17 @@ the catalog always points at a copy that was verified after it was written.
 from __future__ import annotations
 
 import ctypes
+import functools
+import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -73,6 +77,61 @@ _READ_BATCH_BYTES = 64 << 20
 _READ_RETRIES = 3
 
 
+_gc_lock = threading.Lock()
+_gc_users = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for the duration of one put / get.
+
+    A call over thousands of blocks allocates a few container objects per block
+    (placements, index tuples) that live until it returns and are freed by reference
+    counting: none is cyclic garbage.  With the collector on, they survive its young
+    collections, get promoted, and trigger full collections that walk the whole heap of a
+    process that imported torch (hundreds of thousands of objects): measured 10-15 ms
+    a 4,096-block get on average, spikes of 90 ms.  Paused, they die young, are never
+    promoted, and trigger nothing; the collector resumes untouched afterwards.
+
+    Nested and concurrent pauses (several threads) share one pause: the last one out
+    re-enables the collector, and only if it was enabled when the first one came in.
+    """
+    global _gc_users, _gc_was_enabled
+    with _gc_lock:
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_users += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _gc_paused_call(fn: _F) -> _F:
+    """Decorator: run ``fn`` inside :func:`gc_paused`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _by_place(item: tuple[int, Placement]) -> tuple[int, int]:
+    """Sort key of an ``(index, placement)`` read item: segment, then offset."""
+    p = item[1]
+    return p.segment_id, p.offset
+
+
 def _overlapping(addrs: np.ndarray, lengths: np.ndarray) -> bool:
     """Whether any two byte ranges ``[addrs[i], addrs[i] + lengths[i])`` overlap."""
     if len(addrs) < 2:
@@ -93,6 +152,7 @@ class AgentCounters:
     move_conflicts: int = 0
     segments_dropped: int = 0
     segments_missing: int = 0
+    verified_aside: int = 0  # read pieces hashed on the verifier thread
 
 
 class StorageAgent:
@@ -110,6 +170,12 @@ class StorageAgent:
     #: puts write straight from the callers' tensors where the volume can (see
     #: :meth:`_write_segments`); ``False`` always packs into a staging buffer (A/B benches)
     direct_writes: bool = True
+    #: direct reads hash each piece on a verifier thread while NIXL reads the next one
+    #: (``True``), or on the calling thread right after its READ (``False``, the
+    #: default: on the shared 2-core box the hand-off measured 5-15 % slower, see
+    #: docs/BENCHMARKS.md; try it where cores are idle).  ``None``: when the process may
+    #: run on more than one CPU (``os.sched_getaffinity``).
+    verify_aside: bool | None = False
 
     def __init__(
         self, catalog: PlacementCatalog, name: str = "kvadvisor-storage",
@@ -210,6 +276,7 @@ class StorageAgent:
             raise StorageError("storage agent is closed")
 
     # ================================================================== put
+    @_gc_paused_call
     def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]:
         """Store blocks on a volume, packed into new segments (one per ``segment_bytes``).
 
@@ -434,6 +501,7 @@ class StorageAgent:
         return out, late
 
     # ================================================================== get
+    @_gc_paused_call
     def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Read and verify blocks.
 
@@ -682,7 +750,7 @@ class StorageAgent:
         for it in items:
             by_vol.setdefault(it[1].volume_id, []).append(it)
         for group in by_vol.values():
-            group.sort(key=lambda it: (it[1].segment_id, it[1].offset))
+            group.sort(key=_by_place)
             batch: list[tuple[int, Placement]] = []
             size = 0
             for it in group:
@@ -734,9 +802,12 @@ class StorageAgent:
 
         The blocks are cut into chunks of at most :attr:`Volume.read_piece_bytes` and
         grouped into pieces of about that size; each piece is one NIXL READ, after which
-        its chunks are hashed at once (XXH3-64, streamed over the chunks of a block larger
-        than a piece), while they are still in the CPU cache.  Returns per block whether
-        its checksum matched.  The engine lock is held by the caller.
+        its chunks are hashed (XXH3-64, streamed over the chunks of a block larger than a
+        piece) while they are still in the CPU cache: on the calling thread right after
+        the READ, or, when the process may run on more than one CPU
+        (:attr:`verify_aside`), on the verifier thread while the next piece is read.
+        Returns per block whether its checksum matched.  The engine lock is held by the
+        caller.
         """
         n = len(places)
         piece = vol.read_piece_bytes
@@ -760,8 +831,9 @@ class StorageAgent:
         ok = [True] * n
         streams: dict[int, xxhash.xxh3_64] = {}
         h = xxhash.xxh3_64_intdigest
-        for lo, hi in bounds:
-            vol.read_direct(c_seg[lo:hi], c_off[lo:hi], c_len[lo:hi], c_addr[lo:hi])
+        last = len(blk_l) - 1
+
+        def verify(lo: int, hi: int) -> None:
             for k in range(lo, hi):
                 mem = memory_at(addr_l[k], len_l[k])
                 i = blk_l[k]
@@ -773,10 +845,29 @@ class StorageAgent:
                 if st is None:
                     st = streams[i] = xxhash.xxh3_64()
                 st.update(mem)
-                if k + 1 == len(blk_l) or blk_l[k + 1] != i:  # the block's last chunk
+                if k == last or blk_l[k + 1] != i:  # the block's last chunk
                     if st.intdigest() != cks[i]:
                         ok[i] = False
                     del streams[i]
+
+        pool = self._verifier() if len(bounds) > 1 and self._verify_aside() else None
+        if pool is None:
+            for lo, hi in bounds:
+                vol.read_direct(c_seg[lo:hi], c_off[lo:hi], c_len[lo:hi], c_addr[lo:hi])
+                verify(lo, hi)
+        else:
+            # piece k is hashed on the verifier thread (FIFO: streams stay in order) while
+            # NIXL reads piece k+1 (both release the GIL while they work)
+            futures: list[Future[None]] = []
+            try:
+                for lo, hi in bounds:
+                    vol.read_direct(c_seg[lo:hi], c_off[lo:hi], c_len[lo:hi], c_addr[lo:hi])
+                    futures.append(pool.submit(verify, lo, hi))
+            finally:
+                wait(futures)
+            for f in futures:
+                f.result()
+            self.counters.verified_aside += len(futures)
         vol.counters.blocks_read += n
         return ok
 
@@ -847,6 +938,15 @@ class StorageAgent:
         verify()
         done.set_result(None)
         return done
+
+    def _verify_aside(self) -> bool:
+        """Whether direct reads hash on the verifier thread (see :attr:`verify_aside`)."""
+        if self.verify_aside is not None:
+            return self.verify_aside
+        try:
+            return len(os.sched_getaffinity(0)) > 1
+        except (AttributeError, OSError):  # pragma: no cover - not Linux
+            return (os.cpu_count() or 1) > 1
 
     def _verifier(self) -> ThreadPoolExecutor:
         with self._lock:

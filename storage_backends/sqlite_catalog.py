@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 from .catalog import PlacementCatalog
 from .keys import i64_to_u64, u64_to_i64, validate_block_key
 from .types import (
@@ -55,6 +57,35 @@ _COLS = "ns, seq, volume, segment, off, len, checksum, version"
 _IN_CHUNK = 500  # keys per IN (...) query (SQLite allows 32766 parameters)
 _PAIR_CHUNK = 400  # (ns, seq) pairs per row-value IN (VALUES ...) query
 _U64 = 1 << 64
+
+
+def _signed(keys: Sequence[BlockKey]) -> list[int]:
+    """``u64_to_i64`` of every key's sequence hash (validated keys: u64 ints)."""
+    if len(keys) < 64:
+        return [u64_to_i64(k.sequence_hash) for k in keys]
+    return np.fromiter((k.sequence_hash for k in keys), dtype=np.uint64, count=len(keys)).view(np.int64).tolist()
+
+
+_NEW = object.__new__
+_SET = tuple(getattr(Placement, f).__set__ for f in
+             ("key", "volume_id", "segment_id", "offset", "length", "checksum", "version"))
+
+
+def _fast_placement(key: BlockKey, volume_id: str, segment_id: int, offset: int, length: int,
+                    checksum: int, version: int) -> Placement:
+    """``Placement(...)`` of trusted catalog values, built through the slots' descriptors
+    (the frozen dataclass ``__init__`` goes through ``object.__setattr__`` per field:
+    2x slower).  Equal to, and indistinguishable from, a normally built one."""
+    p = _NEW(Placement)
+    sk, sv, ss, so, sl, sc, sver = _SET
+    sk(p, key)
+    sv(p, volume_id)
+    ss(p, segment_id)
+    so(p, offset)
+    sl(p, length)
+    sc(p, checksum)
+    sver(p, version)
+    return p
 
 
 def _row(p: Placement) -> tuple[str, int, str, int, int, int, int, int]:
@@ -162,14 +193,20 @@ class SqliteCatalog(PlacementCatalog):
     def _select_many(db: sqlite3.Connection, keys: Sequence[BlockKey]) -> list[Placement | None]:
         """Placements of ``keys``: one ``IN`` query per namespace and 500 keys, or, for keys
         of many namespaces, one ``(ns, seq) IN (VALUES ...)`` query per 400 keys.  The
-        returned placements reuse the caller's key objects (no per-row key parsing)."""
+        returned placements reuse the caller's key objects (no per-row key parsing), and
+        are built without the dataclass ``__init__`` (:func:`_fast_placement`: half the
+        cost, a third of a 64 KiB-block lookup)."""
+        seqs = _signed(keys)
         by_ns: dict[str, dict[int, BlockKey]] = {}
-        for k in keys:
-            by_ns.setdefault(k.namespace, {})[u64_to_i64(k.sequence_hash)] = k
+        for k, q in zip(keys, seqs):
+            d = by_ns.get(k.namespace)
+            if d is None:
+                d = by_ns[k.namespace] = {}
+            d[q] = k
         rows: list[tuple[str, int, str, int, int, int, int, int]] = []
         if len(by_ns) <= 4:
-            for ns, seqs in by_ns.items():
-                uniq = list(seqs)
+            for ns, sq in by_ns.items():
+                uniq = list(sq)
                 for i in range(0, len(uniq), _IN_CHUNK):
                     chunk = uniq[i : i + _IN_CHUNK]
                     rows += db.execute(
@@ -177,18 +214,19 @@ class SqliteCatalog(PlacementCatalog):
                         (ns, *chunk),
                     ).fetchall()
         else:
-            pairs = [(ns, q) for ns, seqs in by_ns.items() for q in seqs]
+            pairs = [(ns, q) for ns, sq in by_ns.items() for q in sq]
             for i in range(0, len(pairs), _PAIR_CHUNK):
                 chunk = pairs[i : i + _PAIR_CHUNK]
                 rows += db.execute(
                     f"SELECT {_COLS} FROM placements WHERE (ns, seq) IN (VALUES {','.join(['(?,?)'] * len(chunk))})",
                     [v for pair in chunk for v in pair],
                 ).fetchall()
-        found: dict[str, dict[int, Placement]] = {ns: {} for ns in by_ns}
+        found: dict[tuple[str, int], Placement] = {}
+        make = _fast_placement
         for ns, seq, vol, seg, off, ln, ck, ver in rows:
-            key = by_ns[ns][seq]
-            found[ns][seq] = Placement(key, vol, seg, off, ln, ck + _U64 if ck < 0 else ck, ver)
-        return [found[k.namespace].get(u64_to_i64(k.sequence_hash)) for k in keys]
+            found[(ns, seq)] = make(by_ns[ns][seq], vol, seg, off, ln, ck + _U64 if ck < 0 else ck, ver)
+        get = found.get
+        return [get((k.namespace, q)) for k, q in zip(keys, seqs)]
 
     @staticmethod
     def _check_segment(db: sqlite3.Connection, p: Placement) -> None:

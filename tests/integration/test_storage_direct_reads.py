@@ -53,7 +53,11 @@ def agent(tmp_path: Path) -> StorageAgent:
     cat.close()
 
 
-def test_blocks_larger_than_a_piece_are_hashed_in_chunks(agent: StorageAgent) -> None:
+@pytest.mark.parametrize("aside", [False, True], ids=["verify-inline", "verify-aside"])
+def test_blocks_larger_than_a_piece_are_hashed_in_chunks(agent: StorageAgent, aside: bool) -> None:
+    """Also with the pieces hashed on the verifier thread while the next one is read
+    (``verify_aside``): the streamed hashes of a block spread over pieces stay in order."""
+    agent.verify_aside = aside
     vol = agent._vol("fast")  # type: ignore[attr-defined]
     vol.read_piece_bytes = 64 << 10  # blocks of up to 5 pieces, and pieces of many small blocks
     sizes = [300_000, 1, 65_536, 65_537, 4096, 131_072, 7]
@@ -67,6 +71,7 @@ def test_blocks_larger_than_a_piece_are_hashed_in_chunks(agent: StorageAgent) ->
     outs = [torch.empty(p.length, dtype=torch.uint8) for p in ps]
     assert all(r is o for r, o in zip(agent.get(keys, out=outs), outs))
     assert all(torch.equal(o, t) for o, (_, t) in zip(outs, items))
+    assert (agent.counters.verified_aside > 0) is aside
     # one bit flipped in the 4th 64 KiB chunk of block 7 (300 000 bytes): the streamed hash sees it
     flip(vol.path(ps[7].segment_id), ps[7].offset + 3 * 65_536 + 5)
     agent.close()
@@ -74,6 +79,7 @@ def test_blocks_larger_than_a_piece_are_hashed_in_chunks(agent: StorageAgent) ->
     try:
         fresh.register_volume(agent.volume("fast"))
         fresh._vol("fast").read_piece_bytes = 64 << 10  # type: ignore[attr-defined]
+        fresh.verify_aside = aside
         with pytest.raises(ChecksumMismatchError, match="1 block"):
             fresh.get(keys[5:10])
         with pytest.raises(BlockNotFoundError):
