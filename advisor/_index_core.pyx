@@ -1135,8 +1135,7 @@ cdef class IndexCore:
                         if not e.has_parent:
                             j = self._insert(h)
                             r = &self.recs[j]
-                        elif e.parent != h and self._find(e.parent) >= 0:
-                            pj = self._find(e.parent)
+                        elif e.parent != h and (pj := self._find(e.parent)) >= 0:
                             j = self._insert(h)
                             r = &self.recs[j]
                             r.parent = e.parent
