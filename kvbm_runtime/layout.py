@@ -419,8 +419,13 @@ def make_layout(
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
     """Split paired id lists into runs ``(src_start, dst_start, length)`` that are
     consecutive on both sides, in order."""
+    s0, d0, count = src_ids[0], dst_ids[0], len(src_ids)
+    # the common case, a batch that is one run on both sides, checked at C speed
+    if src_ids[-1] - s0 == count - 1 and dst_ids[-1] - d0 == count - 1:
+        if src_ids == list(range(s0, s0 + count)) and dst_ids == list(range(d0, d0 + count)):
+            return [(s0, d0, count)]
     runs: list[tuple[int, int, int]] = []
-    s0, d0, n = src_ids[0], dst_ids[0], 1
+    n = 1
     for s, d in zip(src_ids[1:], dst_ids[1:]):
         if s == s0 + n and d == d0 + n:
             n += 1

@@ -558,15 +558,22 @@ class TransferManager:
         try:
             # copy: one call per source layout (runs of consecutive blocks are one slice copy)
             groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
-            for item, dst, lost in zip(items_all, dsts, gone, strict=True):
-                if lost:
-                    continue
-                layout = item.src_layout
-                g = groups.get(id(layout))
-                if g is None:
-                    g = groups[id(layout)] = (layout, [], [])
-                g[1].append(item.src_block_id)
-                g[2].append(dst._block.block_id)
+            first = items_all[0].src_layout if items_all else None
+            if items_all and not any(gone) and all(item.src_layout is first for item in items_all):
+                # one source layout, nothing lost (the common case): the id lists at once
+                groups[id(first)] = (
+                    first, [item.src_block_id for item in items_all], [dst._block.block_id for dst in dsts]
+                )
+            else:
+                for item, dst, lost in zip(items_all, dsts, gone, strict=True):
+                    if lost:
+                        continue
+                    layout = item.src_layout
+                    g = groups.get(id(layout))
+                    if g is None:
+                        g = groups[id(layout)] = (layout, [], [])
+                    g[1].append(item.src_block_id)
+                    g[2].append(dst._block.block_id)
             for layout, src_ids, dst_ids in groups.values():
                 copy_blocks(layout, src_ids, self.g2.layout, dst_ids)
             # register per job, in submission order (Store("g2") events in block order)

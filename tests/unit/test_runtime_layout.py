@@ -118,3 +118,33 @@ def test_make_layout_defaults_and_descriptor() -> None:
     assert d["layer_stride"] == 2 * layout.block_stride
     with pytest.raises(LayoutConfigError):
         make_layout("Paged", CFG, 2)  # type: ignore[arg-type]
+
+
+def _runs_reference(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """block_runs spelled out: start a new run wherever either side is not consecutive."""
+    runs: list[list[int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ([0], [5]),
+        (list(range(10)), list(range(3, 13))),  # one run on both sides
+        (list(range(10)), [*range(3, 8), *range(20, 25)]),  # destination breaks once
+        ([0, 2, 1, 3], [0, 1, 2, 3]),  # first/last look consecutive, the middle is not
+        ([5, 6, 7, 9], [1, 2, 3, 4]),
+        ([3, 2, 1, 0], [0, 1, 2, 3]),
+        ([0, 1, 1, 2], [0, 1, 2, 3]),  # ends consistent with one run, a repeat inside
+        ([4, 5, 6], [9, 10, 12]),
+    ],
+)
+def test_block_runs_matches_the_plain_walk(src: list[int], dst: list[int]) -> None:
+    from kvbm_runtime.layout import block_runs
+
+    assert block_runs(src, dst) == _runs_reference(src, dst)
