@@ -26,7 +26,7 @@ the same algorithm as the reference on these records.
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.ref cimport PyObject
 from libc.stdint cimport uint64_t, uint32_t, int32_t, uint8_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp
 
 import heapq
 import sys
@@ -66,13 +66,6 @@ cdef extern from "Python.h":
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject** PySequence_Fast_ITEMS(object)
 
-cdef extern from "sys/mman.h":
-    int madvise(void* addr, size_t length, int advice) nogil
-    int MADV_HUGEPAGE
-
-cdef extern from "stdint.h":
-    ctypedef unsigned long uintptr_t
-
 cdef extern from *:
     """
     /* u64 value of an exact int from its 30-bit digits (CPython 3.11 layout):
@@ -101,31 +94,7 @@ cdef extern from *:
     int kv_exact_u64(PyObject* o, unsigned long long* out) noexcept
 
 DEF CHUNK = 64
-DEF HUGE = 2097152
 
-
-cdef inline void _hint_huge(void* p, size_t n) noexcept nogil:
-    """Ask for transparent huge pages on the 2 MiB-aligned interior of a fresh big array
-    (fewer TLB misses on random probes); a no-op where THP is off or refused."""
-    cdef uintptr_t a = (<uintptr_t>p + HUGE - 1) & ~(<uintptr_t>HUGE - 1)
-    cdef uintptr_t b = (<uintptr_t>p + n) & ~(<uintptr_t>HUGE - 1)
-    if b > a:
-        madvise(<void*>a, b - a, MADV_HUGEPAGE)
-
-
-cdef void* _grow_array(void* old, size_t old_bytes, size_t new_bytes) noexcept:
-    """``PyMem_Realloc`` that gives big arrays a fresh, huge-page-hinted block (NULL on failure)."""
-    cdef void* nb
-    if new_bytes < 2 * HUGE:
-        return PyMem_Realloc(old, new_bytes)
-    nb = PyMem_Malloc(new_bytes)
-    if nb == NULL:
-        return NULL
-    _hint_huge(nb, new_bytes)
-    if old != NULL:
-        memcpy(nb, old, old_bytes)
-        PyMem_Free(old)
-    return nb
 
 cdef enum:
     F_LIVE = 1
@@ -390,7 +359,6 @@ cdef class IndexCore:
         cdef int32_t j
         if ns == NULL:
             raise MemoryError()
-        _hint_huge(ns, cap * sizeof(int32_t))
         for i in range(cap):
             ns[i] = -1
         for j in range(self.nrec):
@@ -422,11 +390,11 @@ cdef class IndexCore:
                 if self.rcap >= 0x7fffffff // 3:
                     raise MemoryError("index is full (2**31 blocks)")
                 ncap = self.rcap + (self.rcap >> 1) + 16
-                nr = <Rec*>_grow_array(self.recs, self.rcap * sizeof(Rec), ncap * sizeof(Rec))
+                nr = <Rec*>PyMem_Realloc(self.recs, ncap * sizeof(Rec))
                 if nr == NULL:
                     raise MemoryError()
                 self.recs = nr
-                nh = <HM*>_grow_array(self.hm, self.rcap * sizeof(HM), ncap * sizeof(HM))
+                nh = <HM*>PyMem_Realloc(self.hm, ncap * sizeof(HM))
                 if nh == NULL:
                     raise MemoryError()
                 self.hm = nh
