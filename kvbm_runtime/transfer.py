@@ -542,15 +542,19 @@ class TransferManager:
         gone = [False] * n
         held: list[tuple[BlockPool, list[ImmutableBlock]]] = []
         by_pool: dict[BlockPool, list[int]] = {}
-        for k, item in enumerate(items_all):
-            src = item.src
-            if src is not None:
-                ks = by_pool.get(src._pool)
-                if ks is None:
-                    ks = by_pool[src._pool] = []
-                ks.append(k)
+        srcs = [item.src for item in items_all]
+        pool0 = srcs[0]._pool if n and srcs[0] is not None else None
+        if pool0 is not None and all(w is not None and w._pool is pool0 for w in srcs):
+            by_pool[pool0] = list(range(n))  # every source in one pool (the common case)
+        else:
+            for k, src in enumerate(srcs):
+                if src is not None:
+                    ks = by_pool.get(src._pool)
+                    if ks is None:
+                        ks = by_pool[src._pool] = []
+                    ks.append(k)
         for pool, ks in by_pool.items():
-            got = pool.upgrade_many([items_all[k].src for k in ks])  # type: ignore[misc]
+            got = pool.upgrade_many(srcs if len(ks) == n else [srcs[k] for k in ks])  # type: ignore[arg-type]
             held.append((pool, [h for h in got if h is not None]))
             if len(held[-1][1]) != len(got):
                 for k, h in zip(ks, got, strict=True):
