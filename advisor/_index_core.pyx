@@ -30,6 +30,7 @@ from libc.string cimport memcmp
 
 import heapq
 import sys
+from operator import index as _index
 
 from advisor.index_reference import (
     HITS_KEY,
@@ -146,6 +147,16 @@ cdef inline uint64_t _mix(uint64_t x) nogil:
 cdef inline int _key(object o, uint64_t* out) except -1:
     """1 and the u64 in ``out`` when ``o`` is an int in [0, 2**64); 0 otherwise (a key that
     can never be indexed).  Unhashable objects raise ``TypeError`` like a dict lookup."""
+    if _key_nohash(o, out):
+        return 1
+    hash(o)
+    return 0
+
+
+cdef inline int _key_nohash(object o, uint64_t* out) except -1:
+    """:func:`_key` without the ``hash()`` of a non-int (0 for it).  Like a dict lookup, an
+    integral float or an object with ``__index__`` (numpy integers) equal to an indexed
+    hash finds it."""
     cdef unsigned long long v
     cdef int got = kv_exact_u64(<PyObject*>o, &v)
     if got >= 0:
@@ -158,7 +169,16 @@ cdef inline int _key(object o, uint64_t* out) except -1:
             return 0
         out[0] = v
         return 1
-    hash(o)
+    if isinstance(o, float):
+        if o.is_integer() and 0.0 <= o < 18446744073709551616.0:
+            out[0] = <uint64_t>(<double>o)
+            return 1
+        return 0
+    if hasattr(type(o), "__index__"):
+        try:
+            return _key_nohash(_index(o), out)
+        except (TypeError, ValueError, OverflowError):
+            return 0
     return 0
 
 
@@ -1191,7 +1211,7 @@ cdef class IndexCore:
         cdef uint64_t smask = self.smask
         cdef int32_t* slots = self.slots
         for t in range(n):
-            if not _key(<object>items[t], &keys[t]):
+            if not _key_nohash(<object>items[t], &keys[t]):
                 m = t
                 break
             i = _mix(keys[t]) & smask
@@ -1212,6 +1232,8 @@ cdef class IndexCore:
             if j < 0:
                 return t
             out[t] = j
+        if m < n:  # every hash before it is indexed: look it up like a dict would
+            hash(<object>items[m])
         return m
 
     def lookup(self, hashes):

@@ -311,3 +311,24 @@ def test_large_random_churn_matches_the_reference(keys: str) -> None:
     assert core.lookup(q) == ref.lookup(q) and core.lookup_any(q) == ref.lookup_any(q)
     for h in pool[:500]:
         assert core.children(h) == ref.children(h)
+
+
+def test_lookup_of_odd_hash_values_matches_the_reference() -> None:
+    """Negative, too big, bool, str and unhashable items: same answers (or TypeError) as a dict."""
+    core, ref = PrefixIndex(), ReferencePrefixIndex()
+    b = EventBatch(1, "w0", 1, 0, 1, [store(1, 1, None, BS, "g1"), store(2, 1, 1, BS, "g1"),
+                                     store(0, 0, None, BS, "fast")])
+    core.apply_batch(b)
+    ref.apply_batch(b)
+    for q in ([1, 3, [5]], [1, "x"], [True, 2], [1, -2], [1, 1 << 64], [0], (h for h in [1, 2]), [1] * 70 + [4],
+              [1, 2, 2.0], [1.0, 2.5], [np.uint64(1), np.int64(2)], [-0.0], [float(1 << 64)]):
+        q = list(q)
+        assert core.lookup(q) == ref.lookup(q) and core.lookup_any(q) == ref.lookup_any(q), q
+    for q in ([1, 2, [5]], [[5]]):
+        with pytest.raises(TypeError):
+            core.lookup(q)
+        with pytest.raises(TypeError):
+            ref.lookup(q)
+        with pytest.raises(TypeError):
+            core.lookup_any(q)
+    assert core.block(0) == ref.block(0) and core.holds(0, "fast") and 0 in core
