@@ -3,9 +3,10 @@
 
 State in C, allocated with ``PyMem_Malloc``/``PyMem_Realloc`` (so ``tracemalloc`` counts it):
 
-* ``recs``: a contiguous array of 72-byte block records (sequence hash, parent, prefix,
-  size, low 64 bits of the location mask, hits, last access, and a doubly linked list of
-  the block's indexed children); free records form a list through ``next``.
+* ``hm``: a dense array of ``{sequence hash, low 64 bits of the location mask}`` (16 bytes,
+  all a lookup reads), and ``recs``, a parallel array of 56-byte records (parent, prefix,
+  size, hits, last access, flags and a doubly linked list of the block's indexed
+  children); free records form a list through ``next``.
 * ``slots``: an open-addressing (linear probing, backward-shift deletion) hash table of
   ``int32`` record numbers keyed by the u64 sequence hash, mixed with the splitmix64
   finalizer (ids may be small sequential ints), load factor at most 1/2.
@@ -820,7 +821,8 @@ cdef class IndexCore:
         return self.evs
 
     cdef int _begin(self, str source, object epoch) except -1:
-        """Epoch handling of a batch: 0 to fold it, 1 when it is of a superseded epoch."""
+        """1 when a batch of ``source`` at ``epoch`` is of a superseded (retired) epoch,
+        else 0 (fold it; :meth:`_fold` handles a new source or a restart)."""
         src = self._sources.get(source)
         if src is None:
             return 0

@@ -12,9 +12,9 @@ Locations:
       alone, counted in ``invalid_locations``): volume ids are single tokens, so a
       qualified private name (always with ``/``) never equals a volume id.
 
-Internally (compiled core, ``advisor/_index_core.pyx``) a block is one 72-byte C record in
-a contiguous array, found through an open-addressing table keyed by the sequence hash; a
-location is a bit of its mask with a block count (bits 64 and above live in a side table,
+Internally (compiled core, ``advisor/_index_core.pyx``) a block is 72 bytes of C arrays
+(hash + location mask, and a record), found through an open-addressing table keyed by the
+sequence hash; a location is a bit of its mask with a block count (bits 64 and above live in a side table,
 so any number of locations works); volumes also keep the hashes they hold, each with the
 source(s) that stored it there (*storers*, for Cleared).  :meth:`PrefixIndex.apply_payload`
 folds a wire batch straight from its bytes.  Figures: ``bench/advisor.py``,
