@@ -559,6 +559,7 @@ class TransferManager:
             if len(held[-1][1]) != len(got):
                 for k, h in zip(ks, got, strict=True):
                     gone[k] = h is None
+        settled = False
         try:
             # copy: one call per source layout (runs of consecutive blocks are one slice copy)
             groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
@@ -601,12 +602,14 @@ class TransferManager:
                     blocks[i] = weak
                 result.copied = len(mine)
                 self.metrics.offload_d2h.inc(len(mine))
+            settled = True  # every destination was registered or released above
         finally:
             for pool, handles in held:
                 pool.release_blocks(handles)
-            for dst in dsts:
-                if dst._live:
-                    dst.release()
+            if not settled:
+                for dst in dsts:
+                    if dst._live:
+                        dst.release()
         for job in jobs:
             job.future.set_result(job.payload[3])
 

@@ -206,3 +206,31 @@ def test_disk_filter_bounds_its_table() -> None:
     f.offer(0)  # 0 now has count 2
     f.offer(99)  # fourth entry: one halving forgets the count-1 entries
     assert len(f) <= 3 and f.frequency(0) == 1
+
+
+def test_a_copy_that_fails_part_way_gives_every_reserved_block_back(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy raising: the future fails with its error, no G2 block stays reserved or is
+    registered, no Store is published, and the sources are released (G1 can evict them)."""
+    import kvbm_runtime.transfer as transfer
+
+    handles = rig.registered([301, 302, 303])
+    rig.cap.clear()
+
+    def broken_copy(*_a: object) -> None:
+        raise OSError("copy engine fell over")
+
+    monkeypatch.setattr(transfer, "copy_blocks", broken_copy)
+    fut = rig.tm.offload_to_host(rig.items(handles), StepEvent.completed())
+    with pytest.raises(OSError, match="fell over"):
+        fut.result(timeout=5)
+    st = rig.g2.stats()
+    assert (st.reset, st.active, st.registered_hashes) == (8, 0, 0)
+    assert rig.cap.events() == []
+    for h in handles:
+        h.release()
+    assert rig.g1.evict() == 3  # nothing of the failed batch still pins a source
+    monkeypatch.undo()
+    # the manager still works after the failure
+    again = rig.registered([311])
+    assert rig.tm.offload_to_host(rig.items(again), StepEvent.completed()).result(timeout=5).copied == 1
+    again[0].release()
