@@ -96,6 +96,7 @@ cdef extern from *:
     int kv_exact_u64(PyObject* o, unsigned long long* out) noexcept
 
 DEF CHUNK = 64
+DEF EV_KEEP = 8192  # events of scratch kept between batches (384 KiB)
 
 
 cdef enum:
@@ -810,6 +811,12 @@ cdef class IndexCore:
                 self._clear_storer(sl, source)
 
     # ------------------------------------------------------------------ batches
+    cdef void _drop_ev_buffer(self) noexcept:
+        """Free the event scratch array (kept between batches only while it is small)."""
+        PyMem_Free(self.evs)
+        self.evs = NULL
+        self.evcap = 0
+
     cdef Ev* _ev_buffer(self, Py_ssize_t n) except NULL:
         cdef Ev* nb
         if n > self.evcap or self.evs == NULL:
@@ -845,6 +852,13 @@ cdef class IndexCore:
             ValueError: a field of a (hand-built, not decoded) batch is out of its wire range
                 (hashes/epoch/seq/ts_ns u64, block_size u32, type 0..2); nothing is applied.
         """
+        try:
+            self._apply_batch(batch)
+        finally:
+            if self.evcap > EV_KEEP:
+                self._drop_ev_buffer()
+
+    def _apply_batch(self, batch):
         cdef Py_ssize_t n, k, loc = -1
         cdef Ev* e
         cdef Ev* evs
@@ -919,6 +933,13 @@ cdef class IndexCore:
             CodecError: exactly when ``decode_batch(payload)`` raises it (same message);
                 nothing is applied then.
         """
+        try:
+            return self._apply_payload(payload)
+        finally:
+            if self.evcap > EV_KEEP:
+                self._drop_ev_buffer()
+
+    def _apply_payload(self, payload):
         cdef const unsigned char[::1] view
         cdef const unsigned char* p
         cdef Py_ssize_t pos = 0, end, n, k, off, ln, loc = -1, prev_off = 0, prev_ln = -1, narr, src_off = 0, src_ln = 0
