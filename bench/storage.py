@@ -4,6 +4,7 @@
     python bench/storage.py                 # full run (about 70 s on 2 cores)
     python bench/storage.py --quick         # smaller totals and 1 run, a smoke check
     python bench/storage.py --dir /mnt/nvme/kvbench --runs 5
+    taskset -c 0 python bench/storage.py    # pinned to one core, as docs/BENCHMARKS.md
 
 For block sizes 64 KiB, 1 MiB and 16 MiB it prints put and get GB/s, median of ``--runs``
 runs, side by side with a plain baseline on the same bytes, and the ratio (the median of
@@ -23,7 +24,8 @@ reads are timed twice per run, interleaved, keeping the best of each kind:
   (``readv`` then XXH3 of every block; or ``preadv`` of 4 MiB pieces, each hashed at
   once): what verifying every block costs without NIXL, a catalog or Python per block.
 * S3, same endpoint (a ``moto_server`` the script starts on loopback): ``put`` into 16 MiB
-  segment objects through NIXL OBJ (+ a HEAD to check the length) against boto3
+  segment objects through NIXL OBJ (up to 8 segment PUTs at once in one NIXL WRITE, no
+  HEAD after them) against boto3
   ``put_object`` of the same bytes (prepared as ``bytes`` outside the timed part), (a) one
   object per block, what a per-block offloader does (timed in the first run only: slow
   and steady), (b) packed into objects of the same 16 MiB as ours, one after the other,
