@@ -167,19 +167,6 @@ class PosixVolume(Volume):
         """See :meth:`Volume.write_segment_from`."""
         self._write_local(segment_id, self.runs(addrs, lengths), size)
 
-    def write_segments(self, jobs: Sequence[tuple[int, np.ndarray, int]]) -> None:
-        """See :meth:`Volume.write_segments` (one after the other: each segment is its
-        own file, written, checked and fsync-ed before the next)."""
-        done: list[int] = []
-        try:
-            for seg, local, size in jobs:
-                self._write_local(seg, local, size)
-                done.append(seg)
-        except BaseException:
-            for seg in done:
-                self.delete_segment(seg)
-            raise
-
     def _write_local(self, segment_id: int, local: np.ndarray, size: int) -> None:
         """Write the DRAM descriptors ``local`` (``K x 3``, back to back, ``size`` bytes in
         all) as a new segment file: create, preallocate, one NIXL WRITE, length check,

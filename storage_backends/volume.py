@@ -268,8 +268,9 @@ class Volume(ABC):
         ``size`` bytes of the registered DRAM descriptors ``local`` (``K x 3`` int64
         ``(address, length, 0)`` rows, back to back) as segment ``segment_id``.
 
-        The default writes them one after the other (:meth:`write_segment_from`); a
-        volume with :attr:`write_concurrency` > 1 writes them in ONE transfer.  All or
+        The default writes them one after the other (:meth:`write_segment_from`: for
+        posix, each file written, checked and fsync-ed before the next); a volume with
+        :attr:`write_concurrency` > 1 writes them in ONE transfer.  All or
         nothing: on failure no segment of the call is left behind.
 
         Raises:
