@@ -260,8 +260,10 @@ class Volume(ABC):
     #: segments one :meth:`write_segments` call may write at once (in one transfer);
     #: 1: one after the other
     write_concurrency: int = 1
-    #: bytes of one :meth:`write_segments` call at most (a staged call is one buffer)
-    write_wave_bytes: int = 256 << 20
+    #: bytes of one :meth:`write_segments` call at most: a wave of blocks that cannot be
+    #: written from the caller's memory is packed into ONE staging buffer, which the
+    #: engine keeps (8 S3 segments of 16 MiB)
+    write_wave_bytes: int = 128 << 20
 
     def write_segments(self, jobs: Sequence[tuple[int, np.ndarray, int]]) -> None:
         """Write several new segments, durably: job ``(segment_id, local, size)`` is the
