@@ -91,6 +91,10 @@ class EventPublisher(abc.ABC):
         self._timer_until = math.inf
         self._max_events = self.config.max_events
         self._max_bytes = self.config.max_bytes
+        # Events publish_valid queued without encoding are the pending batch's tail after
+        # its first ``_n_encoded`` (encoded) events; ``_lazy_bytes`` bounds their size.
+        self._n_encoded = 0
+        self._lazy_bytes = 0
 
     # ------------------------------------------------------------------ public API
     def publish(self, events: Sequence[KVEvent]) -> None:
@@ -106,9 +110,9 @@ class EventPublisher(abc.ABC):
         with self._lock:
             self._accept_locked(events, encoded, None)
 
-    def publish_valid(self, events: Sequence[KVEvent]) -> None:
+    def publish_valid(self, events: Sequence[KVEvent], max_event_bytes: int | None = None) -> None:
         """:meth:`publish` for events that are well-formed by construction: the same
-        batching, without checking each event again, all of them encoded in one call.
+        batches and bytes, without checking each event again.
 
         For producers that build their events from fields they checked once where those
         fields were made (the runtime's block pools: a ``BlockMeta`` checks its hashes, a
@@ -118,14 +122,49 @@ class EventPublisher(abc.ABC):
         through :meth:`publish`.  Events that cannot be encoded at all are handed to
         :meth:`publish`, which rejects them (nothing accepted) with its usual error.
 
+        Args:
+            events: the events, in order.
+            max_event_bytes: an upper bound of each event's encoded size, when the producer
+                knows one (a pool: no metadata, its own tier name).  While the pending
+                batch is sure to stay within ``max_bytes`` by this bound, the events are
+                only queued and encoded together when the batch is sent (one encoder call
+                per batch); otherwise (or without a bound) they are encoded at once in one
+                call.  Either way the batches and their bytes are those :meth:`publish`
+                would send; a bound found too small when the events are encoded is
+                corrected for (the events are re-batched by their real sizes).
+
         Raises:
-            InvalidEventError: an event cannot be encoded; none of ``events`` is accepted.
+            InvalidEventError: an event cannot be encoded; none of ``events`` is accepted
+                (with ``max_event_bytes`` this is found only when they are encoded: a
+                queued event msgpack cannot encode is dropped then, alone, logged and
+                counted in ``stats().dropped``).
             PublisherClosedError: the publisher is closed.
         """
         if not events:
             return
         evs = events if type(events) is list else list(events)
         n = len(evs)
+        if max_event_bytes is not None:
+            with self._lock:
+                # Fast path, the common case: the pending batch is open (its deadline is
+                # set), the events fit it by count and, by the bound, by bytes, and the rate
+                # estimate is not due for an update (AdaptiveDelay.observe's no-update
+                # branch, inlined): queue them, encode at the flush.
+                pending = len(self._events)
+                delay = self._delay
+                now = time.monotonic()
+                bound = n * max_event_bytes
+                if (
+                    pending
+                    and pending + n < self._max_events
+                    and self._pending_bytes + self._lazy_bytes + bound <= self._max_bytes
+                    and 0.0 <= now - delay._at < delay._step
+                    and not self._closed
+                ):
+                    delay._pending += n
+                    self._events.extend(evs)
+                    self._lazy_bytes += bound
+                    return
         try:
             data = _encode(evs)  # one call for all: [array header, event, event, ...]
         except (msgspec.EncodeError, TypeError, ValueError, OverflowError):
@@ -134,10 +173,9 @@ class EventPublisher(abc.ABC):
         body = data[1 if n < 16 else (3 if n < 1 << 16 else 5) :]  # drop the array header: the events' bytes
         size = len(body)
         with self._lock:
+            if self._lazy_bytes:
+                self._encode_queued_locked()
             pending = len(self._events)
-            # Fast path, the common case: the pending batch is open (its deadline is set),
-            # the events fit it without reaching a limit, and the rate estimate is not due
-            # for an update (AdaptiveDelay.observe's no-update branch, inlined).
             delay = self._delay
             now = time.monotonic()
             if (
@@ -149,10 +187,50 @@ class EventPublisher(abc.ABC):
             ):
                 delay._pending += n
                 self._events.extend(evs)
+                self._n_encoded = len(self._events)
                 self._encoded.append(body)
                 self._pending_bytes += size
                 return
             self._accept_locked(evs, None, body)
+
+    def _encode_queued_locked(self) -> None:
+        """Encode the events ``publish_valid`` queued without encoding (lock held): they
+        are the tail of the pending batch after the encoded ones.  Their real size keeps
+        the batch within ``max_bytes`` when the producer's bound held; if it did not, they
+        are taken out and appended again one by one by their real sizes (sending what the
+        byte limit requires), as :meth:`publish` would have."""
+        if not self._lazy_bytes:
+            return
+        self._lazy_bytes = 0
+        k = self._n_encoded
+        queued = self._events[k:]
+        if not queued:
+            return
+        try:
+            data = _encode(queued)
+        except Exception:  # noqa: BLE001 - a producer broke the publish_valid contract
+            # keep every event that encodes, drop (count, log) the ones that do not
+            del self._events[k:]
+            good: list[KVEvent] = []
+            parts: list[bytes] = []
+            for ev in queued:
+                try:
+                    parts.append(encode_event(ev))
+                    good.append(ev)
+                except Exception:  # noqa: BLE001
+                    self._stats.dropped += 1
+                    logger.error("event publisher %s: a queued event cannot be encoded, dropped: %r", self.source, ev)
+            self._append_each_locked(good, parts, time.monotonic())
+            return
+        n = len(queued)
+        body = data[1 if n < 16 else (3 if n < 1 << 16 else 5) :]
+        if self._pending_bytes + len(body) <= self._max_bytes:
+            self._encoded.append(body)
+            self._pending_bytes += len(body)
+            self._n_encoded = len(self._events)
+            return
+        del self._events[k:]  # the bound was too small: re-batch them by their real sizes
+        self._append_each_locked(queued, [encode_event(ev) for ev in queued], time.monotonic())
 
     def _accept_locked(self, events: Sequence[KVEvent], encoded: list[bytes] | None, body: bytes | None) -> None:
         """Append checked events (lock held): ``encoded`` holds each event's bytes, or
@@ -161,6 +239,8 @@ class EventPublisher(abc.ABC):
             raise PublisherClosedError(f"publisher {self.source!r} is closed")
         if self._timer is None:
             self._ensure_timer()
+        if self._lazy_bytes:
+            self._encode_queued_locked()
         max_events, max_bytes = self.config.max_events, self.config.max_bytes
         n = len(events)
         now = time.monotonic()
@@ -173,6 +253,7 @@ class EventPublisher(abc.ABC):
             if not pending:
                 self._open_batch_locked(now)
             self._events.extend(events)
+            self._n_encoded = len(self._events)
             if body is not None:
                 self._encoded.append(body)
             else:
@@ -183,16 +264,7 @@ class EventPublisher(abc.ABC):
         else:
             if encoded is None:
                 encoded = [encode_event(ev) for ev in events]
-            for ev, data in zip(events, encoded):
-                if self._events and self._pending_bytes + len(data) > max_bytes:
-                    self._flush_locked()
-                if not self._events:
-                    self._open_batch_locked(now)
-                self._events.append(ev)
-                self._encoded.append(data)
-                self._pending_bytes += len(data)
-                if len(self._events) >= max_events:
-                    self._flush_locked()
+            self._append_each_locked(events, encoded, now)
         # A rising rate shortens the time limit: move the deadline earlier, wake the timer
         # (checked when the rate estimate was updated: at most once a millisecond).
         if updated and self._oldest_at is not None and self._deadline is not None:
@@ -264,10 +336,12 @@ class EventPublisher(abc.ABC):
 
     # ------------------------------------------------------------------ internals
     def _flush_locked(self) -> None:
+        if self._lazy_bytes:
+            self._encode_queued_locked()  # may itself send batches (a bound too small)
         if not self._events:
             return
         events, encoded = self._events, self._encoded
-        self._events, self._encoded = [], []
+        self._events, self._encoded, self._n_encoded = [], [], 0
         event_bytes, self._pending_bytes, self._oldest_at, self._deadline = self._pending_bytes, 0, None, None
         seq = self._next_seq
         self._next_seq += 1
@@ -286,6 +360,22 @@ class EventPublisher(abc.ABC):
             logger.exception("event publisher %s: sending batch seq=%d failed", self.source, seq)
         if self._on_flush is not None:
             self._on_flush(batch, payload)
+
+    def _append_each_locked(self, events: Sequence[KVEvent], encoded: list[bytes], now: float) -> None:
+        """Append encoded events one by one (lock held), sending the pending batch before an
+        event that would take it past ``max_bytes`` and when it reaches ``max_events``."""
+        max_events, max_bytes = self._max_events, self._max_bytes
+        for ev, data in zip(events, encoded):
+            if self._events and self._pending_bytes + len(data) > max_bytes:
+                self._flush_locked()
+            if not self._events:
+                self._open_batch_locked(now)
+            self._events.append(ev)
+            self._encoded.append(data)
+            self._n_encoded = len(self._events)
+            self._pending_bytes += len(data)
+            if len(self._events) >= max_events:
+                self._flush_locked()
 
     def _open_batch_locked(self, now: float) -> None:
         """The first event of a new pending batch arrived at ``now`` (lock held): set its

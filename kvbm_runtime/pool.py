@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from functools import partial
 from collections.abc import Iterable, Sequence
 from itertools import islice
 from dataclasses import dataclass
 from typing import Protocol
 
+from event_plane.codec import encode_event
+from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
 
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
@@ -150,7 +153,12 @@ class BlockPool:
             and 1 <= len(tier) <= 255
             and 0 <= self._block_bytes <= 0xFFFFFFFF
         ):
-            self._publish = getattr(publisher, "publish_valid", publisher.publish)
+            valid = getattr(publisher, "publish_valid", None)
+            if valid is not None:
+                # the largest event this pool can build (u64 hashes, a parent, no metadata):
+                # lets the publisher queue them and encode each batch in one call at its flush
+                bound = len(encode_event(KVEvent(_REMOVE, _U64_MAX, _U64_MAX, _U64_MAX, self._block_bytes, tier)))
+                self._publish = partial(valid, max_event_bytes=bound)
         self._lock = threading.RLock()
         self._blocks = [Block(i) for i in range(layout.num_blocks)]
         self._reset: deque[int] = deque(range(layout.num_blocks))

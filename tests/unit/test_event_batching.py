@@ -196,28 +196,36 @@ def test_on_flush_may_publish_again() -> None:
 )
 def test_publish_valid_sends_the_same_batches_as_publish(cfg: PublisherConfig, calls: list[int]) -> None:
     """Same input, same limits: identical batches, payloads and byte counters."""
+    bound = len(encode_event(KVEvent(EventType.REMOVE, 2**64 - 1, 2**64 - 1, 2**64 - 1, 4096, "g1")))
     runs = []
-    for method in ("publish", "publish_valid"):
+    # the checked path; the trusted one encoding at once; queuing by a true bound; queuing
+    # by a bound far too small (re-batched by real sizes when encoded)
+    for method, max_event_bytes in (("publish", None), ("publish_valid", None), ("publish_valid", bound), ("publish_valid", 1)):
         got: list[tuple[EventBatch, bytes]] = []
         pub = NullPublisher("w0", epoch=9, config=cfg, on_flush=lambda b, p, got=got: got.append((b, p)))
         start = 1
         for n in calls:
             evs = chain(n, start)
             evs[-1] = KVEvent(EventType.REMOVE, *list(msgspec.structs.astuple(evs[-1]))[1:])  # mixed types
-            getattr(pub, method)(evs)
+            if method == "publish":
+                pub.publish(evs)
+            else:
+                pub.publish_valid(evs, max_event_bytes)
             start += n
         pub.close()
         st = pub.stats()
         for b, p in got:
             assert decode_batch(p) == b and encode_batch(b) == p
-        runs.append(([(b.seq, b.events, p) for b, p in got], st.events, st.batches, st.event_bytes))
-    (a, *ra), (b, *rb) = runs
-    assert [(s, e) for s, e, _ in a] == [(s, e) for s, e, _ in b]
-    assert ra == rb
-    # payloads differ only in the flush timestamp: compare them with ts_ns taken out
-    for (_, ea, pa), (_, eb, pb) in zip(a, b):
-        da, db = decode_batch(pa), decode_batch(pb)
-        assert encode_batch(msgspec.structs.replace(da, ts_ns=0)) == encode_batch(msgspec.structs.replace(db, ts_ns=0))
+            assert st.batches == 0 or sum(len(encode_event(e)) for e in b.events) <= cfg.max_bytes or len(b.events) == 1
+        runs.append(([(b.seq, b.events, p) for b, p in got], st.events, st.batches, st.event_bytes, st.dropped))
+    (a, *ra) = runs[0]
+    for b, *rb in runs[1:]:
+        assert [(s, e) for s, e, _ in a] == [(s, e) for s, e, _ in b]
+        assert ra == rb
+        # payloads differ only in the flush timestamp: compare them with ts_ns taken out
+        for (_, _ea, pa), (_, _eb, pb) in zip(a, b):
+            da, db = decode_batch(pa), decode_batch(pb)
+            assert encode_batch(msgspec.structs.replace(da, ts_ns=0)) == encode_batch(msgspec.structs.replace(db, ts_ns=0))
 
 
 def test_publish_valid_accepts_tuples_and_empty_calls() -> None:
@@ -245,19 +253,50 @@ def test_publish_valid_rejects_unencodable_events_and_keeps_accepted_ones() -> N
         pub.publish_valid(chain(1))
 
 
-def test_publish_valid_time_limit_still_flushes() -> None:
+@pytest.mark.parametrize("max_event_bytes", [None, 64])
+def test_publish_valid_time_limit_still_flushes(max_event_bytes: int | None) -> None:
+    """Queued (not yet encoded) events go out with the timer's flush too."""
     j = Journal()
     pub = NullPublisher("w0", config=PublisherConfig(max_delay_s=0.1, adaptive_delay=False), on_flush=j)
-    pub.publish_valid(chain(3))
-    pub.publish_valid(chain(2, 10))
+    pub.publish_valid(chain(3), max_event_bytes)
+    pub.publish_valid(chain(2, 10), max_event_bytes)
     deadline = time.monotonic() + 5.0
     while not j.batches and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [len(b.events) for b in j.batches] == [5]
     # a second batch, opened while the timer sleeps: sent by the timer too
-    pub.publish_valid(chain(1, 20))
+    pub.publish_valid(chain(1, 20), max_event_bytes)
     deadline = time.monotonic() + 5.0
     while len(j.batches) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [len(b.events) for b in j.batches] == [5, 1]
     pub.close()
+
+
+def test_queued_events_keep_their_order_with_checked_publishes_between() -> None:
+    """publish_valid with a bound queues events unencoded; a publish (checked) or an
+    unbounded publish_valid after them encodes the queue first: the order is kept."""
+    j = Journal()
+    pub = NullPublisher("w0", on_flush=j)
+    pub.publish_valid(chain(2, 1), 64)  # opens the batch (encoded at once)
+    pub.publish_valid(chain(2, 3), 64)  # queued
+    pub.publish(chain(2, 5))
+    pub.publish_valid(chain(2, 7), 64)  # queued
+    pub.publish_valid(chain(2, 9))
+    pub.publish_valid(chain(2, 11), 64)  # queued, sent by close
+    pub.close()
+    assert [ev.sequence_hash for b in j.batches for ev in b.events] == list(range(1, 13))
+    assert pub.stats().event_bytes == sum(len(encode_event(e)) for b in j.batches for e in b.events)
+
+
+def test_a_queued_event_msgpack_cannot_encode_is_dropped_and_counted_not_the_others() -> None:
+    """Breaking publish_valid's contract with a bound (an object msgpack cannot encode,
+    queued unencoded) loses that object only, counted in ``dropped``."""
+    j = Journal()
+    pub = NullPublisher("w0", on_flush=j)
+    pub.publish_valid(chain(2, 1), 64)
+    pub.publish_valid([object()], 64)  # type: ignore[list-item]
+    pub.publish_valid(chain(1, 3), 64)
+    pub.close()
+    got = [ev.sequence_hash for b in j.batches for ev in b.events]
+    assert got == [1, 2, 3] and pub.stats().dropped == 1

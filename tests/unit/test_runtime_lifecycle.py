@@ -393,7 +393,10 @@ def test_pool_publishes_through_publish_valid_and_events_round_trip(cap: Capture
     calls: list[str] = []
     pub = cap.publisher
     orig_valid, orig = pub.publish_valid, pub.publish
-    pub.publish_valid = lambda evs: (calls.append("valid"), orig_valid(evs))[1]  # type: ignore[method-assign]
+    bounds: list[int | None] = []
+    pub.publish_valid = lambda evs, max_event_bytes=None: (  # type: ignore[method-assign]
+        calls.append("valid"), bounds.append(max_event_bytes), orig_valid(evs, max_event_bytes)
+    )[2]
     pub.publish = lambda evs: (calls.append("checked"), orig(evs))[1]  # type: ignore[method-assign]
     pool = make_pool(cap, blocks=2)
     hs = [2**64 - 1, 2**63, 7]
@@ -402,6 +405,11 @@ def test_pool_publishes_through_publish_valid_and_events_round_trip(cap: Capture
     pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas[2:])))  # evicts one
     assert calls == ["valid", "valid", "valid"] and set(calls) == {"valid"}
     evs = cap.events()
+    # the bound the pool gives is the size of its largest possible event, and holds
+    from event_plane.codec import encode_event
+
+    assert len(set(bounds)) == 1 and bounds[0] == len(encode_event(KVEvent(EventType.REMOVE, 2**64 - 1, 2**64 - 1, 2**64 - 1, pool.block_bytes, "g1")))
+    assert all(len(encode_event(e)) <= bounds[0] for b in cap.batches for e in b)
     assert evs == [
         ("STORE", hs[0], None, "g1"),
         ("STORE", hs[1], hs[0], "g1"),
