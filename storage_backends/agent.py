@@ -32,17 +32,13 @@ the catalog always points at a copy that was verified after it was written.
 from __future__ import annotations
 
 import ctypes
-import functools
-import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +46,7 @@ import xxhash
 
 from .catalog import PlacementCatalog
 from .checksum import as_bytes, checksum, checksum_np, memory_at, pack
+from .gcpause import gc_paused_call
 from .keys import validate_block_key
 from .nixl_engine import NixlHub
 from .types import (
@@ -75,55 +72,6 @@ logger = logging.getLogger(__name__)
 
 _READ_BATCH_BYTES = 64 << 20
 _READ_RETRIES = 3
-
-
-_gc_lock = threading.Lock()
-_gc_users = 0
-_gc_was_enabled = False
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the duration of one put / get.
-
-    A call over thousands of blocks allocates a few container objects per block
-    (placements, index tuples) that live until it returns and are freed by reference
-    counting: none is cyclic garbage.  With the collector on, they survive its young
-    collections, get promoted, and trigger full collections that walk the whole heap of a
-    process that imported torch (hundreds of thousands of objects): measured 10-15 ms
-    a 4,096-block get on average, spikes of 90 ms.  Paused, they die young, are never
-    promoted, and trigger nothing; the collector resumes untouched afterwards.
-
-    Nested and concurrent pauses (several threads) share one pause: the last one out
-    re-enables the collector, and only if it was enabled when the first one came in.
-    """
-    global _gc_users, _gc_was_enabled
-    with _gc_lock:
-        if _gc_users == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_users += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_users -= 1
-            if _gc_users == 0 and _gc_was_enabled:
-                gc.enable()
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _gc_paused_call(fn: _F) -> _F:
-    """Decorator: run ``fn`` inside :func:`gc_paused`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with gc_paused():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _by_place(item: tuple[int, Placement]) -> tuple[int, int]:
@@ -276,7 +224,7 @@ class StorageAgent:
             raise StorageError("storage agent is closed")
 
     # ================================================================== put
-    @_gc_paused_call
+    @gc_paused_call
     def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]:
         """Store blocks on a volume, packed into new segments (one per ``segment_bytes``).
 
@@ -501,7 +449,7 @@ class StorageAgent:
         return out, late
 
     # ================================================================== get
-    @_gc_paused_call
+    @gc_paused_call
     def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Read and verify blocks.
 

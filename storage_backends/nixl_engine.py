@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gcpause import gc_pause_yield
 from .types import TransferError
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class NixlEngine:
             start = time.monotonic()
             deadline = start + timeout_s
             spins = 0
+            yielded = False
             while state == "PROC":
                 state = a.check_xfer_state(handle)
                 if state != "PROC":
@@ -186,6 +188,9 @@ class NixlEngine:
                 if now > deadline:
                     raise TransferError(f"NIXL {self.backend} {op} did not finish within {timeout_s} s")
                 spins += 1
+                if not yielded and now - start > 1.0:  # a long wait (e.g. S3 retrying inside)
+                    gc_pause_yield()
+                    yielded = True
                 # NIXL has no blocking wait: poll, yielding at once for short transfers,
                 # then sleeping about 1/20 of the time waited so far (20 us .. 1 ms), so
                 # a long transfer (an S3 PUT: tens of ms) finishes at most ~5 % late and

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tenacity import RetryCallState, retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from .gcpause import gc_pause_yield
 from .keys import MAX_OBJECT_KEY_BYTES, normalize_prefix, parse_segment_name, segment_object_key
 from .nixl_engine import NixlEngine
 from .types import InvalidRequestError, TransferError, VolumeConfigError, VolumeDescriptor, VolumeKind
@@ -121,6 +122,7 @@ class S3Volume(Volume):
         """:func:`_with_retries` counting ``s3_retries`` and logging each retry."""
 
         def note(exc: BaseException, attempt: int) -> None:
+            gc_pause_yield()  # a backoff: no reason to keep the collector paused
             self.counters.bump("s3_retries")
             logger.warning("volume %s: S3 attempt %d failed, retrying: %s", self.desc.id, attempt, exc)
 

@@ -263,8 +263,20 @@ def test_a_put_of_several_segments_is_one_transfer_of_concurrent_puts(
 
 
 def test_a_put_that_keeps_failing_leaves_nothing_behind(
-    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy,
+    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import gc
+
+    import storage_backends.s3_volume as s3mod
+
+    states: list[bool] = []
+    orig_yield = s3mod.gc_pause_yield
+
+    def spy() -> None:  # each backoff ends the put's collector pause
+        orig_yield()
+        states.append(gc.isenabled())
+
+    monkeypatch.setattr(s3mod, "gc_pause_yield", spy)
     vol = agent.register_volume(replace(desc(proxy.endpoint, local_s3), segment_bytes=64 << 10))
     assert isinstance(vol, S3Volume)
     (kept,) = agent.put([(BlockKey("ns", 1), block(1))], "cold")
@@ -276,6 +288,7 @@ def test_a_put_that_keeps_failing_leaves_nothing_behind(
         agent.put([(k, block(200 + i)) for i, k in enumerate(keys)], "cold")
     assert ei.value.stored == []
     assert len(proxy.injected) == 3 * S3Volume.attempts and vol.counters.extra["s3_retries"] == S3Volume.attempts - 1
+    assert states == [gc.isenabled()] * (S3Volume.attempts - 1)
     proxy.fail(0)
     assert agent.exists(keys) == [False] * 3
     assert [s.segment_id for s in agent.segments("cold")] == [kept.segment_id]  # the 3 were released

@@ -1,6 +1,6 @@
 """``gc_paused``: the collector is paused for a put / get and restored exactly, also when
-the call fails, when calls nest or overlap on several threads, and when the application
-had it disabled already.  And ``_fast_placement`` builds placements equal to normal ones."""
+the call fails, when calls nest or overlap on several threads, when a long wait ends the
+pause early, and when the application had it disabled already.  And ``_fast_placement`` builds placements equal to normal ones."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from storage_backends import BlockKey, BlockNotFoundError, MediaClass, Placement, SqliteCatalog, StorageAgent
 from storage_backends import VolumeDescriptor, VolumeKind
-from storage_backends.agent import gc_paused
+from storage_backends.gcpause import gc_pause_yield, gc_paused
 from storage_backends.sqlite_catalog import _fast_placement
 
 
@@ -84,6 +84,22 @@ def test_nested_and_overlapping_pauses_share_one_pause() -> None:
     release.set()
     t.join(5)
     assert gc.isenabled()  # the last one out restored it
+
+
+def test_a_long_wait_ends_the_pause_early_but_never_enables_a_disabled_collector() -> None:
+    gc.enable()
+    with gc_paused():
+        assert not gc.isenabled()
+        gc_pause_yield()  # e.g. a transfer still running after a second
+        assert gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    with gc_paused():
+        gc_pause_yield()
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+    gc_pause_yield()  # outside a pause: nothing
+    assert not gc.isenabled()
 
 
 def test_fast_placements_equal_normal_ones() -> None:
