@@ -124,7 +124,10 @@ class BlockPool:
     Args:
         tier: storage location name used in events (``"g1"``, ``"g2"``).
         layout: the allocated layout; its ``num_blocks`` is the pool size.
-        publisher: where Store / Remove events go (``None``: publish nothing).
+        publisher: where Store / Remove events go (``None``: publish nothing).  An
+            ``event_plane.EventPublisher`` gets them through ``publish_valid`` with this
+            pool's bound on an event's size (they are well-formed by construction: see
+            ``BlockMeta``); any other sink through ``publish``.
         allow_duplicates: keep a second physical copy when a registered hash is
             registered again (instead of deduplicating onto the existing block).
     """

@@ -29,6 +29,8 @@ import time
 
 import msgspec
 
+from event_plane.schema import U64
+
 from .block import BlockMeta, ImmutableBlock, MutableBlock
 from .errors import KvbmError
 from .layout import LayoutDescriptor
@@ -43,11 +45,16 @@ class RemoteBlockError(KvbmError):
 
 
 class RemoteBlock(msgspec.Struct, array_like=True, frozen=True):
-    """One exported block: its identity and where it lives in the owner's layout."""
+    """One exported block: its identity and where it lives in the owner's layout.
 
-    sequence_hash: int
-    parent_hash: int | None
-    prefix_hash: int
+    The hashes are u64 (checked when an export is decoded: a hash outside [0, 2**64) makes
+    :meth:`BlockExport.from_bytes` raise :class:`RemoteBlockError`, as ``BlockMeta`` would
+    refuse it later).
+    """
+
+    sequence_hash: U64
+    parent_hash: U64 | None
+    prefix_hash: U64
     salt: int
     block_id: int
 
