@@ -17,19 +17,24 @@ Prints, side by side in one run, medians of ``--runs`` runs:
    per block: a deque free list, a dict registry (hash → block, dedup) and an OrderedDict
    LRU, without handles, states, lock or events.  Goal: ours within 3x.  Also printed: the
    one-block calls (``allocate_complete([m])``, ``register``, ``h.release()``) against the
-   reference called per block, and the batch calls with the events going through
-   ``event_plane``'s ``NullPublisher`` (validation, msgpack encoding and batching of every
-   event) instead of into a list.  Pool figures are CPU time of the process (a shared
-   machine's other processes do not count), after a ``gc.collect()``, which side goes
-   first alternating between runs.
-2. Offload throughput, GB/s (wall clock): G1 → G2 through the transfer manager (reserve
-   G2 blocks, wait for the step, weak → strong upgrade, copy, register, Store events)
-   against one plain ``torch`` copy of the same bytes, timed right before and right after
-   ours; G2 → G3 through the transfer manager into a NIXL POSIX volume
-   (``StorageAgent.put``: checksums, segment packing, fsync, catalog) against a plain
-   ``write`` + ``fsync`` of the same bytes into a file in the same directory, and against
-   ``StorageAgent.put`` called directly.  A one-block offload on each path first starts the
-   transfer manager's worker threads.  Goal: ours >= 90 % of the reference.
+   reference called per block, and the batch calls with the events going through the
+   event plane as a worker publishes them: the publisher ``null://`` makes (events off:
+   batching, numbering, msgpack encoding, nothing sent) and the one ``zmq://`` makes,
+   bound to a local TCP socket with its replay socket, with a subscriber in another
+   process that must receive every batch.  Pool figures are CPU time of the process (all
+   its threads; a shared machine's other processes do not count), after a
+   ``gc.collect()``, which side goes first alternating between runs.
+2. Offload throughput, GB/s: G1 → G2 through the transfer manager (reserve G2 blocks,
+   wait for the step, weak → strong upgrade, copy, register, Store events) against one
+   plain ``torch`` copy of the same bytes, timed right before and right after ours,
+   ``--g12-rounds`` (3) times per run on the same manager, in wall-clock time and in CPU
+   time of the process (steady on a shared machine, where the wall clock of a memory copy
+   swings with other processes); G2 → G3 (wall clock) through the transfer manager into a
+   NIXL POSIX volume (``StorageAgent.put``: checksums, segment packing, fsync, catalog)
+   against a plain ``write`` + ``fsync`` of the same bytes into a file in the same
+   directory, and against ``StorageAgent.put`` called directly.  A one-block offload on
+   each path first starts the transfer manager's worker threads.  Goal: ours >= 90 % of
+   the reference.  ``KVBENCH_SAMPLES=1`` prints every offload sample.
 """
 
 
