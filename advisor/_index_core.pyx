@@ -26,6 +26,7 @@ the same algorithm as the reference on these records.
 
 from cpython.mem cimport PyMem_Malloc, PyMem_Realloc, PyMem_Free
 from cpython.ref cimport PyObject
+from cpython.long cimport PyLong_CheckExact
 from libc.stdint cimport uint64_t, uint32_t, int32_t, uint8_t
 from libc.string cimport memcmp
 
@@ -1222,19 +1223,40 @@ cdef class IndexCore:
         return BlockInfo(k, r.parent if r.flags & F_PARENT else None, r.prefix, r.size,
                          self._names(self._mask(j)), r.hits, r.last, k in self._orphans)
 
-    cdef Py_ssize_t _resolve(self, PyObject** items, Py_ssize_t n, int32_t* out) except -1:
+    cdef Py_ssize_t _resolve(self, PyObject** items, Py_ssize_t n, int32_t* out, bint* odd) except -1:
         """Record numbers of the leading indexed hashes of ``items[:n]`` (``n <= CHUNK``):
         how many were found.  Prefetches every slot, then every record, so the cache misses
-        of one request overlap instead of following each other."""
+        of one request overlap instead of following each other.
+
+        Runs no Python code (``items`` is the storage of the caller's list, which Python
+        code could resize): only exact ints are read here; at the first other item it
+        stops and sets ``odd`` (the caller resolves that item with :func:`_key`, holding a
+        reference to it, and fetches the list's storage again)."""
         cdef uint64_t keys[CHUNK]
         cdef uint64_t pos[CHUNK]
         cdef Py_ssize_t t, m = n
         cdef uint64_t i, h
-        cdef int32_t j
+        cdef unsigned long long v = 0
+        cdef int32_t j, got
         cdef uint64_t smask = self.smask
         cdef int32_t* slots = self.slots
+        odd[0] = False
         for t in range(n):
-            if not _key_nohash(<object>items[t], &keys[t]):
+            got = kv_exact_u64(items[t], &v)
+            keys[t] = v
+            if got < 0:
+                if not PyLong_CheckExact(<object>items[t]):
+                    odd[0] = True
+                    m = t
+                    break
+                v = _as_ull(<object>items[t])  # an exact int: no Python code runs
+                if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
+                    PyErr_Clear()
+                    got = 0
+                else:
+                    keys[t] = v
+                    got = 1
+            if not got:  # an int outside u64: never indexed (and hashable)
                 m = t
                 break
             i = _mix(keys[t]) & smask
@@ -1253,53 +1275,88 @@ cdef class IndexCore:
                     break
                 i = (i + 1) & smask
             if j < 0:
+                odd[0] = False
                 return t
             out[t] = j
-        if m < n:  # every hash before it is indexed: look it up like a dict would
-            hash(<object>items[m])
         return m
+
+    cdef int32_t _resolve_odd(self, object o) except -2:
+        """Record number of a lookup item that is not an exact int (``-1``: not indexed).
+        May run Python code (``__index__``, ``__hash__``); unhashable items raise
+        ``TypeError`` like a dict lookup."""
+        cdef uint64_t k
+        if not _key(o, &k):
+            return -1
+        return self._find(k)
 
     def lookup(self, hashes):
         """Longest cached prefix of ``hashes`` at each location.
 
         One pass over ``hashes`` (sequence hashes of a request's full blocks, first block
         first): the running AND of the blocks' location masks; a location's answer is the
-        depth where its bit drops out.
+        depth where its bit drops out.  Items are looked up like dict keys (ints; integral
+        floats and objects with ``__index__`` equal to an indexed hash find it).
 
         Returns:
             ``{location: n}``: the first ``n`` blocks are all held at ``location``
             (``n >= 1``; locations holding none of the prefix are absent).
+
+        Raises:
+            TypeError: ``hashes`` is not a sequence or iterable, or an item reached is
+                unhashable.
+            RuntimeError: an item's ``__index__``/``__hash__`` changed the index's locations.
         """
         cdef uint64_t active = M64, m, lost
         cdef Py_ssize_t n = 0, total, base, got, t, want
         cdef int32_t idx[CHUNK]
+        cdef int32_t j
         cdef PyObject** items
         cdef dict result = {}
         cdef list names = self._loc_names
-        if len(names) > 64:
+        cdef bint odd
+        cdef Py_ssize_t nnames = len(names)
+        if nnames > 64:
             return self._lookup_wide(hashes)
         seq = PySequence_Fast(hashes, "lookup() needs a sequence of sequence hashes")
-        total = PySequence_Fast_GET_SIZE(seq)
-        items = PySequence_Fast_ITEMS(seq)
         base = 0
-        while base < total:
-            want = total - base if total - base < CHUNK else CHUNK
-            got = self._resolve(items + base, want, idx)
-            for t in range(got):
-                m = active & self.hm[idx[t]].mask
-                if m != active:
-                    if n:
-                        lost = active & ~m
-                        while lost:
-                            result[names[__builtin_ctzll(lost)]] = n
-                            lost &= lost - 1
-                    if not m:
-                        return result
-                    active = m
-                n += 1
-            if got < want:
+        cdef bint stop = False
+        while not stop:
+            total = PySequence_Fast_GET_SIZE(seq)
+            if base >= total:
                 break
-            base += want
+            items = PySequence_Fast_ITEMS(seq)
+            want = total - base if total - base < CHUNK else CHUNK
+            got = self._resolve(items + base, want, idx, &odd)
+            base += got
+            stop = got < want and not odd
+            while True:
+                for t in range(got):
+                    m = active & self.hm[idx[t]].mask
+                    if m != active:
+                        if n:
+                            lost = active & ~m
+                            while lost:
+                                result[names[__builtin_ctzll(lost)]] = n
+                                lost &= lost - 1
+                        if not m:
+                            return result
+                        active = m
+                    n += 1
+                if not odd:
+                    break
+                # item ``base`` needs Python code, which may change ``seq`` or the index:
+                # the records above are folded in first, the storage is fetched again after
+                odd = False
+                o = <object>items[base]
+                j = self._resolve_odd(o)
+                if self._loc_names is not names or len(names) != nnames:
+                    raise RuntimeError("the index's locations changed during lookup()")
+                if j < 0:
+                    stop = True
+                    break
+                idx[0] = j
+                got = 1
+                base += 1
         if n:
             while active:
                 result[names[__builtin_ctzll(active)]] = n
@@ -1335,17 +1392,31 @@ cdef class IndexCore:
         return result
 
     def lookup_any(self, hashes):
-        """Number of leading blocks of ``hashes`` held at *some* location (tiers may mix)."""
+        """Number of leading blocks of ``hashes`` held at *some* location (tiers may mix).
+
+        Raises:
+            TypeError: ``hashes`` is not a sequence or iterable, or an item reached is
+                unhashable.
+        """
         cdef Py_ssize_t n = 0, total, got, want
         cdef int32_t idx[CHUNK]
         cdef PyObject** items
+        cdef bint odd
         seq = PySequence_Fast(hashes, "lookup_any() needs a sequence of sequence hashes")
-        total = PySequence_Fast_GET_SIZE(seq)
-        items = PySequence_Fast_ITEMS(seq)
-        while n < total:
+        while True:
+            total = PySequence_Fast_GET_SIZE(seq)
+            if n >= total:
+                break
+            items = PySequence_Fast_ITEMS(seq)
             want = total - n if total - n < CHUNK else CHUNK
-            got = self._resolve(items + n, want, idx)
+            got = self._resolve(items + n, want, idx, &odd)
             n += got
+            if odd:
+                o = <object>items[n]
+                if self._resolve_odd(o) < 0:
+                    break
+                n += 1
+                continue
             if got < want:
                 break
         return n
@@ -1417,7 +1488,14 @@ cdef class IndexCore:
     def _put_record(self, h, parent, prefix, size, mask, hits, last):
         """Insert or overwrite a block record (snapshot import; children are linked by
         :meth:`_link_all`).  Raises ``OverflowError``/``TypeError`` for values outside
-        u64 (u32 for ``size``)."""
+        u64 (u32 for ``size``) and ``TypeError`` for a field that is not an int (a float
+        would otherwise be truncated), or ``ValueError`` for a block that is its own parent."""
+        if not (PyLong_CheckExact(h) and PyLong_CheckExact(prefix) and PyLong_CheckExact(size)
+                and PyLong_CheckExact(hits) and PyLong_CheckExact(last)
+                and (parent is None or PyLong_CheckExact(parent))):
+            raise TypeError(f"block {h!r} has a field that is not an int")
+        if parent is not None and parent == h:
+            raise ValueError(f"block {h!r} is its own parent")
         cdef uint64_t k = h
         cdef uint64_t pf = prefix
         cdef uint32_t sz = size

@@ -81,6 +81,15 @@ __all__ = [
 _U64 = 1 << 64
 
 
+def _state_u64(v: Any, what: str, bounded: bool = True) -> int:
+    """``v`` when it is an int in [0, 2**64) (not a bool; ``bounded=False``: any int >= 0,
+    for counts that may pass 2**64), else :class:`IndexStateError`: an imported epoch,
+    hash or counter that later folds could not compare or add to."""
+    if v.__class__ is not int or v < 0 or (bounded and v >= _U64):
+        raise IndexStateError(f"index state {what} {v!r} is not a{' u64' if bounded else ' non-negative'} int")
+    return v
+
+
 class PrefixIndex(IndexCore):
     """Sequence hash → block info, per-location residency and longest-prefix lookup.
 
@@ -194,8 +203,12 @@ class PrefixIndex(IndexCore):
         except (TypeError, ValueError) as exc:
             raise IndexStateError(f"index state version {version} must be a {size}-item array: {exc}") from exc
         storers = rest[0] if rest else None
-        if len(flat) % 7:
-            raise IndexStateError(f"index state block array has {len(flat)} items, not a multiple of 7")
+        try:
+            n_flat = len(flat)
+        except TypeError as exc:
+            raise IndexStateError(f"index state block array is not an array: {exc}") from exc
+        if n_flat % 7:
+            raise IndexStateError(f"index state block array has {n_flat} items, not a multiple of 7")
         idx = cls(frequency)
         try:
             free: list[int] = []
@@ -218,7 +231,10 @@ class PrefixIndex(IndexCore):
             it = iter(flat)
             for h, parent, prefix, size_, mask, hits, last in zip(it, it, it, it, it, it, it):
                 if not isinstance(mask, int):
-                    mask = sum(1 << b for b in set(mask))
+                    bits = set(mask)
+                    if not all(isinstance(b, int) and 0 <= b < nloc for b in bits):
+                        raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations")
+                    mask = sum(1 << b for b in bits)
                 if mask >= limit or mask < 0 or mask & free_mask:
                     raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations or a free one")
                 idx._put_record(h, parent, prefix, size_, mask, hits, last)
@@ -242,10 +258,17 @@ class PrefixIndex(IndexCore):
                     raise IndexStateError(f"index state storers of {idx._loc_names[bit]!r} do not match its blocks")
             if storers is not None and any(name not in idx._loc_bit for name in storers):
                 raise IndexStateError("index state has storers of an unknown location")
-            idx._orphans = set(orphans)
+            idx._orphans = {_state_u64(h, "orphan") for h in orphans}
             for name, epoch, last_seq, nb, ne, last_ts, retired in sources:
-                idx._sources[sys.intern(str(name))] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
-            idx.counters = IndexCounters(**counters)
+                if not isinstance(name, str):
+                    raise IndexStateError(f"index state source name {name!r} is not a str")
+                row = [_state_u64(v, f"source {name!r} field", i not in (2, 3))
+                       for i, v in enumerate((epoch, last_seq, nb, ne, last_ts))]
+                idx._sources[sys.intern(name)] = SourceState(
+                    *row, {_state_u64(e, f"source {name!r} retired epoch") for e in retired})
+            if not isinstance(counters, dict):
+                raise IndexStateError(f"index state counters are not a map: {counters!r}")
+            idx.counters = IndexCounters(**{str(k): _state_u64(v, f"counter {k!r}", False) for k, v in counters.items()})
         except IndexStateError:
             raise
         except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:

@@ -1,0 +1,175 @@
+"""Hostile callers of the compiled index core (``advisor/_index_core.pyx``).
+
+* lookup items whose ``__index__``/``__hash__`` mutate the query list (the core must not
+  keep reading the list's freed storage; run in a subprocess so a crash is a failure, not
+  a dead test run);
+* snapshot states (``from_state``) with fields of the wrong type: rejected with
+  :class:`IndexStateError` at import, never accepted and then failing (half applied) in a
+  later batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from advisor.index import IndexStateError, PrefixIndex
+from advisor.index_reference import ReferencePrefixIndex
+from event_plane.schema import EventBatch, remove, store
+
+BS = 4096
+
+
+def run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with faulthandler; its stdout (fails on a crash)."""
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_lookup_items_that_clear_the_query_list_read_no_freed_storage() -> None:
+    """An item whose ``__index__``/``__hash__`` clears the list: the core answers like the
+    reference (which iterates the live list) instead of reading the freed item array."""
+    out = run_isolated("""
+        from advisor.index import PrefixIndex
+        from advisor.index_reference import ReferencePrefixIndex
+        from event_plane.schema import EventBatch, store
+        B = 10**12
+        b = EventBatch(1, "w0", 1, 0, 1, [store(B + i, B + 1, B + i - 1 if i > 1 else None, 4096, "g1")
+                                          for i in range(1, 500)])
+        core, ref = PrefixIndex(), ReferencePrefixIndex()
+        core.apply_batch(b)
+        ref.apply_batch(b)
+
+        class Clears:
+            def __init__(self, q):
+                self.q = q
+            def __index__(self):
+                self.q.clear()
+                return B + 4
+            def __hash__(self):
+                self.q.clear()
+                return hash(B + 4)
+            def __eq__(self, o):
+                return o == B + 4
+
+        def query():
+            keep = [B + i for i in range(1, 400)]  # keeps the ints alive: stale reads would find them
+            q = list(keep)
+            q.insert(3, Clears(q))
+            return q, keep
+
+        res = []
+        for idx in (ref, core):
+            q, keep = query()
+            res.append(idx.lookup_any(q))
+            q, keep = query()
+            res.append(idx.lookup(q))
+            q, keep = query()  # a tuple cannot change: everything is read
+            res.append(idx.lookup_any(tuple(q)))
+        print(res)
+        assert res[:3] == res[3:], res
+        assert res[0] == 4 and res[1] == {"w0/g1": 4} and res[2] == 400, res
+    """)
+    assert "[4," in out
+
+
+def test_lookup_odd_items_between_exact_ints_still_match_the_reference() -> None:
+    """Numpy ints, integral floats and unhashable items at every position of a chunk."""
+    np = pytest.importorskip("numpy")
+    core, ref = PrefixIndex(), ReferencePrefixIndex()
+    b = EventBatch(1, "w0", 1, 0, 1, [store(i, 1, i - 1 if i > 1 else None, BS, "g1") for i in range(1, 200)]
+                   + [store(i, 1, i - 1 if i > 1 else None, BS, "fast") for i in range(1, 90)])
+    core.apply_batch(b)
+    ref.apply_batch(b)
+    for pos in (0, 1, 63, 64, 65, 100, 150):
+        for odd in (np.uint64(pos + 1), float(pos + 1), 10**30, -1, 2.5):
+            q = list(range(1, 180))
+            q[pos] = odd
+            assert core.lookup(q) == ref.lookup(q), (pos, odd)
+            assert core.lookup_any(q) == ref.lookup_any(q), (pos, odd)
+        q = list(range(1, 180))
+        q[pos] = [1]
+        with pytest.raises(TypeError):
+            core.lookup(q)
+        with pytest.raises(TypeError):
+            core.lookup_any(q)
+
+
+def test_lookup_item_that_adds_a_location_raises_instead_of_reading_past_the_names() -> None:
+    core = PrefixIndex()
+    core.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(1, 1, None, BS, "g1"), store(2, 1, 1, BS, "g1")]))
+
+    class Grows:
+        def __index__(self) -> int:
+            core.apply_batch(EventBatch(1, "w0", 1, 1, 2, [store(2, 1, 1, BS, "fast")]))
+            return 2
+
+        def __hash__(self) -> int:
+            return 2
+
+    with pytest.raises(RuntimeError, match="changed during lookup"):
+        core.lookup([1, Grows()])
+    assert core.lookup([1, 2]) == {"w0/g1": 2}
+
+
+def _state() -> list:
+    idx = PrefixIndex()
+    idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(1, 1, None, BS, "g1"), store(2, 1, 1, BS, "g1"),
+                                                  store(2, 1, 1, BS, "fast"), store(4, 1, 3, BS, "fast")]))
+    return idx.export_state()
+
+
+@pytest.mark.parametrize("where, value", [
+    ((5, "orphans"), "w0/g1"),      # a counter that later folds cannot add to
+    ((5, "hits"), 1.5),
+    ((5, "stores"), -1),
+    ((5, "restarts"), True),
+    ((4, 0, 1), "1"),               # a source's epoch
+    ((4, 0, 2), 2.0),               # its last seq
+    ((4, 0, 6), [[1]]),             # an unhashable retired epoch
+    ((4, 0, 0), 7),                 # a source name that is not a str
+    ((3, 0), -4),                   # an orphan hash
+    ((2, 1), 1.5),                  # a float parent (the core truncated it to 1)
+    ((2, 5), 2.5),                  # float hits
+    ((2, 7 + 0), 1.0),              # a float hash
+    ((2, 7 + 1), 2),                # block 2 is its own parent
+    ((2, 4), [1 << 40]),            # a location bit list with a huge bit (no 2**(2**40) int)
+    ((2, 4), [0, -1]),
+    ((2,), 12),                     # the block array is not an array
+    ((5,), [1, 2]),                 # counters that are not a map
+])
+def test_from_state_rejects_fields_of_the_wrong_type(where: tuple, value: object) -> None:
+    state = _state()
+    node = state
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value
+    with pytest.raises(IndexStateError):
+        PrefixIndex.from_state(copy.deepcopy(state))
+
+
+def test_a_counter_at_u64_max_still_round_trips() -> None:
+    """Counters are not bounded (only hashes, epochs and times are u64): an exported state
+    whose ``stores`` passed 2**64 imports again."""
+    state = _state()
+    state[5]["stores"] = (1 << 64) + 3
+    state[4][0][3] = (1 << 64) + 1  # events of a source
+    idx = PrefixIndex.from_state(state)
+    idx.apply_batch(EventBatch(1, "w0", 1, 1, 2, [remove(4, 1, 3, BS, "fast")]))
+    again = PrefixIndex.from_state(idx.export_state())
+    assert again.dump() == idx.dump() and again.counters.stores == (1 << 64) + 3
+
+
+def test_imported_state_then_folds_like_the_reference() -> None:
+    state = _state()
+    core, ref = PrefixIndex.from_state(copy.deepcopy(state)), ReferencePrefixIndex.from_state(copy.deepcopy(state))
+    b = EventBatch(1, "w0", 1, 1, 5, [store(3, 1, 2, BS, "g1"), remove(2, 1, 1, BS, "g1"), store(5, 1, 4, BS, "fast")])
+    core.apply_batch(b)
+    ref.apply_batch(b)
+    assert core.dump() == ref.dump()
