@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from functools import partial
 from collections.abc import Iterable, Sequence
-from itertools import islice
 from dataclasses import dataclass
+from functools import partial
+from itertools import islice
 from typing import Protocol
 
 from event_plane.codec import encode_event
