@@ -313,6 +313,7 @@ cdef class IndexCore:
     cdef uint64_t smask        # slot count - 1 (a power of two)
     cdef Ev* evs
     cdef Py_ssize_t evcap
+    cdef bint folding          # a batch is being folded (guards against re-entry)
 
     cdef public object frequency
     cdef public object counters
@@ -334,6 +335,7 @@ cdef class IndexCore:
         self.slots = <int32_t*>PyMem_Malloc(16 * sizeof(int32_t))
         self.evcap = 0
         self.evs = NULL
+        self.folding = False
         if self.recs == NULL or self.slots == NULL or self.hm == NULL:
             raise MemoryError()
         for i in range(16):
@@ -852,12 +854,24 @@ cdef class IndexCore:
         Raises:
             ValueError: a field of a (hand-built, not decoded) batch is out of its wire range
                 (hashes/epoch/seq/ts_ns u64, block_size u32, type 0..2); nothing is applied.
+            RuntimeError: called while a fold of this index is in progress (e.g. from the
+                frequency sketch's ``increment``): the fold holds the event scratch array and
+                the current location's bit, so it is not re-entrant.
         """
+        self._enter()
         try:
             self._apply_batch(batch)
         finally:
+            self.folding = False
             if self.evcap > EV_KEEP:
                 self._drop_ev_buffer()
+
+    cdef int _enter(self) except -1:
+        if self.folding:
+            raise RuntimeError("PrefixIndex.apply_batch/apply_payload called during a fold of the same index "
+                               "(not re-entrant)")
+        self.folding = True
+        return 0
 
     def _apply_batch(self, batch):
         cdef Py_ssize_t n, k, loc = -1
@@ -933,10 +947,13 @@ cdef class IndexCore:
         Raises:
             CodecError: exactly when ``decode_batch(payload)`` raises it (same message);
                 nothing is applied then.
+            RuntimeError: called during a fold of this index (see :meth:`apply_batch`).
         """
+        self._enter()
         try:
             return self._apply_payload(payload)
         finally:
+            self.folding = False
             if self.evcap > EV_KEEP:
                 self._drop_ev_buffer()
 
@@ -953,7 +970,7 @@ cdef class IndexCore:
             view = payload
         except (TypeError, ValueError, BufferError):
             batch = decode_batch(payload)
-            self.apply_batch(batch)
+            self._apply_batch(batch)
             return len(batch.events)
         p = &view[0] if view.shape[0] else NULL
         end = view.shape[0]
@@ -1024,12 +1041,12 @@ cdef class IndexCore:
             break
         if not ok:
             batch = decode_batch(payload)  # raises CodecError for malformed payloads
-            self.apply_batch(batch)
+            self._apply_batch(batch)
             return len(batch.events)
         source = sys.intern(PyUnicode_DecodeASCII(<const char*>(p + src_off), src_ln, NULL))
         src = self._sources.get(source)
         if src is not None and src.epoch != epoch:  # restart or stale epoch: the general path
-            self.apply_batch(decode_batch(payload))
+            self._apply_batch(decode_batch(payload))
             return n
         self._fold(source, epoch, seq, ts, evs, n, locs)
         return n

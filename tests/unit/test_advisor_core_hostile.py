@@ -173,3 +173,44 @@ def test_imported_state_then_folds_like_the_reference() -> None:
     core.apply_batch(b)
     ref.apply_batch(b)
     assert core.dump() == ref.dump()
+
+
+def test_a_fold_started_from_inside_a_fold_raises_instead_of_crashing() -> None:
+    """A frequency sketch whose ``increment`` folds another batch into the same index: the
+    inner call raises RuntimeError (the outer fold holds the event scratch array, which a
+    big inner batch would free); the process survives and the index answers queries."""
+    out = run_isolated("""
+        from advisor.frequency import FrequencySketch
+        from advisor.index import PrefixIndex
+        from event_plane.codec import encode_batch
+        from event_plane.schema import EventBatch, store
+
+        class Reenters(FrequencySketch):
+            idx = None
+            errors = []
+            def increment(self, h, n=1):
+                super().increment(h, n)
+                if self.idx is not None and not self.errors:
+                    big = EventBatch(1, "w9", 1, 0, 5, [store(10**9 + i, 10**9, None, 1, "fast") for i in range(20000)])
+                    try:
+                        self.idx.apply_payload(encode_batch(big))
+                    except RuntimeError as exc:
+                        self.errors.append(str(exc))
+                    try:
+                        self.idx.apply_batch(big)
+                    except RuntimeError as exc:
+                        self.errors.append(str(exc))
+                    junk = [bytes(48) for _ in range(30000)]
+
+        f = Reenters()
+        idx = PrefixIndex(f)
+        f.idx = idx
+        outer = EventBatch(1, "w0", 1, 0, 1, [store(i, 1, i - 1 if i > 1 else None, 4096, "g1") for i in range(1, 3000)])
+        idx.apply_payload(encode_batch(outer))
+        assert len(f.errors) == 2 and all("not re-entrant" in e for e in f.errors), f.errors
+        assert len(idx) == 2999 and idx.lookup_any(list(range(1, 3000))) == 2999
+        f.idx = None
+        idx.apply_batch(EventBatch(1, "w0", 1, 1, 2, [store(5000, 1, 2999, 1, "g1")]))  # the guard is released
+        print(len(idx))
+    """)
+    assert out.strip() == "3000"
