@@ -40,7 +40,7 @@ from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
 
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
-from .errors import BlockStateError, ConsumedHandleError, PoolExhaustedError
+from .errors import BlockStateError, ConsumedHandleError, LayoutConfigError, PoolExhaustedError
 from .layout import BlockLayout
 
 
@@ -130,6 +130,12 @@ class BlockPool:
             ``BlockMeta``); any other sink through ``publish``.
         allow_duplicates: keep a second physical copy when a registered hash is
             registered again (instead of deduplicating onto the existing block).
+
+    Raises:
+        ValueError: with a publisher, ``tier`` is not a str of 1..255 characters (no event
+            could carry it).
+        LayoutConfigError: with a publisher, the layout's blocks are 4 GiB or more (no
+            event's ``block_size`` could carry it).
     """
 
     def __init__(
@@ -146,20 +152,23 @@ class BlockPool:
         self._block_bytes = layout.block_bytes
         self.allow_duplicates = allow_duplicates
         self._publisher = publisher
-        # Every event this pool builds is well-formed by construction (hashes from a
-        # BlockMeta, which checks them; this tier name and block size, checked here), so
-        # it goes to ``publish_valid`` (no per-event checks) when the publisher has one.
-        self._publish = None if publisher is None else publisher.publish
-        if (
-            publisher is not None
-            and isinstance(tier, str)
-            and 1 <= len(tier) <= 255
-            and 0 <= self._block_bytes <= 0xFFFFFFFF
-        ):
+        self._publish = None
+        if publisher is not None:
+            # Checked once here: with the hashes a BlockMeta checks, every event this pool
+            # builds is then well-formed by construction.  (A pool whose events could never
+            # be published used to fail at its first registration, after changing state.)
+            if not isinstance(tier, str) or not 1 <= len(tier) <= 255:
+                raise ValueError(f"tier must be a str of 1..255 characters (an event storage_location), got {tier!r}")
+            if not 0 <= self._block_bytes <= 0xFFFFFFFF:
+                raise LayoutConfigError(
+                    f"{tier}: blocks of {self._block_bytes} bytes do not fit an event's block_size (u32)"
+                )
+            self._publish = publisher.publish
             valid = getattr(publisher, "publish_valid", None)
             if valid is not None:
-                # the largest event this pool can build (u64 hashes, a parent, no metadata):
-                # lets the publisher queue them and encode each batch in one call at its flush
+                # so they go to ``publish_valid`` (no per-event checks), with the size of the
+                # largest event this pool can build (u64 hashes, a parent, no metadata): the
+                # publisher may queue them and encode each batch in one call at its flush
                 bound = len(encode_event(KVEvent(_REMOVE, _U64_MAX, _U64_MAX, _U64_MAX, self._block_bytes, tier)))
                 self._publish = partial(valid, max_event_bytes=bound)
         self._lock = threading.RLock()

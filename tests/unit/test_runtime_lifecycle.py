@@ -418,11 +418,14 @@ def test_pool_publishes_through_publish_valid_and_events_round_trip(cap: Capture
     ]
 
 
-def test_pool_with_an_unpublishable_tier_keeps_the_checked_path(cap: Capture) -> None:
-    """A tier name that is no valid storage_location is not trusted: its events go through
-    ``publish``, which rejects them as before."""
-    from event_plane import InvalidEventError
-
-    pool = BlockPool("", FullyContiguous(CFG, 2), cap.publisher)
-    with pytest.raises(InvalidEventError, match="storage_location"):
-        pool.register_blocks(pool.allocate_complete([BlockMeta(1, None, 1, SALT)]))
+def test_a_pool_whose_events_could_not_be_published_is_refused_at_construction(cap: Capture) -> None:
+    """A tier name that is no valid storage_location: refused when the pool is made (it
+    used to fail at the first registration, after the registry had changed); without a
+    publisher any name is fine (no event carries it)."""
+    for tier in ("", "x" * 256, 7):
+        with pytest.raises(ValueError, match="tier must be a str of 1..255"):
+            BlockPool(tier, FullyContiguous(CFG, 2), cap.publisher)  # type: ignore[arg-type]
+    quiet = BlockPool("", FullyContiguous(CFG, 2))
+    (h,) = quiet.register_blocks(quiet.allocate_complete([BlockMeta(1, None, 1, SALT)]))
+    assert quiet.contains(1)
+    h.release()
