@@ -881,6 +881,8 @@ cdef class IndexCore:
         n = len(events)
         evs = self._ev_buffer(n)
         locs = []
+        extras = []  # owns every extra_metadata the records point to (borrowed in Ev.extra),
+        # so the fold stays valid if Python code it calls (the frequency sketch) mutates the batch
         prev = None
         try:
             for k in range(n):
@@ -914,7 +916,11 @@ cdef class IndexCore:
                     prev = sl
                 e.loc = loc
                 x = ev.extra_metadata
-                e.extra = NULL if x is None else <PyObject*>x
+                if x is None:
+                    e.extra = NULL
+                else:
+                    extras.append(x)
+                    e.extra = <PyObject*>x
             ts = <uint64_t>batch.ts_ns
             epoch = <uint64_t>batch.epoch
             seq = <uint64_t>batch.seq

@@ -214,3 +214,39 @@ def test_a_fold_started_from_inside_a_fold_raises_instead_of_crashing() -> None:
         print(len(idx))
     """)
     assert out.strip() == "3000"
+
+
+def test_a_batch_whose_events_are_dropped_during_its_fold_keeps_its_extra_metadata() -> None:
+    """The fold keeps the ``extra_metadata`` maps it points to alive: a frequency sketch that
+    empties the batch's event list mid-fold (freeing the events) changes nothing."""
+    out = run_isolated("""
+        from advisor.frequency import FrequencySketch
+        from advisor.index import PrefixIndex
+        from advisor.index_reference import ReferencePrefixIndex
+        from event_plane.schema import EventBatch, store
+
+        class Clears(FrequencySketch):
+            batch = None
+            def increment(self, h, n=1):
+                super().increment(h, n)
+                if self.batch is not None:
+                    self.batch.events.clear()
+                    self.batch = None
+                    global junk
+                    junk = [{"hits": "x" * 40, "y": i} for i in range(20000)]
+
+        def make():
+            evs = [store(i, 1, i - 1 if i > 1 else None, 4096, "g1", {"hits": 2, "pad": "p" * i}) for i in range(1, 2000)]
+            return EventBatch(1, "w0", 1, 0, 1, evs)
+
+        ref = ReferencePrefixIndex(FrequencySketch())
+        ref.apply_batch(make())
+        f = Clears()
+        core = PrefixIndex(f)
+        b = make()
+        f.batch = b
+        core.apply_batch(b)
+        assert core.dump() == ref.dump()
+        print(core.counters.hits)
+    """)
+    assert out.strip() == str(2 * 1999)
