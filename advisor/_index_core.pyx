@@ -55,6 +55,7 @@ from event_plane.codec import decode_batch
 from event_plane.schema import EventType
 
 cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
     unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(object)
     PyObject* PyErr_Occurred()
     void PyErr_Clear()
@@ -822,6 +823,8 @@ cdef class IndexCore:
 
     cdef Ev* _ev_buffer(self, Py_ssize_t n) except NULL:
         cdef Ev* nb
+        if n < 0 or <size_t>n > (<size_t>PY_SSIZE_T_MAX) // sizeof(Ev):
+            raise MemoryError(f"a batch of {n} events does not fit in memory")
         if n > self.evcap or self.evs == NULL:
             nb = <Ev*>PyMem_Realloc(self.evs, (n if n > 16 else 16) * sizeof(Ev))
             if nb == NULL:

@@ -250,3 +250,30 @@ def test_a_batch_whose_events_are_dropped_during_its_fold_keeps_its_extra_metada
         print(core.counters.hits)
     """)
     assert out.strip() == str(2 * 1999)
+
+
+def test_an_event_count_whose_scratch_size_overflows_is_refused_before_any_write() -> None:
+    """A hand-built batch whose event list claims 2**60 events: 2**60 × 48 bytes wraps to 0
+    in size_t, so the scratch array must be refused (MemoryError), not allocated at 1 byte
+    and then written past (heap corruption)."""
+    out = run_isolated("""
+        from advisor.index import PrefixIndex
+        from event_plane.schema import EventBatch, store
+
+        class Lying(list):
+            def __len__(self):
+                return 1 << 60
+
+        idx = PrefixIndex()
+        idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(1, 1, None, 1, "g1")]))
+        before = idx.dump()
+        try:
+            idx.apply_batch(EventBatch(1, "w0", 1, 1, 2, Lying([store(i, 1, None, 1, "g1") for i in range(2, 5000)])))
+        except MemoryError as exc:
+            print("refused", exc)
+        junk = [bytes(100) for _ in range(100000)]
+        assert idx.dump() == before
+        idx.apply_batch(EventBatch(1, "w0", 1, 2, 3, [store(2, 1, 1, 1, "g1")]))
+        print(len(idx))
+    """)
+    assert "refused" in out and out.strip().endswith("2")
