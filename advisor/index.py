@@ -93,7 +93,9 @@ def _state_u64(v: Any, what: str, bounded: bool = True) -> int:
 class PrefixIndex(IndexCore):
     """Sequence hash → block info, per-location residency and longest-prefix lookup.
 
-    Not thread-safe: the advisor serialises writers and readers with its own lock.
+    Not thread-safe: the advisor serialises writers and readers with its own lock.  A fold
+    started while another fold of the same index is in progress (another thread without
+    that lock, or the frequency sketch's ``increment`` calling back) raises ``RuntimeError``.
 
     Mutations: :meth:`apply_batch` (a decoded :class:`~event_plane.schema.EventBatch`) and
     :meth:`apply_payload` (the batch's wire bytes, same result; raises
@@ -187,7 +189,11 @@ class PrefixIndex(IndexCore):
 
         Raises:
             IndexStateError: the state has another version or a malformed shape (including
-                hashes, hits or times outside u64 and sizes outside u32).
+                hashes, hits or times outside u64, sizes outside u32, record fields that
+                are not ints, a block that is its own parent, location bit lists naming
+                bits beyond the locations, and counters, source rows or orphans that are
+                not non-negative ints): such a state is refused whole, never imported to
+                fail later folds half way.
         """
         try:
             version = state[0]
