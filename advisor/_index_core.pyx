@@ -1341,7 +1341,7 @@ cdef class IndexCore:
         cdef list names = self._loc_names
         cdef bint odd
         cdef Py_ssize_t nnames = len(names)
-        if nnames > 64:
+        if self._wide:  # some block holds a location bit >= 64 (not just: once had 64+ locations)
             return self._lookup_wide(hashes)
         seq = PySequence_Fast(hashes, "lookup() needs a sequence of sequence hashes")
         base = 0
