@@ -1091,141 +1091,146 @@ cdef class IndexCore:
         c.batches += 1
         c.events += n
         fast = self.frequency is None
-        for k in range(n):
-            e = &evs[k]
-            # overlap the table's cache misses: the slot of the event 8 ahead, the likely
-            # record of the event 4 ahead
-            if k + 8 < n:
-                __builtin_prefetch(&self.slots[_mix(evs[k + 8].h) & self.smask])
-            if k + 4 < n:
-                j = self.slots[_mix(evs[k + 4].h) & self.smask]
-                if j >= 0:
-                    __builtin_prefetch(&self.hm[j])
-            if e.type == 2:
-                sl = locs[e.loc]
-                if not is_valid_location(sl):
-                    c.invalid_locations += 1
-                    continue
-                if delta:
-                    counts[bit] += delta
-                    delta = 0
-                c.cleared += 1
-                if sl in _PRIV:
-                    self._clear_location(f"{source}/{sl}")
-                else:
-                    self._clear_storer(sl, source)
-                continue
-            if e.loc != cur_loc:
-                sl = locs[e.loc]
-                if sl != cur_sl:
+        try:
+            for k in range(n):
+                e = &evs[k]
+                # overlap the table's cache misses: the slot of the event 8 ahead, the likely
+                # record of the event 4 ahead
+                if k + 8 < n:
+                    __builtin_prefetch(&self.slots[_mix(evs[k + 8].h) & self.smask])
+                if k + 4 < n:
+                    j = self.slots[_mix(evs[k + 4].h) & self.smask]
+                    if j >= 0:
+                        __builtin_prefetch(&self.hm[j])
+                if e.type == 2:
+                    sl = locs[e.loc]
                     if not is_valid_location(sl):
                         c.invalid_locations += 1
                         continue
                     if delta:
                         counts[bit] += delta
                         delta = 0
-                    bit = self._bit(_located(source, sl))
-                    if e.type == 1:
-                        self._touched.append(bit)
-                    if bit < 64:
-                        flag = (<uint64_t>1) << bit
-                        wide_cur = False
+                    c.cleared += 1
+                    if sl in _PRIV:
+                        self._clear_location(f"{source}/{sl}")
                     else:
-                        flag = 0
-                        wide_cur = True
-                    lset = self._loc_sets[bit]
-                    is_g1 = sl == "g1"
-                    pm = self._private_mask(source)
-                    priv = <uint64_t>(pm & PY_M64)
-                    priv_wide = (pm >> 64) != 0
-                    cur_sl = sl
-                cur_loc = e.loc
-            h = e.h
-            if e.type == 0:
-                if not wide_cur:
-                    j = self._find(h)
-                    if j >= 0:
-                        r = &self.recs[j]
-                        lo = self.hm[j].mask
-                        if lo & flag:
-                            if not (e.has_parent and e.parent == h):
-                                n_dup += 1
-                                if lset is not None:
-                                    st = lset[h]
-                                    if st is not source:
-                                        lset[h] = _storer_add(st, source)
-                                continue
-                        elif (fast and e.extra == NULL and not (e.has_parent and e.parent == h)
-                              and not (r.flags & F_WIDE) and not priv_wide):
-                            self.hm[j].mask = lo | flag
-                            r.size = e.size
-                            if is_g1 or not (lo & priv):
-                                if r.hits != M64:
-                                    r.hits += 1
-                                r.last = ts
-                                n_hits += 1
-                            if lset is not None:
-                                lset[h] = source
-                            delta += 1
-                            n_known += 1
+                        self._clear_storer(sl, source)
+                    continue
+                if e.loc != cur_loc:
+                    sl = locs[e.loc]
+                    if sl != cur_sl:
+                        if not is_valid_location(sl):
+                            c.invalid_locations += 1
                             continue
-                    elif fast and e.extra == NULL and (not waiting or h not in waiting):
-                        if not e.has_parent:
-                            j = self._insert(h)
-                            r = &self.recs[j]
-                        elif e.parent != h and (pj := self._find(e.parent)) >= 0:
-                            j = self._insert(h)
-                            r = &self.recs[j]
-                            r.parent = e.parent
-                            r.flags = F_LIVE | F_PARENT
-                            self._link(pj, j)
+                        if delta:
+                            counts[bit] += delta
+                            delta = 0
+                        bit = self._bit(_located(source, sl))
+                        if e.type == 1:
+                            self._touched.append(bit)
+                        if bit < 64:
+                            flag = (<uint64_t>1) << bit
+                            wide_cur = False
                         else:
-                            j = -1
+                            flag = 0
+                            wide_cur = True
+                        lset = self._loc_sets[bit]
+                        is_g1 = sl == "g1"
+                        pm = self._private_mask(source)
+                        priv = <uint64_t>(pm & PY_M64)
+                        priv_wide = (pm >> 64) != 0
+                        cur_sl = sl
+                    cur_loc = e.loc
+                h = e.h
+                if e.type == 0:
+                    if not wide_cur:
+                        j = self._find(h)
                         if j >= 0:
-                            r.prefix = e.prefix
-                            r.size = e.size
-                            self.hm[j].mask = flag
-                            r.last = ts
-                            if lset is not None:
-                                lset[h] = source
-                            delta += 1
-                            n_new += 1
-                            continue
-                if delta:
-                    counts[bit] += delta
-                    delta = 0
-                parent_obj = e.parent if e.has_parent else None
-                extra_obj = <object>e.extra if e.extra != NULL else None
-                self._store(source, h, e.prefix, parent_obj, e.size, cur_sl, extra_obj, ts, True)
-            else:
-                if not wide_cur:
-                    j = self._find(h)
-                    if j >= 0:
-                        r = &self.recs[j]
-                        lo = self.hm[j].mask
-                        if lo & flag and (lo != flag or r.flags & F_WIDE):
-                            self.hm[j].mask = lo & ~flag
-                            if lset is not None:
-                                del lset[h]
-                            delta -= 1
-                            n_rm += 1
-                            continue
-                if delta:
-                    counts[bit] += delta
-                    delta = 0
-                self._remove(_located(source, cur_sl), h)
-        if delta:
-            counts[bit] += delta
-        if n_new or n_dup or n_known:
-            c.stores += n_new + n_dup + n_known
-        if n_dup:
-            c.duplicate_stores += n_dup
-        if n_hits:
-            c.hits = min(c.hits + n_hits, U64_MAX)
-        if n_rm:
-            c.removes += n_rm
-        if self._touched:
-            self._free_empty_bits()
+                            r = &self.recs[j]
+                            lo = self.hm[j].mask
+                            if lo & flag:
+                                if not (e.has_parent and e.parent == h):
+                                    n_dup += 1
+                                    if lset is not None:
+                                        st = lset[h]
+                                        if st is not source:
+                                            lset[h] = _storer_add(st, source)
+                                    continue
+                            elif (fast and e.extra == NULL and not (e.has_parent and e.parent == h)
+                                  and not (r.flags & F_WIDE) and not priv_wide):
+                                self.hm[j].mask = lo | flag
+                                r.size = e.size
+                                if is_g1 or not (lo & priv):
+                                    if r.hits != M64:
+                                        r.hits += 1
+                                    r.last = ts
+                                    n_hits += 1
+                                if lset is not None:
+                                    lset[h] = source
+                                delta += 1
+                                n_known += 1
+                                continue
+                        elif fast and e.extra == NULL and (not waiting or h not in waiting):
+                            if not e.has_parent:
+                                j = self._insert(h)
+                                r = &self.recs[j]
+                            elif e.parent != h and (pj := self._find(e.parent)) >= 0:
+                                j = self._insert(h)
+                                r = &self.recs[j]
+                                r.parent = e.parent
+                                r.flags = F_LIVE | F_PARENT
+                                self._link(pj, j)
+                            else:
+                                j = -1
+                            if j >= 0:
+                                r.prefix = e.prefix
+                                r.size = e.size
+                                self.hm[j].mask = flag
+                                r.last = ts
+                                if lset is not None:
+                                    lset[h] = source
+                                delta += 1
+                                n_new += 1
+                                continue
+                    if delta:
+                        counts[bit] += delta
+                        delta = 0
+                    parent_obj = e.parent if e.has_parent else None
+                    extra_obj = <object>e.extra if e.extra != NULL else None
+                    self._store(source, h, e.prefix, parent_obj, e.size, cur_sl, extra_obj, ts, True)
+                else:
+                    if not wide_cur:
+                        j = self._find(h)
+                        if j >= 0:
+                            r = &self.recs[j]
+                            lo = self.hm[j].mask
+                            if lo & flag and (lo != flag or r.flags & F_WIDE):
+                                self.hm[j].mask = lo & ~flag
+                                if lset is not None:
+                                    del lset[h]
+                                delta -= 1
+                                n_rm += 1
+                                continue
+                    if delta:
+                        counts[bit] += delta
+                        delta = 0
+                    self._remove(_located(source, cur_sl), h)
+        finally:
+            # also when Python code the loop calls (the sketch, a str subclass's __ne__, a
+            # signal handler) raises: the events folded so far stay consistent (block counts
+            # per location match the masks, so no bit is freed while a block still holds it)
+            if delta:
+                counts[bit] += delta
+            if n_new or n_dup or n_known:
+                c.stores += n_new + n_dup + n_known
+            if n_dup:
+                c.duplicate_stores += n_dup
+            if n_hits:
+                c.hits = min(c.hits + n_hits, U64_MAX)
+            if n_rm:
+                c.removes += n_rm
+            if self._touched:
+                self._free_empty_bits()
         return 0
 
     # ------------------------------------------------------------------ queries

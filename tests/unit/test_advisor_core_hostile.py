@@ -310,3 +310,41 @@ def test_lookups_leave_the_slow_wide_path_once_no_block_holds_a_bit_above_63(mon
         assert core.lookup(q) == ref.lookup(q)
     assert core.lookup([1, 2]) == {"w0/g1": 2}
     assert calls == []
+
+
+def test_an_exception_mid_fold_leaves_counts_matching_the_masks() -> None:
+    """Python code the fold calls raises half way (here a str subclass location's ``__ne__``,
+    as a signal handler could): the events folded so far keep their per-location counts, so
+    ``count_at`` matches ``blocks_at`` and the location's bit is not freed (and reused by
+    the next new location) while blocks still hold it."""
+    def check_consistent(idx: PrefixIndex) -> None:
+        held: dict[str, set[int]] = {}
+        for h in idx.hashes():
+            for loc in idx.block(h).locations:
+                held.setdefault(loc, set()).add(h)
+        assert idx.stats()["blocks_per_location"] == {loc: len(s) for loc, s in sorted(held.items())}
+        for loc, s in held.items():
+            assert idx.blocks_at(loc) == s and idx.count_at(loc) == len(s)
+
+    class Loc(str):
+        calls = 0
+
+        def __ne__(self, other: object) -> bool:
+            Loc.calls += 1  # 1: the batch check before the fold, 2: inside the fold
+            if Loc.calls == 2:
+                raise KeyboardInterrupt("signal while the fold compares locations")
+            return str.__ne__(self, other)
+
+        __hash__ = str.__hash__
+
+    idx = PrefixIndex()
+    idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(i, 1, i - 1 if i > 1 else None, BS, "g1") for i in range(1, 4)]))
+    b = EventBatch(1, "w0", 1, 1, 2, [store(1, 1, None, BS, "fast"), store(2, 1, 1, BS, "fast"),
+                                     store(3, 1, 2, BS, Loc("g2"))])
+    with pytest.raises(KeyboardInterrupt):
+        idx.apply_batch(b)
+    assert idx.blocks_at("fast") == {1, 2} and idx.count_at("fast") == 2
+    check_consistent(idx)
+    idx.apply_batch(EventBatch(1, "w0", 1, 2, 3, [store(7, 7, None, BS, "s3")]))  # a new location: a fresh bit
+    assert idx.block(1).locations == frozenset({"w0/g1", "fast"}) and idx.blocks_at("s3") == {7}
+    check_consistent(idx)
