@@ -353,6 +353,16 @@ cdef class IndexCore:
         PyMem_Free(self.evs)
 
     def __init__(self, frequency=None):
+        cdef uint64_t i
+        if self.folding:
+            raise RuntimeError("PrefixIndex.__init__ called during a fold of the same index")
+        # an empty index, also when __init__ runs again on a used one: the C table is
+        # emptied with the Python side (names, wide masks), which its records refer to
+        for i in range(self.smask + 1):
+            self.slots[i] = -1
+        self.nrec = 0
+        self.free_head = -1
+        self.nlive = 0
         self.frequency = frequency
         self.counters = IndexCounters()
         self._waiting = {}

@@ -348,3 +348,21 @@ def test_an_exception_mid_fold_leaves_counts_matching_the_masks() -> None:
     idx.apply_batch(EventBatch(1, "w0", 1, 2, 3, [store(7, 7, None, BS, "s3")]))  # a new location: a fresh bit
     assert idx.block(1).locations == frozenset({"w0/g1", "fast"}) and idx.blocks_at("s3") == {7}
     check_consistent(idx)
+
+
+def test_init_called_again_empties_the_c_table_with_the_python_side() -> None:
+    """``__init__`` on a used index resets the location names and wide masks its C records
+    refer to; the records go too (a lookup read names past the new empty list: segfault)."""
+    out = run_isolated("""
+        from advisor.index import PrefixIndex
+        from event_plane.schema import EventBatch, store
+        idx = PrefixIndex()
+        idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(i, 1, i - 1 if i > 1 else None, 4096, f"v{i % 70}")
+                                                      for i in range(1, 3000)]))
+        idx.__init__()
+        assert len(idx) == 0 and idx.lookup(list(range(1, 50))) == {} and idx.block(5) is None
+        assert idx.hashes() == [] and idx.dump()["blocks"] == {}
+        idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(1, 1, None, 4096, "g1"), store(2, 1, 1, 4096, "g1")]))
+        print(idx.lookup([1, 2]))
+    """)
+    assert out.strip() == "{'w0/g1': 2}"
