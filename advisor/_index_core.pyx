@@ -1405,11 +1405,13 @@ cdef class IndexCore:
         return result
 
     def _lookup_wide(self, hashes):
-        """:meth:`lookup` with masks as Python ints (more than 64 location bits)."""
+        """:meth:`lookup` with masks as Python ints (a block holds a location bit >= 64).
+        Items may run Python code (``__index__``, ``__hash__``), so ``names`` is indexed
+        with bounds checks (an untyped object, not the unchecked ``list`` fast path)."""
         cdef uint64_t h
         cdef int32_t j
+        cdef object names = self._loc_names
         result = {}
-        names = self._loc_names
         active = -1
         n = 0
         for o in hashes:
