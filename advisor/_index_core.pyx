@@ -9,7 +9,8 @@ State in C, allocated with ``PyMem_Malloc``/``PyMem_Realloc`` (so ``tracemalloc`
   children); free records form a list through ``next``.
 * ``slots``: an open-addressing (linear probing, backward-shift deletion) hash table of
   ``int32`` record numbers keyed by the u64 sequence hash, mixed with the splitmix64
-  finalizer (ids may be small sequential ints), load factor at most 1/2.
+  finalizer after an XOR with a random per-process seed (ids may be small sequential ints;
+  hashes from the wire must not be able to pick their slots), load factor at most 1/2.
 
 Python objects only where the data is rare or shared: location names/bits/counts, the
 volumes' storers (``h -> source``), orphans and the children of hashes that are not
