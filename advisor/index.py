@@ -259,6 +259,8 @@ class PrefixIndex(IndexCore):
                 for src_name, hs in storers.get(idx._loc_names[bit], {}).items():
                     src_name = sys.intern(str(src_name))
                     for h in hs:
+                        if h.__class__ is not int:  # a float 1.0 would pass as block 1
+                            raise IndexStateError(f"index state storer hash {h!r} of {src_name!r} is not an int")
                         s[h] = _storer_add(s[h], src_name) if h in s else src_name
                 if len(s) != len(held) or not all(h in s for h in held):
                     raise IndexStateError(f"index state storers of {idx._loc_names[bit]!r} do not match its blocks")

@@ -144,6 +144,7 @@ def _state() -> list:
     ((2, 4), [0, -1]),
     ((2,), 12),                     # the block array is not an array
     ((5,), [1, 2]),                 # counters that are not a map
+    ((6, "fast", "w0", 0), 2.0),    # a float storer hash equal to block 2
 ])
 def test_from_state_rejects_fields_of_the_wrong_type(where: tuple, value: object) -> None:
     state = _state()
