@@ -1,6 +1,7 @@
-"""Build the compiled core of the advisor's PrefixIndex (``advisor/_index_core.pyx``).
+"""Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/_index_core.pyx``)
+and the event encoder of the block pools (``event_plane/_fastenc.pyx``).
 
-Project metadata lives in ``pyproject.toml``; this file only declares the Cython extension
+Project metadata lives in ``pyproject.toml``; this file only declares the Cython extensions
 (built by ``pip install -e .`` / ``make install``; Cython comes from ``[build-system] requires``).
 """
 
@@ -9,7 +10,10 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=cythonize(
-        [Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"])],
+        [
+            Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"]),
+            Extension("event_plane._fastenc", ["event_plane/_fastenc.pyx"], extra_compile_args=["-O2"]),
+        ],
         compiler_directives={"language_level": "3"},
     ),
 )

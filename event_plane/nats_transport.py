@@ -25,7 +25,7 @@ from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig
 from event_plane.errors import ConfigError, TransportError
 from event_plane.ordering import GapCallback
-from event_plane.publisher import EventPublisher, FlushCallback
+from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
 from event_plane.subscriber import ResyncCallback, Subscriber
 
@@ -208,8 +208,13 @@ class NatsPublisher(EventPublisher):
     async def _make_queue(self) -> asyncio.Queue[tuple[bytes, dict[str, str], int] | None]:
         return asyncio.Queue()
 
+    @forwards_to_send_payload
     def _send(self, batch: EventBatch, payload: bytes) -> None:
-        n = len(batch.events)
+        self._send_payload(batch.seq, len(batch.events), payload)
+
+    def _send_payload(self, seq: int, n: int, payload: bytes) -> None:
+        """Queue one batch (``seq``, ``n`` events) for the I/O thread, within
+        ``config.queue_capacity`` events in flight (drop and count, or wait for room)."""
         cap = self.config.queue_capacity
         with self._room:
             if self.config.overflow == "block":
@@ -217,10 +222,10 @@ class NatsPublisher(EventPublisher):
                 self._room.wait_for(lambda: self._inflight == 0 or self._inflight + n <= cap)
             elif self._inflight + n > cap:
                 self._dropped += n
-                logger.warning("NATS publisher %s: queue full, dropped batch seq=%d", self.source, batch.seq)
+                logger.warning("NATS publisher %s: queue full, dropped batch seq=%d", self.source, seq)
                 return
             self._inflight += n
-        item = (payload, {MSG_ID_HEADER: msg_id(batch)}, n)
+        item = (payload, {MSG_ID_HEADER: f"{self.source}:{self.epoch}:{seq}"}, n)  # msg_id of the batch
         self._io.loop.call_soon_threadsafe(self._aq.put_nowait, item)
 
     async def _send_loop(self) -> None:

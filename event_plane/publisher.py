@@ -5,7 +5,20 @@ for events well-formed by construction) appends to it and sends it when it reach
 ``max_events`` events or would exceed ``max_bytes`` encoded event bytes; a timer thread sends it once its oldest event has waited the flush time limit
 (``max_delay_s``, lowered as the event rate rises: :mod:`event_plane.flush_policy`);
 ``flush`` and ``close`` send it at once. Each sent batch gets the next ``seq`` (0, 1, ...),
-empty batches are never sent. Transports implement :meth:`EventPublisher._send`.
+empty batches are never sent. Transports implement :meth:`EventPublisher._send` (or, when
+they only need a batch's seq, event count and bytes, :meth:`EventPublisher._send_payload`).
+
+Producers that build events from identities checked once (the runtime's block pools) may
+hand a publisher their events already encoded (:meth:`EventPublisher.publish_encoded`,
+bytes from :mod:`event_plane._fastenc`), so no ``KVEvent`` object exists per event: such a
+batch's ``EventBatch`` (its ``events`` list) is then built, by decoding its payload, only
+when something reads it (an ``on_flush`` callback, a transport overriding ``_send``).
+The bytes on the wire are the same either way.
+
+Events off: a publisher whose :attr:`EventPublisher.wants_events` is false (the
+:class:`NullPublisher` of ``null://`` without an ``on_flush``: nothing could ever see an
+event) tells producers not to build events at all; they report how many they skipped
+(:meth:`EventPublisher.skip_events`), counted in ``stats().events``.
 """
 
 from __future__ import annotations
@@ -21,18 +34,28 @@ from dataclasses import replace
 
 import msgspec
 
-from event_plane.codec import encode_batch_parts, encode_event
+from event_plane.codec import _array_header, decode_batch, encode_batch_parts, encode_event
 from event_plane.config import PublisherConfig, PublisherStats
-from event_plane.errors import PublisherClosedError
+from event_plane.errors import InvalidEventError, PublisherClosedError
 from event_plane.flush_policy import AdaptiveDelay
 from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
 from event_plane.validate import check_source, check_u64, encode_checked_all
 
 _encode = msgspec.msgpack.Encoder().encode  # same settings as event_plane.codec's: identical bytes
+_decode_events = msgspec.msgpack.Decoder(list[KVEvent]).decode
 
 logger = logging.getLogger(__name__)
 
 FlushCallback = Callable[[EventBatch, bytes], None]
+
+
+def forwards_to_send_payload(send: Callable[..., None]) -> Callable[..., None]:
+    """Mark a transport's ``_send(batch, payload)`` as only forwarding ``batch.seq``,
+    ``len(batch.events)`` and ``payload`` to its ``_send_payload``: the publisher then calls
+    ``_send_payload`` directly and builds no ``EventBatch`` unless an ``on_flush`` callback
+    reads it.  A subclass overriding ``_send`` without the mark gets full batches."""
+    send._forwards_to_send_payload = True  # type: ignore[attr-defined]
+    return send
 
 
 def new_epoch() -> int:
@@ -71,8 +94,14 @@ class EventPublisher(abc.ABC):
         self._on_flush = on_flush
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        # The pending batch: ``_count`` events whose bytes are ``_encoded`` (in order) plus
+        # a tail of ``_events`` queued by publish_valid without encoding (after the first
+        # ``_n_encoded``).  ``_events`` holds the batch's KVEvent objects unless ``_opaque``
+        # (it has parts publish_encoded handed over: its events are decoded when needed).
         self._events: list[KVEvent] = []
         self._encoded: list[bytes] = []
+        self._count = 0
+        self._opaque = False
         self._pending_bytes = 0
         self._oldest_at: float | None = None  # time.monotonic() of the oldest pending event
         self._next_seq = 0
@@ -95,6 +124,9 @@ class EventPublisher(abc.ABC):
         # its first ``_n_encoded`` (encoded) events; ``_lazy_bytes`` bounds their size.
         self._n_encoded = 0
         self._lazy_bytes = 0
+        # A transport whose ``_send`` only forwards to ``_send_payload`` needs no EventBatch
+        # (a subclass overriding ``_send`` gets the full batch, as before).
+        self._payload_only: bool = getattr(type(self)._send, "_forwards_to_send_payload", False)
 
     # ------------------------------------------------------------------ public API
     def publish(self, events: Sequence[KVEvent]) -> None:
@@ -150,7 +182,7 @@ class EventPublisher(abc.ABC):
                 # set), the events fit it by count and, by the bound, by bytes, and the rate
                 # estimate is not due for an update (AdaptiveDelay.observe's no-update
                 # branch, inlined): queue them, encode at the flush.
-                pending = len(self._events)
+                pending = self._count
                 delay = self._delay
                 now = time.monotonic()
                 bound = n * max_event_bytes
@@ -163,6 +195,7 @@ class EventPublisher(abc.ABC):
                 ):
                     delay._pending += n
                     self._events.extend(evs)
+                    self._count += n
                     self._lazy_bytes += bound
                     return
         try:
@@ -175,7 +208,7 @@ class EventPublisher(abc.ABC):
         with self._lock:
             if self._lazy_bytes:
                 self._encode_queued_locked()
-            pending = len(self._events)
+            pending = self._count
             delay = self._delay
             now = time.monotonic()
             if (
@@ -187,11 +220,111 @@ class EventPublisher(abc.ABC):
             ):
                 delay._pending += n
                 self._events.extend(evs)
+                self._count += n
                 self._n_encoded = len(self._events)
                 self._encoded.append(body)
                 self._pending_bytes += size
                 return
             self._accept_locked(evs, None, body)
+
+    @property
+    def wants_events(self) -> bool:
+        """Whether events given to this publisher can reach anyone (a transport or an
+        ``on_flush`` callback).  False only for a :class:`NullPublisher` without
+        ``on_flush`` (``null://``: events off): producers that check it build no events and
+        report their number to :meth:`skip_events` instead."""
+        return True
+
+    def skip_events(self, count: int) -> None:
+        """Count ``count`` events a producer did not build because :attr:`wants_events`
+        is false: they are added to ``stats().events`` (no batch, no seq: nothing is
+        sent)."""
+        with self._lock:
+            self._stats.events += count
+
+    def publish_encoded(self, body: bytes, count: int) -> None:
+        """Append ``count`` events given as their wire bytes: the MessagePack encodings of
+        ``count`` KVEvents as :func:`event_plane.codec.encode_event` writes them,
+        concatenated (e.g. :func:`event_plane._fastenc.encode_meta_events` of a pool's
+        block identities).  Same batches, seqs and bytes as :meth:`publish` of those
+        events; no ``KVEvent`` object is made unless an ``on_flush`` callback or a
+        transport overriding ``_send`` reads the batch (then its payload is decoded).
+
+        For producers whose events are well-formed by construction only: the bytes are
+        not checked (a malformed part would make subscribers reject its batch).  A part
+        that does not fit the pending batch (``max_events`` / ``max_bytes``) is split into
+        its events (decoded) and they are appended one by one, as :meth:`publish` would.
+
+        Args:
+            body: the events' bytes (``bytes``), in order.
+            count: the number of events in ``body`` (>= 0; 0 does nothing).
+
+        Raises:
+            TypeError: ``body`` is not ``bytes``.
+            PublisherClosedError: the publisher is closed.
+            InvalidEventError: when a part must be split, ``body`` does not decode to
+                ``count`` valid events (nothing accepted).
+        """
+        if type(body) is not bytes:
+            raise TypeError(f"body must be bytes, got {type(body).__name__}")
+        if not count:
+            return
+        with self._lock:
+            # Fast path (the common case): the pending batch is open, the part fits it,
+            # nothing is queued unencoded and the rate estimate is not due for an update.
+            pending = self._count
+            delay = self._delay
+            now = time.monotonic()
+            size = len(body)
+            if (
+                pending
+                and pending + count < self._max_events
+                and self._pending_bytes + size <= self._max_bytes
+                and not self._lazy_bytes
+                and 0.0 <= now - delay._at < delay._step
+                and not self._closed
+            ):
+                delay._pending += count
+                if not self._opaque:
+                    self._opaque = True
+                    self._events, self._n_encoded = [], 0
+                self._encoded.append(body)
+                self._count = pending + count
+                self._pending_bytes += size
+                return
+            self._accept_encoded_locked(body, count)
+
+    def _accept_encoded_locked(self, body: bytes, count: int) -> None:
+        """:meth:`publish_encoded`'s general case (lock held)."""
+        if self._closed:
+            raise PublisherClosedError(f"publisher {self.source!r} is closed")
+        if self._timer is None:
+            self._ensure_timer()
+        if self._lazy_bytes:
+            self._encode_queued_locked()
+        now = time.monotonic()
+        size = len(body)
+        pending = self._count
+        if pending + count <= self._max_events and self._pending_bytes + size <= self._max_bytes:
+            updated = self._delay.observe(count, now)
+            if not pending:
+                self._open_batch_locked(now)
+            self._opaque = True
+            self._events, self._n_encoded = [], 0
+            self._encoded.append(body)
+            self._count = pending + count
+            self._pending_bytes += size
+            if self._count >= self._max_events:
+                self._flush_locked()
+        else:
+            try:
+                events = _decode_events(_array_header(count) + body)
+            except Exception as exc:  # noqa: BLE001 - msgspec's decode errors
+                raise InvalidEventError(f"publish_encoded: body is not {count} encoded events: {exc}") from exc
+            updated = self._delay.observe(count, now)
+            self._append_each_locked(events, [encode_event(ev) for ev in events], now)
+        if updated:
+            self._rate_moved_locked(now)
 
     def _encode_queued_locked(self) -> None:
         """Encode the events ``publish_valid`` queued without encoding (lock held): they
@@ -211,6 +344,7 @@ class EventPublisher(abc.ABC):
         except Exception:  # noqa: BLE001 - a producer broke the publish_valid contract
             # keep every event that encodes, drop (count, log) the ones that do not
             del self._events[k:]
+            self._count -= len(queued)
             good: list[KVEvent] = []
             parts: list[bytes] = []
             for ev in queued:
@@ -230,6 +364,7 @@ class EventPublisher(abc.ABC):
             self._n_encoded = len(self._events)
             return
         del self._events[k:]  # the bound was too small: re-batch them by their real sizes
+        self._count -= len(queued)
         self._append_each_locked(queued, [encode_event(ev) for ev in queued], time.monotonic())
 
     def _accept_locked(self, events: Sequence[KVEvent], encoded: list[bytes] | None, body: bytes | None) -> None:
@@ -245,7 +380,7 @@ class EventPublisher(abc.ABC):
         n = len(events)
         now = time.monotonic()
         updated = self._delay.observe(n, now)
-        pending = len(self._events)
+        pending = self._count
         size = len(body) if body is not None else sum(map(len, encoded))  # type: ignore[arg-type]
         if pending + n <= max_events and self._pending_bytes + size <= max_bytes:
             # All of them fit the pending batch: no event would trip a limit before the
@@ -253,6 +388,7 @@ class EventPublisher(abc.ABC):
             if not pending:
                 self._open_batch_locked(now)
             self._events.extend(events)
+            self._count += n
             self._n_encoded = len(self._events)
             if body is not None:
                 self._encoded.append(body)
@@ -265,9 +401,14 @@ class EventPublisher(abc.ABC):
             if encoded is None:
                 encoded = [encode_event(ev) for ev in events]
             self._append_each_locked(events, encoded, now)
-        # A rising rate shortens the time limit: move the deadline earlier, wake the timer
-        # (checked when the rate estimate was updated: at most once a millisecond).
-        if updated and self._oldest_at is not None and self._deadline is not None:
+        if updated:
+            self._rate_moved_locked(now)
+
+    def _rate_moved_locked(self, now: float) -> None:
+        """The rate estimate was updated (lock held): a rising rate shortens the time
+        limit, so move the pending batch's deadline earlier and wake the timer (checked
+        when the estimate moved: at most once a millisecond)."""
+        if self._oldest_at is not None and self._deadline is not None:
             deadline = self._oldest_at + self._delay.delay(now)
             if deadline < self._deadline - 0.001:
                 self._deadline = deadline
@@ -324,6 +465,13 @@ class EventPublisher(abc.ABC):
     def _send(self, batch: EventBatch, payload: bytes) -> None:
         """Hand one encoded batch to the transport. Called under the lock, in seq order."""
 
+    def _send_payload(self, seq: int, count: int, payload: bytes) -> None:
+        """Hand one encoded batch (``seq``, ``count`` events, its wire bytes) to the
+        transport; called instead of :meth:`_send` (under the lock, in seq order) when the
+        class's ``_send`` is marked with :func:`forwards_to_send_payload`, so no
+        ``EventBatch`` needs to be built.  The default raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} has no _send_payload")
+
     def _wait_sent(self) -> None:
         """Block until batches handed to ``_send`` left the process (default: no-op)."""
 
@@ -338,43 +486,59 @@ class EventPublisher(abc.ABC):
     def _flush_locked(self) -> None:
         if self._lazy_bytes:
             self._encode_queued_locked()  # may itself send batches (a bound too small)
-        if not self._events:
+        count = self._count
+        if not count:
             return
-        events, encoded = self._events, self._encoded
-        self._events, self._encoded, self._n_encoded = [], [], 0
+        events, encoded, opaque = self._events, self._encoded, self._opaque
+        self._events, self._encoded, self._n_encoded, self._count, self._opaque = [], [], 0, 0, False
         event_bytes, self._pending_bytes, self._oldest_at, self._deadline = self._pending_bytes, 0, None, None
         seq = self._next_seq
         self._next_seq += 1
         ts_ns = time.time_ns()
-        payload = encode_batch_parts(self.source, self.epoch, seq, ts_ns, encoded, len(events))
-        batch = EventBatch(WIRE_VERSION, self.source, self.epoch, seq, ts_ns, events)
+        payload = encode_batch_parts(self.source, self.epoch, seq, ts_ns, encoded, count)
         st = self._stats
         st.batches += 1
-        st.events += len(events)
+        st.events += count
         st.payload_bytes += len(payload)
         st.event_bytes += event_bytes
+        on_flush = self._on_flush
+        if self._payload_only and on_flush is None:
+            # nothing reads the batch's events: no EventBatch, no KVEvent objects
+            try:
+                self._send_payload(seq, count, payload)
+            except Exception:
+                st.dropped += count
+                logger.exception("event publisher %s: sending batch seq=%d failed", self.source, seq)
+            return
+        if opaque:  # parts handed over encoded: the events, as every subscriber will decode them
+            events = decode_batch(payload).events
+        batch = EventBatch(WIRE_VERSION, self.source, self.epoch, seq, ts_ns, events)
         try:
-            self._send(batch, payload)
+            if self._payload_only:
+                self._send_payload(seq, count, payload)
+            else:
+                self._send(batch, payload)
         except Exception:
-            st.dropped += len(events)
+            st.dropped += count
             logger.exception("event publisher %s: sending batch seq=%d failed", self.source, seq)
-        if self._on_flush is not None:
-            self._on_flush(batch, payload)
+        if on_flush is not None:
+            on_flush(batch, payload)
 
     def _append_each_locked(self, events: Sequence[KVEvent], encoded: list[bytes], now: float) -> None:
         """Append encoded events one by one (lock held), sending the pending batch before an
         event that would take it past ``max_bytes`` and when it reaches ``max_events``."""
         max_events, max_bytes = self._max_events, self._max_bytes
         for ev, data in zip(events, encoded):
-            if self._events and self._pending_bytes + len(data) > max_bytes:
+            if self._count and self._pending_bytes + len(data) > max_bytes:
                 self._flush_locked()
-            if not self._events:
+            if not self._count:
                 self._open_batch_locked(now)
             self._events.append(ev)
             self._encoded.append(data)
+            self._count += 1
             self._n_encoded = len(self._events)
             self._pending_bytes += len(data)
-            if len(self._events) >= max_events:
+            if self._count >= max_events:
                 self._flush_locked()
 
     def _open_batch_locked(self, now: float) -> None:
@@ -414,7 +578,22 @@ class NullPublisher(EventPublisher):
     """Batches, numbers and reports batches to ``on_flush`` but sends nothing.
 
     Used by embedded setups (the advisor journals its own moves) and in tests.
+
+    Without ``on_flush`` (``null://``) no event could reach anyone: :attr:`wants_events`
+    is false, so producers that check it (the runtime's block pools) build no events at
+    all (like vLLM with ``enable_kv_cache_events=False``) and only report how many they
+    skipped (:meth:`skip_events`, counted in ``stats().events``; no batches then).  Events
+    given to ``publish`` and friends are still batched, numbered and counted.
     """
 
+    @property
+    def wants_events(self) -> bool:
+        """False without an ``on_flush`` callback (events off), else True."""
+        return self._on_flush is not None
+
+    @forwards_to_send_payload
     def _send(self, batch: EventBatch, payload: bytes) -> None:
+        return None
+
+    def _send_payload(self, seq: int, count: int, payload: bytes) -> None:
         return None

@@ -22,7 +22,7 @@ from event_plane.config import PublisherConfig
 from event_plane.errors import ConfigError, TransportError
 from event_plane.frames import END_SEQ, SEQ_BYTES, seq_from_bytes, seq_to_bytes
 from event_plane.ordering import GapCallback
-from event_plane.publisher import EventPublisher, FlushCallback
+from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
 from event_plane.subscriber import ResyncCallback, Subscriber
 
@@ -110,11 +110,16 @@ class ZmqPublisher(EventPublisher):
             )
             self._replay_thread.start()
 
+    @forwards_to_send_payload
     def _send(self, batch: EventBatch, payload: bytes) -> None:
-        seq = seq_to_bytes(batch.seq)
+        self._send_payload(batch.seq, len(batch.events), payload)
+
+    def _send_payload(self, seq: int, count: int, payload: bytes) -> None:
+        """Keep the batch for replay and publish ``[topic, seq, payload]`` (under the
+        publisher's lock, in seq order)."""
         with self._buffer_lock:
-            self._buffer.append((batch.seq, payload))
-        self._pub.send_multipart((self.topic, seq, payload), copy=False)
+            self._buffer.append((seq, payload))
+        self._pub.send_multipart((self.topic, seq_to_bytes(seq), payload), copy=False)
 
     def _close_transport(self) -> None:
         self._stop.set()

@@ -19,22 +19,33 @@ last copy publishes one Remove (case C4).  ``storage_location`` is the tier name
 
 Hot path: the batch calls (:meth:`BlockPool.allocate_complete`,
 :meth:`BlockPool.register_blocks`, :meth:`BlockPool.release_blocks`,
-:meth:`BlockPool.match_blocks`) take the lock once, build one event list and call
-``publisher.publish_valid`` (``publish`` for a sink without it) once per batch; per block
-they create one handle and, for a Store or Remove, one event, and nothing else (counters
-advance per batch).
+:meth:`BlockPool.match_blocks`) take the lock once and collect the identities
+(``BlockMeta``) of the blocks whose Store / Remove they owe; per block they create one
+handle and nothing else (counters advance per batch).  The events then go out once per
+batch call, in the form the sink takes (chosen at construction):
+
+* an ``event_plane.EventPublisher`` that :attr:`~event_plane.EventPublisher.wants_events`:
+  the events' wire bytes, encoded from the identities in one compiled call
+  (:func:`event_plane._fastenc.encode_meta_events`), to ``publish_encoded``: no
+  ``KVEvent`` object per event;
+* a publisher that does not want events (``null://``: events off): no event is built, the
+  count goes to its ``skip_events``;
+* any other sink: a list of ``KVEvent`` to its ``publish``.
+
+The bytes subscribers receive are the same in every case.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from typing import Protocol
 
+from event_plane._fastenc import encode_meta_events, event_tail
 from event_plane.codec import encode_event
 from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
@@ -54,6 +65,8 @@ class EventSink(Protocol):
 _LEVEL_CAP = 3
 _STORE = EventType.STORE
 _REMOVE = EventType.REMOVE
+_STORE_INT = int(EventType.STORE)
+_REMOVE_INT = int(EventType.REMOVE)
 _COMPLETE = BlockState.COMPLETE
 _REGISTERED = BlockState.REGISTERED
 
@@ -125,9 +138,13 @@ class BlockPool:
         tier: storage location name used in events (``"g1"``, ``"g2"``).
         layout: the allocated layout; its ``num_blocks`` is the pool size.
         publisher: where Store / Remove events go (``None``: publish nothing).  An
-            ``event_plane.EventPublisher`` gets them through ``publish_valid`` with this
-            pool's bound on an event's size (they are well-formed by construction: see
-            ``BlockMeta``); any other sink through ``publish``.
+            ``event_plane.EventPublisher`` gets the batch calls' events already encoded
+            (``publish_encoded``; they are well-formed by construction: see
+            ``BlockMeta``), or none at all when its ``wants_events`` is false at
+            construction (``null://``: their number goes to ``skip_events``); the few
+            events of other calls (``evict``, dropping handles one by one) go to its
+            ``publish_valid``.  Any other sink gets ``KVEvent`` lists through
+            ``publish``.
         allow_duplicates: keep a second physical copy when a registered hash is
             registered again (instead of deduplicating onto the existing block).
 
@@ -153,6 +170,9 @@ class BlockPool:
         self.allow_duplicates = allow_duplicates
         self._publisher = publisher
         self._publish = None
+        # (event type, identities of the blocks) -> the batch call's events go out; None
+        # without a publisher
+        self._emit_metas: Callable[[int, list[BlockMeta]], None] | None = None
         if publisher is not None:
             # Checked once here: with the hashes a BlockMeta checks, every event this pool
             # builds is then well-formed by construction.  (A pool whose events could never
@@ -171,6 +191,7 @@ class BlockPool:
                 # publisher may queue them and encode each batch in one call at its flush
                 bound = len(encode_event(KVEvent(_REMOVE, _U64_MAX, _U64_MAX, _U64_MAX, self._block_bytes, tier)))
                 self._publish = partial(valid, max_event_bytes=bound)
+            self._emit_metas = self._metas_emitter(publisher)
         self._lock = threading.RLock()
         self._blocks = [Block(i) for i in range(layout.num_blocks)]
         self._reset: deque[int] = deque(range(layout.num_blocks))
@@ -181,6 +202,37 @@ class BlockPool:
         self._removes = 0
         self._evictions = 0
         self._dedup_hits = 0
+
+    def _metas_emitter(self, publisher: EventSink) -> Callable[[int, list[BlockMeta]], None]:
+        """How this pool's batch calls hand over their events (see the module docstring):
+        a function of (event type, block identities)."""
+        if getattr(publisher, "wants_events", True) is False:
+            skip = publisher.skip_events  # type: ignore[attr-defined]
+            self._publish = lambda events: skip(len(events))
+
+            def off(kind: int, metas: list[BlockMeta]) -> None:
+                skip(len(metas))
+
+            return off
+        put = getattr(publisher, "publish_encoded", None)
+        if put is not None:
+            tail = event_tail(self._block_bytes, self.tier)
+            enc = encode_meta_events
+
+            def encoded(kind: int, metas: list[BlockMeta]) -> None:
+                put(enc(kind, metas, tail), len(metas))
+
+            return encoded
+        publish = self._publish
+        bb, tier, kv_event = self._block_bytes, self.tier, KVEvent
+
+        types = {_STORE_INT: _STORE, _REMOVE_INT: _REMOVE}
+
+        def objects(kind: int, metas: list[BlockMeta]) -> None:
+            et = types[kind]
+            publish([kv_event(et, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, tier) for m in metas])  # type: ignore[misc]
+
+        return objects
 
     # ------------------------------------------------------------------ queries
 
@@ -280,14 +332,10 @@ class BlockPool:
         out = [blocks[i] for i in reset]
         reset.clear()
         need = count - n_reset
-        events: list[KVEvent] = []
+        events: list[BlockMeta] = []  # identities of the Removes owed
         append = events.append
         registry = self._registry
         dups = self._dups
-        bb = self._block_bytes
-        tier = self.tier
-        kv_event = KVEvent
-        rm = _REMOVE
         out_append = out.append
         for level in inactive.levels:
             popitem = level.popitem
@@ -299,7 +347,7 @@ class BlockPool:
                     self._unregister_copy(victim)
                 else:
                     del registry[h]
-                    append(kv_event(rm, h, meta.prefix_hash, meta.parent_hash, bb, tier, None))  # type: ignore[union-attr]
+                    append(meta)
                 out_append(victim)
             need = count - len(out)
             if not need:
@@ -307,8 +355,8 @@ class BlockPool:
         self._evictions += count - n_reset
         if events:
             self._removes += len(events)
-            if self._publish is not None:
-                self._publish(events)
+            if self._emit_metas is not None:
+                self._emit_metas(_REMOVE_INT, events)
         return out
 
     def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
@@ -343,14 +391,10 @@ class BlockPool:
                     return out
             # the rest: evict inactive blocks, lowest level first, and give each its new
             # identity in the same pass (one Remove per hash whose last copy goes)
-            events: list[KVEvent] = []
+            events: list[BlockMeta] = []  # identities of the Removes owed
             ev_append = events.append
             registry = self._registry
             dups = self._dups
-            kv_event = KVEvent
-            rm = _REMOVE
-            bb = self._block_bytes
-            tier = self.tier
             need = count - n_reset
             for level in levels:
                 popitem = level.popitem
@@ -362,7 +406,7 @@ class BlockPool:
                         self._unregister_copy(b)
                     else:
                         del registry[h]
-                        ev_append(kv_event(rm, h, old.prefix_hash, old.parent_hash, bb, tier))  # type: ignore[union-attr]
+                        ev_append(old)  # type: ignore[arg-type]
                     b.generation += 1  # a new life: weak handles of the old one are dead
                     if b.tokens:
                         b.parent = None
@@ -376,8 +420,8 @@ class BlockPool:
             self._evictions += count - n_reset
             if events:
                 self._removes += len(events)
-                if self._publish is not None:
-                    self._publish(events)
+                if self._emit_metas is not None:
+                    self._emit_metas(_REMOVE_INT, events)
             return out
 
     def _check_room(self, count: int) -> None:
@@ -437,13 +481,9 @@ class BlockPool:
         complete = _COMPLETE
         registered = _REGISTERED
         ib = ImmutableBlock
-        kv_event = KVEvent
-        st = _STORE
-        bb = self._block_bytes
-        tier = self.tier
         with self._lock:
             setdefault = self._registry.setdefault
-            events: list[KVEvent] = []
+            events: list[BlockMeta] = []  # identities of the Stores owed
             ev_append = events.append
             out: list[ImmutableBlock | None] = []
             append = out.append
@@ -465,7 +505,7 @@ class BlockPool:
                     b.state = registered
                     b.ref_count = 1
                     b.frequency = 1
-                    ev_append(kv_event(st, h, meta.prefix_hash, meta.parent_hash, bb, tier))  # type: ignore[union-attr]
+                    ev_append(meta)
                     append(ib(self, b))
                 else:
                     if deferred is None:
@@ -476,8 +516,8 @@ class BlockPool:
                 self._register_existing(deferred, out)
             if events:
                 self._stores += len(events)
-                if self._publish is not None:
-                    self._publish(events)
+                if self._emit_metas is not None:
+                    self._emit_metas(_STORE_INT, events)
             return out  # type: ignore[return-value]
 
     def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:

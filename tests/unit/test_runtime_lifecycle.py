@@ -387,35 +387,38 @@ def test_block_meta_rejects_hashes_outside_u64(args: tuple) -> None:
         BlockMeta(*args)
 
 
-def test_pool_publishes_through_publish_valid_and_events_round_trip(cap: Capture) -> None:
-    """A pool hands its events to ``publish_valid`` (no second check); what comes out of
-    the publisher is the same Store / Remove stream, byte-exact on the wire."""
+def test_pool_publishes_through_publish_encoded_and_events_round_trip(cap: Capture) -> None:
+    """A pool's batch calls hand their events to ``publish_encoded`` as wire bytes (no
+    KVEvent per event, no second check); what comes out of the publisher is the same
+    Store / Remove stream, byte-exact on the wire."""
+    from event_plane.codec import encode_event
+
     calls: list[str] = []
+    parts: list[tuple[bytes, int]] = []
     pub = cap.publisher
-    orig_valid, orig = pub.publish_valid, pub.publish
-    bounds: list[int | None] = []
-    pub.publish_valid = lambda evs, max_event_bytes=None: (  # type: ignore[method-assign]
-        calls.append("valid"), bounds.append(max_event_bytes), orig_valid(evs, max_event_bytes)
+    orig_enc, orig_valid, orig = pub.publish_encoded, pub.publish_valid, pub.publish
+    pub.publish_encoded = lambda body, n: (  # type: ignore[method-assign]
+        calls.append("encoded"), parts.append((body, n)), orig_enc(body, n)
     )[2]
+    pub.publish_valid = lambda evs, max_event_bytes=None: (calls.append("valid"), orig_valid(evs, max_event_bytes))[1]  # type: ignore[method-assign]
     pub.publish = lambda evs: (calls.append("checked"), orig(evs))[1]  # type: ignore[method-assign]
     pool = make_pool(cap, blocks=2)
     hs = [2**64 - 1, 2**63, 7]
     metas = [BlockMeta(h, hs[i - 1] if i else None, hs[0], SALT) for i, h in enumerate(hs)]
     pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas[:2])))
     pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas[2:])))  # evicts one
-    assert calls == ["valid", "valid", "valid"] and set(calls) == {"valid"}
+    assert calls == ["encoded", "encoded", "encoded"]
+    assert [n for _, n in parts] == [2, 1, 1]
     evs = cap.events()
-    # the bound the pool gives is the size of its largest possible event, and holds
-    from event_plane.codec import encode_event
-
-    assert len(set(bounds)) == 1 and bounds[0] == len(encode_event(KVEvent(EventType.REMOVE, 2**64 - 1, 2**64 - 1, 2**64 - 1, pool.block_bytes, "g1")))
-    assert all(len(encode_event(e)) <= bounds[0] for b in cap.batches for e in b)
     assert evs == [
         ("STORE", hs[0], None, "g1"),
         ("STORE", hs[1], hs[0], "g1"),
         ("REMOVE", hs[0], None, "g1"),
         ("STORE", 7, hs[1], "g1"),
     ]
+    # each part is exactly the msgspec encoding of the events it stands for
+    flat = [e for b in cap.batches for e in b]
+    assert b"".join(body for body, _ in parts) == b"".join(encode_event(e) for e in flat)
 
 
 def test_a_pool_whose_events_could_not_be_published_is_refused_at_construction(cap: Capture) -> None:
