@@ -239,3 +239,43 @@ def encode_meta_events(int event_type, list metas, bytes tail):
         memcpy(p, t, tail_len)
         p += tail_len
     return out[: p - start]
+
+
+def make_meta_events(event_cls, event_type, list metas, block_size, storage_location):
+    """``[event_cls(event_type, m.sequence_hash, m.prefix_hash, m.parent_hash, block_size,
+    storage_location) for m in metas]`` without the interpreter loop: the KVEvent objects
+    a pool hands a sink that takes objects (not a publisher).
+
+    Args:
+        event_cls: the event class (``event_plane.KVEvent``).
+        event_type: its ``type`` (``EventType.STORE`` / ``EventType.REMOVE``).
+        metas: block identities, as for :func:`encode_meta_events`.
+        block_size, storage_location: the events' other fields.
+
+    Returns:
+        A new list of events, in the order of ``metas``.
+
+    Raises:
+        AttributeError: an item of ``metas`` lacks one of the three attributes.
+    """
+    cdef Py_ssize_t n = PyList_GET_SIZE(metas)
+    cdef Py_ssize_t i
+    cdef list out = [None] * n
+    cdef object meta
+    cdef PyObject* ps
+    cdef PyObject* pp
+    cdef PyObject* pq
+    for i in range(n):
+        meta = <object>PyList_GET_ITEM(metas, i)
+        ps = NULL
+        if type(meta) is _slot_type or _learn(type(meta)):
+            ps = _slot(meta, _off_seq)
+            pp = _slot(meta, _off_prefix)
+            pq = _slot(meta, _off_parent)
+        if ps != NULL and pp != NULL and pq != NULL:
+            out[i] = event_cls(event_type, <object>ps, <object>pp, <object>pq, block_size, storage_location)
+        else:
+            out[i] = event_cls(
+                event_type, meta.sequence_hash, meta.prefix_hash, meta.parent_hash, block_size, storage_location
+            )
+    return out
