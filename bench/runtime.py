@@ -19,9 +19,10 @@ Prints, side by side in one run, medians of ``--runs`` runs:
    one-block calls (``allocate_complete([m])``, ``register``, ``h.release()``) against the
    reference called per block, and the batch calls with the events going through the
    event plane as a worker publishes them: the publisher ``null://`` makes (events off:
-   batching, numbering, msgpack encoding, nothing sent) and the one ``zmq://`` makes,
-   bound to a local TCP socket with its replay socket, with a subscriber in another
-   process that must receive every batch.  Pool figures are CPU time of the process (all
+   the pool builds none, the publisher only counts them) and the one ``zmq://`` makes
+   (the pool's events encoded straight from the block identities by the compiled encoder,
+   batched, sent), bound to a local TCP socket with its replay socket, with a subscriber in
+   another process that must receive every batch.  Pool figures are CPU time of the process (all
    its threads; a shared machine's other processes do not count), after a
    ``gc.collect()``, which side goes first alternating between runs.
 2. Offload throughput, GB/s: G1 → G2 through the transfer manager (reserve G2 blocks,
@@ -331,8 +332,8 @@ def bench_pool(
         out["match_single"].append((t[0] / n * 1e6, t[1] / n * 1e6))
 
         # 2. the same batch calls through the event plane, as a worker publishes: the null
-        #    publisher of ``null://`` (events off: batching, numbering, msgpack encoding,
-        #    nothing sent) and the ZMQ publisher of ``zmq://`` bound to a local socket, with
+        #    publisher of ``null://`` (events off: the pool builds none, the publisher counts
+        #    them, no batch) and the ZMQ publisher of ``zmq://`` bound to a local socket, with
         #    its replay socket and a subscriber connected (its sends are real TCP writes)
         for key, tag in (("churn_null", 2), ("churn_zmq", 4)):
             requests, metas = workload(tag)
@@ -349,6 +350,8 @@ def bench_pool(
             out[key].append((t[0] / n_blocks * 1e6, t[1] / n_blocks * 1e6))
             st = pub.stats()
             assert st.events - st0.events == n_blocks + n_evict and st.dropped == 0, st
+            if sub is None:
+                assert st.batches == st0.batches, st  # events off: nothing batched
             if sub is not None:
                 sent = st.batches - st0.batches
                 assert sub.count(st0.batches, st.batches - 1) == sent, "the subscriber missed batches"

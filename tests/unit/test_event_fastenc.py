@@ -313,3 +313,53 @@ def test_null_publisher_without_on_flush_is_events_off() -> None:
     pub.close()
     # with an on_flush callback it wants them (embedded setups, tests)
     assert NullPublisher("w", on_flush=lambda b, p: None).wants_events is True
+
+
+@settings(max_examples=100, deadline=None)
+@given(kind=st.sampled_from([0, 1]), rows=st.lists(st.tuples(U64, U64, st.none() | U64), max_size=20))
+def test_make_meta_events_builds_the_same_objects(kind: int, rows: list) -> None:
+    """The C-built KVEvents a pool hands a plain sink equal the ones Python would build,
+    for slotted identities (read from their slots) and any other object (getattr)."""
+    from event_plane._fastenc import make_meta_events
+
+    ns = [SimpleNamespace(sequence_hash=s, prefix_hash=p, parent_hash=par) for s, p, par in rows]
+    metas = [BlockMeta(s, par, p, 0) for s, p, par in rows if par != s]
+    for ms in (ns, metas):
+        assert make_meta_events(KVEvent, EventType(kind), ms, 4096, "g1") == objects(kind, ms, 4096, "g1")
+
+
+def test_make_meta_events_refuses_objects_without_the_fields() -> None:
+    from event_plane._fastenc import make_meta_events
+
+    with pytest.raises(AttributeError):
+        make_meta_events(KVEvent, EventType.STORE, [BlockMeta(1, None, 1, 0), object()], 1, "g1")
+
+
+class _Slotted:
+    __slots__ = ("sequence_hash", "prefix_hash", "parent_hash")
+
+
+class _Overrides(_Slotted):
+    """A subclass whose sequence_hash is no slot read: getattr must be used."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[misc]
+    def sequence_hash(self) -> int:  # type: ignore[override]
+        return 77
+
+
+def test_slot_reads_fall_back_to_getattr_where_they_would_differ() -> None:
+    tail = event_tail(16, "g1")
+    a = _Slotted()
+    a.sequence_hash, a.prefix_hash, a.parent_hash = 5, 5, None
+    b = _Overrides()
+    b.prefix_hash, b.parent_hash = 5, 5  # its sequence_hash comes from the property
+    want = [SimpleNamespace(sequence_hash=5, prefix_hash=5, parent_hash=None), SimpleNamespace(sequence_hash=77, prefix_hash=5, parent_hash=5)]
+    for _ in range(2):  # and with each class learned first
+        assert encode_meta_events(0, [a, b, a], tail) == reference(0, [want[0], want[1], want[0]], 16, "g1")
+        assert encode_meta_events(0, [b, a], tail) == reference(0, [want[1], want[0]], 16, "g1")
+    unset = _Slotted()
+    unset.sequence_hash, unset.prefix_hash = 1, 1
+    with pytest.raises(AttributeError):
+        encode_meta_events(0, [a, unset], tail)
