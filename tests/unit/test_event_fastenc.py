@@ -363,3 +363,20 @@ def test_slot_reads_fall_back_to_getattr_where_they_would_differ() -> None:
     unset.sequence_hash, unset.prefix_hash = 1, 1
     with pytest.raises(AttributeError):
         encode_meta_events(0, [a, unset], tail)
+
+
+def test_a_sink_that_wants_no_events_gets_none() -> None:
+    """Any sink saying ``wants_events = False`` gets no event (with or without
+    ``skip_events``); the pool still counts what it would have published."""
+
+    class Off:
+        wants_events = False
+
+        def publish(self, events: list) -> None:
+            raise AssertionError("no event should be built")
+
+    pool = BlockPool("g2", FullyContiguous(CFG, 6), Off())  # type: ignore[arg-type]
+    _pool_traffic(pool)
+    pool.evict()
+    st = pool.stats()
+    assert (st.stores_published, st.removes_published) == (12, 12)
