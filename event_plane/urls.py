@@ -3,7 +3,8 @@
 =========================================  =============================================
 URL                                        meaning
 =========================================  =============================================
-``null://``                                publisher only: batches, sends nothing
+``null://``                                publisher only, events off: sends nothing;
+                                           block pools build no events (``wants_events``)
 ``zmq://HOST:PORT?replay=PORT&topic=T``    publisher binds ``tcp://HOST:PORT`` (PUB) and
                                            ``tcp://HOST:REPLAY`` (ROUTER); subscriber
                                            connects to both
