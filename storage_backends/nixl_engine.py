@@ -166,6 +166,9 @@ class NixlEngine:
             raise TransferError(f"{len(local)} local descriptors for {len(remote)} remote ones")
         if len(local) == 0:
             return
+        if self.backend == "OBJ" and len(local) > 1:
+            self._transfer_each(op, local, remote, remote_mem, timeout_s)
+            return
         a = self.agent
         handle = None
         try:
@@ -208,6 +211,92 @@ class NixlEngine:
                 try:
                     a.release_xfer_handle(handle)
                 except Exception as exc:  # a handle of a failed transfer may refuse release
+                    logger.debug("NIXL release_xfer_handle: %s", exc)
+
+    def _transfer_each(
+        self,
+        op: str,
+        local: Sequence[tuple[int, int]] | np.ndarray,
+        remote: Sequence[tuple[int, int, int]] | np.ndarray,
+        remote_mem: str,
+        timeout_s: float,
+    ) -> None:
+        """:meth:`transfer` of several OBJ descriptors: one NIXL request per descriptor,
+        all posted before any is waited for (they run concurrently on the backend's
+        threads, as one request of several descriptors would), and waited for ALL.
+
+        NIXL OBJ (nixl-cu12 1.5.1) reports a request of several descriptors as ``ERR`` as
+        soon as one of them failed, while the others' PUTs / ranged GETs are still in
+        flight: a PUT then landed after the wave's objects were deleted (an object left
+        behind), and a GET could still write into a staging buffer or a caller's tensor
+        after the call had returned.  With one descriptor per request, every request's
+        state is exact, and this returns or raises only once none of them runs (or when
+        ``timeout_s`` passed: then requests may still be running).
+
+        Raises:
+            TransferError: a request was refused or ended in ``ERR`` (the first error,
+                after every request ended), or ``timeout_s`` passed.
+        """
+        a = self.agent
+        loc = local if isinstance(local, np.ndarray) else np.array([(ad, ln, 0) for ad, ln in local], dtype=np.int64)
+        rem = remote if isinstance(remote, np.ndarray) else np.array(list(remote), dtype=np.int64)
+        handles: list[Any] = []
+        states: list[str] = []
+        first: BaseException | None = None
+        try:
+            for i in range(len(loc)):
+                try:
+                    ldesc = a.get_xfer_descs(loc[i : i + 1], "DRAM")
+                    rdesc = a.get_xfer_descs(rem[i : i + 1], remote_mem)
+                    h = a.initialize_xfer(op, ldesc, rdesc, self.agent_name, backends=[self.backend])
+                except Exception as exc:
+                    first = exc
+                    break
+                handles.append(h)
+                try:
+                    states.append(a.transfer(h))
+                except Exception as exc:
+                    states.append("ERR")
+                    first = exc
+                    break
+            start = time.monotonic()
+            deadline = start + timeout_s
+            spins = 0
+            yielded = False
+            while True:
+                pending = False
+                for j, h in enumerate(handles):
+                    if states[j] != "PROC":
+                        continue
+                    try:
+                        states[j] = a.check_xfer_state(h)
+                    except Exception as exc:
+                        states[j] = "ERR"
+                        first = first or exc
+                    pending = pending or states[j] == "PROC"
+                if not pending:
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    raise TransferError(f"NIXL {self.backend} {op} did not finish within {timeout_s} s")
+                spins += 1
+                if not yielded and now - start > 1.0:
+                    gc_pause_yield()
+                    yielded = True
+                time.sleep(0 if spins < 32 else min(0.001, max(0.00002, (now - start) / 20)))
+            if first is not None:
+                raise TransferError(f"NIXL {self.backend} {op} of {len(loc)} descriptors failed: {first}") from first
+            bad = [j for j, st in enumerate(states) if st != "DONE"]
+            if bad:
+                raise TransferError(
+                    f"NIXL {self.backend} {op}: {len(bad)} of {len(loc)} descriptors ended in state "
+                    f"{states[bad[0]]!r} (first: descriptor {bad[0]})"
+                )
+        finally:
+            for h in handles:
+                try:
+                    a.release_xfer_handle(h)
+                except Exception as exc:
                     logger.debug("NIXL release_xfer_handle: %s", exc)
 
     def close(self) -> None:

@@ -1,0 +1,231 @@
+"""Hostile tests of S3 write waves and reads (issue 4 review), with real parts only: NIXL OBJ
+and boto3 against the session's moto_server, through a real HTTP proxy that fails, delays
+or cuts chosen requests (per object key), so one PUT of a wave can fail while the others
+land, be slow, or land after the failure was reported."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlparse
+
+import boto3
+import pytest
+import torch
+
+from storage_backends import (
+    BlockKey,
+    LocalS3,
+    MediaClass,
+    SqliteCatalog,
+    StorageAgent,
+    TransferError,
+    VolumeDescriptor,
+    VolumeKind,
+)
+
+_ids = itertools.count()
+_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+           b"<Message>Access Denied</Message></Error>")
+_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+             b"<Message>We encountered an internal error.</Message></Error>")
+
+#: rule(method, path, nth request of that method+path) -> None (forward), an int status
+#: to answer with, or ("delay", seconds) to forward after a sleep
+Rule = Callable[[str, str, int], object]
+
+
+class HostileProxy:
+    """HTTP proxy in front of moto_server whose answers a :data:`Rule` chooses per request."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.lock = threading.Lock()
+        self.rule: Rule = lambda m, p, n: None
+        self.seen: dict[tuple[str, str], int] = {}
+        self.log: list[tuple[float, str, str, object]] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    parts = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return b"".join(parts)
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _handle(self) -> None:
+                body = self._body()
+                path = urlparse(self.path).path
+                with proxy.lock:
+                    k = (self.command, path)
+                    nth = proxy.seen.get(k, 0)
+                    proxy.seen[k] = nth + 1
+                    action = proxy.rule(self.command, path, nth)
+                    proxy.log.append((time.monotonic(), self.command, path, action))
+                if isinstance(action, int):
+                    payload = _DENIED if action == 403 else _INTERNAL
+                    self.send_response(action)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                if isinstance(action, tuple) and action[0] == "delay":
+                    time.sleep(float(action[1]))  # type: ignore[arg-type]
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                hdrs = {k: v for k, v in self.headers.items()
+                        if k.lower() not in ("transfer-encoding", "expect", "content-length")}
+                hdrs["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=hdrs)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length or "0")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def set_rule(self, rule: Rule) -> None:
+        with self.lock:
+            self.rule = rule
+            self.seen.clear()
+            self.log.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(local_s3: LocalS3) -> Iterator[HostileProxy]:
+    p = HostileProxy(int(urlparse(local_s3.endpoint).port or 0))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[StorageAgent]:
+    cat = SqliteCatalog(tmp_path / "c.sqlite")
+    a = StorageAgent(cat, name=f"s3-hostile-{tmp_path.name}")
+    yield a
+    a.close()
+    cat.close()
+
+
+def s3desc(endpoint: str, s3: LocalS3, segment_bytes: int = 1 << 20) -> VolumeDescriptor:
+    return VolumeDescriptor(
+        "cold", VolumeKind.S3, MediaClass.OBJECT, 1 << 30, endpoint=endpoint, prefix="kv",
+        bucket=f"kvadvisor-hostile-{next(_ids)}", segment_bytes=segment_bytes,
+        access_key=s3.access_key, secret_key=s3.secret_key,
+    )
+
+
+def block(h: int, n: int = 256 << 10) -> torch.Tensor:
+    g = torch.Generator().manual_seed(h)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def bucket_keys(s3: LocalS3, bucket: str) -> list[str]:
+    c = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1",
+                     aws_access_key_id=s3.access_key, aws_secret_access_key=s3.secret_key)
+    return sorted(o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", []))
+
+
+def is_put_of(seg_suffix: str) -> Callable[[str, str], bool]:
+    return lambda m, p: m == "PUT" and p.endswith(seg_suffix)
+
+
+def test_a_wave_whose_one_put_is_denied_while_another_is_slow_leaves_nothing_behind(
+    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+) -> None:
+    """Segment 2's PUT is refused at once (403) while segment 3's takes 1.5 s to land: the
+    put fails, stores nothing, and once every request is over no object of the wave is left
+    in the bucket (a PUT that lands after the wave's objects were deleted would leave one)."""
+    desc = s3desc(proxy.endpoint, local_s3)
+    agent.register_volume(desc)
+    items = [(BlockKey("ns", i), block(i)) for i in range(16)]  # 4 MiB: 4 segments of 1 MiB
+
+    def rule(m: str, p: str, n: int) -> object:
+        if m == "PUT" and p.endswith("seg-000000000002"):
+            return 403
+        if m == "PUT" and p.endswith("seg-000000000003"):
+            return ("delay", 1.5)
+        return None
+
+    proxy.set_rule(rule)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as ei:
+        agent.put(items, "cold")
+    assert ei.value.stored == []
+    time.sleep(max(0.0, t0 + 3.0 - time.monotonic()))  # every delayed PUT is over by now
+    assert bucket_keys(local_s3, desc.bucket) == []
+    assert agent.catalog.get_many([k for k, _ in items]) == [None] * 16
+    assert agent.segments("cold") == []
+
+
+def test_a_failed_get_writes_nothing_into_the_callers_tensors_after_it_returned(
+    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+) -> None:
+    """Two 4 MiB blocks in two segment objects are read straight into the caller's tensors
+    (one ranged GET each, one NIXL READ): the GET of the first is refused (403) every time,
+    the first GET of the second is slow.  ``get`` fails; the caller then reuses its tensors, and
+    no GET of the failed call may land in them afterwards."""
+    desc = s3desc(proxy.endpoint, local_s3, segment_bytes=4 << 20)
+    agent.register_volume(desc)
+    keys = [BlockKey("ns", 100), BlockKey("ns", 101)]
+    agent.put([(k, block(k.sequence_hash, 4 << 20)) for k in keys], "cold")
+    places = agent.catalog.get_many(keys)
+    assert places[0] is not None and places[1] is not None and places[0].segment_id != places[1].segment_id
+    s0, s1 = (f"seg-{p.segment_id:012d}" for p in places)  # type: ignore[union-attr]
+
+    def rule(m: str, p: str, n: int) -> object:
+        if m == "GET" and p.endswith(s0):
+            return 403
+        if m == "GET" and p.endswith(s1) and n == 0:
+            return ("delay", 2.5)  # the first GET only: the call's later tries are quick
+        return None
+
+    proxy.set_rule(rule)
+    out = [torch.zeros(4 << 20, dtype=torch.uint8) for _ in keys]
+    with pytest.raises(TransferError):
+        agent.get(keys, out=out)
+    done = time.monotonic()
+    for t in out:
+        t.fill_(7)  # the caller reuses its buffers for something else
+    time.sleep(max(0.0, 3.5 - (time.monotonic() - done)))  # a GET still in flight lands by now
+    assert all(bool((t == 7).all()) for t in out)
+    late = [(at, m, p) for at, m, p, _ in proxy.log if at > done]
+    assert late == []  # no request of the failed call was still being sent
+    proxy.set_rule(lambda m, p, n: None)
+    got = agent.get([keys[1]])[0]
+    assert torch.equal(got, block(101, 4 << 20))  # the block itself is fine
