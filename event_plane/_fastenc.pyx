@@ -22,56 +22,82 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject, PyTypeObject
 from libc.string cimport memcpy
 
-import types
+import sys
 
 import msgspec
 
 
-cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        int type
-        Py_ssize_t offset
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef* d_member
-
-cdef enum:
-    _T_OBJECT_EX = 16  # structmember.h: a __slots__ member (AttributeError when unset)
+cdef extern from *:
+    """
+    #include <structmember.h>
+    /* Offset of the __slots__ member ``name`` in instances of ``tp``, or -1 when ``name``
+       is not such a member for ``tp``: found as attribute lookup finds it (the first
+       class of tp's MRO defining it: a property or anything else there means -1), an
+       object member (T_OBJECT_EX: NULL when unset), and one of a class ``tp`` derives
+       from (so its offset lies inside tp's instances; a member descriptor copied from
+       another class onto ``tp`` would make getattr raise TypeError: -1).  Runs no Python
+       code: _PyType_Lookup only compares str keys of the classes' dicts. */
+    static Py_ssize_t kvfast_slot_offset(PyObject *tp, PyObject *name) {
+        PyObject *d = _PyType_Lookup((PyTypeObject *)tp, name);  /* borrowed, sets no error */
+        PyMemberDescrObject *md;
+        if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type) return -1;
+        md = (PyMemberDescrObject *)d;
+        if (md->d_member->type != T_OBJECT_EX) return -1;
+        if (!PyType_IsSubtype((PyTypeObject *)tp, PyDescr_TYPE(md))) return -1;
+        return md->d_member->offset;
+    }
+    /* Whether instances of ``tp`` use object's own attribute lookup (no __getattribute__
+       or __getattr__ of their own). */
+    static int kvfast_generic_getattr(PyObject *tp) {
+        return ((PyTypeObject *)tp)->tp_getattro == PyObject_GenericGetAttr;
+    }
+    /* tp's attribute-cache version tag, 0 when it has none: CPython clears it whenever
+       tp or one of its bases is changed (an attribute set or deleted on the class). */
+    static unsigned int kvfast_version(PyObject *tp) {
+        PyTypeObject *t = (PyTypeObject *)tp;
+        return PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG) ? t->tp_version_tag : 0;
+    }
+    """
+    Py_ssize_t kvfast_slot_offset(object tp, object name)
+    bint kvfast_generic_getattr(object tp)
+    unsigned int kvfast_version(object tp)
 
 # Fast attribute reads: for the last class of identities seen whose three fields are plain
 # __slots__ members (kvbm_runtime.BlockMeta) and whose attribute lookup is object's, the
 # fields are read straight from their slots (what getattr would return); any other class
-# goes through getattr.  Set under the GIL, type last.
+# goes through getattr.  The class's version tag is remembered with its offsets: a class
+# changed since (CPython then clears its tag) is looked at again.  Set under the GIL.
 cdef object _slot_type = None
+cdef unsigned int _slot_version = 0
 cdef Py_ssize_t _off_seq = 0, _off_prefix = 0, _off_parent = 0
 _FIELDS = ("sequence_hash", "prefix_hash", "parent_hash")
-
-
-cdef Py_ssize_t _slot_offset(object tp, str name):
-    """Offset of ``name``'s __slots__ member in instances of ``tp``, or -1."""
-    for klass in tp.__mro__:
-        d = klass.__dict__.get(name)
-        if d is not None:
-            if type(d) is not types.MemberDescriptorType:
-                return -1
-            if (<PyMemberDescrObject*>d).d_member.type != _T_OBJECT_EX:
-                return -1
-            return (<PyMemberDescrObject*>d).d_member.offset
-    return -1
+cdef object _N_SEQ = sys.intern("sequence_hash")
+cdef object _N_PREFIX = sys.intern("prefix_hash")
+cdef object _N_PARENT = sys.intern("parent_hash")
 
 
 cdef bint _learn(object tp):
-    """Remember ``tp``'s slot offsets when its fields can be read from slots."""
-    global _slot_type, _off_seq, _off_prefix, _off_parent
-    if tp.__getattribute__ is not object.__getattribute__:
+    """Remember ``tp``'s slot offsets when its fields can be read from slots (as getattr
+    would read them).  Runs no Python code, so the list being encoded cannot change here."""
+    global _slot_type, _slot_version, _off_seq, _off_prefix, _off_parent
+    if not kvfast_generic_getattr(tp):
         return False
-    cdef Py_ssize_t a = _slot_offset(tp, "sequence_hash")
-    cdef Py_ssize_t b = _slot_offset(tp, "prefix_hash")
-    cdef Py_ssize_t c = _slot_offset(tp, "parent_hash")
-    if a < 0 or b < 0 or c < 0:
+    cdef Py_ssize_t a = kvfast_slot_offset(tp, _N_SEQ)
+    cdef Py_ssize_t b = kvfast_slot_offset(tp, _N_PREFIX)
+    cdef Py_ssize_t c = kvfast_slot_offset(tp, _N_PARENT)
+    cdef unsigned int version = kvfast_version(tp)  # assigned by the lookups above
+    if a < 0 or b < 0 or c < 0 or version == 0:
         return False
     _off_seq, _off_prefix, _off_parent = a, b, c
+    _slot_version = version
     _slot_type = tp
     return True
+
+
+cdef inline bint _fast(object tp):
+    """Whether instances of ``tp`` may be read from their slots (learning ``tp`` if new or
+    changed)."""
+    return (tp is _slot_type and kvfast_version(tp) == _slot_version) or _learn(tp)
 
 
 cdef inline PyObject* _slot(object obj, Py_ssize_t offset) noexcept:
@@ -177,7 +203,7 @@ def event_tail(block_size, storage_location):
     return _encoder.encode((block_size, storage_location, None))[1:]  # drop the fixarray(3) header
 
 
-def encode_meta_events(int event_type, list metas, bytes tail):
+def encode_meta_events(int event_type, list metas not None, bytes tail not None):
     """Encode one event of type ``event_type`` per block identity in ``metas``.
 
     Args:
@@ -197,6 +223,9 @@ def encode_meta_events(int event_type, list metas, bytes tail):
         TypeError: a hash is not an ``int`` (``bool`` included).
         OverflowError: a hash is negative or >= 2**64.
         AttributeError: an item of ``metas`` lacks one of the three attributes.
+        TypeError: ``metas`` is not a list or ``tail`` not bytes (``None`` included).
+        RuntimeError: reading an item's attributes (Python code: a property) changed the
+            length of ``metas``.
     """
     if event_type != 0 and event_type != 1:
         raise ValueError(f"event_type must be 0 (Store) or 1 (Remove), got {event_type}")
@@ -214,9 +243,11 @@ def encode_meta_events(int event_type, list metas, bytes tail):
     cdef PyObject* pq
     cdef unsigned long long s, pre, par
     for i in range(n):
+        if PyList_GET_SIZE(metas) != n:  # changed by Python code of an item (getattr, event_cls)
+            raise RuntimeError(f"metas changed size during encoding ({n} -> {PyList_GET_SIZE(metas)})")
         meta = <object>PyList_GET_ITEM(metas, i)
         ps = NULL
-        if type(meta) is _slot_type or _learn(type(meta)):
+        if _fast(type(meta)):
             ps = _slot(meta, _off_seq)
             pp = _slot(meta, _off_prefix)
             pq = _slot(meta, _off_parent)
@@ -241,7 +272,7 @@ def encode_meta_events(int event_type, list metas, bytes tail):
     return out[: p - start]
 
 
-def make_meta_events(event_cls, event_type, list metas, block_size, storage_location):
+def make_meta_events(event_cls, event_type, list metas not None, block_size, storage_location):
     """``[event_cls(event_type, m.sequence_hash, m.prefix_hash, m.parent_hash, block_size,
     storage_location) for m in metas]`` without the interpreter loop: the KVEvent objects
     a pool hands a sink that takes objects (not a publisher).
@@ -257,6 +288,9 @@ def make_meta_events(event_cls, event_type, list metas, block_size, storage_loca
 
     Raises:
         AttributeError: an item of ``metas`` lacks one of the three attributes.
+        TypeError: ``metas`` is not a list (``None`` included).
+        RuntimeError: Python code run for an item (a property, ``event_cls``) changed the
+            length of ``metas``.
     """
     cdef Py_ssize_t n = PyList_GET_SIZE(metas)
     cdef Py_ssize_t i
@@ -266,9 +300,11 @@ def make_meta_events(event_cls, event_type, list metas, block_size, storage_loca
     cdef PyObject* pp
     cdef PyObject* pq
     for i in range(n):
+        if PyList_GET_SIZE(metas) != n:  # changed by Python code of an item (getattr, event_cls)
+            raise RuntimeError(f"metas changed size during encoding ({n} -> {PyList_GET_SIZE(metas)})")
         meta = <object>PyList_GET_ITEM(metas, i)
         ps = NULL
-        if type(meta) is _slot_type or _learn(type(meta)):
+        if _fast(type(meta)):
             ps = _slot(meta, _off_seq)
             pp = _slot(meta, _off_prefix)
             pq = _slot(meta, _off_parent)
