@@ -238,7 +238,13 @@ class EventPublisher(abc.ABC):
     def skip_events(self, count: int) -> None:
         """Count ``count`` events a producer did not build because :attr:`wants_events`
         is false: they are added to ``stats().events`` (no batch, no seq: nothing is
-        sent)."""
+        sent).
+
+        Raises:
+            ValueError: ``count`` is not an ``int`` >= 0 (``bool`` included); nothing counted.
+        """
+        if type(count) is not int or count < 0:  # noqa: E721 - bool is not a count
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
         with self._lock:
             self._stats.events += count
 
@@ -261,12 +267,16 @@ class EventPublisher(abc.ABC):
 
         Raises:
             TypeError: ``body`` is not ``bytes``.
+            ValueError: ``count`` is not an ``int`` >= 0 (``bool`` included); nothing
+                accepted.
             PublisherClosedError: the publisher is closed.
             InvalidEventError: when a part must be split, ``body`` does not decode to
                 ``count`` valid events (nothing accepted).
         """
         if type(body) is not bytes:
             raise TypeError(f"body must be bytes, got {type(body).__name__}")
+        if type(count) is not int or count < 0:  # noqa: E721 - bool is not a count
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
         if not count:
             return
         with self._lock:

@@ -8,13 +8,14 @@ so a segfault fails the test instead of killing the test run.
 from __future__ import annotations
 
 import subprocess
+import threading
 import sys
 import textwrap
 
 import msgspec
 import pytest
 
-from event_plane import KVEvent
+from event_plane import KVEvent, NullPublisher, PublisherConfig, decode_batch, encode_batch
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
 from event_plane.codec import encode_event
 from kvbm_runtime import BlockMeta
@@ -38,7 +39,7 @@ def _run(code: str, timeout: float = 60.0) -> str:
 
 _PRELUDE = """
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
-from event_plane import KVEvent
+from event_plane import KVEvent, NullPublisher, PublisherConfig, decode_batch, encode_batch
 from kvbm_runtime import BlockMeta
 tail = event_tail(4096, "g1")
 """
@@ -202,3 +203,112 @@ def test_every_width_boundary_in_every_field_with_long_tails() -> None:
         assert msgspec.msgpack.decode(b"\xdc" + len(metas).to_bytes(2, "big") + want, type=list[KVEvent]) == [
             KVEvent(1, m.sequence_hash, m.prefix_hash, m.parent_hash, 0xFFFFFFFF, loc) for m in metas
         ]
+
+
+# ------------------------------------------------------------------ publisher: limits, seqs, errors
+
+
+class _Recorder(NullPublisher):
+    """A real publisher whose transport keeps what it was handed (seq, count, payload),
+    through the payload-only hook the ZMQ and NATS transports use."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.sent: list[tuple[int, int, bytes]] = []
+
+    def _send_payload(self, seq: int, count: int, payload: bytes) -> None:
+        self.sent.append((seq, count, payload))
+
+
+def _event_bytes(events: list[KVEvent]) -> int:
+    return sum(len(encode_event(e)) for e in events)
+
+
+@pytest.mark.parametrize("with_on_flush", [False, True])
+def test_threads_mixing_every_entry_point_keep_limits_seqs_and_order(with_on_flush: bool) -> None:
+    """Four threads, each using publish / publish_valid (with and without a size bound) /
+    publish_encoded in turn, against small limits: every batch within max_events and
+    max_bytes, seqs 0..N-1 in send order, every event exactly once, each thread's events in
+    its own order, and payloads byte-identical to encode_batch of what they decode to."""
+    tail = event_tail(4096, "g1")
+    big = len(encode_event(KVEvent(1, 2**64 - 1, 2**64 - 1, 2**64 - 1, 4096, "g1")))
+    cfg = PublisherConfig(max_events=7, max_bytes=5 * big + 3, max_delay_s=0.002)
+    flushed: list[tuple[int, bytes]] = []
+    pub = _Recorder(
+        "w-threads", config=cfg, on_flush=(lambda b, p: flushed.append((b.seq, p))) if with_on_flush else None
+    )
+    n_threads, rounds = 4, 150
+
+    def work(t: int) -> None:
+        for r in range(rounds):
+            k = 1 + (r * 7 + t) % 9  # 1..9 events: some calls exceed max_events
+            # widths vary so byte limits bite at different counts
+            metas = [BlockMeta((t << 56) | (r << 8) | i | (1 << (8 * (i % 7))), None, 1 << (i % 64), 0) for i in range(k)]
+            evs = [KVEvent(r % 2, m.sequence_hash, m.prefix_hash, None, 4096, "g1") for m in metas]
+            mode = (r + t) % 4
+            if mode == 0:
+                pub.publish(evs)
+            elif mode == 1:
+                pub.publish_valid(evs)
+            elif mode == 2:
+                pub.publish_valid(evs, big)
+            else:
+                pub.publish_encoded(encode_meta_events(r % 2, metas, tail), k)
+            if r % 37 == 0:
+                pub.flush()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    pub.close()
+
+    assert [s for s, _, _ in pub.sent] == list(range(len(pub.sent)))
+    if with_on_flush:
+        assert flushed == [(s, p) for s, _, p in pub.sent]
+    per_thread: dict[int, list[int]] = {t: [] for t in range(n_threads)}
+    total = 0
+    for seq, count, payload in pub.sent:
+        batch = decode_batch(payload)
+        assert batch.seq == seq and len(batch.events) == count
+        assert 1 <= count <= cfg.max_events
+        assert _event_bytes(batch.events) <= cfg.max_bytes
+        assert encode_batch(batch) == payload
+        for e in batch.events:
+            per_thread[e.sequence_hash >> 56].append(e.sequence_hash)
+        total += count
+    want_total = 0
+    for t in range(n_threads):
+        want = []
+        for r in range(rounds):
+            k = 1 + (r * 7 + t) % 9
+            want += [(t << 56) | (r << 8) | i | (1 << (8 * (i % 7))) for i in range(k)]
+        want_total += len(want)
+        assert per_thread[t] == want
+    assert total == want_total
+    st = pub.stats()
+    assert st.events == want_total and st.batches == len(pub.sent) and st.dropped == 0
+
+
+@pytest.mark.parametrize("count", [-1, -100, True, 1.0, "3", None])
+def test_publish_encoded_refuses_a_bad_count_and_keeps_the_pending_batch(count: object) -> None:
+    tail = event_tail(64, "g1")
+    pub = _Recorder("w0", config=PublisherConfig(max_events=10, max_delay_s=60.0))
+    ms = [BlockMeta(10 + i, None, 10 + i, 0) for i in range(3)]
+    pub.publish_encoded(encode_meta_events(0, ms[:2], tail), 2)  # pending: 2 events
+    with pytest.raises((TypeError, ValueError)):
+        pub.publish_encoded(encode_meta_events(0, ms[2:], tail), count)  # type: ignore[arg-type]
+    pub.close()
+    assert [(s, c) for s, c, _ in pub.sent] == [(0, 2)]
+    assert decode_batch(pub.sent[0][2]).events == [KVEvent(0, m.sequence_hash, m.prefix_hash, None, 64, "g1") for m in ms[:2]]
+    assert pub.stats().events == 2
+
+
+@pytest.mark.parametrize("count", [-1, True, 2.5, None])
+def test_skip_events_refuses_a_bad_count(count: object) -> None:
+    pub = NullPublisher("w0")
+    pub.skip_events(3)
+    with pytest.raises((TypeError, ValueError)):
+        pub.skip_events(count)  # type: ignore[arg-type]
+    assert pub.stats().events == 3
