@@ -516,7 +516,8 @@ class StorageAgent:
           block's end (:meth:`Volume.segment_size`), and still unchanged at a second
           look-up: the entry is quarantined (compare-and-set on the exact placement, so a
           move that wins the race is never undone);
-        * unchanged, checksum mismatch: quarantined.
+        * unchanged, checksum mismatch: read again on its own (a reply cut short in
+          transit looks the same), quarantined when it fails that second read too.
 
         Every key is attempted before the call fails, so one call quarantines every bad
         entry it meets.
@@ -539,6 +540,7 @@ class StorageAgent:
         lost: list[int] = []
         truncated: list[int] = []
         broken: list[tuple[int, TransferError]] = []
+        rechecked: set[int] = set()  # failed their checksum once, read again on their own
         for attempt in range(_READ_RETRIES + 1):
             if attempt:
                 self.counters.read_retries += 1
@@ -565,7 +567,8 @@ class StorageAgent:
             if not failed and not bad:
                 todo = []
                 break
-            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated)
+            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated,
+                                rechecked if attempt < _READ_RETRIES else None)
             if not todo:
                 break
         if todo:  # still moving after every retry
@@ -600,11 +603,14 @@ class StorageAgent:
     def _triage(
         self, cur: list[Placement], failed: list[tuple[int, TransferError]], bad: list[int], alone: set[int],
         mismatched: list[int], lost: list[int], broken: list[tuple[int, TransferError]],
-        truncated: list[int] | None = None,
+        truncated: list[int] | None = None, rechecked: set[int] | None = None,
     ) -> list[int]:
         """Sort the failures of one read round (see :meth:`_read_verified`): updates
         ``cur``, ``alone`` and the outcome lists (``truncated``: the part of ``lost``
-        whose segment is there but too short); returns the indexes to read again."""
+        whose segment is there but too short; ``rechecked``: the blocks whose checksum
+        failed once and that were read again, on their own: a block is quarantined for a
+        mismatch only when it fails a second read, when ``rechecked`` is given); returns
+        the indexes to read again."""
         if truncated is None:
             truncated = []
         retry_idx = [i for i, _ in failed] + bad
@@ -644,6 +650,14 @@ class StorageAgent:
 
         for i in wrong:
             if lost_at(cur[i]) is None:
+                if rechecked is not None and i not in rechecked:
+                    # read it once more, on its own, before condemning the copy: a reply cut
+                    # short in transit (a 206 of part of the range, which NIXL OBJ does not
+                    # report) or a bad read looks the same as bad stored bytes
+                    rechecked.add(i)
+                    alone.add(i)
+                    again.append(i)
+                    continue
                 self.counters.checksum_mismatches += 1
                 if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
                     self.counters.quarantined += 1

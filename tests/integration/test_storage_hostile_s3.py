@@ -90,6 +90,7 @@ class HostileProxy:
                     return
                 if isinstance(action, tuple) and action[0] == "delay":
                     time.sleep(float(action[1]))  # type: ignore[arg-type]
+                cut = isinstance(action, tuple) and action[0] in ("cut", "short")
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 hdrs = {k: v for k, v in self.headers.items()
                         if k.lower() not in ("transfer-encoding", "expect", "content-length")}
@@ -99,12 +100,27 @@ class HostileProxy:
                 data = r.read()
                 self.send_response(r.status)
                 for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date",
+                                         "content-range"):
                         self.send_header(k, v)
+                if cut and action[0] == "short":  # type: ignore[index]
+                    data = data[: len(data) // 2]  # a short body, announced as such
+                if r.getheader("Content-Range"):
+                    rng = r.getheader("Content-Range") or ""
+                    unit_first = rng.split("-")[0]
+                    first = int(unit_first.split()[-1])
+                    total = rng.split("/")[-1]
+                    self.send_header("Content-Range", f"bytes {first}-{first + len(data) - 1}/{total}")
                 length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length or "0")
                 self.end_headers()
                 if self.command != "HEAD":
+                    if cut and action[0] == "cut":  # type: ignore[index]
+                        self.wfile.write(data[: len(data) // 2])  # the connection drops mid-body
+                        self.wfile.flush()
+                        self.close_connection = True
+                        conn.close()
+                        return
                     self.wfile.write(data)
                 conn.close()
 
@@ -229,3 +245,27 @@ def test_a_failed_get_writes_nothing_into_the_callers_tensors_after_it_returned(
     proxy.set_rule(lambda m, p, n: None)
     got = agent.get([keys[1]])[0]
     assert torch.equal(got, block(101, 4 << 20))  # the block itself is fine
+
+
+@pytest.mark.parametrize("how", ["cut", "short"])
+def test_a_get_answered_short_once_neither_fails_nor_quarantines_a_good_copy(
+    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy, how: str
+) -> None:
+    """The first ranged GET of a segment comes back short, once: the connection drops
+    mid-body ("cut"), or the answer is a well-formed 206 of half the range ("short", as an
+    endpoint or middlebox that truncates).  The object itself is whole, so the copy is
+    good: ``get`` must return the right bytes, and nothing may be quarantined."""
+    desc = s3desc(proxy.endpoint, local_s3)
+    agent.register_volume(desc)
+    items = [(BlockKey("ns", 200 + i), block(200 + i, 64 << 10)) for i in range(8)]
+    agent.put(items, "cold")
+    eng = agent._vol("cold").engine  # type: ignore[attr-defined]
+    for slot in (0, 1):  # the put left these very bytes in the staging buffer: scribble
+        eng.staging(1 << 20, slot=slot).fill_(0xAB)
+    proxy.set_rule(lambda m, p, n: (how, 0) if m == "GET" and "/seg-" in p and n == 0 else None)
+    got = agent.get([k for k, _ in items])
+    assert [a for _, m, _, a in proxy.log if m == "GET"][0] == (how, 0)  # the fault was served
+    assert all(torch.equal(g, t) for g, (_, t) in zip(got, items))
+    assert agent.catalog.get_many([k for k, _ in items]) == agent.locate([k for k, _ in items])
+    assert all(p is not None for p in agent.locate([k for k, _ in items]))
+    assert agent.counters.quarantined == 0
