@@ -256,10 +256,13 @@ class EventPublisher(abc.ABC):
         events; no ``KVEvent`` object is made unless an ``on_flush`` callback or a
         transport overriding ``_send`` reads the batch (then its payload is decoded).
 
-        For producers whose events are well-formed by construction only: the bytes are
-        not checked (a malformed part would make subscribers reject its batch).  A part
-        that does not fit the pending batch (``max_events`` / ``max_bytes``) is split into
-        its events (decoded) and they are appended one by one, as :meth:`publish` would.
+        For producers whose events are well-formed by construction only: when nothing
+        reads the batch in this process (a payload-only transport, no ``on_flush``) the
+        bytes are not checked (a malformed part would make subscribers reject its batch);
+        otherwise the part is decoded at once and refused whole (``InvalidEventError``)
+        unless it holds exactly ``count`` events.  A part that does not fit the pending
+        batch (``max_events`` / ``max_bytes``) is split into its events (decoded) and they
+        are appended one by one, as :meth:`publish` would.
 
         Args:
             body: the events' bytes (``bytes``), in order.
@@ -270,14 +273,27 @@ class EventPublisher(abc.ABC):
             ValueError: ``count`` is not an ``int`` >= 0 (``bool`` included); nothing
                 accepted.
             PublisherClosedError: the publisher is closed.
-            InvalidEventError: when a part must be split, ``body`` does not decode to
-                ``count`` valid events (nothing accepted).
+            InvalidEventError: when a part must be split, or the batch is read in this
+                process (``on_flush``, a transport taking ``EventBatch``), ``body`` does not
+                decode to ``count`` valid events (nothing accepted).
         """
         if type(body) is not bytes:
             raise TypeError(f"body must be bytes, got {type(body).__name__}")
         if type(count) is not int or count < 0:  # noqa: E721 - bool is not a count
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         if not count:
+            return
+        if not self._payload_only or self._on_flush is not None:
+            # This batch's events will be read (an on_flush callback, a transport taking
+            # EventBatch): decode the part now, so that bytes which are not ``count``
+            # events are refused whole here, not found at the flush after the batch drew
+            # its seq (a seq gap, the batch's other events lost).
+            try:
+                events = _decode_events(_array_header(count) + body)
+            except Exception as exc:  # noqa: BLE001 - msgspec's decode errors
+                raise InvalidEventError(f"publish_encoded: body is not {count} encoded events: {exc}") from exc
+            with self._lock:
+                self._accept_locked(events, None, body)
             return
         with self._lock:
             # Fast path (the common case): the pending batch is open, the part fits it,

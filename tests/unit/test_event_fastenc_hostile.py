@@ -17,6 +17,7 @@ import pytest
 
 from event_plane import KVEvent, NullPublisher, PublisherConfig, decode_batch, encode_batch
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
+from event_plane.errors import InvalidEventError
 from event_plane.codec import encode_event
 from kvbm_runtime import BlockMeta
 
@@ -39,6 +40,7 @@ def _run(code: str, timeout: float = 60.0) -> str:
 
 _PRELUDE = """
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
+from event_plane.errors import InvalidEventError
 from event_plane import KVEvent, NullPublisher, PublisherConfig, decode_batch, encode_batch
 from kvbm_runtime import BlockMeta
 tail = event_tail(4096, "g1")
@@ -312,3 +314,30 @@ def test_skip_events_refuses_a_bad_count(count: object) -> None:
     with pytest.raises((TypeError, ValueError)):
         pub.skip_events(count)  # type: ignore[arg-type]
     assert pub.stats().events == 3
+
+
+def test_a_bad_encoded_part_on_a_read_publisher_is_refused_whole_not_at_the_flush() -> None:
+    """With an on_flush callback the batch's events are read: a part whose bytes are not
+    ``count`` events used to be taken (fast path), then the flush failed to decode the
+    payload after its seq was drawn: a seq gap, the other producers' events of that batch
+    lost, the error raised to whoever flushed.  It must be refused when handed over."""
+    tail = event_tail(64, "g1")
+    seen: list[tuple[int, int]] = []
+    pub = _Recorder(
+        "w0", config=PublisherConfig(max_events=10, max_delay_s=60.0), on_flush=lambda b, p: seen.append((b.seq, len(b.events)))
+    )
+    ms = [BlockMeta(10 + i, None, 10 + i, 0) for i in range(4)]
+    pub.publish_encoded(encode_meta_events(0, ms[:2], tail), 2)
+    body = encode_meta_events(0, ms[2:], tail)
+    for bad, count in ((body, 1), (body, 3), (body[:-1], 2), (body + b"\xc0", 2), (b"\x97\x05" + body[2:], 2)):
+        with pytest.raises(InvalidEventError):
+            pub.publish_encoded(bad, count)
+    pub.flush()
+    pub.publish_encoded(body, 2)
+    pub.close()
+    assert [(s, c) for s, c, _ in pub.sent] == [(0, 2), (1, 2)]
+    assert seen == [(0, 2), (1, 2)]
+    events = [e for _, _, p in pub.sent for e in decode_batch(p).events]
+    assert events == [KVEvent(0, m.sequence_hash, m.prefix_hash, None, 64, "g1") for m in ms]
+    st = pub.stats()
+    assert st.events == 4 and st.batches == 2 and st.dropped == 0
