@@ -269,3 +269,31 @@ def test_a_get_answered_short_once_neither_fails_nor_quarantines_a_good_copy(
     assert agent.catalog.get_many([k for k, _ in items]) == agent.locate([k for k, _ in items])
     assert all(p is not None for p in agent.locate([k for k, _ in items]))
     assert agent.counters.quarantined == 0
+
+
+def test_a_wave_retried_after_a_partial_success_stores_every_block_readably(
+    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+) -> None:
+    """First try of a wave of 4: segment 2's PUT is refused while the others land; the
+    whole wave is sent again and succeeds.  Every block reads back, exactly the wave's 4
+    objects exist, and a later wave that fails for good leaves the first one intact."""
+    desc = s3desc(proxy.endpoint, local_s3)
+    agent.register_volume(desc)
+    items = [(BlockKey("ns", 300 + i), block(300 + i)) for i in range(16)]
+    proxy.set_rule(lambda m, p, n: 403 if m == "PUT" and p.endswith("seg-000000000002") and n == 0 else None)
+    ps = agent.put(items, "cold")
+    assert sum(1 for _, m, p, a in proxy.log if m == "PUT" and a == 403) == 1
+    assert len(bucket_keys(local_s3, desc.bucket)) == 4
+    got = agent.get([k for k, _ in items])
+    assert all(torch.equal(g, t) for g, (_, t) in zip(got, items))
+    more = [(BlockKey("ns", 400 + i), block(400 + i)) for i in range(40)]  # 10 segments: 2 waves
+    proxy.set_rule(lambda m, p, n: 403 if m == "PUT" and p.endswith("seg-000000000013") else None)
+    with pytest.raises(TransferError) as ei:
+        agent.put(more, "cold")
+    stored = ei.value.stored
+    assert [p.key for p in stored] == [k for k, _ in more[:32]]  # the first wave (8 segments) landed
+    assert len(bucket_keys(local_s3, desc.bucket)) == 4 + 8
+    proxy.set_rule(lambda m, p, n: None)
+    got = agent.get([p.key for p in stored] + [p.key for p in ps])
+    assert all(torch.equal(g, block(p.key.sequence_hash)) for g, p in zip(got, stored + ps))
+    assert agent.locate([k for k, _ in more[32:]]) == [None] * 8
