@@ -485,6 +485,10 @@ class BlockPool:
             BlockStateError: an input is not Complete, belongs to another pool or appears
                 twice (checked for all inputs before anything changes).
             ConsumedHandleError: an input handle was consumed.
+            TypeError, OverflowError, AttributeError: (a publisher taking encoded
+                events) an input's identity is not a checked ``BlockMeta`` and no Store
+                can carry it (a hash not an ``int`` in [0, 2**64), a field missing);
+                nothing changed: the inputs stay live and Complete.
         """
         complete = _COMPLETE
         registered = _REGISTERED
@@ -520,12 +524,22 @@ class BlockPool:
                         deferred = []
                     deferred.append((len(out), handle, existing))
                     append(None)
+            body = None
+            if events and self._put is not None:
+                try:
+                    body = encode_meta_events(_STORE_INT, events, self._tail)
+                except Exception:
+                    # an identity no Store can carry (not a checked BlockMeta): undo the
+                    # fresh registrations before anything else changed, so that no block
+                    # is registered here without its Store
+                    self._unregister_batch(blocks[: len(out)])
+                    raise
             if deferred:
                 self._register_existing(deferred, out)
             if events:
                 self._stores += len(events)
-                if self._put is not None:
-                    self._put(encode_meta_events(_STORE_INT, events, self._tail), len(events))
+                if body is not None:
+                    self._put(body, len(events))  # type: ignore[misc]
                 elif self._emit_metas is not None:
                     self._emit_metas(_STORE_INT, events)
             return out  # type: ignore[return-value]

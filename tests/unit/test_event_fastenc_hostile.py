@@ -218,6 +218,11 @@ class _Recorder(NullPublisher):
         super().__init__(*a, **kw)  # type: ignore[arg-type]
         self.sent: list[tuple[int, int, bytes]] = []
 
+    @property
+    def wants_events(self) -> bool:
+        """Its transport keeps the batches: events are wanted (pools send them)."""
+        return True
+
     def _send_payload(self, seq: int, count: int, payload: bytes) -> None:
         self.sent.append((seq, count, payload))
 
@@ -341,3 +346,43 @@ def test_a_bad_encoded_part_on_a_read_publisher_is_refused_whole_not_at_the_flus
     assert events == [KVEvent(0, m.sequence_hash, m.prefix_hash, None, 64, "g1") for m in ms]
     st = pub.stats()
     assert st.events == 4 and st.batches == 2 and st.dropped == 0
+
+
+# ------------------------------------------------------------------ pools: nothing half-published
+
+
+def test_register_blocks_whose_stores_cannot_be_encoded_changes_nothing() -> None:
+    """An identity that is not a checked BlockMeta (a duck-typed one with a numpy hash, as
+    a caller might build) cannot be encoded: register_blocks used to raise only after the
+    blocks were registered and their handles consumed, so the pool held blocks no Store
+    ever announced.  Now nothing changes: the handles stay live and Complete, nothing is
+    registered or sent, and the good blocks register afterwards."""
+    import numpy as np
+    import torch
+
+    from kvbm_runtime import BlockPool, LayoutConfig
+    from kvbm_runtime.layout import FullyContiguous
+
+    cfg = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
+    pub = _Recorder("w-pool", config=PublisherConfig(max_events=100, max_delay_s=60.0))
+    pool = BlockPool("g2", FullyContiguous(cfg, 4), pub)
+    good = BlockMeta(1000, None, 1000, 0)
+
+    class Duck:
+        __slots__ = ("sequence_hash", "prefix_hash", "parent_hash", "salt")
+
+        def __init__(self, h: object) -> None:
+            self.sequence_hash, self.prefix_hash, self.parent_hash, self.salt = h, h, None, 0
+
+    handles = pool.allocate_complete([good, Duck(np.uint64(2000))])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="sequence_hash must be an int"):
+        pool.register_blocks(handles)
+    assert [h.consumed for h in handles] == [False, False]
+    assert not pool.contains(1000) and not pool.contains(2000)
+    assert pool.stats().stores_published == 0
+    pub.flush()
+    assert pub.sent == []
+    [imm] = pool.register_blocks(handles[:1])
+    assert pool.contains(1000) and pool.stats().stores_published == 1
+    pub.flush()
+    assert [e.sequence_hash for _, _, p in pub.sent for e in decode_batch(p).events] == [1000]
