@@ -61,6 +61,12 @@ class NixlEngine:
     Callers hold :attr:`lock` while they use the staging buffer and run transfers with it.
     """
 
+    #: OBJ transfers of several descriptors run as one NIXL request per descriptor, all
+    #: posted, then all waited for (:meth:`_transfer_each`); ``False`` sends them as one
+    #: request, which NIXL OBJ reports failed while its other requests still run (A/B
+    #: benches only)
+    split_obj_transfers: bool = True
+
     def __init__(self, agent: Any, agent_name: str, backend: str, lock: threading.RLock) -> None:
         self.agent = agent
         self.agent_name = agent_name
@@ -166,7 +172,7 @@ class NixlEngine:
             raise TransferError(f"{len(local)} local descriptors for {len(remote)} remote ones")
         if len(local) == 0:
             return
-        if self.backend == "OBJ" and len(local) > 1:
+        if self.backend == "OBJ" and len(local) > 1 and self.split_obj_transfers:
             self._transfer_each(op, local, remote, remote_mem, timeout_s)
             return
         a = self.agent
