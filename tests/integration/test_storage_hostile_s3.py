@@ -297,3 +297,27 @@ def test_a_wave_retried_after_a_partial_success_stores_every_block_readably(
     got = agent.get([p.key for p in stored] + [p.key for p in ps])
     assert all(torch.equal(g, block(p.key.sequence_hash)) for g, p in zip(got, stored + ps))
     assert agent.locate([k for k, _ in more[32:]]) == [None] * 8
+
+
+def test_capacity_running_out_mid_wave_keeps_what_landed_and_leaves_no_stray_object(
+    agent: StorageAgent, local_s3: LocalS3
+) -> None:
+    """A 3.5 MiB S3 volume, a put of 4 MiB (4 segments, one wave): the 3 segments that
+    have room are written and recorded, ``VolumeFullError.stored`` names exactly their
+    blocks, they read back, and the bucket holds exactly their 3 objects."""
+    from dataclasses import replace
+
+    from storage_backends import VolumeFullError
+
+    desc = replace(s3desc(local_s3.endpoint, local_s3), capacity_bytes=(7 << 20) // 2)
+    agent.register_volume(desc)
+    items = [(BlockKey("ns", 500 + i), block(500 + i)) for i in range(16)]
+    with pytest.raises(VolumeFullError) as ei:
+        agent.put(items, "cold")
+    stored = ei.value.stored
+    assert [p.key for p in stored] == [k for k, _ in items[:12]]
+    assert len(bucket_keys(local_s3, desc.bucket)) == 3
+    got = agent.get([p.key for p in stored])
+    assert all(torch.equal(g, t) for g, (_, t) in zip(got, items[:12]))
+    assert agent.locate([k for k, _ in items[12:]]) == [None] * 4
+    assert len(agent.segments("cold")) == 3
