@@ -437,3 +437,64 @@ def test_close_racing_publishers_loses_no_accepted_event_and_leaves_no_seq_gap()
     for t in range(3):
         mine = [h for h in got if h >> 60 == t]
         assert mine == sorted(mine) and len(mine) == accepted[t]
+
+
+def test_fuzz_mixed_classes_and_values_in_a_subprocess() -> None:
+    """Random lists mixing BlockMeta, a subclass, other __slots__ layouts, plain objects,
+    unset slots and bad values, with classes changed between calls: the encoder either
+    returns msgspec's bytes of the equivalent KVEvents or raises TypeError / OverflowError /
+    AttributeError, and never crashes (subprocess with faulthandler)."""
+    out = _run(
+        _PRELUDE
+        + """
+import random
+from event_plane.codec import encode_event
+rnd = random.Random(1234)
+class Sub(BlockMeta):
+    pass
+class Slots3:
+    __slots__ = ("parent_hash", "prefix_hash", "sequence_hash")
+class Slots5:
+    __slots__ = ("x", "sequence_hash", "y", "parent_hash", "prefix_hash")
+class Plain:
+    pass
+EDGES = [0, 1, 0x7F, 0x80, 0xFF, 0x100, 0xFFFF, 0x10000, 0xFFFFFFFF, 2**32, 2**63, 2**64 - 1]
+def value(allow_none):
+    r = rnd.random()
+    if r < 0.85:
+        return rnd.choice(EDGES) if rnd.random() < 0.5 else rnd.getrandbits(rnd.choice([7, 16, 31, 32, 61, 64]))
+    if allow_none and r < 0.9:
+        return None
+    return rnd.choice([-1, 2**64, 2**100, True, 1.0, "1", None, bytearray(b"x")])
+def item():
+    s, p, par = value(False), value(False), value(True)
+    k = rnd.randrange(6)
+    ok = all(type(v) is int and 0 <= v < 2**64 for v in (s, p)) and (par is None or (type(par) is int and 0 <= par < 2**64))
+    if k in (0, 1) and ok and par != s:
+        return (BlockMeta if k == 0 else Sub)(s, par, p, 0), (s, p, par)
+    o = rnd.choice([Slots3, Slots5, Plain])()
+    if rnd.random() < 0.05:
+        return o, None  # unset
+    o.sequence_hash, o.prefix_hash, o.parent_hash = s, p, par
+    return o, ((s, p, par) if ok else None)
+n_ok = n_err = 0
+for it in range(3000):
+    if it % 97 == 0:
+        Sub.flag = it  # a class change: its cached layout must be re-learned
+    items = [item() for _ in range(rnd.randrange(0, 12))]
+    objs = [o for o, _ in items]
+    kind = rnd.randrange(2)
+    try:
+        got = encode_meta_events(kind, objs, tail)
+    except (TypeError, OverflowError, AttributeError):
+        assert any(w is None for _, w in items), items
+        n_err += 1
+        continue
+    assert all(w is not None for _, w in items), items
+    want = b"".join(encode_event(KVEvent(kind, s, p, par, 4096, "g1")) for _, (s, p, par) in items)
+    assert got == want, (items, got, want)
+    n_ok += 1
+print(n_ok > 500, n_err > 500)
+"""
+    )
+    assert out.split() == ["True", "True"], out
