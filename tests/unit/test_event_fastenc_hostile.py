@@ -498,3 +498,43 @@ print(n_ok > 500, n_err > 500)
 """
     )
     assert out.split() == ["True", "True"], out
+
+
+def test_null_with_on_flush_gets_every_pool_event_without_it_none() -> None:
+    """``null://`` with an on_flush callback: the pool's parts are decoded when handed over
+    and the callback sees exactly the events a list sink gets, in seq order; without one:
+    no batch, the events only counted."""
+    import torch
+
+    from kvbm_runtime import BlockPool, LayoutConfig
+    from kvbm_runtime.layout import FullyContiguous
+
+    cfg = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
+
+    def traffic(sink: object) -> None:
+        pool = BlockPool("g2", FullyContiguous(cfg, 6), sink)  # type: ignore[arg-type]
+        for c in range(4):
+            hs = [(c + 1) * 2**60 + i for i in range(4)]
+            metas = [BlockMeta(h, hs[i - 1] if i else None, hs[0], 0) for i, h in enumerate(hs)]
+            pool.release_blocks(pool.register_blocks(pool.allocate_complete(metas)))
+
+    class ListSink:
+        def __init__(self) -> None:
+            self.events: list[KVEvent] = []
+
+        def publish(self, events: list[KVEvent]) -> None:
+            self.events.extend(events)
+
+    want = ListSink()
+    traffic(want)
+    seen: list[tuple[int, list[KVEvent], bytes]] = []
+    on = NullPublisher("w-null", config=PublisherConfig(max_events=5), on_flush=lambda b, p: seen.append((b.seq, b.events, p)))
+    traffic(on)
+    on.close()
+    assert [s for s, _, _ in seen] == list(range(len(seen)))
+    assert [e for _, evs, _ in seen for e in evs] == want.events and len(want.events) == 16 + 10
+    assert all(decode_batch(p).events == evs for _, evs, p in seen)
+    off = NullPublisher("w-null")
+    traffic(off)
+    off.close()
+    assert off.stats().events == len(want.events) and off.stats().batches == 0 and off.next_seq == 0
