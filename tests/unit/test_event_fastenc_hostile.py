@@ -538,3 +538,33 @@ def test_null_with_on_flush_gets_every_pool_event_without_it_none() -> None:
     traffic(off)
     off.close()
     assert off.stats().events == len(want.events) and off.stats().batches == 0 and off.next_seq == 0
+
+
+def test_event_cls_or_event_type_that_mutate_the_list_do_not_crash() -> None:
+    # make_meta_events calls event_cls (Python code) per item; an event_type with
+    # __index__ is converted before the list is read (and refused: not an int).
+    out = _run(
+        _PRELUDE
+        + """
+L = [BlockMeta(i + 1, None, i + 1, 0) for i in range(20000)]
+class Cls:
+    def __init__(self, *a):
+        L.clear()
+try:
+    make_meta_events(Cls, 0, L, 1, "g")
+    print("no error")
+except RuntimeError as e:
+    print("RuntimeError")
+L[:] = [BlockMeta(i + 1, None, i + 1, 0) for i in range(20000)]
+class I:
+    def __index__(self):
+        L.clear()
+        return 0
+try:
+    encode_meta_events(I(), L, tail)
+    print("no error")
+except TypeError:
+    print("TypeError")
+"""
+    )
+    assert out.split() == ["RuntimeError", "TypeError"], out
