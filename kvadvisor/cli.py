@@ -56,7 +56,9 @@ def demo(
 
     from kvadvisor.demo import DemoError, run_demo
     from kvadvisor.settings import DemoSettings
+    from event_plane.errors import EventPlaneError
     from kvadvisor.trace import TraceFormatError
+    from storage_backends import StorageError
 
     try:
         s = DemoSettings(
@@ -94,6 +96,9 @@ def demo(
             report = run_demo(s, progress=progress, on_ready=ready)
         except (DemoError, TraceFormatError, FileNotFoundError) as exc:
             _fail(str(exc))
+            return
+        except (EventPlaneError, StorageError) as exc:  # e.g. NATS unreachable, S3 refused
+            _fail(f"{type(exc).__name__}: {exc}")
             return
         except KeyboardInterrupt:
             typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
@@ -137,6 +142,8 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         same = sum(1 for x in locs.values() if x["equal"])
         rows.append(("index == held blocks", f"{same}/{len(locs)} locations"))
         rows.append(("blocks read back byte-exact", f"{r.verified.get('bytes_ok', 0):,}/{r.verified.get('bytes_checked', 0):,}"))
+        for line in r.verified.get("unreadable", []):
+            rows.append(("unreadable block", line))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -49,6 +49,7 @@ from storage_backends import (
     MediaClass,
     SqliteCatalog,
     StorageAgent,
+    StorageError,
     VolumeDescriptor,
     VolumeKind,
     free_port,
@@ -342,6 +343,7 @@ def run_demo(
         endpoint = s.s3_endpoint
         access, secret = s.s3_access_key, s.s3_secret_key
         if endpoint is None:
+            _refuse_stale_s3_workdir(workdir)
             s3 = start_local_s3()
             stack.callback(s3.stop)
             endpoint, access, secret = s3.endpoint, s3.access_key, s3.secret_key
@@ -440,6 +442,32 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.volumes = client.volumes()
 
 
+def _refuse_stale_s3_workdir(workdir: Path) -> None:
+    """Refuse a reused work directory whose blocks on ``s3`` lived in an earlier demo's own S3.
+
+    The local S3 endpoint the demo starts (moto) keeps objects in memory and stops with the
+    demo, so the catalog and journal of a kept work directory would point at objects that no
+    longer exist.  Nothing is changed: the caller picks a new directory or a persistent S3.
+
+    Raises:
+        DemoError: the catalog in ``workdir`` places blocks on the ``s3`` volume.
+    """
+    path = workdir / "catalog.sqlite"
+    if not path.exists():
+        return
+    cat = SqliteCatalog(path)
+    try:
+        n = sum(1 for _ in cat.iter_volume(S3))
+    finally:
+        cat.close()
+    if n:
+        raise DemoError(
+            f"--workdir {workdir} holds {n:,} block(s) on the 's3' volume of an earlier demo, whose "
+            "local S3 endpoint kept its objects in memory and is gone; use a new --workdir, or pass "
+            "--s3-endpoint (with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) of an S3 that outlives the demo"
+        )
+
+
 def verify_consistency(client: AdvisorClient, managers: list[BlockManager], agent: StorageAgent, s: DemoSettings) -> dict[str, Any]:
     """Compare the advisor's index with what the runtimes and the storage agent hold.
 
@@ -458,17 +486,48 @@ def verify_consistency(client: AdvisorClient, managers: list[BlockManager], agen
         held = {p.key.sequence_hash for p in agent.catalog.iter_volume(v)}
         idx = client.blocks_at(v)
         out[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
+    checked, ok, failures = read_back(agent, s)
+    out["bytes_checked"] = checked
+    out["bytes_ok"] = ok
+    if failures:
+        out["unreadable"] = failures[:10]
+    return out
+
+
+def read_back(agent: StorageAgent, s: DemoSettings) -> tuple[int, int, list[str]]:
+    """Read every block the catalog places on the demo's volumes and compare it with the bytes
+    the runtime wrote (recomputed from its sequence hash, :func:`synthetic_block_bytes`).
+
+    Returns:
+        ``(checked, byte_exact, unreadable)``: blocks read, blocks equal to what was written, and
+        the failures: for a batched read that raised, one line with its error, then one line
+        per block that could not be read alone (``"<volume>: <hash>: <error>"``); an
+        unreadable copy (segment gone, truncated, corrupt) counts as checked and not exact
+        instead of stopping the check.
+    """
     shape = (s.num_layers, s.outer_dim, s.page_size, s.inner_dim)
     checked = ok = 0
+    failures: list[str] = []
     for v in (FAST, SLOW, S3):
         placements = list(agent.catalog.iter_volume(v))
         for i in range(0, len(placements), 256):
             chunk = placements[i : i + 256]
-            datas = agent.get([p.key for p in chunk])
+            try:
+                datas: list[torch.Tensor | None] = list(agent.get([p.key for p in chunk]))
+            except StorageError as chunk_exc:
+                # Some copy in the chunk is unreadable (gone, truncated, corrupt; the agent
+                # quarantines it): read the blocks one by one so each unreadable one counts
+                # as failed, after a line with the reason the batched read gave.
+                failures.append(f"{v}: a read of {len(chunk)} blocks failed: {type(chunk_exc).__name__}: {chunk_exc}")
+                datas = []
+                for p in chunk:
+                    try:
+                        datas.append(agent.get([p.key])[0])
+                    except StorageError as exc:
+                        datas.append(None)
+                        failures.append(f"{v}: {p.key.sequence_hash:#x}: {type(exc).__name__}: {exc}")
             for p, data in zip(chunk, datas):
                 want = synthetic_block_bytes(p.key.sequence_hash, shape, torch.float16)
                 checked += 1
-                ok += int(torch.equal(data.reshape(-1), want))
-    out["bytes_checked"] = checked
-    out["bytes_ok"] = ok
-    return out
+                ok += int(data is not None and torch.equal(data.reshape(-1), want))
+    return checked, ok, failures

@@ -51,3 +51,14 @@ class DemoSettings(BaseSettings):
         if v is not None and not v.is_file():
             raise ValueError(f"trace file {v} does not exist")
         return v
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, v: str) -> str:
+        """A ``nats://HOST:PORT`` server address: the demo appends ``?namespace=`` itself."""
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme != "nats" or not u.hostname or u.query or u.path not in ("", "/"):
+            raise ValueError(f"{v!r} is not a NATS server address like nats://127.0.0.1:4222 (no path or query)")
+        return v

@@ -1,0 +1,76 @@
+"""The demo command fails with one clear line, never a traceback, and refuses a kept work
+directory whose S3 objects died with an earlier demo's own S3 endpoint (nothing changed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvadvisor.cli import app
+from kvadvisor.demo import S3, DemoError, run_demo
+from kvadvisor.settings import DemoSettings
+from storage_backends import BlockKey, Placement, SqliteCatalog, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _one_line_error(result) -> str:  # noqa: ANN001 - click Result
+    out = result.output
+    assert result.exit_code != 0
+    assert "Traceback" not in out and "──" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert errors, out
+    return errors[0]
+
+
+def test_a_nats_url_that_is_not_a_server_address_is_refused_before_anything_starts() -> None:
+    line = _one_line_error(CliRunner().invoke(app, ["demo", "--transport", "nats", "--nats-url", "foo"]))
+    assert "invalid demo settings" in line and "nats://127.0.0.1:4222" in line
+    with pytest.raises(ValueError, match="not a NATS server address"):
+        DemoSettings(nats_url="nats://127.0.0.1:4222?namespace=x")
+
+
+def test_an_unreachable_nats_server_is_one_error_line(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    result = CliRunner().invoke(app, ["demo", "--transport", "nats", "--nats-url", f"nats://127.0.0.1:{port}",
+                                      "--requests", "5", "--workdir", str(tmp_path / "w")])
+    line = _one_line_error(result)
+    assert "TransportError" in line and f"127.0.0.1:{port}" in line
+
+
+def test_a_kept_workdir_with_blocks_on_the_demos_own_s3_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    workdir = tmp_path / "kept"
+    workdir.mkdir()
+    cat = SqliteCatalog(workdir / "catalog.sqlite")
+    key = BlockKey("demo-model", 0xDEADBEEF)
+    seg = cat.new_segment(S3, 1 << 20)
+    cat.insert_if_absent([Placement(key, S3, seg, 0, 4096, 12345)])
+    cat.close()
+    before = (workdir / "catalog.sqlite").read_bytes()
+    with pytest.raises(DemoError, match=r"1 block\(s\) on the 's3' volume .* --s3-endpoint"):
+        run_demo(DemoSettings(requests=5, workdir=workdir))
+    assert (workdir / "catalog.sqlite").read_bytes() == before
+    assert sorted(p.name for p in workdir.iterdir()) == ["catalog.sqlite"]
+
+
+def test_the_byte_check_counts_an_unreadable_copy_instead_of_stopping(tmp_path: Path) -> None:
+    from kvadvisor.demo import FAST, read_back
+    from kvbm_runtime import synthetic_block_bytes
+    from tests.conftest import posix_agent
+
+    s = DemoSettings(num_layers=2, outer_dim=2, page_size=64, inner_dim=8)
+    shape = (s.num_layers, s.outer_dim, s.page_size, s.inner_dim)
+    hashes = [0x1000 + i for i in range(40)]  # 4 KiB blocks: 1 MiB segments hold them all
+    with posix_agent(tmp_path, "read-back", FAST) as agent:
+        agent.put([(BlockKey("m", h), synthetic_block_bytes(h, shape)) for h in hashes], FAST)
+        assert read_back(agent, s) == (40, 40, [])
+        bad = next(iter(agent.catalog.iter_volume(FAST)))
+        seg_file = next((tmp_path / FAST).rglob(f"*{bad.segment_id}*"))
+        os.truncate(seg_file, 0)  # the volume keeps its segment files open: cut, not unlinked
+        checked, exact, unreadable = read_back(agent, s)
+    assert checked == 40 and exact == 0
+    assert "SegmentTruncatedError" in unreadable[0]
+    assert len(unreadable) == 41 and all(line.startswith(f"{FAST}: 0x") for line in unreadable[1:])
