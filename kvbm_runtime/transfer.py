@@ -40,6 +40,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +56,17 @@ from .metrics import RuntimeMetrics
 from .pool import BlockPool, EventSink
 
 logger = logging.getLogger(__name__)
+
+# attribute readers for the per-item lists of the G1 → G2 path, built at C speed with map()
+_META = attrgetter("meta")
+_META_HASH = attrgetter("meta.sequence_hash")
+_SRC = attrgetter("src")
+_SRC_LAYOUT = attrgetter("src_layout")
+_SRC_ID = attrgetter("src_block_id")
+_POOL = attrgetter("_pool")
+_BLOCK = attrgetter("_block")
+_BLOCK_ID = attrgetter("block_id")
+_GENERATION = attrgetter("generation")
 
 
 class TransferClosedError(KvbmError):
@@ -501,24 +514,32 @@ class TransferManager:
             TransferClosedError: the manager is closed.
         """
         self._check_open()
+        items = list(items)  # the job's own copy: the caller may reuse its list
         n = len(items)
         blocks: list[WeakBlock | None] = [None] * n
-        held = self.g2.get_many([it.meta.sequence_hash for it in items])
-        todo = [i for i, h in enumerate(held) if h is None]
-        present = [(i, h) for i, h in enumerate(held) if h is not None]
+        held = self.g2.get_many(list(map(_META_HASH, items)))
+        if held.count(None) == n:  # nothing held yet (the common case): every item, in order
+            todo = list(range(n))
+            metas = list(map(_META, items))
+            present: list[tuple[int, ImmutableBlock]] = []
+        else:
+            todo = [i for i, h in enumerate(held) if h is None]
+            metas = [items[i].meta for i in todo]
+            present = [(i, h) for i, h in enumerate(held) if h is not None]
         try:
             # Complete blocks carrying their identities; the copy fills them later
-            reserved = self.g2.allocate_complete([items[i].meta for i in todo]) if todo else []
+            reserved = self.g2.allocate_complete(metas) if todo else []
         finally:
-            for (i, _), weak in zip(present, self.g2.downgrade_many([h for _, h in present]), strict=True):
-                blocks[i] = weak
+            if present:
+                for (i, _), weak in zip(present, self.g2.downgrade_many([h for _, h in present]), strict=True):
+                    blocks[i] = weak
         result = HostOffloadResult(blocks=blocks, already=n - len(todo))
         future: Future[HostOffloadResult] = Future()
         if not todo:
             future.set_running_or_notify_cancel()
             future.set_result(result)
             return future
-        payload = (list(items), todo, reserved, result)
+        payload = (items, todo, reserved, result)
 
         def cleanup() -> None:
             for mb in reserved:
@@ -530,22 +551,27 @@ class TransferManager:
 
     def _run_host_offload(self, jobs: list[_Job]) -> None:
         # the batch as flat lists: item, reserved destination, source weak handle
-        items_all: list[HostOffloadItem] = []
-        dsts: list[MutableBlock] = []
-        for job in jobs:
-            items, todo, reserved, _ = job.payload
-            items_all.extend([items[i] for i in todo])
-            dsts.extend(reserved)
+        if len(jobs) == 1:
+            items, todo, dsts, _ = jobs[0].payload
+            items_all: list[HostOffloadItem] = items if len(todo) == len(items) else [items[i] for i in todo]
+        else:
+            items_all = []
+            dsts = []
+            for job in jobs:
+                items, todo, reserved, _ = job.payload
+                items_all.extend(items if len(todo) == len(items) else [items[i] for i in todo])
+                dsts.extend(reserved)
         n = len(items_all)
         # weak → strong upgrade of the sources, one lock per source pool; an evicted
         # source comes back None and its item is skipped
         gone = [False] * n
+        lost_any = False
         held: list[tuple[BlockPool, list[ImmutableBlock]]] = []
         by_pool: dict[BlockPool, list[int]] = {}
-        srcs = [item.src for item in items_all]
-        pool0 = srcs[0]._pool if n and srcs[0] is not None else None
-        if pool0 is not None and all(w is not None and w._pool is pool0 for w in srcs):
-            by_pool[pool0] = list(range(n))  # every source in one pool (the common case)
+        srcs: list[WeakBlock | None] = list(map(_SRC, items_all))
+        pools = set(map(_POOL, srcs)) if n and None not in srcs else None
+        if pools is not None and len(pools) == 1:
+            by_pool[pools.pop()] = []  # every source in one pool (the common case): all of them
         else:
             for k, src in enumerate(srcs):
                 if src is not None:
@@ -554,23 +580,30 @@ class TransferManager:
                         ks = by_pool[src._pool] = []
                     ks.append(k)
         for pool, ks in by_pool.items():
-            got = pool.upgrade_many(srcs if len(ks) == n else [srcs[k] for k in ks])  # type: ignore[arg-type]
-            held.append((pool, [h for h in got if h is not None]))
-            if len(held[-1][1]) != len(got):
-                for k, h in zip(ks, got, strict=True):
+            whole = not ks
+            got = pool.upgrade_many(srcs if whole else [srcs[k] for k in ks])  # type: ignore[arg-type]
+            if None in got:
+                held.append((pool, [h for h in got if h is not None]))
+                lost_any = True
+                for k, h in zip(range(n) if whole else ks, got, strict=True):
                     gone[k] = h is None
+            else:
+                held.append((pool, got))  # type: ignore[arg-type]
         settled = False
         try:
+            # the destinations' blocks, and weak handles on them built now, while their
+            # objects are still in cache (the 128 MiB copy flushes it); they are used when
+            # registration keeps every block (no dedup onto another copy)
+            dst_blocks = list(map(_BLOCK, dsts))
+            g2 = self.g2
+            weaks_pre = list(map(WeakBlock, repeat(g2, n), dst_blocks, map(_GENERATION, dst_blocks), map(_META_HASH, dst_blocks)))
             # copy: one call per source layout (runs of consecutive blocks are one slice copy)
             groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
-            first = items_all[0].src_layout if items_all else None
-            if items_all and not any(gone) and all(item.src_layout is first for item in items_all):
+            if n and not lost_any and len(set(map(id, map(_SRC_LAYOUT, items_all)))) == 1:
                 # one source layout, nothing lost (the common case): the id lists at once
-                groups[id(first)] = (
-                    first, [item.src_block_id for item in items_all], [dst._block.block_id for dst in dsts]
-                )
+                groups[0] = (items_all[0].src_layout, list(map(_SRC_ID, items_all)), list(map(_BLOCK_ID, dst_blocks)))
             else:
-                for item, dst, lost in zip(items_all, dsts, gone, strict=True):
+                for item, b, lost in zip(items_all, dst_blocks, gone, strict=True):
                     if lost:
                         continue
                     layout = item.src_layout
@@ -578,28 +611,40 @@ class TransferManager:
                     if g is None:
                         g = groups[id(layout)] = (layout, [], [])
                     g[1].append(item.src_block_id)
-                    g[2].append(dst._block.block_id)
+                    g[2].append(b.block_id)
             for layout, src_ids, dst_ids in groups.values():
-                copy_blocks(layout, src_ids, self.g2.layout, dst_ids)
+                copy_blocks(layout, src_ids, g2.layout, dst_ids)
             # register per job, in submission order (Store("g2") events in block order)
             pos = 0
             for job in jobs:
                 _, todo, reserved, result = job.payload
-                lost_here = gone[pos : pos + len(todo)]
-                pos += len(todo)
-                if any(lost_here):
+                k = len(todo)
+                if lost_any and any(gone[pos : pos + k]):
+                    lost_here = gone[pos : pos + k]
                     result.skipped += sum(lost_here)
                     for dst, lost in zip(reserved, lost_here, strict=True):
                         if lost:
                             dst.release()
                     mine = [dst for dst, lost in zip(reserved, lost_here, strict=True) if not lost]
                     slots = [i for i, lost in zip(todo, lost_here, strict=True) if not lost]
+                    weak_g2 = g2.downgrade_many(g2.register_blocks(mine))
                 else:
                     mine, slots = reserved, todo
-                weak_g2 = self.g2.downgrade_many(self.g2.register_blocks(mine))
+                    registered = g2.register_blocks(mine)
+                    if list(map(_BLOCK, registered)) == dst_blocks[pos : pos + k]:
+                        # every block registered as itself: the weak handles built before
+                        # the copy name them (same generation, same hash)
+                        g2.release_blocks(registered)
+                        weak_g2 = weaks_pre[pos : pos + k] if len(jobs) > 1 else weaks_pre
+                    else:  # some dedup'd onto a copy registered meanwhile
+                        weak_g2 = g2.downgrade_many(registered)
+                pos += k
                 blocks = result.blocks
-                for i, weak in zip(slots, weak_g2, strict=True):
-                    blocks[i] = weak
+                if len(slots) == len(blocks):  # every item copied: slots are 0..n-1
+                    blocks[:] = weak_g2
+                else:
+                    for i, weak in zip(slots, weak_g2, strict=True):
+                        blocks[i] = weak
                 result.copied = len(mine)
                 self.metrics.offload_d2h.inc(len(mine))
             settled = True  # every destination was registered or released above

@@ -234,3 +234,63 @@ def test_a_copy_that_fails_part_way_gives_every_reserved_block_back(rig: Rig, mo
     again = rig.registered([311])
     assert rig.tm.offload_to_host(rig.items(again), StepEvent.completed()).result(timeout=5).copied == 1
     again[0].release()
+
+
+def test_a_hash_registered_in_g2_meanwhile_dedups_and_the_weak_handle_names_that_copy(rig: Rig) -> None:
+    """While the job waits for its step, another path registers one of its hashes in G2:
+    registration dedups onto that copy, the result's weak handle names it (alive, its block
+    id), no second Store is published and the job's own reservation goes back to Reset."""
+    handles = rig.registered([901, 902, 903])
+    rig.cap.clear()
+    step = StepEvent()
+    fut = rig.tm.offload_to_host(rig.items(handles), step)
+    other = rig.g2.register_blocks(rig.g2.allocate_complete([handles[1].meta]))[0]
+    other_id = other.block_id
+    other.release()
+    step.done()
+    res = fut.result(timeout=5)
+    assert res.copied == 3 and [w.sequence_hash for w in res.blocks] == [901, 902, 903]
+    assert all(w.alive for w in res.blocks)
+    got = rig.g2.upgrade_many(res.blocks)
+    assert got[1].block_id == other_id and len({g.block_id for g in got}) == 3
+    rig.g2.release_blocks(got)
+    assert rig.cap.events() == [("STORE", 902, "g2"), ("STORE", 901, "g2"), ("STORE", 903, "g2")]
+    st = rig.g2.stats()
+    assert (st.reset, st.inactive, st.active) == (8 - 3, 3, 0)
+    for h in handles:
+        h.release()
+
+
+def test_one_batch_with_a_lost_source_a_caller_owned_source_and_a_partly_held_job(rig: Rig) -> None:
+    """Three jobs in one batch: A loses a source to eviction, B's items carry no weak handle
+    (the caller keeps the source alive), C has one hash G2 already holds.  Each result's
+    handles line up with its own items, all alive, and the bytes landed."""
+    a = rig.registered([1001, 1002])
+    b = rig.registered([1011])
+    c = rig.registered([1021, 1022])
+    rig.tm.offload_to_host(rig.items(c[:1]), StepEvent.completed()).result(timeout=5)  # G2 holds 1021
+    rig.cap.clear()
+    step = StepEvent()
+    before = rig.tm.batches(TransferPath.G1_TO_G2)
+    fa = rig.tm.offload_to_host(rig.items(a), step)
+    fb = rig.tm.offload_to_host([HostOffloadItem(h.meta, rig.g1.layout, h.block_id, None) for h in b], step)
+    fc = rig.tm.offload_to_host(rig.items(c), step)
+    a[0].release()
+    assert rig.g1.evict() == 1  # 1001 is gone before the copy
+    step.done()
+    ra, rb, rc = fa.result(timeout=5), fb.result(timeout=5), fc.result(timeout=5)
+    assert rig.tm.batches(TransferPath.G1_TO_G2) - before == 1
+    assert (ra.copied, ra.skipped, ra.blocks[0]) == (1, 1, None)
+    assert ra.blocks[1].sequence_hash == 1002 and ra.blocks[1].alive
+    assert (rb.copied, [w.sequence_hash for w in rb.blocks]) == (1, [1011])
+    assert (rc.copied, rc.already, [w.sequence_hash for w in rc.blocks]) == (1, 1, [1021, 1022])
+    assert [e for e in rig.cap.events() if e[2] == "g2"] == [("STORE", h, "g2") for h in (1002, 1011, 1022)]
+    for w in (ra.blocks[1], rb.blocks[0], *rc.blocks):
+        assert w.alive
+        h = w.upgrade()
+        expect = torch.full(CFG.block_shape, float(w.sequence_hash % 1000))
+        assert torch.equal(rig.g2.layout.block_view(h.block_id), expect)
+        h.release()
+    assert rig.g2.stats().reset == 8 - 4
+    for h in [a[1], *b, *c]:
+        h.release()
