@@ -98,8 +98,10 @@ class StepEvent:
 
     @classmethod
     def completed(cls) -> StepEvent:
-        """A step that has already finished."""
-        return cls(done=True)
+        """A step that has already finished: one shared instance (a finished step never
+        changes; :meth:`done` on it does nothing), so the offload an engine queues after its
+        step builds no lock or event."""
+        return _COMPLETED_STEP
 
     def done(self) -> None:
         """Mark the step finished (idempotent)."""
@@ -113,6 +115,9 @@ class StepEvent:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds; True once the step is done."""
         return self._event.wait(timeout)
+
+
+_COMPLETED_STEP = StepEvent(done=True)
 
 
 class DiskOffloadFilter:

@@ -294,3 +294,15 @@ def test_one_batch_with_a_lost_source_a_caller_owned_source_and_a_partly_held_jo
     assert rig.g2.stats().reset == 8 - 4
     for h in [a[1], *b, *c]:
         h.release()
+
+
+def test_completed_step_is_one_shared_finished_instance(rig: Rig) -> None:
+    """``StepEvent.completed()`` is shared and stays finished (``done()`` on it changes
+    nothing); offloads gated by it run at once, and a fresh ``StepEvent()`` still waits."""
+    a, b = StepEvent.completed(), StepEvent.completed()
+    assert a is b and a.is_done and a.wait(0)
+    a.done()
+    assert a.is_done and not StepEvent().is_done
+    handles = rig.registered([1101])
+    assert rig.tm.offload_to_host(rig.items(handles), a).result(timeout=5).copied == 1
+    handles[0].release()
