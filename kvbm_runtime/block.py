@@ -410,3 +410,53 @@ class WeakBlock(msgspec.Struct, eq=False, gc=False):
 
     def __repr__(self) -> str:
         return f"WeakBlock(tier={self._pool.tier}, hash={self.sequence_hash:#018x}, alive={self.alive})"
+
+
+class PinnedBlocks:
+    """References on many blocks of one pool, taken by
+    :meth:`~kvbm_runtime.pool.BlockPool.pin_many` without a strong handle per block (the
+    transfer paths pin their sources for the length of a copy).  While pinned, a block is
+    active and cannot be evicted.  Give them back once, with
+    :meth:`~kvbm_runtime.pool.BlockPool.unpin_many` or :meth:`release`; pins dropped
+    without that are given back when the object is collected.
+
+    Attributes:
+        lost: indices (in the ``pin_many`` input) of the weak handles whose block was
+            evicted or reused since; those were not pinned.
+    """
+
+    __slots__ = ("_pool", "_blocks", "_live", "lost")
+
+    def __init__(self, pool: BlockPool, blocks: list[Block], lost: list[int]) -> None:
+        self._pool = pool
+        self._blocks = blocks
+        self._live = True
+        self.lost = lost
+
+    def __len__(self) -> int:
+        """Blocks pinned."""
+        return len(self._blocks)
+
+    @property
+    def consumed(self) -> bool:
+        """True once the pins were given back."""
+        return not self._live
+
+    def release(self) -> None:
+        """Give the pins back (``pool.unpin_many(self)``).
+
+        Raises:
+            ConsumedHandleError: already given back.
+        """
+        self._pool.unpin_many(self)
+
+    def __del__(self) -> None:
+        try:
+            if self._live:
+                self._pool.unpin_many(self)
+        except Exception:  # noqa: BLE001 - half-built, interpreter shutdown, pool gone
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if not self._live else f"{len(self._blocks)} pinned, {len(self.lost)} lost"
+        return f"PinnedBlocks(tier={self._pool.tier}, {state})"

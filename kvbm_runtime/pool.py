@@ -42,7 +42,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import islice
+from itertools import islice, repeat
+from operator import attrgetter
 from typing import Protocol
 
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
@@ -50,7 +51,7 @@ from event_plane.codec import encode_event
 from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
 
-from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
+from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
 from .errors import BlockStateError, ConsumedHandleError, LayoutConfigError, PoolExhaustedError
 from .layout import BlockLayout
 
@@ -69,6 +70,9 @@ _STORE_INT = int(EventType.STORE)
 _REMOVE_INT = int(EventType.REMOVE)
 _COMPLETE = BlockState.COMPLETE
 _REGISTERED = BlockState.REGISTERED
+_BLOCK_OF = attrgetter("_block")
+_GENERATION_OF = attrgetter("generation")
+_HASH_OF = attrgetter("meta.sequence_hash")
 
 
 def _level(frequency: int) -> int:
@@ -563,6 +567,110 @@ class BlockPool:
                 self._reset.append(b.block_id)
                 out[i] = ImmutableBlock(self, existing)
 
+    def register_downgrade(self, blocks: Sequence[MutableBlock]) -> list[WeakBlock]:
+        """:meth:`register_blocks` followed by :meth:`downgrade_many` of its result, in one
+        call under one lock, with no strong handle built (the offload path: the copy
+        stays matchable, nobody holds it).
+
+        Same outcome, block for block and event for event: the first copy of each hash
+        publishes one Store (in input order); a hash already registered dedups onto the
+        existing block (one use counted, the new physical block back to Reset) or, with
+        duplicates allowed, becomes a further copy; then every registered block whose last
+        strong reference this was becomes inactive, in input order, at its frequency level.
+
+        Returns:
+            One weak handle per input, in input order (on the existing block for a dedup);
+            the inputs are consumed.
+
+        Raises:
+            as :meth:`register_blocks`, and nothing changed then (the inputs stay live and
+            Complete).
+        """
+        complete = _COMPLETE
+        registered = _REGISTERED
+        wb = WeakBlock
+        with self._lock:
+            setdefault = self._registry.setdefault
+            events: list[BlockMeta] = []  # identities of the Stores owed
+            ev_append = events.append
+            n = 0
+            deferred: list[tuple[int, MutableBlock, Block]] | None = None
+            for handle in blocks:
+                b = handle._block
+                if not handle._live or handle._pool is not self or b.state is not complete:
+                    done = blocks[:n]
+                    self._unregister_batch(done)
+                    raise self._bad_handle(handle, done, "register", complete)
+                handle._live = False
+                meta = b.meta
+                existing = setdefault(meta.sequence_hash, b)  # type: ignore[union-attr]
+                if existing is b:
+                    b.state = registered
+                    b.ref_count = 0  # no strong handle: inactive once the batch is in
+                    b.frequency = 1
+                    ev_append(meta)
+                else:
+                    if deferred is None:
+                        deferred = []
+                    deferred.append((n, handle, existing))
+                n += 1
+            body = None
+            if events and self._put is not None:
+                try:
+                    body = encode_meta_events(_STORE_INT, events, self._tail)
+                except Exception:
+                    self._unregister_batch(blocks[:n])  # as register_blocks: nothing changed
+                    raise
+            hs = blocks if isinstance(blocks, list) else list(blocks)
+            if deferred is None:
+                # every input registered as itself, frequency 1: level 0, in input order
+                targets = list(map(_BLOCK_OF, hs))
+                self._inactive.levels[0].update(zip(targets, repeat(None)))
+            else:
+                targets = self._register_downgrade_dedup(hs, deferred)
+            out = list(map(wb, repeat(self, n), targets, map(_GENERATION_OF, targets), map(_HASH_OF, targets)))
+            if events:
+                self._stores += len(events)
+                if body is not None:
+                    self._put(body, len(events))  # type: ignore[misc]
+                elif self._emit_metas is not None:
+                    self._emit_metas(_STORE_INT, events)
+            return out
+
+    def _register_downgrade_dedup(self, hs: list[MutableBlock], deferred: list[tuple[int, MutableBlock, Block]]) -> list[Block]:
+        """:meth:`register_downgrade` of a batch with hashes already registered (lock
+        held), as register + release would do it: the fresh registrations hold one
+        reference each while the dedups count their uses, then every reference is
+        dropped in input order.  Returns the registered block of each input."""
+        targets: list[Block] = [h._block for h in hs]
+        for i, _, _ in deferred:
+            targets[i] = None  # type: ignore[call-overload]
+        for b in targets:
+            if b is not None:
+                b.ref_count = 1
+        for i, handle, existing in deferred:
+            b = handle._block
+            self._dedup_hits += 1
+            if self.allow_duplicates:
+                self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
+                b.state = _REGISTERED
+                b.ref_count = 1
+                b.frequency = 1
+                targets[i] = b
+            else:
+                self._acquire(existing)
+                b.clear()
+                self._reset.append(b.block_id)
+                targets[i] = existing
+        levels = self._inactive.levels
+        for b in targets:
+            rc = b.ref_count - 1
+            b.ref_count = rc
+            if rc == 0:
+                f = b.frequency
+                levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
+        return targets
+
     def _unregister_batch(self, done: Sequence[MutableBlock]) -> None:
         """Undo the first part of a failed :meth:`register_blocks` (lock held): the inputs
         in ``done`` are live again and Complete, their fresh registrations gone."""
@@ -685,6 +793,67 @@ class BlockPool:
                 b.frequency += 1
                 append(ib(self, b))
             return out
+
+    def pin_many(self, weaks: Iterable[WeakBlock]) -> PinnedBlocks:
+        """Pin the blocks of many weak handles of this pool under one lock, with no strong
+        handle built: each block still registered with the handle's identity gets one
+        reference (active, cannot be evicted) and one use counted, exactly as
+        :meth:`upgrade_many` does; a block evicted or reused since is not pinned (a weak
+        handle never resurrects it).
+
+        Returns:
+            The pins, to be given back with :meth:`unpin_many` (or ``release()``);
+            ``lost`` lists the input indices that were not pinned, in order.  Pins dropped
+            without being released are released when the object is collected.
+
+        Raises:
+            BlockStateError: a weak handle belongs to another pool (nothing pinned).
+        """
+        ws = weaks if isinstance(weaks, list) else list(weaks)
+        for w in ws:
+            if w._pool is not self:
+                raise BlockStateError(f"weak handle of pool {w._pool.tier} pinned through pool {self.tier}")
+        registered = _REGISTERED
+        with self._lock:
+            levels = self._inactive.levels
+            pinned: list[Block] = []
+            append = pinned.append
+            lost: list[int] = []
+            for k, w in enumerate(ws):
+                b = w._block
+                if b.generation != w._generation or b.state is not registered or b.meta.sequence_hash != w.sequence_hash:  # type: ignore[union-attr]
+                    lost.append(k)
+                    continue
+                if b.ref_count == 0:
+                    f = b.frequency
+                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b]
+                b.ref_count += 1
+                b.frequency += 1
+                append(b)
+            return PinnedBlocks(self, pinned, lost)
+
+    def unpin_many(self, pins: PinnedBlocks) -> None:
+        """Give back the pins of one :meth:`pin_many` call under one lock (consumes them):
+        the same as releasing that many strong handles in order; each block whose last
+        reference this was becomes inactive, at its frequency level.
+
+        Raises:
+            ConsumedHandleError: these pins were already given back (nothing changes).
+            BlockStateError: the pins belong to another pool (nothing changes).
+        """
+        if pins._pool is not self:
+            raise BlockStateError(f"pins of pool {pins._pool.tier} given back through pool {self.tier}")
+        with self._lock:
+            if not pins._live:
+                raise ConsumedHandleError(f"the {len(pins._blocks)} pins of pool {self.tier} were already given back")
+            pins._live = False
+            levels = self._inactive.levels
+            for b in pins._blocks:
+                rc = b.ref_count - 1
+                b.ref_count = rc
+                if rc == 0:
+                    f = b.frequency
+                    levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
 
     def downgrade_many(self, handles: Sequence[ImmutableBlock]) -> list[WeakBlock]:
         """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them).

@@ -40,7 +40,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -49,7 +48,7 @@ import torch
 from event_plane.schema import EventType, KVEvent
 from storage_backends.types import BlockKey, BlockNotFoundError, Placement
 
-from .block import BlockMeta, ImmutableBlock, MutableBlock, WeakBlock
+from .block import BlockMeta, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
 from .errors import KvbmError
 from .layout import BlockLayout, FullyContiguous, copy_blocks
 from .metrics import RuntimeMetrics
@@ -66,7 +65,6 @@ _SRC_ID = attrgetter("src_block_id")
 _POOL = attrgetter("_pool")
 _BLOCK = attrgetter("_block")
 _BLOCK_ID = attrgetter("block_id")
-_GENERATION = attrgetter("generation")
 
 
 class TransferClosedError(KvbmError):
@@ -571,7 +569,7 @@ class TransferManager:
         # source comes back None and its item is skipped
         gone = [False] * n
         lost_any = False
-        held: list[tuple[BlockPool, list[ImmutableBlock]]] = []
+        held: list[PinnedBlocks] = []
         by_pool: dict[BlockPool, list[int]] = {}
         srcs: list[WeakBlock | None] = list(map(_SRC, items_all))
         pools = set(map(_POOL, srcs)) if n and None not in srcs else None
@@ -586,22 +584,16 @@ class TransferManager:
                     ks.append(k)
         for pool, ks in by_pool.items():
             whole = not ks
-            got = pool.upgrade_many(srcs if whole else [srcs[k] for k in ks])  # type: ignore[arg-type]
-            if None in got:
-                held.append((pool, [h for h in got if h is not None]))
+            pins = pool.pin_many(srcs if whole else [srcs[k] for k in ks])  # type: ignore[arg-type]
+            held.append(pins)
+            if pins.lost:
                 lost_any = True
-                for k, h in zip(range(n) if whole else ks, got, strict=True):
-                    gone[k] = h is None
-            else:
-                held.append((pool, got))  # type: ignore[arg-type]
+                for j in pins.lost:
+                    gone[j if whole else ks[j]] = True
         settled = False
         try:
-            # the destinations' blocks, and weak handles on them built now, while their
-            # objects are still in cache (the 128 MiB copy flushes it); they are used when
-            # registration keeps every block (no dedup onto another copy)
             dst_blocks = list(map(_BLOCK, dsts))
             g2 = self.g2
-            weaks_pre = list(map(WeakBlock, repeat(g2, n), dst_blocks, map(_GENERATION, dst_blocks), map(_META_HASH, dst_blocks)))
             # copy: one call per source layout (runs of consecutive blocks are one slice copy)
             groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
             if n and not lost_any and len(set(map(id, map(_SRC_LAYOUT, items_all)))) == 1:
@@ -632,17 +624,11 @@ class TransferManager:
                             dst.release()
                     mine = [dst for dst, lost in zip(reserved, lost_here, strict=True) if not lost]
                     slots = [i for i, lost in zip(todo, lost_here, strict=True) if not lost]
-                    weak_g2 = g2.downgrade_many(g2.register_blocks(mine))
                 else:
                     mine, slots = reserved, todo
-                    registered = g2.register_blocks(mine)
-                    if list(map(_BLOCK, registered)) == dst_blocks[pos : pos + k]:
-                        # every block registered as itself: the weak handles built before
-                        # the copy name them (same generation, same hash)
-                        g2.release_blocks(registered)
-                        weak_g2 = weaks_pre[pos : pos + k] if len(jobs) > 1 else weaks_pre
-                    else:  # some dedup'd onto a copy registered meanwhile
-                        weak_g2 = g2.downgrade_many(registered)
+                # registered and left inactive in one call: no strong handle per block
+                # (a dedup onto a copy registered meanwhile names that copy)
+                weak_g2 = g2.register_downgrade(mine)
                 pos += k
                 blocks = result.blocks
                 if len(slots) == len(blocks):  # every item copied: slots are 0..n-1
@@ -654,8 +640,8 @@ class TransferManager:
                 self.metrics.offload_d2h.inc(len(mine))
             settled = True  # every destination was registered or released above
         finally:
-            for pool, handles in held:
-                pool.release_blocks(handles)
+            for pins in held:
+                pins.release()
             if not settled:
                 for dst in dsts:
                     if dst._live:
