@@ -75,6 +75,11 @@ _GENERATION_OF = attrgetter("generation")
 _HASH_OF = attrgetter("meta.sequence_hash")
 
 
+def _names(weak: WeakBlock, block: Block) -> bool:
+    """Whether ``weak`` names the current life of ``block`` (block, generation, hash)."""
+    return weak._block is block and weak._generation == block.generation and weak.sequence_hash == block.meta.sequence_hash  # type: ignore[union-attr]
+
+
 def _level(frequency: int) -> int:
     """Frequency class: 1 → 0, 2–3 → 1, 4–7 → 2, ≥ 8 → 3."""
     return min(max(frequency, 1).bit_length() - 1, _LEVEL_CAP)
@@ -567,7 +572,7 @@ class BlockPool:
                 self._reset.append(b.block_id)
                 out[i] = ImmutableBlock(self, existing)
 
-    def register_downgrade(self, blocks: Sequence[MutableBlock]) -> list[WeakBlock]:
+    def register_downgrade(self, blocks: Sequence[MutableBlock], weaks: list[WeakBlock] | None = None) -> list[WeakBlock]:
         """:meth:`register_blocks` followed by :meth:`downgrade_many` of its result, in one
         call under one lock, with no strong handle built (the offload path: the copy
         stays matchable, nobody holds it).
@@ -577,6 +582,16 @@ class BlockPool:
         existing block (one use counted, the new physical block back to Reset) or, with
         duplicates allowed, becomes a further copy; then every registered block whose last
         strong reference this was becomes inactive, in input order, at its frequency level.
+
+        Args:
+            blocks: Complete handles of this pool.
+            weaks: optional, the caller's weak handles on the inputs' blocks, in input
+                order, built while they were Complete (``WeakBlock(pool, block,
+                block.generation, meta.sequence_hash)``; the offload path builds them
+                before its copy, while the objects are in cache).  When every input
+                registers as itself this list is the result; otherwise (a dedup, another
+                length) new ones are built.  Only the first and last are checked: a weak
+                handle naming another block or life only fails to upgrade.
 
         Returns:
             One weak handle per input, in input order (on the existing block for a dedup);
@@ -628,7 +643,19 @@ class BlockPool:
                 self._inactive.levels[0].update(zip(targets, repeat(None)))
             else:
                 targets = self._register_downgrade_dedup(hs, deferred)
-            out = list(map(wb, repeat(self, n), targets, map(_GENERATION_OF, targets), map(_HASH_OF, targets)))
+            if (
+                weaks is not None
+                and deferred is None
+                and len(weaks) == n
+                and _names(weaks[0], targets[0])
+                and _names(weaks[-1], targets[-1])
+            ):
+                # the caller's handles (built while these objects were in cache); only
+                # their ends are checked: a weak handle that names another block or life
+                # only fails to upgrade, nothing in the pool depends on it
+                out = weaks
+            else:
+                out = list(map(wb, repeat(self, n), targets, map(_GENERATION_OF, targets), map(_HASH_OF, targets)))
             if events:
                 self._stores += len(events)
                 if body is not None:

@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, Protocol
 
@@ -57,6 +58,7 @@ from .pool import BlockPool, EventSink
 logger = logging.getLogger(__name__)
 
 # attribute readers for the per-item lists of the G1 → G2 path, built at C speed with map()
+_GENERATION = attrgetter("generation")
 _META = attrgetter("meta")
 _META_HASH = attrgetter("meta.sequence_hash")
 _SRC = attrgetter("src")
@@ -594,6 +596,10 @@ class TransferManager:
         try:
             dst_blocks = list(map(_BLOCK, dsts))
             g2 = self.g2
+            # weak handles on the destinations built now, while their objects are still in
+            # cache (the copy flushes it): the registration returns them when every block
+            # registers as itself
+            weaks_pre = list(map(WeakBlock, repeat(g2, n), dst_blocks, map(_GENERATION, dst_blocks), map(_META_HASH, dst_blocks)))
             # copy: one call per source layout (runs of consecutive blocks are one slice copy)
             groups: dict[int, tuple[BlockLayout, list[int], list[int]]] = {}
             if n and not lost_any and len(set(map(id, map(_SRC_LAYOUT, items_all)))) == 1:
@@ -624,11 +630,13 @@ class TransferManager:
                             dst.release()
                     mine = [dst for dst, lost in zip(reserved, lost_here, strict=True) if not lost]
                     slots = [i for i, lost in zip(todo, lost_here, strict=True) if not lost]
+                    pre = None
                 else:
                     mine, slots = reserved, todo
-                # registered and left inactive in one call: no strong handle per block
-                # (a dedup onto a copy registered meanwhile names that copy)
-                weak_g2 = g2.register_downgrade(mine)
+                    pre = weaks_pre if len(jobs) == 1 else weaks_pre[pos : pos + k]
+                # registered and left inactive in one call, no strong handle per block (a
+                # dedup onto a copy registered meanwhile gets a handle on that copy)
+                weak_g2 = g2.register_downgrade(mine, pre)
                 pos += k
                 blocks = result.blocks
                 if len(slots) == len(blocks):  # every item copied: slots are 0..n-1

@@ -206,3 +206,33 @@ def test_pinned_blocks_cannot_be_evicted_and_are_given_back_once() -> None:
     gc.collect()
     assert pool.stats().active == 0 and pool.stats().inactive == 2
     cap.publisher.close()
+
+
+def test_register_downgrade_returns_the_callers_weak_handles_only_when_they_name_the_blocks() -> None:
+    from kvbm_runtime.block import WeakBlock
+
+    cap = Capture()
+    pool = BlockPool("g2", FullyContiguous(CFG, 8), cap.publisher)
+    ms = metas(4)
+
+    def pre(handles: list) -> list[WeakBlock]:
+        return [WeakBlock(pool, h._block, h._block.generation, h.sequence_hash) for h in handles]
+
+    hs = pool.allocate_complete(ms[:2])
+    given = pre(hs)
+    out = pool.register_downgrade(hs, given)
+    assert out is given and all(w.alive for w in out)
+    # a dedup (ms[1] is registered): new handles, the dedup'd one on the existing block
+    hs = pool.allocate_complete([ms[2], ms[1]])
+    given = pre(hs)
+    out = pool.register_downgrade(hs, given)
+    assert out is not given and out[1]._block is not given[1]._block
+    assert out[1].upgrade() is not None and not given[1].alive  # the reserved block went back to Reset
+    assert out[0]._block is given[0]._block
+    # a list of another length: new handles
+    hs = pool.allocate_complete([ms[3]])
+    given = pre(hs) * 2
+    out = pool.register_downgrade(hs, given)
+    assert out is not given and len(out) == 1 and out[0].sequence_hash == ms[3].sequence_hash
+    assert cap.events() == [("STORE", m.sequence_hash) for m in (ms[0], ms[1], ms[2], ms[3])]
+    cap.publisher.close()
