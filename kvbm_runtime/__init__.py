@@ -6,7 +6,7 @@ Imports ``event_plane`` (events) and ``storage_backends`` (block keys, storage a
 contract) only.
 """
 
-from kvbm_runtime.block import BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
+from kvbm_runtime.block import BlockMeta, BlockState, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
 from kvbm_runtime.config import RuntimeConfig
 from kvbm_runtime.connector import (
     ConnectorError,
@@ -97,6 +97,7 @@ __all__ = [
     "TransferClosedError",
     "TransferManager",
     "TransferPath",
+    "PinnedBlocks",
     "WeakBlock",
     "align_up",
     "chain_hash",
