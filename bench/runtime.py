@@ -265,6 +265,13 @@ class SubscriberProcess:
             [sys.executable, "-c", _SUB_CHILD, pub.endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self.proc.stdout is not None
+        # The subscriber stands in for an advisor, a separate service: it must not share
+        # the benchmarked process's pinned core (it inherits `taskset -c 0`), where its
+        # receive loop would take cache and time slices from the worker being measured.
+        mine = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - mine
+        if others:
+            os.sched_setaffinity(self.proc.pid, others)
         probe = 1 << 62
         deadline = time.monotonic() + 20.0
         while time.monotonic() < deadline:
