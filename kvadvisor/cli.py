@@ -90,7 +90,7 @@ def demo(
 
         def ready(api_url: str, event_urls: list[str]) -> None:
             bar.console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)")
-            bar.console.print("event streams: " + "  ".join(f"'{u}'" for u in event_urls))
+            bar.console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): " + "  ".join(f"'{u}'" for u in event_urls))
 
         try:
             report = run_demo(s, progress=progress, on_ready=ready)
@@ -134,7 +134,7 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
         ("API (while it was up)", r.api_url),
-        (f"event streams ({r.transport}; last: the advisor's)", " ".join(r.event_urls)),
+        (f"event streams ({r.transport}; worker order, last: the advisor's)", " ".join(r.event_urls)),
         ("wall time", f"{r.wall_s:.1f} s"),
     ]
     if r.verified:

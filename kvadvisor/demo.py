@@ -388,7 +388,7 @@ def run_demo(
             requests=len(reqs),
             workers=s.workers,
             api_url=api_url,
-            event_urls=sorted(set(topo.worker_sub_urls)) + [topo.advisor_pub_url],
+            event_urls=list(dict.fromkeys(topo.worker_sub_urls)) + [topo.advisor_pub_url],  # worker order
             transport=s.transport,
         )
         if on_ready:

@@ -303,12 +303,13 @@ def render_table(ev: Evaluation) -> Any:
 
     t = Table(title=f"fast-tier prefix hit rate — {ev.trace} ({ev.requests:,} requests, "
                     f"{ev.block_refs:,} block refs, {ev.distinct_blocks:,} distinct)")
-    t.add_column("capacity (blocks)", justify="right")
+    t.add_column("capacity\n(blocks)", justify="right")
     t.add_column("LRU", justify="right")
     t.add_column("Belady", justify="right")
     for p in ev.policies:
-        t.add_column(p, justify="right")
-        t.add_column(f"{p} gap closed", justify="right")
+        # policy names are never cut (a terminal of 80 columns used to show "prefix_v…")
+        t.add_column(p, justify="right", min_width=len(p))
+        t.add_column("gap\nclosed", justify="right")
     for r in ev.results:
         row = [f"{r.capacity:,}", f"{r.hit_rate['lru']:.4f}", f"{r.hit_rate['belady']:.4f}"]
         for p in ev.policies:

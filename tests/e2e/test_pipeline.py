@@ -109,3 +109,10 @@ def test_both_transports_and_the_wire_budget(replay: dict[str, Any]) -> None:
     assert r.requests == 500
     assert r.hits["g1"] + r.hits["g2"] + r.hits["g3"] + r.hits["g4"] > 0
     assert 0 < r.event_bytes_per_event <= 100
+
+
+def test_event_streams_are_listed_in_worker_order_then_the_advisor(replay: dict[str, Any]) -> None:
+    urls = replay["report"].event_urls
+    # mixed transport: worker-0 publishes over ZMQ, worker-1 over NATS; the advisor over ZMQ
+    assert len(urls) == 3
+    assert urls[0].startswith("zmq://") and urls[1].startswith("nats://") and urls[2].startswith("zmq://")

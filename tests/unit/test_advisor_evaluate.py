@@ -4,6 +4,7 @@ the prefix-value policy's invariants, and the CLI on a slice of the Mooncake tra
 from __future__ import annotations
 
 import gzip
+import io
 import json
 from pathlib import Path
 
@@ -141,3 +142,16 @@ def test_cli_evaluate_prints_table_and_plot(tmp_path: Path) -> None:
     assert set(data["results"][0]["hit_rate"]) == {"lru", "belady", "prefix_value", "seen_twice"}
     bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "0"])
     assert bad.exit_code == 2
+
+
+def test_the_table_keeps_policy_names_whole_in_80_columns() -> None:
+    from rich.console import Console
+
+    from kvadvisor.evaluate import render_table
+
+    ev = evaluate(REQS, [3, 100], ["prefix_value", "seen_twice"], trace="toy")
+    con = Console(width=80, record=True, file=io.StringIO())
+    con.print(render_table(ev))
+    text = con.export_text()
+    assert "prefix_value" in text and "seen_twice" in text and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
