@@ -59,7 +59,7 @@ def test_a_kept_workdir_with_blocks_on_the_demos_own_s3_is_refused_and_left_as_i
 def test_the_byte_check_counts_an_unreadable_copy_instead_of_stopping(tmp_path: Path) -> None:
     from kvadvisor.demo import FAST, read_back
     from kvbm_runtime import synthetic_block_bytes
-    from tests.conftest import posix_agent
+    from conftest import posix_agent
 
     s = DemoSettings(num_layers=2, outer_dim=2, page_size=64, inner_dim=8)
     shape = (s.num_layers, s.outer_dim, s.page_size, s.inner_dim)

@@ -5,18 +5,17 @@ land, be slow, or land after the failure was reported."""
 
 from __future__ import annotations
 
-import http.client
 import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
 import boto3
 import pytest
 import torch
+from s3_proxy import S3FaultProxy
 
 from storage_backends import (
     BlockKey,
@@ -30,121 +29,11 @@ from storage_backends import (
 )
 
 _ids = itertools.count()
-_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-           b"<Message>Access Denied</Message></Error>")
-_INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
-             b"<Message>We encountered an internal error.</Message></Error>")
-
-#: rule(method, path, nth request of that method+path) -> None (forward), an int status
-#: to answer with, or ("delay", seconds) to forward after a sleep
-Rule = Callable[[str, str, int], object]
-
-
-class HostileProxy:
-    """HTTP proxy in front of moto_server whose answers a :data:`Rule` chooses per request."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.lock = threading.Lock()
-        self.rule: Rule = lambda m, p, n: None
-        self.seen: dict[tuple[str, str], int] = {}
-        self.log: list[tuple[float, str, str, object]] = []
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _body(self) -> bytes:
-                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                    parts = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            self.rfile.readline()
-                            return b"".join(parts)
-                        parts.append(self.rfile.read(size))
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
-
-            def _handle(self) -> None:
-                body = self._body()
-                path = urlparse(self.path).path
-                with proxy.lock:
-                    k = (self.command, path)
-                    nth = proxy.seen.get(k, 0)
-                    proxy.seen[k] = nth + 1
-                    action = proxy.rule(self.command, path, nth)
-                    proxy.log.append((time.monotonic(), self.command, path, action))
-                if isinstance(action, int):
-                    payload = _DENIED if action == 403 else _INTERNAL
-                    self.send_response(action)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(payload)
-                    return
-                if isinstance(action, tuple) and action[0] == "delay":
-                    time.sleep(float(action[1]))  # type: ignore[arg-type]
-                cut = isinstance(action, tuple) and action[0] in ("cut", "short")
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                hdrs = {k: v for k, v in self.headers.items()
-                        if k.lower() not in ("transfer-encoding", "expect", "content-length")}
-                hdrs["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=hdrs)
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date",
-                                         "content-range"):
-                        self.send_header(k, v)
-                if cut and action[0] == "short":  # type: ignore[index]
-                    data = data[: len(data) // 2]  # a short body, announced as such
-                if r.getheader("Content-Range"):
-                    rng = r.getheader("Content-Range") or ""
-                    unit_first = rng.split("-")[0]
-                    first = int(unit_first.split()[-1])
-                    total = rng.split("/")[-1]
-                    self.send_header("Content-Range", f"bytes {first}-{first + len(data) - 1}/{total}")
-                length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                if self.command != "HEAD":
-                    if cut and action[0] == "cut":  # type: ignore[index]
-                        self.wfile.write(data[: len(data) // 2])  # the connection drops mid-body
-                        self.wfile.flush()
-                        self.close_connection = True
-                        conn.close()
-                        return
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def set_rule(self, rule: Rule) -> None:
-        with self.lock:
-            self.rule = rule
-            self.seen.clear()
-            self.log.clear()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
-def proxy(local_s3: LocalS3) -> Iterator[HostileProxy]:
-    p = HostileProxy(int(urlparse(local_s3.endpoint).port or 0))
+def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
+    p = S3FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
     yield p
     p.close()
 
@@ -182,7 +71,7 @@ def is_put_of(seg_suffix: str) -> Callable[[str, str], bool]:
 
 
 def test_a_wave_whose_one_put_is_denied_while_another_is_slow_leaves_nothing_behind(
-    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy
 ) -> None:
     """Segment 2's PUT is refused at once (403) while segment 3's takes 1.5 s to land: the
     put fails, stores nothing, and once every request is over no object of the wave is left
@@ -210,7 +99,7 @@ def test_a_wave_whose_one_put_is_denied_while_another_is_slow_leaves_nothing_beh
 
 
 def test_a_failed_get_writes_nothing_into_the_callers_tensors_after_it_returned(
-    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy
 ) -> None:
     """Two 4 MiB blocks in two segment objects are read straight into the caller's tensors
     (one ranged GET each, one NIXL READ): the GET of the first is refused (403) every time,
@@ -249,7 +138,7 @@ def test_a_failed_get_writes_nothing_into_the_callers_tensors_after_it_returned(
 
 @pytest.mark.parametrize("how", ["cut", "short"])
 def test_a_get_answered_short_once_neither_fails_nor_quarantines_a_good_copy(
-    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy, how: str
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy, how: str
 ) -> None:
     """The first ranged GET of a segment comes back short, once: the connection drops
     mid-body ("cut"), or the answer is a well-formed 206 of half the range ("short", as an
@@ -272,7 +161,7 @@ def test_a_get_answered_short_once_neither_fails_nor_quarantines_a_good_copy(
 
 
 def test_a_wave_retried_after_a_partial_success_stores_every_block_readably(
-    agent: StorageAgent, local_s3: LocalS3, proxy: HostileProxy
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy
 ) -> None:
     """First try of a wave of 4: segment 2's PUT is refused while the others land; the
     whole wave is sent again and succeeds.  Every block reads back, exactly the wave's 4

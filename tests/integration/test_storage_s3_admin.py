@@ -7,18 +7,16 @@ boto3 and NIXL OBJ (aws-sdk-cpp) both see a throttling S3.
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
 import boto3
 import pytest
 import torch
+from s3_proxy import S3FaultProxy
 
 from storage_backends import (
     BlockKey,
@@ -36,101 +34,11 @@ from storage_backends import (
 from storage_backends.s3_volume import S3Volume
 
 _ids = itertools.count()
-_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
-_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-           b"<Message>Access Denied</Message></Error>")
-
-
-class FaultProxy:
-    """HTTP proxy to ``upstream_port`` that fails the next ``n`` matching requests with 503."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.lock = threading.Lock()
-        self.fail_left = 0
-        self.fail_methods: set[str] = set()
-        self.fail_status = 503
-        self.injected: list[str] = []
-        self.requests: list[str] = []
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _body(self) -> bytes:
-                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                    parts = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            self.rfile.readline()
-                            return b"".join(parts)
-                        parts.append(self.rfile.read(size))
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
-
-            def _handle(self) -> None:
-                body = self._body()
-                with proxy.lock:
-                    proxy.requests.append(f"{self.command} {self.path}")
-                    fail = proxy.fail_left > 0 and (not proxy.fail_methods or self.command in proxy.fail_methods)
-                    if fail:
-                        proxy.fail_left -= 1
-                        proxy.injected.append(f"{self.command} {self.path}")
-                if fail:
-                    status, payload = proxy.fail_status, _SLOWDOWN if proxy.fail_status == 503 else _DENIED
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(payload)
-                    return
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-                hdrs = {k: v for k, v in self.headers.items()
-                        if k.lower() not in ("transfer-encoding", "expect", "content-length")}
-                hdrs["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=hdrs)
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
-                        self.send_header(k, v)
-                length = r.getheader("Content-Length") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length or "0")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def fail(self, n: int, methods: set[str] | None = None, status: int = 503) -> None:
-        """Fail the next ``n`` requests of ``methods`` (all: ``None``) with ``status``
-        (503 SlowDown, which the aws-sdk retries on its own, or 403 AccessDenied)."""
-        with self.lock:
-            self.fail_left, self.fail_methods, self.fail_status = n, set(methods or ()), status
-            self.injected.clear()
-            self.requests.clear()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
-def proxy(local_s3: LocalS3) -> Iterator[FaultProxy]:
-    p = FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
+def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
+    p = S3FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
     yield p
     p.close()
 
@@ -157,7 +65,7 @@ def block(h: int, n: int = 50_000) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def test_admin_calls_retry_on_503_slowdown(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+def test_admin_calls_retry_on_503_slowdown(agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
     proxy.fail(2)  # bucket HEAD twice
     vol = agent.register_volume(desc(proxy.endpoint, local_s3))
     assert [r.split()[0] for r in proxy.injected] == ["HEAD", "HEAD"]
@@ -172,7 +80,7 @@ def test_admin_calls_retry_on_503_slowdown(agent: StorageAgent, local_s3: LocalS
     assert vol.list_segments() == []
 
 
-def test_admin_calls_give_up_after_the_attempts(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+def test_admin_calls_give_up_after_the_attempts(agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
     proxy.fail(100, {"HEAD"})
     with pytest.raises(VolumeConfigError, match="503|SlowDown"):
         agent.register_volume(desc(proxy.endpoint, local_s3))
@@ -180,7 +88,7 @@ def test_admin_calls_give_up_after_the_attempts(agent: StorageAgent, local_s3: L
     assert agent.volumes() == [] and agent.catalog.volume_specs() != {}  # recorded, not opened
 
 
-def test_nixl_obj_transfers_survive_throttling(agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy) -> None:
+def test_nixl_obj_transfers_survive_throttling(agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
     agent.register_volume(desc(proxy.endpoint, local_s3))
     keys = [BlockKey("ns", i) for i in range(4)]
     proxy.fail(1, {"PUT"})  # the segment upload
@@ -243,7 +151,7 @@ def _objects(vol: S3Volume) -> list[str]:
 
 
 def test_a_put_of_several_segments_is_one_transfer_of_concurrent_puts(
-    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy,
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy,
 ) -> None:
     """Four segments: one NIXL WRITE (one PUT each, no HEAD after them); one PUT throttled:
     the wave is sent again as a whole and every block reads back."""
@@ -263,7 +171,7 @@ def test_a_put_of_several_segments_is_one_transfer_of_concurrent_puts(
 
 
 def test_a_put_that_keeps_failing_leaves_nothing_behind(
-    agent: StorageAgent, local_s3: LocalS3, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import gc
 
