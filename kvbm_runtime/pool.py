@@ -367,11 +367,7 @@ class BlockPool:
                 break
         self._evictions += count - n_reset
         if events:
-            self._removes += len(events)
-            if self._put is not None:
-                self._put(encode_meta_events(_REMOVE_INT, events, self._tail), len(events))
-            elif self._emit_metas is not None:
-                self._emit_metas(_REMOVE_INT, events)
+            self._emit_removes(events)
         return out
 
     def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
@@ -434,12 +430,42 @@ class BlockPool:
                     break
             self._evictions += count - n_reset
             if events:
-                self._removes += len(events)
-                if self._put is not None:
-                    self._put(encode_meta_events(_REMOVE_INT, events, self._tail), len(events))
-                elif self._emit_metas is not None:
-                    self._emit_metas(_REMOVE_INT, events)
+                self._emit_removes(events)
             return out
+
+    def _emit_removes(self, events: list[BlockMeta]) -> None:
+        """Count and publish one Remove per identity in ``events`` (lock held)."""
+        self._removes += len(events)
+        if self._put is not None:
+            self._put(encode_meta_events(_REMOVE_INT, events, self._tail), len(events))
+        elif self._emit_metas is not None:
+            self._emit_metas(_REMOVE_INT, events)
+
+    def _encode_stores(self, events: list[BlockMeta], blocks: Sequence[MutableBlock], n: int) -> bytes | None:
+        """The wire bytes of one Store per identity in ``events`` for the encoded publisher
+        path (``None`` on the other paths), encoded before the registrations of
+        ``blocks[:n]`` are final (lock held).
+
+        Raises:
+            Exception: whatever the encoder raises for an identity no Store can carry (not
+                a checked BlockMeta), after undoing those ``n`` fresh registrations, so that
+                no block is registered here without its Store.
+        """
+        if self._put is None:
+            return None
+        try:
+            return encode_meta_events(_STORE_INT, events, self._tail)
+        except Exception:
+            self._unregister_batch(blocks[:n])
+            raise
+
+    def _emit_stores(self, events: list[BlockMeta], body: bytes | None) -> None:
+        """Count and publish the Stores of ``events`` (``body``: from :meth:`_encode_stores`)."""
+        self._stores += len(events)
+        if body is not None:
+            self._put(body, len(events))  # type: ignore[misc]
+        elif self._emit_metas is not None:
+            self._emit_metas(_STORE_INT, events)
 
     def _check_room(self, count: int) -> None:
         """Raise :class:`PoolExhaustedError` unless ``count`` blocks are Reset or inactive."""
@@ -533,24 +559,11 @@ class BlockPool:
                         deferred = []
                     deferred.append((len(out), handle, existing))
                     append(None)
-            body = None
-            if events and self._put is not None:
-                try:
-                    body = encode_meta_events(_STORE_INT, events, self._tail)
-                except Exception:
-                    # an identity no Store can carry (not a checked BlockMeta): undo the
-                    # fresh registrations before anything else changed, so that no block
-                    # is registered here without its Store
-                    self._unregister_batch(blocks[: len(out)])
-                    raise
+            body = self._encode_stores(events, blocks, len(out)) if events else None
             if deferred:
                 self._register_existing(deferred, out)
             if events:
-                self._stores += len(events)
-                if body is not None:
-                    self._put(body, len(events))  # type: ignore[misc]
-                elif self._emit_metas is not None:
-                    self._emit_metas(_STORE_INT, events)
+                self._emit_stores(events, body)
             return out  # type: ignore[return-value]
 
     def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:
@@ -629,13 +642,7 @@ class BlockPool:
                         deferred = []
                     deferred.append((n, handle, existing))
                 n += 1
-            body = None
-            if events and self._put is not None:
-                try:
-                    body = encode_meta_events(_STORE_INT, events, self._tail)
-                except Exception:
-                    self._unregister_batch(blocks[:n])  # as register_blocks: nothing changed
-                    raise
+            body = self._encode_stores(events, blocks, n) if events else None
             hs = blocks if isinstance(blocks, list) else list(blocks)
             if deferred is None:
                 # every input registered as itself, frequency 1: level 0, in input order
@@ -657,11 +664,7 @@ class BlockPool:
             else:
                 out = list(map(wb, repeat(self, n), targets, map(_GENERATION_OF, targets), map(_HASH_OF, targets)))
             if events:
-                self._stores += len(events)
-                if body is not None:
-                    self._put(body, len(events))  # type: ignore[misc]
-                elif self._emit_metas is not None:
-                    self._emit_metas(_STORE_INT, events)
+                self._emit_stores(events, body)
             return out
 
     def _register_downgrade_dedup(self, hs: list[MutableBlock], deferred: list[tuple[int, MutableBlock, Block]]) -> list[Block]:
