@@ -64,12 +64,10 @@ from advisor.index_reference import (
     BlockInfo,
     IndexCounters,
     IndexStateError,
+    IndexStateViews,
     SourceState,
-    _bits,
     _is_private_name,
-    _located,
     _storer_add,
-    _storer_tuple,
     is_valid_location,
 )
 
@@ -90,7 +88,7 @@ def _state_u64(v: Any, what: str, bounded: bool = True) -> int:
     return v
 
 
-class PrefixIndex(IndexCore):
+class PrefixIndex(IndexStateViews, IndexCore):
     """Sequence hash → block info, per-location residency and longest-prefix lookup.
 
     Not thread-safe: the advisor serialises writers and readers with its own lock.  A fold
@@ -114,71 +112,6 @@ class PrefixIndex(IndexCore):
 
     def __init__(self, frequency: FrequencySketch | None = None) -> None:
         super().__init__(frequency)
-
-    @staticmethod
-    def qualify(source: str, storage_location: str) -> str:
-        """Index location of an event: ``"<source>/g1"`` for private tiers, else the volume id.
-
-        Raises:
-            ValueError: ``storage_location`` is empty, blank or contains ``/`` (see
-                :func:`is_valid_location`); :meth:`apply_batch` rejects such events first.
-        """
-        if not is_valid_location(storage_location):
-            raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
-        return _located(source, storage_location)
-
-    def stats(self) -> dict[str, Any]:
-        """Blocks per location, total blocks, pending orphans and the counters.
-
-        Returns:
-            ``{"blocks": int, "blocks_per_location": {loc: n}, "orphans_pending": int,
-            "counters": {name: int}}``.
-        """
-        per_loc = {name: n for name, n in zip(self._loc_names, self._loc_counts) if n}
-        return {
-            "blocks": len(self),
-            "blocks_per_location": dict(sorted(per_loc.items())),
-            "orphans_pending": len(self._orphans),
-            "counters": dict(vars(self.counters)),
-        }
-
-    # ------------------------------------------------------------------ snapshots
-    def export_state(self) -> list[Any]:
-        """The whole fold state as plain msgpack-able values (for :mod:`advisor.snapshot`).
-
-        Returns:
-            ``[STATE_VERSION, locations, blocks, orphans, sources, counters, storers]`` with
-            ``locations`` the location names in bit order (``""`` for a free bit),
-            ``storers`` ``{volume: {source: [hashes it stored there]}}`` and ``blocks`` a flat list of
-            ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
-            (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
-            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
-            and ``counters`` the :class:`IndexCounters` fields.  Children and
-            per-location sets are derived again on import.  The frequency sketch is not
-            part of the state (like :meth:`dump`).
-        """
-        flat: list[Any] = []
-        ext = flat.extend
-        for h, parent, prefix, size, m, hits, last in self._records():
-            ext((h, parent, prefix, size, m if m < _U64 else _bits(m), hits, last))
-        sources = [
-            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
-            for name, st in self._sources.items()
-        ]
-        storers: dict[str, dict[str, list[int]]] = {}
-        for name, held in zip(self._loc_names, self._loc_sets):
-            if not held:
-                continue
-            by_src: dict[str, list[int]] = {}
-            for h, st in held.items():
-                if st.__class__ is str:
-                    by_src.setdefault(st, []).append(h)
-                else:
-                    for one in st:
-                        by_src.setdefault(one, []).append(h)
-            storers[name] = by_src
-        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources,
-                dict(vars(self.counters)), storers]
 
     @classmethod
     def from_state(cls, state: Sequence[Any], frequency: FrequencySketch | None = None) -> PrefixIndex:
@@ -282,26 +215,3 @@ class PrefixIndex(IndexCore):
         except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
             raise IndexStateError(f"malformed index state: {exc}") from exc
         return idx
-
-    def dump(self) -> dict[str, Any]:
-        """Canonical, order-independent state (for equality checks of two folds).
-
-        Returns:
-            ``{"blocks": {h: (parent, prefix, size, sorted locations, hits, last_access)},
-            "orphans": sorted list, "sources": {source: (epoch, last_seq)}, "counters": {...},
-            "storers": {volume: {h: sorted sources that stored it there}}}``.
-        """
-        return {
-            "blocks": {
-                h: (parent, prefix, size, tuple(sorted(self._names(m))), hits, last)
-                for h, parent, prefix, size, m, hits, last in sorted(self._records())
-            },
-            "orphans": sorted(self._orphans),
-            "sources": {s: (st.epoch, st.last_seq) for s, st in sorted(self._sources.items())},
-            "counters": dict(vars(self.counters)),
-            "storers": {
-                name: {h: tuple(sorted(_storer_tuple(st))) for h, st in sorted(held.items())}
-                for name, held in sorted(zip(self._loc_names, self._loc_sets), key=lambda x: x[0])
-                if held
-            },
-        }

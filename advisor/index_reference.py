@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,7 +247,106 @@ def _kid_tuple(kids: int | set[int] | None) -> tuple[int, ...]:
     return (kids,)  # type: ignore[return-value]
 
 
-class ReferencePrefixIndex:
+class IndexStateViews:
+    """The views both prefix indexes derive the same way from their records: the index
+    location of an event, :meth:`stats`, :meth:`export_state` and :meth:`dump`.
+
+    A class using it provides ``_records()`` (one ``(h, parent, prefix, size, mask, hits,
+    last_access)`` per indexed block), ``__len__``, ``_names(mask)`` and the location,
+    source, orphan and counter attributes (``_loc_names``, ``_loc_counts``, ``_loc_sets``,
+    ``_sources``, ``_orphans``, ``counters``).
+    """
+
+    @staticmethod
+    def qualify(source: str, storage_location: str) -> str:
+        """Index location of an event: ``"<source>/g1"`` for private tiers, else the volume id.
+
+        Raises:
+            ValueError: ``storage_location`` is empty, blank or contains ``/`` (see
+                :func:`is_valid_location`); :meth:`apply_batch` rejects such events first.
+        """
+        if not is_valid_location(storage_location):
+            raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
+        return _located(source, storage_location)
+
+    def stats(self) -> dict[str, Any]:
+        """Blocks per location, total blocks, pending orphans and the counters.
+
+        Returns:
+            ``{"blocks": int, "blocks_per_location": {loc: n}, "orphans_pending": int,
+            "counters": {name: int}}``.
+        """
+        per_loc = {name: n for name, n in zip(self._loc_names, self._loc_counts) if n}
+        return {
+            "blocks": len(self),
+            "blocks_per_location": dict(sorted(per_loc.items())),
+            "orphans_pending": len(self._orphans),
+            "counters": dict(vars(self.counters)),
+        }
+
+    def export_state(self) -> list[Any]:
+        """The whole fold state as plain msgpack-able values (for :mod:`advisor.snapshot`).
+
+        Returns:
+            ``[STATE_VERSION, locations, blocks, orphans, sources, counters, storers]`` with
+            ``locations`` the location names in bit order (``""`` for a free bit),
+            ``storers`` ``{volume: {source: [hashes it stored there]}}`` and ``blocks`` a flat list of
+            ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
+            (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
+            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
+            and ``counters`` the :class:`IndexCounters` fields.  Children and
+            per-location sets are derived again on import.  The frequency sketch is not
+            part of the state (like :meth:`dump`).
+        """
+        flat: list[Any] = []
+        ext = flat.extend
+        for h, parent, prefix, size, m, hits, last in self._records():
+            ext((h, parent, prefix, size, m if m < _U64 else _bits(m), hits, last))
+        sources = [
+            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
+            for name, st in self._sources.items()
+        ]
+        storers: dict[str, dict[str, list[int]]] = {}
+        for name, held in zip(self._loc_names, self._loc_sets):
+            if not held:
+                continue
+            by_src: dict[str, list[int]] = {}
+            for h, st in held.items():
+                if st.__class__ is str:
+                    by_src.setdefault(st, []).append(h)  # type: ignore[arg-type]
+                else:
+                    for one in st:  # type: ignore[union-attr]
+                        by_src.setdefault(one, []).append(h)
+            storers[name] = by_src
+        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources,
+                dict(vars(self.counters)), storers]
+
+    # ------------------------------------------------------------------ snapshots
+    def dump(self) -> dict[str, Any]:
+        """Canonical, order-independent state (for equality checks of two folds).
+
+        Returns:
+            ``{"blocks": {h: (parent, prefix, size, sorted locations, hits, last_access)},
+            "orphans": sorted list, "sources": {source: (epoch, last_seq)}, "counters": {...},
+            "storers": {volume: {h: sorted sources that stored it there}}}``.
+        """
+        return {
+            "blocks": {
+                h: (parent, prefix, size, tuple(sorted(self._names(m))), hits, last)
+                for h, parent, prefix, size, m, hits, last in sorted(self._records())
+            },
+            "orphans": sorted(self._orphans),
+            "sources": {s: (st.epoch, st.last_seq) for s, st in sorted(self._sources.items())},
+            "counters": dict(vars(self.counters)),
+            "storers": {
+                name: {h: tuple(sorted(_storer_tuple(st))) for h, st in sorted(held.items())}
+                for name, held in sorted(zip(self._loc_names, self._loc_sets), key=lambda x: x[0])
+                if held
+            },
+        }
+
+
+class ReferencePrefixIndex(IndexStateViews):
     """Sequence hash → block info, per-location residency and longest-prefix lookup.
 
     Not thread-safe: the advisor serialises writers and readers with its own lock.
@@ -313,18 +412,6 @@ class ReferencePrefixIndex:
                 self._loc_sets[bit] = None
                 heapq.heappush(self._free_bits, bit)
         self._touched.clear()
-
-    @staticmethod
-    def qualify(source: str, storage_location: str) -> str:
-        """Index location of an event: ``"<source>/g1"`` for private tiers, else the volume id.
-
-        Raises:
-            ValueError: ``storage_location`` is empty, blank or contains ``/`` (see
-                :func:`is_valid_location`); :meth:`apply_batch` rejects such events first.
-        """
-        if not is_valid_location(storage_location):
-            raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
-        return _located(source, storage_location)
 
     def _names(self, mask: int) -> frozenset[str]:
         names = []
@@ -889,59 +976,10 @@ class ReferencePrefixIndex:
         """Every indexed sequence hash (a live view; do not mutate the index while iterating)."""
         return self._blocks.keys()
 
-    def stats(self) -> dict[str, Any]:
-        """Blocks per location, total blocks, pending orphans and the counters.
-
-        Returns:
-            ``{"blocks": int, "blocks_per_location": {loc: n}, "orphans_pending": int,
-            "counters": {name: int}}``.
-        """
-        per_loc = {name: n for name, n in zip(self._loc_names, self._loc_counts) if n}
-        return {
-            "blocks": len(self._blocks),
-            "blocks_per_location": dict(sorted(per_loc.items())),
-            "orphans_pending": len(self._orphans),
-            "counters": dict(vars(self.counters)),
-        }
-
-    # ------------------------------------------------------------------ snapshots
-    def export_state(self) -> list[Any]:
-        """The whole fold state as plain msgpack-able values (for :mod:`advisor.snapshot`).
-
-        Returns:
-            ``[STATE_VERSION, locations, blocks, orphans, sources, counters, storers]`` with
-            ``locations`` the location names in bit order (``""`` for a free bit),
-            ``storers`` ``{volume: {source: [hashes it stored there]}}`` and ``blocks`` a flat list of
-            ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
-            (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
-            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
-            and ``counters`` the :class:`IndexCounters` fields.  Children and
-            per-location sets are derived again on import.  The frequency sketch is not
-            part of the state (like :meth:`dump`).
-        """
-        flat: list[Any] = []
-        ext = flat.extend
+    def _records(self) -> Iterator[tuple[int, int | None, int, int, int, int, int]]:
+        """``(h, parent, prefix, size, mask, hits, last_access)`` of every indexed block."""
         for h, e in self._blocks.items():
-            m = e.mask
-            ext((h, e.parent, e.prefix, e.size, m if m < _U64 else _bits(m), e.hits, e.last))
-        sources = [
-            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
-            for name, st in self._sources.items()
-        ]
-        storers: dict[str, dict[str, list[int]]] = {}
-        for name, held in zip(self._loc_names, self._loc_sets):
-            if not held:
-                continue
-            by_src: dict[str, list[int]] = {}
-            for h, st in held.items():
-                if st.__class__ is str:
-                    by_src.setdefault(st, []).append(h)  # type: ignore[arg-type]
-                else:
-                    for one in st:  # type: ignore[union-attr]
-                        by_src.setdefault(one, []).append(h)
-            storers[name] = by_src
-        return [STATE_VERSION, list(self._loc_names), flat, sorted(self._orphans), sources,
-                dict(vars(self.counters)), storers]
+            yield h, e.parent, e.prefix, e.size, e.mask, e.hits, e.last
 
     @classmethod
     def from_state(cls, state: Sequence[Any], frequency: FrequencySketch | None = None) -> ReferencePrefixIndex:
@@ -1038,26 +1076,3 @@ class ReferencePrefixIndex:
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
             raise IndexStateError(f"malformed index state: {exc}") from exc
         return idx
-
-    def dump(self) -> dict[str, Any]:
-        """Canonical, order-independent state (for equality checks of two folds).
-
-        Returns:
-            ``{"blocks": {h: (parent, prefix, size, sorted locations, hits, last_access)},
-            "orphans": sorted list, "sources": {source: (epoch, last_seq)}, "counters": {...},
-            "storers": {volume: {h: sorted sources that stored it there}}}``.
-        """
-        return {
-            "blocks": {
-                h: (e.parent, e.prefix, e.size, tuple(sorted(self._names(e.mask))), e.hits, e.last)
-                for h, e in sorted(self._blocks.items())
-            },
-            "orphans": sorted(self._orphans),
-            "sources": {s: (st.epoch, st.last_seq) for s, st in sorted(self._sources.items())},
-            "counters": dict(vars(self.counters)),
-            "storers": {
-                name: {h: tuple(sorted(_storer_tuple(st))) for h, st in sorted(held.items())}
-                for name, held in sorted(zip(self._loc_names, self._loc_sets), key=lambda x: x[0])
-                if held
-            },
-        }
