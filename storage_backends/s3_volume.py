@@ -340,6 +340,20 @@ class S3Volume(Volume):
                 off, n = items[i][1], items[i][2]
                 views[i] = out[pos + off - start : pos + off - start + n]
             pos += end - start
+        self._read_objects(ends, devs, local, remote)
+        self.counters.blocks_read += len(items)
+        self.counters.bytes_read += pos
+        self.counters.bump("ranged_gets", len(spans))
+        return [v for v in views if v is not None]
+
+    def _read_objects(self, ends: dict[int, int], devs: dict[int, int], local: Any, remote: Any) -> None:
+        """Register segment objects ``ends`` (segment id -> bytes needed from its start) as
+        NIXL OBJ devices ``devs``, run one READ of ``local`` <- ``remote`` descriptors
+        (retried as a whole), then deregister them whatever happened.
+
+        Raises:
+            TransferError: the READ failed after every retry.
+        """
         regs = []
         try:
             for seg_id, end in ends.items():
@@ -348,10 +362,6 @@ class S3Volume(Volume):
         finally:
             for reg in regs:
                 self.engine.deregister(reg)
-        self.counters.blocks_read += len(items)
-        self.counters.bytes_read += pos
-        self.counters.bump("ranged_gets", len(spans))
-        return [v for v in views if v is not None]
 
     #: blocks at least this large are read straight into their destination, one ranged
     #: GET each (smaller ones are coalesced per segment into a staging buffer)
@@ -371,14 +381,7 @@ class S3Volume(Volume):
         devs = {seg_id: self.engine.new_dev_id() for seg_id in ends}
         local = np.stack([addrs, lengths, np.zeros_like(lengths)], axis=1)
         remote = np.stack([offsets, lengths, np.array([devs[x] for x in seg_l], dtype=np.int64)], axis=1)
-        regs = []
-        try:
-            for seg_id, end in ends.items():
-                regs.append(self.engine.register([(0, end, devs[seg_id], self.key(seg_id))], "OBJ"))
-            self._retry(lambda: self.engine.transfer("READ", local, remote, "OBJ"))
-        finally:
-            for reg in regs:
-                self.engine.deregister(reg)
+        self._read_objects(ends, devs, local, remote)
         self.counters.bytes_read += int(lengths.sum())
         self.counters.bump("ranged_gets", len(seg_l))
 
