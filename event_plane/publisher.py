@@ -320,14 +320,23 @@ class EventPublisher(abc.ABC):
                 return
             self._accept_encoded_locked(body, count)
 
-    def _accept_encoded_locked(self, body: bytes, count: int) -> None:
-        """:meth:`publish_encoded`'s general case (lock held)."""
+    def _open_for_events_locked(self) -> None:
+        """Before appending (lock held): refuse a closed publisher, start the flush timer,
+        and give size-bounded queued events (``publish_valid``) their bytes.
+
+        Raises:
+            PublisherClosedError: the publisher is closed.
+        """
         if self._closed:
             raise PublisherClosedError(f"publisher {self.source!r} is closed")
         if self._timer is None:
             self._ensure_timer()
         if self._lazy_bytes:
             self._encode_queued_locked()
+
+    def _accept_encoded_locked(self, body: bytes, count: int) -> None:
+        """:meth:`publish_encoded`'s general case (lock held)."""
+        self._open_for_events_locked()
         now = time.monotonic()
         size = len(body)
         pending = self._count
@@ -396,12 +405,7 @@ class EventPublisher(abc.ABC):
     def _accept_locked(self, events: Sequence[KVEvent], encoded: list[bytes] | None, body: bytes | None) -> None:
         """Append checked events (lock held): ``encoded`` holds each event's bytes, or
         ``body`` all of them concatenated."""
-        if self._closed:
-            raise PublisherClosedError(f"publisher {self.source!r} is closed")
-        if self._timer is None:
-            self._ensure_timer()
-        if self._lazy_bytes:
-            self._encode_queued_locked()
+        self._open_for_events_locked()
         max_events, max_bytes = self.config.max_events, self.config.max_bytes
         n = len(events)
         now = time.monotonic()
