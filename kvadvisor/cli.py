@@ -60,6 +60,9 @@ def demo(
     from kvadvisor.trace import TraceFormatError
     from storage_backends import StorageError
 
+    if requests is not None and requests < 0:
+        _fail(f"--requests must be >= 0 (0 = all requests of the trace), got {requests}")
+        return
     try:
         s = DemoSettings(
             trace=trace,
@@ -104,6 +107,9 @@ def demo(
             typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
             raise typer.Exit(130) from None
     _print_report(report)
+    if s.requests is not None and report.requests < s.requests:
+        console.print(f"note: the trace holds {report.requests:,} requests; all of them were replayed "
+                      f"(--requests asked for {s.requests:,})")
     if json_out:
         json_out.write_text(json.dumps(report.as_dict(), indent=2, default=str))
     if verify and not _verified(report.verified):

@@ -74,3 +74,20 @@ def test_the_byte_check_counts_an_unreadable_copy_instead_of_stopping(tmp_path: 
     assert checked == 40 and exact == 0
     assert "SegmentTruncatedError" in unreadable[0]
     assert len(unreadable) == 41 and all(line.startswith(f"{FAST}: 0x") for line in unreadable[1:])
+
+
+def test_a_negative_request_count_is_refused_with_the_rule_the_help_gives() -> None:
+    line = _one_line_error(CliRunner().invoke(app, ["demo", "--requests", "-1"]))
+    assert "--requests must be >= 0" in line and "0 = all" in line and "-1" in line
+
+
+def test_asking_for_more_requests_than_the_trace_holds_says_how_many_were_replayed(tmp_path: Path) -> None:
+    from kvadvisor.trace import bundled_trace
+
+    trace = tmp_path / "short.jsonl"
+    with open(bundled_trace()) as f:
+        trace.write_text("".join(next(f) for _ in range(4)))
+    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--requests", "50", "--workdir", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())  # the console wraps long lines
+    assert "note: the trace holds 4 requests; all of them were replayed (--requests asked for 50)" in out
