@@ -443,7 +443,8 @@ class TransferManager:
 
     Args:
         g2: the host pool offloads go to.
-        publisher: where Store(volume) events of storage offloads go.
+        publisher: where Store(volume) events of storage offloads go; one whose
+            ``wants_events`` is false (``null://``) gets only their number (``skip_events``).
         metrics: counters to advance (``kvbm_offload_blocks_*``, ``kvbm_onboard_blocks_*``).
         store: the storage agent (``None``: no G3 paths).
         g3_volume: volume id offloads are put into.
@@ -473,6 +474,10 @@ class TransferManager:
             raise ValueError(f"max_batch_blocks ({max_batch_blocks}) and bounce_blocks ({bounce_blocks}) must be > 0")
         self.g2 = g2
         self.publisher = publisher
+        # events off (``null://``, like the pools): Store(volume) events are only counted
+        self._skip_events: Callable[[int], None] | None = None
+        if getattr(publisher, "wants_events", True) is False:
+            self._skip_events = getattr(publisher, "skip_events", None) or (lambda count: None)
         self.metrics = metrics
         self.store = store
         self.g3_volume = g3_volume
@@ -760,15 +765,20 @@ class TransferManager:
             items, result = job.payload
             if error is not None:
                 result.error = error
-            events: list[KVEvent] = []
-            bb = self.block_bytes
-            for i in result.submitted:
-                p = result.placements[i]
-                if p is not None:
-                    m = items[i].meta
-                    events.append(KVEvent(EventType.STORE, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, p.volume_id))
-            if events:
-                self.publisher.publish(events)
+            if self._skip_events is not None:
+                stored = sum(1 for i in result.submitted if result.placements[i] is not None)
+                if stored:
+                    self._skip_events(stored)
+            else:
+                events: list[KVEvent] = []
+                bb = self.block_bytes
+                for i in result.submitted:
+                    p = result.placements[i]
+                    if p is not None:
+                        m = items[i].meta
+                        events.append(KVEvent(EventType.STORE, m.sequence_hash, m.prefix_hash, m.parent_hash, bb, p.volume_id))
+                if events:
+                    self.publisher.publish(events)
             self.metrics.offload_h2d.inc(result.from_host)
             self.metrics.offload_d2d.inc(result.from_device)
         for job in jobs:

@@ -132,3 +132,28 @@ def test_storage_offload_waits_for_step_and_skips_blocks_evicted_meanwhile(agent
     for h in handles[:2]:
         h.release()
     mgr.close()
+
+
+def test_events_off_storage_offloads_count_their_stores_and_build_none(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``null://`` (a NullPublisher without on_flush) is events off for the transfer manager
+    too: its Store(volume) events are counted in the publisher's stats, never built or sent."""
+    monkeypatch.setenv("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "true")
+    # events on: the volume's three Stores are published
+    cap = Capture("events-on")
+    mgr_on = BlockManager(config(model_name="it/transfer-on"), cap.publisher, agent, "fast")
+    r_on = mgr_on.serve(list(range(1, 13)), fill_synthetic_kv)
+    assert cap.stores("fast") == r_on.sequence_hashes
+    mgr_on.close()
+    # events off: the same serve builds no event at all
+    pub = NullPublisher("events-off")
+    assert pub.wants_events is False
+    built: list[object] = []
+    monkeypatch.setattr("kvbm_runtime.transfer.KVEvent", lambda *a: built.append(a))  # any build is seen
+    mgr = BlockManager(config(), pub, agent, "fast")
+    r = mgr.serve(list(range(1, 13)), fill_synthetic_kv)  # 3 blocks: G1, G2 and G3 Stores
+    assert r.stored_g3 == 3 and built == []
+    assert agent.exists([mgr.block_key(h) for h in r.sequence_hashes]) == [True] * 3
+    pub.flush()
+    st = pub.stats()
+    assert st.batches == 0 and st.events >= 3 * 3  # Stores on g1, g2 and the volume (+ any Removes)
+    mgr.close()
