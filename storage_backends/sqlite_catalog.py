@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .catalog import PlacementCatalog
-from .keys import i64_to_u64, u64_to_i64, validate_block_key
+from .keys import i64_to_u64, u64_to_i64, validate_block_key, validate_block_keys
 from .types import (
     BlockKey,
     InvalidRequestError,
@@ -113,13 +113,33 @@ class SqliteCatalog(PlacementCatalog):
         busy_timeout_s: how long a call waits for another process's write lock.
         synchronous: SQLite ``synchronous`` level; ``NORMAL`` (default) survives a
             process crash (kill -9), ``FULL`` also a power loss.
+        cache_entries: placements kept in this process's placement cache (0: none).
 
     Thread-safe: one connection guarded by a lock.
+
+    Placement cache: :meth:`get_many` answers from an in-process map of the placements
+    this connection last read or wrote, as long as no other connection (in this or
+    another process) committed anything since: SQLite's ``PRAGMA data_version`` changes
+    exactly when another connection commits, and is checked on every call (inside the
+    read transaction when the database is read too), so the answer is always the
+    database's current state.  This connection's own writes update the map in the same
+    locked transaction (and empty it if the transaction fails).  A hit costs a dict
+    look-up instead of a query and a ``Placement`` per row (a 4096-key look-up: ~0.5 ms
+    instead of ~15 ms).  Absent keys are never cached.
     """
 
-    def __init__(self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "NORMAL",
+        cache_entries: int = 1 << 20,
+    ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise InvalidRequestError(f"unknown SQLite synchronous level {synchronous!r}")
+        if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
+            raise InvalidRequestError(f"cache_entries must be an int >= 0, got {cache_entries!r}")
+        # key -> placement as of ``_cache_version`` (this connection's data_version)
+        self._cache: dict[BlockKey, Placement] = {}
+        self._cache_version: int | None = None
+        self._cache_max = cache_entries
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -159,16 +179,55 @@ class SqliteCatalog(PlacementCatalog):
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        """A ``BEGIN IMMEDIATE`` transaction: commit on success, roll back on any error."""
+        """A ``BEGIN IMMEDIATE`` transaction: commit on success, roll back on any error.
+
+        The placement cache is brought up to date first (:meth:`_sync_cache`), so the
+        transaction body can record its changes in it; it is emptied when the
+        transaction fails."""
         with self._lock:
             db = self.db
             db.execute("BEGIN IMMEDIATE")
             try:
+                self._sync_cache(db)
                 yield db
             except BaseException:
+                self._cache.clear()
                 db.execute("ROLLBACK")
                 raise
-            db.execute("COMMIT")
+            try:
+                db.execute("COMMIT")
+            except BaseException:
+                self._cache.clear()
+                raise
+
+    # ------------------------------------------------------------------ placement cache
+    def _sync_cache(self, db: sqlite3.Connection) -> bool:
+        """Empty the placement cache if another connection committed since it was filled
+        (``PRAGMA data_version`` moved).  Returns whether the cache was kept.  Called with
+        the lock held; inside a transaction the version is that of its snapshot."""
+        v = db.execute("PRAGMA data_version").fetchone()[0]
+        if v == self._cache_version:
+            return True
+        self._cache.clear()
+        self._cache_version = v
+        return False
+
+    def _cache_fill(self, placements: Sequence[Placement | None]) -> None:
+        """Remember current placements (lock held, cache in sync)."""
+        cache = self._cache
+        if len(cache) + len(placements) > self._cache_max:
+            cache.clear()  # a simple bound: start over rather than track recency
+            if len(placements) > self._cache_max:
+                return
+        for p in placements:
+            if p is not None:
+                cache[p.key] = p
+
+    def _cache_drop(self, keys: Sequence[BlockKey]) -> None:
+        """Forget ``keys`` (lock held)."""
+        pop = self._cache.pop
+        for k in keys:
+            pop(k, None)
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -245,16 +304,37 @@ class SqliteCatalog(PlacementCatalog):
             return self._select(self.db, key)
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
-        """See :meth:`PlacementCatalog.get_many`."""
-        for k in keys:
-            validate_block_key(k)
-        with self._read() as db:
-            return self._select_many(db, keys)
+        """See :meth:`PlacementCatalog.get_many` (answered from the placement cache where
+        it can: see the class docstring)."""
+        validate_block_keys(keys)
+        with self._lock:
+            db = self.db
+            cache = self._cache
+            if cache and self._sync_cache(db):
+                got = [cache.get(k) for k in keys]  # sync with the database: its current state
+                missing = [i for i, p in enumerate(got) if p is None]
+                if not missing:
+                    return got
+            with self._read() as db:
+                if not self._cache_max:
+                    return self._select_many(db, keys)
+                # the snapshot of this transaction: cached entries are valid in it only if
+                # nobody committed since they were read
+                if not self._sync_cache(db) or not cache:
+                    got = self._select_many(db, keys)
+                    self._cache_fill(got)
+                    return got
+                got = [cache.get(k) for k in keys]
+                missing = [i for i, p in enumerate(got) if p is None]
+                found = self._select_many(db, [keys[i] for i in missing])
+                for i, p in zip(missing, found):
+                    got[i] = p
+                self._cache_fill(found)
+                return got
 
     def insert_if_absent(self, placements: Sequence[Placement]) -> list[Placement]:
         """See :meth:`PlacementCatalog.insert_if_absent`."""
-        for p in placements:
-            validate_block_key(p.key)
+        validate_block_keys([p.key for p in placements])
         out: list[Placement] = []
         with self._write() as db:
             stored = self._select_many(db, [p.key for p in placements])
@@ -272,6 +352,7 @@ class SqliteCatalog(PlacementCatalog):
                 out.append(p)
             db.executemany(f"INSERT INTO placements ({_COLS}) VALUES (?,?,?,?,?,?,?,?)",
                            [_row(p) for p in batch.values()])
+            self._cache_fill(out)  # every winner is the key's current placement
         return out
 
     def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
@@ -300,6 +381,7 @@ class SqliteCatalog(PlacementCatalog):
                 "WHERE ns=? AND seq=?",
                 (*_row(stored)[2:], stored.key.namespace, u64_to_i64(stored.key.sequence_hash)),
             )
+            self._cache_fill([stored])
         return stored
 
     def delete(self, key: BlockKey, expected_version: int | None = None) -> Placement | None:
@@ -312,12 +394,12 @@ class SqliteCatalog(PlacementCatalog):
             if expected_version is not None and cur.version != expected_version:
                 raise VersionConflictError(f"{key} is at version {cur.version}, expected {expected_version}")
             db.execute("DELETE FROM placements WHERE ns=? AND seq=?", (key.namespace, u64_to_i64(key.sequence_hash)))
+            self._cache_drop([key])
             return cur
 
     def delete_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
         """See :meth:`PlacementCatalog.delete_many` (one transaction)."""
-        for k in keys:
-            validate_block_key(k)
+        validate_block_keys(keys)
         with self._write() as db:
             stored = self._select_many(db, keys)
             gone: set[BlockKey] = set()
@@ -328,6 +410,7 @@ class SqliteCatalog(PlacementCatalog):
                     gone.add(k)
             db.executemany("DELETE FROM placements WHERE ns=? AND seq=?",
                            [(k.namespace, u64_to_i64(k.sequence_hash)) for k in gone])
+            self._cache_drop(list(gone))
         return out
 
     def iter_volume(self, volume_id: str) -> Iterator[Placement]:
@@ -357,6 +440,7 @@ class SqliteCatalog(PlacementCatalog):
                        (*_row(cur), reason, time.time()))
             db.execute("DELETE FROM placements WHERE ns=? AND seq=?",
                        (cur.key.namespace, u64_to_i64(cur.key.sequence_hash)))
+            self._cache_drop([cur.key])
             return True
 
     def quarantined(self) -> list[tuple[Placement, str]]:
@@ -464,3 +548,4 @@ class SqliteCatalog(PlacementCatalog):
             if self._db is not None:
                 self._db.close()
                 self._db = None
+            self._cache.clear()
