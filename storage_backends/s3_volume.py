@@ -302,15 +302,21 @@ class S3Volume(Volume):
 
     def _spans(self, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, list[int]]]:
         """Merge requested ranges into ``[(segment_id, start, end, item indexes)]``."""
-        order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1]))
+        # by (segment, offset, length); ties of segment and offset may go in any order
+        order = sorted(range(len(items)), key=items.__getitem__)
         spans: list[tuple[int, int, int, list[int]]] = []
+        gap = self.coalesce_gap
+        s_seg, s_end, idx = -1, 0, []  # the open span (segment ids are never negative)
         for i in order:
             seg, off, n = items[i]
-            if spans and spans[-1][0] == seg and off - spans[-1][2] <= self.coalesce_gap:
-                s_seg, s_start, s_end, idx = spans[-1]
-                spans[-1] = (s_seg, s_start, max(s_end, off + n), idx + [i])
+            if seg == s_seg and off - s_end <= gap:
+                idx.append(i)
+                if off + n > s_end:
+                    s_end = off + n
+                    spans[-1] = (seg, spans[-1][1], s_end, idx)
             else:
-                spans.append((seg, off, off + n, [i]))
+                s_seg, s_end, idx = seg, off + n, [i]
+                spans.append((seg, off, s_end, idx))
         return spans
 
     def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
@@ -320,6 +326,10 @@ class S3Volume(Volume):
     def read_many(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[torch.Tensor]:
         """See :meth:`Volume.read_many`: nearby ranges of a segment are coalesced, then every
         span is one ranged GET of a single NIXL READ."""
+        return [out[s : s + n] for s, (_, _, n) in zip(self.read_into(items, out), items)]
+
+    def read_into(self, items: Sequence[tuple[int, int, int]], out: torch.Tensor) -> list[int]:
+        """See :meth:`Volume.read_into` (:meth:`read_many` without a view per item)."""
         spans = self._spans(items)
         need = sum(end - start for _, start, end, _ in spans)
         if need > out.numel():
@@ -328,7 +338,7 @@ class S3Volume(Volume):
         for seg_id, _, end, _ in spans:
             ends[seg_id] = max(ends.get(seg_id, 0), end)
         devs = {seg_id: self.engine.new_dev_id() for seg_id in ends}
-        views: list[torch.Tensor | None] = [None] * len(items)
+        starts = [0] * len(items)
         local: list[tuple[int, int]] = []
         remote: list[tuple[int, int, int]] = []
         pos = 0
@@ -336,15 +346,15 @@ class S3Volume(Volume):
         for seg_id, start, end, idx in spans:
             local.append((base + pos, end - start))
             remote.append((start, end - start, devs[seg_id]))
+            shift = pos - start
             for i in idx:
-                off, n = items[i][1], items[i][2]
-                views[i] = out[pos + off - start : pos + off - start + n]
+                starts[i] = items[i][1] + shift
             pos += end - start
         self._read_objects(ends, devs, local, remote)
         self.counters.blocks_read += len(items)
         self.counters.bytes_read += pos
         self.counters.bump("ranged_gets", len(spans))
-        return [v for v in views if v is not None]
+        return starts
 
     def _read_objects(self, ends: dict[int, int], devs: dict[int, int], local: Any, remote: Any) -> None:
         """Register segment objects ``ends`` (segment id -> bytes needed from its start) as
