@@ -31,8 +31,11 @@ the catalog always points at a copy that was verified after it was written.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -45,7 +48,7 @@ import torch
 import xxhash
 
 from .catalog import PlacementCatalog
-from .checksum import as_bytes, checksum, checksum_np, memory_at, pack
+from .checksum import as_bytes, byte_array, checksum, checksum_np, memory_at, pack
 from .gcpause import gc_paused_call
 from .keys import validate_block_key
 from .nixl_engine import NixlHub
@@ -72,12 +75,6 @@ logger = logging.getLogger(__name__)
 
 _READ_BATCH_BYTES = 64 << 20
 _READ_RETRIES = 3
-
-
-def _by_place(item: tuple[int, Placement]) -> tuple[int, int]:
-    """Sort key of an ``(index, placement)`` read item: segment, then offset."""
-    p = item[1]
-    return p.segment_id, p.offset
 
 
 def _overlapping(addrs: np.ndarray, lengths: np.ndarray) -> bool:
@@ -707,22 +704,27 @@ class StorageAgent:
 
     @staticmethod
     def _batches(items: list[tuple[int, Placement]]) -> Iterator[list[tuple[int, Placement]]]:
-        """Group by volume (ordered by segment, offset) and cap each batch's bytes."""
-        by_vol: dict[str, list[tuple[int, Placement]]] = {}
-        for it in items:
-            by_vol.setdefault(it[1].volume_id, []).append(it)
-        for group in by_vol.values():
-            group.sort(key=_by_place)
-            batch: list[tuple[int, Placement]] = []
-            size = 0
-            for it in group:
-                if batch and size + it[1].length > _READ_BATCH_BYTES:
-                    yield batch
-                    batch, size = [], 0
-                batch.append(it)
-                size += it[1].length
-            if batch:
-                yield batch
+        """Group by volume (ordered by segment, offset: a stable sort) and cap each batch's
+        bytes: a batch takes blocks while their sum stays within ``_READ_BATCH_BYTES``
+        (at least one block).  Column-wise (attribute lists, C-level sort keys, prefix
+        sums): ~0.3 us a block instead of ~1 us."""
+        if len({p.volume_id for _, p in items}) == 1:
+            groups = [items]
+        else:
+            by_vol: dict[str, list[tuple[int, Placement]]] = {}
+            for it in items:
+                by_vol.setdefault(it[1].volume_id, []).append(it)
+            groups = list(by_vol.values())
+        for group in groups:
+            where = list(zip([p.segment_id for _, p in group], [p.offset for _, p in group]))
+            if not all(map(operator.le, where, where[1:])):
+                group = [group[i] for i in sorted(range(len(group)), key=where.__getitem__)]
+            ends = list(itertools.accumulate(p.length for _, p in group))
+            lo, base = 0, 0
+            while lo < len(group):
+                hi = max(lo + 1, bisect.bisect_right(ends, base + _READ_BATCH_BYTES, lo))
+                yield group[lo:hi]
+                lo, base = hi, ends[hi - 1]
 
     def _read_batch(
         self, vol: Volume, places: Sequence[Placement], dests: Sequence[torch.Tensor] | None = None
@@ -794,8 +796,15 @@ class StorageAgent:
         streams: dict[int, xxhash.xxh3_64] = {}
         h = xxhash.xxh3_64_intdigest
         last = len(blk_l) - 1
+        # blocks of one length, none larger than a piece (the common case): chunk k is
+        # block k, hashed through one ctypes type's from_address (no call per block)
+        at = byte_array(len_l[0]).from_address if len(blk_l) == n and int(lengths.min()) == int(lengths.max()) else None
 
         def verify(lo: int, hi: int) -> None:
+            if at is not None:
+                for k in [k for k, a, c in zip(range(lo, hi), addr_l[lo:hi], cks[lo:hi]) if h(at(a)) != c]:
+                    ok[k] = False
+                return
             for k in range(lo, hi):
                 mem = memory_at(addr_l[k], len_l[k])
                 i = blk_l[k]

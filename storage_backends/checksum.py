@@ -62,13 +62,19 @@ def pack(buf: torch.Tensor, offsets: Sequence[int], blocks: Sequence[torch.Tenso
 _BYTE_ARRAYS: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}
 
 
-def memory_at(address: int, nbytes: int) -> ctypes.Array[ctypes.c_ubyte]:
-    """A buffer over ``nbytes`` of live memory at ``address`` (to hash it without building
-    a tensor or array per block: ~0.3 us).  The caller keeps the memory alive."""
+def byte_array(nbytes: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    """The ctypes type ``c_ubyte * nbytes`` (cached): its ``from_address`` is
+    :func:`memory_at` for one length, without the call."""
     t = _BYTE_ARRAYS.get(nbytes)
     if t is None:
         if len(_BYTE_ARRAYS) > 4096:
             _BYTE_ARRAYS.clear()
         t = _BYTE_ARRAYS[nbytes] = ctypes.c_ubyte * nbytes
-    return t.from_address(address)
+    return t
+
+
+def memory_at(address: int, nbytes: int) -> ctypes.Array[ctypes.c_ubyte]:
+    """A buffer over ``nbytes`` of live memory at ``address`` (to hash it without building
+    a tensor or array per block: ~0.3 us).  The caller keeps the memory alive."""
+    return byte_array(nbytes).from_address(address)
 

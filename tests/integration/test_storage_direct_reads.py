@@ -220,3 +220,24 @@ def test_overlapping_destinations_fall_back_to_verify_then_copy(agent: StorageAg
     res = agent.get([a_item[0], b_item[0]], out=[shared, shared])
     assert res[0] is shared and torch.equal(shared, b_item[1])
     assert agent.counters.quarantined == 0 and agent.exists([a_item[0], b_item[0]]) == [True, True]
+
+
+def test_blocks_of_one_size_over_many_pieces_flag_exactly_the_bad_one(agent: StorageAgent) -> None:
+    """The one-length fast path of the piece verifier (chunk k is block k): a corrupted
+    block in the middle of a later piece is the one quarantined, every other one reads."""
+    vol = agent._vol("fast")  # type: ignore[attr-defined]
+    vol.read_piece_bytes = 3 * 4096  # 3 blocks a piece: 7 pieces for 20 blocks
+    keys = [BlockKey(NS, 500 + i) for i in range(20)]
+    ps = agent.put([(k, block(500 + i, 4096)) for i, k in enumerate(keys)], "fast")
+    assert len({p.segment_id for p in ps}) == 1
+    outs = [torch.empty(4096, dtype=torch.uint8) for _ in keys]
+    agent.get(keys, out=outs)
+    assert all(torch.equal(o, block(500 + i, 4096)) for i, o in enumerate(outs))
+    flip(vol.path(ps[13].segment_id), ps[13].offset + 17)
+    vol.close()  # drop the cached fd: the next read opens the file again
+    with pytest.raises(ChecksumMismatchError, match="1 block"):
+        agent.get(keys, out=outs)
+    assert agent.exists(keys) == [i != 13 for i in range(20)]
+    rest = [k for i, k in enumerate(keys) if i != 13]
+    got = agent.get(rest)
+    assert all(torch.equal(g, block(500 + i, 4096)) for g, i in zip(got, [i for i in range(20) if i != 13]))
