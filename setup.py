@@ -1,5 +1,6 @@
-"""Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/_index_core.pyx``)
-and the event encoder of the block pools (``event_plane/_fastenc.pyx``).
+"""Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/_index_core.pyx``),
+the event encoder of the block pools (``event_plane/_fastenc.pyx``) and the core of the block
+pools (``kvbm_runtime/_pool_core.pyx``).
 
 Project metadata lives in ``pyproject.toml``; this file only declares the Cython extensions
 (built by ``pip install -e .`` / ``make install``; Cython comes from ``[build-system] requires``).
@@ -13,6 +14,7 @@ setup(
         [
             Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"]),
             Extension("event_plane._fastenc", ["event_plane/_fastenc.pyx"], extra_compile_args=["-O2"]),
+            Extension("kvbm_runtime._pool_core", ["kvbm_runtime/_pool_core.pyx"], extra_compile_args=["-O2"]),
         ],
         compiler_directives={"language_level": "3"},
     ),

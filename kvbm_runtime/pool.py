@@ -6,9 +6,10 @@
   *active* while an :class:`~kvbm_runtime.block.ImmutableBlock` references it, else
   *inactive*.  Both are matchable.
 * **Inactive set** — a multi-level LRU keyed by use frequency (levels for 1, 2–3, 4–7 and
-  ≥ 8 uses), one ``OrderedDict`` per level: eviction takes the least recently used block of
-  the lowest non-empty level, so a block used often survives a burst of blocks used once
-  (not plain LRU).  Insert, remove and evict are O(1).  A block's level is a function of
+  ≥ 8 uses), one doubly linked list per level through C arrays indexed by block id
+  (``_pool_core.InactiveSet``): eviction takes the least recently used block of the lowest
+  non-empty level, so a block used often survives a burst of blocks used once (not plain
+  LRU).  Insert, remove and evict are O(1).  A block's level is a function of
   its frequency, which does not change while it is inactive.
   A registered block is inactive exactly when its ``ref_count`` is 0.
 
@@ -19,9 +20,12 @@ last copy publishes one Remove (case C4).  ``storage_location`` is the tier name
 
 Hot path: the batch calls (:meth:`BlockPool.allocate_complete`,
 :meth:`BlockPool.register_blocks`, :meth:`BlockPool.release_blocks`,
-:meth:`BlockPool.match_blocks`) take the lock once and collect the identities
-(``BlockMeta``) of the blocks whose Store / Remove they owe; per block they create one
-handle and nothing else (counters advance per batch).  The events then go out once per
+:meth:`BlockPool.match_blocks`) take the lock once and run their per-block loop in the
+compiled core (``kvbm_runtime/_pool_core.pyx``; its executable specification is
+:mod:`kvbm_runtime.pool_reference`, which a pool can run on instead: ``BlockPool._core``),
+which collects the identities (``BlockMeta``) of the blocks whose Store / Remove they owe;
+per block they create one handle and nothing else (counters advance per batch).  Errors,
+undo, dedup and duplicates stay here.  The events then go out once per
 batch call, in the form the sink takes (chosen at construction):
 
 * an ``event_plane.EventPublisher`` that :attr:`~event_plane.EventPublisher.wants_events`:
@@ -38,11 +42,11 @@ The bytes subscribers receive are the same in every case.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import islice, repeat
+from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
@@ -51,6 +55,7 @@ from event_plane.codec import encode_event
 from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
 
+from . import _pool_core
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
 from .errors import BlockStateError, ConsumedHandleError, LayoutConfigError, PoolExhaustedError
 from .layout import BlockLayout
@@ -63,7 +68,6 @@ class EventSink(Protocol):
         """Queue events, in order."""
 
 
-_LEVEL_CAP = 3
 _STORE = EventType.STORE
 _REMOVE = EventType.REMOVE
 _STORE_INT = int(EventType.STORE)
@@ -78,50 +82,6 @@ _HASH_OF = attrgetter("meta.sequence_hash")
 def _names(weak: WeakBlock, block: Block) -> bool:
     """Whether ``weak`` names the current life of ``block`` (block, generation, hash)."""
     return weak._block is block and weak._generation == block.generation and weak.sequence_hash == block.meta.sequence_hash  # type: ignore[union-attr]
-
-
-def _level(frequency: int) -> int:
-    """Frequency class: 1 → 0, 2–3 → 1, 4–7 → 2, ≥ 8 → 3."""
-    return min(max(frequency, 1).bit_length() - 1, _LEVEL_CAP)
-
-
-class _InactiveSet:
-    """Multi-level LRU of inactive registered blocks (see module doc).
-
-    ``levels[k]`` holds blocks (keys, identity-hashed; values unused) in recency order,
-    ``k = _level(block.frequency)``; a registered block is here exactly when its
-    ``ref_count`` is 0, and its frequency only changes once it is out again.  The pool's
-    hot loops inline :meth:`add` / :meth:`discard` on ``levels``.
-    """
-
-    __slots__ = ("levels",)
-
-    def __init__(self) -> None:
-        self.levels: list[OrderedDict[Block, None]] = [OrderedDict() for _ in range(_LEVEL_CAP + 1)]
-
-    def __len__(self) -> int:
-        a, b, c, d = self.levels
-        return len(a) + len(b) + len(c) + len(d)
-
-    def add(self, block: Block) -> None:
-        f = block.frequency
-        level = 0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))  # == _level(f)
-        self.levels[level][block] = None
-
-    def discard(self, block: Block) -> None:
-        """Take an inactive block out (it must be here)."""
-        f = block.frequency
-        del self.levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
-
-    def pop_victim(self) -> Block | None:
-        for level in self.levels:
-            if level:
-                return level.popitem(last=False)[0]
-        return None
-
-    def order(self) -> list[int]:
-        """Block ids in eviction order."""
-        return [b.block_id for level in self.levels for b in level]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +123,10 @@ class BlockPool:
         LayoutConfigError: with a publisher, the layout's blocks are 4 GiB or more (no
             event's ``block_size`` could carry it).
     """
+
+    # the per-block loops of the batch calls and the inactive set: the compiled core, or
+    # (tests, a subclass) its executable specification, kvbm_runtime.pool_reference
+    _core = _pool_core
 
     def __init__(
         self,
@@ -210,7 +174,7 @@ class BlockPool:
         self._reset: deque[int] = deque(range(layout.num_blocks))
         self._registry: dict[int, Block] = {}  # sequence hash -> first registered copy
         self._dups: dict[int, list[Block]] = {}  # further copies (allow_duplicates only)
-        self._inactive = _InactiveSet()
+        self._inactive = self._core.InactiveSet(self._blocks)
         self._stores = 0
         self._removes = 0
         self._evictions = 0
@@ -340,31 +304,23 @@ class BlockPool:
             popleft = reset.popleft
             return [blocks[popleft()] for _ in range(count)]
         self._check_room(count)
-        inactive = self._inactive
         blocks = self._blocks
         out = [blocks[i] for i in reset]
         reset.clear()
-        need = count - n_reset
         events: list[BlockMeta] = []  # identities of the Removes owed
-        append = events.append
+        pop_victim = self._inactive.pop_victim
         registry = self._registry
         dups = self._dups
-        out_append = out.append
-        for level in inactive.levels:
-            popitem = level.popitem
-            for _ in range(min(need, len(level))):
-                victim = popitem(False)[0]
-                meta = victim.meta
-                h = meta.sequence_hash  # type: ignore[union-attr]
-                if dups and h in dups:
-                    self._unregister_copy(victim)
-                else:
-                    del registry[h]
-                    append(meta)
-                out_append(victim)
-            need = count - len(out)
-            if not need:
-                break
+        for _ in range(count - n_reset):
+            victim = pop_victim()
+            meta = victim.meta
+            h = meta.sequence_hash  # type: ignore[union-attr]
+            if dups and h in dups:
+                self._unregister_copy(victim)
+            else:
+                del registry[h]
+                events.append(meta)
+            out.append(victim)
         self._evictions += count - n_reset
         if events:
             self._emit_removes(events)
@@ -378,59 +334,14 @@ class BlockPool:
         Raises:
             PoolExhaustedError: as :meth:`allocate` (nothing allocated or evicted).
         """
-        complete = _COMPLETE
-        mb = MutableBlock
-        count = len(metas)
         with self._lock:
-            reset = self._reset
-            n_reset = len(reset)
-            levels = self._inactive.levels
-            if count > n_reset + len(levels[0]):  # level 0 alone does not cover it: count all
-                self._check_room(count)
-            out: list[MutableBlock] = []
-            append = out.append
-            it = iter(metas)
-            if n_reset:
-                blocks = self._blocks
-                popleft = reset.popleft
-                for meta in islice(it, min(count, n_reset)):
-                    b = blocks[popleft()]
-                    b.meta = meta
-                    b.state = complete
-                    append(mb(self, b))
-                if count <= n_reset:
-                    return out
-            # the rest: evict inactive blocks, lowest level first, and give each its new
-            # identity in the same pass (one Remove per hash whose last copy goes)
-            events: list[BlockMeta] = []  # identities of the Removes owed
-            ev_append = events.append
-            registry = self._registry
-            dups = self._dups
-            need = count - n_reset
-            for level in levels:
-                popitem = level.popitem
-                for meta in islice(it, min(need, len(level))):
-                    b = popitem(False)[0]
-                    old = b.meta
-                    h = old.sequence_hash  # type: ignore[union-attr]
-                    if dups and h in dups:
-                        self._unregister_copy(b)
-                    else:
-                        del registry[h]
-                        ev_append(old)  # type: ignore[arg-type]
-                    b.generation += 1  # a new life: weak handles of the old one are dead
-                    if b.tokens:
-                        b.parent = None
-                        b.tokens = ()
-                    b.meta = meta
-                    b.state = complete
-                    append(mb(self, b))
-                need = count - len(out)
-                if not need:
-                    break
-            self._evictions += count - n_reset
-            if events:
-                self._emit_removes(events)
+            if len(metas) > len(self._reset) + self._inactive.level_len(0):
+                self._check_room(len(metas))  # level 0 alone does not cover it: count all
+            out, removes, evicted = self._core.allocate_complete(self, metas)
+            if evicted:
+                self._evictions += evicted
+                if removes:
+                    self._emit_removes(removes)
             return out
 
     def _emit_removes(self, events: list[BlockMeta]) -> None:
@@ -525,40 +436,15 @@ class BlockPool:
                 can carry it (a hash not an ``int`` in [0, 2**64), a field missing);
                 nothing changed: the inputs stay live and Complete.
         """
-        complete = _COMPLETE
-        registered = _REGISTERED
-        ib = ImmutableBlock
         with self._lock:
-            setdefault = self._registry.setdefault
-            events: list[BlockMeta] = []  # identities of the Stores owed
-            ev_append = events.append
-            out: list[ImmutableBlock | None] = []
-            append = out.append
             # A hash already registered (here or earlier in this batch) is resolved after
             # the loop, so that a bad input found part-way only has fresh registrations
             # to undo (nothing else changed yet).
-            deferred: list[tuple[int, MutableBlock, Block]] | None = None
-            for handle in blocks:
-                b = handle._block
-                if not handle._live or handle._pool is not self or b.state is not complete:
-                    done = blocks[: len(out)]
-                    self._unregister_batch(done)
-                    raise self._bad_handle(handle, done, "register", complete)
-                handle._live = False
-                meta = b.meta
-                h = meta.sequence_hash  # type: ignore[union-attr]
-                existing = setdefault(h, b)
-                if existing is b:
-                    b.state = registered
-                    b.ref_count = 1
-                    b.frequency = 1
-                    ev_append(meta)
-                    append(ib(self, b))
-                else:
-                    if deferred is None:
-                        deferred = []
-                    deferred.append((len(out), handle, existing))
-                    append(None)
+            out, events, deferred, bad = self._core.register_blocks(self, blocks)
+            if bad >= 0:
+                done = blocks[:bad]
+                self._unregister_batch(done)
+                raise self._bad_handle(blocks[bad], done, "register", _COMPLETE)
             body = self._encode_stores(events, blocks, len(out)) if events else None
             if deferred:
                 self._register_existing(deferred, out)
@@ -647,7 +533,7 @@ class BlockPool:
             if deferred is None:
                 # every input registered as itself, frequency 1: level 0, in input order
                 targets = list(map(_BLOCK_OF, hs))
-                self._inactive.levels[0].update(zip(targets, repeat(None)))
+                self._inactive.extend(targets)
             else:
                 targets = self._register_downgrade_dedup(hs, deferred)
             if (
@@ -692,13 +578,12 @@ class BlockPool:
                 b.clear()
                 self._reset.append(b.block_id)
                 targets[i] = existing
-        levels = self._inactive.levels
+        add = self._inactive.add
         for b in targets:
             rc = b.ref_count - 1
             b.ref_count = rc
             if rc == 0:
-                f = b.frequency
-                levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
+                add(b)
         return targets
 
     def _unregister_batch(self, done: Sequence[MutableBlock]) -> None:
@@ -729,23 +614,8 @@ class BlockPool:
     def match_blocks(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
         """Strong handles for the longest prefix of ``sequence_hashes`` registered here;
         stops at the first miss.  Each hit counts as a use (frequency + 1)."""
-        ib = ImmutableBlock
         with self._lock:
-            out: list[ImmutableBlock] = []
-            append = out.append
-            get = self._registry.get
-            levels = self._inactive.levels
-            for h in sequence_hashes:
-                block = get(h)
-                if block is None:
-                    break
-                if block.ref_count == 0:  # inactive → active
-                    f = block.frequency
-                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
-                block.ref_count += 1
-                block.frequency += 1
-                append(ib(self, block))
-            return out
+            return self._core.match_blocks(self, sequence_hashes)
 
     def scan_matches(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
         """Strong handles for every hash of ``sequence_hashes`` registered here (misses
@@ -781,15 +651,14 @@ class BlockPool:
             out: list[ImmutableBlock | None] = []
             append = out.append
             get = self._registry.get
-            levels = self._inactive.levels
+            discard = self._inactive.discard
             for h in sequence_hashes:
                 block = get(h)
                 if block is None:
                     append(None)
                     continue
                 if block.ref_count == 0:
-                    f = block.frequency
-                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][block]
+                    discard(block)
                 block.ref_count += 1
                 append(ib(self, block))
             return out
@@ -808,7 +677,7 @@ class BlockPool:
         ib = ImmutableBlock
         registered = _REGISTERED
         with self._lock:
-            levels = self._inactive.levels
+            discard = self._inactive.discard
             out: list[ImmutableBlock | None] = []
             append = out.append
             for w in ws:
@@ -817,8 +686,7 @@ class BlockPool:
                     append(None)
                     continue
                 if b.ref_count == 0:
-                    f = b.frequency
-                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b]
+                    discard(b)
                 b.ref_count += 1
                 b.frequency += 1
                 append(ib(self, b))
@@ -845,7 +713,7 @@ class BlockPool:
                 raise BlockStateError(f"weak handle of pool {w._pool.tier} pinned through pool {self.tier}")
         registered = _REGISTERED
         with self._lock:
-            levels = self._inactive.levels
+            discard = self._inactive.discard
             pinned: list[Block] = []
             append = pinned.append
             lost: list[int] = []
@@ -855,8 +723,7 @@ class BlockPool:
                     lost.append(k)
                     continue
                 if b.ref_count == 0:
-                    f = b.frequency
-                    del levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b]
+                    discard(b)
                 b.ref_count += 1
                 b.frequency += 1
                 append(b)
@@ -877,13 +744,12 @@ class BlockPool:
             if not pins._live:
                 raise ConsumedHandleError(f"the {len(pins._blocks)} pins of pool {self.tier} were already given back")
             pins._live = False
-            levels = self._inactive.levels
+            add = self._inactive.add
             for b in pins._blocks:
                 rc = b.ref_count - 1
                 b.ref_count = rc
                 if rc == 0:
-                    f = b.frequency
-                    levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
+                    add(b)
 
     def downgrade_many(self, handles: Sequence[ImmutableBlock]) -> list[WeakBlock]:
         """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them).
@@ -956,34 +822,21 @@ class BlockPool:
             BlockStateError: a handle belongs to another pool or appears twice.
         """
         hs = handles if isinstance(handles, list) else list(handles)
-        registered = _REGISTERED
         with self._lock:
-            levels = self._inactive.levels
-            n = 0
-            for h in hs:
-                if not h._live or h._pool is not self:
-                    self._unrelease(hs[:n])
-                    raise self._bad_handle(h, hs[:n], "release", registered)
-                h._live = False
-                n += 1
-                b = h._block
-                rc = b.ref_count - 1
-                if rc > 0:
-                    b.ref_count = rc
-                elif rc == 0:  # the last strong ref: inactive, at its frequency level
-                    b.ref_count = 0
-                    f = b.frequency
-                    levels[0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))][b] = None
+            n = self._core.release_blocks(self, hs)
+            if n < len(hs):
+                self._unrelease(hs[:n])
+                raise self._bad_handle(hs[n], hs[:n], "release", _REGISTERED)
 
     def _unrelease(self, done: list[ImmutableBlock]) -> None:
         """Undo the releases of ``done`` (a batch failed part-way; lock held), last first,
         so every block is back to its ref count and out of the inactive set."""
+        inactive = self._inactive
         for h in reversed(done):
             h._live = True
             b = h._block
-            level = self._inactive.levels[_level(b.frequency)]
-            if b.ref_count == 0 and b in level:
-                del level[b]
+            if b.ref_count == 0 and b in inactive:
+                inactive.discard(b)
             b.ref_count += 1
 
     def _release(self, block: Block) -> None:

@@ -1,0 +1,714 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
+"""Compiled core of :class:`kvbm_runtime.pool.BlockPool`: the block slot, the handles, the
+inactive set and the pool's hot batch loops.
+
+* :class:`Block` — a physical block slot (C fields; ``kvbm_runtime.block`` re-exports it).
+* :class:`MutableBlock` / :class:`ImmutableBlock` — the handles engines hold, extension
+  types without cycle-collector tracking whose "dropped while live" rule (give the block
+  back) runs in C at deallocation, not as a Python ``__del__`` (that finalizer was ~0.1 µs
+  per block of a batch call; ``kvbm_runtime.block`` documents the handles).
+* :class:`InactiveSet` — the frequency-aware multi-level LRU of inactive blocks as
+  intrusive doubly linked lists over C arrays indexed by block id (no hashing, no
+  ``OrderedDict`` entry per block).
+* :func:`allocate_complete`, :func:`register_blocks`, :func:`release_blocks`,
+  :func:`match_blocks` — the per-block loops of the pool's batch calls (lock held by the
+  caller), everything else (errors, undo, dedup, duplicates, events) stays in ``pool.py``.
+
+The semantics are those of :mod:`kvbm_runtime.pool_reference` (the executable
+specification, same functions and same ``InactiveSet`` API in plain Python);
+``tests/unit/test_runtime_pool_core_diff.py`` drives pools on either core through the same
+random operations and checks them equal (blocks, handles, eviction order, events).
+"""
+
+cimport cython
+from cpython.dict cimport PyDict_SetDefault
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject
+from libc.stdint cimport int8_t, int32_t
+
+import numpy as np
+
+# kvbm_runtime.block imports this module after defining BlockState and BlockMeta (it
+# re-exports the classes below); WeakBlock is looked up when first needed.
+import kvbm_runtime.block as _blockmod
+from kvbm_runtime.errors import BlockStateError, ConsumedHandleError
+from kvbm_runtime.hashing import chain_hash, local_hash
+
+cdef extern from "Python.h":
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
+
+_BlockState = _blockmod.BlockState
+_BlockMeta = _blockmod.BlockMeta
+cdef object _RESET = _BlockState.RESET
+cdef object _PARTIAL = _BlockState.PARTIAL
+cdef object _COMPLETE = _BlockState.COMPLETE
+cdef object _REGISTERED = _BlockState.REGISTERED
+cdef tuple _EMPTY = ()
+
+
+@cython.final
+cdef class Block:
+    """A physical block slot of a pool; engines never hold it directly, only handles.
+
+    Attributes:
+        block_id: index in the pool's layout.
+        state: lifecycle state (``BlockState``).
+        generation: +1 every time the block returns to Reset (invalidates weak handles).
+        salt: salt hash of a Partial block (``init_sequence``); a Complete or Registered
+            block's salt is ``meta.salt``.
+        parent: metadata of the parent block (``None`` for the first block of a sequence).
+        tokens: token ids appended while Partial (an empty tuple when none were).
+        meta: identity once Complete / Registered.
+        ref_count: live :class:`ImmutableBlock` handles (Registered only).
+        frequency: uses since registration (register, dedup hit, match).
+    """
+
+    cdef public Py_ssize_t block_id
+    cdef public object state
+    cdef public long long generation
+    cdef public object salt
+    cdef public object parent
+    cdef public object tokens
+    cdef public object meta
+    cdef public Py_ssize_t ref_count
+    cdef public Py_ssize_t frequency
+
+    def __init__(self, Py_ssize_t block_id):
+        self.block_id = block_id
+        self.generation = 0
+        self._empty()
+
+    cdef void _empty(self) noexcept:
+        self.state = _RESET
+        self.salt = None
+        self.parent = None
+        self.tokens = _EMPTY
+        self.meta = None
+        self.ref_count = 0
+        self.frequency = 0
+
+    def clear(self):
+        """Back to Reset (the pool calls this; bumps the generation)."""
+        self.generation += 1
+        self._empty()
+
+    def __repr__(self):
+        return f"Block(id={self.block_id}, {self.state.value}, gen={self.generation}, refs={self.ref_count})"
+
+
+@cython.no_gc
+cdef class _Handle:
+    """Common part of the handles: the pool, the block and a live (not consumed) flag.
+
+    Not tracked by the cycle collector: a handle refers to its pool and block only, never
+    to itself or another handle, so it cannot be part of a reference cycle.  Handles
+    compare and hash by identity.  Construct as ``MutableBlock(pool, block)`` /
+    ``ImmutableBlock(pool, block)`` (pools do).
+    """
+
+    cdef public object _pool
+    cdef public Block _block
+    cdef public bint _live
+
+    def __init__(self, pool, Block block, bint _live=True):
+        self._pool = pool
+        self._block = block
+        self._live = _live
+
+    cdef Block _get(self):
+        if not self._live:
+            raise ConsumedHandleError(f"{type(self).__name__} of block {self._block.block_id} was already consumed")
+        return self._block
+
+    @property
+    def consumed(self):
+        """True once a transition or release consumed this handle."""
+        return not self._live
+
+    @property
+    def block_id(self):
+        """Index of the block in its pool's layout."""
+        return self._get().block_id
+
+    @property
+    def tier(self):
+        """Tier name of the owning pool (``"g1"``, ``"g2"``)."""
+        return self._pool.tier
+
+    def view(self):
+        """Typed ``[num_layers, outer_dim, page_size, inner_dim]`` view of the block's data
+        (a ``torch.Tensor``)."""
+        return self._pool.layout.block_view(self._get().block_id)
+
+    def __dealloc__(self):
+        # A live handle dropped: a mutable one's block goes back to the Reset list, a
+        # strong one's reference is given back (the last makes the block inactive).  In C
+        # at deallocation, not a Python __del__; errors cannot propagate from here (a
+        # half-built handle, interpreter shutdown, the pool gone).
+        if not self._live or self._pool is None:
+            return
+        self._live = False
+        try:
+            if isinstance(self, MutableBlock):
+                self._pool._reset_block(self._block)
+            else:
+                self._pool._release(self._block)
+        except BaseException:
+            pass
+
+
+cdef inline MutableBlock _new_mutable(object pool, Block block):
+    cdef MutableBlock h = MutableBlock.__new__(MutableBlock)
+    h._pool = pool
+    h._block = block
+    h._live = True
+    return h
+
+
+cdef inline ImmutableBlock _new_immutable(object pool, Block block):
+    cdef ImmutableBlock h = ImmutableBlock.__new__(ImmutableBlock)
+    h._pool = pool
+    h._block = block
+    h._live = True
+    return h
+
+
+@cython.final
+@cython.no_gc
+@cython.freelist(64)
+cdef class MutableBlock(_Handle):
+    """Exclusive handle on a Reset, Partial or Complete block (see ``kvbm_runtime.block``)."""
+
+    @property
+    def state(self):
+        """Current state of the block (``BlockState``)."""
+        return self._get().state
+
+    @property
+    def tokens(self):
+        """Token ids appended so far (a tuple)."""
+        return tuple(self._get().tokens)
+
+    @property
+    def meta(self):
+        """Identity once Complete, else ``None``."""
+        return self._get().meta
+
+    @property
+    def sequence_hash(self):
+        """Sequence hash once Complete, else ``None``."""
+        meta = self._get().meta
+        return None if meta is None else meta.sequence_hash
+
+    cdef MutableBlock _transition(self, Block block):
+        self._live = False
+        return _new_mutable(self._pool, block)
+
+    def init_sequence(self, salt, parent=None):
+        """Reset → Partial: start a block of a sequence under ``salt``.
+
+        Args:
+            salt: salt hash (``hashing.salt_hash``) seeding the local hash.
+            parent: identity (``BlockMeta``) of the previous full block of the sequence;
+                ``None`` for the first block.  Must have been produced under the same salt.
+
+        Returns:
+            The new (Partial) handle; this one is consumed.
+
+        Raises:
+            BlockStateError: the block is not Reset, or ``parent`` has another salt.
+            ConsumedHandleError: this handle was consumed.
+        """
+        cdef Block block = self._get()
+        if block.state is not _RESET:
+            raise BlockStateError(f"init_sequence needs a Reset block, block {block.block_id} is {block.state.value}")
+        if parent is not None and parent.salt != salt:
+            raise BlockStateError("parent block was hashed under another salt")
+        block.salt = salt
+        block.parent = parent
+        block.tokens = []
+        block.state = _PARTIAL
+        return self._transition(block)
+
+    def append_tokens(self, tokens):
+        """Append token ids (a sequence of ints or an array) to a Partial block (not a
+        transition: the handle stays valid).
+
+        Returns:
+            Free token slots left.
+
+        Raises:
+            BlockStateError: the block is not Partial, or the tokens would overflow it
+                (nothing is appended then).
+        """
+        cdef Block block = self._get()
+        if block.state is not _PARTIAL:
+            raise BlockStateError(f"append_tokens needs a Partial block, block {block.block_id} is {block.state.value}")
+        items = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        room = self._pool.page_size - len(block.tokens)
+        if len(items) > room:
+            raise BlockStateError(f"{len(items)} tokens do not fit: block {block.block_id} has room for {room}")
+        block.tokens.extend(items)
+        return room - len(items)
+
+    def commit(self):
+        """Partial → Complete: the block must be full; computes its sequence hash.
+
+        Returns:
+            The new (Complete) handle; this one is consumed.
+
+        Raises:
+            BlockStateError: not Partial, or fewer than ``page_size`` tokens (partial
+                blocks are never registered, case C10).
+        """
+        cdef Block block = self._get()
+        if block.state is not _PARTIAL:
+            raise BlockStateError(f"commit needs a Partial block, block {block.block_id} is {block.state.value}")
+        if len(block.tokens) != self._pool.page_size:
+            raise BlockStateError(
+                f"commit needs a full block: {len(block.tokens)} of {self._pool.page_size} tokens"
+            )
+        parent = block.parent
+        seq = chain_hash(None if parent is None else parent.sequence_hash, local_hash(block.tokens, block.salt))
+        block.meta = _BlockMeta(
+            sequence_hash=seq,
+            parent_hash=None if parent is None else parent.sequence_hash,
+            prefix_hash=seq if parent is None else parent.prefix_hash,
+            salt=block.salt,
+        )
+        block.state = _COMPLETE
+        return self._transition(block)
+
+    def init_from(self, meta):
+        """Reset → Complete with a known identity (``BlockMeta``; the block is a copy of a
+        block of another tier, e.g. onboarding G2 → G1 or offloading G1 → G2).
+
+        The caller copies the data into :meth:`view` before registering.
+
+        Raises:
+            BlockStateError: the block is not Reset.
+        """
+        cdef Block block = self._get()
+        if block.state is not _RESET:
+            raise BlockStateError(f"init_from needs a Reset block, block {block.block_id} is {block.state.value}")
+        block.salt = meta.salt
+        block.meta = meta
+        block.state = _COMPLETE
+        return self._transition(block)
+
+    def release(self):
+        """Give the block back to the pool's Reset list (consumes the handle).
+
+        Raises:
+            ConsumedHandleError: this handle was consumed.
+        """
+        cdef Block block = self._get()
+        self._live = False
+        self._pool._reset_block(block)
+
+    def __repr__(self):
+        state = "consumed" if not self._live else self._block.state.value
+        return f"MutableBlock(tier={self._pool.tier}, id={self._block.block_id}, {state})"
+
+
+@cython.final
+@cython.no_gc
+@cython.freelist(64)
+cdef class ImmutableBlock(_Handle):
+    """Strong reference to a Registered block (see ``kvbm_runtime.block``)."""
+
+    @property
+    def meta(self):
+        """Identity of the block (``BlockMeta``)."""
+        return self._get().meta
+
+    @property
+    def sequence_hash(self):
+        """Sequence hash of the block."""
+        return self._get().meta.sequence_hash
+
+    def clone(self):
+        """Another strong reference to the same block."""
+        cdef Block block = self._get()
+        self._pool._acquire(block, touch=False)
+        return _new_immutable(self._pool, block)
+
+    def weak(self):
+        """A weak reference (``WeakBlock``); this strong handle stays valid."""
+        cdef Block block = self._get()
+        return _blockmod.WeakBlock(self._pool, block, block.generation, block.meta.sequence_hash)
+
+    def downgrade(self):
+        """Strong → weak: returns a weak handle and releases (consumes) this one."""
+        weak = self.weak()
+        self.release()
+        return weak
+
+    def release(self):
+        """Drop this strong reference (consumes the handle); the last one makes the
+        block inactive (still matchable, evictable).
+
+        Raises:
+            ConsumedHandleError: this handle was consumed.
+        """
+        if not self._live:
+            raise ConsumedHandleError(f"ImmutableBlock of block {self._block.block_id} was already consumed")
+        self._live = False
+        self._pool._release(self._block)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._live:
+            self.release()
+
+    def __repr__(self):
+        if not self._live:
+            return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, consumed)"
+        return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, hash={self.sequence_hash:#018x})"
+
+
+# ---------------------------------------------------------------------------- inactive set
+
+cdef enum:
+    _LEVELS = 4
+
+
+cdef inline int _level_of(Py_ssize_t f) noexcept:
+    """Frequency class: <= 1 → 0, 2–3 → 1, 4–7 → 2, >= 8 → 3."""
+    return 0 if f < 2 else (1 if f < 4 else (2 if f < 8 else 3))
+
+
+@cython.final
+cdef class InactiveSet:
+    """Multi-level LRU of the inactive registered blocks of one pool (the blocks of
+    ``blocks``, indexed by ``block_id``).
+
+    Level ``k`` holds blocks of frequency class ``k`` (1, 2–3, 4–7, ≥ 8 uses) in recency
+    order, as a doubly linked list through C arrays; a block's level is recorded when it is
+    added (its frequency does not change while it is inactive).  Eviction takes the least
+    recently used block of the lowest non-empty level.  Every operation is O(1) except
+    :meth:`order`.
+    """
+
+    cdef list blocks
+    cdef Py_ssize_t n
+    cdef int32_t *prev
+    cdef int32_t *nxt
+    cdef int8_t *lvl
+    cdef int32_t head[_LEVELS]
+    cdef int32_t tail[_LEVELS]
+    cdef Py_ssize_t count[_LEVELS]
+
+    def __cinit__(self, list blocks not None):
+        cdef Py_ssize_t i, n = len(blocks)
+        if n >= 0x7FFFFFFF:
+            raise ValueError(f"too many blocks for an InactiveSet: {n}")
+        self.blocks = blocks
+        self.n = n
+        self.prev = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
+        self.nxt = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
+        self.lvl = <int8_t*>PyMem_Malloc(max(n, 1) * sizeof(int8_t))
+        if self.prev == NULL or self.nxt == NULL or self.lvl == NULL:
+            raise MemoryError()
+        for i in range(n):
+            if type(blocks[i]) is not Block or (<Block>blocks[i]).block_id != i:
+                raise ValueError(f"blocks[{i}] is not the Block of id {i}")
+            self.prev[i] = -1
+            self.nxt[i] = -1
+            self.lvl[i] = -1
+        for i in range(_LEVELS):
+            self.head[i] = -1
+            self.tail[i] = -1
+            self.count[i] = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.prev)
+        PyMem_Free(self.nxt)
+        PyMem_Free(self.lvl)
+
+    cdef inline Py_ssize_t _id(self, Block b) except -1:
+        """``b``'s id, checked to be one of this set's blocks (no C array is ever indexed
+        with a foreign block's id)."""
+        cdef Py_ssize_t i = b.block_id
+        if i < 0 or i >= self.n or <PyObject*>PyList_GET_ITEM(self.blocks, i) is not <PyObject*>b:
+            raise ValueError(f"block {i} is not a block of this pool")
+        return i
+
+    cdef inline void _push(self, Py_ssize_t i, int k) noexcept:
+        """Append block ``i`` (not in the set) at the recent end of level ``k``."""
+        cdef int32_t t = self.tail[k]
+        self.lvl[i] = k
+        self.prev[i] = t
+        self.nxt[i] = -1
+        if t < 0:
+            self.head[k] = <int32_t>i
+        else:
+            self.nxt[t] = <int32_t>i
+        self.tail[k] = <int32_t>i
+        self.count[k] += 1
+
+    cdef inline void _unlink(self, Py_ssize_t i) noexcept:
+        """Take block ``i`` (in the set) out of its level."""
+        cdef int k = self.lvl[i]
+        cdef int32_t p = self.prev[i], q = self.nxt[i]
+        if p < 0:
+            self.head[k] = q
+        else:
+            self.nxt[p] = q
+        if q < 0:
+            self.tail[k] = p
+        else:
+            self.prev[q] = p
+        self.lvl[i] = -1
+        self.count[k] -= 1
+
+    cdef inline int _add(self, Block b) except -1:
+        cdef Py_ssize_t i = self._id(b)
+        if self.lvl[i] < 0:
+            self._push(i, _level_of(b.frequency))
+        return 0
+
+    cdef inline int _discard(self, Block b) except -1:
+        cdef Py_ssize_t i = self._id(b)
+        if self.lvl[i] < 0:
+            raise KeyError(b)
+        self._unlink(i)
+        return 0
+
+    cdef inline Py_ssize_t _pop(self) noexcept:
+        """Id of the next victim, taken out; -1 when the set is empty."""
+        cdef int k
+        cdef Py_ssize_t i
+        for k in range(_LEVELS):
+            i = self.head[k]
+            if i >= 0:
+                self._unlink(i)
+                return i
+        return -1
+
+    def add(self, Block b not None):
+        """Insert an inactive block at the recent end of its frequency level (nothing
+        changes if it is in the set already).
+
+        Raises:
+            ValueError: ``b`` is not a block of this set's pool.
+        """
+        self._add(b)
+
+    def discard(self, Block b not None):
+        """Take an inactive block out.
+
+        Raises:
+            KeyError: ``b`` is not in the set.
+            ValueError: ``b`` is not a block of this set's pool.
+        """
+        self._discard(b)
+
+    def extend(self, blocks):
+        """:meth:`add` each of ``blocks`` (an iterable of blocks), in order."""
+        for b in blocks:
+            self._add(b)
+
+    def __contains__(self, b):
+        if type(b) is not Block:
+            return False
+        cdef Py_ssize_t i = (<Block>b).block_id
+        return 0 <= i < self.n and <PyObject*>PyList_GET_ITEM(self.blocks, i) is <PyObject*>b and self.lvl[i] >= 0
+
+    def pop_victim(self):
+        """The next victim (least recently used block of the lowest non-empty level),
+        taken out of the set; ``None`` when the set is empty."""
+        cdef Py_ssize_t i = self._pop()
+        return None if i < 0 else self.blocks[i]
+
+    def __len__(self):
+        return self.count[0] + self.count[1] + self.count[2] + self.count[3]
+
+    def level_len(self, int k):
+        """Blocks in level ``k`` (0..3).
+
+        Raises:
+            IndexError: ``k`` is not 0..3.
+        """
+        if k < 0 or k >= _LEVELS:
+            raise IndexError(f"level {k} is not 0..{_LEVELS - 1}")
+        return self.count[k]
+
+    def order(self):
+        """Block ids in eviction order."""
+        cdef int k
+        cdef Py_ssize_t i
+        out = []
+        for k in range(_LEVELS):
+            i = self.head[k]
+            while i >= 0:
+                out.append(i)
+                i = self.nxt[i]
+        return out
+
+
+# ---------------------------------------------------------------------------- hot loops
+
+
+cdef inline list _as_list(object seq):
+    return seq if type(seq) is list else list(seq)
+
+
+def allocate_complete(pool, metas):
+    """The per-block part of ``BlockPool.allocate_complete(metas)`` (lock held, room
+    checked): Reset blocks first, then evicted inactive ones (lowest level first), each
+    given its identity as a Complete block.
+
+    Returns:
+        ``(handles, removes, evicted)``: one Complete ``MutableBlock`` per identity, the
+        identities whose Remove is owed (a hash's last copy evicted; ``None`` when no block
+        was evicted) and the number of blocks evicted.
+
+    Raises:
+        RuntimeError: fewer Reset + inactive blocks than ``metas`` (the caller checks).
+    """
+    cdef list ms = _as_list(metas)
+    cdef Py_ssize_t count = PyList_GET_SIZE(ms), i, j, k
+    reset = pool._reset
+    cdef Py_ssize_t n_reset = len(reset)
+    cdef list blocks = pool._blocks
+    cdef list out = []
+    cdef Block b
+    k = count if count < n_reset else n_reset
+    if k:
+        popleft = reset.popleft
+        for i in range(k):
+            b = <Block?>blocks[popleft()]
+            b.meta = <object>PyList_GET_ITEM(ms, i)
+            b.state = _COMPLETE
+            out.append(_new_mutable(pool, b))
+    if count <= n_reset:
+        return out, None, 0
+    cdef InactiveSet inactive = pool._inactive
+    cdef dict registry = pool._registry
+    cdef dict dups = pool._dups
+    cdef list removes = []
+    for i in range(k, count):
+        j = inactive._pop()
+        if j < 0:
+            raise RuntimeError(f"{pool.tier}: no inactive block left to evict")
+        b = <Block>PyList_GET_ITEM(blocks, j)
+        old = b.meta
+        h = old.sequence_hash
+        if dups and h in dups:
+            pool._unregister_copy(b)
+        else:
+            del registry[h]
+            removes.append(old)
+        b.generation += 1  # a new life: weak handles of the old one are dead
+        if b.tokens:
+            b.parent = None
+            b.tokens = _EMPTY
+        b.meta = <object>PyList_GET_ITEM(ms, i)
+        b.state = _COMPLETE
+        out.append(_new_mutable(pool, b))
+    return out, removes, count - k
+
+
+def register_blocks(pool, blocks):
+    """The per-block part of ``BlockPool.register_blocks(blocks)`` (lock held): each
+    valid input (a live handle of ``pool`` on a Complete block) is consumed; a hash not
+    registered yet is registered on the input's block (ref count 1, frequency 1, a Store
+    owed), one already registered is deferred to the caller.  Stops at the first invalid
+    input.
+
+    Returns:
+        ``(out, stores, deferred, bad)``: a strong handle per registered input (``None``
+        for a deferred one), the identities of the Stores owed, ``None`` or a list of
+        ``(index, handle, existing block)``, and the index of the first invalid input
+        (-1: none; the inputs before it were processed, the caller undoes them).
+    """
+    cdef list hs = _as_list(blocks)
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(hs)
+    cdef dict registry = pool._registry
+    cdef list out = []
+    cdef list stores = []
+    deferred = None
+    cdef _Handle handle
+    cdef Block b
+    cdef PyObject* existing
+    for i in range(n):
+        obj = <object>PyList_GET_ITEM(hs, i)
+        if not isinstance(obj, _Handle):
+            return out, stores, deferred, i
+        handle = <_Handle>obj
+        b = handle._block
+        if not handle._live or handle._pool is not pool or b is None or b.state is not _COMPLETE:
+            return out, stores, deferred, i
+        handle._live = False
+        meta = b.meta
+        existing = PyDict_SetDefault(registry, meta.sequence_hash, b)
+        if existing == <PyObject*>b:
+            b.state = _REGISTERED
+            b.ref_count = 1
+            b.frequency = 1
+            stores.append(meta)
+            out.append(_new_immutable(pool, b))
+        else:
+            if deferred is None:
+                deferred = []
+            deferred.append((i, handle, <object>existing))
+            out.append(None)
+    return out, stores, deferred, -1
+
+
+def release_blocks(pool, handles):
+    """The per-block part of ``BlockPool.release_blocks(handles)`` (lock held): consume
+    each live handle of ``pool`` in order, dropping one reference on its block; a block
+    whose last reference this was becomes inactive at its frequency level.  Stops at the
+    first handle that is not a live handle of ``pool``.
+
+    Returns:
+        The number of handles released (``len(handles)`` when all were).
+    """
+    cdef list hs = _as_list(handles)
+    cdef Py_ssize_t i, rc, n = PyList_GET_SIZE(hs)
+    cdef InactiveSet inactive = pool._inactive
+    cdef _Handle h
+    cdef Block b
+    for i in range(n):
+        obj = <object>PyList_GET_ITEM(hs, i)
+        if not isinstance(obj, _Handle):
+            return i
+        h = <_Handle>obj
+        if not h._live or h._pool is not pool or h._block is None:
+            return i
+        b = h._block
+        h._live = False
+        rc = b.ref_count - 1
+        if rc > 0:
+            b.ref_count = rc
+        elif rc == 0:  # the last strong ref: inactive, at its frequency level
+            b.ref_count = 0
+            inactive._add(b)
+    return n
+
+
+def match_blocks(pool, sequence_hashes):
+    """The body of ``BlockPool.match_blocks`` (lock held): strong handles for the
+    longest registered prefix of ``sequence_hashes`` (an iterable of ints), each hit
+    counted as a use."""
+    cdef dict registry = pool._registry
+    cdef InactiveSet inactive = pool._inactive
+    cdef list out = []
+    cdef PyObject* found
+    cdef Block b
+    for h in sequence_hashes:
+        found = PyDict_GetItemWithError(registry, h)
+        if found == NULL:
+            break
+        b = <Block>found
+        if b.ref_count == 0:  # inactive → active
+            inactive._discard(b)
+        b.ref_count += 1
+        b.frequency += 1
+        out.append(_new_immutable(pool, b))
+    return out
