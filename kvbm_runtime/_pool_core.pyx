@@ -22,7 +22,7 @@ random operations and checks them equal (blocks, handles, eviction order, events
 
 cimport cython
 from cpython.dict cimport PyDict_SetDefault
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int8_t, int32_t
@@ -393,7 +393,7 @@ cdef class InactiveSet:
     :meth:`order`.
     """
 
-    cdef list blocks
+    cdef readonly tuple blocks
     cdef Py_ssize_t n
     cdef int32_t *prev
     cdef int32_t *nxt
@@ -402,7 +402,8 @@ cdef class InactiveSet:
     cdef int32_t tail[_LEVELS]
     cdef Py_ssize_t count[_LEVELS]
 
-    def __cinit__(self, list blocks not None):
+    def __cinit__(self, blocks):
+        blocks = tuple(blocks)  # its own snapshot: the C arrays are indexed by its length
         cdef Py_ssize_t i, n = len(blocks)
         if n >= 0x7FFFFFFF:
             raise ValueError(f"too many blocks for an InactiveSet: {n}")
@@ -433,7 +434,7 @@ cdef class InactiveSet:
         """``b``'s id, checked to be one of this set's blocks (no C array is ever indexed
         with a foreign block's id)."""
         cdef Py_ssize_t i = b.block_id
-        if i < 0 or i >= self.n or <PyObject*>PyList_GET_ITEM(self.blocks, i) is not <PyObject*>b:
+        if i < 0 or i >= self.n or <PyObject*>PyTuple_GET_ITEM(self.blocks, i) is not <PyObject*>b:
             raise ValueError(f"block {i} is not a block of this pool")
         return i
 
@@ -516,7 +517,7 @@ cdef class InactiveSet:
         if type(b) is not Block:
             return False
         cdef Py_ssize_t i = (<Block>b).block_id
-        return 0 <= i < self.n and <PyObject*>PyList_GET_ITEM(self.blocks, i) is <PyObject*>b and self.lvl[i] >= 0
+        return 0 <= i < self.n and <PyObject*>PyTuple_GET_ITEM(self.blocks, i) is <PyObject*>b and self.lvl[i] >= 0
 
     def pop_victim(self):
         """The next victim (least recently used block of the lowest non-empty level),
@@ -553,8 +554,10 @@ cdef class InactiveSet:
 # ---------------------------------------------------------------------------- hot loops
 
 
-cdef inline list _as_list(object seq):
-    return seq if type(seq) is list else list(seq)
+cdef inline tuple _snapshot(object seq):
+    # the loops below run Python code (a key's __eq__, a pool method) between items: they
+    # index their own immutable copy of the input, never a list another thread may change
+    return seq if type(seq) is tuple else tuple(seq)
 
 
 def allocate_complete(pool, metas):
@@ -570,24 +573,27 @@ def allocate_complete(pool, metas):
     Raises:
         RuntimeError: fewer Reset + inactive blocks than ``metas`` (the caller checks).
     """
-    cdef list ms = _as_list(metas)
-    cdef Py_ssize_t count = PyList_GET_SIZE(ms), i, j, k
+    cdef tuple ms = _snapshot(metas)
+    cdef Py_ssize_t count = PyTuple_GET_SIZE(ms), i, j, k
     reset = pool._reset
     cdef Py_ssize_t n_reset = len(reset)
-    cdef list blocks = pool._blocks
+    cdef InactiveSet inactive = pool._inactive
+    cdef tuple blocks = inactive.blocks
     cdef list out = []
     cdef Block b
     k = count if count < n_reset else n_reset
     if k:
         popleft = reset.popleft
         for i in range(k):
-            b = <Block?>blocks[popleft()]
-            b.meta = <object>PyList_GET_ITEM(ms, i)
+            j = popleft()
+            if j < 0 or j >= inactive.n:
+                raise RuntimeError(f"{pool.tier}: block id {j} on the Reset list is not a block of this pool")
+            b = <Block>PyTuple_GET_ITEM(blocks, j)
+            b.meta = <object>PyTuple_GET_ITEM(ms, i)
             b.state = _COMPLETE
             out.append(_new_mutable(pool, b))
     if count <= n_reset:
         return out, None, 0
-    cdef InactiveSet inactive = pool._inactive
     cdef dict registry = pool._registry
     cdef dict dups = pool._dups
     cdef list removes = []
@@ -595,7 +601,7 @@ def allocate_complete(pool, metas):
         j = inactive._pop()
         if j < 0:
             raise RuntimeError(f"{pool.tier}: no inactive block left to evict")
-        b = <Block>PyList_GET_ITEM(blocks, j)
+        b = <Block>PyTuple_GET_ITEM(blocks, j)
         old = b.meta
         h = old.sequence_hash
         if dups and h in dups:
@@ -607,7 +613,7 @@ def allocate_complete(pool, metas):
         if b.tokens:
             b.parent = None
             b.tokens = _EMPTY
-        b.meta = <object>PyList_GET_ITEM(ms, i)
+        b.meta = <object>PyTuple_GET_ITEM(ms, i)
         b.state = _COMPLETE
         out.append(_new_mutable(pool, b))
     return out, removes, count - k
@@ -626,8 +632,8 @@ def register_blocks(pool, blocks):
         ``(index, handle, existing block)``, and the index of the first invalid input
         (-1: none; the inputs before it were processed, the caller undoes them).
     """
-    cdef list hs = _as_list(blocks)
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(hs)
+    cdef tuple hs = _snapshot(blocks)
+    cdef Py_ssize_t i, n = PyTuple_GET_SIZE(hs)
     cdef dict registry = pool._registry
     cdef list out = []
     cdef list stores = []
@@ -636,7 +642,7 @@ def register_blocks(pool, blocks):
     cdef Block b
     cdef PyObject* existing
     for i in range(n):
-        obj = <object>PyList_GET_ITEM(hs, i)
+        obj = <object>PyTuple_GET_ITEM(hs, i)
         if not isinstance(obj, _Handle):
             return out, stores, deferred, i
         handle = <_Handle>obj
@@ -669,13 +675,13 @@ def release_blocks(pool, handles):
     Returns:
         The number of handles released (``len(handles)`` when all were).
     """
-    cdef list hs = _as_list(handles)
-    cdef Py_ssize_t i, rc, n = PyList_GET_SIZE(hs)
+    cdef tuple hs = _snapshot(handles)
+    cdef Py_ssize_t i, rc, n = PyTuple_GET_SIZE(hs)
     cdef InactiveSet inactive = pool._inactive
     cdef _Handle h
     cdef Block b
     for i in range(n):
-        obj = <object>PyList_GET_ITEM(hs, i)
+        obj = <object>PyTuple_GET_ITEM(hs, i)
         if not isinstance(obj, _Handle):
             return i
         h = <_Handle>obj
@@ -705,7 +711,7 @@ def match_blocks(pool, sequence_hashes):
         found = PyDict_GetItemWithError(registry, h)
         if found == NULL:
             break
-        b = <Block>found
+        b = <Block?><object>found
         if b.ref_count == 0:  # inactive → active
             inactive._discard(b)
         b.ref_count += 1

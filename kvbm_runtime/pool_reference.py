@@ -36,8 +36,8 @@ class InactiveSet:
 
     __slots__ = ("blocks", "levels")
 
-    def __init__(self, blocks: list[Block]) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self.blocks = tuple(blocks)
         self.levels: list[OrderedDict[Block, None]] = [OrderedDict() for _ in range(_LEVELS)]
 
     def _check(self, b: Block) -> None:

@@ -263,3 +263,21 @@ def test_inactive_set_refuses_foreign_blocks() -> None:
             s.level_len(4)
     with pytest.raises(ValueError):
         _pool_core.InactiveSet([Block(1)])
+
+
+def test_compiled_core_refuses_corrupt_state_instead_of_reading_out_of_bounds() -> None:
+    """The C loops index their own snapshots with checked ids: a pool whose internals were
+    tampered with raises instead of reading past an array."""
+    pool, _ = new_pool(BlockPool, 4, False)
+    pool._reset.appendleft(10**6)
+    with pytest.raises(RuntimeError, match="not a block of this pool"):
+        pool.allocate_complete([meta(100)])
+    pool, _ = new_pool(BlockPool, 4, False)
+    pool._registry[5] = object()
+    with pytest.raises(TypeError):
+        pool.match_blocks([5])
+    pool, _ = new_pool(BlockPool, 4, False)
+    pool._blocks.clear()  # the inactive set keeps its own snapshot of the blocks
+    (h,) = pool.register_blocks(pool.allocate_complete([meta(100)]))
+    h.release()
+    assert len(pool._inactive) == 1 and pool._inactive.pop_victim().block_id == 0
