@@ -468,6 +468,27 @@ def test_database_file_deleted_and_recreated_under_an_open_catalog(path: Path) -
         a.close()
 
 
+def test_writer_through_a_symlink_to_the_file(tmp_path: Path, path: Path) -> None:
+    """Another catalog opens the same file through a symlink (another path spelling):
+    SQLite resolves it to the same WAL, so its commits must reach a's cache too."""
+    a = SqliteCatalog(path)
+    try:
+        ps = _fill(a, EDGE_HASHES)
+        keys = [p.key for p in ps]
+        link = tmp_path / "link.sqlite"
+        link.symlink_to(path)
+        b = SqliteCatalog(link)
+        assert a.get_many(keys) == ps
+        b.delete_many(keys[:2])
+        b.compare_and_set(ps[2], Placement(keys[2], "v", ps[2].segment_id, 9999, 100, 3, 0))
+        got = a.get_many(keys)
+        assert got[:2] == [None, None] and got[2] is not None and got[2].offset == 9999
+        assert_truth(a, keys)
+        b.close()
+    finally:
+        a.close()
+
+
 def test_close_then_reopen(filled) -> None:  # type: ignore[no-untyped-def]
     a, b, ps, keys = filled
     assert a.get_many(keys) == ps
