@@ -130,7 +130,7 @@ class SqliteCatalog(PlacementCatalog):
 
     def __init__(
         self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "NORMAL",
-        cache_entries: int = 1 << 20,
+        cache_entries: int = 1 << 18,
     ) -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise InvalidRequestError(f"unknown SQLite synchronous level {synchronous!r}")
