@@ -421,6 +421,42 @@ def test_write_lock_held_by_another_writer(path: Path) -> None:
         a.close()
 
 
+_HOLDER = r"""
+import sqlite3, sys, time
+c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+c.execute("BEGIN IMMEDIATE")
+c.execute("DELETE FROM placements")
+c.execute("UPDATE segments SET sealed = 0")
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_other_process_killed_while_holding_the_write_lock(path: Path) -> None:
+    """Another process deletes every placement in a write transaction and is killed -9
+    before it commits: a's cached answers stay the committed state, and a can write once
+    the dead process's lock is gone."""
+    a = SqliteCatalog(path, busy_timeout_s=5)
+    try:
+        ps = _fill(a, EDGE_HASHES)
+        keys = [p.key for p in ps]
+        proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+            assert a.get_many(keys) == ps
+        finally:
+            proc.kill()
+            proc.wait(30)
+        assert a.get_many(keys) == ps
+        assert_truth(a, keys)
+        assert a.delete(keys[0]) == ps[0]
+        moved = a.compare_and_set(ps[1], Placement(keys[1], "v", ps[1].segment_id, 4242, 100, 1, 0))
+        assert a.get_many(keys[:2]) == [None, moved]
+        assert_truth(a, keys)
+    finally:
+        a.close()
+
+
 # ---------------------------------------------------------------------------- the file itself
 def test_database_restored_in_place_from_a_backup(tmp_path: Path, path: Path) -> None:
     """An operator restores the catalog file from a backup (sqlite3 backup API into the
