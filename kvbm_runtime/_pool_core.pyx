@@ -355,7 +355,16 @@ cdef class ImmutableBlock(_Handle):
         if not self._live:
             raise ConsumedHandleError(f"ImmutableBlock of block {self._block.block_id} was already consumed")
         self._live = False
-        self._pool._release(self._block)
+        pool = self._pool
+        if type(pool._inactive) is InactiveSet:  # a pool on this core: no Python frame
+            lock = pool._lock
+            lock.acquire()
+            try:
+                _release_one(pool, self._block)
+            finally:
+                lock.release()
+        else:
+            pool._release(self._block)
 
     def __enter__(self):
         return self
@@ -696,6 +705,22 @@ def release_blocks(pool, handles):
             b.ref_count = 0
             inactive._add(b)
     return n
+
+
+cdef int _release_one(object pool, Block block) except -1:
+    cdef Py_ssize_t rc = block.ref_count - 1
+    if rc > 0:
+        block.ref_count = rc
+    elif rc == 0 and block.state is _REGISTERED:
+        block.ref_count = 0
+        (<InactiveSet?>pool._inactive)._add(block)
+    return 0
+
+
+def release_one(pool, Block block not None):
+    """The body of ``BlockPool._release(block)`` (lock held): drop one strong reference;
+    the last one makes a registered block inactive."""
+    _release_one(pool, block)
 
 
 def match_blocks(pool, sequence_hashes):

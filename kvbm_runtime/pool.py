@@ -414,7 +414,7 @@ class BlockPool:
 
     def register(self, block: MutableBlock) -> ImmutableBlock:
         """Complete → Registered; see :meth:`register_blocks`."""
-        return self.register_blocks([block])[0]
+        return self.register_blocks((block,))[0]
 
     def register_blocks(self, blocks: Sequence[MutableBlock]) -> list[ImmutableBlock]:
         """Register Complete blocks, in order, and publish their Stores in that order.
@@ -842,12 +842,7 @@ class BlockPool:
     def _release(self, block: Block) -> None:
         """Drop one strong ref; the last one makes the block inactive."""
         with self._lock:
-            rc = block.ref_count - 1
-            if rc > 0:
-                block.ref_count = rc
-            elif rc == 0 and block.state is _REGISTERED:
-                block.ref_count = 0
-                self._inactive.add(block)
+            self._core.release_one(self, block)
 
     def _reset_block(self, block: Block) -> None:
         """A mutable handle was dropped: back to the Reset list."""

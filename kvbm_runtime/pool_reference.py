@@ -175,6 +175,16 @@ def release_blocks(pool: BlockPool, handles: Sequence[ImmutableBlock]) -> int:
     return len(hs)
 
 
+def release_one(pool: BlockPool, block: Block) -> None:
+    """The body of ``BlockPool._release(block)`` (lock held)."""
+    rc = block.ref_count - 1
+    if rc > 0:
+        block.ref_count = rc
+    elif rc == 0 and block.state is _REGISTERED:
+        block.ref_count = 0
+        pool._inactive.add(block)
+
+
 def match_blocks(pool: BlockPool, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
     """The body of ``BlockPool.match_blocks`` (lock held)."""
     out: list[ImmutableBlock] = []
