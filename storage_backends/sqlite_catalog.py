@@ -88,6 +88,17 @@ def _fast_placement(key: BlockKey, volume_id: str, segment_id: int, offset: int,
     return p
 
 
+def _cacheable(p: Placement) -> bool:
+    """Whether ``p`` is exactly what reading its row back gives (plain key, ``str`` volume,
+    ``int`` fields, a checksum in [0, 2**64)): only such placements are cached, so the
+    cache never answers something a read of the database would not."""
+    k = p.key
+    return (type(k) is BlockKey and type(k.namespace) is str and type(k.sequence_hash) is int
+            and type(p.volume_id) is str and type(p.segment_id) is int and type(p.offset) is int
+            and type(p.length) is int and type(p.version) is int and type(p.checksum) is int
+            and 0 <= p.checksum < _U64)
+
+
 def _row(p: Placement) -> tuple[str, int, str, int, int, int, int, int]:
     return (
         p.key.namespace, u64_to_i64(p.key.sequence_hash), p.volume_id, p.segment_id,
@@ -136,8 +147,10 @@ class SqliteCatalog(PlacementCatalog):
             raise InvalidRequestError(f"unknown SQLite synchronous level {synchronous!r}")
         if isinstance(cache_entries, bool) or not isinstance(cache_entries, int) or cache_entries < 0:
             raise InvalidRequestError(f"cache_entries must be an int >= 0, got {cache_entries!r}")
-        # key -> placement as of ``_cache_version`` (this connection's data_version)
-        self._cache: dict[BlockKey, Placement] = {}
+        # (namespace, sequence hash) -> placement as of ``_cache_version`` (this
+        # connection's data_version); keyed by the row's identity, not the BlockKey object,
+        # so keys of any type naming one row share (and drop) one entry
+        self._cache: dict[tuple[str, int], Placement] = {}
         self._cache_version: int | None = None
         self._cache_max = cache_entries
         self.path = Path(path)
@@ -213,21 +226,33 @@ class SqliteCatalog(PlacementCatalog):
         return False
 
     def _cache_fill(self, placements: Sequence[Placement | None]) -> None:
-        """Remember current placements (lock held, cache in sync)."""
+        """Remember current placements (lock held, cache in sync).  Only canonical ones
+        (:func:`_cacheable`: exactly what a read of their row gives back); the entry of
+        any other one is dropped."""
         cache = self._cache
         if len(cache) + len(placements) > self._cache_max:
             cache.clear()  # a simple bound: start over rather than track recency
             if len(placements) > self._cache_max:
                 return
         for p in placements:
-            if p is not None:
-                cache[p.key] = p
+            if p is None:
+                continue
+            k = p.key
+            if _cacheable(p):
+                cache[(k.namespace, k.sequence_hash)] = p
+            else:
+                cache.pop((k.namespace, k.sequence_hash), None)
 
     def _cache_drop(self, keys: Sequence[BlockKey]) -> None:
-        """Forget ``keys`` (lock held)."""
+        """Forget ``keys``' rows (lock held)."""
         pop = self._cache.pop
         for k in keys:
-            pop(k, None)
+            pop((k.namespace, k.sequence_hash), None)
+
+    def _cached(self, keys: Sequence[BlockKey], hashes: Sequence[int]) -> list[Placement | None]:
+        """Cached placements of plain ``keys`` (their ``hashes``), ``None`` where absent."""
+        get = self._cache.get
+        return [get((k.namespace, h)) for k, h in zip(keys, hashes)]
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -305,18 +330,21 @@ class SqliteCatalog(PlacementCatalog):
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
         """See :meth:`PlacementCatalog.get_many` (answered from the placement cache where
-        it can: see the class docstring)."""
-        validate_block_keys(keys)
+        it can: see the class docstring).  Keys that are not all plain (exactly
+        ``BlockKey``, ``str`` namespace, ``int`` hash) are looked up in the database only."""
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        hashes = validate_block_keys(keys)
         with self._lock:
             db = self.db
             cache = self._cache
-            if cache and self._sync_cache(db):
-                got = [cache.get(k) for k in keys]  # sync with the database: its current state
+            if hashes is not None and cache and self._sync_cache(db):
+                got = self._cached(keys, hashes)  # in sync with the database: its current state
                 missing = [i for i, p in enumerate(got) if p is None]
                 if not missing:
                     return got
             with self._read() as db:
-                if not self._cache_max:
+                if not self._cache_max or hashes is None:
                     return self._select_many(db, keys)
                 # the snapshot of this transaction: cached entries are valid in it only if
                 # nobody committed since they were read
@@ -324,7 +352,7 @@ class SqliteCatalog(PlacementCatalog):
                     got = self._select_many(db, keys)
                     self._cache_fill(got)
                     return got
-                got = [cache.get(k) for k in keys]
+                got = self._cached(keys, hashes)
                 missing = [i for i, p in enumerate(got) if p is None]
                 found = self._select_many(db, [keys[i] for i in missing])
                 for i, p in zip(missing, found):

@@ -59,7 +59,7 @@ def test_hits_come_from_the_cache(two: tuple[SqliteCatalog, SqliteCatalog]) -> N
     assert a.get_many(keys) == ps
     # a value that only the cache holds proves the hit path is taken (test-only poke)
     marked = Placement(keys[0], "v", ps[0].segment_id, 0, 100, 1, 99)
-    a._cache[keys[0]] = marked
+    a._cache[(keys[0].namespace, keys[0].sequence_hash)] = marked
     assert a.get_many(keys)[0] is marked
     a._cache.clear()
     assert a.get_many(keys) == ps  # refilled from the database

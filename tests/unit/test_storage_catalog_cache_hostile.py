@@ -4,8 +4,9 @@ Every test compares what the cached catalog answers with the database truth, rea
 a SEPARATE plain ``sqlite3`` connection (or a fresh uncached catalog), while other
 connections, threads, processes and failing transactions change the file underneath.
 Raw SQL is only ever run through such a separate connection, to play "another writer"
-(what ``PRAGMA data_version`` tracks).  Tests marked ``xfail(strict=True)`` reproduce
-real bugs of the cache; the others guard the behaviour that held.
+(what ``PRAGMA data_version`` tracks).  The tests under "bugs" reproduced real bugs of
+the cache (marked ``xfail(strict=True)`` until they were fixed); the others guard the
+behaviour that held.
 """
 
 from __future__ import annotations
@@ -600,9 +601,9 @@ class _SubKey(BlockKey):  # type: ignore[misc]
     __slots__ = ()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the cache is keyed by BlockKey objects, so a BlockKey subclass "
-                   "(accepted by validate_block_key) and a plain BlockKey naming the same row are two cache "
-                   "entries; a write through one leaves the other's entry stale")
+# Was xfail(strict), now fixed. BUG: the cache is keyed by BlockKey objects, so a BlockKey subclass
+# (accepted by validate_block_key) and a plain BlockKey naming the same row are two cache entries; a
+# write through one leaves the other's entry stale
 @pytest.mark.parametrize("op", ["delete", "delete_many", "quarantine", "compare_and_set", "reverse_delete"])
 def test_block_key_subclass_write_leaves_a_stale_entry(filled, op: str) -> None:  # type: ignore[no-untyped-def]
     a, _, ps, _ = filled
@@ -624,9 +625,9 @@ def test_block_key_subclass_write_leaves_a_stale_entry(filled, op: str) -> None:
     assert_truth(a, [plain, sub])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: insert_if_absent / compare_and_set cache the caller's Placement "
-                   "as given, not the row SQLite stored (affinity turns '0' into 0, a negative checksum is read "
-                   "back as its u64), so get_many answers something get and every other process do not")
+# Was xfail(strict), now fixed. BUG: insert_if_absent / compare_and_set cache the caller's Placement
+# as given, not the row SQLite stored (affinity turns '0' into 0, a negative checksum is read back as
+# its u64), so get_many answers something get and every other process do not
 @pytest.mark.parametrize("field", ["checksum", "checksum_2_64", "offset", "segment_id", "cas_checksum"])
 def test_non_canonical_placement_fields_are_cached_as_given(cats, field: str) -> None:  # type: ignore[no-untyped-def]
     a, _ = cats
@@ -645,9 +646,9 @@ def test_non_canonical_placement_fields_are_cached_as_given(cats, field: str) ->
     assert_truth(a, [k])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: get_many indexes keys[i] on a partial cache hit: a set / dict view "
-                   "of keys (accepted before 7290f78, and still when all or none hit) raises TypeError, so the "
-                   "outcome depends on what the cache holds")
+# Was xfail(strict), now fixed. BUG: get_many indexes keys[i] on a partial cache hit: a set / dict
+# view of keys (accepted before 7290f78, and still when all or none hit) raises TypeError, so the
+# outcome depends on what the cache holds
 def test_keys_that_are_not_a_sequence_answer_the_same_whatever_the_cache_holds(filled) -> None:  # type: ignore[no-untyped-def]
     a, _, ps, _ = filled
     keys = {ps[0].key, BlockKey("ns", 3)}
