@@ -563,6 +563,20 @@ cdef class InactiveSet:
 # ---------------------------------------------------------------------------- hot loops
 
 
+cdef inline Block _as_block(object obj):
+    # checked cast (None too: the loops below read the block's C fields)
+    if type(obj) is not Block:
+        raise TypeError(f"expected a Block, got {type(obj).__name__}")
+    return <Block>obj
+
+
+cdef inline InactiveSet _inactive_of(object pool):
+    inactive = pool._inactive
+    if type(inactive) is not InactiveSet:
+        raise TypeError(f"pool {pool.tier} does not run on the compiled core")
+    return <InactiveSet>inactive
+
+
 cdef inline tuple _snapshot(object seq):
     # the loops below run Python code (a key's __eq__, a pool method) between items: they
     # index their own immutable copy of the input, never a list another thread may change
@@ -586,7 +600,7 @@ def allocate_complete(pool, metas):
     cdef Py_ssize_t count = PyTuple_GET_SIZE(ms), i, j, k
     reset = pool._reset
     cdef Py_ssize_t n_reset = len(reset)
-    cdef InactiveSet inactive = pool._inactive
+    cdef InactiveSet inactive = _inactive_of(pool)
     cdef tuple blocks = inactive.blocks
     cdef list out = []
     cdef Block b
@@ -628,18 +642,20 @@ def allocate_complete(pool, metas):
     return out, removes, count - k
 
 
-def register_blocks(pool, blocks):
-    """The per-block part of ``BlockPool.register_blocks(blocks)`` (lock held): each
-    valid input (a live handle of ``pool`` on a Complete block) is consumed; a hash not
-    registered yet is registered on the input's block (ref count 1, frequency 1, a Store
-    owed), one already registered is deferred to the caller.  Stops at the first invalid
-    input.
+def register_blocks(pool, blocks, bint strong=True):
+    """The per-block part of ``BlockPool.register_blocks(blocks)`` (``strong``) and of
+    ``BlockPool.register_downgrade`` (not ``strong``), lock held: each valid input (a
+    live handle of ``pool`` on a Complete block) is consumed; a hash not registered yet is
+    registered on the input's block (frequency 1, a Store owed; ref count 1 and a strong
+    handle, or ref count 0 and no handle), one already registered is deferred to the
+    caller.  Stops at the first invalid input.
 
     Returns:
-        ``(out, stores, deferred, bad)``: a strong handle per registered input (``None``
-        for a deferred one), the identities of the Stores owed, ``None`` or a list of
-        ``(index, handle, existing block)``, and the index of the first invalid input
-        (-1: none; the inputs before it were processed, the caller undoes them).
+        ``(out, stores, deferred, bad)``: per registered input a strong handle
+        (``strong``) or its block, ``None`` for a deferred one; the identities of the
+        Stores owed; ``None`` or a list of ``(index, handle, existing block)``; the index
+        of the first invalid input (-1: none; the inputs before it were processed, the
+        caller undoes them).
     """
     cdef tuple hs = _snapshot(blocks)
     cdef Py_ssize_t i, n = PyTuple_GET_SIZE(hs)
@@ -663,10 +679,14 @@ def register_blocks(pool, blocks):
         existing = PyDict_SetDefault(registry, meta.sequence_hash, b)
         if existing == <PyObject*>b:
             b.state = _REGISTERED
-            b.ref_count = 1
             b.frequency = 1
             stores.append(meta)
-            out.append(_new_immutable(pool, b))
+            if strong:
+                b.ref_count = 1
+                out.append(_new_immutable(pool, b))
+            else:
+                b.ref_count = 0  # inactive once the batch is in (the caller adds it)
+                out.append(b)
         else:
             if deferred is None:
                 deferred = []
@@ -686,7 +706,7 @@ def release_blocks(pool, handles):
     """
     cdef tuple hs = _snapshot(handles)
     cdef Py_ssize_t i, rc, n = PyTuple_GET_SIZE(hs)
-    cdef InactiveSet inactive = pool._inactive
+    cdef InactiveSet inactive = _inactive_of(pool)
     cdef _Handle h
     cdef Block b
     for i in range(n):
@@ -713,7 +733,7 @@ cdef int _release_one(object pool, Block block) except -1:
         block.ref_count = rc
     elif rc == 0 and block.state is _REGISTERED:
         block.ref_count = 0
-        (<InactiveSet?>pool._inactive)._add(block)
+        _inactive_of(pool)._add(block)
     return 0
 
 
@@ -723,23 +743,86 @@ def release_one(pool, Block block not None):
     _release_one(pool, block)
 
 
-def match_blocks(pool, sequence_hashes):
-    """The body of ``BlockPool.match_blocks`` (lock held): strong handles for the
-    longest registered prefix of ``sequence_hashes`` (an iterable of ints), each hit
-    counted as a use."""
+cdef list _lookup(object pool, object sequence_hashes, bint prefix):
     cdef dict registry = pool._registry
-    cdef InactiveSet inactive = pool._inactive
+    cdef InactiveSet inactive = _inactive_of(pool)
     cdef list out = []
     cdef PyObject* found
     cdef Block b
     for h in sequence_hashes:
         found = PyDict_GetItemWithError(registry, h)
         if found == NULL:
-            break
-        b = <Block?><object>found
+            if prefix:
+                break
+            out.append(None)
+            continue
+        b = _as_block(<object>found)
         if b.ref_count == 0:  # inactive → active
             inactive._discard(b)
         b.ref_count += 1
-        b.frequency += 1
+        if prefix:
+            b.frequency += 1
         out.append(_new_immutable(pool, b))
     return out
+
+
+def match_blocks(pool, sequence_hashes):
+    """The body of ``BlockPool.match_blocks`` (lock held): strong handles for the
+    longest registered prefix of ``sequence_hashes`` (an iterable of ints), each hit
+    counted as a use."""
+    return _lookup(pool, sequence_hashes, True)
+
+
+def get_many(pool, sequence_hashes):
+    """The body of ``BlockPool.get_many`` (lock held): a strong handle for each hash
+    registered (no use counted), ``None`` for each miss."""
+    return _lookup(pool, sequence_hashes, False)
+
+
+def upgrade_weaks(pool, weaks, bint strong):
+    """The body of ``BlockPool.upgrade_many`` (``strong``) and ``BlockPool.pin_many``
+    (lock held): each weak handle whose block is still registered with its identity
+    (block, generation, hash) takes one reference and counts one use.
+
+    Returns:
+        ``(out, lost, bad)``: per weak handle a strong handle or ``None`` (``strong``), or
+        the blocks pinned; the indices of the handles not upgraded; the index of the first
+        handle of another pool (-1: none; then nothing was done).
+    """
+    cdef tuple ws = _snapshot(weaks)
+    cdef Py_ssize_t i, n = PyTuple_GET_SIZE(ws)
+    for i in range(n):
+        if (<object>PyTuple_GET_ITEM(ws, i))._pool is not pool:
+            return None, None, i
+    cdef InactiveSet inactive = _inactive_of(pool)
+    cdef list out = []
+    cdef list lost = []
+    cdef Block b
+    for i in range(n):
+        w = <object>PyTuple_GET_ITEM(ws, i)
+        b = _as_block(w._block)
+        if b.generation != w._generation or b.state is not _REGISTERED or b.meta.sequence_hash != w.sequence_hash:
+            lost.append(i)
+            if strong:
+                out.append(None)
+            continue
+        if b.ref_count == 0:
+            inactive._discard(b)
+        b.ref_count += 1
+        b.frequency += 1
+        out.append(_new_immutable(pool, b) if strong else b)
+    return out, lost, -1
+
+
+def unpin_blocks(pool, blocks):
+    """The body of ``BlockPool.unpin_many`` (lock held): one reference dropped per block
+    of ``blocks`` (a list of blocks), in order; a block left with none becomes inactive."""
+    cdef InactiveSet inactive = _inactive_of(pool)
+    cdef Block b
+    cdef Py_ssize_t rc
+    for obj in _snapshot(blocks):
+        b = _as_block(obj)
+        rc = b.ref_count - 1
+        b.ref_count = rc
+        if rc == 0:
+            inactive._add(b)

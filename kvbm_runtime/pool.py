@@ -74,7 +74,6 @@ _STORE_INT = int(EventType.STORE)
 _REMOVE_INT = int(EventType.REMOVE)
 _COMPLETE = BlockState.COMPLETE
 _REGISTERED = BlockState.REGISTERED
-_BLOCK_OF = attrgetter("_block")
 _GENERATION_OF = attrgetter("generation")
 _HASH_OF = attrgetter("meta.sequence_hash")
 
@@ -437,20 +436,33 @@ class BlockPool:
                 nothing changed: the inputs stay live and Complete.
         """
         with self._lock:
-            # A hash already registered (here or earlier in this batch) is resolved after
-            # the loop, so that a bad input found part-way only has fresh registrations
-            # to undo (nothing else changed yet).
-            out, events, deferred, bad = self._core.register_blocks(self, blocks)
-            if bad >= 0:
-                done = blocks[:bad]
-                self._unregister_batch(done)
-                raise self._bad_handle(blocks[bad], done, "register", _COMPLETE)
-            body = self._encode_stores(events, blocks, len(out)) if events else None
+            out, events, deferred, body = self._register_loop(blocks, True)
             if deferred:
                 self._register_existing(deferred, out)
             if events:
                 self._emit_stores(events, body)
             return out  # type: ignore[return-value]
+
+    def _register_loop(self, blocks: Sequence[MutableBlock], strong: bool) -> tuple[list, list[BlockMeta], list | None, bytes | None]:
+        """The first part of :meth:`register_blocks` (``strong``) and
+        :meth:`register_downgrade` (lock held): the core's ``register_blocks`` loop (a
+        hash already registered, here or earlier in the batch, is deferred, so that a bad
+        input found part-way only has fresh registrations to undo), then the Stores'
+        bytes for an encoded publisher (see :meth:`_encode_stores`).
+
+        Returns:
+            ``(out, stores, deferred, body)``: see the core's ``register_blocks``.
+
+        Raises:
+            as :meth:`register_blocks`, after undoing the fresh registrations.
+        """
+        out, events, deferred, bad = self._core.register_blocks(self, blocks, strong)
+        if bad >= 0:
+            done = blocks[:bad]
+            self._unregister_batch(done)
+            raise self._bad_handle(blocks[bad], done, "register", _COMPLETE)
+        body = self._encode_stores(events, blocks, len(out)) if events else None
+        return out, events, deferred, body
 
     def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:
         """Second part of :meth:`register_blocks` (lock held): inputs whose hash was
@@ -500,39 +512,14 @@ class BlockPool:
             as :meth:`register_blocks`, and nothing changed then (the inputs stay live and
             Complete).
         """
-        complete = _COMPLETE
-        registered = _REGISTERED
         wb = WeakBlock
         with self._lock:
-            setdefault = self._registry.setdefault
-            events: list[BlockMeta] = []  # identities of the Stores owed
-            ev_append = events.append
-            n = 0
-            deferred: list[tuple[int, MutableBlock, Block]] | None = None
-            for handle in blocks:
-                b = handle._block
-                if not handle._live or handle._pool is not self or b.state is not complete:
-                    done = blocks[:n]
-                    self._unregister_batch(done)
-                    raise self._bad_handle(handle, done, "register", complete)
-                handle._live = False
-                meta = b.meta
-                existing = setdefault(meta.sequence_hash, b)  # type: ignore[union-attr]
-                if existing is b:
-                    b.state = registered
-                    b.ref_count = 0  # no strong handle: inactive once the batch is in
-                    b.frequency = 1
-                    ev_append(meta)
-                else:
-                    if deferred is None:
-                        deferred = []
-                    deferred.append((n, handle, existing))
-                n += 1
-            body = self._encode_stores(events, blocks, n) if events else None
+            registered, events, deferred, body = self._register_loop(blocks, False)
+            n = len(registered)
             hs = blocks if isinstance(blocks, list) else list(blocks)
             if deferred is None:
                 # every input registered as itself, frequency 1: level 0, in input order
-                targets = list(map(_BLOCK_OF, hs))
+                targets = registered
                 self._inactive.extend(targets)
             else:
                 targets = self._register_downgrade_dedup(hs, deferred)
@@ -646,22 +633,8 @@ class BlockPool:
 
     def get_many(self, sequence_hashes: Iterable[int]) -> list[ImmutableBlock | None]:
         """:meth:`get` (no use counted) for many hashes under one lock."""
-        ib = ImmutableBlock
         with self._lock:
-            out: list[ImmutableBlock | None] = []
-            append = out.append
-            get = self._registry.get
-            discard = self._inactive.discard
-            for h in sequence_hashes:
-                block = get(h)
-                if block is None:
-                    append(None)
-                    continue
-                if block.ref_count == 0:
-                    discard(block)
-                block.ref_count += 1
-                append(ib(self, block))
-            return out
+            return self._core.get_many(self, sequence_hashes)
 
     def upgrade_many(self, weaks: Iterable[WeakBlock]) -> list[ImmutableBlock | None]:
         """:meth:`WeakBlock.upgrade` for many weak handles of this pool under one lock
@@ -670,27 +643,7 @@ class BlockPool:
         Raises:
             BlockStateError: a weak handle belongs to another pool (nothing upgraded).
         """
-        ws = weaks if isinstance(weaks, list) else list(weaks)
-        for w in ws:
-            if w._pool is not self:
-                raise BlockStateError(f"weak handle of pool {w._pool.tier} upgraded through pool {self.tier}")
-        ib = ImmutableBlock
-        registered = _REGISTERED
-        with self._lock:
-            discard = self._inactive.discard
-            out: list[ImmutableBlock | None] = []
-            append = out.append
-            for w in ws:
-                b = w._block
-                if b.generation != w._generation or b.state is not registered or b.meta.sequence_hash != w.sequence_hash:  # type: ignore[union-attr]
-                    append(None)
-                    continue
-                if b.ref_count == 0:
-                    discard(b)
-                b.ref_count += 1
-                b.frequency += 1
-                append(ib(self, b))
-            return out
+        return self._upgrade_weaks(weaks, True, "upgraded")[0]  # type: ignore[return-value]
 
     def pin_many(self, weaks: Iterable[WeakBlock]) -> PinnedBlocks:
         """Pin the blocks of many weak handles of this pool under one lock, with no strong
@@ -707,27 +660,22 @@ class BlockPool:
         Raises:
             BlockStateError: a weak handle belongs to another pool (nothing pinned).
         """
-        ws = weaks if isinstance(weaks, list) else list(weaks)
-        for w in ws:
-            if w._pool is not self:
-                raise BlockStateError(f"weak handle of pool {w._pool.tier} pinned through pool {self.tier}")
-        registered = _REGISTERED
+        pinned, lost = self._upgrade_weaks(weaks, False, "pinned")
+        return PinnedBlocks(self, pinned, lost)
+
+    def _upgrade_weaks(self, weaks: Iterable[WeakBlock], strong: bool, what: str) -> tuple[list, list[int]]:
+        """:meth:`upgrade_many` (``strong``) / :meth:`pin_many`: ``(out, lost)`` of the
+        core's ``upgrade_weaks``, under the lock.
+
+        Raises:
+            BlockStateError: a weak handle belongs to another pool (nothing done).
+        """
+        ws = weaks if isinstance(weaks, (list, tuple)) else list(weaks)
         with self._lock:
-            discard = self._inactive.discard
-            pinned: list[Block] = []
-            append = pinned.append
-            lost: list[int] = []
-            for k, w in enumerate(ws):
-                b = w._block
-                if b.generation != w._generation or b.state is not registered or b.meta.sequence_hash != w.sequence_hash:  # type: ignore[union-attr]
-                    lost.append(k)
-                    continue
-                if b.ref_count == 0:
-                    discard(b)
-                b.ref_count += 1
-                b.frequency += 1
-                append(b)
-            return PinnedBlocks(self, pinned, lost)
+            out, lost, bad = self._core.upgrade_weaks(self, ws, strong)
+        if bad >= 0:
+            raise BlockStateError(f"weak handle of pool {ws[bad]._pool.tier} {what} through pool {self.tier}")
+        return out, lost
 
     def unpin_many(self, pins: PinnedBlocks) -> None:
         """Give back the pins of one :meth:`pin_many` call under one lock (consumes them):
@@ -744,12 +692,7 @@ class BlockPool:
             if not pins._live:
                 raise ConsumedHandleError(f"the {len(pins._blocks)} pins of pool {self.tier} were already given back")
             pins._live = False
-            add = self._inactive.add
-            for b in pins._blocks:
-                rc = b.ref_count - 1
-                b.ref_count = rc
-                if rc == 0:
-                    add(b)
+            self._core.unpin_blocks(self, pins._blocks)
 
     def downgrade_many(self, handles: Sequence[ImmutableBlock]) -> list[WeakBlock]:
         """:meth:`ImmutableBlock.downgrade` for many handles under one lock (consumes them).

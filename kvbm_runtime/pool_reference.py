@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock
+from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -127,11 +127,12 @@ def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list
 
 
 def register_blocks(
-    pool: BlockPool, blocks: Sequence[MutableBlock]
-) -> tuple[list[ImmutableBlock | None], list[BlockMeta], list[tuple[int, MutableBlock, Block]] | None, int]:
-    """The per-block part of ``BlockPool.register_blocks`` (lock held): ``(out, stores,
-    deferred, bad)``, see the compiled ``register_blocks``."""
-    out: list[ImmutableBlock | None] = []
+    pool: BlockPool, blocks: Sequence[MutableBlock], strong: bool = True
+) -> tuple[list[ImmutableBlock | Block | None], list[BlockMeta], list[tuple[int, MutableBlock, Block]] | None, int]:
+    """The per-block part of ``BlockPool.register_blocks`` (``strong``) and of
+    ``BlockPool.register_downgrade`` (lock held): ``(out, stores, deferred, bad)``, see
+    the compiled ``register_blocks``."""
+    out: list[ImmutableBlock | Block | None] = []
     stores: list[BlockMeta] = []
     deferred: list[tuple[int, MutableBlock, Block]] | None = None
     for i, handle in enumerate(list(blocks)):
@@ -145,10 +146,10 @@ def register_blocks(
         existing = pool._registry.setdefault(meta.sequence_hash, b)  # type: ignore[union-attr]
         if existing is b:
             b.state = _REGISTERED
-            b.ref_count = 1
             b.frequency = 1
             stores.append(meta)  # type: ignore[arg-type]
-            out.append(ImmutableBlock(pool, b))
+            b.ref_count = 1 if strong else 0
+            out.append(ImmutableBlock(pool, b) if strong else b)
         else:
             if deferred is None:
                 deferred = []
@@ -185,16 +186,63 @@ def release_one(pool: BlockPool, block: Block) -> None:
         pool._inactive.add(block)
 
 
-def match_blocks(pool: BlockPool, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
-    """The body of ``BlockPool.match_blocks`` (lock held)."""
-    out: list[ImmutableBlock] = []
+def _lookup(pool: BlockPool, sequence_hashes: Iterable[int], prefix: bool) -> list[ImmutableBlock | None]:
+    out: list[ImmutableBlock | None] = []
     for h in sequence_hashes:
         b = pool._registry.get(h)
         if b is None:
-            break
+            if prefix:
+                break
+            out.append(None)
+            continue
         if b.ref_count == 0:  # inactive → active
             pool._inactive.discard(b)
         b.ref_count += 1
-        b.frequency += 1
+        if prefix:
+            b.frequency += 1
         out.append(ImmutableBlock(pool, b))
     return out
+
+
+def match_blocks(pool: BlockPool, sequence_hashes: Iterable[int]) -> list[ImmutableBlock]:
+    """The body of ``BlockPool.match_blocks`` (lock held): stops at the first miss, each
+    hit counts a use."""
+    return _lookup(pool, sequence_hashes, True)  # type: ignore[return-value]
+
+
+def get_many(pool: BlockPool, sequence_hashes: Iterable[int]) -> list[ImmutableBlock | None]:
+    """The body of ``BlockPool.get_many`` (lock held): ``None`` per miss, no use counted."""
+    return _lookup(pool, sequence_hashes, False)
+
+
+def upgrade_weaks(pool: BlockPool, weaks: Sequence[WeakBlock], strong: bool) -> tuple[list | None, list[int] | None, int]:
+    """The body of ``BlockPool.upgrade_many`` (``strong``) and ``BlockPool.pin_many``
+    (lock held): ``(out, lost, bad)``, see the compiled ``upgrade_weaks``."""
+    ws = list(weaks)
+    for i, w in enumerate(ws):
+        if w._pool is not pool:
+            return None, None, i
+    out: list = []
+    lost: list[int] = []
+    for i, w in enumerate(ws):
+        b = w._block
+        if b.generation != w._generation or b.state is not _REGISTERED or b.meta.sequence_hash != w.sequence_hash:
+            lost.append(i)
+            if strong:
+                out.append(None)
+            continue
+        if b.ref_count == 0:
+            pool._inactive.discard(b)
+        b.ref_count += 1
+        b.frequency += 1
+        out.append(ImmutableBlock(pool, b) if strong else b)
+    return out, lost, -1
+
+
+def unpin_blocks(pool: BlockPool, blocks: Sequence[Block]) -> None:
+    """The body of ``BlockPool.unpin_many`` (lock held)."""
+    for b in list(blocks):
+        rc = b.ref_count - 1
+        b.ref_count = rc
+        if rc == 0:
+            pool._inactive.add(b)

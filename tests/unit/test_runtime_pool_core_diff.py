@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from event_plane import KVEvent
 from kvbm_runtime import BlockMeta, BlockPool, LayoutConfig, make_layout, pool_reference
 from kvbm_runtime import _pool_core
-from kvbm_runtime.block import Block
+from kvbm_runtime.block import Block, WeakBlock
 from kvbm_runtime.layout import MemoryKind
 
 CFG = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
@@ -63,12 +63,21 @@ def ids(handles: list) -> list:
     return [None if h is None else (type(h).__name__, h._block.block_id, h._live) for h in handles]
 
 
+class Held(list):
+    """Strong handles held (the list), weak handles (``weak``) and pins (``pins``) of one pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weak: list = []
+        self.pins: list = []
+
+
 class Twin:
     """The same operation on a compiled-core pool and a reference pool, results compared."""
 
     def __init__(self, n: int, dups: bool) -> None:
         self.pools = [new_pool(BlockPool, n, dups), new_pool(RefPool, n, dups)]
-        self.held: list[list] = [[], []]  # strong handles held, per pool
+        self.held = [Held(), Held()]  # per pool
 
     def run(self, op) -> None:  # noqa: ANN001
         outs = []
@@ -82,6 +91,9 @@ class Twin:
         a, b = (snapshot(p, s) for p, s in self.pools)
         assert a == b
         assert ids(self.held[0]) == ids(self.held[1])
+        w0, w1 = ([(w._block.block_id, w._generation, w.sequence_hash, w.alive) for w in h.weak] for h in self.held)
+        assert w0 == w1
+        assert [(len(p), p.lost, p.consumed) for p in self.held[0].pins] == [(len(p), p.lost, p.consumed) for p in self.held[1].pins]
 
 
 def op_churn(hashes: list[int]):  # noqa: ANN201
@@ -178,6 +190,50 @@ def op_get_many(hashes: list[int]):  # noqa: ANN201
     return op
 
 
+def op_register_downgrade(hashes: list[int], caller_weaks: bool):  # noqa: ANN201
+    def op(pool: BlockPool, held: Held) -> int:
+        mbs = pool.allocate_complete([meta(h) for h in hashes])
+        pre = [WeakBlock(pool, m._block, m._block.generation, m._block.meta.sequence_hash) for m in mbs] if caller_weaks else None
+        out = pool.register_downgrade(mbs, pre)
+        held.weak.extend(out)
+        return len(out)
+
+    return op
+
+
+def op_pin(picks: list[int], keep: bool):  # noqa: ANN201
+    def op(pool: BlockPool, held: Held) -> list:
+        if not held.weak:
+            return []
+        pins = pool.pin_many([held.weak[i % len(held.weak)] for i in picks])
+        if keep:
+            held.pins.append(pins)
+        else:
+            pool.unpin_many(pins)
+        return pins.lost
+
+    return op
+
+
+def op_unpin(which: int):  # noqa: ANN201
+    def op(pool: BlockPool, held: Held) -> None:
+        if held.pins:
+            pool.unpin_many(held.pins.pop(which % len(held.pins)))
+
+    return op
+
+
+def op_upgrade(picks: list[int]):  # noqa: ANN201
+    def op(pool: BlockPool, held: Held) -> list:
+        if not held.weak:
+            return []
+        out = pool.upgrade_many([held.weak[i % len(held.weak)] for i in picks])
+        held.extend(h for h in out if h is not None)
+        return ids(out)
+
+    return op
+
+
 hash_lists = st.lists(st.integers(100, 160), min_size=1, max_size=12)
 ops = st.one_of(
     hash_lists.map(op_churn),
@@ -188,6 +244,10 @@ ops = st.one_of(
     st.integers(0, 6).map(op_allocate_drop),
     st.builds(op_register_bad, hash_lists, st.integers(0, 20)),
     st.builds(op_get_many, hash_lists),
+    st.builds(op_register_downgrade, hash_lists, st.booleans()),
+    st.builds(op_pin, st.lists(st.integers(0, 40), max_size=10), st.booleans()),
+    st.integers(0, 5).map(op_unpin),
+    st.builds(op_upgrade, st.lists(st.integers(0, 40), max_size=10)),
 )
 
 
@@ -199,6 +259,9 @@ def test_compiled_core_matches_the_reference(steps: list, dups: bool, n: int) ->
         twin.run(op)
     for k in (0, 1):
         twin.held[k].clear()
+        for pins in twin.held[k].pins:
+            twin.pools[k][0].unpin_many(pins)
+        twin.held[k].pins.clear()
     gc.collect()
     twin.run(op_evict(None))
 
