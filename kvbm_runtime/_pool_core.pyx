@@ -98,6 +98,7 @@ cdef class Block:
 
 
 @cython.no_gc
+@cython.freelist(128)
 cdef class _Handle:
     """Common part of the handles: the pool, the block and a live (not consumed) flag.
 
@@ -176,7 +177,6 @@ cdef inline ImmutableBlock _new_immutable(object pool, Block block):
 
 @cython.final
 @cython.no_gc
-@cython.freelist(64)
 cdef class MutableBlock(_Handle):
     """Exclusive handle on a Reset, Partial or Complete block (see ``kvbm_runtime.block``)."""
 
@@ -314,7 +314,6 @@ cdef class MutableBlock(_Handle):
 
 @cython.final
 @cython.no_gc
-@cython.freelist(64)
 cdef class ImmutableBlock(_Handle):
     """Strong reference to a Registered block (see ``kvbm_runtime.block``)."""
 
