@@ -583,9 +583,10 @@ cdef inline tuple _snapshot(object seq):
 
 
 def allocate_complete(pool, metas):
-    """The per-block part of ``BlockPool.allocate_complete(metas)`` (lock held, room
-    checked): Reset blocks first, then evicted inactive ones (lowest level first), each
-    given its identity as a Complete block.
+    """The per-block part of ``BlockPool.allocate_complete(metas)`` (lock held): the room
+    checked (``pool._check_room`` unless the Reset list and the lowest inactive level
+    cover it), then Reset blocks first, then evicted inactive ones (lowest level first),
+    each given its identity as a Complete block.
 
     Returns:
         ``(handles, removes, evicted)``: one Complete ``MutableBlock`` per identity, the
@@ -593,7 +594,7 @@ def allocate_complete(pool, metas):
         was evicted) and the number of blocks evicted.
 
     Raises:
-        RuntimeError: fewer Reset + inactive blocks than ``metas`` (the caller checks).
+        PoolExhaustedError: from ``pool._check_room`` (nothing allocated or evicted).
     """
     cdef tuple ms = _snapshot(metas)
     cdef Py_ssize_t count = PyTuple_GET_SIZE(ms), i, j, k
@@ -603,6 +604,8 @@ def allocate_complete(pool, metas):
     cdef tuple blocks = inactive.blocks
     cdef list out = []
     cdef Block b
+    if count > n_reset + inactive.count[0]:  # level 0 alone does not cover it: count all
+        pool._check_room(count)
     k = count if count < n_reset else n_reset
     if k:
         popleft = reset.popleft

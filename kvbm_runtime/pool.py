@@ -334,8 +334,6 @@ class BlockPool:
             PoolExhaustedError: as :meth:`allocate` (nothing allocated or evicted).
         """
         with self._lock:
-            if len(metas) > len(self._reset) + self._inactive.level_len(0):
-                self._check_room(len(metas))  # level 0 alone does not cover it: count all
             out, removes, evicted = self._core.allocate_complete(self, metas)
             if evicted:
                 self._evictions += evicted
@@ -461,7 +459,7 @@ class BlockPool:
             done = blocks[:bad]
             self._unregister_batch(done)
             raise self._bad_handle(blocks[bad], done, "register", _COMPLETE)
-        body = self._encode_stores(events, blocks, len(out)) if events else None
+        body = self._encode_stores(events, blocks, len(out)) if events and self._put is not None else None
         return out, events, deferred, body
 
     def _register_existing(self, deferred: list[tuple[int, MutableBlock, Block]], out: list[ImmutableBlock | None]) -> None:

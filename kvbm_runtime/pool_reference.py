@@ -90,11 +90,13 @@ class InactiveSet:
 
 
 def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
-    """The per-block part of ``BlockPool.allocate_complete`` (lock held, room checked):
-    ``(handles, identities of the Removes owed or None, blocks evicted)``."""
+    """The per-block part of ``BlockPool.allocate_complete`` (lock held), room check
+    included: ``(handles, identities of the Removes owed or None, blocks evicted)``."""
     count = len(metas)
     reset = pool._reset
     n_reset = len(reset)
+    if count > n_reset + pool._inactive.level_len(0):
+        pool._check_room(count)
     out: list[MutableBlock] = []
     k = min(count, n_reset)
     for meta in metas[:k]:
