@@ -344,3 +344,20 @@ def test_compiled_core_refuses_corrupt_state_instead_of_reading_out_of_bounds() 
     (h,) = pool.register_blocks(pool.allocate_complete([meta(100)]))
     h.release()
     assert len(pool._inactive) == 1 and pool._inactive.pop_victim().block_id == 0
+
+
+def test_handles_are_untracked_and_give_back_when_dropped_live() -> None:
+    """Handles stay out of the cycle collector (as the gc=False structs they replace) and
+    their dropped-while-live rule runs at deallocation, on either core."""
+    for cls in (BlockPool, RefPool):
+        pool, sink = new_pool(cls, 4, False)
+        (mb,) = pool.allocate_complete([meta(100)])
+        assert not gc.is_tracked(mb)
+        del mb  # a live mutable handle: its block goes back to Reset
+        assert pool.stats().reset == 4
+        (ib,) = pool.register_blocks(pool.allocate_complete([meta(100)]))
+        assert not gc.is_tracked(ib) and pool.stats().active == 1
+        del ib  # the last live strong handle: the block is inactive, still matchable
+        st = pool.stats()
+        assert (st.active, st.inactive) == (0, 1) and pool.contains(100)
+        assert [e[0] for e in sink.events] == ["STORE"]
