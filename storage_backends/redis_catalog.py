@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .catalog import PlacementCatalog
-from .keys import validate_block_key, validate_volume_id
+from .keys import validate_block_key, validate_block_keys, validate_volume_id
 from .types import (
     BlockKey,
     InvalidRequestError,
@@ -329,8 +329,7 @@ class RedisCatalog(PlacementCatalog):
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
         """See :meth:`PlacementCatalog.get_many` (one ``HMGET``: a consistent snapshot)."""
-        for k in keys:
-            validate_block_key(k)
+        validate_block_keys(keys)
         if not keys:
             self.client  # noqa: B018 - raises when closed
             return []
@@ -384,8 +383,7 @@ class RedisCatalog(PlacementCatalog):
 
     def delete_many(self, keys: Sequence[BlockKey]) -> list[Placement | None]:
         """See :meth:`PlacementCatalog.delete_many` (one script)."""
-        for k in keys:
-            validate_block_key(k)
+        validate_block_keys(keys)
         if not keys:
             return []
         got = self._run("delete", "", *[_kid(k) for k in keys])
