@@ -5,6 +5,7 @@
     python bench/storage.py --quick         # smaller totals and 1 run, a smoke check
     python bench/storage.py --dir /mnt/nvme/kvbench --runs 5
     taskset -c 0 python bench/storage.py    # pinned to one core, as docs/BENCHMARKS.md
+    python bench/storage.py --ab-old /tmp/old   # gets of another storage_backends, A/B
 
 For block sizes 64 KiB, 1 MiB and 16 MiB it prints put and get GB/s, median of ``--runs``
 runs, side by side with a plain baseline on the same bytes, and the ratio (the median of
@@ -39,6 +40,7 @@ reads are timed twice per run, interleaved, keeping the best of each kind:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import statistics
@@ -326,6 +328,122 @@ def bench_s3(base: Path, s3: object, block: int, total: int, runs: int, per_bloc
     return res
 
 
+# ---------------------------------------------------------------------------- A/B
+def load_other(tree: Path) -> object:
+    """Import ``tree/storage_backends`` as the module ``storage_backends_ab_other`` (its
+    imports are relative), beside the ``storage_backends`` of this tree."""
+    pkg = tree / "storage_backends"
+    spec = importlib.util.spec_from_file_location(
+        "storage_backends_ab_other", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no storage_backends package under {tree}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ab_agents(base: Path, versions: dict[str, object], block: int, n: int, blocks_t: list[torch.Tensor],
+              volume: Callable[[object, str], object]) -> dict[str, tuple[object, list[object]]]:
+    """Per version: an agent on its own SQLite catalog with volume ``volume(module, name)``,
+    holding the ``n`` blocks under a fresh namespace."""
+    out = {}
+    for name, m in versions.items():
+        cat = m.SqliteCatalog(base / f"ab-{name}-{block}.sqlite")  # type: ignore[attr-defined]
+        agent = m.StorageAgent(cat, name=f"ab-{name}-{block}")  # type: ignore[attr-defined]
+        desc = volume(m, name)
+        agent.register_volume(desc)
+        keys = [m.BlockKey(f"ab-{uuid.uuid4().hex}", i) for i in range(n)]  # type: ignore[attr-defined]
+        agent.put(list(zip(keys, blocks_t)), desc.id)  # type: ignore[attr-defined]
+        out[name] = (agent, keys)
+    return out
+
+
+def ab_rounds(agents: dict[str, tuple[object, list[object]]], outs_t: list[torch.Tensor], ref: Callable[[], object],
+              runs: int) -> dict[str, list[float]]:
+    """Time ``get(keys, out=outs_t)`` of each version and ``ref()`` per round, the two
+    versions in alternating order (round 0 warms up, not kept)."""
+    res: dict[str, list[float]] = {k: [] for k in (*agents, "ref")}
+    names = list(agents)
+    for r in range(runs + 1):
+        for name in names if r % 2 else names[::-1]:
+            agent, keys = agents[name]
+            t = timed(lambda: agent.get(keys, out=outs_t))  # type: ignore[attr-defined]  # noqa: B023
+            if r:
+                res[name].append(t)
+        t = timed(ref)
+        if r:
+            res["ref"].append(t)
+    return res
+
+
+def ab_line(what: str, res: dict[str, list[float]], ref_name: str) -> str:
+    ms = {k: med(v) * 1e3 for k, v in res.items()}
+    return (f"{what:>24} | new {ms['new']:7.1f} ms  other {ms['other']:7.1f} ms  {ref_name} {ms['ref']:7.1f} ms | "
+            f"new/other time {med([a / b for a, b in zip(res['new'], res['other'])]):.2f} | of {ref_name}: "
+            f"other {ratio(res, 'ref', 'other'):.0%}  new {ratio(res, 'ref', 'new'):.0%}")
+
+
+def bench_ab(base: Path, other_tree: Path, runs: int, posix_mib: int, s3: bool) -> None:
+    """Gets of this tree's ``storage_backends`` ("new") and of ``other_tree``'s ("other")
+    in one process, interleaved, against the plain reference of the same run: hot POSIX
+    gets (``readv``) at every block size, and S3 gets of 64 KiB blocks (one 16 MiB
+    segment object; boto3 ``get_object`` of an object of the same bytes)."""
+    import storage_backends as new_mod
+
+    versions = {"new": new_mod, "other": load_other(other_tree)}
+    print(f"\n## A/B: gets of this tree (new) and of {other_tree} (other), one process, {runs} rounds, "
+          "alternating order; medians; 'of ...' = median per-round ratio reference/ours")
+    for block in SIZES:
+        n = posix_mib * MiB // block
+        data = torch.randint(0, 256, (n * block,), dtype=torch.uint8)
+        blocks_t = [data[i * block:(i + 1) * block] for i in range(n)]
+        outs_t = [torch.empty(block, dtype=torch.uint8) for _ in range(n)]
+        outs_np = [o.numpy() for o in outs_t]
+        segs = groups(n, block, POSIX_SEGMENT)
+        d = base / f"ab-posix-{block}"
+        (d / "plain").mkdir(parents=True)
+        paths = plain_write(d / "plain", [b.numpy() for b in blocks_t], segs)
+        agents = ab_agents(d, versions, block, n, blocks_t, lambda m, name: m.VolumeDescriptor(  # type: ignore[attr-defined]
+            "ab", m.VolumeKind.POSIX, m.MediaClass.NVME, 1 << 40, root=str(d / name),  # type: ignore[attr-defined]
+            segment_bytes=POSIX_SEGMENT))
+        res = ab_rounds(agents, outs_t, lambda: plain_read(paths, outs_np, segs), runs)
+        if not all(torch.equal(o, b) for o, b in zip(outs_t, blocks_t)):
+            raise AssertionError("A/B get returned wrong bytes")
+        print(ab_line(f"POSIX hot {fmt_size(block)} x {n}", res, "readv"), flush=True)
+        for agent, _ in agents.values():
+            agent.close()  # type: ignore[attr-defined]
+        shutil.rmtree(d, ignore_errors=True)
+    if not s3:
+        return
+    import boto3
+    from botocore.config import Config
+
+    srv = start_local_s3()
+    try:
+        block, n = 64 * KiB, 16 * MiB // (64 * KiB)
+        data = torch.randint(0, 256, (n * block,), dtype=torch.uint8)
+        blocks_t = [data[i * block:(i + 1) * block] for i in range(n)]
+        outs_t = [torch.empty(block, dtype=torch.uint8) for _ in range(n)]
+        bucket = f"kvbench-ab-{uuid.uuid4().hex[:12]}"
+        agents = ab_agents(base, versions, block, n, blocks_t, lambda m, name: m.VolumeDescriptor(  # type: ignore[attr-defined]
+            "obj", m.VolumeKind.S3, m.MediaClass.OBJECT, 1 << 40, endpoint=srv.endpoint, bucket=bucket,  # type: ignore[attr-defined]
+            prefix=name, segment_bytes=S3_SEGMENT, access_key=srv.access_key, secret_key=srv.secret_key))
+        client = boto3.client("s3", endpoint_url=srv.endpoint, aws_access_key_id=srv.access_key,
+                              aws_secret_access_key=srv.secret_key, region_name="us-east-1",
+                              config=Config(s3={"addressing_style": "path"}))
+        client.put_object(Bucket=bucket, Key="plain", Body=data.numpy().tobytes())
+        res = ab_rounds(agents, outs_t, lambda: client.get_object(Bucket=bucket, Key="plain")["Body"].read(),
+                        2 * runs)
+        if not all(torch.equal(o, b) for o, b in zip(outs_t, blocks_t)):
+            raise AssertionError("A/B S3 get returned wrong bytes")
+        print(ab_line(f"S3 {fmt_size(block)} x {n}", res, "boto3"), flush=True)
+        for agent, _ in agents.values():
+            agent.close()  # type: ignore[attr-defined]
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------------- report
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -347,6 +465,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 run, small totals")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 part")
     ap.add_argument("--no-posix", action="store_true", help="skip the POSIX part")
+    ap.add_argument("--ab-old", type=Path, default=None, metavar="TREE",
+                    help="instead of the tables: gets of this tree's storage_backends and of TREE/storage_backends "
+                         "(e.g. a `git archive` of an older commit) in one process, interleaved (--runs rounds)")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.posix_mib, args.s3_mib = 1, 64, 32
@@ -357,6 +478,9 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     t_start = time.perf_counter()
     try:
+        if args.ab_old is not None:
+            bench_ab(base, args.ab_old.resolve(), args.runs, args.posix_mib, not args.no_s3)
+            return
         print("\n## POSIX (NIXL POSIX, 64 MiB segments) vs plain writev+fsync / readv, same directory; goal >= 80 %")
         print("   hot = page cache (just written); cold = after POSIX_FADV_DONTNEED of both file sets;")
         print("   floor = the faster plain verified read: readv then XXH3-64 of every block, or preadv of 4 MiB")
