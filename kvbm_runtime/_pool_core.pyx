@@ -159,20 +159,19 @@ cdef class _Handle:
             pass
 
 
-cdef inline MutableBlock _new_mutable(object pool, Block block):
-    cdef MutableBlock h = MutableBlock.__new__(MutableBlock)
+cdef inline _Handle _live_handle(_Handle h, object pool, Block block):
     h._pool = pool
     h._block = block
     h._live = True
     return h
+
+
+cdef inline MutableBlock _new_mutable(object pool, Block block):
+    return <MutableBlock>_live_handle(MutableBlock.__new__(MutableBlock), pool, block)
 
 
 cdef inline ImmutableBlock _new_immutable(object pool, Block block):
-    cdef ImmutableBlock h = ImmutableBlock.__new__(ImmutableBlock)
-    h._pool = pool
-    h._block = block
-    h._live = True
-    return h
+    return <ImmutableBlock>_live_handle(ImmutableBlock.__new__(ImmutableBlock), pool, block)
 
 
 @cython.final
