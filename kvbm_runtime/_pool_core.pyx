@@ -99,6 +99,7 @@ cdef class Block:
 
 @cython.no_gc
 @cython.freelist(128)
+@cython.auto_pickle(False)
 cdef class _Handle:
     """Common part of the handles: the pool, the block and a live (not consumed) flag.
 
@@ -109,10 +110,10 @@ cdef class _Handle:
     """
 
     cdef public object _pool
-    cdef public Block _block
+    cdef readonly Block _block  # never None: the methods and the loops read its C fields
     cdef public bint _live
 
-    def __init__(self, pool, Block block, bint _live=True):
+    def __init__(self, pool, Block block not None, bint _live=True):
         self._pool = pool
         self._block = block
         self._live = _live
@@ -141,6 +142,18 @@ cdef class _Handle:
         """Typed ``[num_layers, outer_dim, page_size, inner_dim]`` view of the block's data
         (a ``torch.Tensor``)."""
         return self._pool.layout.block_view(self._get().block_id)
+
+    def __reduce__(self):
+        # a copy would be a second live handle the pool does not count (a mutable block
+        # given back twice, a reference dropped that was never taken): refused, as are
+        # copy.copy / copy.deepcopy / pickle, which go through here
+        raise TypeError(f"{type(self).__name__} handles cannot be copied or pickled")
+
+    def __copy__(self):
+        self.__reduce__()
+
+    def __deepcopy__(self, memo):
+        self.__reduce__()
 
     def __dealloc__(self):
         # A live handle dropped: a mutable one's block goes back to the Reset list, a
@@ -652,11 +665,12 @@ def register_blocks(pool, blocks, bint strong=True):
     caller.  Stops at the first invalid input.
 
     Returns:
-        ``(out, stores, deferred, bad)``: per registered input a strong handle
+        ``(out, stores, deferred, bad, error)``: per registered input a strong handle
         (``strong``) or its block, ``None`` for a deferred one; the identities of the
         Stores owed; ``None`` or a list of ``(index, handle, existing block)``; the index
         of the first invalid input (-1: none; the inputs before it were processed, the
-        caller undoes them).
+        caller undoes them; that input is untouched); the exception its identity raised
+        (no ``sequence_hash``, an unhashable one), or ``None``.
     """
     cdef tuple hs = _snapshot(blocks)
     cdef Py_ssize_t i, n = PyTuple_GET_SIZE(hs)
@@ -670,14 +684,17 @@ def register_blocks(pool, blocks, bint strong=True):
     for i in range(n):
         obj = <object>PyTuple_GET_ITEM(hs, i)
         if not isinstance(obj, _Handle):
-            return out, stores, deferred, i
+            return out, stores, deferred, i, None
         handle = <_Handle>obj
         b = handle._block
         if not handle._live or handle._pool is not pool or b is None or b.state is not _COMPLETE:
-            return out, stores, deferred, i
-        handle._live = False
+            return out, stores, deferred, i, None
         meta = b.meta
-        existing = PyDict_SetDefault(registry, meta.sequence_hash, b)
+        try:
+            existing = PyDict_SetDefault(registry, meta.sequence_hash, b)
+        except Exception as exc:
+            return out, stores, deferred, i, exc
+        handle._live = False
         if existing == <PyObject*>b:
             b.state = _REGISTERED
             b.frequency = 1
@@ -693,26 +710,29 @@ def register_blocks(pool, blocks, bint strong=True):
                 deferred = []
             deferred.append((i, handle, <object>existing))
             out.append(None)
-    return out, stores, deferred, -1
+    return out, stores, deferred, -1, None
 
 
 def release_blocks(pool, handles):
     """The per-block part of ``BlockPool.release_blocks(handles)`` (lock held): consume
-    each live handle of ``pool`` in order, dropping one reference on its block; a block
-    whose last reference this was becomes inactive at its frequency level.  Stops at the
-    first handle that is not a live handle of ``pool``.
+    each live strong handle (``ImmutableBlock``) of ``pool`` in order, dropping one
+    reference on its block; a block whose last reference this was becomes inactive at its
+    frequency level.  Stops at the first input that is not a live strong handle of
+    ``pool``.
 
     Returns:
         The number of handles released (``len(handles)`` when all were).
     """
     cdef tuple hs = _snapshot(handles)
     cdef Py_ssize_t i, rc, n = PyTuple_GET_SIZE(hs)
+    # (a mutable handle is refused too: it holds no reference; releasing it here would
+    # consume it and leave its block neither Reset nor registered)
     cdef InactiveSet inactive = _inactive_of(pool)
     cdef _Handle h
     cdef Block b
     for i in range(n):
         obj = <object>PyTuple_GET_ITEM(hs, i)
-        if not isinstance(obj, _Handle):
+        if type(obj) is not ImmutableBlock:
             return i
         h = <_Handle>obj
         if not h._live or h._pool is not pool or h._block is None:
@@ -787,8 +807,9 @@ def upgrade_weaks(pool, weaks, bint strong):
 
     Returns:
         ``(out, lost, bad)``: per weak handle a strong handle or ``None`` (``strong``), or
-        the blocks pinned; the indices of the handles not upgraded; the index of the first
-        handle of another pool (-1: none; then nothing was done).
+        the blocks pinned; the indices of the handles not upgraded (a block evicted or
+        reused since, or not a block of ``pool``); the index of the first handle of another
+        pool (-1: none; then nothing was done).
     """
     cdef tuple ws = _snapshot(weaks)
     cdef Py_ssize_t i, n = PyTuple_GET_SIZE(ws)
@@ -799,9 +820,19 @@ def upgrade_weaks(pool, weaks, bint strong):
     cdef list out = []
     cdef list lost = []
     cdef Block b
+    cdef Py_ssize_t j
     for i in range(n):
         w = <object>PyTuple_GET_ITEM(ws, i)
-        b = _as_block(w._block)
+        bo = w._block
+        # a weak handle naming a block that is not one of this pool's (a hand-built or
+        # caller-supplied one) only fails to upgrade, like one naming an older life
+        j = (<Block>bo).block_id if type(bo) is Block else -1
+        if j < 0 or j >= inactive.n or <PyObject*>PyTuple_GET_ITEM(inactive.blocks, j) is not <PyObject*>bo:
+            lost.append(i)
+            if strong:
+                out.append(None)
+            continue
+        b = <Block>bo
         if b.generation != w._generation or b.state is not _REGISTERED or b.meta.sequence_hash != w.sequence_hash:
             lost.append(i)
             if strong:

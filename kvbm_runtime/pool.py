@@ -428,10 +428,11 @@ class BlockPool:
             BlockStateError: an input is not Complete, belongs to another pool or appears
                 twice (checked for all inputs before anything changes).
             ConsumedHandleError: an input handle was consumed.
-            TypeError, OverflowError, AttributeError: (a publisher taking encoded
-                events) an input's identity is not a checked ``BlockMeta`` and no Store
-                can carry it (a hash not an ``int`` in [0, 2**64), a field missing);
-                nothing changed: the inputs stay live and Complete.
+            TypeError, OverflowError, AttributeError: an input's identity has no
+                ``sequence_hash`` or an unhashable one, or (a publisher taking encoded
+                events) it is not a checked ``BlockMeta`` and no Store can carry it (a
+                hash not an ``int`` in [0, 2**64), a field missing); nothing changed: the
+                inputs stay live and Complete.
         """
         with self._lock:
             out, events, deferred, body = self._register_loop(blocks, True)
@@ -454,10 +455,12 @@ class BlockPool:
         Raises:
             as :meth:`register_blocks`, after undoing the fresh registrations.
         """
-        out, events, deferred, bad = self._core.register_blocks(self, blocks, strong)
+        out, events, deferred, bad, error = self._core.register_blocks(self, blocks, strong)
         if bad >= 0:
             done = blocks[:bad]
             self._unregister_batch(done)
+            if error is not None:  # an identity that cannot be registered (no hash, unhashable)
+                raise error
             raise self._bad_handle(blocks[bad], done, "register", _COMPLETE)
         body = self._encode_stores(events, blocks, len(out)) if events and self._put is not None else None
         return out, events, deferred, body
@@ -525,6 +528,7 @@ class BlockPool:
                 weaks is not None
                 and deferred is None
                 and len(weaks) == n
+                and n
                 and _names(weaks[0], targets[0])
                 and _names(weaks[-1], targets[-1])
             ):
@@ -760,7 +764,9 @@ class BlockPool:
 
         Raises:
             ConsumedHandleError: a handle was already consumed.
-            BlockStateError: a handle belongs to another pool or appears twice.
+            BlockStateError: a handle belongs to another pool, appears twice, or is a
+                ``MutableBlock`` (it holds no reference; release it with its own
+                ``release()``).
         """
         hs = handles if isinstance(handles, list) else list(handles)
         with self._lock:

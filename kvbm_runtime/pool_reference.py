@@ -130,22 +130,27 @@ def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list
 
 def register_blocks(
     pool: BlockPool, blocks: Sequence[MutableBlock], strong: bool = True
-) -> tuple[list[ImmutableBlock | Block | None], list[BlockMeta], list[tuple[int, MutableBlock, Block]] | None, int]:
+) -> tuple[
+    list[ImmutableBlock | Block | None], list[BlockMeta], list[tuple[int, MutableBlock, Block]] | None, int, Exception | None
+]:
     """The per-block part of ``BlockPool.register_blocks`` (``strong``) and of
-    ``BlockPool.register_downgrade`` (lock held): ``(out, stores, deferred, bad)``, see
-    the compiled ``register_blocks``."""
+    ``BlockPool.register_downgrade`` (lock held): ``(out, stores, deferred, bad, error)``,
+    see the compiled ``register_blocks``."""
     out: list[ImmutableBlock | Block | None] = []
     stores: list[BlockMeta] = []
     deferred: list[tuple[int, MutableBlock, Block]] | None = None
     for i, handle in enumerate(list(blocks)):
         if not isinstance(handle, (MutableBlock, ImmutableBlock)):
-            return out, stores, deferred, i
+            return out, stores, deferred, i, None
         b = handle._block
         if not handle._live or handle._pool is not pool or b is None or b.state is not _COMPLETE:
-            return out, stores, deferred, i
-        handle._live = False
+            return out, stores, deferred, i, None
         meta = b.meta
-        existing = pool._registry.setdefault(meta.sequence_hash, b)  # type: ignore[union-attr]
+        try:
+            existing = pool._registry.setdefault(meta.sequence_hash, b)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, which undoes and raises it
+            return out, stores, deferred, i, exc
+        handle._live = False
         if existing is b:
             b.state = _REGISTERED
             b.frequency = 1
@@ -157,7 +162,7 @@ def register_blocks(
                 deferred = []
             deferred.append((i, handle, existing))
             out.append(None)
-    return out, stores, deferred, -1
+    return out, stores, deferred, -1, None
 
 
 def release_blocks(pool: BlockPool, handles: Sequence[ImmutableBlock]) -> int:
@@ -165,7 +170,7 @@ def release_blocks(pool: BlockPool, handles: Sequence[ImmutableBlock]) -> int:
     handles released before the first that is not a live handle of ``pool``."""
     hs = list(handles)
     for i, h in enumerate(hs):
-        if not isinstance(h, (MutableBlock, ImmutableBlock)) or not h._live or h._pool is not pool or h._block is None:
+        if type(h) is not ImmutableBlock or not h._live or h._pool is not pool or h._block is None:
             return i
         b = h._block
         h._live = False
@@ -226,9 +231,12 @@ def upgrade_weaks(pool: BlockPool, weaks: Sequence[WeakBlock], strong: bool) -> 
             return None, None, i
     out: list = []
     lost: list[int] = []
+    blocks = pool._inactive.blocks
     for i, w in enumerate(ws):
         b = w._block
-        if b.generation != w._generation or b.state is not _REGISTERED or b.meta.sequence_hash != w.sequence_hash:
+        if not (type(b) is Block and 0 <= b.block_id < len(blocks) and blocks[b.block_id] is b) or (
+            b.generation != w._generation or b.state is not _REGISTERED or b.meta.sequence_hash != w.sequence_hash
+        ):  # not a block of this pool (only fails to upgrade), or an older life
             lost.append(i)
             if strong:
                 out.append(None)

@@ -361,3 +361,54 @@ def test_handles_are_untracked_and_give_back_when_dropped_live() -> None:
         st = pool.stats()
         assert (st.active, st.inactive) == (0, 1) and pool.contains(100)
         assert [e[0] for e in sink.events] == ["STORE"]
+
+
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_review_fixes(cls: type[BlockPool]) -> None:
+    """Found by the hostile review of the core: handles cannot be copied or built on no
+    block; a bad identity in a register batch changes nothing; a mutable handle is not a
+    reference release_blocks can drop; a weak handle naming another pool's block only
+    fails to upgrade; an empty register_downgrade with empty caller weaks is a no-op."""
+    import copy
+    import pickle
+
+    from kvbm_runtime import BlockStateError
+    from kvbm_runtime.block import ImmutableBlock, MutableBlock
+
+    pool, sink = new_pool(cls, 6, False)
+    (mb,) = pool.allocate_complete([meta(100)])
+    for fn in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError):
+            fn(mb)
+    with pytest.raises(TypeError):
+        MutableBlock(pool, None)
+    with pytest.raises(TypeError):
+        ImmutableBlock(pool, None)
+    with pytest.raises(AttributeError):
+        mb._block = None  # read-only: the core reads its C fields
+    # a bad identity after a good one: nothing registered, both inputs live and Complete
+    bad = pool.allocate_complete([meta(101)])[0]
+    bad._block.meta = object()  # no sequence_hash
+    with pytest.raises(AttributeError):
+        pool.register_blocks([mb, bad])
+    assert mb._live and bad._live and pool.resident() == set() and sink.events == []
+    bad._block.meta = meta(101)
+    with pytest.raises(BlockStateError, match="needs a Registered block"):
+        pool.release_blocks([mb])  # a mutable handle holds no reference
+    assert mb._live
+    ib, ib2 = pool.register_blocks([mb, bad])
+    with pytest.raises(BlockStateError):
+        pool.release_blocks([ib, pool.allocate(1)[0]])
+    assert ib._live and ib._block.ref_count == 1  # the batch was undone
+    # a weak handle on another pool's block, in the middle of a batch: lost, nothing leaks
+    other, _ = new_pool(cls, 6, False)
+    (oh,) = other.register_blocks(other.allocate_complete([meta(200)]))
+    oh.release()
+    forged = WeakBlock(pool, oh._block, oh._block.generation, 200)
+    weaks = [ib.weak(), forged, ib2.weak()]
+    pins = pool.pin_many(weaks)
+    assert pins.lost == [1] and len(pins) == 2
+    assert oh._block.ref_count == 0 and oh._block in other._inactive
+    pool.unpin_many(pins)
+    assert pool.upgrade_many([forged]) == [None]
+    assert pool.register_downgrade([], []) == []
