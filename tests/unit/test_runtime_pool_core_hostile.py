@@ -77,73 +77,6 @@ def meta(h: int) -> BlockMeta:
     return BlockMeta(h, None, h, SALT)
 
 
-# Strict xfail reasons: the real bugs found (what happens, where, a suggested fix).
-BUGS = {
-    "handle_on_none_block_raises_instead_of_crashing": (
-        "BUG: _Handle.__init__(pool, Block block) accepts None and _block is a writable 'cdef public Block'; "
-        "_get() returns None and the methods read (and ImmutableBlock.release -> _release_one writes) C fields "
-        "of Py_None: segfault or silent out-of-bounds write. Fix: `Block block not None` in _Handle.__init__, "
-        "`cdef readonly Block _block` (or a None check in _get and before _release_one)."
-    ),
-    "copying_a_handle_is_refused": (
-        "BUG: Cython auto-generates __reduce_cython__/__setstate_cython__ for _Handle/MutableBlock/"
-        "ImmutableBlock, so copy.copy(handle) builds a second LIVE handle on the same block: a mutable one puts "
-        "the block on the Reset list twice (two later allocations share one block), a strong one releases a "
-        "reference it never took. Fix: @cython.auto_pickle(False) on the handle classes plus __copy__/"
-        "__deepcopy__/__reduce__ raising TypeError (kvbm_runtime/_pool_core.pyx, _Handle)."
-    ),
-    "copied_handle_cannot_corrupt_the_pool": (
-        "BUG (consequence of the auto-pickle copy): copy.copy(MutableBlock) -> both handles give the block "
-        "back when dropped, its id lands on the Reset list twice; copy.copy(ImmutableBlock) -> a live "
-        "'strong' handle the ref count does not know about (ref count stays 1)."
-    ),
-    "register_downgrade_empty_batch_with_empty_weaks": (
-        "BUG (kvbm_runtime/pool.py, BlockPool.register_downgrade, the `weaks is not None ... and "
-        "_names(weaks[0], targets[0])` test): an empty batch with an empty caller weaks list raises "
-        "IndexError (len(weaks) == n == 0, then weaks[0]). Fix: add `and n` to that condition."
-    ),
-    "release_blocks_refuses_a_mutable_handle": (
-        "BUG (both cores): release_blocks([mutable_handle]) is accepted: _pool_core.release_blocks (and "
-        "pool_reference) take any live _Handle of the pool, consume it and drop a reference the Complete/Reset "
-        "block never had (rc -1: nothing), so the block is neither Reset nor registered and no live handle "
-        "names it: leaked for the pool's life, silently. Fix: in release_blocks' loop accept only "
-        "ImmutableBlock (type(obj) is ImmutableBlock) so BlockPool._bad_handle raises BlockStateError with "
-        "nothing changed."
-    ),
-    "register_bad_identity_changes_nothing": (
-        "BUG (both cores): register_blocks documents 'TypeError, OverflowError, AttributeError: (a publisher "
-        "taking encoded events) an input's identity is not a checked BlockMeta ... nothing changed: the inputs "
-        "stay live and Complete', but an identity without sequence_hash raises inside the core loop "
-        "(_pool_core.register_blocks reads meta.sequence_hash after handle._live = False; pool_reference "
-        "likewise): the earlier inputs stay Registered with no Store published and the failing input's handle "
-        "is consumed on a Complete block nobody can free (leaked). Fix: in _pool_core.register_blocks (and "
-        "pool_reference) take meta.sequence_hash and insert before consuming the handle, and on any exception "
-        "return/raise with the index so BlockPool._register_loop undoes blocks[:i] (_unregister_batch)."
-    ),
-    "register_downgrade_unhashable_identity_leaves_a_usable_pool": (
-        "BUG (both cores): register_downgrade with an unhashable identity after a good one raises TypeError "
-        "from the core loop with the good block left Registered, ref count 0 and NOT in the inactive set "
-        "(unevictable forever; match_blocks/get_many of its hash then raise KeyError from "
-        "InactiveSet.discard on every call), the bad input consumed and leaked. Fix as for "
-        "test_register_bad_identity_changes_nothing (undo on any exception in the register loop)."
-    ),
-    "pin_many_with_a_foreign_block_weak_takes_no_reference": (
-        "BUG (both cores): register_downgrade's caller weaks are only checked at their ends ('a weak handle "
-        "naming another block or life only fails to upgrade'), but a middle one naming an inactive block of "
-        "ANOTHER pool makes pin_many raise ValueError from InactiveSet.discard after the earlier blocks were "
-        "pinned: those references leak (blocks active forever, never evictable); an active foreign block gets "
-        "its ref count changed under the wrong pool's lock. Fix: _pool_core.upgrade_weaks (and pool_reference) "
-        "check in its first pass that w._block is this pool's block (blocks[b.block_id] is b) and count a "
-        "foreign one as lost (or refuse the batch before changing anything)."
-    ),
-}
-
-
-def bug(key: str) -> pytest.MarkDecorator:
-    """A strict xfail naming one of :data:`BUGS` (an XPASS fails: remove the marker with the fix)."""
-    return pytest.mark.xfail(strict=True, reason=BUGS[key])
-
-
 def check_invariants(pool: BlockPool, quiescent: bool = False) -> None:
     """The pool's structural invariants; ``quiescent``: no handle is live, so every block is
     Reset or inactive."""
@@ -224,9 +157,13 @@ NONE_BLOCK_PROBES = {
 }
 
 
-@bug("handle_on_none_block_raises_instead_of_crashing")
 @pytest.mark.parametrize("probe", sorted(NONE_BLOCK_PROBES))
 def test_handle_on_none_block_raises_instead_of_crashing(probe: str) -> None:
+    """Regression (hostile review; fixed in d9aaee9): _Handle.__init__(pool, Block block) accepts
+    None and _block is a writable 'cdef public Block'; _get() returns None and the methods read
+    (and ImmutableBlock.release -> _release_one writes) C fields of Py_None: segfault or silent
+    out-of-bounds write. Fix: `Block block not None` in _Handle.__init__, `cdef readonly Block
+    _block` (or a None check in _get and before _release_one)."""
     # the child must see a Python exception (TypeError / AttributeError / ...), never a crash
     # nor silence (the release case "succeeds" today after writing past Py_None)
     body = "try:\n" + textwrap.indent(NONE_BLOCK_PROBES[probe], "    ") + (
@@ -304,18 +241,26 @@ def one_handle(pool: BlockPool, kind: str) -> MutableBlock | ImmutableBlock:
     return pool.register_blocks(pool.allocate_complete([meta(5)]))[0]
 
 
-@bug("copying_a_handle_is_refused")
 @pytest.mark.parametrize("kind", ["mutable", "strong"])
 def test_copying_a_handle_is_refused(kind: str) -> None:
+    """Regression (hostile review; fixed in d9aaee9): Cython auto-generates
+    __reduce_cython__/__setstate_cython__ for _Handle/MutableBlock/ImmutableBlock, so
+    copy.copy(handle) builds a second LIVE handle on the same block: a mutable one puts the
+    block on the Reset list twice (two later allocations share one block), a strong one releases
+    a reference it never took. Fix: @cython.auto_pickle(False) on the handle classes plus
+    __copy__/__deepcopy__/__reduce__ raising TypeError (kvbm_runtime/_pool_core.pyx, _Handle)."""
     pool = new_pool(4)
     h = one_handle(pool, kind)
     with pytest.raises(TypeError):
         copy.copy(h)
 
 
-@bug("copied_handle_cannot_corrupt_the_pool")
 @pytest.mark.parametrize("kind", ["mutable", "strong"])
 def test_copied_handle_cannot_corrupt_the_pool(kind: str) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (consequence of the auto-pickle copy):
+    copy.copy(MutableBlock) -> both handles give the block back when dropped, its id lands on
+    the Reset list twice; copy.copy(ImmutableBlock) -> a live 'strong' handle the ref count does
+    not know about (ref count stays 1)."""
     pool = new_pool(4)
     h = one_handle(pool, kind)
     try:
@@ -439,17 +384,25 @@ def test_empty_batches_change_nothing(cls: type[BlockPool]) -> None:
     check_invariants(pool, quiescent=True)
 
 
-@bug("register_downgrade_empty_batch_with_empty_weaks")
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
 def test_register_downgrade_empty_batch_with_empty_weaks(cls: type[BlockPool]) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (kvbm_runtime/pool.py,
+    BlockPool.register_downgrade, the `weaks is not None ... and _names(weaks[0], targets[0])`
+    test): an empty batch with an empty caller weaks list raises IndexError (len(weaks) == n ==
+    0, then weaks[0]). Fix: add `and n` to that condition."""
     pool = new_pool(4, cls)
     assert pool.register_downgrade([], []) == []
     check_invariants(pool, quiescent=True)
 
 
-@bug("release_blocks_refuses_a_mutable_handle")
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
 def test_release_blocks_refuses_a_mutable_handle(cls: type[BlockPool]) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (both cores): release_blocks([mutable_handle])
+    is accepted: _pool_core.release_blocks (and pool_reference) take any live _Handle of the
+    pool, consume it and drop a reference the Complete/Reset block never had (rc -1: nothing),
+    so the block is neither Reset nor registered and no live handle names it: leaked for the
+    pool's life, silently. Fix: in release_blocks' loop accept only ImmutableBlock (type(obj) is
+    ImmutableBlock) so BlockPool._bad_handle raises BlockStateError with nothing changed."""
     pool = new_pool(4, cls)
     (m,) = pool.allocate_complete([meta(5)])
     try:
@@ -671,9 +624,18 @@ class Unhashable:
     sequence_hash = [1]  # noqa: RUF012
 
 
-@bug("register_bad_identity_changes_nothing")
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
 def test_register_bad_identity_changes_nothing(cls: type[BlockPool]) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (both cores): register_blocks documents
+    'TypeError, OverflowError, AttributeError: (a publisher taking encoded events) an input's
+    identity is not a checked BlockMeta ... nothing changed: the inputs stay live and Complete',
+    but an identity without sequence_hash raises inside the core loop
+    (_pool_core.register_blocks reads meta.sequence_hash after handle._live = False;
+    pool_reference likewise): the earlier inputs stay Registered with no Store published and the
+    failing input's handle is consumed on a Complete block nobody can free (leaked). Fix: in
+    _pool_core.register_blocks (and pool_reference) take meta.sequence_hash and insert before
+    consuming the handle, and on any exception return/raise with the index so
+    BlockPool._register_loop undoes blocks[:i] (_unregister_batch)."""
     pool = new_pool(4, cls, EncodedSink())
     hs = pool.allocate_complete([meta(5), NoHash()])  # type: ignore[list-item]
     with pytest.raises(AttributeError):
@@ -685,9 +647,14 @@ def test_register_bad_identity_changes_nothing(cls: type[BlockPool]) -> None:
     check_invariants(pool, quiescent=True)
 
 
-@bug("register_downgrade_unhashable_identity_leaves_a_usable_pool")
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
 def test_register_downgrade_unhashable_identity_leaves_a_usable_pool(cls: type[BlockPool]) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (both cores): register_downgrade with an
+    unhashable identity after a good one raises TypeError from the core loop with the good block
+    left Registered, ref count 0 and NOT in the inactive set (unevictable forever;
+    match_blocks/get_many of its hash then raise KeyError from InactiveSet.discard on every
+    call), the bad input consumed and leaked. Fix as for
+    test_register_bad_identity_changes_nothing (undo on any exception in the register loop)."""
     pool = new_pool(4, cls)
     hs = pool.allocate_complete([meta(5), Unhashable()])  # type: ignore[list-item]
     with pytest.raises(TypeError):
@@ -700,9 +667,16 @@ def test_register_downgrade_unhashable_identity_leaves_a_usable_pool(cls: type[B
         check_invariants(pool, quiescent=True)
 
 
-@bug("pin_many_with_a_foreign_block_weak_takes_no_reference")
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
 def test_pin_many_with_a_foreign_block_weak_takes_no_reference(cls: type[BlockPool]) -> None:
+    """Regression (hostile review; fixed in d9aaee9) (both cores): register_downgrade's caller
+    weaks are only checked at their ends ('a weak handle naming another block or life only fails
+    to upgrade'), but a middle one naming an inactive block of ANOTHER pool makes pin_many raise
+    ValueError from InactiveSet.discard after the earlier blocks were pinned: those references
+    leak (blocks active forever, never evictable); an active foreign block gets its ref count
+    changed under the wrong pool's lock. Fix: _pool_core.upgrade_weaks (and pool_reference)
+    check in its first pass that w._block is this pool's block (blocks[b.block_id] is b) and
+    count a foreign one as lost (or refuse the batch before changing anything)."""
     pool, other = new_pool(4, cls), new_pool(4, cls)
     (x,) = other.register_downgrade(other.allocate_complete([meta(99)]))
     hs = pool.allocate_complete([meta(h) for h in (1, 2, 3)])
@@ -1120,3 +1094,114 @@ def test_frequency_level_eviction_order_matches_the_reference(ops: list, dups: b
     # the victims come level by level: frequency class never decreases along the order
     levels = [0 if f < 2 else 1 if f < 4 else 2 if f < 8 else 3 for _, f in victims[0]]
     assert levels == sorted(levels)
+
+
+# ----------------------------------------------------------------------------- hand-built handles, core vs spec
+
+
+def bug(reason: str) -> pytest.MarkDecorator:
+    """A strict xfail for a real bug (an XPASS fails: drop the marker with the fix)."""
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+ON_RESET_LIST = (
+    "BUG: MutableBlock(pool, block) is a public constructor and a mutable handle dropped live always "
+    "appends its block to the Reset list (BlockPool._reset_block): a handle built on a block that is "
+    "already on the Reset list (or a second one on an allocated block) puts the id there twice, and two "
+    "later allocations share one physical block - the copy.copy bug of d9aaee9 by another door. Fix: "
+    "a C flag on Block ('on the Reset list'), set where pool.py / _pool_core append an id and cleared "
+    "where they pop one, checked by _reset_block (or make the handle constructors private: pools use "
+    "_new_mutable / _new_immutable)."
+)
+
+
+@bug(ON_RESET_LIST)
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_mutable_handle_built_on_a_reset_block_cannot_double_free_it(cls: type[BlockPool]) -> None:
+    pool = new_pool(4, cls)
+    try:
+        h = MutableBlock(pool, pool._blocks[0])  # block 0 is on the Reset list
+    except (TypeError, BlockStateError):
+        h = None
+    del h
+    gc.collect()
+    check_invariants(pool, quiescent=True)
+
+
+REGISTER_ANY_HANDLE = (
+    "BUG: register_blocks takes any live _Handle of the pool on a Complete block "
+    "(isinstance(obj, _Handle) in _pool_core.register_blocks; pool_reference takes "
+    "(MutableBlock, ImmutableBlock)): an ImmutableBlock built on a Complete block, a raw _Handle or a Python subclass of "
+    "_Handle (the base class is neither final nor abstract) registers the block while its real "
+    "MutableBlock stays live. release_blocks was made type-exact in d9aaee9; register_blocks should be "
+    "too: type(obj) is MutableBlock (and _Handle made non-instantiable)."
+)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kind"),
+    [
+        # the reference already refuses a raw or subclassed base handle; both take an ImmutableBlock
+        pytest.param(
+            cls, kind, id=f"{cls.__name__}-{kind}",
+            marks=[] if cls is RefPool and kind != "immutable" else [bug(REGISTER_ANY_HANDLE)],
+        )
+        for cls in (BlockPool, RefPool)
+        for kind in ("immutable", "raw", "subclass")
+    ],
+)
+def test_register_blocks_takes_only_mutable_handles(cls: type[BlockPool], kind: str) -> None:
+    pool = new_pool(4, cls)
+    (m,) = pool.allocate_complete([meta(5)])
+    make = {
+        "immutable": ImmutableBlock,
+        "raw": _pool_core._Handle,
+        "subclass": type("Sub", (_pool_core._Handle,), {}),
+    }[kind]
+    h = make(pool, m._block)
+    with pytest.raises(BlockStateError):
+        pool.register_blocks([h])
+    assert m._live and m._block.state is BlockState.COMPLETE and 5 not in pool._registry
+
+
+@bug(
+    "BUG (core vs spec): BlockPool.allocate_complete(metas) with an iterator (a generator of BlockMeta) "
+    "works on the compiled core (_snapshot takes tuple(metas)) but raises TypeError on the executable "
+    "specification (pool_reference.allocate_complete: len(metas), metas[:k]); the differential test only "
+    "passes lists. Fix: pool_reference takes metas = list(metas) first (or BlockPool.allocate_complete "
+    "documents and checks Sequence on both)."
+)
+def test_allocate_complete_takes_an_iterator_on_both_cores() -> None:
+    out = []
+    for cls in (BlockPool, RefPool):
+        pool = new_pool(4, cls)
+        try:
+            hs = pool.allocate_complete(meta(h) for h in (1, 2))
+            out.append(("ok", [h._block.block_id for h in hs]))
+        except TypeError as exc:
+            out.append(("err", str(exc)))
+    assert out[0] == out[1]
+
+
+def test_raw_and_subclassed_base_handles_in_cycles_do_not_crash() -> None:
+    """A Python subclass of the (not final) handle base with a __dict__ is a GC type around a
+    no_gc base: instances in reference cycles, collected, must not crash (child)."""
+    proc = run_child(
+        """
+        import gc
+        from kvbm_runtime import _pool_core as c
+        p = new_pool(8)
+        Sub = type("Sub", (c._Handle,), {})
+        for i in range(200):
+            (s,) = p.register_blocks(p.allocate_complete([meta(i + 1)]))
+            x = Sub(p, s._block)
+            x.me = x
+            x.other = c._Handle(p, s._block)
+            del x
+            gc.collect()
+            s.release()
+            p.evict()
+        print("ok")
+        """
+    )
+    assert_child_ok(proc)
