@@ -105,23 +105,26 @@ cdef class _Handle:
 
     Not tracked by the cycle collector: a handle refers to its pool and block only, never
     to itself or another handle, so it cannot be part of a reference cycle.  Handles
-    compare and hash by identity.  Construct as ``MutableBlock(pool, block)`` /
-    ``ImmutableBlock(pool, block)`` (pools do).
+    compare and hash by identity.  Only pools make them (:func:`new_mutable`,
+    :func:`new_immutable`, with the reference they stand for): calling a handle class
+    raises ``TypeError`` (a hand-built handle would give back a block or a reference the
+    pool never handed out).
     """
 
     cdef public object _pool
     cdef readonly Block _block  # never None: the methods and the loops read its C fields
     cdef public bint _live
 
-    def __init__(self, pool, Block block not None, bint _live=True):
-        self._pool = pool
-        self._block = block
-        self._live = _live
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} handles are made by their pool, not built by hand")
 
     cdef Block _get(self):
-        if not self._live:
-            raise ConsumedHandleError(f"{type(self).__name__} of block {self._block.block_id} was already consumed")
+        if not self._live or self._block is None:  # (None: an instance made through __new__)
+            raise ConsumedHandleError(f"{type(self).__name__} of block {self._id()} was already consumed")
         return self._block
+
+    cdef str _id(self):
+        return "?" if self._block is None else str(self._block.block_id)
 
     @property
     def consumed(self):
@@ -160,7 +163,7 @@ cdef class _Handle:
         # strong one's reference is given back (the last makes the block inactive).  In C
         # at deallocation, not a Python __del__; errors cannot propagate from here (a
         # half-built handle, interpreter shutdown, the pool gone).
-        if not self._live or self._pool is None:
+        if not self._live or self._pool is None or self._block is None:
             return
         self._live = False
         try:
@@ -185,6 +188,18 @@ cdef inline MutableBlock _new_mutable(object pool, Block block):
 
 cdef inline ImmutableBlock _new_immutable(object pool, Block block):
     return <ImmutableBlock>_live_handle(ImmutableBlock.__new__(ImmutableBlock), pool, block)
+
+
+def new_mutable(pool, Block block not None):
+    """A live :class:`MutableBlock` of ``pool`` on ``block`` (pools only: the caller owns
+    the block, e.g. just taken off the Reset list)."""
+    return _new_mutable(pool, block)
+
+
+def new_immutable(pool, Block block not None):
+    """A live :class:`ImmutableBlock` of ``pool`` on ``block`` (pools only: the caller has
+    just taken the reference it stands for)."""
+    return _new_immutable(pool, block)
 
 
 @cython.final
@@ -320,8 +335,8 @@ cdef class MutableBlock(_Handle):
         self._pool._reset_block(block)
 
     def __repr__(self):
-        state = "consumed" if not self._live else self._block.state.value
-        return f"MutableBlock(tier={self._pool.tier}, id={self._block.block_id}, {state})"
+        state = "consumed" if not self._live or self._block is None else self._block.state.value
+        return f"MutableBlock(tier={getattr(self._pool, 'tier', None)}, id={self._id()}, {state})"
 
 
 @cython.final
@@ -363,19 +378,18 @@ cdef class ImmutableBlock(_Handle):
         Raises:
             ConsumedHandleError: this handle was consumed.
         """
-        if not self._live:
-            raise ConsumedHandleError(f"ImmutableBlock of block {self._block.block_id} was already consumed")
+        cdef Block block = self._get()
         self._live = False
         pool = self._pool
         if type(pool._inactive) is InactiveSet:  # a pool on this core: no Python frame
             lock = pool._lock
             lock.acquire()
             try:
-                _release_one(pool, self._block)
+                _release_one(pool, block)
             finally:
                 lock.release()
         else:
-            pool._release(self._block)
+            pool._release(block)
 
     def __enter__(self):
         return self
@@ -385,8 +399,8 @@ cdef class ImmutableBlock(_Handle):
             self.release()
 
     def __repr__(self):
-        if not self._live:
-            return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, consumed)"
+        if not self._live or self._block is None:
+            return f"ImmutableBlock(tier={getattr(self._pool, 'tier', None)}, id={self._id()}, consumed)"
         return f"ImmutableBlock(tier={self._pool.tier}, id={self._block.block_id}, hash={self.sequence_hash:#018x})"
 
 
@@ -683,7 +697,7 @@ def register_blocks(pool, blocks, bint strong=True):
     cdef PyObject* existing
     for i in range(n):
         obj = <object>PyTuple_GET_ITEM(hs, i)
-        if not isinstance(obj, _Handle):
+        if type(obj) is not MutableBlock:
             return out, stores, deferred, i, None
         handle = <_Handle>obj
         b = handle._block

@@ -56,6 +56,7 @@ from event_plane.schema import U64_MAX as _U64_MAX
 from event_plane.schema import EventType, KVEvent
 
 from . import _pool_core
+from ._pool_core import new_immutable, new_mutable
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
 from .errors import BlockStateError, ConsumedHandleError, LayoutConfigError, PoolExhaustedError
 from .layout import BlockLayout
@@ -288,7 +289,7 @@ class BlockPool:
             for b in blocks:
                 if b.meta is not None:  # evicted by _take, not cleared yet
                     b.clear()
-            return [MutableBlock(self, b) for b in blocks]
+            return [new_mutable(self, b) for b in blocks]
 
     def _take(self, count: int) -> list[Block]:
         """``count`` free blocks (all-or-nothing), lock held: Reset ones first, then
@@ -477,12 +478,12 @@ class BlockPool:
                 b.state = _REGISTERED
                 b.ref_count = 1
                 b.frequency = 1
-                out[i] = ImmutableBlock(self, b)
+                out[i] = new_immutable(self, b)
             else:
                 self._acquire(existing)
                 b.clear()
                 self._reset.append(b.block_id)
-                out[i] = ImmutableBlock(self, existing)
+                out[i] = new_immutable(self, existing)
 
     def register_downgrade(self, blocks: Sequence[MutableBlock], weaks: list[WeakBlock] | None = None) -> list[WeakBlock]:
         """:meth:`register_blocks` followed by :meth:`downgrade_many` of its result, in one
@@ -615,7 +616,7 @@ class BlockPool:
                 block = self._registry.get(h)
                 if block is not None:
                     self._acquire(block)
-                    out.append(ImmutableBlock(self, block))
+                    out.append(new_immutable(self, block))
             return out
 
     def get(self, sequence_hash: int, *, touch: bool = False) -> ImmutableBlock | None:
@@ -629,7 +630,7 @@ class BlockPool:
             if block is None:
                 return None
             self._acquire(block, touch=touch)
-            return ImmutableBlock(self, block)
+            return new_immutable(self, block)
 
     # ------------------------------------------------------------------ batched handle operations
 
@@ -807,7 +808,7 @@ class BlockPool:
             if block.meta.sequence_hash != sequence_hash:
                 return None
             self._acquire(block)
-            return ImmutableBlock(self, block)
+            return new_immutable(self, block)
 
     def _meta_of(self, sequence_hash: int) -> BlockMeta | None:
         with self._lock:

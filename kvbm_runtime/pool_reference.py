@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from ._pool_core import new_immutable, new_mutable
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
 
 if TYPE_CHECKING:
@@ -89,9 +90,10 @@ class InactiveSet:
         return [b.block_id for level in self.levels for b in level]
 
 
-def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
+def allocate_complete(pool: BlockPool, metas: Iterable[BlockMeta]) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
     """The per-block part of ``BlockPool.allocate_complete`` (lock held), room check
     included: ``(handles, identities of the Removes owed or None, blocks evicted)``."""
+    metas = tuple(metas)  # any iterable, as the compiled core takes
     count = len(metas)
     reset = pool._reset
     n_reset = len(reset)
@@ -103,7 +105,7 @@ def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list
         b = pool._blocks[reset.popleft()]
         b.meta = meta
         b.state = _COMPLETE
-        out.append(MutableBlock(pool, b))
+        out.append(new_mutable(pool, b))
     if count <= n_reset:
         return out, None, 0
     removes: list[BlockMeta] = []
@@ -124,7 +126,7 @@ def allocate_complete(pool: BlockPool, metas: Sequence[BlockMeta]) -> tuple[list
             b.tokens = ()
         b.meta = meta
         b.state = _COMPLETE
-        out.append(MutableBlock(pool, b))
+        out.append(new_mutable(pool, b))
     return out, removes, count - k
 
 
@@ -140,7 +142,7 @@ def register_blocks(
     stores: list[BlockMeta] = []
     deferred: list[tuple[int, MutableBlock, Block]] | None = None
     for i, handle in enumerate(list(blocks)):
-        if not isinstance(handle, (MutableBlock, ImmutableBlock)):
+        if type(handle) is not MutableBlock:
             return out, stores, deferred, i, None
         b = handle._block
         if not handle._live or handle._pool is not pool or b is None or b.state is not _COMPLETE:
@@ -156,7 +158,7 @@ def register_blocks(
             b.frequency = 1
             stores.append(meta)  # type: ignore[arg-type]
             b.ref_count = 1 if strong else 0
-            out.append(ImmutableBlock(pool, b) if strong else b)
+            out.append(new_immutable(pool, b) if strong else b)
         else:
             if deferred is None:
                 deferred = []
@@ -207,7 +209,7 @@ def _lookup(pool: BlockPool, sequence_hashes: Iterable[int], prefix: bool) -> li
         b.ref_count += 1
         if prefix:
             b.frequency += 1
-        out.append(ImmutableBlock(pool, b))
+        out.append(new_immutable(pool, b))
     return out
 
 
@@ -245,7 +247,7 @@ def upgrade_weaks(pool: BlockPool, weaks: Sequence[WeakBlock], strong: bool) -> 
             pool._inactive.discard(b)
         b.ref_count += 1
         b.frequency += 1
-        out.append(ImmutableBlock(pool, b) if strong else b)
+        out.append(new_immutable(pool, b) if strong else b)
     return out, lost, -1
 
 

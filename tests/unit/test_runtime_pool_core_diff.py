@@ -412,3 +412,30 @@ def test_review_fixes(cls: type[BlockPool]) -> None:
     pool.unpin_many(pins)
     assert pool.upgrade_many([forged]) == [None]
     assert pool.register_downgrade([], []) == []
+
+
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_only_pools_make_handles(cls: type[BlockPool]) -> None:
+    """A hand-built handle would give back a block or a reference the pool never handed
+    out (a block on the Reset list twice): the handle classes cannot be called; an instance
+    made through ``__new__`` is a dead handle; register_blocks takes mutable handles only;
+    allocate_complete takes any iterable of identities on both cores."""
+    from kvbm_runtime import BlockStateError, ConsumedHandleError
+    from kvbm_runtime.block import ImmutableBlock, MutableBlock
+
+    pool, _ = new_pool(cls, 4, False)
+    for k in (MutableBlock, ImmutableBlock, _pool_core._Handle):
+        with pytest.raises(TypeError, match="made by their pool"):
+            k(pool, pool._blocks[0])
+        raw = k.__new__(k)
+        assert raw.consumed and "consumed" in repr(raw) or k is _pool_core._Handle
+        with pytest.raises(ConsumedHandleError):
+            raw.block_id
+        del raw
+    assert sorted(pool._reset) == [0, 1, 2, 3]
+    hs = pool.allocate_complete(meta(h) for h in (1, 2))
+    assert [h._block.block_id for h in hs] == [0, 1]
+    (ib,) = pool.register_blocks(hs[:1])
+    with pytest.raises(BlockStateError):
+        pool.register_blocks([hs[1], ib])  # a strong handle is not a Complete block's handle
+    assert hs[1]._live and pool.resident() == {1}
