@@ -1205,3 +1205,129 @@ def test_raw_and_subclassed_base_handles_in_cycles_do_not_crash() -> None:
         """
     )
     assert_child_ok(proc)
+
+
+CYCLE_THROUGH_POOL = (
+    "BUG (memory leak): the handles are @cython.no_gc and WeakBlock is a msgspec Struct with gc=False, so "
+    "the cycle collector never sees their reference to the pool. A reference cycle that goes through the "
+    "pool - its event sink (or an on_flush / publisher callback) being an object that also keeps handles "
+    "of that pool, e.g. an engine-side manager - is never collected: the pool, its layout (the KV "
+    "memory) and the sink leak for the life of the process. The module docstring's 'a handle refers to "
+    "its pool and block only ... cannot be part of a reference cycle' misses cycles through the pool. "
+    "Fix: let _Handle traverse _pool (drop @cython.no_gc; keep the C __dealloc__), and gc=True on "
+    "WeakBlock (kvbm_runtime/_pool_core.pyx _Handle, kvbm_runtime/block.py WeakBlock); or have handles "
+    "refer to a pool-state object that never references user objects."
+)
+
+
+class HandleKeepingSink:
+    """The pool's event sink that also keeps handles of that pool (an engine-side object)."""
+
+    def __init__(self, kind: str) -> None:
+        self.pool = new_pool(4, BlockPool, self)
+        pool = self.pool
+        self.held = {
+            "strong": lambda: pool.register_blocks(pool.allocate_complete([meta(5)])),
+            "mutable": lambda: pool.allocate(1),
+            "weak": lambda: pool.register_downgrade(pool.allocate_complete([meta(5)])),
+            "none": list,
+        }[kind]()
+
+    def publish(self, events: list) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "kind", ["none", *(pytest.param(k, marks=bug(CYCLE_THROUGH_POOL)) for k in ("strong", "mutable", "weak"))]
+)
+def test_pool_in_a_cycle_through_its_sink_is_collected(kind: str) -> None:
+    sink = HandleKeepingSink(kind)
+    ref = weakref.ref(sink.pool)
+    del sink
+    gc.collect()
+    assert ref() is None, "pool (and its layout) kept alive by an uncollectable cycle"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_threads_racing_to_release_the_same_handles(cls: type[BlockPool]) -> None:
+    """Several threads release the same strong handles at once (one by one, in batches,
+    through downgrade_many, by dropping their lists): each reference is given back exactly
+    once, every loser gets ConsumedHandleError / BlockStateError, nothing else."""
+    pool = new_pool(16, cls)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for round_ in range(40):
+            base = pool.register_blocks(pool.allocate_complete([meta(h) for h in range(1, 9)]))
+            clones = [h.clone() for h in base for _ in range(3)]
+            handles = base + clones
+            random.Random(round_).shuffle(handles)
+            wrong: list = []
+            start = threading.Barrier(4)
+
+            def racer(k: int, handles: list = handles, wrong: list = wrong, start: threading.Barrier = start) -> None:
+                rng = random.Random(k)
+                mine = list(handles)
+                rng.shuffle(mine)
+                start.wait()
+                for i in range(0, len(mine), 3):
+                    batch = mine[i : i + 3]
+                    if k == 0:  # one by one: every handle is tried, so all end consumed
+                        for h in batch:
+                            try:
+                                h.release()
+                            except ConsumedHandleError:
+                                pass
+                        continue
+                    try:
+                        if k == 1:
+                            pool.release_blocks(batch)
+                        elif k == 2:
+                            pool.downgrade_many(batch)
+                        else:
+                            del batch  # dropping a consumed or live reference: never a second release
+                    except (ConsumedHandleError, BlockStateError):
+                        pass
+                    except BaseException as exc:  # noqa: BLE001 - reported
+                        wrong.append(exc)
+
+            threads = [threading.Thread(target=racer, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not wrong, wrong
+            del handles, base, clones
+            gc.collect()
+            check_invariants(pool, quiescent=True)
+            assert all(b.ref_count == 0 for b in pool._blocks)
+            pool.evict()
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_many_pools_created_and_dropped_give_their_memory_back() -> None:
+    """The InactiveSet's C arrays (PyMem), the blocks and the handles of dropped pools are
+    freed (tracemalloc sees PyMem allocations)."""
+
+    def once() -> None:
+        pool = new_pool(2048)
+        hs = pool.register_downgrade(pool.allocate_complete([meta(h) for h in range(1, 1025)]))
+        strong = pool.match_blocks([w.sequence_hash for w in hs[:512]])
+        pins = pool.pin_many(hs[512:])
+        del strong, pins, hs
+
+    for _ in range(3):
+        once()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(30):
+            once()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, f"{grown} bytes kept after 30 pools of 2048 blocks"
