@@ -1347,3 +1347,72 @@ def test_many_pools_created_and_dropped_give_their_memory_back() -> None:
     finally:
         tracemalloc.stop()
     assert grown < 256 * 1024, f"{grown} bytes kept after 30 pools of 2048 blocks"
+
+
+ON_FLUSH_DEADLOCK = (
+    "BUG (deadlock, lock order): a pool hands its events to the publisher under the pool lock "
+    "(BlockPool._emit_stores / _emit_removes -> publish_encoded, which takes the publisher's lock), while "
+    "the publisher's timer thread calls on_flush under the publisher's lock (event_plane/publisher.py "
+    "_timer_loop -> _flush_locked). An on_flush that reads the pool (pool.stats(), contains(), ...) takes "
+    "the locks in the other order: both threads wait forever (seen within 1-3 s at 1 ms flushes). Fix: "
+    "run on_flush after the publisher's lock is released (publisher.py), or publish the pool's events "
+    "after its lock is released with their order kept (pool.py); at least document that on_flush must "
+    "not call a pool publishing to this publisher."
+)
+
+
+def test_thread_holding_the_pool_lock_at_interpreter_exit_does_not_hang() -> None:
+    """Daemon threads frozen by interpreter shutdown while holding the pool lock; live
+    handles in globals given back during teardown: the process still exits."""
+    proc = run_child(
+        """
+        import threading, time
+        p = new_pool(64)
+        held = p.register_blocks(p.allocate_complete([meta(h) for h in range(1000, 1010)]))
+        muts = p.allocate(3)
+        def spin():
+            i = 0
+            while True:
+                i += 1
+                with p._lock:
+                    for _ in range(2000):
+                        pass
+                p.register_downgrade(p.allocate_complete([meta(i % 40 + 1)]))
+        for _ in range(2):
+            threading.Thread(target=spin, daemon=True).start()
+        time.sleep(0.3)
+        print("exiting")
+        """,
+        timeout=60,
+    )
+    assert_child_ok(proc)
+
+
+@bug(ON_FLUSH_DEADLOCK)
+def test_on_flush_reading_the_pool_does_not_deadlock() -> None:
+    proc = run_child(
+        """
+        import time
+        faulthandler.dump_traceback_later(10, exit=True)  # a deadlock exits 1 with the stacks
+        from event_plane.config import PublisherConfig
+        from event_plane.urls import make_publisher
+        pool = None
+        flushes = [0]
+        def on_flush(batch, payload):
+            flushes[0] += 1
+            pool.stats()
+        cfg = PublisherConfig(max_events=100000, max_delay_s=0.001, min_delay_s=0.0005, adaptive_delay=False)
+        pub = make_publisher("null://", "w1", config=cfg, on_flush=on_flush)
+        pool = BlockPool("g2", make_layout("FullyContiguous", CFG, 64, torch.device("cpu"), MemoryKind.SYSTEM), pub)
+        t0, i = time.time(), 0
+        while time.time() - t0 < 5:
+            i += 1
+            pool.register_downgrade(pool.allocate_complete([meta(h) for h in range(i % 50 + 1, i % 50 + 9)]))
+        pub.close()
+        faulthandler.cancel_dump_traceback_later()
+        assert flushes[0] > 0
+        print("ok", i, flushes[0])
+        """,
+        timeout=60,
+    )
+    assert_child_ok(proc)
