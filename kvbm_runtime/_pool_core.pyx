@@ -4,9 +4,9 @@ inactive set and the pool's hot batch loops.
 
 * :class:`Block` — a physical block slot (C fields; ``kvbm_runtime.block`` re-exports it).
 * :class:`MutableBlock` / :class:`ImmutableBlock` — the handles engines hold, extension
-  types without cycle-collector tracking whose "dropped while live" rule (give the block
-  back) runs in C at deallocation, not as a Python ``__del__`` (that finalizer was ~0.1 µs
-  per block of a batch call; ``kvbm_runtime.block`` documents the handles).
+  types whose "dropped while live" rule (give the block back) runs in C at deallocation,
+  not as a Python ``__del__`` (that finalizer was ~0.1 µs per block of a batch call;
+  ``kvbm_runtime.block`` documents the handles).
 * :class:`InactiveSet` — the frequency-aware multi-level LRU of inactive blocks as
   intrusive doubly linked lists over C arrays indexed by block id (no hashing, no
   ``OrderedDict`` entry per block).
@@ -97,15 +97,19 @@ cdef class Block:
         return f"Block(id={self.block_id}, {self.state.value}, gen={self.generation}, refs={self.ref_count})"
 
 
-@cython.no_gc
+@cython.no_gc_clear
 @cython.freelist(128)
 @cython.auto_pickle(False)
 cdef class _Handle:
     """Common part of the handles: the pool, the block and a live (not consumed) flag.
 
-    Not tracked by the cycle collector: a handle refers to its pool and block only, never
-    to itself or another handle, so it cannot be part of a reference cycle.  Handles
-    compare and hash by identity.  Only pools make them (:func:`new_mutable`,
+    Tracked by the cycle collector (a cycle can go through the pool: an event sink or an
+    engine object that keeps handles of the pool it is the sink of must not keep the pool
+    and its KV memory alive forever), but never cleared by it (``no_gc_clear``): the
+    collector breaks such a cycle elsewhere (the pool's or the sink's attributes), so a
+    handle always reaches its deallocation with its pool and block and can give them back
+    (a finalizer would run before any clearing too, but costs a Python call per handle).
+    Handles compare and hash by identity.  Only pools make them (:func:`new_mutable`,
     :func:`new_immutable`, with the reference they stand for): calling a handle class
     raises ``TypeError`` (a hand-built handle would give back a block or a reference the
     pool never handed out).
@@ -203,7 +207,7 @@ def new_immutable(pool, Block block not None):
 
 
 @cython.final
-@cython.no_gc
+@cython.no_gc_clear
 cdef class MutableBlock(_Handle):
     """Exclusive handle on a Reset, Partial or Complete block (see ``kvbm_runtime.block``)."""
 
@@ -340,7 +344,7 @@ cdef class MutableBlock(_Handle):
 
 
 @cython.final
-@cython.no_gc
+@cython.no_gc_clear
 cdef class ImmutableBlock(_Handle):
     """Strong reference to a Registered block (see ``kvbm_runtime.block``)."""
 

@@ -86,10 +86,12 @@ class BlockMeta:
 from ._pool_core import Block, ImmutableBlock, MutableBlock  # noqa: E402
 
 
-class WeakBlock(msgspec.Struct, eq=False, gc=False):
+class WeakBlock(msgspec.Struct, eq=False):
     """Weak reference to a Registered block; never keeps it alive or resurrects it.
 
     Construct as ``WeakBlock(pool, block, generation, sequence_hash)`` (handles and pools do).
+    Tracked by the cycle collector: it refers to its pool, and a cycle through the pool (a
+    sink keeping weak handles of the pool it is the sink of) must be collectable.
 
     Attributes:
         sequence_hash: hash of the block it refers to.

@@ -346,21 +346,34 @@ def test_compiled_core_refuses_corrupt_state_instead_of_reading_out_of_bounds() 
     assert len(pool._inactive) == 1 and pool._inactive.pop_victim().block_id == 0
 
 
-def test_handles_are_untracked_and_give_back_when_dropped_live() -> None:
-    """Handles stay out of the cycle collector (as the gc=False structs they replace) and
-    their dropped-while-live rule runs at deallocation, on either core."""
+def test_handles_give_back_when_dropped_live_even_from_a_collected_cycle() -> None:
+    """The dropped-while-live rule runs at deallocation, on either core, also for handles
+    freed by the cycle collector (it never clears a handle: it still has its pool and block
+    when it is freed); a pool in a cycle through handles its sink keeps is collected."""
+    import weakref
+
     for cls in (BlockPool, RefPool):
         pool, sink = new_pool(cls, 4, False)
         (mb,) = pool.allocate_complete([meta(100)])
-        assert not gc.is_tracked(mb)
-        del mb  # a live mutable handle: its block goes back to Reset
+        assert gc.is_tracked(mb)
+        box: list = [mb, pool.allocate(1)]
+        box.append(box)
+        del mb, box
+        gc.collect()  # the cycle's handles give their blocks back
         assert pool.stats().reset == 4
         (ib,) = pool.register_blocks(pool.allocate_complete([meta(100)]))
-        assert not gc.is_tracked(ib) and pool.stats().active == 1
+        assert gc.is_tracked(ib) and pool.stats().active == 1
         del ib  # the last live strong handle: the block is inactive, still matchable
         st = pool.stats()
         assert (st.active, st.inactive) == (0, 1) and pool.contains(100)
         assert [e[0] for e in sink.events] == ["STORE"]
+        # the sink keeps strong, mutable and weak handles of its own pool: a cycle
+        sink.held = [pool.register_blocks(pool.allocate_complete([meta(101)])), pool.allocate(1)]
+        sink.held.append(pool.register_downgrade(pool.allocate_complete([meta(102)])))
+        ref = weakref.ref(pool)
+        del pool, sink, st
+        gc.collect()
+        assert ref() is None, "the pool was kept alive by a cycle through its handles"
 
 
 @pytest.mark.parametrize("cls", [BlockPool, RefPool])
