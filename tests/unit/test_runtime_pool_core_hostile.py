@@ -128,7 +128,7 @@ def run_child(body: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """
     )
     return subprocess.run(
-        [sys.executable, "-X", "faulthandler", "-c", prelude + textwrap.dedent(body)],
+        [sys.executable, "-X", "faulthandler", "-X", "dev", "-c", prelude + textwrap.dedent(body)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -1457,3 +1457,36 @@ def test_register_given_an_iterator_works_or_changes_nothing(cls: type[BlockPool
     check_invariants(pool, quiescent=True)
     st_ = pool.stats()
     assert st_.stores_published == len(pool._registry)
+
+
+def test_collected_cycle_with_pool_inactive_set_and_many_handles_does_not_crash() -> None:
+    """Since 3780938 the collector frees cycles through a pool; its handles (no_gc_clear) give
+    back while the other members (the pool's dict, the blocks, the InactiveSet) may already be
+    cleared: no crash under -X dev, every pool collected (child)."""
+    proc = run_child(
+        """
+        import gc, weakref
+        class Sink:
+            def publish(self, events):
+                pass
+        alive = 0
+        for rnd in range(100):
+            s = Sink()
+            s.pool = new_pool(64)
+            s.pool._publisher = s
+            s.strong = s.pool.register_blocks(s.pool.allocate_complete([meta(h) for h in range(1, 33)]))
+            s.clones = [h.clone() for h in s.strong]
+            s.muts = s.pool.allocate(8)
+            s.weaks = [h.weak() for h in s.strong]
+            s.inactive, s.blocks = s.pool._inactive, list(s.pool._blocks)
+            if rnd % 2:
+                s.order = [s.inactive, s.blocks, s.strong]  # another clear order
+            ref = weakref.ref(s.pool)
+            del s
+            gc.collect()
+            alive += ref() is not None
+        assert alive == 0, alive
+        print("ok")
+        """
+    )
+    assert_child_ok(proc)
