@@ -435,6 +435,7 @@ class BlockPool:
                 hash not an ``int`` in [0, 2**64), a field missing); nothing changed: the
                 inputs stay live and Complete.
         """
+        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)  # indexed on errors
         with self._lock:
             out, events, deferred, body = self._register_loop(blocks, True)
             if deferred:
@@ -515,10 +516,10 @@ class BlockPool:
             Complete).
         """
         wb = WeakBlock
+        hs = blocks if isinstance(blocks, (list, tuple)) else list(blocks)  # indexed below
         with self._lock:
-            registered, events, deferred, body = self._register_loop(blocks, False)
+            registered, events, deferred, body = self._register_loop(hs, False)
             n = len(registered)
-            hs = blocks if isinstance(blocks, list) else list(blocks)
             if deferred is None:
                 # every input registered as itself, frequency 1: level 0, in input order
                 targets = registered
@@ -591,6 +592,8 @@ class BlockPool:
     def _bad_handle(self, h: MutableBlock | ImmutableBlock, before: Sequence[object], op: str, state: BlockState) -> Exception:
         """The error for the first invalid handle of a batch (nothing changed yet)."""
         b = h._block
+        if b is None:  # a dead handle made through __new__
+            return ConsumedHandleError(f"{type(h).__name__} of no block was already consumed")
         if any(x is h for x in before):
             return BlockStateError(f"the same handle of block {b.block_id} appears twice")
         if not h._live:

@@ -452,3 +452,30 @@ def test_only_pools_make_handles(cls: type[BlockPool]) -> None:
     with pytest.raises(BlockStateError):
         pool.register_blocks([hs[1], ib])  # a strong handle is not a Complete block's handle
     assert hs[1]._live and pool.resident() == {1}
+
+
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_dead_handles_and_iterators_in_batch_calls(cls: type[BlockPool]) -> None:
+    """A dead handle (made through ``__new__``) in a batch is a consumed handle; the
+    register calls take an iterator of handles like a list (and undo on a bad input)."""
+    from kvbm_runtime import ConsumedHandleError
+    from kvbm_runtime.block import ImmutableBlock, MutableBlock
+
+    pool, sink = new_pool(cls, 6, False)
+    for call, dead in (
+        (pool.register_blocks, MutableBlock.__new__(MutableBlock)),
+        (pool.register_downgrade, MutableBlock.__new__(MutableBlock)),
+        (pool.release_blocks, ImmutableBlock.__new__(ImmutableBlock)),
+        (pool.downgrade_many, ImmutableBlock.__new__(ImmutableBlock)),
+    ):
+        with pytest.raises(ConsumedHandleError):
+            call([dead])
+    a, b = pool.allocate_complete([meta(1), meta(2)])
+    b.release()
+    with pytest.raises(ConsumedHandleError):
+        pool.register_blocks(h for h in (a, b))
+    assert a._live and pool.resident() == set()
+    (c,) = pool.allocate_complete([meta(2)])
+    out = pool.register_downgrade(h for h in (a, c))
+    assert [w.sequence_hash for w in out] == [1, 2] and pool.resident() == {1, 2}
+    assert [e[0] for e in sink.events] == ["STORE", "STORE"]
