@@ -72,7 +72,10 @@ class EventPublisher(abc.ABC):
         config: batching limits (:class:`PublisherConfig` defaults when ``None``).
         on_flush: called as ``on_flush(batch, payload)`` for every batch, in seq order,
             right after the batch was handed to the transport (under the publisher's
-            lock, so it must be quick; it may call ``publish``).
+            lock, so it must be quick; it may call ``publish``).  It must not call into
+            a block pool that publishes to this publisher: the pool hands over its events
+            under its own lock, so that would be lock order pool → publisher against
+            publisher → pool (a deadlock with a thread inside the pool).
 
     Thread safety: every public method may be called from any thread.
 
