@@ -420,6 +420,7 @@ cdef inline int _level_of(Py_ssize_t f) noexcept:
 
 
 @cython.final
+@cython.no_gc_clear
 cdef class InactiveSet:
     """Multi-level LRU of the inactive registered blocks of one pool (the blocks of
     ``blocks``, indexed by ``block_id``).
@@ -429,6 +430,10 @@ cdef class InactiveSet:
     added (its frequency does not change while it is inactive).  Eviction takes the least
     recently used block of the lowest non-empty level.  Every operation is O(1) except
     :meth:`order`.
+
+    Never cleared by the cycle collector (``no_gc_clear``): ``blocks`` is read without a
+    check by the C loops, so a finalizer running while a cycle through a pool is being
+    collected must still find it in place.
     """
 
     cdef readonly tuple blocks

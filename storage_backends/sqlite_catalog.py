@@ -9,6 +9,7 @@ sequence hashes and checksums are stored in two's complement (``keys.u64_to_i64`
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -29,6 +30,8 @@ from .types import (
     VersionConflictError,
     VolumeFullError,
 )
+
+logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS placements (
@@ -213,6 +216,11 @@ class SqliteCatalog(PlacementCatalog):
                 db.execute("COMMIT")
             except BaseException:
                 self._cache.clear()
+                if db.in_transaction:  # a COMMIT that failed and left it open: never wedge the connection
+                    try:
+                        db.execute("ROLLBACK")
+                    except sqlite3.Error as exc:
+                        logger.warning("catalog %s: rollback after a failed COMMIT failed: %s", self.path, exc)
                 raise
 
     # ------------------------------------------------------------------ placement cache

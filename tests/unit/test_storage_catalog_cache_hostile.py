@@ -389,6 +389,37 @@ def test_commit_that_fails_leaves_no_uncommitted_placement_in_the_cache(filled, 
     assert a.get_many(keys) == ps
 
 
+class _CommitFailsOpen(_CommitFails):
+    """A COMMIT that raises and leaves the transaction open (SQLITE_BUSY at commit time
+    does that): the write lock stays held unless the catalog rolls back."""
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if self.armed and sql == "COMMIT":
+            self.armed = False
+            raise sqlite3.OperationalError("database is locked")
+        return self._db.execute(sql, *args)
+
+
+def test_commit_that_fails_open_is_rolled_back_so_the_connection_and_the_lock_are_free(filled, path: Path) -> None:  # type: ignore[no-untyped-def]
+    a, _, ps, keys = filled
+    real = a._db
+    a._db = _CommitFailsOpen(real)  # type: ignore[assignment]
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            a.delete(keys[1])
+    finally:
+        a._db = real
+    assert not real.in_transaction  # rolled back, not left holding the write lock
+    other = SqliteCatalog(path, busy_timeout_s=0.5)  # another writer gets the lock at once
+    try:
+        other.delete(keys[2])
+    finally:
+        other.close()
+    assert a.get_many(keys[:3]) == [ps[0], ps[1], None]  # the failed delete changed nothing
+    a.delete(keys[1])  # and this connection still writes
+    assert_truth(a, keys)
+
+
 def test_write_lock_held_by_another_writer(path: Path) -> None:
     """Another connection holds the write lock with uncommitted changes: a's writes time
     out (short busy timeout), a's reads answer the committed state, and once the other
