@@ -472,19 +472,25 @@ class BlockPool:
         already registered become a further copy (duplicates allowed) or dedup onto the
         existing block, whose new physical block goes back to Reset."""
         for i, handle, existing in deferred:
-            b = handle._block
-            self._dedup_hits += 1
-            if self.allow_duplicates:
-                self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
-                b.state = _REGISTERED
-                b.ref_count = 1
-                b.frequency = 1
-                out[i] = new_immutable(self, b)
-            else:
-                self._acquire(existing)
-                b.clear()
-                self._reset.append(b.block_id)
-                out[i] = new_immutable(self, existing)
+            out[i] = new_immutable(self, self._settle_existing(handle, existing))
+
+    def _settle_existing(self, handle: MutableBlock, existing: Block) -> Block:
+        """One input of a register call whose hash ``existing`` already holds (lock held):
+        with duplicates allowed its block becomes a further registered copy (one
+        reference), else ``existing`` gains one reference (a dedup hit) and the input's
+        block goes back to Reset.  Returns the block the input now stands for."""
+        b = handle._block
+        self._dedup_hits += 1
+        if self.allow_duplicates:
+            self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
+            b.state = _REGISTERED
+            b.ref_count = 1
+            b.frequency = 1
+            return b
+        self._acquire(existing)
+        b.clear()
+        self._reset.append(b.block_id)
+        return existing
 
     def register_downgrade(self, blocks: Sequence[MutableBlock], weaks: list[WeakBlock] | None = None) -> list[WeakBlock]:
         """:meth:`register_blocks` followed by :meth:`downgrade_many` of its result, in one
@@ -556,19 +562,7 @@ class BlockPool:
             if b is not None:
                 b.ref_count = 1
         for i, handle, existing in deferred:
-            b = handle._block
-            self._dedup_hits += 1
-            if self.allow_duplicates:
-                self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
-                b.state = _REGISTERED
-                b.ref_count = 1
-                b.frequency = 1
-                targets[i] = b
-            else:
-                self._acquire(existing)
-                b.clear()
-                self._reset.append(b.block_id)
-                targets[i] = existing
+            targets[i] = self._settle_existing(handle, existing)
         add = self._inactive.add
         for b in targets:
             rc = b.ref_count - 1
