@@ -103,6 +103,18 @@ cdef inline bint _fast(object tp):
 cdef inline PyObject* _slot(object obj, Py_ssize_t offset) noexcept:
     return (<PyObject**>((<char*><PyObject*>obj) + offset))[0]
 
+
+cdef inline bint _hash_slots(object meta, PyObject** ps, PyObject** pp, PyObject** pq):
+    """Point ``ps`` / ``pp`` / ``pq`` at ``meta``'s sequence, prefix and parent hash slots
+    (borrowed) and return True when ``meta`` is of the learned slotted class and all three
+    are set; False otherwise (the caller then reads the attributes with ``getattr``)."""
+    if not _fast(type(meta)):
+        return False
+    ps[0] = _slot(meta, _off_seq)
+    pp[0] = _slot(meta, _off_prefix)
+    pq[0] = _slot(meta, _off_parent)
+    return ps[0] != NULL and pp[0] != NULL and pq[0] != NULL
+
 _encoder = msgspec.msgpack.Encoder()
 
 # fixarray of 7 + type (positive fixint) + 3 hashes of at most 9 bytes each
@@ -246,12 +258,7 @@ def encode_meta_events(int event_type, list metas not None, bytes tail not None)
         if PyList_GET_SIZE(metas) != n:  # changed by Python code of an item (getattr, event_cls)
             raise RuntimeError(f"metas changed size during encoding ({n} -> {PyList_GET_SIZE(metas)})")
         meta = <object>PyList_GET_ITEM(metas, i)
-        ps = NULL
-        if _fast(type(meta)):
-            ps = _slot(meta, _off_seq)
-            pp = _slot(meta, _off_prefix)
-            pq = _slot(meta, _off_parent)
-        if ps != NULL and pp != NULL and pq != NULL:
+        if _hash_slots(meta, &ps, &pp, &pq):
             seq_obj, prefix_obj, parent = <object>ps, <object>pp, <object>pq
         else:  # any other class, or a slot left unset (getattr raises AttributeError)
             seq_obj, prefix_obj, parent = meta.sequence_hash, meta.prefix_hash, meta.parent_hash
@@ -303,12 +310,7 @@ def make_meta_events(event_cls, event_type, list metas not None, block_size, sto
         if PyList_GET_SIZE(metas) != n:  # changed by Python code of an item (getattr, event_cls)
             raise RuntimeError(f"metas changed size during encoding ({n} -> {PyList_GET_SIZE(metas)})")
         meta = <object>PyList_GET_ITEM(metas, i)
-        ps = NULL
-        if _fast(type(meta)):
-            ps = _slot(meta, _off_seq)
-            pp = _slot(meta, _off_prefix)
-            pq = _slot(meta, _off_parent)
-        if ps != NULL and pp != NULL and pq != NULL:
+        if _hash_slots(meta, &ps, &pp, &pq):
             out[i] = event_cls(event_type, <object>ps, <object>pp, <object>pq, block_size, storage_location)
         else:
             out[i] = event_cls(
