@@ -14,8 +14,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import pytest
+from s3_proxy import S3FaultProxy
 
 from storage_backends.local_s3 import LocalS3, free_port, start_local_s3
 
@@ -99,6 +101,15 @@ def local_s3() -> Iterator[LocalS3]:
         yield s3
     finally:
         s3.stop()
+
+
+@pytest.fixture
+def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
+    """A fault-injecting HTTP proxy (``tests/s3_proxy.py``) in front of the session's S3
+    endpoint; volumes pointed at ``proxy.endpoint`` see the faults it is told to make."""
+    p = S3FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
+    yield p
+    p.close()
 
 
 def posix_agent(tmp_path: "os.PathLike[str] | str", name: str, volume_id: str = "fast") -> "StorageAgent":

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import boto3
 import pytest
@@ -29,13 +28,6 @@ from storage_backends import (
 )
 
 _ids = itertools.count()
-
-
-@pytest.fixture
-def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
-    p = S3FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
-    yield p
-    p.close()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from urllib.parse import urlparse
 
 import boto3
 import pytest
@@ -34,13 +33,6 @@ from storage_backends import (
 from storage_backends.s3_volume import S3Volume
 
 _ids = itertools.count()
-
-
-@pytest.fixture
-def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
-    p = S3FaultProxy(int(urlparse(local_s3.endpoint).port or 0))
-    yield p
-    p.close()
 
 
 @pytest.fixture
