@@ -16,14 +16,17 @@ reads are timed twice per run, interleaved, keeping the best of each kind:
   segment files, one NIXL POSIX WRITE each, fsync of file and directory, SQLite catalog
   commit) against a plain sequential ``writev`` of the same bytes into files of the same
   size, each fsync-ed, directory fsync-ed (the same durability: data and names on disk
-  before returning).  ``StorageAgent.get(out=...)`` (catalog lookup, NIXL READs of 4 MiB
-  pieces straight into the caller's tensors, XXH3 check of every block) against a plain
+  before returning).  ``StorageAgent.get(out=...)`` (catalog lookup; what the page
+  cache holds copied by ``preadv2(RWF_NOWAIT)`` in 1 MiB groups, each hashed at once,
+  the rest by NIXL READs of 4 MiB pieces, straight into the caller's tensors; XXH3 check
+  of every block) against a plain
   ``readv`` of the same files into the same tensors (one call per 64 MiB file), twice:
   hot (page cache, the files were just written) and cold (both file sets evicted with
   ``POSIX_FADV_DONTNEED`` first, so the bytes come from the disk).  Goal: ours >= 80 %
   of plain.  A third column, the floor, is the faster of two plain *verified* reads
-  (``readv`` then XXH3 of every block; or ``preadv`` of 4 MiB pieces, each hashed at
+  (``readv`` then XXH3 of every block; or ``preadv`` of 1 MiB pieces, each hashed at
   once): what verifying every block costs without NIXL, a catalog or Python per block.
+  Hot gets of ours are page-cache copies (no NIXL), cold gets mostly NIXL reads.
 * S3, same endpoint (a ``moto_server`` the script starts on loopback): ``put`` into 16 MiB
   segment objects through NIXL OBJ (up to 8 segment PUTs at once in one NIXL WRITE, no
   HEAD after them) against boto3
@@ -146,7 +149,7 @@ def plain_read_xxh3(paths: list[Path], outs: list[np.ndarray], segs: list[range]
         xxhash.xxh3_64_intdigest(o)
 
 
-def plain_read_xxh3_pieces(paths: list[Path], outs: list[np.ndarray], segs: list[range], piece: int = 4 * MiB) -> None:
+def plain_read_xxh3_pieces(paths: list[Path], outs: list[np.ndarray], segs: list[range], piece: int = MiB) -> None:
     """The other plain verified read: ``preadv`` of at most ``piece`` bytes at a time, each
     hashed right away while it is in the CPU cache (what ``get`` does, with plain
     syscalls; a block larger than ``piece`` is read and hashed in ``piece`` chunks)."""
@@ -483,7 +486,7 @@ def main() -> None:
             return
         print("\n## POSIX (NIXL POSIX, 64 MiB segments) vs plain writev+fsync / readv, same directory; goal >= 80 %")
         print("   hot = page cache (just written); cold = after POSIX_FADV_DONTNEED of both file sets;")
-        print("   floor = the faster plain verified read: readv then XXH3-64 of every block, or preadv of 4 MiB")
+        print("   floor = the faster plain verified read: readv then XXH3-64 of every block, or preadv of 1 MiB")
         print("   pieces each hashed at once (the same bytes and work as ours, with plain syscalls)")
         print(f"{'block':>7} {'MiB':>5} | {'ours put':>8} {'plain':>7} {'ratio':>6} | {'ours hot':>8} {'plain':>7} "
               f"{'ratio':>6} {'floor':>7} {'/floor':>6} | {'ours cold':>9} {'plain':>7} {'ratio':>6} {'floor':>7} "

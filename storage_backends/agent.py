@@ -14,7 +14,9 @@ volumes read each batch in 4 MiB pieces, one NIXL READ each (one descriptor per 
 contiguous in the file and in memory), straight into the destination (the caller's
 ``out`` tensors, whose storages stay registered, or new tensors) and hash every piece
 (XXH3-64 per block, streamed over the pieces of a larger block) right after its READ,
-while it is in the CPU cache.  S3 volumes read a batch with one NIXL READ (a ranged GET
+while it is in the CPU cache.  Bytes the page cache already holds are copied first,
+without the device (``preadv2`` with ``RWF_NOWAIT``, buffered volumes), in 1 MiB groups
+each hashed while in L2; NIXL reads the rest.  S3 volumes read a batch with one NIXL READ (a ranged GET
 per segment, run in parallel by the backend's threads) into a registered staging
 buffer, verify and copy out; blocks of 4 MiB or more are fetched straight into the
 destination, one ranged GET each.  When a batch fails, every key of it is looked up
@@ -73,6 +75,7 @@ from .volume import UNKNOWN_SIZE, Volume, align_up, descriptor_identity, validat
 
 logger = logging.getLogger(__name__)
 
+_IOV_MAX = 1024  # buffers one preadv takes (Linux UIO_MAXIOV)
 _READ_BATCH_BYTES = 64 << 20
 _READ_RETRIES = 3
 
@@ -800,6 +803,11 @@ class StorageAgent:
         piece) while they are still in the CPU cache: on the calling thread right after
         the READ, or, when the process may run on more than one CPU
         (:attr:`verify_aside`), on the verifier thread while the next piece is read.
+        On the calling thread, a volume with page-cache reads
+        (:attr:`Volume.cached_read_bytes`) first copies what the OS already holds in
+        memory, in groups of that size (parts of a larger chunk), each hashed right after
+        its copy while it is in L2; from the first chunk not all in memory, NIXL reads to
+        the end of that chunk's piece, and the next piece tries the page cache again.
         Returns per block whether its checksum matched.  The engine lock is held by the
         caller.
         """
@@ -830,13 +838,15 @@ class StorageAgent:
         # block k, hashed through one ctypes type's from_address (no call per block)
         at = byte_array(len_l[0]).from_address if len(blk_l) == n and int(lengths.min()) == int(lengths.max()) else None
 
-        def verify(lo: int, hi: int) -> None:
+        def verify(lo: int, hi: int, bufs: Sequence[object] | None = None) -> None:
+            """Hash chunks ``lo:hi`` (``bufs``: their buffers when the caller has them)."""
             if at is not None:
-                for k in [k for k, a, c in zip(range(lo, hi), addr_l[lo:hi], cks[lo:hi]) if h(at(a)) != c]:
+                mems = map(at, addr_l[lo:hi]) if bufs is None else bufs
+                for k in [k for k, m, c in zip(range(lo, hi), mems, cks[lo:hi]) if h(m) != c]:
                     ok[k] = False
                 return
             for k in range(lo, hi):
-                mem = memory_at(addr_l[k], len_l[k])
+                mem = memory_at(addr_l[k], len_l[k]) if bufs is None else bufs[k - lo]
                 i = blk_l[k]
                 if whole[k]:
                     if h(mem) != cks[i]:
@@ -851,8 +861,63 @@ class StorageAgent:
                         ok[i] = False
                     del streams[i]
 
+        sub = vol.cached_read_bytes
         pool = self._verifier() if len(bounds) > 1 and self._verify_aside() else None
-        if pool is None:
+        if pool is None and sub:
+            # page-cache hits first, in groups of ~sub bytes each hashed at once (in L2);
+            # from the first chunk not all in memory, NIXL reads to the end of its piece
+            seg_l, off_l, end_l = c_seg.tolist(), c_off.tolist(), c_end.tolist()
+            if int(c_len.max()) <= sub:
+                # a group: chunks within one sub-sized window, contiguous in one file
+                brk = np.diff((c_end - c_len) // sub) != 0
+                brk |= (c_seg[1:] != c_seg[:-1]) | (c_off[1:] != c_off[:-1] + c_len[:-1])
+                gcuts = (np.flatnonzero(brk) + 1).tolist()
+                # at most _IOV_MAX buffers a preadv
+                groups = [(a, min(b, a + _IOV_MAX)) for lo, b in zip([0, *gcuts], [*gcuts, len(blk)])
+                          for a in range(lo, b, _IOV_MAX)]
+            else:  # chunks larger than a group: each alone, read and streamed in parts
+                groups = [(k, k + 1) for k in range(len(blk))]
+            piece_ends = [hi for _, hi in bounds]
+
+            def cached(lo: int, hi: int) -> int:
+                """Read + verify chunks lo:hi (contiguous in one segment) from the page
+                cache; how many of them it did."""
+                if hi - lo == 1 and len_l[lo] > sub:
+                    i, ln, a = blk_l[lo], len_l[lo], addr_l[lo]
+                    prev = streams.get(i)
+                    st = prev.copy() if prev is not None else xxhash.xxh3_64()
+                    for p in range(0, ln, sub):
+                        part = memory_at(a + p, min(sub, ln - p))
+                        if vol.read_cached(seg_l[lo], off_l[lo] + p, [part]) != len(part):
+                            return 0  # streams[i] is as before this chunk
+                        st.update(part)
+                    if lo == last or blk_l[lo + 1] != i:
+                        streams.pop(i, None)
+                        if st.intdigest() != cks[i]:
+                            ok[i] = False
+                    else:
+                        streams[i] = st
+                    return 1
+                bufs = list(map(at, addr_l[lo:hi])) if at is not None else \
+                    [memory_at(a, ln) for a, ln in zip(addr_l[lo:hi], len_l[lo:hi])]
+                got = vol.read_cached(seg_l[lo], off_l[lo], bufs)
+                r = hi - lo
+                if got != end_l[hi - 1] - end_l[lo] + len_l[lo]:  # short: the chunks it completed
+                    r = bisect.bisect_right(end_l, end_l[lo] - len_l[lo] + got, lo, hi) - lo
+                verify(lo, lo + r, bufs[:r])
+                return r
+
+            done = 0  # chunks before this one are read and verified
+            for lo, hi in groups:
+                lo = max(lo, done)
+                if lo >= hi:
+                    continue
+                k = lo + cached(lo, hi)
+                if k < hi:
+                    done = piece_ends[bisect.bisect_right(piece_ends, k)]
+                    vol.read_direct(c_seg[k:done], c_off[k:done], c_len[k:done], c_addr[k:done])
+                    verify(k, done)
+        elif pool is None:
             for lo, hi in bounds:
                 vol.read_direct(c_seg[lo:hi], c_off[lo:hi], c_len[lo:hi], c_addr[lo:hi])
                 verify(lo, hi)

@@ -222,6 +222,23 @@ class Volume(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no direct reads")
 
+    #: bytes per page-cache read of :meth:`read_cached` (0: the volume has none); small
+    #: enough that a group is still in the CPU's L2 cache when the agent hashes it
+    cached_read_bytes: int = 0
+
+    def read_cached(self, segment_id: int, offset: int, buffers: Sequence[Any]) -> int:
+        """Copy bytes that are already in memory (the OS page cache) into ``buffers``,
+        never waiting for the device: the ``sum(len)`` bytes at ``offset`` of segment
+        ``segment_id``, filling the writable ``buffers`` in order (at most 1024 of them).
+
+        Returns:
+            how many bytes were copied from the start (``0`` when nothing was in memory
+            or the volume has no such reads); the caller reads the rest with
+            :meth:`read_direct`, which also reports a missing or short segment (this
+            method never raises for those: it returns short).
+        """
+        return 0
+
     def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
         """Bytes of staging buffer :meth:`read_many` needs for ``[(segment_id, offset, length)]``."""
         a = self.block_alignment

@@ -124,6 +124,7 @@ def test_transient_batch_failure_retries_the_unchanged_keys_alone(
     keys = [BlockKey(NS, 20 + i) for i in range(4)]
     reader.put([(k, block(k.sequence_hash)) for k in keys], "fast")
     vol = reader._vol("fast")  # type: ignore[attr-defined]
+    vol.cached_read_bytes = 0  # the failure is a NIXL one: no page-cache copies first
     orig = vol.read_direct
     sizes: list[int] = []
 
