@@ -6,8 +6,10 @@ agent's counters at scrape time, so every scrape sees the shared catalog's curre
 * gauges: ``kvadvisor_storage_capacity_bytes``, ``..._used_bytes`` (sum of segment sizes),
   ``..._live_bytes``, ``..._dead_bytes``, ``..._segments``, ``..._blocks``;
 * counters of this process: ``kvadvisor_storage_blocks_read_total``,
-  ``..._blocks_written_total``, ``..._bytes_read_total``, ``..._bytes_written_total``,
-  ``..._segments_written_total``, ``..._segments_deleted_total``, and
+  ``..._blocks_written_total``, ``..._bytes_read_total`` (of which
+  ``..._bytes_read_cached_total`` were copied from the OS page cache without NIXL, POSIX),
+  ``..._bytes_written_total``, ``..._segments_written_total``,
+  ``..._segments_deleted_total``, and
   ``kvadvisor_storage_volume_events_total{volume, event}`` for the volume's other counters
   (``o_direct_fallbacks``, ``fallocate_fallbacks``, ``s3_retries``, ``ranged_gets``);
 * ``kvadvisor_storage_agent_events_total{event}``: checksum mismatches, quarantined copies,
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from .agent import StorageAgent
 
 _GAUGES = ("capacity_bytes", "used_bytes", "live_bytes", "dead_bytes", "segments", "blocks")
-_IO_COUNTERS = ("bytes_read", "bytes_written", "segments_written", "segments_deleted")
+_IO_COUNTERS = ("bytes_read", "bytes_read_cached", "bytes_written", "segments_written", "segments_deleted")
 
 
 class StorageCollector(Collector):

@@ -71,6 +71,8 @@ def test_scrape_after_puts_gets_deletes_and_compaction(agent: StorageAgent) -> N
     assert v(m, "kvadvisor_storage_blocks_read_total", "fast") == 3
     assert v(m, "kvadvisor_storage_bytes_written_total", "fast") == 10_000
     assert v(m, "kvadvisor_storage_bytes_read_total", "fast") == 1000 + 2000 + 1000
+    assert v(m, "kvadvisor_storage_bytes_read_cached_total", "fast") == 1000 + 2000 + 1000  # just written: in memory
+    assert v(m, "kvadvisor_storage_bytes_read_cached_total", "cold") == 0
     assert v(m, "kvadvisor_storage_segments_written_total", "fast") == 1
     assert v(m, "kvadvisor_storage_live_bytes", "cold") == 3000 and v(m, "kvadvisor_storage_blocks_written_total", "cold") == 1
     assert v(m, "kvadvisor_storage_blocks_read_total", "cold") == 1
