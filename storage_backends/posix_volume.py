@@ -4,9 +4,11 @@ Layout: ``<root>/<encoded volume id>/seg-<id>.kvs`` (``keys.encode_component``: 
 A segment is created with ``O_EXCL``, preallocated (``fallocate(FALLOC_FL_KEEP_SIZE)``, so
 ENOSPC surfaces before any byte moves while the file size still only counts written
 bytes; zero-fill with page-aligned buffers where the filesystem does not support it, case
-C16), written with one NIXL WRITE of FILE memory, checked (the file must be exactly the
-written length: a short write is an error, case C14), ``fsync``-ed, and its directory
-``fsync``-ed, before the agent records any placement in it.
+C16), written through NIXL WRITEs of FILE memory (buffered: one per
+:attr:`PosixVolume.write_piece_bytes`, each piece's writeback started right after it),
+checked (the file must be exactly the written length: a short write is an error, case
+C14), ``fsync``-ed, and its directory ``fsync``-ed, before the agent records any placement
+in it.
 
 O_DIRECT (``desc.o_direct``): block offsets and read lengths are padded to
 ``desc.alignment`` and staging buffers are aligned.  When the filesystem refuses
@@ -20,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -236,10 +239,41 @@ class PosixVolume(Volume):
         """See :meth:`Volume.write_segment_from`."""
         self._write_local(segment_id, self.runs(addrs, lengths), size)
 
-    def _write_local(self, segment_id: int, local: np.ndarray, size: int) -> None:
+    #: :meth:`write_segments` takes ``before_piece``
+    takes_before_piece: ClassVar[bool] = True
+
+    def write_segments(
+        self, jobs: Sequence[tuple[int, np.ndarray, int]], before_piece: Callable[[int, int], None] | None = None
+    ) -> None:
+        """See :meth:`Volume.write_segments` (one segment after the other).
+
+        Args:
+            before_piece: called as ``before_piece(j, end)`` right before the WRITE of the
+                piece of job ``j``'s segment that ends at byte ``end`` (pieces of
+                :attr:`write_piece_bytes`, or one piece of the whole segment), so the
+                caller can read that memory (hash it) just before NIXL copies it.  An
+                exception from it fails the segment like a failed write.
+        """
+        if before_piece is None:
+            super().write_segments(jobs)
+            return
+        done: list[int] = []
+        try:
+            for j, (seg, local, size) in enumerate(jobs):
+                self._write_local(seg, self.runs(local[:, 0], local[:, 1]), size, functools.partial(before_piece, j))
+                done.append(seg)
+        except BaseException:
+            for seg in done:
+                self.delete_segment(seg)
+            raise
+
+    def _write_local(
+        self, segment_id: int, local: np.ndarray, size: int, before_piece: Callable[[int], None] | None = None
+    ) -> None:
         """Write the DRAM descriptors ``local`` (``K x 3``, back to back, ``size`` bytes in
-        all) as a new segment file: create, preallocate, one NIXL WRITE, length check,
-        fsync of the file, then of the directory.  Nothing is left behind on failure."""
+        all) as a new segment file: create, preallocate, NIXL WRITE(s) (:meth:`_write`,
+        ``before_piece(end)`` before each), length check, fsync of the file, then of the
+        directory.  Nothing is left behind on failure."""
         path = self.path(segment_id)
         direct = self._direct
         if direct and not self._aligned(size, *local[:, 0].tolist(), *local[:, 1].tolist()):
@@ -253,7 +287,7 @@ class PosixVolume(Volume):
             created = True
             self._preallocate(fd, size, direct)
             try:
-                self._write(fd, path, local, size)
+                self._write(fd, path, local, size, before_piece)
             except TransferError as exc:
                 if not direct:
                     raise self._classify(exc, size) from exc
@@ -262,7 +296,7 @@ class PosixVolume(Volume):
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 direct = False
                 try:
-                    self._write(fd, path, local, size)
+                    self._write(fd, path, local, size, before_piece)
                 except TransferError as exc2:
                     raise self._classify(exc2, size) from exc2
             st = os.fstat(fd)
@@ -338,11 +372,14 @@ class PosixVolume(Volume):
         if pos < size:  # unaligned tail under O_DIRECT: extend the file size only
             os.ftruncate(fd, size)
 
-    def _write(self, fd: int, path: Path, local: np.ndarray, size: int) -> None:
+    def _write(
+        self, fd: int, path: Path, local: np.ndarray, size: int, before_piece: Callable[[int], None] | None = None
+    ) -> None:
         """Write the DRAM descriptors ``local`` (``K x 3``) back to back from offset 0 of
         ``fd`` (``size`` bytes in all): one NIXL WRITE, or when ``fd`` is not opened with
         O_DIRECT one per :attr:`write_piece_bytes`, each piece's writeback started right
-        after its WRITE.
+        after its WRITE; ``before_piece(end)`` right before the WRITE of each piece
+        (``end``: the file offset where the piece ends).
 
         Raises:
             TransferError: a WRITE failed.
@@ -356,13 +393,16 @@ class PosixVolume(Volume):
         reg = self.engine.register([(0, size, fd, path.name)], "FILE")
         try:
             for rows, pos in pieces:
+                n = int(rows[:, 1].sum())
+                if before_piece is not None:
+                    before_piece(pos + n)
                 remote = np.empty_like(rows)
                 remote[:, 1] = rows[:, 1]
                 remote[:, 0] = np.cumsum(rows[:, 1]) - rows[:, 1] + pos
                 remote[:, 2] = fd
                 self.engine.transfer("WRITE", rows, remote, "FILE")
                 if len(pieces) > 1 and self.start_writeback is not None \
-                        and not self.start_writeback(fd, pos, int(rows[:, 1].sum())):
+                        and not self.start_writeback(fd, pos, n):
                     self.start_writeback = None
                     self.counters.bump("writeback_hint_unsupported")
         finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from storage_backends import (
     BlockKey,
@@ -23,6 +24,7 @@ from storage_backends import (
     VolumeFullError,
     VolumeKind,
 )
+from storage_backends.agent import _PieceHasher
 from storage_backends.posix_volume import PosixVolume, start_writeback, write_pieces
 from conftest import posix_agent
 from test_storage_direct_writes import pool
@@ -210,3 +212,82 @@ def test_o_direct_segments_are_one_write(tmp_path: Path) -> None:
     finally:
         a.close()
         cat.close()
+
+
+def test_blocks_are_hashed_piece_by_piece_right_before_their_write(agent: StorageAgent) -> None:
+    vol = agent._vol("fast")  # type: ignore[attr-defined]
+    ends: list[tuple[int, int]] = []  # (job, end) of every before_piece call
+    writes: list[int] = []  # hook calls seen when each WRITE starts
+    orig_segments = vol.write_segments
+    orig_transfer = vol.engine.transfer
+
+    def segments(jobs, before_piece=None):  # noqa: ANN001, ANN202
+        assert before_piece is not None  # the agent hands its hasher to a posix volume
+
+        def hook(j: int, end: int) -> None:
+            ends.append((j, end))
+            before_piece(j, end)
+
+        return orig_segments(jobs, before_piece=hook)
+
+    def transfer(op, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if op == "WRITE":
+            writes.append(len(ends))
+        return orig_transfer(op, *a, **k)
+
+    vol.write_segments = segments
+    vol.engine.transfer = transfer  # type: ignore[method-assign]
+    g2 = pool(8, 24 * BB)
+    items = [(BlockKey(NS, 700 + i), g2[i * BB:(i + 1) * BB]) for i in range(24)]
+    ps = agent.put(items, "fast")
+    # two segments (16 + 8 blocks), each job 0 of its own write call; one call per piece
+    assert ends == [(0, min(p + PIECE, n)) for n in (16 * BB, 8 * BB) for p in range(0, n, PIECE)]
+    assert writes == list(range(1, len(ends) + 1))  # each WRITE right after its piece's hook
+    assert [p.checksum for p in ps] == [xxhash.xxh3_64_intdigest(t.numpy()) for _, t in items]
+
+
+def test_piece_hasher_hashes_blocks_that_start_before_the_end() -> None:
+    g2 = pool(9, 6 * 1000)
+    addrs = np.array([g2.data_ptr() + i * 1000 for i in range(6)], dtype=np.int64)
+    cks: list[int] = []
+    given = [11, 22]
+    h = _PieceHasher([(addrs, [1000] * 6, [0, 1000, 2000, 3000, 4000, 5000], cks), (None, [5, 5], [0, 5], given)])
+    want = [xxhash.xxh3_64_intdigest(g2[i * 1000:(i + 1) * 1000].numpy()) for i in range(6)]
+    h(0, 1)
+    assert cks == want[:1]
+    h(0, 1000)  # block 1 starts at 1000: not yet
+    assert cks == want[:1]
+    h(0, 2500)
+    assert cks == want[:3]
+    h(1, 10)  # checksums given: nothing to hash
+    h.finish()
+    assert cks == want and given == [11, 22]
+
+
+def test_a_volume_that_writes_without_the_hook_still_gets_every_checksum(agent: StorageAgent) -> None:
+    vol = agent._vol("fast")  # type: ignore[attr-defined]
+    vol.takes_before_piece = False  # the agent calls write_segments(jobs) as on any volume
+    g2 = pool(10, 20 * BB)
+    items = [(BlockKey(NS, 800 + i), g2[i * BB:(i + 1) * BB]) for i in range(20)]
+    ps = agent.put(items, "fast")
+    assert [p.checksum for p in ps] == [xxhash.xxh3_64_intdigest(t.numpy()) for _, t in items]
+    assert all(torch.equal(x, t) for x, (_, t) in zip(agent.get([k for k, _ in items]), items))
+
+
+def test_a_failing_hook_fails_the_segment_and_leaves_no_file(agent: StorageAgent) -> None:
+    vol = agent._vol("fast")  # type: ignore[attr-defined]
+    g2 = pool(11, 8 * BB)
+    jobs = [(1, np.array([[g2.data_ptr(), 4 * BB, 0]], dtype=np.int64), 4 * BB),
+            (2, np.array([[g2.data_ptr() + 4 * BB, 4 * BB, 0]], dtype=np.int64), 4 * BB)]
+    vol.engine.dram.ensure(np.array([g2.data_ptr()], dtype=np.int64), np.array([g2.data_ptr() + 8 * BB], dtype=np.int64),
+                           lambda k: (g2.untyped_storage().data_ptr(), g2.untyped_storage().nbytes()))
+
+    def hook(j: int, end: int) -> None:
+        if j == 1 and end > PIECE:
+            raise ValueError("injected: hashing failed")
+
+    with pytest.raises(ValueError, match="injected"):
+        vol.write_segments(jobs, before_piece=hook)
+    assert vol.list_segments() == []  # segment 1 (written) and 2 (half written) removed
+    vol.write_segments(jobs, before_piece=lambda j, end: None)
+    assert vol.path(1).read_bytes() + vol.path(2).read_bytes() == bytes(g2.numpy())
