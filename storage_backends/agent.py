@@ -4,9 +4,9 @@ Write path (``put``): skip keys the catalog already holds -> allocate a segment 
 catalog (capacity checked atomically across processes) -> NIXL WRITE (durable), straight
 from the caller's tensors where the volume allows it (their storages stay registered, one
 descriptor per run contiguous in memory, XXH3 from each block's own memory, on POSIX
-volumes right before the WRITE of the 8 MiB piece where the block starts), else from a
+volumes right before the WRITE of the 4 MiB piece where the block starts), else from a
 registered staging buffer the blocks are packed into -> ``insert_if_absent`` -> seal.
-POSIX volumes write a buffered segment in 8 MiB pieces, one NIXL WRITE each, and start
+POSIX volumes write a buffered segment in 4 MiB pieces, one NIXL WRITE each, and start
 each piece's writeback right after it; the segment is ``fsync``-ed before it is recorded.
 A block is visible only after its bytes are durable, so a crash at any step loses
 nothing that was acknowledged; at worst it leaves an unreferenced segment that
