@@ -409,9 +409,9 @@ class StorageAgent:
         the tensors, whose storages stay registered with NIXL (one descriptor per run
         contiguous in memory, e.g. consecutive blocks of one pool), and every block is
         hashed from its own memory (:class:`_PieceHasher`: right before the volume writes
-        it, where the volume takes ``before_piece``).  Otherwise the blocks are hashed, then packed into a
-        registered staging buffer (one for the whole call).  Overlapping tensors always
-        take the staging path.
+        it, where the volume takes ``before_piece``).  Otherwise the blocks are hashed,
+        then packed into a registered staging buffer (one for the whole call).
+        Overlapping tensors always take the staging path.
 
         Returns:
             ``(placements per group written, error)``: when the volume's capacity runs
