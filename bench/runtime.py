@@ -5,6 +5,7 @@
     python bench/runtime.py --quick      # smaller totals, 1 run: a smoke check
     python bench/runtime.py --runs 7 --dir /mnt/nvme/kvbench
     python bench/runtime.py --pool-only --req-blocks 64
+    python bench/runtime.py --offload-only --block-kib 256 --g12-rounds 1
 
 Prints, side by side in one run, medians of ``--runs`` runs:
 
@@ -496,26 +497,8 @@ def bench_offload(
     return {k: _medians(v) for k, v in res.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dir", default=None, help="directory for the G3 volume (default: a temp dir)")
-    ap.add_argument("--offload-mib", type=int, default=128)
-    ap.add_argument("--req-blocks", type=int, default=REQ_BLOCKS, help="blocks per request (per batch call)")
-    ap.add_argument("--pool-only", action="store_true", help="skip the offload part")
-    ap.add_argument("--g12-rounds", type=int, default=3,
-                    help="G1 -> G2 offloads per run (each between two reference copies; one sample each)")
-    ap.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048],
-                    help="block sizes (2048 KiB = a Llama-3-8B block of 16 tokens in fp16)")
-    args = ap.parse_args()
-    runs = 1 if args.quick else args.runs
-    n_requests = 500 if args.quick else 4000
-    total = 32 if args.quick else args.offload_mib
-    torch.set_num_threads(1)
-
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, cuda={torch.cuda.is_available()}, "
-          f"medians of {runs} runs (ratio = median of the per-run ratios)")
+def print_pool(args: argparse.Namespace, runs: int, n_requests: int) -> None:
+    """Run and print part 1 (the pool) of the benchmark."""
     pool_blocks = 2048 if args.quick else 8192
     rb = args.req_blocks
     n_requests = n_requests * REQ_BLOCKS // rb
@@ -532,6 +515,31 @@ def main() -> int:
     ):
         ours, bare, ratio = pool[key]
         print(f"{label:<40}{ours:>10.2f}{bare:>10.2f}{ratio:>7.2f}x   {'met' if ratio <= 3 else 'NOT met'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dir", default=None, help="directory for the G3 volume (default: a temp dir)")
+    ap.add_argument("--offload-mib", type=int, default=128)
+    ap.add_argument("--req-blocks", type=int, default=REQ_BLOCKS, help="blocks per request (per batch call)")
+    ap.add_argument("--pool-only", action="store_true", help="skip the offload part")
+    ap.add_argument("--offload-only", action="store_true", help="skip the pool part")
+    ap.add_argument("--g12-rounds", type=int, default=3,
+                    help="G1 -> G2 offloads per run (each between two reference copies; one sample each)")
+    ap.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048],
+                    help="block sizes (2048 KiB = a Llama-3-8B block of 16 tokens in fp16)")
+    args = ap.parse_args()
+    runs = 1 if args.quick else args.runs
+    n_requests = 500 if args.quick else 4000
+    total = 32 if args.quick else args.offload_mib
+    torch.set_num_threads(1)
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, cuda={torch.cuda.is_available()}, "
+          f"medians of {runs} runs (ratio = median of the per-run ratios)")
+    if not args.offload_only:
+        print_pool(args, runs, n_requests)
 
     if args.pool_only:
         return 0

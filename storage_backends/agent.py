@@ -1,10 +1,13 @@
 """The NIXL storage agent: volumes, packed segments, verified reads, moves and compaction.
 
 Write path (``put``): skip keys the catalog already holds -> allocate a segment in the
-catalog (capacity checked atomically across processes) -> ONE NIXL WRITE (durable), straight
+catalog (capacity checked atomically across processes) -> NIXL WRITE (durable), straight
 from the caller's tensors where the volume allows it (their storages stay registered, one
-descriptor per run contiguous in memory, XXH3 from each block's own memory), else from a
+descriptor per run contiguous in memory, XXH3 from each block's own memory, on POSIX
+volumes right before the WRITE of the 4 MiB piece where the block starts), else from a
 registered staging buffer the blocks are packed into -> ``insert_if_absent`` -> seal.
+POSIX volumes write a buffered segment in 4 MiB pieces, one NIXL WRITE each, and start
+each piece's writeback right after it; the segment is ``fsync``-ed before it is recorded.
 A block is visible only after its bytes are durable, so a crash at any step loses
 nothing that was acknowledged; at worst it leaves an unreferenced segment that
 :meth:`StorageAgent.collect_garbage` removes.
@@ -101,6 +104,42 @@ def _overlapping(addrs: np.ndarray, lengths: np.ndarray) -> bool:
     order = np.argsort(addrs, kind="stable")
     a = addrs[order]
     return bool((a[1:] < (a + lengths[order])[:-1]).any())
+
+
+class _PieceHasher:
+    """XXH3-64 of every block of the segments of one write call, each block hashed right
+    before the volume writes the piece of its segment where the block starts (called as
+    ``hasher(j, end)`` by :meth:`PosixVolume.write_segments`): NIXL then copies bytes the
+    hash just brought into the CPU cache, instead of hashing all blocks first (128 MiB put
+    of 256 KiB blocks: the hash then the copy each read the whole put from memory).
+
+    Args:
+        jobs: per segment of the call, ``(addrs, lengths, offsets, checksums)``: the
+            blocks' DRAM addresses (int64 array; ``None``: the checksums are all given),
+            byte lengths and offsets in the segment, and the list the checksums are
+            appended to (in block order).
+    """
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: list[tuple[np.ndarray | None, list[int], list[int], list[int]]]) -> None:
+        self._jobs = [(None if a is None else a.tolist(), lens, offs, cks) for a, lens, offs, cks in jobs]
+
+    def __call__(self, j: int, end: int) -> None:
+        """Hash the blocks of segment ``j`` that start before byte ``end`` (not hashed yet)."""
+        addrs, lengths, offsets, cks = self._jobs[j]
+        k = len(cks)
+        if addrs is None or k == len(offsets) or offsets[k] >= end:
+            return
+        stop = bisect.bisect_left(offsets, end, lo=k)
+        h = xxhash.xxh3_64_intdigest
+        cks.extend([h(memory_at(a, ln)) for a, ln in zip(addrs[k:stop], lengths[k:stop])])
+
+    def finish(self) -> None:
+        """Hash every block not hashed yet (a volume that wrote without asking)."""
+        for j, (_, _, offsets, _) in enumerate(self._jobs):
+            if offsets:
+                self(j, offsets[-1] + 1)
 
 
 @dataclass
@@ -372,9 +411,10 @@ class StorageAgent:
         copies), a volume that can (:meth:`Volume.direct_write_ok`) writes straight from
         the tensors, whose storages stay registered with NIXL (one descriptor per run
         contiguous in memory, e.g. consecutive blocks of one pool), and every block is
-        hashed from its own memory.  Otherwise the blocks are hashed, then packed into a
-        registered staging buffer (one for the whole call).  Overlapping tensors always
-        take the staging path.
+        hashed from its own memory (:class:`_PieceHasher`: right before the volume writes
+        it, where the volume takes ``before_piece``).  Otherwise the blocks are hashed,
+        then packed into a registered staging buffer (one for the whole call).
+        Overlapping tensors always take the staging path.
 
         Returns:
             ``(placements per group written, error)``: when the volume's capacity runs
@@ -402,8 +442,7 @@ class StorageAgent:
             if checksums is not None:
                 cks = list(checksums[j])
             elif addrs is not None:
-                h = xxhash.xxh3_64_intdigest
-                cks = [h(memory_at(a, ln)) for a, ln in zip(addrs.tolist(), lengths)]
+                cks = []  # hashed by _PieceHasher, right before the volume writes each block
             else:
                 cks = [checksum_np(b.numpy()) for _, b in group]
             plans.append((group, lengths, offsets, size, addrs, lens, cks))
@@ -418,6 +457,7 @@ class StorageAgent:
                 late = exc  # write what has room, then raise
                 break
         plans = plans[: len(segs)]
+        hasher = _PieceHasher([(pl[4], pl[1], pl[2], pl[6]) for pl in plans])
         try:
             with eng.lock:
                 jobs: list[tuple[int, np.ndarray, int]] = []
@@ -443,7 +483,11 @@ class StorageAgent:
                         part = buf[starts[i] : starts[i] + size]
                         pack(part, offsets, [b for _, b in group], size)
                         jobs.append((seg, np.array([[part.data_ptr(), size, 0]], dtype=np.int64), size))
-                vol.write_segments(jobs)
+                if getattr(vol, "takes_before_piece", False):
+                    vol.write_segments(jobs, before_piece=hasher)  # type: ignore[call-arg]
+                else:
+                    vol.write_segments(jobs)
+            hasher.finish()  # blocks the volume did not ask for (none when it took the hook)
         except BaseException:
             for seg in segs:
                 try:

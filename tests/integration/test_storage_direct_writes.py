@@ -112,7 +112,7 @@ def test_failed_direct_write_registers_nothing_and_leaves_no_file(agent: Storage
     vol = agent._vol("fast")  # type: ignore[attr-defined]
     orig = vol._write
 
-    def broken(fd, path, local, size):  # noqa: ANN001, ANN202
+    def broken(fd, path, local, size, before_piece=None):  # noqa: ANN001, ANN202
         os.pwrite(fd, b"x" * (size // 2), 0)
         raise TransferError("injected: the NIXL WRITE failed half way")
 

@@ -90,9 +90,9 @@ def _inject_short_writer(vol: object) -> None:
     once three segments exist (the fourth would not fit on a 1 MiB filesystem)."""
     orig = vol._write  # type: ignore[attr-defined]
 
-    def write(fd: int, path: Path, local: np.ndarray, size: int) -> None:
+    def write(fd: int, path: Path, local: np.ndarray, size: int, before_piece: object = None) -> None:
         if len(list(vol.dir.iterdir())) <= 3:  # type: ignore[attr-defined]
-            orig(fd, path, local, size)
+            orig(fd, path, local, size, before_piece)
             return
         data = b"".join(ctypes.string_at(int(a), int(n)) for a, n, _ in local.tolist())
         os.pwrite(fd, data[: size - 1], 0)
