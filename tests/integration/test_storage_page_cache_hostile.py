@@ -29,6 +29,7 @@ from storage_backends import (
     BlockKey,
     ChecksumMismatchError,
     MediaClass,
+    SegmentTruncatedError,
     SqliteCatalog,
     StorageAgent,
     VolumeDescriptor,
@@ -452,3 +453,52 @@ def test_a_signal_storm_on_the_reading_thread(tmp_path: Path) -> None:
         cat.close()
     _healthy(a)
     assert hits[0] > 10 and cached_bytes(vol) > 0
+
+
+def test_a_hot_segment_cut_short_under_outs_that_already_hold_the_bytes(agent: StorageAgent) -> None:
+    """The segment is truncated mid-block while this process holds it open (stale cached
+    size) and the out tensors already hold the right bytes from the last get: the
+    page-cache read stops at the new end, NIXL's read past it fails, and only the blocks
+    past the end are quarantined (the old bytes in ``out`` do not hide the loss)."""
+    vol = agent._vol("v")  # type: ignore[attr-defined]
+    items = [(BlockKey(NS, 8000 + i), block(8000 + i, 64 * KiB)) for i in range(40)]  # 2.5 MiB
+    ps = agent.put(items, "v")
+    outs = [t.clone() for _, t in items]
+    agent.get([k for k, _ in items], out=outs)
+    os.truncate(vol.path(ps[0].segment_id), ps[20].offset + 5)
+    with pytest.raises(SegmentTruncatedError):
+        agent.get([k for k, _ in items], out=outs)
+    assert agent.exists([k for k, _ in items]) == [True] * 20 + [False] * 20
+    assert agent.counters.quarantined == 20 and agent.counters.checksum_mismatches == 0
+    got = agent.get([k for k, _ in items[:20]])
+    assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 20
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_sizes_at_group_and_piece_boundaries_with_random_holes(agent: StorageAgent, seed: int) -> None:
+    """Blocks of 1 B .. 9 MiB, many exactly at or one byte off 1 MiB groups and 4 MiB
+    pieces, in 16 MiB segments; each round drops random 2 MiB windows and reads a random
+    subset (with repeats) into fresh tensors or shuffled views of one pool."""
+    vol = agent._vol("v")  # type: ignore[attr-defined]
+    rng = random.Random(seed)
+    choices = [1, 2, 4095, 4096, 65537, MiB - 1, MiB, MiB + 1, 3 * MiB, 4 * MiB - 1, 4 * MiB, 4 * MiB + 1, 9 * MiB + 7]
+    truth: dict[BlockKey, torch.Tensor] = {}
+    h = 9000 + 1000 * seed
+    for _ in range(4):
+        batch = [(BlockKey(NS, h + j), block(h + j, rng.choice(choices))) for j in range(rng.randint(4, 30))]
+        h += len(batch)
+        agent.put(batch, "v")
+        truth.update(batch)
+    segs = vol.list_segments()
+    for _ in range(10):
+        for s in segs:
+            size = vol.path(s).stat().st_size
+            for _ in range(rng.randint(0, 3)):
+                evict(vol.path(s), rng.randrange(0, size, 2 * MiB), 2 * MiB)
+        keys = rng.sample(list(truth), rng.randint(1, len(truth)))
+        keys += keys[: rng.randint(0, 3)]
+        outs = pool_views([truth[k].numel() for k in keys], rng) if rng.random() < 0.5 else None
+        got = agent.get(keys, out=outs)
+        assert [i for i, (g, k) in enumerate(zip(got, keys)) if not torch.equal(g, truth[k])] == []
+    _healthy(agent)
+    assert cached_bytes(vol) > 0
