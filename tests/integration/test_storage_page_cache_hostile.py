@@ -90,25 +90,31 @@ def _healthy(a: StorageAgent) -> None:
 # ----------------------------------------------------------------------------- bugs
 @pytest.mark.xfail(strict=True, reason="a group that ends past its piece: after a miss NIXL reads only to the "
                    "piece's end and the group's later chunks are never read, yet count as verified")
-@pytest.mark.parametrize(("piece", "group"), [(64 * KiB, MiB), (MiB, 2 * MiB)], ids=["piece-64k", "group-2m-piece-1m"])
+@pytest.mark.parametrize(("piece", "group", "hole"), [
+    (64 * KiB, MiB, 2 * MiB), (MiB, 2 * MiB, 2 * MiB), (MiB + MiB // 2, MiB, MiB + 128 * KiB),
+], ids=["piece-64k", "group-2m-piece-1m", "piece-1.5m"])
 def test_a_miss_in_a_group_longer_than_a_piece_still_reads_every_block(
-    agent: StorageAgent, piece: int, group: int,
+    agent: StorageAgent, piece: int, group: int, hole: int,
 ) -> None:
     """``read_piece_bytes`` and ``cached_read_bytes`` are per-volume tunables (the
     direct-read tests use 64 KiB pieces; 2 MiB groups were measured).  With pieces
     shorter than a group, a miss at the start of a group sends NIXL to the end of the
     miss's piece only; the loop then goes on with the next group: the chunks between are
-    never read, and a get returned the out tensors' old bytes (zeros) as verified."""
+    never read, and a get returned the out tensors' old bytes (zeros) as verified.  The
+    same with 1.5 MiB pieces (longer than a group, not a multiple of it): the group
+    1..2 MiB straddles the piece end at 1.5 MiB, a miss at 1.125 MiB leaves 1.5..2 MiB."""
     vol = agent._vol("v")  # type: ignore[attr-defined]
     vol.read_piece_bytes, vol.cached_read_bytes = piece, group
     items = [(BlockKey(NS, i), block(i, 64 * KiB)) for i in range(96)]  # 6 MiB, one segment
     ps = agent.put(items, "v")
     assert len({p.segment_id for p in ps}) == 1
-    evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)  # blocks 32..63
+    path = vol.path(ps[0].segment_id)
+    evict(path, hole // (2 * MiB) * 2 * MiB, 2 * MiB)
+    warm(path, 0, hole)  # a miss at ``hole`` (2 MiB: blocks 32..63 are cold)
     outs = [torch.zeros(64 * KiB, dtype=torch.uint8) for _ in items]
     agent.get([k for k, _ in items], out=outs)
     wrong = [i for i, (o, (_, t)) in enumerate(zip(outs, items)) if not torch.equal(o, t)]
-    assert wrong == []  # now 33..47 with 64 KiB pieces, 48..63 with 2 MiB groups
+    assert wrong == []  # now 33..47 with 64 KiB pieces, 48..63 with 2 MiB groups, 24..31 with 1.5 MiB pieces
     assert vol.counters.bytes_read >= 96 * 64 * KiB  # now less: bytes never read
     _healthy(agent)
 
