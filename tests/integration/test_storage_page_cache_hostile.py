@@ -508,3 +508,33 @@ def test_random_sizes_at_group_and_piece_boundaries_with_random_holes(agent: Sto
         assert [i for i, (g, k) in enumerate(zip(got, keys)) if not torch.equal(g, truth[k])] == []
     _healthy(agent)
     assert cached_bytes(vol) > 0
+
+
+def test_verify_aside_reads_multi_piece_batches_through_nixl_and_single_pieces_from_the_cache(
+    agent: StorageAgent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``verify_aside=True`` (hashing on the verifier thread): a batch of several pieces
+    is read by NIXL only (no page-cache copies on that path), a batch of one piece still
+    copies from the page cache; both return the right bytes, with or without holes."""
+    vol = agent._vol("v")  # type: ignore[attr-defined]
+    agent.verify_aside = True
+    items = [(BlockKey(NS, 9500 + i), block(9500 + i, 256 * KiB)) for i in range(40)]  # 10 MiB
+    ps = agent.put(items, "v")
+    nixl = Reads(vol, monkeypatch)
+    small = items[8:20]  # 3 MiB from 2 MiB: one piece
+    for hot in (True, False):
+        if not hot:
+            evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)
+        before, nb = cached_bytes(vol), nixl.bytes
+        got = agent.get([k for k, _ in items])
+        assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 40
+        assert (cached_bytes(vol) - before, nixl.bytes - nb) == (0, 40 * 256 * KiB)
+        if not hot:
+            evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)  # blocks 8..15
+        before, nb = cached_bytes(vol), nixl.bytes
+        got = agent.get([k for k, _ in small])
+        assert [torch.equal(g, t) for g, (_, t) in zip(got, small)] == [True] * 12
+        # hot: all copied; cold: NIXL from block 8 to the end of the piece
+        assert (cached_bytes(vol) - before, nixl.bytes - nb) == ((12 * 256 * KiB, 0) if hot else (0, 12 * 256 * KiB))
+    _healthy(agent)
+    assert agent.counters.verified_aside > 0
