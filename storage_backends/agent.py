@@ -850,8 +850,9 @@ class StorageAgent:
         On the calling thread, a volume with page-cache reads
         (:attr:`Volume.cached_read_bytes`) first copies what the OS already holds in
         memory, in groups of that size (parts of a larger chunk), each hashed right after
-        its copy while it is in L2; from the first chunk not all in memory, NIXL reads to
-        the end of that chunk's piece, and the next piece tries the page cache again.
+        its copy while it is in L2; from the first byte not in memory, NIXL reads to the
+        end of that chunk's piece, and the next piece tries the page cache again (groups
+        never cross a piece's end; every byte is read once, by one of the two).
         Returns per block whether its checksum matched.  The engine lock is held by the
         caller.
         """
@@ -909,11 +910,12 @@ class StorageAgent:
         pool = self._verifier() if len(bounds) > 1 and self._verify_aside() else None
         if pool is None and sub:
             # page-cache hits first, in groups of ~sub bytes each hashed at once (in L2);
-            # from the first chunk not all in memory, NIXL reads to the end of its piece
+            # from the first byte not in memory, NIXL reads to the end of its piece
             seg_l, off_l, end_l = c_seg.tolist(), c_off.tolist(), c_end.tolist()
             if int(c_len.max()) <= sub:
                 # a group: chunks within one sub-sized window, contiguous in one file
-                brk = np.diff((c_end - c_len) // sub) != 0
+                # (and never past a piece: after a miss, NIXL reads to the end of its piece)
+                brk = (np.diff((c_end - c_len) // sub) != 0) | (np.diff((c_end - c_len) // piece) != 0)
                 brk |= (c_seg[1:] != c_seg[:-1]) | (c_off[1:] != c_off[:-1] + c_len[:-1])
                 gcuts = (np.flatnonzero(brk) + 1).tolist()
                 # at most _IOV_MAX buffers a preadv
@@ -923,44 +925,69 @@ class StorageAgent:
                 groups = [(k, k + 1) for k in range(len(blk))]
             piece_ends = [hi for _, hi in bounds]
 
-            def cached(lo: int, hi: int) -> int:
+            def finish(k: int, st: xxhash.xxh3_64) -> None:
+                """Chunk k's bytes all went into ``st``: check its block or keep the stream."""
+                i = blk_l[k]
+                if k == last or blk_l[k + 1] != i:
+                    streams.pop(i, None)
+                    if st.intdigest() != cks[i]:
+                        ok[i] = False
+                else:
+                    streams[i] = st
+
+            def cached(lo: int, hi: int) -> tuple[int, int, xxhash.xxh3_64 | None]:
                 """Read + verify chunks lo:hi (contiguous in one segment) from the page
-                cache; how many of them it did."""
+                cache.  Returns ``(r, have, st)``: chunks lo:lo+r are read and verified;
+                the first ``have`` bytes of chunk lo+r are read too (not yet verified),
+                and for a chunk read in parts, ``st`` holds its block's stream over the
+                parts before the last ``have % sub`` bytes."""
                 if hi - lo == 1 and len_l[lo] > sub:
-                    i, ln, a = blk_l[lo], len_l[lo], addr_l[lo]
-                    prev = streams.get(i)
+                    ln, a = len_l[lo], addr_l[lo]
+                    prev = streams.get(blk_l[lo])
                     st = prev.copy() if prev is not None else xxhash.xxh3_64()
                     for p in range(0, ln, sub):
                         part = memory_at(a + p, min(sub, ln - p))
-                        if vol.read_cached(seg_l[lo], off_l[lo] + p, [part]) != len(part):
-                            return 0  # streams[i] is as before this chunk
+                        got = vol.read_cached(seg_l[lo], off_l[lo] + p, [part])
+                        if got != len(part):
+                            return 0, p + got, st  # st: the parts before p
                         st.update(part)
-                    if lo == last or blk_l[lo + 1] != i:
-                        streams.pop(i, None)
-                        if st.intdigest() != cks[i]:
-                            ok[i] = False
-                    else:
-                        streams[i] = st
-                    return 1
+                    finish(lo, st)
+                    return 1, 0, None
                 bufs = list(map(at, addr_l[lo:hi])) if at is not None else \
                     [memory_at(a, ln) for a, ln in zip(addr_l[lo:hi], len_l[lo:hi])]
                 got = vol.read_cached(seg_l[lo], off_l[lo], bufs)
-                r = hi - lo
-                if got != end_l[hi - 1] - end_l[lo] + len_l[lo]:  # short: the chunks it completed
-                    r = bisect.bisect_right(end_l, end_l[lo] - len_l[lo] + got, lo, hi) - lo
+                start = end_l[lo] - len_l[lo]
+                if got == end_l[hi - 1] - start:
+                    verify(lo, hi, bufs)
+                    return hi - lo, 0, None
+                r = bisect.bisect_right(end_l, start + got, lo, hi) - lo  # the chunks it completed
                 verify(lo, lo + r, bufs[:r])
-                return r
+                return r, start + got - (end_l[lo + r - 1] if r else start), None
 
             done = 0  # chunks before this one are read and verified
             for lo, hi in groups:
                 lo = max(lo, done)
                 if lo >= hi:
                     continue
-                k = lo + cached(lo, hi)
-                if k < hi:
-                    done = piece_ends[bisect.bisect_right(piece_ends, k)]
-                    vol.read_direct(c_seg[k:done], c_off[k:done], c_len[k:done], c_addr[k:done])
-                    verify(k, done)
+                r, have, st = cached(lo, hi)
+                k = lo + r
+                if k == hi:
+                    continue
+                # NIXL reads from the first byte not in memory to the end of k's piece
+                done = piece_ends[bisect.bisect_right(piece_ends, k)]
+                o, ln, a = c_off[k:done], c_len[k:done], c_addr[k:done]
+                if have:
+                    o, ln, a = o.copy(), ln.copy(), a.copy()
+                    o[0] += have
+                    ln[0] -= have
+                    a[0] += have
+                vol.read_direct(c_seg[k:done], o, ln, a)
+                if st is not None:  # a chunk read in parts: its stream takes the rest
+                    p = have - have % sub
+                    st.update(memory_at(addr_l[k] + p, len_l[k] - p))
+                    finish(k, st)
+                    k += 1
+                verify(k, done)
         elif pool is None:
             for lo, hi in bounds:
                 vol.read_direct(c_seg[lo:hi], c_off[lo:hi], c_len[lo:hi], c_addr[lo:hi])
