@@ -29,6 +29,7 @@ import math
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -71,11 +72,17 @@ class EventPublisher(abc.ABC):
         epoch: u64; a random one is drawn when ``None``.
         config: batching limits (:class:`PublisherConfig` defaults when ``None``).
         on_flush: called as ``on_flush(batch, payload)`` for every batch, in seq order,
-            right after the batch was handed to the transport (under the publisher's
-            lock, so it must be quick; it may call ``publish``).  It must not call into
-            a block pool that publishes to this publisher: the pool hands over its events
-            under its own lock, so that would be lock order pool → publisher against
-            publisher → pool (a deadlock with a thread inside the pool).
+            after the batch was handed to the transport, outside the publisher's lock
+            (so it may call ``publish``, or read a block pool that publishes here: a
+            thread inside the pool holds the pool's lock and then takes the publisher's,
+            never the other way round).  One thread at a time runs it: usually the one
+            whose call sent the batch (the timer thread for timed flushes); a call that
+            sends a batch while another thread is running ``on_flush`` leaves its batch
+            to that thread, which runs it next.  :meth:`flush` and :meth:`close` return
+            after ``on_flush`` ran for every batch sent so far, so they must not be
+            called while holding a lock that ``on_flush`` takes (or from inside it).
+            An exception from it reaches the caller that ran it (after the batches
+            queued behind it ran too); on the timer thread it is logged.
 
     Thread safety: every public method may be called from any thread.
 
@@ -96,6 +103,11 @@ class EventPublisher(abc.ABC):
         self.config: PublisherConfig = config or PublisherConfig()
         self._on_flush = on_flush
         self._lock = threading.RLock()
+        # Batches sent but not yet given to on_flush (seq order), appended under _lock and
+        # run outside it by one thread at a time (_deliver): see ``on_flush`` above.
+        self._deliver_q: deque[tuple[EventBatch, bytes]] = deque()
+        self._deliver_cond = threading.Condition(threading.Lock())
+        self._deliverer: int | None = None  # thread ident running on_flush, if any
         self._cond = threading.Condition(self._lock)
         # The pending batch: ``_count`` events whose bytes are ``_encoded`` (in order) plus
         # a tail of ``_events`` queued by publish_valid without encoding (after the first
@@ -144,6 +156,8 @@ class EventPublisher(abc.ABC):
             return
         with self._lock:
             self._accept_locked(events, encoded, None)
+        if self._deliver_q:
+            self._deliver()
 
     def publish_valid(self, events: Sequence[KVEvent], max_event_bytes: int | None = None) -> None:
         """:meth:`publish` for events that are well-formed by construction: the same
@@ -227,8 +241,10 @@ class EventPublisher(abc.ABC):
                 self._n_encoded = len(self._events)
                 self._encoded.append(body)
                 self._pending_bytes += size
-                return
-            self._accept_locked(evs, None, body)
+            else:
+                self._accept_locked(evs, None, body)
+        if self._deliver_q:
+            self._deliver()
 
     @property
     def wants_events(self) -> bool:
@@ -297,6 +313,8 @@ class EventPublisher(abc.ABC):
                 raise InvalidEventError(f"publish_encoded: body is not {count} encoded events: {exc}") from exc
             with self._lock:
                 self._accept_locked(events, None, body)
+            if self._deliver_q:
+                self._deliver()
             return
         with self._lock:
             # Fast path (the common case): the pending batch is open, the part fits it,
@@ -449,9 +467,11 @@ class EventPublisher(abc.ABC):
                     self._cond.notify_all()
 
     def flush(self) -> None:
-        """Send the pending batch now (if any) and wait until the transport took it."""
+        """Send the pending batch now (if any), wait until ``on_flush`` ran for every batch
+        sent so far (see ``on_flush``) and until the transport took them."""
         with self._lock:
             self._flush_locked()
+        self._deliver(wait=True)
         self._wait_sent()
 
     def close(self) -> None:
@@ -462,6 +482,7 @@ class EventPublisher(abc.ABC):
             self._flush_locked()
             self._closed = True
             self._cond.notify_all()
+        self._deliver(wait=True)
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.join()
         self._close_transport()
@@ -555,7 +576,7 @@ class EventPublisher(abc.ABC):
             st.dropped += count
             logger.exception("event publisher %s: sending batch seq=%d failed", self.source, seq)
         if on_flush is not None:
-            on_flush(batch, payload)
+            self._deliver_q.append((batch, payload))  # run by _deliver, outside the lock
 
     def _append_each_locked(self, events: Sequence[KVEvent], encoded: list[bytes], now: float) -> None:
         """Append encoded events one by one (lock held), sending the pending batch before an
@@ -588,23 +609,79 @@ class EventPublisher(abc.ABC):
             self._timer = threading.Thread(target=self._timer_loop, name=f"kvevents-timer-{self.source}", daemon=True)
             self._timer.start()
 
-    def _timer_loop(self) -> None:
-        with self._cond:
-            while not self._closed:
-                if self._deadline is None:
-                    self._timer_until = math.inf
-                    self._cond.wait()
-                    continue
-                remaining = self._deadline - time.monotonic()
-                if remaining > 0:
-                    self._timer_until = self._deadline
-                    self._cond.wait(remaining)
-                    continue
-                self._timer_until = math.inf
+    def _deliver(self, wait: bool = False) -> None:
+        """Run ``on_flush`` for the queued batches, in seq order, outside the publisher's
+        lock, on one thread at a time.  A thread that finds another one running them
+        leaves its batches to it (that thread loops until the queue is empty), or, with
+        ``wait`` (:meth:`flush`, :meth:`close`), waits until it is.  Called from inside
+        ``on_flush`` (re-entrant), it returns at once: the running loop takes the rest.
+
+        Raises:
+            Exception: the first exception ``on_flush`` raised in this call, after every
+                queued batch had its turn.
+        """
+        cond, q, me = self._deliver_cond, self._deliver_q, threading.get_ident()
+        with cond:
+            while self._deliverer is not None:
+                if not wait or self._deliverer == me:
+                    return
+                cond.wait()
+            if not q:
+                return
+            self._deliverer = me
+        first: Exception | None = None
+        try:
+            while True:
+                with cond:
+                    if not q:
+                        # seen empty and given up under one lock: a batch appended after
+                        # this finds no deliverer (its thread runs it), one appended before
+                        # was seen here
+                        self._deliverer = None
+                        cond.notify_all()
+                        break
+                    batch, payload = q.popleft()
                 try:
-                    self._flush_locked()
+                    self._on_flush(batch, payload)  # type: ignore[misc]
+                except Exception as exc:  # noqa: BLE001 - the rest still runs; the first is raised
+                    if first is None:
+                        first = exc
+                    else:
+                        logger.exception("event publisher %s: on_flush of batch seq=%d failed", self.source, batch.seq)
+        except BaseException:  # KeyboardInterrupt & co. inside on_flush: the rest waits for the next call
+            with cond:
+                self._deliverer = None
+                cond.notify_all()
+            raise
+        if first is not None:
+            raise first
+
+    def _timer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed:
+                    if self._deadline is None:
+                        self._timer_until = math.inf
+                        self._cond.wait()
+                        continue
+                    remaining = self._deadline - time.monotonic()
+                    if remaining > 0:
+                        self._timer_until = self._deadline
+                        self._cond.wait(remaining)
+                        continue
+                    self._timer_until = math.inf
+                    try:
+                        self._flush_locked()
+                    except Exception:  # noqa: BLE001 - a failed flush must not kill the timer
+                        logger.exception("event publisher %s: timed flush failed", self.source)
+                    break
+                else:
+                    return
+            if self._deliver_q:
+                try:
+                    self._deliver()
                 except Exception:  # noqa: BLE001 - on_flush errors must not kill the timer
-                    logger.exception("event publisher %s: timed flush failed", self.source)
+                    logger.exception("event publisher %s: on_flush after a timed flush failed", self.source)
 
 
 class NullPublisher(EventPublisher):

@@ -1,0 +1,164 @@
+"""``on_flush`` runs outside the publisher's lock, one thread at a time, in seq order
+(event_plane/publisher.py ``_deliver``): another thread can publish while it runs, a
+batch sent meanwhile is run next by the running thread, ``flush``/``close`` return after
+every sent batch was run, and its errors reach the caller that ran it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from event_plane import EventBatch, NullPublisher, PublisherConfig, store
+
+
+def ev(h: int) -> list:
+    return [store(h, h, None, 1, "g1")]
+
+
+def test_on_flush_runs_outside_the_lock_so_another_thread_can_publish_meanwhile() -> None:
+    """The old lock order (on_flush under the publisher's lock) made this wait forever:
+    the callback waits for a thread that needs the publisher's lock."""
+    published = threading.Event()
+    seqs: list[int] = []
+
+    def other() -> None:
+        pub.publish(ev(99))  # takes the publisher's lock while on_flush of seq 0 runs
+        published.set()
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        seqs.append(batch.seq)
+        if batch.seq == 0:
+            t = threading.Thread(target=other)
+            t.start()
+            assert published.wait(5), "publish from another thread blocked while on_flush ran"
+            t.join()
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=1, max_delay_s=10), on_flush=on_flush)
+    pub.publish(ev(1))  # fills a batch: sent, then on_flush on this thread
+    pub.close()
+    assert seqs == [0, 1]  # seq 1 (the other thread's) ran after seq 0, by this thread's loop
+
+
+def test_a_batch_sent_while_another_thread_runs_on_flush_is_run_by_that_thread_in_order() -> None:
+    gate, inside = threading.Event(), threading.Event()
+    runs: list[tuple[int, str]] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        runs.append((batch.seq, threading.current_thread().name))
+        if batch.seq == 0:
+            inside.set()
+            assert gate.wait(5)
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=1, max_delay_s=10), on_flush=on_flush)
+    t = threading.Thread(target=lambda: pub.publish(ev(1)), name="first")
+    t.start()
+    assert inside.wait(5)
+    t0 = time.monotonic()
+    for h in (2, 3):
+        pub.publish(ev(h))  # sent at once; "first" is running on_flush: left to it
+    assert time.monotonic() - t0 < 1.0  # did not wait for the running callback
+    assert [s for s, _ in runs] == [0]
+    gate.set()
+    t.join(5)
+    assert runs == [(0, "first"), (1, "first"), (2, "first")]
+    pub.close()
+
+
+def test_flush_waits_until_every_sent_batch_ran() -> None:
+    gate, inside = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        if batch.seq == 0:
+            inside.set()
+            assert gate.wait(5)
+        ran.append(batch.seq)
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=1, max_delay_s=10), on_flush=on_flush)
+    t = threading.Thread(target=lambda: pub.publish(ev(1)))
+    t.start()
+    assert inside.wait(5)
+    done = threading.Event()
+
+    def flusher() -> None:
+        pub.publish(ev(2))
+        pub.flush()
+        done.set()
+
+    f = threading.Thread(target=flusher)
+    f.start()
+    assert not done.wait(0.3)  # seq 0 and 1 have not run: flush still waits
+    gate.set()
+    assert done.wait(5)
+    assert ran == [0, 1]
+    t.join(5)
+    f.join(5)
+    pub.close()
+
+
+def test_timed_flushes_from_many_threads_run_on_flush_once_each_in_seq_order() -> None:
+    seqs: list[int] = []
+    lock = threading.Lock()
+    active = [0]
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        with lock:
+            active[0] += 1
+            assert active[0] == 1, "two threads ran on_flush at once"
+        seqs.append(batch.seq)
+        time.sleep(0.0002)
+        with lock:
+            active[0] -= 1
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=3, max_delay_s=0.001, min_delay_s=0.0005,
+                                                     adaptive_delay=False), on_flush=on_flush)
+
+    def worker(k: int) -> None:
+        for i in range(300):
+            pub.publish(ev(k * 10_000 + i + 1))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pub.close()
+    assert seqs == list(range(pub.next_seq)) and pub.next_seq >= 400
+
+
+def test_an_error_in_on_flush_reaches_the_caller_after_the_queued_batches_ran() -> None:
+    ran: list[int] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        ran.append(batch.seq)
+        if batch.seq == 0:
+            raise RuntimeError("journal full")
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=2, max_delay_s=10), on_flush=on_flush)
+    with pytest.raises(RuntimeError, match="journal full"):
+        pub.publish(ev(1) + ev(2) + ev(3) + ev(4))  # two batches sent by this call
+    assert ran == [0, 1]
+    pub.publish(ev(5))
+    pub.close()  # the publisher still works: seq 2 runs
+    assert ran == [0, 1, 2]
+
+
+def test_flush_and_close_from_inside_on_flush_do_not_wait_for_themselves() -> None:
+    ran: list[int] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        ran.append(batch.seq)
+        if batch.seq == 0:
+            pub.publish(ev(7))
+            pub.flush()  # sends seq 1; the running loop runs it after this returns
+        if batch.seq == 1:
+            pub.close()
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=100, max_delay_s=10), on_flush=on_flush)
+    pub.publish(ev(1))
+    t = threading.Thread(target=pub.flush)
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and ran == [0, 1]
