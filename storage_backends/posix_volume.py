@@ -337,9 +337,17 @@ class PosixVolume(Volume):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._fallback("open", exc.errno, str(exc))
+                self._no_direct("open", exc)
                 path.unlink(missing_ok=True)
         return os.open(path, flags, 0o644), False
+
+    def _no_direct(self, where: str, exc: OSError) -> None:
+        """The filesystem refused an ``O_DIRECT`` open (EINVAL): count and log the fallback,
+        and use buffered I/O for every later segment of this volume (a refusal does not go
+        away; the segments' reads would fail the same way).  Block offsets planned with
+        the O_DIRECT alignment stay valid for buffered reads."""
+        self._fallback(where, exc.errno or errno.EINVAL, str(exc))
+        self._direct = False
 
     def _preallocate(self, fd: int, size: int, direct: bool) -> None:
         try:
@@ -441,9 +449,17 @@ class PosixVolume(Volume):
             if seg is not None:
                 self._close_one(segment_id)
             path = self.path(segment_id)
-            flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+            flags = os.O_RDONLY | os.O_CLOEXEC
             try:
-                fd = os.open(path, flags)
+                try:
+                    fd = os.open(path, flags | (_O_DIRECT if direct else 0))
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    # the filesystem refuses O_DIRECT: buffered reads from now on
+                    self._no_direct("open for reading", exc)
+                    direct = False
+                    fd = os.open(path, flags)
             except FileNotFoundError as exc:
                 raise SegmentMissingError(f"volume {self.desc.id!r}: segment {segment_id} is missing ({path})") from exc
             try:

@@ -365,3 +365,37 @@ def test_prometheus_export(agent: StorageAgent) -> None:
     assert 'kvadvisor_storage_live_bytes{volume="fast"} 1000.0' in text
     assert 'kvadvisor_storage_dead_bytes{volume="fast"} 500.0' in text
     assert 'kvadvisor_storage_blocks_written_total{volume="fast"} 2.0' in text
+
+
+@pytest.mark.parametrize("refused_at", ["create", "read"])
+def test_a_filesystem_that_refuses_o_direct_falls_back_to_buffered_reads_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_at: str,
+) -> None:
+    """A filesystem that refuses O_DIRECT opens (EINVAL; ext4 here accepts them, so the
+    refusal is injected at ``os.open``): a segment created without it used to be opened
+    with O_DIRECT again for reading, and the EINVAL escaped ``get`` as a bare OSError.
+    Now the volume goes buffered for good and says so once."""
+    from storage_backends import posix_volume
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & posix_volume._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT refused)", str(path))
+        return real_open(path, flags, *args)
+
+    with StorageAgent(SqliteCatalog(tmp_path / "c.sqlite"), name=f"odref-{refused_at}") as a:
+        vol = a.register_volume(posix("od", tmp_path / "od", o_direct=True, alignment=4096))
+        items = [(BlockKey("odref", i), torch.full((8192,), i, dtype=torch.uint8)) for i in range(4)]
+        if refused_at == "create":
+            monkeypatch.setattr(posix_volume.os, "open", refusing_open)
+        a.put(items, "od")
+        if refused_at == "read":
+            vol.close()  # forget the open segment files: the next get opens them again
+            monkeypatch.setattr(posix_volume.os, "open", refusing_open)
+        got = a.get([k for k, _ in items])
+        assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 4
+        assert vol._direct is False  # type: ignore[attr-defined]
+        assert vol.counters.extra.get("o_direct_fallbacks") == 1
+        a.put([(BlockKey("odref", 9), torch.ones(100, dtype=torch.uint8))], "od")  # buffered from now on
+        assert torch.equal(a.get([BlockKey("odref", 9)])[0], torch.ones(100, dtype=torch.uint8))
