@@ -883,6 +883,17 @@ class StorageAgent:
         # block k, hashed through one ctypes type's from_address (no call per block)
         at = byte_array(len_l[0]).from_address if len(blk_l) == n and int(lengths.min()) == int(lengths.max()) else None
 
+        def finish(k: int, st: xxhash.xxh3_64) -> None:
+            """Chunk k's bytes all went into ``st`` (its block's stream so far): check the
+            block at its last chunk, else keep the stream for the next one."""
+            i = blk_l[k]
+            if k == last or blk_l[k + 1] != i:
+                streams.pop(i, None)
+                if st.intdigest() != cks[i]:
+                    ok[i] = False
+            else:
+                streams[i] = st
+
         def verify(lo: int, hi: int, bufs: Sequence[object] | None = None) -> None:
             """Hash chunks ``lo:hi`` (``bufs``: their buffers when the caller has them)."""
             if at is not None:
@@ -899,12 +910,9 @@ class StorageAgent:
                     continue
                 st = streams.get(i)
                 if st is None:
-                    st = streams[i] = xxhash.xxh3_64()
+                    st = xxhash.xxh3_64()
                 st.update(mem)
-                if k == last or blk_l[k + 1] != i:  # the block's last chunk
-                    if st.intdigest() != cks[i]:
-                        ok[i] = False
-                    del streams[i]
+                finish(k, st)
 
         sub = vol.cached_read_bytes
         pool = self._verifier() if len(bounds) > 1 and self._verify_aside() else None
@@ -924,16 +932,6 @@ class StorageAgent:
             else:  # chunks larger than a group: each alone, read and streamed in parts
                 groups = [(k, k + 1) for k in range(len(blk))]
             piece_ends = [hi for _, hi in bounds]
-
-            def finish(k: int, st: xxhash.xxh3_64) -> None:
-                """Chunk k's bytes all went into ``st``: check its block or keep the stream."""
-                i = blk_l[k]
-                if k == last or blk_l[k + 1] != i:
-                    streams.pop(i, None)
-                    if st.intdigest() != cks[i]:
-                        ok[i] = False
-                else:
-                    streams[i] = st
 
             def cached(lo: int, hi: int) -> tuple[int, int, xxhash.xxh3_64 | None]:
                 """Read + verify chunks lo:hi (contiguous in one segment) from the page
