@@ -20,6 +20,8 @@ import os
 import signal
 import stat
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +70,11 @@ def _check_files(agent: StorageAgent, vol: PosixVolume, items: list[tuple[BlockK
         assert p.key == k and p.length == len(want)
         assert raw[p.offset:p.offset + p.length] == want, (k, p)
         assert p.checksum == xxhash.xxh3_64_intdigest(raw[p.offset:p.offset + p.length]) == xxhash.xxh3_64_intdigest(want)
-    for seg, raw in files.items():  # packed back to back, nothing past the last block
-        spans = sorted((p.offset, p.length) for p in agent.catalog.iter_segment("fast", seg))
-        assert [o for o, _ in spans] == list(np.cumsum([0] + [n for _, n in spans[:-1]]))
-        assert len(raw) == spans[-1][0] + spans[-1][1]
+    for seg, raw in files.items():  # the file is the catalog's size; live blocks disjoint, inside it
+        info = agent.catalog.segment("fast", seg)
+        assert info is not None and info.sealed and len(raw) == info.size_bytes
+        spans = sorted((p.offset, p.offset + p.length) for p in agent.catalog.iter_segment("fast", seg))
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:])) and spans[-1][1] <= len(raw)
     got = agent.get([k for k, _ in items])
     assert all(bytes(g.numpy()) == bytes(t.contiguous().view(torch.uint8).reshape(-1).numpy())
                for g, (_, t) in zip(got, items))
@@ -309,23 +312,32 @@ def test_o_direct_fallback_reopen_failure_closes_no_other_file(tmp_path: Path, m
     "to the catalog"))
 def test_directory_fsync_eio_fails_the_put_cleanly(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch) -> None:
     vol = _pieced(agent)
+    items = [(BlockKey(NS, 9500 + i), t) for i, t in enumerate(pool(91, 8 * BB).split(BB))]
+    exc = _put_failing_fsync(agent, monkeypatch, items, stat.S_ISDIR, errno.EIO, OSError)
+    assert agent.exists([k for k, _ in items]) == [False] * 8 and agent.segments("fast") == []
+    # want: a TransferError that says nothing was stored, and no segment file left
+    assert (type(exc).__name__, getattr(exc, "stored", None), vol.list_segments()) == ("TransferError", [], [])
+
+
+def _put_failing_fsync(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch, items: list[tuple[BlockKey, torch.Tensor]],
+                       is_kind: Callable[[int], bool], err: int, raised: type) -> BaseException:
+    """``agent.put(items)`` while ``os.fsync`` of every fd whose ``st_mode`` passes
+    ``is_kind`` (``stat.S_ISDIR``, ``stat.S_ISREG``) fails with ``err``; the error raised,
+    which must be a ``raised``."""
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        if is_kind(os.fstat(fd).st_mode):
+            raise OSError(err, os.strerror(err))
         real_fsync(fd)
 
-    items = [(BlockKey(NS, 9500 + i), t) for i, t in enumerate(pool(91, 8 * BB).split(BB))]
     monkeypatch.setattr(os, "fsync", fsync)
     try:
-        with pytest.raises(OSError) as ei:
+        with pytest.raises(raised) as ei:
             agent.put(items, "fast")
     finally:
         monkeypatch.undo()
-    assert agent.exists([k for k, _ in items]) == [False] * 8 and agent.segments("fast") == []
-    # want: a TransferError that says nothing was stored, and no segment file left
-    assert (type(ei.value).__name__, getattr(ei.value, "stored", None), vol.list_segments()) == ("TransferError", [], [])
+    return ei.value
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -369,6 +381,48 @@ def test_hint_unsupported_from_a_middle_piece_on_stops_asking_and_the_segment_la
     assert vol.start_writeback is None and vol.counters.extra["writeback_hint_unsupported"] == 1
     _check_files(agent, vol, items, ps)
     _no_leftovers(agent, vol)
+
+
+@pytest.mark.parametrize(("err", "raised"), [(errno.EIO, TransferError), (errno.ENOSPC, VolumeFullError)])
+def test_file_fsync_error_after_the_pieces_records_nothing(
+    agent: StorageAgent, monkeypatch: pytest.MonkeyPatch, err: int, raised: type
+) -> None:
+    """Writeback errors surface at the file's fsync (the hints only started it): EIO, or
+    ENOSPC of delayed allocation.  Nothing recorded, no file, the volume still writes."""
+    vol = _pieced(agent)
+    items = [(BlockKey(NS, 9950 + i), t) for i, t in enumerate(pool(141, 8 * BB).split(BB))]
+    exc = _put_failing_fsync(agent, monkeypatch, items, stat.S_ISREG, err, raised)
+    assert exc.stored == [] and agent.exists([k for k, _ in items]) == [False] * 8  # type: ignore[attr-defined]
+    assert vol.list_segments() == [] and agent.segments("fast") == [] and vol.counters.segments_written == 0
+    _check_files(agent, vol, items, agent.put(items, "fast"))
+
+
+def test_two_threads_putting_the_same_keys_leave_one_segment(agent: StorageAgent) -> None:
+    """Both threads write a whole segment in pieces; one wins every key, the loser's
+    segment (file and catalog entry) is dropped."""
+    vol = _pieced(agent)
+    g = pool(151, 16 * BB)
+    items = [(BlockKey(NS, 9970 + i), g[i * BB:(i + 1) * BB]) for i in range(16)]
+    barrier = threading.Barrier(2)
+    out: list[list[Placement]] = []
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            barrier.wait()
+            out.append(agent.put(items, "fast"))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ts = [threading.Thread(target=put) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert errors == [] and len(out) == 2 and out[0] == out[1]
+    _check_files(agent, vol, items, out[0])
+    _no_leftovers(agent, vol)
+    assert len(vol.list_segments()) == 1
 
 
 # ---------------------------------------------------------------------------- ENOSPC
@@ -587,3 +641,44 @@ def test_threads_putting_in_pieces_while_another_compacts(agent: StorageAgent) -
     _check_files(agent, vol, live, agent.locate([k for k, _ in live]))
     assert agent.exists(list(deleted)) == [False] * len(deleted)
     assert vol.list_segments() == sorted(s.segment_id for s in agent.segments("fast"))
+
+
+def _racing_child(root: str, w: int, go: str) -> None:
+    """5 puts of 16 x 64 KiB in pieces of PIECE: 8 blocks of its own, 8 the other
+    writer puts too (same keys, same bytes), started together."""
+    os.environ["NIXL_LOG_LEVEL"] = "WARN"
+    a = posix_agent(root, f"wph-race-{w}")
+    _pieced(a)
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    for r in range(5):
+        own = [10_000 * (w + 1) + 8 * r + i for i in range(8)]
+        shared = [50_000 + 8 * r + i for i in range(8)]
+        a.put([(BlockKey(NS, h), pool(h, BB)) for h in (own + shared if w else shared + own)], "fast")
+    a.close()
+    a.catalog.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_putting_in_pieces_into_one_volume_overlapping_keys(tmp_path: Path) -> None:
+    posix_agent(tmp_path, "wph-race-init").close()  # the catalog's tables, once
+    go = str(tmp_path / "go")
+    ctx = mp.get_context("spawn")
+    ps = [ctx.Process(target=_racing_child, args=(str(tmp_path), w, go)) for w in (0, 1)]
+    for p in ps:
+        p.start()
+    Path(go).touch()
+    for p in ps:
+        p.join(timeout=90)
+    assert [p.exitcode for p in ps] == [0, 0]
+    a = posix_agent(tmp_path, "wph-race-check")
+    try:
+        vol: PosixVolume = a._vol("fast")  # type: ignore[attr-defined]
+        hs = [10_000 * (w + 1) + i for w in (0, 1) for i in range(40)] + [50_000 + i for i in range(40)]
+        items = [(BlockKey(NS, h), pool(h, BB)) for h in hs]
+        _check_files(a, vol, items, a.locate([k for k, _ in items]))
+        _no_leftovers(a, vol)
+        assert sum(s.live_blocks for s in a.segments("fast")) == 120 == len(list(a.catalog.iter_volume("fast")))
+    finally:
+        a.close()
+        a.catalog.close()  # type: ignore[attr-defined]
