@@ -212,6 +212,35 @@ def test_writeback_hint_eio_on_the_last_or_a_middle_piece_records_nothing(agent:
     assert vol.counters.blocks_written == 0
 
 
+@pytest.mark.parametrize("exc", [OSError(errno.EIO, "injected EIO"), KeyboardInterrupt()])
+def test_a_failure_in_the_second_segment_keeps_the_first_and_reports_it(agent: StorageAgent, exc: BaseException) -> None:
+    """32 blocks, two 1 MiB segments; the hint of the second segment's third piece fails
+    (EIO) or the caller is interrupted there (KeyboardInterrupt).  The first segment stays
+    stored and, for the EIO, is what ``stored`` names; the second leaves no trace."""
+    vol = _pieced(agent)
+    items = [(BlockKey(NS, 9250 + i), t) for i, t in enumerate(pool(63, 32 * BB).split(BB))]
+    segs_seen: list[int] = []
+
+    def hint(fd: int, off: int, n: int) -> bool:
+        if off == 0:
+            segs_seen.append(fd)
+        if len(segs_seen) == 2 and off == 2 * PIECE:
+            raise exc
+        return start_writeback(fd, off, n)
+
+    vol.start_writeback = hint
+    with pytest.raises(type(exc)) as ei:
+        agent.put(items, "fast")
+    first = agent.locate([k for k, _ in items[:16]])
+    assert agent.exists([k for k, _ in items]) == [True] * 16 + [False] * 16
+    if isinstance(exc, OSError):
+        assert isinstance(ei.value, TransferError) and ei.value.stored == first
+    _no_leftovers(agent, vol)
+    assert len(vol.list_segments()) == 1
+    vol.start_writeback = start_writeback
+    _check_files(agent, vol, items, first + agent.put(items[16:], "fast"))
+
+
 def test_o_direct_write_failure_falls_back_to_buffered_pieces_with_right_checksums(tmp_path: Path) -> None:
     """An O_DIRECT WRITE that fails (EIO from NIXL) is retried buffered, in pieces: the
     blocks were all hashed before the O_DIRECT WRITE, none twice, none skipped."""
