@@ -268,6 +268,47 @@ def test_o_direct_write_failure_falls_back_to_buffered_pieces_with_right_checksu
         cat.close()
 
 
+def test_a_filesystem_refusing_o_direct_opens_gets_buffered_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open(O_DIRECT) fails with EINVAL after creating the file (tmpfs before Linux 6.6
+    did so): the segment is re-created buffered and written in pieces, each hinted (aligned
+    blocks written from the caller's memory), then unaligned blocks; nothing of the
+    refused open is left."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if flags & os.O_DIRECT:
+            if flags & os.O_CREAT:
+                os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kw))
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+    a = StorageAgent(SqliteCatalog(tmp_path / "catalog.sqlite"), name=f"wpho-{tmp_path.name}")
+    try:
+        a.register_volume(VolumeDescriptor("fast", VolumeKind.POSIX, MediaClass.NVME, 1 << 30,
+                                           root=str(tmp_path / "d"), segment_bytes=1 << 20, o_direct=True))
+        vol: PosixVolume = a._vol("fast")  # type: ignore[attr-defined]
+        vol.write_piece_bytes = PIECE
+        writes, hints = _record(vol)
+        g2 = torch.zeros(16 * BB + 4096, dtype=torch.uint8)
+        off = (-g2.data_ptr()) % 4096
+        g2[off:off + 16 * BB] = pool(171, 16 * BB)
+        items = [(BlockKey(NS, 9850 + i), g2[off + i * BB:off + (i + 1) * BB]) for i in range(16)]
+        ps = a.put(items, "fast")
+        small = [(BlockKey(NS, 9870 + i), pool(172 + i, 1000 + i)) for i in range(5)]
+        ps += a.put(small, "fast")
+        # the refusal turned the volume buffered for good (794c400): one fallback, and the
+        # small blocks are packed without O_DIRECT padding
+        assert vol.counters.extra["o_direct_fallbacks"] == 1 and vol.block_alignment == 1
+        assert [p.offset for p in ps[16:]] == [0, 1000, 2001, 3003, 4006]
+        assert writes[:len(hints)] == hints == [(p, min(PIECE, 16 * BB - p)) for p in range(0, 16 * BB, PIECE)]
+        _check_files(a, vol, items + small, ps)
+        _no_leftovers(a, vol)
+    finally:
+        a.close()
+        a.catalog.close()  # type: ignore[attr-defined]
+
+
 def _fail_first_o_direct_write(vol: PosixVolume) -> list[int]:
     """The first NIXL WRITE into a file opened with O_DIRECT raises TransferError (EIO)."""
     failed: list[int] = []
