@@ -543,3 +543,57 @@ def test_a_second_close_waits_until_on_flush_ran_for_the_batches_the_first_sent(
     seen = list(ran)
     first.join(5)
     assert seen == [0]
+
+
+@pytest.mark.xfail(strict=True, reason=NO_BACKPRESSURE + "; a block pool publishes under its own lock, so the "
+                   "pool whose thread runs the loop stays locked for as long as other pools keep publishing")
+def test_a_pool_is_not_locked_while_its_thread_runs_other_pools_on_flush() -> None:
+    """kvbm_runtime/pool.py publishes under the pool's lock: the pool thread that becomes the
+    one running on_flush keeps its pool locked while it runs every other pool's batches."""
+    proc = in_child(
+        """
+        import torch
+        from kvbm_runtime import BlockMeta, BlockPool, LayoutConfig, make_layout
+        from kvbm_runtime.layout import MemoryKind
+        from event_plane.urls import make_publisher
+        CFG = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
+        first, go, slow, stop = threading.Event(), threading.Event(), [True], threading.Event()
+        def on_flush(batch, payload):
+            if batch.seq == 0:  # p1's Store, run by t1 (holding p1's lock) until the flood runs
+                first.set()
+                go.wait(5)
+            if slow[0]:
+                time.sleep(0.001)  # a journal append
+        pub = make_publisher("null://", "w1", config=PublisherConfig(max_events=1, max_delay_s=10), on_flush=on_flush)
+        lay = lambda: make_layout("FullyContiguous", CFG, 64, torch.device("cpu"), MemoryKind.SYSTEM)
+        p1, p2 = BlockPool("g1", lay(), pub), BlockPool("g2", lay(), pub)
+        t1 = threading.Thread(target=lambda: p1.register_downgrade(p1.allocate_complete([BlockMeta(1, None, 1, 1)])))
+        def flood(k):
+            i = 0
+            while not stop.is_set():
+                i += 1
+                h = k * 10**7 + i
+                p2.register_downgrade(p2.allocate_complete([BlockMeta(h, None, h, 1)]))
+                time.sleep(0.001)
+        t1.start()  # p1's Store: seq 0, this thread runs on_flush, holding p1's lock
+        assert first.wait(5)
+        fs = [threading.Thread(target=flood, args=(k,)) for k in (1, 2)]
+        for f in fs: f.start()
+        time.sleep(0.05)
+        go.set()
+        time.sleep(0.1)
+        def end():
+            slow[0] = False
+            stop.set()
+        threading.Timer(3.0, end).start()
+        t0 = time.monotonic()
+        p1.stats()  # e.g. the scheduler asking the host pool for free blocks
+        print("stats_s", time.monotonic() - t0)
+        for f in fs: f.join()
+        t1.join()
+        pub.close()
+        """,
+        hang_s=25,
+    )
+    stats_s = float(proc.stdout.split("stats_s")[1].split()[0])
+    assert stats_s < 0.5, f"p1.stats() waited {stats_s:.2f} s for p1's lock"
