@@ -317,9 +317,10 @@ class DramRegions:
     reads land straight in it without a staging copy.
 
     Regions are the tensors' whole storages, registered on first use and kept (a pool's
-    storage is registered once for good).  They stay pairwise disjoint: a new storage
-    that overlaps cached regions (their memory was freed and reused, or two tensors view
-    one buffer) replaces them with the union of all of them.  When
+    storage is registered once for good).  They stay pairwise disjoint and never touch: a
+    new storage that overlaps or touches cached regions (their memory was freed and
+    reused, two tensors view one buffer, or two storages are back to back) replaces them
+    with the union of all of them.  When
     :data:`_MAX_DRAM_REGIONS` regions are held, the next :meth:`ensure` starts from an
     empty cache (never in the middle of a call's ranges).  Callers hold the engine's
     :attr:`NixlEngine.lock` from :meth:`ensure` until their transfers are done.
@@ -375,12 +376,15 @@ class DramRegions:
             s, n = storage_of(i)
             lo, hi = min(s, a), max(s + n, e)
             j = bisect.bisect_right(self._sorted, lo) - 1
-            if j < 0 or self._regs[self._sorted[j]][0] <= lo:
+            if j < 0 or self._regs[self._sorted[j]][0] < lo:
                 j += 1  # the region starting before lo ends before it: keep it
             k = j
-            while k < len(self._sorted) and self._sorted[k] < hi:
+            while k < len(self._sorted) and self._sorted[k] <= hi:
                 k += 1
-            for start in self._sorted[j:k]:  # overlapping regions: replaced by the union
+            # overlapping or touching regions: replaced by the union (so no two regions
+            # touch, and a run of ranges contiguous in memory, which the volumes send as
+            # ONE descriptor, always lies in one region, even over two storages)
+            for start in self._sorted[j:k]:
                 end, handle = self._regs.pop(start)
                 lo, hi = min(lo, start), max(hi, end)
                 self._engine.deregister(handle)

@@ -291,25 +291,30 @@ class PosixVolume(Volume):
             fd, direct = self._create(path, direct)
             created = True
             self._preallocate(fd, size, direct)
+            # the segment's blocks are allocated (fallocate or zero-fill): its writes cannot
+            # run out of space, so a failed write is not reported as a full volume
+            reserved = os.fstat(fd).st_blocks * 512 >= size
             try:
                 self._write(fd, path, local, size, before_piece)
             except TransferError as exc:
                 if not direct:
-                    raise self._classify(exc, size) from exc
+                    raise self._classify(exc, size, reserved) from exc
                 self._fallback("write", errno.EIO, f"NIXL write with O_DIRECT failed: {exc}")
                 os.close(fd)
+                fd = -1  # closed: never closed again below, even if the re-open fails
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
                 direct = False
                 try:
                     self._write(fd, path, local, size, before_piece)
                 except TransferError as exc2:
-                    raise self._classify(exc2, size) from exc2
+                    raise self._classify(exc2, size, reserved) from exc2
             st = os.fstat(fd)
             if st.st_size != size:
                 raise self._classify(TransferError(
                     f"volume {self.desc.id!r}: short write: segment {path.name} is {st.st_size} bytes "
-                    f"after writing {size}"), size)
+                    f"after writing {size}"), size, reserved)
             os.fsync(fd)
+            self._fsync_dir()  # inside: a failure removes the file and is mapped like the others
         except BaseException as exc:
             if fd >= 0:
                 os.close(fd)
@@ -324,7 +329,6 @@ class PosixVolume(Volume):
         finally:
             if fd >= 0:
                 os.close(fd)
-        self._fsync_dir()
         self.counters.segments_written += 1
         self.counters.bytes_written += size
 
@@ -421,9 +425,12 @@ class PosixVolume(Volume):
         finally:
             self.engine.deregister(reg)
 
-    def _classify(self, exc: TransferError, size: int) -> Exception:
+    def _classify(self, exc: TransferError, size: int, reserved: bool = False) -> Exception:
         """ENOSPC shows up from NIXL as a generic error (or a short file); tell it apart by
-        free space."""
+        free space.  A segment whose ``size`` bytes were ``reserved`` (allocated before the
+        write) cannot have run out of space: ``exc`` as it is."""
+        if reserved:
+            return exc
         try:
             st = os.statvfs(self.dir)
             if st.f_bavail * st.f_frsize < size:

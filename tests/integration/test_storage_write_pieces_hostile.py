@@ -7,8 +7,8 @@ is recorded.
 Each test checks the bytes in the segment files (and their XXH3 against the recorded
 checksums), the catalog, the counters, and that no segment file outlives a failed write.
 Real NIXL POSIX, real files under ``tmp_path``, a real tmpfs where this process may mount
-one (``small_fs`` of test_storage_enospc), real ``kill -9`` of a child process.  Bugs
-found are strict xfails with the cause in their reason.
+one (``small_fs`` of test_storage_enospc), real ``kill -9`` of a child process.  The four
+bugs found (strict xfails at first) are fixed; each test says what it was.
 """
 
 from __future__ import annotations
@@ -325,11 +325,10 @@ def _fail_first_o_direct_write(vol: PosixVolume) -> list[int]:
     return failed
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "posix_volume.py _write_local: after an O_DIRECT WRITE fails it closes fd, then "
-    "`fd = os.open(path, O_RDWR)`; when that open fails, fd still holds the closed number and the "
-    "except block closes it AGAIN: an fd another thread got meanwhile is closed under it (or EBADF "
-    "escapes as a raw OSError and the segment file is left behind)"))
+# Fixed finding (was a strict xfail): posix_volume.py _write_local: after an O_DIRECT WRITE fails
+# it closes fd, then  `fd = os.open(path, O_RDWR)`; when that open fails, fd still holds the
+# closed number and the  except block closes it AGAIN: an fd another thread got meanwhile is
+# closed under it (or EBADF  escapes as a raw OSError and the segment file is left behind)
 def test_o_direct_fallback_reopen_failure_closes_no_other_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cat = SqliteCatalog(tmp_path / "catalog.sqlite")
     a = StorageAgent(cat, name=f"wphr-{tmp_path.name}")
@@ -375,11 +374,10 @@ def test_o_direct_fallback_reopen_failure_closes_no_other_file(tmp_path: Path, m
         cat.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "posix_volume.py _write_local: self._fsync_dir() runs after the try/except that removes the "
-    "file and maps OSError to TransferError; a directory fsync error (EIO) escapes as a raw "
-    "OSError (put's `stored` is never set) and the fsync-ed segment file stays on disk, unknown "
-    "to the catalog"))
+# Fixed finding (was a strict xfail): posix_volume.py _write_local: self._fsync_dir() runs after
+# the try/except that removes the  file and maps OSError to TransferError; a directory fsync error
+# (EIO) escapes as a raw  OSError (put's `stored` is never set) and the fsync-ed segment file
+# stays on disk, unknown  to the catalog
 def test_directory_fsync_eio_fails_the_put_cleanly(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch) -> None:
     vol = _pieced(agent)
     items = [(BlockKey(NS, 9500 + i), t) for i, t in enumerate(pool(91, 8 * BB).split(BB))]
@@ -410,11 +408,11 @@ def _put_failing_fsync(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch, ite
     return ei.value
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "volume.py Volume.runs merges blocks contiguous in memory into one NIXL descriptor even when "
-    "they lie in two different storages; nixl_engine.py DramRegions.ensure registers each storage "
-    "as its own region and never joins regions that only touch (`self._sorted[k] < hi`), so the "
-    "merged descriptor spans two registrations: NIXL_ERR_NOT_FOUND, the whole put fails"))
+# Fixed finding (was a strict xfail): volume.py Volume.runs merges blocks contiguous in memory
+# into one NIXL descriptor even when  they lie in two different storages; nixl_engine.py
+# DramRegions.ensure registers each storage  as its own region and never joins regions that only
+# touch (`self._sorted[k] < hi`), so the  merged descriptor spans two registrations:
+# NIXL_ERR_NOT_FOUND, the whole put fails
 def test_blocks_of_two_adjacent_storages_are_written(agent: StorageAgent) -> None:
     """Two caller tensors over back-to-back halves of one buffer (torch.frombuffer: two
     storages, the first ending where the second starts), e.g. per-layer pools carved from
@@ -591,11 +589,11 @@ def test_enospc_on_a_middle_piece_without_reservation_leaves_nothing(tmp_path: P
         a.catalog.close()  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "posix_volume.py _classify (called from _write_local on any failed NIXL WRITE) says ENOSPC "
-    "whenever statvfs free space < the segment size, but the segment's own fallocate reservation "
-    "already took that space: an EIO on a middle piece of a reserved segment on a half-full "
-    "filesystem is raised as VolumeFullError (volume full) instead of TransferError"))
+# Fixed finding (was a strict xfail): posix_volume.py _classify (called from _write_local on any
+# failed NIXL WRITE) says ENOSPC  whenever statvfs free space < the segment size, but the
+# segment's own fallocate reservation  already took that space: an EIO on a middle piece of a
+# reserved segment on a half-full  filesystem is raised as VolumeFullError (volume full) instead
+# of TransferError
 def test_eio_on_a_middle_piece_of_a_reserved_segment_is_not_reported_as_full(
     tmp_path: Path, small_fs: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
