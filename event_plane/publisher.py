@@ -71,18 +71,22 @@ class EventPublisher(abc.ABC):
         source: worker / instance id (1..255 characters).
         epoch: u64; a random one is drawn when ``None``.
         config: batching limits (:class:`PublisherConfig` defaults when ``None``).
-        on_flush: called as ``on_flush(batch, payload)`` for every batch, in seq order,
-            after the batch was handed to the transport, outside the publisher's lock
-            (so it may call ``publish``, or read a block pool that publishes here: a
-            thread inside the pool holds the pool's lock and then takes the publisher's,
-            never the other way round).  One thread at a time runs it: usually the one
-            whose call sent the batch (the timer thread for timed flushes); a call that
-            sends a batch while another thread is running ``on_flush`` leaves its batch
-            to that thread, which runs it next.  :meth:`flush` and :meth:`close` return
-            after ``on_flush`` ran for every batch sent so far, so they must not be
-            called while holding a lock that ``on_flush`` takes (or from inside it).
-            An exception from it reaches the caller that ran it (after the batches
-            queued behind it ran too); on the timer thread it is logged.
+        on_flush: called as ``on_flush(batch, payload)`` for every batch, exactly once,
+            in seq order, after the batch was handed to the transport, outside the
+            publisher's lock (so it may call ``publish``, or read a block pool that
+            publishes here: a thread inside the pool holds the pool's lock and then takes
+            the publisher's, never the other way round).  One thread at a time runs it:
+            the call that sent a batch runs it, with the earlier batches still waiting,
+            and returns after its own; when another thread is running ``on_flush`` it
+            leaves its batches to that thread or to a delivery thread, except that with
+            more than ``_MAX_BACKLOG`` batches waiting it first waits up to
+            ``_BACKPRESSURE_S`` for them (back-pressure that cannot deadlock).
+            :meth:`flush` and :meth:`close` return after ``on_flush`` ran for every batch
+            sent before they returned, so they must not be called while holding a lock
+            that ``on_flush`` takes (from inside ``on_flush`` they do not wait).  An
+            exception from it is raised by the call whose batch it was; for a batch run
+            for another thread (the timer's, or one left behind) it is logged and raised
+            by the next :meth:`flush` / :meth:`close` covering that batch.
 
     Thread safety: every public method may be called from any thread.
 
@@ -104,10 +108,16 @@ class EventPublisher(abc.ABC):
         self._on_flush = on_flush
         self._lock = threading.RLock()
         # Batches sent but not yet given to on_flush (seq order), appended under _lock and
-        # run outside it by one thread at a time (_deliver): see ``on_flush`` above.
+        # run outside it by one thread at a time (_run_callbacks): see ``on_flush`` above.
+        # The fields below are guarded by _deliver_cond's own lock.
         self._deliver_q: deque[tuple[EventBatch, bytes]] = deque()
         self._deliver_cond = threading.Condition(threading.Lock())
         self._deliverer: int | None = None  # thread ident running on_flush, if any
+        self._done_seq = -1  # on_flush has run (or was interrupted) for every seq <= this
+        self._unreported: dict[int, Exception] = {}  # seq -> error of a batch run for another thread
+        self._delivery_thread: threading.Thread | None = None
+        self._delivery_wanted = False
+        self._delivery_stop = False
         self._cond = threading.Condition(self._lock)
         # The pending batch: ``_count`` events whose bytes are ``_encoded`` (in order) plus
         # a tail of ``_events`` queued by publish_valid without encoding (after the first
@@ -155,9 +165,11 @@ class EventPublisher(abc.ABC):
         if not encoded:
             return
         with self._lock:
+            first = self._next_seq
             self._accept_locked(events, encoded, None)
-        if self._deliver_q:
-            self._deliver()
+            last = self._next_seq - 1
+        if last >= first and self._on_flush is not None:
+            self._run_callbacks(first, last)
 
     def publish_valid(self, events: Sequence[KVEvent], max_event_bytes: int | None = None) -> None:
         """:meth:`publish` for events that are well-formed by construction: the same
@@ -223,6 +235,7 @@ class EventPublisher(abc.ABC):
         body = data[1 if n < 16 else (3 if n < 1 << 16 else 5) :]  # drop the array header: the events' bytes
         size = len(body)
         with self._lock:
+            first = self._next_seq
             if self._lazy_bytes:
                 self._encode_queued_locked()
             pending = self._count
@@ -243,8 +256,9 @@ class EventPublisher(abc.ABC):
                 self._pending_bytes += size
             else:
                 self._accept_locked(evs, None, body)
-        if self._deliver_q:
-            self._deliver()
+            last = self._next_seq - 1
+        if last >= first and self._on_flush is not None:
+            self._run_callbacks(first, last)
 
     @property
     def wants_events(self) -> bool:
@@ -312,9 +326,11 @@ class EventPublisher(abc.ABC):
             except Exception as exc:  # noqa: BLE001 - msgspec's decode errors
                 raise InvalidEventError(f"publish_encoded: body is not {count} encoded events: {exc}") from exc
             with self._lock:
+                first = self._next_seq
                 self._accept_locked(events, None, body)
-            if self._deliver_q:
-                self._deliver()
+                last = self._next_seq - 1
+            if last >= first and self._on_flush is not None:
+                self._run_callbacks(first, last)
             return
         with self._lock:
             # Fast path (the common case): the pending batch is open, the part fits it,
@@ -471,21 +487,31 @@ class EventPublisher(abc.ABC):
         sent so far (see ``on_flush``) and until the transport took them."""
         with self._lock:
             self._flush_locked()
-        self._deliver(wait=True)
+            last = self._next_seq - 1
+        if self._on_flush is not None:
+            self._wait_callbacks(last)
         self._wait_sent()
 
     def close(self) -> None:
-        """Send the pending batch, stop the timer, release the transport. Idempotent."""
+        """Send the pending batch, wait until ``on_flush`` ran for every batch, stop the
+        timer, release the transport.  Idempotent (a second call also waits for
+        ``on_flush``)."""
         with self._lock:
-            if self._closed:
-                return
-            self._flush_locked()
-            self._closed = True
-            self._cond.notify_all()
-        self._deliver(wait=True)
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.join()
-        self._close_transport()
+            already = self._closed
+            if not already:
+                self._flush_locked()
+                self._closed = True
+                self._cond.notify_all()
+            last = self._next_seq - 1
+        try:
+            if self._on_flush is not None:
+                self._wait_callbacks(last)
+        finally:
+            if not already:
+                self._stop_delivery_thread()
+                if self._timer is not None and self._timer is not threading.current_thread():
+                    self._timer.join()
+                self._close_transport()
 
     def stats(self) -> PublisherStats:
         """A snapshot of this publisher's counters."""
@@ -609,52 +635,135 @@ class EventPublisher(abc.ABC):
             self._timer = threading.Thread(target=self._timer_loop, name=f"kvevents-timer-{self.source}", daemon=True)
             self._timer.start()
 
-    def _deliver(self, wait: bool = False) -> None:
-        """Run ``on_flush`` for the queued batches, in seq order, outside the publisher's
-        lock, on one thread at a time.  A thread that finds another one running them
-        leaves its batches to it (that thread loops until the queue is empty), or, with
-        ``wait`` (:meth:`flush`, :meth:`close`), waits until it is.  Called from inside
-        ``on_flush`` (re-entrant), it returns at once: the running loop takes the rest.
-
-        Raises:
-            Exception: the first exception ``on_flush`` raised in this call, after every
-                queued batch had its turn.
-        """
-        cond, q, me = self._deliver_cond, self._deliver_q, threading.get_ident()
+    # ------------------------------------------------------------------ on_flush delivery
+    def _run_callbacks(self, first: int, last: int) -> None:
+        """After a call sent batches ``first..last`` (publisher lock released): run
+        ``on_flush`` for them and for the batches still waiting before them, unless another
+        thread is running ``on_flush`` (then they are left to it or to the delivery thread;
+        with more than ``_MAX_BACKLOG`` waiting, after waiting up to ``_BACKPRESSURE_S``
+        for them).  Raises the first error ``on_flush`` raised for this call's batches."""
+        cond, me = self._deliver_cond, threading.get_ident()
         with cond:
-            while self._deliverer is not None:
-                if not wait or self._deliverer == me:
-                    return
-                cond.wait()
-            if not q:
+            if self._deliverer is not None:
+                if self._deliverer == me or len(self._deliver_q) <= _MAX_BACKLOG:
+                    return  # re-entrant (the running loop takes them), or left to the running thread
+                deadline = time.monotonic() + _BACKPRESSURE_S
+                while self._deliverer is not None and self._done_seq < last:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return  # never wait for good: the running on_flush may need a lock we hold
+                    cond.wait(left)
+            if self._done_seq >= last:
                 return
-            self._deliverer = me
-        first: Exception | None = None
+        self._run_claimed(last, first)
+
+    def _wait_callbacks(self, last: int) -> None:
+        """Wait until ``on_flush`` ran for every batch up to seq ``last``, running them on
+        this thread when no other thread is (:meth:`flush`, :meth:`close`).  From inside
+        ``on_flush`` it returns at once.  Raises the first error of those batches that no
+        caller was given yet."""
+        cond, me = self._deliver_cond, threading.get_ident()
+        while True:
+            with cond:
+                if self._deliverer == me:
+                    return
+                while self._deliverer is not None and self._done_seq < last:
+                    cond.wait()
+                if self._done_seq >= last:
+                    errors = sorted(k for k in self._unreported if k <= last)
+                    first_error = self._unreported[errors[0]] if errors else None
+                    for k in errors:
+                        del self._unreported[k]
+                    break
+            self._run_claimed(last, None)
+        if first_error is not None:
+            raise first_error
+
+    def _run_claimed(self, last: int | None, own_first: int | None) -> None:
+        """Claim the right to run ``on_flush`` (if free) and run the waiting batches in seq
+        order up to ``last`` (``None``: all of them); batches ``own_first..last`` are the
+        caller's own.  Batches left waiting after ``last`` are handed to the delivery
+        thread.  Raises the first error of the caller's own batches; errors of the others
+        are logged and kept for the next :meth:`flush` covering them."""
+        cond, q, me = self._deliver_cond, self._deliver_q, threading.get_ident()
+        claimed = more = False
+        own_error: Exception | None = None
         try:
+            with cond:
+                if self._deliverer is not None:
+                    return  # taken meanwhile: its loop or the delivery thread runs them
+                claimed = True
+                self._deliverer = me
             while True:
                 with cond:
-                    if not q:
-                        # seen empty and given up under one lock: a batch appended after
-                        # this finds no deliverer (its thread runs it), one appended before
-                        # was seen here
+                    if not q or (last is not None and q[0][0].seq > last and not self._delivery_stop):
+                        more = bool(q)
                         self._deliverer = None
+                        claimed = False
                         cond.notify_all()
                         break
                     batch, payload = q.popleft()
                 try:
                     self._on_flush(batch, payload)  # type: ignore[misc]
-                except Exception as exc:  # noqa: BLE001 - the rest still runs; the first is raised
-                    if first is None:
-                        first = exc
+                except Exception as exc:  # noqa: BLE001 - the rest still runs
+                    if own_first is not None and last is not None and own_first <= batch.seq <= last:
+                        if own_error is None:
+                            own_error = exc
                     else:
                         logger.exception("event publisher %s: on_flush of batch seq=%d failed", self.source, batch.seq)
-        except BaseException:  # KeyboardInterrupt & co. inside on_flush: the rest waits for the next call
+                        with cond:
+                            if len(self._unreported) >= _MAX_UNREPORTED:
+                                del self._unreported[min(self._unreported)]
+                            self._unreported[batch.seq] = exc
+                finally:
+                    with cond:  # run (or interrupted): never waited for again
+                        self._done_seq = batch.seq
+                        cond.notify_all()
+        finally:
+            if claimed:  # an exception (KeyboardInterrupt & co.) left the loop: give up the claim
+                with cond:
+                    if self._deliverer == me:
+                        self._deliverer = None
+                    more = bool(q)
+                    cond.notify_all()
+            if more:
+                self._wake_delivery()
+        if own_error is not None:
+            raise own_error
+
+    def _wake_delivery(self) -> None:
+        """Batches wait and no thread runs them: have the delivery thread run them."""
+        with self._deliver_cond:
+            if self._delivery_stop:
+                return
+            self._delivery_wanted = True
+            if self._delivery_thread is None:
+                self._delivery_thread = threading.Thread(
+                    target=self._delivery_loop, name=f"kvevents-onflush-{self.source}", daemon=True)
+                self._delivery_thread.start()
+            self._deliver_cond.notify_all()
+
+    def _delivery_loop(self) -> None:
+        cond = self._deliver_cond
+        while True:
             with cond:
-                self._deliverer = None
-                cond.notify_all()
-            raise
-        if first is not None:
-            raise first
+                while not self._delivery_stop and not (self._delivery_wanted and self._deliverer is None):
+                    cond.wait()
+                if self._delivery_stop and (not self._deliver_q or self._deliverer is not None):
+                    return
+                self._delivery_wanted = False
+            try:
+                self._run_claimed(None, None)
+            except BaseException:  # noqa: BLE001 - must not kill the delivery thread
+                logger.exception("event publisher %s: on_flush on the delivery thread failed", self.source)
+
+    def _stop_delivery_thread(self) -> None:
+        with self._deliver_cond:
+            self._delivery_stop = True
+            t = self._delivery_thread
+            self._deliver_cond.notify_all()
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def _timer_loop(self) -> None:
         while True:
@@ -670,18 +779,38 @@ class EventPublisher(abc.ABC):
                         self._cond.wait(remaining)
                         continue
                     self._timer_until = math.inf
+                    first = self._next_seq
                     try:
                         self._flush_locked()
                     except Exception:  # noqa: BLE001 - a failed flush must not kill the timer
                         logger.exception("event publisher %s: timed flush failed", self.source)
+                    last = self._next_seq - 1
                     break
                 else:
                     return
-            if self._deliver_q:
+            if last >= first and self._on_flush is not None:
                 try:
-                    self._deliver()
-                except Exception:  # noqa: BLE001 - on_flush errors must not kill the timer
+                    # no caller to raise to: errors are logged and kept for the next flush()
+                    self._run_claimed_for_timer(first, last)
+                except BaseException:  # noqa: BLE001 - on_flush errors must not kill the timer
                     logger.exception("event publisher %s: on_flush after a timed flush failed", self.source)
+
+    def _run_claimed_for_timer(self, first: int, last: int) -> None:
+        """:meth:`_run_callbacks` for the timer's own batches, none of them its caller's
+        (their errors are kept for :meth:`flush`)."""
+        cond, me = self._deliver_cond, threading.get_ident()
+        with cond:
+            if self._deliverer is not None or self._done_seq >= last:
+                return  # the running thread (or the delivery thread after it) runs them
+        self._run_claimed(last, None)
+
+
+_MAX_BACKLOG = 64
+"""Batches waiting for ``on_flush`` above which a publishing thread waits (up to
+``_BACKPRESSURE_S``) for its own instead of leaving them to the thread running it."""
+_BACKPRESSURE_S = 0.05
+_MAX_UNREPORTED = 64
+"""``on_flush`` errors kept for a later :meth:`EventPublisher.flush` (the oldest go first)."""
 
 
 class NullPublisher(EventPublisher):

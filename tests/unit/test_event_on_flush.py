@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from event_plane import EventBatch, NullPublisher, PublisherConfig, store
+from event_plane import EventBatch, NullPublisher, PublisherClosedError, PublisherConfig, store
 
 
 def ev(h: int) -> list:
@@ -41,7 +41,9 @@ def test_on_flush_runs_outside_the_lock_so_another_thread_can_publish_meanwhile(
     assert seqs == [0, 1]  # seq 1 (the other thread's) ran after seq 0, by this thread's loop
 
 
-def test_a_batch_sent_while_another_thread_runs_on_flush_is_run_by_that_thread_in_order() -> None:
+def test_a_batch_sent_while_another_thread_runs_on_flush_is_left_and_run_later_in_order() -> None:
+    """The thread running on_flush runs its own batch and returns; the batches left to it
+    meanwhile run next, on the delivery thread, in seq order."""
     gate, inside = threading.Event(), threading.Event()
     runs: list[tuple[int, str]] = []
 
@@ -62,7 +64,10 @@ def test_a_batch_sent_while_another_thread_runs_on_flush_is_run_by_that_thread_i
     assert [s for s, _ in runs] == [0]
     gate.set()
     t.join(5)
-    assert runs == [(0, "first"), (1, "first"), (2, "first")]
+    assert not t.is_alive()
+    pub.flush()  # returns once seqs 1 and 2 ran
+    assert [s for s, _ in runs] == [0, 1, 2]
+    assert runs[0][1] == "first" and all(name.startswith("kvevents-onflush") for _, name in runs[1:])
     pub.close()
 
 
@@ -152,13 +157,22 @@ def test_flush_and_close_from_inside_on_flush_do_not_wait_for_themselves() -> No
         ran.append(batch.seq)
         if batch.seq == 0:
             pub.publish(ev(7))
-            pub.flush()  # sends seq 1; the running loop runs it after this returns
+            pub.flush()  # sends seq 1 and returns at once (it cannot wait for itself)
         if batch.seq == 1:
-            pub.close()
+            pub.close()  # on the delivery thread: returns, and that thread then ends
 
     pub = NullPublisher("w0", config=PublisherConfig(max_events=100, max_delay_s=10), on_flush=on_flush)
     pub.publish(ev(1))
     t = threading.Thread(target=pub.flush)
     t.start()
     t.join(5)
-    assert not t.is_alive() and ran == [0, 1]
+    assert not t.is_alive()  # the outer flush() returned once seq 0 ran
+    deadline = time.monotonic() + 5
+    while ran != [0, 1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [0, 1]  # seq 1, sent from inside on_flush, ran next (delivery thread)
+    with pytest.raises(PublisherClosedError):
+        pub.publish(ev(8))
+    assert pub._delivery_thread is not None  # type: ignore[attr-defined]
+    pub._delivery_thread.join(5)  # type: ignore[attr-defined]
+    assert not pub._delivery_thread.is_alive()  # type: ignore[attr-defined]

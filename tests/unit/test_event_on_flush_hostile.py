@@ -2,7 +2,11 @@
 ``EventPublisher._deliver``): sent batches queue under the lock, one thread at a time runs
 ``on_flush`` outside it in seq order, ``flush``/``close`` wait until every sent batch ran.
 
-Bugs are strict xfails.  Anything that can hang runs in a child interpreter with
+The bugs it found (strict xfails at first) are fixed: ``on_flush`` now runs in
+``_run_callbacks`` / ``_wait_callbacks`` / ``_run_claimed`` (each call runs up to its own
+batches, the rest go to a delivery thread, bounded back-pressure, errors kept for the
+``flush`` covering them); each test says what it was.  Anything that can hang runs in a
+child interpreter with
 ``faulthandler.dump_traceback_later`` (a hang exits 1 with the stacks)."""
 
 from __future__ import annotations
@@ -322,7 +326,7 @@ def test_close_waits_for_the_timer_threads_slow_on_flush_and_exit_does_not_hang_
 
 # ----------------------------------------------------------------------------- bugs
 
-NO_BACKPRESSURE = (
+NO_BACKPRESSURE = (  # the finding, fixed
     "no back-pressure: a publish that sends a batch while another thread runs on_flush only "
     "queues it (publisher.py _deliver, 'if not wait ... return'), so producers faster than "
     "on_flush grow _deliver_q without bound; the running thread loops until the queue is empty "
@@ -391,31 +395,27 @@ def flood() -> dict[str, float]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=NO_BACKPRESSURE)
+# fixed finding: NO_BACKPRESSURE
 def test_flush_returns_while_other_threads_keep_publishing(flood: dict[str, float]) -> None:
     # what it had to wait for at 0.2 s: ~200-400 batches of ~1 ms; the bug: ~2.8 s
     assert flood["flush_s"] < 1.5, flood
 
 
-@pytest.mark.xfail(strict=True, reason=NO_BACKPRESSURE)
+# fixed finding: NO_BACKPRESSURE
 def test_a_publish_call_does_not_run_other_threads_batches_for_ever(flood: dict[str, float]) -> None:
     assert flood["first_publish_s"] < 1.5, flood
 
 
-@pytest.mark.xfail(strict=True, reason=NO_BACKPRESSURE)
+# fixed finding: NO_BACKPRESSURE
 def test_batches_waiting_for_on_flush_stay_bounded(flood: dict[str, float]) -> None:
     # before 55b0434 on_flush ran under the lock: at most one batch per thread waited
     assert flood["max_backlog"] <= 256, flood
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flush() swallows the on_flush error of the very batch it sent when another thread "
-    "(the timer) runs it: the error is only logged there (publisher.py _timer_loop), flush() "
-    "returns normally. Before 55b0434 flush ran that on_flush itself and raised; the advisor's "
-    "mover (mover.py _move_group: publish + flush) now reports DONE a move whose journal "
-    "append failed",
-)
+# fixed finding: flush() swallows the on_flush error of the very batch it sent when another thread
+# (the timer) runs it: the error is only logged there (publisher.py _timer_loop), flush()  returns
+# normally. Before 55b0434 flush ran that on_flush itself and raised; the advisor's  mover
+# (mover.py _move_group: publish + flush) now reports DONE a move whose journal  append failed
 def test_flush_raises_when_on_flush_of_its_batch_failed_on_the_timer_thread() -> None:
     inside = threading.Event()
 
@@ -438,14 +438,11 @@ def test_flush_raises_when_on_flush_of_its_batch_failed_on_the_timer_thread() ->
         pub.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a KeyboardInterrupt that lands between _deliver's claim (self._deliverer = me, "
-    "under cond) and its try: (publisher.py _deliver, the 'first: Exception | None = None' "
-    "line) is outside the except BaseException that resets _deliverer: the publisher thinks "
-    "that thread still runs on_flush for ever; later batches are never run, close() from that "
-    "thread returns without running them, flush() from any other thread hangs",
-)
+# fixed finding: a KeyboardInterrupt that lands between _deliver's claim (self._deliverer = me,
+# under cond) and its try: (publisher.py _deliver, the 'first: Exception | None = None'  line) is
+# outside the except BaseException that resets _deliverer: the publisher thinks  that thread still
+# runs on_flush for ever; later batches are never run, close() from that  thread returns without
+# running them, flush() from any other thread hangs
 def test_keyboard_interrupt_right_after_the_claim_does_not_wedge_the_publisher() -> None:
     in_child(
         """
@@ -454,9 +451,10 @@ def test_keyboard_interrupt_right_after_the_claim_does_not_wedge_the_publisher()
         ran = []
         pub = NullPublisher("w0", config=PublisherConfig(max_events=1, max_delay_s=10),
                             on_flush=lambda b, p: ran.append(b.seq))
-        fn = P.EventPublisher._deliver
+        fn = P.EventPublisher._run_claimed
         src, start = inspect.getsourcelines(fn)
-        line = start + next(i for i, s in enumerate(src) if s.strip().startswith("first:"))
+        claim = next(i for i, s in enumerate(src) if s.strip() == "self._deliverer = me")
+        line = start + claim + 1  # the first line after the claim
         armed = [True]
         def local(frame, event, arg):
             if event == "line" and frame.f_lineno == line and armed[0]:
@@ -485,13 +483,10 @@ def test_keyboard_interrupt_right_after_the_claim_does_not_wedge_the_publisher()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.xfail(
-    strict=True,
-    reason="a BaseException (SystemExit, KeyboardInterrupt) from on_flush on the timer thread "
-    "kills the timer (publisher.py _timer_loop catches Exception only) and _ensure_timer never "
-    "starts another: no timed flush ever again, events wait for max_events or flush() "
-    "(pre-existing: the old timer loop caught Exception only too)",
-)
+# fixed finding: a BaseException (SystemExit, KeyboardInterrupt) from on_flush on the timer thread
+# kills the timer (publisher.py _timer_loop catches Exception only) and _ensure_timer never
+# starts another: no timed flush ever again, events wait for max_events or flush()  (pre-existing:
+# the old timer loop caught Exception only too)
 def test_a_base_exception_in_on_flush_on_the_timer_thread_does_not_stop_timed_flushes() -> None:
     ran: list[int] = []
     second = threading.Event()
@@ -517,14 +512,11 @@ def test_a_base_exception_in_on_flush_on_the_timer_thread_does_not_stop_timed_fl
         pub.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a second close() returns at once ('if self._closed: return', publisher.py close) while "
-    "the first is still running on_flush for the last batches: 'close() returns after on_flush "
-    "ran for every batch' does not hold for it. Before 55b0434 it blocked on the lock until the "
-    "first close's on_flush ran. Fix: when already closed, still _deliver(wait=True) (and join "
-    "the timer unless on it) before returning",
-)
+# fixed finding: a second close() returns at once ('if self._closed: return', publisher.py close)
+# while  the first is still running on_flush for the last batches: 'close() returns after on_flush
+# ran for every batch' does not hold for it. Before 55b0434 it blocked on the lock until the
+# first close's on_flush ran. Fix: when already closed, still _deliver(wait=True) (and join  the
+# timer unless on it) before returning
 def test_a_second_close_waits_until_on_flush_ran_for_the_batches_the_first_sent() -> None:
     inside = threading.Event()
     ran: list[int] = []
@@ -545,8 +537,8 @@ def test_a_second_close_waits_until_on_flush_ran_for_the_batches_the_first_sent(
     assert seen == [0]
 
 
-@pytest.mark.xfail(strict=True, reason=NO_BACKPRESSURE + "; a block pool publishes under its own lock, so the "
-                   "pool whose thread runs the loop stays locked for as long as other pools keep publishing")
+# fixed finding: NO_BACKPRESSURE; a block pool publishes under its own lock, so the pool whose
+# thread ran the loop stayed locked for as long as other pools kept publishing
 def test_a_pool_is_not_locked_while_its_thread_runs_other_pools_on_flush() -> None:
     """kvbm_runtime/pool.py publishes under the pool's lock: the pool thread that becomes the
     one running on_flush keeps its pool locked while it runs every other pool's batches."""
