@@ -43,7 +43,7 @@ def test_on_flush_runs_outside_the_lock_so_another_thread_can_publish_meanwhile(
 
 def test_a_batch_sent_while_another_thread_runs_on_flush_is_left_and_run_later_in_order() -> None:
     """The thread running on_flush runs its own batch and returns; the batches left to it
-    meanwhile run next, on the delivery thread, in seq order."""
+    meanwhile run next, in seq order, on another thread."""
     gate, inside = threading.Event(), threading.Event()
     runs: list[tuple[int, str]] = []
 
@@ -67,7 +67,9 @@ def test_a_batch_sent_while_another_thread_runs_on_flush_is_left_and_run_later_i
     assert not t.is_alive()
     pub.flush()  # returns once seqs 1 and 2 ran
     assert [s for s, _ in runs] == [0, 1, 2]
-    assert runs[0][1] == "first" and all(name.startswith("kvevents-onflush") for _, name in runs[1:])
+    # "first" ran only its own batch; the others ran on the delivery thread, or on this
+    # one when its flush() found no thread running on_flush (either is right)
+    assert runs[0][1] == "first" and all(name != "first" for _, name in runs[1:])
     pub.close()
 
 
