@@ -791,15 +791,14 @@ class EventPublisher(abc.ABC):
             if last >= first and self._on_flush is not None:
                 try:
                     # no caller to raise to: errors are logged and kept for the next flush()
-                    self._run_claimed_for_timer(first, last)
+                    self._run_claimed_for_timer(last)
                 except BaseException:  # noqa: BLE001 - on_flush errors must not kill the timer
                     logger.exception("event publisher %s: on_flush after a timed flush failed", self.source)
 
-    def _run_claimed_for_timer(self, first: int, last: int) -> None:
-        """:meth:`_run_callbacks` for the timer's own batches, none of them its caller's
-        (their errors are kept for :meth:`flush`)."""
-        cond, me = self._deliver_cond, threading.get_ident()
-        with cond:
+    def _run_claimed_for_timer(self, last: int) -> None:
+        """:meth:`_run_callbacks` for the timer's batches (up to seq ``last``), none of them
+        a caller's: their errors are logged and kept for :meth:`flush`."""
+        with self._deliver_cond:
             if self._deliverer is not None or self._done_seq >= last:
                 return  # the running thread (or the delivery thread after it) runs them
         self._run_claimed(last, None)
