@@ -558,10 +558,13 @@ def main() -> int:
             ("g1_g2", "G1 -> G2 vs torch copy"),
             ("g1_g2_cpu", "  same, CPU time (not wall)"),
             ("g2_g3", "G2 -> G3 vs write+fsync"),
-            ("g2_g3_put", "G2 -> G3 vs StorageAgent.put"),
+            ("g2_g3_put", "  same, vs StorageAgent.put"),
         ):
             ours, ref, ratio = off[key]
-            print(f"{label:<34}{kib:>6} KiB{ours:>11.2f}{ref:>10.2f}{ratio:>7.0%}    {'met' if ratio >= 0.9 else 'NOT met'}")
+            # the goal is against plain copies / writes; the direct put is shown for what the
+            # transfer manager adds on top of StorageAgent.put (no goal)
+            verdict = "(no goal)" if key == "g2_g3_put" else ("met" if ratio >= 0.9 else "NOT met")
+            print(f"{label:<34}{kib:>6} KiB{ours:>11.2f}{ref:>10.2f}{ratio:>7.0%}    {verdict}")
     return 0
 
 
