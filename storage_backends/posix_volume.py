@@ -262,15 +262,8 @@ class PosixVolume(Volume):
         if before_piece is None:
             super().write_segments(jobs)
             return
-        done: list[int] = []
-        try:
-            for j, (seg, local, size) in enumerate(jobs):
-                self._write_local(seg, self.runs(local[:, 0], local[:, 1]), size, functools.partial(before_piece, j))
-                done.append(seg)
-        except BaseException:
-            for seg in done:
-                self.delete_segment(seg)
-            raise
+        self._write_each(jobs, lambda j, seg, local, size: self._write_local(
+            seg, self.runs(local[:, 0], local[:, 1]), size, functools.partial(before_piece, j)))
 
     def _write_local(
         self, segment_id: int, local: np.ndarray, size: int, before_piece: Callable[[int], None] | None = None

@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -295,10 +295,18 @@ class Volume(ABC):
         Raises:
             VolumeFullError, TransferError: as :meth:`write_segment`.
         """
+        self._write_each(jobs, lambda j, seg, local, size: self.write_segment_from(seg, local[:, 0], local[:, 1], size))
+
+    def _write_each(
+        self, jobs: Sequence[tuple[int, np.ndarray, int]], write_one: Callable[[int, int, np.ndarray, int], None]
+    ) -> None:
+        """:meth:`write_segments` one segment after the other: ``write_one(j, segment_id,
+        local, size)`` for each job ``j``, all or nothing (on failure the segments already
+        written by the call are deleted, then the error is raised)."""
         done: list[int] = []
         try:
-            for seg, local, size in jobs:
-                self.write_segment_from(seg, local[:, 0], local[:, 1], size)
+            for j, (seg, local, size) in enumerate(jobs):
+                write_one(j, seg, local, size)
                 done.append(seg)
         except BaseException:
             for seg in done:
