@@ -86,7 +86,8 @@ class EventPublisher(abc.ABC):
             that ``on_flush`` takes (from inside ``on_flush`` they do not wait).  An
             exception from it is raised by the call whose batch it was; for a batch run
             for another thread (the timer's, or one left behind) it is logged and raised
-            by the next :meth:`flush` / :meth:`close` covering that batch.
+            by the next :meth:`flush` / :meth:`close` covering that batch.  Events it
+            publishes while :meth:`close` waits for it are still sent and run (see there).
 
     Thread safety: every public method may be called from any thread.
 
@@ -132,6 +133,7 @@ class EventPublisher(abc.ABC):
         self._next_seq = 0
         self._stats = PublisherStats()
         self._closed = False
+        self._draining = False  # close() is running on_flush: re-entrant publishes accepted
         self._timer: threading.Thread | None = None
         cfg = self.config
         self._delay = AdaptiveDelay(
@@ -365,8 +367,10 @@ class EventPublisher(abc.ABC):
             PublisherClosedError: the publisher is closed.
         """
         if self._closed:
-            raise PublisherClosedError(f"publisher {self.source!r} is closed")
-        if self._timer is None:
+            # close() accepts what the on_flush calls it waits for publish (re-entrant)
+            if not (self._draining and self._deliverer == threading.get_ident()):
+                raise PublisherClosedError(f"publisher {self.source!r} is closed")
+        elif self._timer is None:
             self._ensure_timer()
         if self._lazy_bytes:
             self._encode_queued_locked()
@@ -495,23 +499,66 @@ class EventPublisher(abc.ABC):
     def close(self) -> None:
         """Send the pending batch, wait until ``on_flush`` ran for every batch, stop the
         timer, release the transport.  Idempotent (a second call also waits for
-        ``on_flush``)."""
+        ``on_flush``).
+
+        From the moment ``close`` starts, ``publish`` and friends raise
+        :class:`PublisherClosedError`, except inside an ``on_flush`` call that ``close``
+        is waiting for: events published re-entrantly there are still accepted, sent and
+        given to ``on_flush`` before ``close`` returns (up to ``_MAX_CLOSE_ROUNDS`` rounds
+        of batches sent by ``on_flush`` itself; after that they are refused too).
+
+        Raises:
+            Exception: the first error ``on_flush`` raised for a batch that no caller was
+                given yet (see ``on_flush``); the publisher is closed all the same.
+        """
         with self._lock:
             already = self._closed
             if not already:
                 self._flush_locked()
                 self._closed = True
+                self._draining = self._on_flush is not None
                 self._cond.notify_all()
             last = self._next_seq - 1
         try:
             if self._on_flush is not None:
-                self._wait_callbacks(last)
+                if already:
+                    self._wait_callbacks(last)
+                else:
+                    self._drain_on_close(last)
         finally:
             if not already:
+                with self._lock:
+                    self._draining = False
                 self._stop_delivery_thread()
                 if self._timer is not None and self._timer is not threading.current_thread():
                     self._timer.join()
                 self._close_transport()
+
+    def _drain_on_close(self, last: int) -> None:
+        """:meth:`close`'s wait: run ``on_flush`` up to seq ``last``, then send and run
+        what those calls published re-entrantly, until a round sends nothing (at most
+        ``_MAX_CLOSE_ROUNDS`` rounds accept new events).  Raises the first error kept for
+        the caller (after the last round)."""
+        first_error: Exception | None = None
+        rounds = 0
+        while True:
+            try:
+                self._wait_callbacks(last)
+            except Exception as exc:  # noqa: BLE001 - raised once every round ran
+                if first_error is None:
+                    first_error = exc
+            rounds += 1
+            with self._lock:
+                if rounds >= _MAX_CLOSE_ROUNDS:
+                    self._draining = False  # an on_flush that always publishes: stop here
+                self._flush_locked()
+                now_last = self._next_seq - 1
+                if now_last == last:
+                    self._draining = False
+                    break
+                last = now_last
+        if first_error is not None:
+            raise first_error
 
     def stats(self) -> PublisherStats:
         """A snapshot of this publisher's counters."""
@@ -808,6 +855,9 @@ _MAX_BACKLOG = 64
 """Batches waiting for ``on_flush`` above which a publishing thread waits (up to
 ``_BACKPRESSURE_S``) for its own instead of leaving them to the thread running it."""
 _BACKPRESSURE_S = 0.05
+_MAX_CLOSE_ROUNDS = 100
+"""Rounds of batches published re-entrantly by ``on_flush`` that :meth:`EventPublisher.close`
+still sends and runs (a callback that publishes for every batch would never let it end)."""
 _MAX_UNREPORTED = 64
 """``on_flush`` errors kept for a later :meth:`EventPublisher.flush` (the oldest go first)."""
 

@@ -178,3 +178,78 @@ def test_flush_and_close_from_inside_on_flush_do_not_wait_for_themselves() -> No
     assert pub._delivery_thread is not None  # type: ignore[attr-defined]
     pub._delivery_thread.join(5)  # type: ignore[attr-defined]
     assert not pub._delivery_thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_close_sends_and_runs_what_on_flush_publishes_while_close_waits() -> None:
+    """CI found it (stop 10): close() refused the events an on_flush it was waiting for
+    published re-entrantly (PublisherClosedError inside on_flush), so events a callback
+    produced at shutdown were lost.  Now close() sends them and runs on_flush for them,
+    round after round (here a chain of three), before it returns."""
+    delivered: list[int] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        for e in batch.events:
+            delivered.append(e.sequence_hash)
+            if e.sequence_hash < 4:
+                pub.publish(ev(e.sequence_hash + 1))  # 1 -> 2 -> 3 -> 4, each a new batch at close
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=100, max_delay_s=10), on_flush=on_flush)
+    pub.publish(ev(1))  # pending: close() sends it
+    pub.close()
+    assert delivered == [1, 2, 3, 4]
+    assert pub.next_seq == 4 and pub.stats().events == 4
+    with pytest.raises(PublisherClosedError):
+        pub.publish(ev(5))  # after close() returned: refused
+
+
+def test_close_refuses_other_threads_while_it_drains() -> None:
+    """Only the on_flush calls close() waits for may still publish: another thread that
+    publishes while close() runs the last batches gets PublisherClosedError."""
+    gate, inside = threading.Event(), threading.Event()
+    other_error: list[BaseException] = []
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        inside.set()
+        gate.wait(5)
+
+    def other() -> None:
+        try:
+            pub.publish(ev(2))
+        except BaseException as exc:  # noqa: BLE001 - the assertion reads it
+            other_error.append(exc)
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=100, max_delay_s=10), on_flush=on_flush)
+    pub.publish(ev(1))
+    c = threading.Thread(target=pub.close)
+    c.start()
+    assert inside.wait(5)  # close() runs on_flush of seq 0 on its thread and blocks in it
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(5)
+    gate.set()
+    c.join(5)
+    assert not c.is_alive()
+    assert len(other_error) == 1 and isinstance(other_error[0], PublisherClosedError)
+    assert pub.next_seq == 1
+
+
+def test_close_ends_even_when_on_flush_publishes_for_every_batch() -> None:
+    """A callback that publishes for every batch it sees would keep close() draining for
+    ever: after _MAX_CLOSE_ROUNDS rounds its publish is refused, close() raises that error
+    and the publisher is closed."""
+    from event_plane.publisher import _MAX_CLOSE_ROUNDS
+
+    runs = [0]
+
+    def on_flush(batch: EventBatch, payload: bytes) -> None:
+        runs[0] += 1
+        pub.publish(ev(runs[0] + 1))
+
+    pub = NullPublisher("w0", config=PublisherConfig(max_events=100, max_delay_s=10), on_flush=on_flush)
+    pub.publish(ev(1))
+    with pytest.raises(PublisherClosedError):
+        pub.close()
+    assert runs[0] == _MAX_CLOSE_ROUNDS + 1  # the first batch, then one per round
+    assert pub.next_seq == _MAX_CLOSE_ROUNDS + 1
+    with pytest.raises(PublisherClosedError):
+        pub.publish(ev(10**6))

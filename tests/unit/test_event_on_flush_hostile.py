@@ -223,7 +223,7 @@ def test_on_flush_reading_four_pools_from_eight_threads_does_not_deadlock() -> N
             try:
                 pools[batch.seq % len(pools)].evict(1)  # publishes Removes re-entrantly
             except PublisherClosedError:
-                pass  # close() sets closed before it runs the last batches (by design)
+                pass  # only past _MAX_CLOSE_ROUNDS rounds of re-entrant publishes at close()
         cfg = PublisherConfig(max_events=64, max_delay_s=0.001, min_delay_s=0.0005, adaptive_delay=False)
         pub = make_publisher("null://", "w1", config=cfg, on_flush=on_flush)
         for n in range(4):
