@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test bench lint clean services
 
-$(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx
+$(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'

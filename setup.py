@@ -15,6 +15,7 @@ setup(
             Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"]),
             Extension("event_plane._fastenc", ["event_plane/_fastenc.pyx"], extra_compile_args=["-O2"]),
             Extension("kvbm_runtime._pool_core", ["kvbm_runtime/_pool_core.pyx"], extra_compile_args=["-O2"]),
+            Extension("storage_backends._readcore", ["storage_backends/_readcore.pyx"], extra_compile_args=["-O2"]),
         ],
         compiler_directives={"language_level": "3"},
     ),

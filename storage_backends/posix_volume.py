@@ -28,7 +28,8 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -38,7 +39,7 @@ import torch
 from .keys import encode_component, parse_segment_name, segment_file_name
 from .nixl_engine import NixlEngine
 from .types import SegmentMissingError, TransferError, VolumeConfigError, VolumeDescriptor, VolumeFullError, VolumeKind
-from .volume import Volume, align_up
+from .volume import PageCacheFiles, Volume, align_up
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class PosixVolume(Volume):
         self._open_lock = threading.RLock()
         self._direct = bool(desc.o_direct and _O_DIRECT)
         self._nowait = bool(_RWF_NOWAIT)
+        self._pinned = 0  # page_cache_files contexts open: no segment file is closed
         if desc.o_direct and not _O_DIRECT:
             self._fallback("open", errno.EINVAL, "O_DIRECT is not available on this platform")
 
@@ -473,9 +475,10 @@ class PosixVolume(Volume):
             return seg
 
     def _trim(self) -> None:
-        """Close the least recently used segment files beyond :attr:`max_open`."""
+        """Close the least recently used segment files beyond :attr:`max_open` (not while
+        :meth:`page_cache_files` holds them)."""
         with self._open_lock:
-            while len(self._open) > self.max_open:
+            while len(self._open) > self.max_open and not self._pinned:
                 self._close_one(next(iter(self._open)))
 
     def _close_one(self, segment_id: int) -> None:
@@ -545,40 +548,51 @@ class PosixVolume(Volume):
     #: core here); measured against 256 KiB, 512 KiB and 2 MiB (hot gets, 64 KiB..16 MiB blocks)
     cached_read_bytes: int = 1 << 20
 
-    def read_cached(self, segment_id: int, offset: int, buffers: Sequence[Any]) -> int:
-        """See :meth:`Volume.read_cached`: one ``preadv2(..., RWF_NOWAIT)`` (Linux >= 4.14),
-        which copies what the page cache holds and returns short (or ``EAGAIN``) instead
-        of reading the device.  Only buffered volumes: an O_DIRECT volume bypasses the
-        page cache by design and returns 0, as does a platform or filesystem without
-        ``RWF_NOWAIT`` (then this volume stops trying).
+    @contextmanager
+    def page_cache_files(self, segment_ids: Iterable[int]) -> Iterator[PageCacheFiles | None]:
+        """See :meth:`Volume.page_cache_files`: the segments' read fds, for
+        ``preadv2(..., RWF_NOWAIT)`` (Linux >= 4.14), which copies what the page cache
+        holds and returns short (or ``EAGAIN``) instead of reading the device.  Only
+        buffered volumes: an O_DIRECT volume bypasses the page cache by design and yields
+        ``None``, as does a platform or filesystem without ``RWF_NOWAIT`` (the first
+        ``EOPNOTSUPP`` / ``EINVAL`` / ``ENOSYS`` reported to ``done`` turns it off for
+        this volume).
 
         A hit is the same memory copy a buffered NIXL POSIX read makes, minus NIXL's
         per-descriptor work (~1.5 us a descriptor: the blocks of one get are rarely
-        contiguous in memory), so the agent gets the bytes in groups of
-        :attr:`cached_read_bytes` it hashes while they are in the CPU cache.  A miss or
-        an error returns what was copied; the caller's NIXL read reads the device and
-        reports errors.
+        contiguous in memory).  The open-segment lock is held, and no segment file is
+        closed (:attr:`max_open` is applied at exit), for the whole context: no fd can be
+        closed or reused under a copy that runs without the GIL on another thread.
         """
         if self._direct or not self._nowait:
-            return 0
+            yield None
+            return
         with self._open_lock:
+            self._pinned += 1
             try:
-                got = os.preadv(self._segment(segment_id, False).fd, buffers, offset, _RWF_NOWAIT)
-            except BlockingIOError:
-                return 0
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    self._nowait = False
-                    logger.info("volume %s: no RWF_NOWAIT reads here (%s); every read goes through NIXL",
-                                self.desc.id, exc)
-                return 0
-            except TransferError:  # a segment that cannot be opened: read_direct reports it
-                return 0
+                fds: dict[int, int] = {}
+                for sid in segment_ids:
+                    if sid in fds:
+                        continue
+                    try:
+                        fds[sid] = self._segment(sid, False).fd
+                    except (TransferError, OSError):
+                        continue  # missing or unreadable: read_direct reports it
+                yield PageCacheFiles(fds, _RWF_NOWAIT, self._page_cache_done)
             finally:
+                self._pinned -= 1
                 self._trim()
-        self.counters.bytes_read += got
-        self.counters.bump("bytes_read_cached", got)
-        return got
+
+    def _page_cache_done(self, copied: int, err: int) -> None:
+        """:attr:`PageCacheFiles.done`: count ``copied`` bytes; an errno saying the kernel
+        or filesystem has no ``RWF_NOWAIT`` turns page-cache reads off for this volume."""
+        if copied:
+            self.counters.bytes_read += copied
+            self.counters.bump("bytes_read_cached", copied)
+        if err in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS) and self._nowait:
+            self._nowait = False
+            logger.info("volume %s: no RWF_NOWAIT reads here (%s); every read goes through NIXL",
+                        self.desc.id, os.strerror(err))
 
     def direct_read_ok(self, addrs: np.ndarray, lengths: np.ndarray) -> bool:
         """Always for buffered volumes; with O_DIRECT only when every address and length

@@ -13,7 +13,8 @@ import importlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -136,6 +137,24 @@ def align_up(n: int, a: int) -> int:
 
 
 @dataclass
+class PageCacheFiles:
+    """What :meth:`Volume.page_cache_files` yields: per segment id the fd to copy cached
+    bytes from, the ``preadv2`` flags to use, and :meth:`done` to report each copy.
+
+    Attributes:
+        fds: segment id -> open file descriptor (valid until the context exits).
+        flags: ``preadv2`` flags (``RWF_NOWAIT``).
+        done: ``done(copied, err)`` after each copy: ``copied`` bytes, ``err`` the errno
+            of a failed call (0 for none or ``EAGAIN``); counts the bytes and turns the
+            volume's page-cache reads off for an errno saying the kernel has none.
+    """
+
+    fds: dict[int, int]
+    flags: int
+    done: Callable[[int, int], None]
+
+
+@dataclass
 class VolumeCounters:
     """I/O counters of one volume in this process (blocks and bytes)."""
 
@@ -222,22 +241,23 @@ class Volume(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no direct reads")
 
-    #: bytes per page-cache read of :meth:`read_cached` (0: the volume has none); small
-    #: enough that a group is still in the CPU's L2 cache when the agent hashes it
+    #: bytes per page-cache copy (0: the volume has none, see :meth:`page_cache_files`);
+    #: small enough that a group of blocks is still in the CPU's L2 cache when it is hashed
     cached_read_bytes: int = 0
 
-    def read_cached(self, segment_id: int, offset: int, buffers: Sequence[Any]) -> int:
-        """Copy bytes that are already in memory (the OS page cache) into ``buffers``,
-        never waiting for the device: the ``sum(len)`` bytes at ``offset`` of segment
-        ``segment_id``, filling the writable ``buffers`` in order (at most 1024 of them).
+    @contextmanager
+    def page_cache_files(self, segment_ids: Iterable[int]) -> Iterator[PageCacheFiles | None]:
+        """Open file descriptors through which bytes of these segments that are already in
+        memory (the OS page cache) can be copied without waiting for the device
+        (``preadv2(..., RWF_NOWAIT)``, :mod:`storage_backends._readcore`), held open and
+        valid until the context exits.
 
-        Returns:
-            how many bytes were copied from the start (``0`` when nothing was in memory
-            or the volume has no such reads); the caller reads the rest with
-            :meth:`read_direct`, which also reports a missing or short segment (this
-            method never raises for those: it returns short).
+        Yields:
+            ``None`` when the volume has no such reads (the default; O_DIRECT or a kernel
+            without ``RWF_NOWAIT``), else a :class:`PageCacheFiles` (segments that cannot
+            be opened are left out: :meth:`read_direct` reports them).
         """
-        return 0
+        yield None
 
     def read_buffer_bytes(self, items: Sequence[tuple[int, int, int]]) -> int:
         """Bytes of staging buffer :meth:`read_many` needs for ``[(segment_id, offset, length)]``."""

@@ -59,6 +59,7 @@ def test_blocks_larger_than_a_piece_are_hashed_in_chunks(agent: StorageAgent, as
     (``verify_aside``): the streamed hashes of a block spread over pieces stay in order."""
     agent.verify_aside = aside
     vol = agent._vol("fast")  # type: ignore[attr-defined]
+    vol._nowait = False  # the NIXL-only path (O_DIRECT, or a kernel without RWF_NOWAIT)
     vol.read_piece_bytes = 64 << 10  # blocks of up to 5 pieces, and pieces of many small blocks
     sizes = [300_000, 1, 65_536, 65_537, 4096, 131_072, 7]
     items = [(BlockKey(NS, i), block(i, sizes[i % len(sizes)])) for i in range(21)]

@@ -14,6 +14,7 @@ attacks that held.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -37,7 +38,7 @@ from storage_backends import (
     VolumeDescriptor,
     VolumeKind,
 )
-from storage_backends import posix_volume
+from storage_backends import _readcore, posix_volume
 from tests.integration.test_storage_page_cache_reads import Reads, block, cached_bytes, evict
 
 NS = "page-cache-hostile"
@@ -286,44 +287,68 @@ def test_pages_dropped_while_gets_run_never_yield_wrong_bytes_or_quarantine(
     assert drops[0] > 10 and nixl.calls > 0 and cached_bytes(vol) > 0  # both paths were taken
 
 
-def test_short_and_refused_nowait_reads_at_any_byte(agent: StorageAgent, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel or filesystem that supports RWF_NOWAIT in part: every page-cache read stops
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_PREADV2 = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_int, ctypes.c_long,
+                            ctypes.c_int, use_errno=True)
+
+
+def test_short_and_refused_nowait_reads_at_any_byte(agent: StorageAgent) -> None:
+    """A kernel or filesystem that supports RWF_NOWAIT in part: every page-cache copy stops
     at a random byte (EAGAIN when nothing was copied), as a real ``preadv2`` may.  The cut
-    is made by the real syscall on shortened buffers (a fault injection of the reply)."""
+    is made by libc's real ``preadv2`` on shortened iovecs, called from a ctypes callback
+    that the compiled copy loop (``_readcore``) calls instead of libc's (a fault injection
+    of the reply, from both copying threads)."""
     vol = agent._vol("v")  # type: ignore[attr-defined]
     rng = random.Random(13)
+    rng_lock = threading.Lock()
     sizes = [rng.choice([1, 700, 4 * KiB, 64 * KiB, MiB - 1, MiB, 2 * MiB + 5, 4 * MiB + 1]) for _ in range(40)]
     items = [(BlockKey(NS, 4000 + i), block(4000 + i, s)) for i, s in enumerate(sizes)]
     agent.put(items, "v")
-    real = os.preadv
-    copied = [0]
+    libc = ctypes.CDLL(None, use_errno=True)
+    real = libc.preadv2
+    real.restype = ctypes.c_ssize_t
+    real.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    copied, calls = [0], [0]
 
-    def preadv(fd, buffers, offset, flags=0):  # type: ignore[no-untyped-def]
-        if flags != posix_volume._RWF_NOWAIT:
-            return real(fd, buffers, offset, flags)
-        views = [memoryview(b).cast("B") for b in buffers]
-        cut = rng.randrange(0, sum(len(v) for v in views) + 1)
+    def preadv2(fd, iov, cnt, offset, flags):  # type: ignore[no-untyped-def]
+        total = sum(iov[i].iov_len for i in range(cnt))
+        with rng_lock:
+            cut = rng.randrange(0, total + 1)
+            calls[0] += 1
         if cut == 0:
-            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
-        short = []
-        for v in views:
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        short = (_Iovec * cnt)()
+        m = 0
+        for i in range(cnt):
             if cut <= 0:
                 break
-            short.append(v[:cut])
-            cut -= len(v)
-        got = real(fd, short, offset, flags)
-        copied[0] += got
+            ln = min(iov[i].iov_len, cut)
+            short[m].iov_base, short[m].iov_len = iov[i].iov_base, ln
+            cut -= ln
+            m += 1
+        got = real(fd, short, m, offset, flags)
+        with rng_lock:
+            copied[0] += max(got, 0)
         return got
 
-    monkeypatch.setattr(posix_volume.os, "preadv", preadv)
-    small = [(k, t) for k, t in items if t.numel() <= MiB]  # groups of several blocks
-    for rnd in range(6):
-        its = items if rnd % 2 else small
-        outs = pool_views([t.numel() for _, t in its], rng) if rnd % 3 else None
-        got = agent.get([k for k, _ in its], out=outs)
-        assert [i for i, (g, (_, x)) in enumerate(zip(got, its)) if not torch.equal(g, x)] == []
+    hook = _PREADV2(preadv2)
+    _readcore._set_preadv2(ctypes.cast(hook, ctypes.c_void_p).value)
+    try:
+        small = [(k, t) for k, t in items if t.numel() <= MiB]  # groups of several blocks
+        for rnd in range(8):
+            agent.verify_aside = agent.split_cached_reads = rnd % 4 >= 2  # copies on one thread, and on two
+            its = items if rnd % 2 else small
+            outs = pool_views([t.numel() for _, t in its], rng) if rnd % 3 else None
+            got = agent.get([k for k, _ in its], out=outs)
+            assert [i for i, (g, (_, x)) in enumerate(zip(got, its)) if not torch.equal(g, x)] == []
+    finally:
+        _readcore._set_preadv2(0)
     _healthy(agent)
-    assert vol._nowait and copied[0] > 0 and cached_bytes(vol) == copied[0]  # type: ignore[attr-defined]
+    assert calls[0] > 8 and vol._nowait and copied[0] > 0 and cached_bytes(vol) == copied[0]  # type: ignore[attr-defined]
 
 
 def test_a_byte_corrupted_on_disk_under_a_hot_cache_is_caught(agent: StorageAgent) -> None:
@@ -506,31 +531,40 @@ def test_random_sizes_at_group_and_piece_boundaries_with_random_holes(agent: Sto
     assert cached_bytes(vol) > 0
 
 
-def test_verify_aside_reads_multi_piece_batches_through_nixl_and_single_pieces_from_the_cache(
+def test_verify_aside_copies_both_halves_from_the_cache_and_hashes_misses_aside(
     agent: StorageAgent, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``verify_aside=True`` (hashing on the verifier thread): a batch of several pieces
-    is read by NIXL only (no page-cache copies on that path), a batch of one piece still
-    copies from the page cache; both return the right bytes, with or without holes."""
+    """``verify_aside=True`` (more than one CPU): a hot batch of several pieces is copied
+    from the page cache in two halves at once (the second on the verifier thread); with a
+    2 MiB hole in each half, NIXL reads from each hole to the end of its 4 MiB piece and
+    those blocks are hashed on the verifier thread; a batch of one piece is copied on
+    the calling thread.  Every byte is read once, the right bytes come back."""
     vol = agent._vol("v")  # type: ignore[attr-defined]
-    agent.verify_aside = True
-    items = [(BlockKey(NS, 9500 + i), block(9500 + i, 256 * KiB)) for i in range(40)]  # 10 MiB
+    agent.verify_aside = agent.split_cached_reads = True
+    items = [(BlockKey(NS, 9500 + i), block(9500 + i, 256 * KiB)) for i in range(64)]  # 16 MiB: 4 pieces
     ps = agent.put(items, "v")
+    assert len({p.segment_id for p in ps}) == 1
     nixl = Reads(vol, monkeypatch)
     small = items[8:20]  # 3 MiB from 2 MiB: one piece
     for hot in (True, False):
+        aside = agent.counters.verified_aside
         if not hot:
-            evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)
+            evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)  # blocks 8..15 (first half, piece 0)
+            evict(vol.path(ps[0].segment_id), 12 * MiB, 2 * MiB)  # blocks 48..55 (second half, piece 3)
         before, nb = cached_bytes(vol), nixl.bytes
         got = agent.get([k for k, _ in items])
-        assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 40
-        assert (cached_bytes(vol) - before, nixl.bytes - nb) == (0, 40 * 256 * KiB)
+        assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 64
+        # hot: all 16 MiB copied; cold: NIXL from each hole to the end of its piece
+        want_nixl = 0 if hot else (16 - 8) * 256 * KiB + (64 - 48) * 256 * KiB
+        assert (cached_bytes(vol) - before, nixl.bytes - nb) == (16 * MiB - want_nixl, want_nixl)
+        # the second half was copied on the verifier thread (+1), each NIXL piece hashed there
+        assert agent.counters.verified_aside - aside == (1 if hot else 3)
         if not hot:
             evict(vol.path(ps[0].segment_id), 2 * MiB, 2 * MiB)  # blocks 8..15
         before, nb = cached_bytes(vol), nixl.bytes
         got = agent.get([k for k, _ in small])
         assert [torch.equal(g, t) for g, (_, t) in zip(got, small)] == [True] * 12
-        # hot: all copied; cold: NIXL from block 8 to the end of the piece
-        assert (cached_bytes(vol) - before, nixl.bytes - nb) == ((12 * 256 * KiB, 0) if hot else (0, 12 * 256 * KiB))
+        # hot: all copied; cold: NIXL from block 8 to where the second half starts
+        # (block 16: that half, blocks 16..19, is copied from the cache on the verifier thread)
+        assert (cached_bytes(vol) - before, nixl.bytes - nb) == ((3 * MiB, 0) if hot else (MiB, 2 * MiB))
     _healthy(agent)
-    assert agent.counters.verified_aside > 0

@@ -197,3 +197,20 @@ def test_o_direct_volumes_never_read_the_page_cache(tmp_path: Path, monkeypatch:
         assert [torch.equal(o, t) for o, (_, t) in zip(outs, items)] == [True] * 16
         assert cached_bytes(vol) == 0 and vol.counters.bytes_read == 16 << 16  # type: ignore[attr-defined]
     cat.close()
+
+
+def test_without_the_compiled_copy_loop_every_read_goes_through_nixl(
+    agent: StorageAgent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When python-xxhash's XXH3 cannot be bound (``_readcore.available`` false: another
+    build of the library), hot gets fall back to NIXL reads hashed in Python, same bytes."""
+    from storage_backends import _readcore
+
+    vol = agent._vol("v")  # type: ignore[attr-defined]
+    items = [(BlockKey(NS, 700 + i), block(700 + i, 64 << 10)) for i in range(32)]
+    agent.put(items, "v")
+    monkeypatch.setattr(_readcore, "available", False)
+    nixl = Reads(vol, monkeypatch)
+    got = agent.get([k for k, _ in items])
+    assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 32
+    assert (cached_bytes(vol), nixl.bytes) == (0, 32 << 16)
