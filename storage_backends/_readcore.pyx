@@ -238,3 +238,45 @@ def read_cached(const int32_t[:] gfd, const int64_t[:] goff, const int64_t[:] gs
     if stopped:
         return g, k, have, err, copied
     return g1, -1, 0, 0, copied
+
+
+def columns(list places):
+    """The columns of a get's placements, in one pass (~20 ns a field instead of a
+    Python generator per column).
+
+    Args:
+        places: ``Placement`` objects (any object with ``volume_id``, ``segment_id``,
+            ``offset``, ``length`` and ``checksum``).
+
+    Returns:
+        ``(one_volume, segment_ids, offsets, lengths, checksums)``: whether every
+        placement is on the first one's volume, then int64 arrays and a uint64 array.
+
+    Raises:
+        OverflowError: a field out of its type's range.
+    """
+    import numpy as np
+
+    cdef Py_ssize_t i, n = len(places)
+    segs = np.empty(n, dtype=np.int64)
+    offs = np.empty(n, dtype=np.int64)
+    lens = np.empty(n, dtype=np.int64)
+    cks = np.empty(n, dtype=np.uint64)
+    cdef int64_t[:] s = segs
+    cdef int64_t[:] o = offs
+    cdef int64_t[:] ln = lens
+    cdef uint64_t[:] c = cks
+    cdef bint one = True
+    cdef object first = places[0].volume_id if n else None
+    cdef object v
+    for i in range(n):
+        p = places[i]
+        s[i] = p.segment_id
+        o[i] = p.offset
+        ln[i] = p.length
+        c[i] = p.checksum
+        if one:
+            v = p.volume_id
+            if v is not first and v != first:
+                one = False
+    return one, segs, offs, lens, cks

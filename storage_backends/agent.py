@@ -88,13 +88,13 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def _outs_fit(places: list[Placement], dests: list[torch.Tensor]) -> bool:
-    """Whether every ``dests[i]`` is a contiguous CPU tensor of ``places[i].length``
-    bytes, checked a column at a time (``False``: check them one by one for the error)."""
+def _outs_fit(lengths: np.ndarray, dests: list[torch.Tensor]) -> bool:
+    """Whether every ``dests[i]`` is a contiguous CPU tensor of ``lengths[i]`` bytes,
+    checked a column at a time (``False``: check them one by one for the error)."""
     try:
         return (all(map(torch.Tensor.is_contiguous, dests)) and all(map(_IS_CPU, dests))
-                and list(map(_NBYTES, dests)) == [p.length for p in places])
-    except (TypeError, AttributeError):  # not a tensor
+                and np.array_equal(np.fromiter(map(_NBYTES, dests), dtype=np.int64, count=len(dests)), lengths))
+    except (TypeError, AttributeError, ValueError):  # not a tensor
         return False
 
 
@@ -105,6 +105,23 @@ def _overlapping(addrs: np.ndarray, lengths: np.ndarray) -> bool:
     order = np.argsort(addrs, kind="stable")
     a = addrs[order]
     return bool((a[1:] < (a + lengths[order])[:-1]).any())
+
+
+def _wait_through_interrupts(futures: Sequence[Future[object]], reraise: bool = True) -> None:
+    """Wait until ``futures`` are done, even when an exception (``KeyboardInterrupt`` from
+    a signal handler) interrupts the wait: work still running there uses memory or file
+    descriptors the caller is about to give back.  The first such exception is raised once
+    they are done (``reraise``; ``False`` when the caller is already raising its own)."""
+    first: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the work is done
+            if first is None:
+                first = exc
+    if first is not None and reraise:
+        raise first
 
 
 def _many_cpus() -> bool:
@@ -209,6 +226,7 @@ class StorageAgent:
         # uncommitted copies per (volume, segment): keys still expected to be committed
         self._pending: dict[tuple[str, int], set[BlockKey]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # guards _pool's creation only (see _verifier)
         self._closed = False
 
     # ================================================================== volumes
@@ -563,22 +581,26 @@ class StorageAgent:
                 if p is None:
                     raise BlockNotFoundError(f"no stored block for {k}")
         places: list[Placement] = placements  # type: ignore[assignment]
+        cols = _readcore.columns(places)
         dests: list[torch.Tensor] | None = None
         if out is not None:
             dests = list(out)
-            if not _outs_fit(places, dests):
+            if not _outs_fit(cols[3], dests):
                 for k, p, t in zip(keys, places, dests):
                     if not isinstance(t, torch.Tensor) or not t.is_cpu or not t.is_contiguous():
                         raise InvalidRequestError(f"out tensor for {k} must be a contiguous CPU tensor")
                     if t.nbytes != p.length:
                         raise InvalidRequestError(f"out tensor for {k} has {t.nbytes} bytes, the block has {p.length}")
-        results = self._read_verified(places, dests)
+        results = self._read_verified(places, dests, cols)
         if out is not None:
             return list(out)
         return results
 
-    def _read_verified(self, places: list[Placement], dests: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Read and verify every placement into ``dests[i]`` (or a new tensor).
+    def _read_verified(
+        self, places: list[Placement], dests: list[torch.Tensor] | None, cols: tuple | None = None,
+    ) -> list[torch.Tensor]:
+        """Read and verify every placement into ``dests[i]`` (or a new tensor); ``cols``:
+        :func:`_readcore.columns` of ``places`` when the caller has them.
 
         A failed batch is not given up as a whole.  Every key of it (and every key whose
         checksum failed) is looked up again in the catalog:
@@ -619,24 +641,30 @@ class StorageAgent:
         for attempt in range(_READ_RETRIES + 1):
             if attempt:
                 self.counters.read_retries += 1
+            if attempt or cols is None:
+                cols = _readcore.columns(cur)
+            segs, offs, lens, cks = cols[1:]
             failed: list[tuple[int, TransferError]] = []
             bad: list[int] = []
             batches: list[Sequence[int]]
             if alone:
-                batches = list(self._batches(cur, [i for i in todo if i not in alone]))
+                batches = list(self._batches(cur, [i for i in todo if i not in alone], cols))
                 batches += [[i] for i in todo if i in alone]
             else:
-                batches = list(self._batches(cur, todo if attempt else range(n)))
+                batches = list(self._batches(cur, todo if attempt else range(n), cols))
             for batch in batches:
                 if isinstance(batch, range):  # blocks lo..hi-1 in their own order: slices
                     lo, hi = batch.start, batch.stop
                     b_places, b_dests = cur[lo:hi], None if dests is None else dests[lo:hi]
+                    b_cols = (segs[lo:hi], offs[lo:hi], lens[lo:hi], cks[lo:hi])
                 else:
                     b_places = [cur[i] for i in batch]
                     b_dests = None if dests is None else [dests[i] for i in batch]
+                    ix = np.fromiter(batch, dtype=np.int64, count=len(batch))
+                    b_cols = (segs[ix], offs[ix], lens[ix], cks[ix])
                 vol = self._vol(b_places[0].volume_id)
                 try:
-                    got = self._read_batch(vol, b_places, b_dests)
+                    got = self._read_batch(vol, b_places, b_dests, b_cols)
                 except TransferError as exc:
                     failed.extend((i, exc) for i in batch)
                     continue
@@ -790,36 +818,41 @@ class StorageAgent:
         return again
 
     @staticmethod
-    def _batches(places: Sequence[Placement], idx: Sequence[int]) -> Iterator[Sequence[int]]:
+    def _batches(places: Sequence[Placement], idx: Sequence[int], cols: tuple) -> Iterator[Sequence[int]]:
         """Group the indexes ``idx`` of ``places`` by volume (ordered by segment, offset: a
         stable sort) and cap each batch's bytes: a batch takes blocks while their sum stays
         within ``_READ_BATCH_BYTES`` (at least one block).  A batch of consecutive indexes
         in their own order (``idx`` a ``range`` already sorted: a whole get's first
-        round, as usual) is a ``range``.  Column-wise (attribute lists, C-level sort keys,
-        prefix sums): ~0.3 us a block instead of ~1 us."""
-        group_places = places if isinstance(idx, range) and idx == range(len(places)) \
-            else [places[i] for i in idx]
-        if len({p.volume_id for p in group_places}) == 1:
-            groups: list[tuple[Sequence[int], Sequence[Placement]]] = [(idx, group_places)]
+        round, as usual) is a ``range``.  ``cols``: :func:`_readcore.columns` of
+        ``places`` (column-wise: no Python work per block on the usual path)."""
+        one, segs, offs, lens = cols[:4]
+        whole = isinstance(idx, range) and idx == range(len(places))
+        if whole and one:
+            groups: list[Sequence[int]] = [idx]
         else:
             by_vol: dict[str, list[int]] = {}
-            for i, p in zip(idx, group_places):
-                by_vol.setdefault(p.volume_id, []).append(i)
-            groups = [(g, [places[i] for i in g]) for g in by_vol.values()]
-        for group, gp in groups:
-            where = list(zip([p.segment_id for p in gp], [p.offset for p in gp]))
-            if not all(map(operator.le, where, where[1:])):
-                order = sorted(range(len(group)), key=where.__getitem__)
-                group, gp = [group[j] for j in order], [gp[j] for j in order]
-            ends = list(itertools.accumulate(p.length for p in gp))
-            lo, base = 0, 0
-            while lo < len(group):
-                hi = max(lo + 1, bisect.bisect_right(ends, base + _READ_BATCH_BYTES, lo))
+            for i in idx:
+                by_vol.setdefault(places[i].volume_id, []).append(i)
+            groups = list(by_vol.values())
+            if len(groups) == 1 and isinstance(idx, range):
+                groups = [idx]
+        for group in groups:
+            ix = np.arange(group.start, group.stop) if isinstance(group, range) else \
+                np.fromiter(group, dtype=np.int64, count=len(group))
+            s, o, ln = segs[ix], offs[ix], lens[ix]
+            if len(ix) > 1 and not bool(np.all((s[1:] > s[:-1]) | ((s[1:] == s[:-1]) & (o[1:] >= o[:-1])))):
+                order = np.lexsort((o, s))  # stable: by segment, then offset
+                group, ln = [group[j] for j in order.tolist()], ln[order]
+            ends = np.cumsum(ln)
+            lo, base, m = 0, 0, len(group)
+            while lo < m:
+                hi = max(lo + 1, int(np.searchsorted(ends, base + _READ_BATCH_BYTES, side="right")))
                 yield group[lo:hi]  # a range stays a range
-                lo, base = hi, ends[hi - 1]
+                lo, base = hi, int(ends[hi - 1])
 
     def _read_batch(
-        self, vol: Volume, places: Sequence[Placement], dests: Sequence[torch.Tensor] | None = None
+        self, vol: Volume, places: Sequence[Placement], dests: Sequence[torch.Tensor] | None = None,
+        cols: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> list[torch.Tensor | None]:
         """Read, verify and hand out ``places`` (one volume, sorted by segment and offset).
 
@@ -829,7 +862,7 @@ class StorageAgent:
         buffers (:meth:`_read_staged`).
         """
         n = len(places)
-        lengths = np.fromiter((p.length for p in places), dtype=np.int64, count=n)
+        segs, offs, lengths, cks = cols if cols is not None else _readcore.columns(list(places))[1:]
         eng = vol.engine
         if dests is None:
             # one tensor per block: the allocator recycles freed blocks, so their memory is
@@ -848,11 +881,12 @@ class StorageAgent:
 
         with eng.lock:
             eng.dram.ensure(addrs, addrs + lengths, storage_of)
-            ok = self._read_direct(vol, places, lengths, addrs)
+            ok = self._read_direct(vol, places, lengths, addrs, segs, offs, cks)
         return [t if good else None for t, good in zip(dests, ok)]
 
     def _read_direct(
-        self, vol: Volume, places: Sequence[Placement], lengths: np.ndarray, addrs: np.ndarray
+        self, vol: Volume, places: Sequence[Placement], lengths: np.ndarray, addrs: np.ndarray,
+        segs: np.ndarray, offs: np.ndarray, cks: np.ndarray,
     ) -> list[bool]:
         """Read every block straight to ``addrs`` (registered) and verify it in place.
 
@@ -870,14 +904,21 @@ class StorageAgent:
         """
         n = len(places)
         piece = vol.read_piece_bytes
-        segs = np.fromiter((p.segment_id for p in places), dtype=np.int64, count=n)
-        offs = np.fromiter((p.offset for p in places), dtype=np.int64, count=n)
         if vol.cached_read_bytes and _readcore.available:
-            with vol.page_cache_files(np.unique(segs).tolist()) as files:
-                if files is not None:
-                    ok_arr = self._read_cached_first(vol, files, places, lengths, addrs, segs, offs)
-                    vol.counters.blocks_read += n
-                    return ok_arr.view(np.bool_).tolist()
+            # runs of blocks on at most max_open segments (the batch is sorted by segment):
+            # page_cache_files holds every segment of a run open at once
+            cap = max(1, int(getattr(vol, "max_open", 64)))
+            runs = (np.flatnonzero(segs[1:] != segs[:-1]) + 1)[cap - 1 :: cap].tolist()
+            ok_arr = np.ones(n, dtype=np.uint8)
+            for lo, hi in zip([0, *runs], [*runs, n]):
+                with vol.page_cache_files(np.unique(segs[lo:hi]).tolist()) as files:
+                    if files is None:
+                        break
+                    ok_arr[lo:hi] = self._read_cached_first(vol, files, lengths[lo:hi], addrs[lo:hi], segs[lo:hi],
+                                                            offs[lo:hi], cks[lo:hi])
+            else:
+                vol.counters.blocks_read += n
+                return ok_arr.view(np.bool_).tolist()
         if int(lengths.max()) <= piece:  # one chunk per block
             blk = np.arange(n)
             c_len, c_seg, c_off, c_addr = lengths, segs, offs, addrs
@@ -892,7 +933,7 @@ class StorageAgent:
         bounds = list(zip([0, *cuts], [*cuts, len(blk)]))
         blk_l, len_l, addr_l = blk.tolist(), c_len.tolist(), c_addr.tolist()
         whole = (c_len == lengths[blk]).tolist()
-        cks = [p.checksum for p in places]
+        cks = cks.tolist()
         ok = [True] * n
         streams: dict[int, xxhash.xxh3_64] = {}
         h = xxhash.xxh3_64_intdigest
@@ -953,8 +994,8 @@ class StorageAgent:
         return ok
 
     def _read_cached_first(
-        self, vol: Volume, files: PageCacheFiles, places: Sequence[Placement], lengths: np.ndarray,
-        addrs: np.ndarray, segs: np.ndarray, offs: np.ndarray,
+        self, vol: Volume, files: PageCacheFiles, lengths: np.ndarray, addrs: np.ndarray,
+        segs: np.ndarray, offs: np.ndarray, cks: np.ndarray,
     ) -> np.ndarray:
         """:meth:`_read_direct` of a volume with page-cache reads: what the page cache
         holds is copied and verified by :func:`_readcore.read_cached` (no GIL, each block
@@ -970,9 +1011,8 @@ class StorageAgent:
         Returns:
             per block, 1 if its checksum matched else 0 (uint8 array).
         """
-        n = len(places)
+        n = len(lengths)
         sub, piece = vol.cached_read_bytes, vol.read_piece_bytes
-        cks = np.fromiter((p.checksum for p in places), dtype=np.uint64, count=n)
         ok = np.ones(n, dtype=np.uint8)
         ends = np.cumsum(lengths)
         starts = ends - lengths
@@ -1038,14 +1078,24 @@ class StorageAgent:
                 other = splitter.submit(copy, mid, ng)
                 try:
                     run(copy(0, mid), mid)
-                finally:
-                    state = other.result()
+                except BaseException:
+                    # the other half copies through fds that close when the caller's
+                    # context exits: wait for it (even through Ctrl-C), count its bytes
+                    _wait_through_interrupts([other], reraise=False)
+                    if other.exception() is None:
+                        _, _, _, err, copied = other.result()
+                        done(copied, err)
+                    raise
+                _wait_through_interrupts([other])
+                state = other.result()
                 self.counters.verified_aside += 1
                 run(state, ng)
             else:
                 run(copy(0, ng), ng)
-        finally:
-            wait(hashing)
+        except BaseException:
+            _wait_through_interrupts(hashing, reraise=False)
+            raise
+        _wait_through_interrupts(hashing)
         for f in hashing:
             f.result()
         self.counters.verified_aside += len(hashing)
@@ -1128,7 +1178,13 @@ class StorageAgent:
         return self.split_cached_reads if self.split_cached_reads is not None else _many_cpus()
 
     def _verifier(self) -> ThreadPoolExecutor:
-        with self._lock:
+        """The verifier thread's executor (made on first use).  Takes only its own lock,
+        never held while another is taken: reads call it while they hold a volume's and
+        the engine's locks, which :meth:`close` takes under the agent's lock."""
+        pool = self._pool
+        if pool is not None:
+            return pool
+        with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-verify")
             return self._pool
@@ -1352,9 +1408,10 @@ class StorageAgent:
             for vol in self._volumes.values():
                 vol.close()
             self._hub.close()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
+            with self._pool_lock:
+                pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def __enter__(self) -> StorageAgent:
         return self

@@ -568,10 +568,18 @@ class PosixVolume(Volume):
             yield None
             return
         with self._open_lock:
+            ids = list(dict.fromkeys(segment_ids))
+            # room first: the least recently used files not asked for are closed so that
+            # these fit within max_open (when they can), not after
+            want = set(ids)
+            short = sum(1 for sid in ids if sid not in self._open) + len(self._open) - self.max_open
+            if short > 0 and not self._pinned:
+                for sid in [sid for sid in self._open if sid not in want][:short]:
+                    self._close_one(sid)
             self._pinned += 1
             try:
                 fds: dict[int, int] = {}
-                for sid in segment_ids:
+                for sid in ids:
                     if sid in fds:
                         continue
                     try:

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 import storage_backends.agent as agent_mod
-from storage_backends import BlockKey, Placement, StorageAgent
+from storage_backends import BlockKey, Placement, StorageAgent, _readcore
 
 
 def reference(places: Sequence[Placement], idx: Sequence[int]) -> Iterator[list[int]]:
@@ -48,7 +48,7 @@ def test_batches_match_the_reference(seed: int) -> None:
         mode = rnd.choice(["range", "list", "subset"])
         idx: Sequence[int] = (range(n) if mode == "range" else list(range(n)) if mode == "list"
                               else sorted(rnd.sample(range(n), rnd.randint(1, n))))
-        got = list(StorageAgent._batches(places, idx))
+        got = list(StorageAgent._batches(places, idx, _readcore.columns(places)))
         assert [list(b) for b in got] == list(reference(places, idx))
         for b in got:
             if isinstance(b, range):  # only for blocks read in their own order
