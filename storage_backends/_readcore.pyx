@@ -16,6 +16,7 @@ and the agent reads through NIXL and hashes in Python instead.
 
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.string cimport memcpy
 
 cdef extern from "<sys/uio.h>" nogil:
     struct iovec:
@@ -129,13 +130,30 @@ def hash_check(const int64_t[:] addrs, const int64_t[:] lens, const uint64_t[:] 
     Raises:
         RuntimeError: XXH3 is not :data:`available`.
     """
+    check_copy(addrs, None, lens, cks, ok, lo, hi)
+
+
+def check_copy(const int64_t[:] src, const int64_t[:] dst, const int64_t[:] lens, const uint64_t[:] cks,
+               uint8_t[:] ok, Py_ssize_t lo, Py_ssize_t hi):
+    """Verify blocks ``lo:hi`` read into a staging buffer and copy the good ones out:
+    XXH3-64 of the ``lens[k]`` bytes at ``src[k]`` against ``cks[k]``; on a match they
+    are copied to ``dst[k]`` (while still in the CPU cache; ``dst`` ``None``: only
+    verified), else ``ok[k] = 0`` and ``dst[k]`` is left untouched.  Without the GIL;
+    the caller keeps the memory alive.
+
+    Raises:
+        RuntimeError: XXH3 is not :data:`available`.
+    """
     if not available:
         raise RuntimeError("XXH3 is not bound")
     cdef Py_ssize_t k
+    cdef bint copy = dst is not None
     with nogil:
         for k in range(lo, hi):
-            if _oneshot(<void*>addrs[k], <size_t>lens[k]) != cks[k]:
+            if _oneshot(<void*>src[k], <size_t>lens[k]) != cks[k]:
                 ok[k] = 0
+            elif copy:
+                memcpy(<void*>dst[k], <void*>src[k], <size_t>lens[k])
 
 
 def read_cached(const int32_t[:] gfd, const int64_t[:] goff, const int64_t[:] gstart, const int64_t[:] gend,

@@ -44,7 +44,7 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 
@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 
 _IOV_MAX = 1024  # buffers one preadv takes (Linux UIO_MAXIOV)
 _READ_BATCH_BYTES = 64 << 20
+_SPLIT_MIN_BYTES = 2 << 20  # staged reads: check + copy on two threads from this size
 _READ_RETRIES = 3
 
 
@@ -648,10 +649,10 @@ class StorageAgent:
             bad: list[int] = []
             batches: list[Sequence[int]]
             if alone:
-                batches = list(self._batches(cur, [i for i in todo if i not in alone], cols))
+                batches = list(self._batches(cur, [i for i in todo if i not in alone], cols, self._read_batch_bytes))
                 batches += [[i] for i in todo if i in alone]
             else:
-                batches = list(self._batches(cur, todo if attempt else range(n), cols))
+                batches = list(self._batches(cur, todo if attempt else range(n), cols, self._read_batch_bytes))
             for batch in batches:
                 if isinstance(batch, range):  # blocks lo..hi-1 in their own order: slices
                     lo, hi = batch.start, batch.stop
@@ -709,7 +710,7 @@ class StorageAgent:
             if len(broken) == 1:
                 raise broken[0][1]
             raise TransferError(f"{len(broken)} block(s) failed to read, first: {broken[0][1]}") from broken[0][1]
-        assert all(r is not None for r in results)
+        assert not any(map(operator.is_, results, itertools.repeat(None)))
         return results  # type: ignore[return-value]
 
     def _triage(
@@ -818,10 +819,12 @@ class StorageAgent:
         return again
 
     @staticmethod
-    def _batches(places: Sequence[Placement], idx: Sequence[int], cols: tuple) -> Iterator[Sequence[int]]:
+    def _batches(
+        places: Sequence[Placement], idx: Sequence[int], cols: tuple, cap_of: Callable[[str], int] | None = None,
+    ) -> Iterator[Sequence[int]]:
         """Group the indexes ``idx`` of ``places`` by volume (ordered by segment, offset: a
         stable sort) and cap each batch's bytes: a batch takes blocks while their sum stays
-        within ``_READ_BATCH_BYTES`` (at least one block).  A batch of consecutive indexes
+        within ``cap_of(volume_id)`` (default ``_READ_BATCH_BYTES``; at least one block).  A batch of consecutive indexes
         in their own order (``idx`` a ``range`` already sorted: a whole get's first
         round, as usual) is a ``range``.  ``cols``: :func:`_readcore.columns` of
         ``places`` (column-wise: no Python work per block on the usual path)."""
@@ -837,6 +840,7 @@ class StorageAgent:
             if len(groups) == 1 and isinstance(idx, range):
                 groups = [idx]
         for group in groups:
+            cap = _READ_BATCH_BYTES if cap_of is None else cap_of(places[group[0]].volume_id)
             ix = np.arange(group.start, group.stop) if isinstance(group, range) else \
                 np.fromiter(group, dtype=np.int64, count=len(group))
             s, o, ln = segs[ix], offs[ix], lens[ix]
@@ -846,7 +850,7 @@ class StorageAgent:
             ends = np.cumsum(ln)
             lo, base, m = 0, 0, len(group)
             while lo < m:
-                hi = max(lo + 1, int(np.searchsorted(ends, base + _READ_BATCH_BYTES, side="right")))
+                hi = max(lo + 1, int(np.searchsorted(ends, base + cap, side="right")))
                 yield group[lo:hi]  # a range stays a range
                 lo, base = hi, int(ends[hi - 1])
 
@@ -859,17 +863,22 @@ class StorageAgent:
         Returns per placement the tensor (``dests[i]`` or a new one), or ``None`` on a
         checksum mismatch.  Volumes that can (:meth:`Volume.direct_read_ok`) read straight
         into the destination (:meth:`_read_direct`); the others go through staging
-        buffers (:meth:`_read_staged`).
+        buffers (:meth:`_read_staged`), or, for new tensors, into a new buffer whose
+        views they are.
         """
         n = len(places)
         segs, offs, lengths, cks = cols if cols is not None else _readcore.columns(list(places))[1:]
         eng = vol.engine
+        if dests is None and not vol.direct_read_ok(np.zeros(n, dtype=np.int64), lengths):
+            # read through a buffer whatever the addresses (S3 blocks under 4 MiB): new
+            # blocks are views of a new buffer per piece, no copy out (_read_piece)
+            return self._read_staged(vol, places, None)
         if dests is None:
             # one tensor per block: the allocator recycles freed blocks, so their memory is
             # already faulted in and registered (one 64 MiB buffer per call would be a fresh
             # mmap, 16k page faults, every time: measured 5x slower)
             dests = [torch.empty(ln, dtype=torch.uint8) for ln in lengths.tolist()]
-        addrs = np.fromiter((t.data_ptr() for t in dests), dtype=np.int64, count=n)
+        addrs = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.int64, count=n)
         if not vol.direct_read_ok(addrs, lengths) or _overlapping(addrs, lengths):
             # overlapping destinations: a block read in place could be overwritten by
             # another one before it is hashed (and a good copy quarantined)
@@ -882,6 +891,8 @@ class StorageAgent:
         with eng.lock:
             eng.dram.ensure(addrs, addrs + lengths, storage_of)
             ok = self._read_direct(vol, places, lengths, addrs, segs, offs, cks)
+        if all(ok):
+            return list(dests)
         return [t if good else None for t, good in zip(dests, ok)]
 
     def _read_direct(
@@ -1144,13 +1155,31 @@ class StorageAgent:
         self, vol: Volume, places: Sequence[Placement], idx: list[int], dests: Sequence[torch.Tensor] | None,
         out: list[torch.Tensor | None], slot: int, pool: ThreadPoolExecutor | None = None,
     ) -> Future[None]:
-        """Read ``places[idx]`` into staging ``slot``; verify + copy now, or on ``pool``."""
+        """Read ``places[idx]`` into staging ``slot``; verify + copy now, or on ``pool``.
+
+        Without ``dests`` (new tensors wanted) the piece is read into a new buffer instead
+        and its verified blocks are handed out as views of it (no copy: the blocks of one
+        piece share that buffer's memory for as long as any of them lives)."""
         items = [(places[i].segment_id, places[i].offset, places[i].length) for i in idx]
-        buf = vol.engine.staging(vol.read_buffer_bytes(items), vol.buffer_alignment, slot=slot)
+        need, align = vol.read_buffer_bytes(items), vol.buffer_alignment
+        fresh = dests is None and _readcore.available
+        if fresh:
+            raw = torch.empty(max(need, 1) + align, dtype=torch.uint8)
+            pad = (-raw.data_ptr()) % align
+            buf = raw[pad : pad + max(need, 1)]
+            vol.engine.register_tensor(buf)
+        else:
+            buf = vol.engine.staging(need, align, slot=slot)
         starts = vol.read_into(items, buf)
         base = buf.data_ptr()
 
         def verify() -> None:
+            if fresh:
+                hand_out_views()
+                return
+            if _readcore.available:
+                check_copy()
+                return
             # raw addresses: a tensor or array per block costs more than hashing 64 KiB
             for i, start in zip(idx, starts):
                 p = places[i]
@@ -1162,12 +1191,51 @@ class StorageAgent:
                 ctypes.memmove(dst.data_ptr(), src, p.length)
                 out[i] = dst
 
+        def hand_out_views() -> None:
+            """The verified blocks of the new buffer, as views of it."""
+            m = len(idx)
+            lens = np.fromiter((places[i].length for i in idx), dtype=np.int64, count=m)
+            cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
+            ok = np.ones(m, dtype=np.uint8)
+            _readcore.hash_check(np.asarray(starts, dtype=np.int64) + base, lens, cks, ok, 0, m)
+            for j, (i, st, ln) in enumerate(zip(idx, starts, lens.tolist())):
+                out[i] = buf[st : st + ln] if ok[j] else None
+
+        def check_copy() -> None:
+            """:func:`_readcore.check_copy` of every block (no GIL); read inline with
+            :attr:`split_cached_reads`, the second half on the verifier thread."""
+            m = len(idx)
+            lens = np.fromiter((places[i].length for i in idx), dtype=np.int64, count=m)
+            cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
+            src = np.asarray(starts, dtype=np.int64) + base
+            dst_t = [dests[i] for i in idx] if dests is not None else \
+                [torch.empty(ln, dtype=torch.uint8) for ln in lens.tolist()]
+            dst = np.fromiter(map(torch.Tensor.data_ptr, dst_t), dtype=np.int64, count=m)
+            ok = np.ones(m, dtype=np.uint8)
+            total = int(lens.sum())
+            if pool is None and m > 1 and total >= _SPLIT_MIN_BYTES and self._split_cached_reads():
+                mid = int(np.searchsorted(np.cumsum(lens), total // 2)) or 1
+                other = self._verifier().submit(_readcore.check_copy, src, dst, lens, cks, ok, mid, m)
+                try:
+                    _readcore.check_copy(src, dst, lens, cks, ok, 0, mid)
+                finally:
+                    _wait_through_interrupts([other], reraise=False)  # it writes into dst
+                other.result()
+            else:
+                _readcore.check_copy(src, dst, lens, cks, ok, 0, m)
+            for j, i in enumerate(idx):
+                out[i] = dst_t[j] if ok[j] else None
+
         if pool is not None:
             return pool.submit(verify)
         done: Future[None] = Future()
         verify()
         done.set_result(None)
         return done
+
+    def _read_batch_bytes(self, volume_id: str) -> int:
+        """Bytes per read batch of a volume (:attr:`Volume.read_batch_bytes`)."""
+        return self._vol(volume_id).read_batch_bytes
 
     def _verify_aside(self) -> bool:
         """Whether direct reads hash on the verifier thread (see :attr:`verify_aside`)."""

@@ -544,6 +544,10 @@ class PosixVolume(Volume):
     #: 64 MiB, and against verifying on a second thread while the next piece is read
     read_piece_bytes: int = 4 << 20
 
+    #: 256 MiB: batches are read a 4 MiB piece at a time (and staged a piece at a time),
+    #: so a larger batch costs no memory; fewer batches cut per-batch work of hot gets
+    read_batch_bytes: int = 256 << 20
+
     #: 1 MiB: a group read from the page cache is hashed while it is in L2 (1 MiB per
     #: core here); measured against 256 KiB, 512 KiB and 2 MiB (hot gets, 64 KiB..16 MiB blocks)
     cached_read_bytes: int = 1 << 20

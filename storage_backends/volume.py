@@ -241,6 +241,11 @@ class Volume(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no direct reads")
 
+    #: bytes of blocks per read batch of ``StorageAgent.get`` (a batch is one
+    #: :meth:`read_direct` pass, or the staging buffer's size when ``read_piece_bytes``
+    #: is larger than a batch, as for S3)
+    read_batch_bytes: int = 64 << 20
+
     #: bytes per page-cache copy (0: the volume has none, see :meth:`page_cache_files`);
     #: small enough that a group of blocks is still in the CPU's L2 cache when it is hashed
     cached_read_bytes: int = 0

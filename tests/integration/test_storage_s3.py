@@ -132,6 +132,26 @@ def test_conflicting_commit_deletes_the_new_object(agent: StorageAgent, local_s3
     assert objects(local_s3, bucket) == [] and agent.locate([k]) == [moved]
 
 
+def test_new_blocks_of_a_staged_get_are_views_of_one_buffer_and_out_gets_copies(agent: StorageAgent) -> None:
+    """A get without ``out`` from S3 (blocks under 4 MiB: read through a buffer) hands
+    out views of one new buffer per read (no copy out); each is exactly its block, and
+    writing one never changes another.  With ``out`` the bytes are copied into the
+    caller's tensors; both verify every block."""
+    items = [(BlockKey(NS, 900 + i), block(900 + i, 64 << 10)) for i in range(48)]  # 3 MiB: split copy-out
+    agent.put(items, "cold")
+    keys = [k for k, _ in items]
+    got = agent.get(keys)
+    assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 48
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 1  # one buffer
+    assert all(g.numel() == 64 << 10 and g.is_contiguous() for g in got)
+    got[3].fill_(7)  # a view: only its own bytes
+    assert torch.equal(got[2], items[2][1]) and torch.equal(got[4], items[4][1])
+    outs = [torch.zeros(64 << 10, dtype=torch.uint8) for _ in items]
+    back = agent.get(keys, out=outs)
+    assert all(b is o for b, o in zip(back, outs))
+    assert [torch.equal(o, t) for o, (_, t) in zip(outs, items)] == [True] * 48
+
+
 def test_corrupted_object_is_detected(agent: StorageAgent, local_s3: LocalS3) -> None:
     keys = [BlockKey(NS, 400 + i) for i in range(3)]
     ps = agent.put([(k, block(k.sequence_hash, 2048)) for k in keys], "cold")
@@ -141,11 +161,22 @@ def test_corrupted_object_is_detected(agent: StorageAgent, local_s3: LocalS3) ->
     body = bytearray(c.get_object(Bucket=desc.bucket, Key=key)["Body"].read())
     body[ps[2].offset + 5] ^= 0x80
     c.put_object(Bucket=desc.bucket, Key=key, Body=bytes(body))
+    outs = [torch.zeros(2048, dtype=torch.uint8) for _ in keys]
     with pytest.raises(ChecksumMismatchError):
-        agent.get(keys)
+        agent.get(keys, out=outs)  # through the staging buffer and the copy out
+    assert not outs[2].any()  # the bad copy never lands in the caller's tensor
     with pytest.raises(BlockNotFoundError):
         agent.get([keys[2]])
     assert torch.equal(agent.get([keys[0]])[0], block(keys[0].sequence_hash, 2048))
+    keys2 = [BlockKey(NS, 410 + i) for i in range(3)]
+    ps = agent.put([(k, block(k.sequence_hash, 2048)) for k in keys2], "cold")
+    key = f"kv/cold/seg-{ps[0].segment_id:012d}"
+    body = bytearray(c.get_object(Bucket=desc.bucket, Key=key)["Body"].read())
+    body[ps[1].offset + 7] ^= 0x01
+    c.put_object(Bucket=desc.bucket, Key=key, Body=bytes(body))
+    with pytest.raises(ChecksumMismatchError):
+        agent.get(keys2)  # new tensors: views of the read buffer, verified all the same
+    assert agent.exists(keys2) == [True, False, True]
 
 
 def test_same_hash_under_odd_model_names_stays_distinct(agent: StorageAgent, local_s3: LocalS3) -> None:

@@ -127,3 +127,19 @@ def test_read_cached_reports_errors_and_refuses_oversized_groups(tmp_path: Path)
                                   0, 1, 1 << 20, RWF_NOWAIT)
     finally:
         os.close(fd)
+
+
+def test_check_copy_copies_only_verified_blocks() -> None:
+    """Staged reads: a block whose XXH3 differs is not copied (its destination keeps its
+    old bytes) and is flagged; the others are copied byte for byte."""
+    rng = np.random.default_rng(3)
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 777, 65536, 300_001)]
+    dst = [np.full(b.nbytes, 0xAB, dtype=np.uint8) for b in src]
+    cks = [xxhash.xxh3_64_intdigest(b) for b in src]
+    cks[2] += 1
+    s_addrs, lens, ck, ok = arrays(src, cks)
+    d_addrs = np.array([b.ctypes.data for b in dst], dtype=np.int64)
+    _readcore.check_copy(s_addrs, d_addrs, lens, ck, ok, 0, 4)
+    assert ok.tolist() == [1, 1, 0, 1]
+    assert [np.array_equal(d, s) for d, s in zip(dst, src)] == [True, True, False, True]
+    assert (dst[2] == 0xAB).all()
