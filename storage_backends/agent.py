@@ -1159,10 +1159,13 @@ class StorageAgent:
 
         Without ``dests`` (new tensors wanted) the piece is read into a new buffer instead
         and its verified blocks are handed out as views of it (no copy: the blocks of one
-        piece share that buffer's memory for as long as any of them lives)."""
+        piece share that buffer's memory for as long as any of them lives), when they
+        fill at least half of it (the volume may read the gaps between blocks too: a
+        sparse piece is copied out, so that a kept block never holds much more memory
+        than its own).  A block asked for twice gets a copy the second time."""
         items = [(places[i].segment_id, places[i].offset, places[i].length) for i in idx]
         need, align = vol.read_buffer_bytes(items), vol.buffer_alignment
-        fresh = dests is None and _readcore.available
+        fresh = dests is None and _readcore.available and 2 * sum(ln for _, _, ln in items) >= need
         if fresh:
             raw = torch.empty(max(need, 1) + align, dtype=torch.uint8)
             pad = (-raw.data_ptr()) % align
@@ -1198,8 +1201,15 @@ class StorageAgent:
             cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
             ok = np.ones(m, dtype=np.uint8)
             _readcore.hash_check(np.asarray(starts, dtype=np.int64) + base, lens, cks, ok, 0, m)
+            seen: set[int] = set()
             for j, (i, st, ln) in enumerate(zip(idx, starts, lens.tolist())):
-                out[i] = buf[st : st + ln] if ok[j] else None
+                if not ok[j]:
+                    out[i] = None
+                elif st in seen:  # the same block again (one copy read): its own memory
+                    out[i] = buf[st : st + ln].clone()
+                else:
+                    seen.add(st)
+                    out[i] = buf[st : st + ln]
 
         def check_copy() -> None:
             """:func:`_readcore.check_copy` of every block (no GIL); read inline with
@@ -1213,13 +1223,16 @@ class StorageAgent:
             dst = np.fromiter(map(torch.Tensor.data_ptr, dst_t), dtype=np.int64, count=m)
             ok = np.ones(m, dtype=np.uint8)
             total = int(lens.sum())
-            if pool is None and m > 1 and total >= _SPLIT_MIN_BYTES and self._split_cached_reads():
+            if (pool is None and m > 1 and total >= _SPLIT_MIN_BYTES and self._split_cached_reads()
+                    and not _overlapping(dst, lens)):  # overlapping outs: the later block wins, in order
                 mid = int(np.searchsorted(np.cumsum(lens), total // 2)) or 1
                 other = self._verifier().submit(_readcore.check_copy, src, dst, lens, cks, ok, mid, m)
                 try:
                     _readcore.check_copy(src, dst, lens, cks, ok, 0, mid)
-                finally:
+                except BaseException:
                     _wait_through_interrupts([other], reraise=False)  # it writes into dst
+                    raise
+                _wait_through_interrupts([other])
                 other.result()
             else:
                 _readcore.check_copy(src, dst, lens, cks, ok, 0, m)
