@@ -557,7 +557,10 @@ class StorageAgent:
                 bytes, any dtype); filled and returned instead of new tensors.
 
         Returns:
-            per key, a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).
+            per key, a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).  New
+            tensors of blocks a volume reads through a buffer (S3 blocks under 4 MiB) are
+            views of one buffer per read when they fill at least half of it (no copy; the
+            buffer lives as long as any of them); pass ``out`` to own the memory.
 
         Raises:
             BlockNotFoundError: a key has no placement.
