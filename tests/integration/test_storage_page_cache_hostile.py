@@ -195,17 +195,25 @@ def test_holes_of_any_page_size_inside_groups_of_over_1024_tiny_and_odd_blocks(
     # the second hole is in a later piece: a get at a time (NIXL's buffered read of the
     # first miss's piece reads ahead and would fill it)
     for hole, last in ((MiB + 600 * KiB, 4 * MiB), (4 * MiB + 512 * KiB, size)):
-        evict(path)
-        warm(path, 0, hole)
-        warm(path, hole + 4 * KiB, size - hole - 4 * KiB)
-        outs = pool_views(sizes, rng)
-        nixl = Reads(vol, monkeypatch)
-        before = cached_bytes(vol)
-        agent.get(keys, out=outs)
-        assert [i for i, (o, (_, t)) in enumerate(zip(outs, items)) if not torch.equal(o, t)] == []
-        # one NIXL read, from the block at the hole to the end of its piece; the rest copied
-        assert nixl.calls == 1 and last - hole <= nixl.bytes < last - hole + 1024
-        assert cached_bytes(vol) - before >= size - nixl.bytes
+        exact = []
+        # The kernel may change the page cache under the test (a busy machine: a page read
+        # back, or an RWF_NOWAIT read cut short by a locked page): every try must return
+        # the right bytes, each read once; one try in three must show the exact pattern.
+        for _ in range(3):
+            evict(path)
+            warm(path, 0, hole)
+            warm(path, hole + 4 * KiB, size - hole - 4 * KiB)
+            outs = pool_views(sizes, rng)
+            nixl = Reads(vol, monkeypatch)
+            before = cached_bytes(vol)
+            agent.get(keys, out=outs)
+            assert [i for i, (o, (_, t)) in enumerate(zip(outs, items)) if not torch.equal(o, t)] == []
+            assert cached_bytes(vol) - before + nixl.bytes == sum(sizes)  # each byte once, by one of the two
+            # one NIXL read, from the block at the hole to the end of its piece; the rest copied
+            exact.append(nixl.calls == 1 and last - hole <= nixl.bytes < last - hole + 1024)
+            if exact[-1]:
+                break
+        assert exact[-1], exact
     _healthy(agent)
 
 
