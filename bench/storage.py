@@ -276,7 +276,7 @@ def bench_s3(base: Path, s3: object, block: int, total: int, runs: int, per_bloc
     client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,  # type: ignore[attr-defined]
                           aws_secret_access_key=s3.secret_key, region_name="us-east-1",  # type: ignore[attr-defined]
                           config=Config(s3={"addressing_style": "path"}))
-    cat = SqliteCatalog(base / f"catalog-s3-{block}.sqlite")
+    cat = SqliteCatalog(base / f"catalog-s3-{block}-{total}.sqlite")
     res: dict[str, list[float]] = {k: [] for k in ("ours_put", "boto_put_block", "boto_put_seg", "boto_put_mt",
                                                    "ours_get", "ours_get_new", "boto_get_block", "boto_get_seg",
                                                    "boto_get_mt")}
