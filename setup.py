@@ -1,6 +1,7 @@
 """Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/_index_core.pyx``),
-the event encoder of the block pools (``event_plane/_fastenc.pyx``) and the core of the block
-pools (``kvbm_runtime/_pool_core.pyx``).
+the event encoder of the block pools (``event_plane/_fastenc.pyx``), the core of the block
+pools (``kvbm_runtime/_pool_core.pyx``) and the storage agent's verified reads
+(``storage_backends/_readcore.pyx``).
 
 Project metadata lives in ``pyproject.toml``; this file only declares the Cython extensions
 (built by ``pip install -e .`` / ``make install``; Cython comes from ``[build-system] requires``).
