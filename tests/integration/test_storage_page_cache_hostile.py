@@ -38,7 +38,7 @@ from storage_backends import (
     VolumeDescriptor,
     VolumeKind,
 )
-from storage_backends import _readcore, posix_volume
+from storage_backends import _readcore
 from tests.integration.test_storage_page_cache_reads import Reads, block, cached_bytes, evict
 
 NS = "page-cache-hostile"
