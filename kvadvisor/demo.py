@@ -335,7 +335,8 @@ def run_demo(
     env = _env()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
-        workdir = Path(s.workdir) if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
+        # absolute: advisor.json names its paths from here, and `advisor run` may start anywhere
+        workdir = Path(s.workdir).resolve() if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
         workdir.mkdir(parents=True, exist_ok=True)
         if not s.keep and not s.workdir:
             stack.callback(shutil.rmtree, workdir, ignore_errors=True)

@@ -91,3 +91,26 @@ def test_asking_for_more_requests_than_the_trace_holds_says_how_many_were_replay
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())  # the console wraps long lines
     assert "note: the trace holds 4 requests; all of them were replayed (--requests asked for 50)" in out
+
+
+def test_a_relative_workdir_leaves_an_advisor_json_that_works_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A README check found it: `demo --workdir runs/demo2` wrote its paths relative to the
+    directory it ran in, so `advisor run --config advisor.json` started from inside the
+    workdir silently opened a new, empty journal and catalog.  The paths are absolute now."""
+    import json
+
+    from kvadvisor.trace import bundled_trace
+
+    trace = tmp_path / "short.jsonl"
+    with open(bundled_trace()) as f:
+        trace.write_text("".join(next(f) for _ in range(4)))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--requests", "4", "--workdir", "runs/w"])
+    assert result.exit_code == 0, result.output
+    cfg = json.loads((tmp_path / "runs" / "w" / "advisor.json").read_text())
+    paths = [v for k, v in cfg.items() if k.endswith("_path") and isinstance(v, str)]
+    paths += [v["root"] for v in cfg.get("volumes", []) if isinstance(v, dict) and v.get("root")]
+    assert paths and all(Path(p).is_absolute() for p in paths), paths
+    assert all(Path(p).resolve().is_relative_to((tmp_path / "runs" / "w").resolve()) for p in paths), paths
