@@ -125,6 +125,27 @@ def _wait_through_interrupts(futures: Sequence[Future[object]], reraise: bool = 
         raise first
 
 
+def _in_halves(
+    pool: ThreadPoolExecutor, first: Callable[[], object], second: Callable[[], object],
+    abandoned: Callable[[object], None] | None = None,
+) -> object:
+    """Run ``second`` on ``pool`` while this thread runs ``first``; return ``second``'s
+    result.  ``second`` works on memory or file descriptors the caller gives back when it
+    returns, so it is always waited for, even through an interrupt: when ``first`` raises,
+    ``second`` is waited for, its result (if it returned one) given to ``abandoned``, and
+    ``first``'s exception raised."""
+    other = pool.submit(second)
+    try:
+        first()
+    except BaseException:
+        _wait_through_interrupts([other], reraise=False)
+        if abandoned is not None and other.exception() is None:
+            abandoned(other.result())
+        raise
+    _wait_through_interrupts([other])
+    return other.result()
+
+
 def _many_cpus() -> bool:
     """Whether this process may run on more than one CPU (``os.sched_getaffinity``)."""
     try:
@@ -1089,19 +1110,10 @@ class StorageAgent:
                 cut = min(piece_ends[:-1], key=lambda b: abs(int(starts[b]) - half)) if len(piece_ends) > 1 \
                     else int(np.searchsorted(ends, half))
                 mid = min(max(int(np.searchsorted(gstart, cut)), 1), ng - 1)
-                other = splitter.submit(copy, mid, ng)
-                try:
-                    run(copy(0, mid), mid)
-                except BaseException:
-                    # the other half copies through fds that close when the caller's
-                    # context exits: wait for it (even through Ctrl-C), count its bytes
-                    _wait_through_interrupts([other], reraise=False)
-                    if other.exception() is None:
-                        _, _, _, err, copied = other.result()
-                        done(copied, err)
-                    raise
-                _wait_through_interrupts([other])
-                state = other.result()
+                # the other half copies through fds that close when the caller's context
+                # exits; if this half fails, its copied bytes are still counted
+                state = _in_halves(splitter, lambda: run(copy(0, mid), mid), lambda: copy(mid, ng),
+                                   lambda st: done(st[4], st[3]))  # type: ignore[index]
                 self.counters.verified_aside += 1
                 run(state, ng)
             else:
@@ -1180,11 +1192,12 @@ class StorageAgent:
         base = buf.data_ptr()
 
         def verify() -> None:
-            if fresh:
-                hand_out_views()
-                return
             if _readcore.available:
-                check_copy()
+                m = len(idx)
+                lens = np.fromiter((places[i].length for i in idx), dtype=np.int64, count=m)
+                cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
+                src = np.asarray(starts, dtype=np.int64) + base
+                (hand_out_views if fresh else check_copy)(lens, cks, src)
                 return
             # raw addresses: a tensor or array per block costs more than hashing 64 KiB
             for i, start in zip(idx, starts):
@@ -1197,13 +1210,10 @@ class StorageAgent:
                 ctypes.memmove(dst.data_ptr(), src, p.length)
                 out[i] = dst
 
-        def hand_out_views() -> None:
+        def hand_out_views(lens: np.ndarray, cks: np.ndarray, src: np.ndarray) -> None:
             """The verified blocks of the new buffer, as views of it."""
-            m = len(idx)
-            lens = np.fromiter((places[i].length for i in idx), dtype=np.int64, count=m)
-            cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
-            ok = np.ones(m, dtype=np.uint8)
-            _readcore.hash_check(np.asarray(starts, dtype=np.int64) + base, lens, cks, ok, 0, m)
+            ok = np.ones(len(idx), dtype=np.uint8)
+            _readcore.hash_check(src, lens, cks, ok, 0, len(idx))
             seen: set[int] = set()
             for j, (i, st, ln) in enumerate(zip(idx, starts, lens.tolist())):
                 if not ok[j]:
@@ -1214,13 +1224,10 @@ class StorageAgent:
                     seen.add(st)
                     out[i] = buf[st : st + ln]
 
-        def check_copy() -> None:
+        def check_copy(lens: np.ndarray, cks: np.ndarray, src: np.ndarray) -> None:
             """:func:`_readcore.check_copy` of every block (no GIL); read inline with
             :attr:`split_cached_reads`, the second half on the verifier thread."""
             m = len(idx)
-            lens = np.fromiter((places[i].length for i in idx), dtype=np.int64, count=m)
-            cks = np.fromiter((places[i].checksum for i in idx), dtype=np.uint64, count=m)
-            src = np.asarray(starts, dtype=np.int64) + base
             dst_t = [dests[i] for i in idx] if dests is not None else \
                 [torch.empty(ln, dtype=torch.uint8) for ln in lens.tolist()]
             dst = np.fromiter(map(torch.Tensor.data_ptr, dst_t), dtype=np.int64, count=m)
@@ -1229,14 +1236,8 @@ class StorageAgent:
             if (pool is None and m > 1 and total >= _SPLIT_MIN_BYTES and self._split_cached_reads()
                     and not _overlapping(dst, lens)):  # overlapping outs: the later block wins, in order
                 mid = int(np.searchsorted(np.cumsum(lens), total // 2)) or 1
-                other = self._verifier().submit(_readcore.check_copy, src, dst, lens, cks, ok, mid, m)
-                try:
-                    _readcore.check_copy(src, dst, lens, cks, ok, 0, mid)
-                except BaseException:
-                    _wait_through_interrupts([other], reraise=False)  # it writes into dst
-                    raise
-                _wait_through_interrupts([other])
-                other.result()
+                _in_halves(self._verifier(), lambda: _readcore.check_copy(src, dst, lens, cks, ok, 0, mid),
+                           lambda: _readcore.check_copy(src, dst, lens, cks, ok, mid, m))  # both write into dst
             else:
                 _readcore.check_copy(src, dst, lens, cks, ok, 0, m)
             for j, i in enumerate(idx):

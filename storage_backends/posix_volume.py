@@ -474,12 +474,17 @@ class PosixVolume(Volume):
             self._open[segment_id] = seg
             return seg
 
-    def _trim(self) -> None:
-        """Close the least recently used segment files beyond :attr:`max_open` (not while
-        :meth:`page_cache_files` holds them)."""
+    def _trim(self, keep: frozenset[int] = frozenset(), room: int = 0) -> None:
+        """Close the least recently used segment files, other than ``keep``, until at most
+        :attr:`max_open` - ``room`` stay open (not while :meth:`page_cache_files` holds
+        them)."""
         with self._open_lock:
-            while len(self._open) > self.max_open and not self._pinned:
-                self._close_one(next(iter(self._open)))
+            if self._pinned:
+                return
+            for sid in [sid for sid in self._open if sid not in keep]:
+                if len(self._open) + room <= self.max_open:
+                    break
+                self._close_one(sid)
 
     def _close_one(self, segment_id: int) -> None:
         seg = self._open.pop(segment_id, None)
@@ -575,17 +580,11 @@ class PosixVolume(Volume):
             ids = list(dict.fromkeys(segment_ids))
             # room first: the least recently used files not asked for are closed so that
             # these fit within max_open (when they can), not after
-            want = set(ids)
-            short = sum(1 for sid in ids if sid not in self._open) + len(self._open) - self.max_open
-            if short > 0 and not self._pinned:
-                for sid in [sid for sid in self._open if sid not in want][:short]:
-                    self._close_one(sid)
+            self._trim(frozenset(ids), sum(1 for sid in ids if sid not in self._open))
             self._pinned += 1
             try:
                 fds: dict[int, int] = {}
                 for sid in ids:
-                    if sid in fds:
-                        continue
                     try:
                         fds[sid] = self._segment(sid, False).fd
                     except (TransferError, OSError):

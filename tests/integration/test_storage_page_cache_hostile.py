@@ -490,23 +490,28 @@ def test_a_signal_storm_on_the_reading_thread(tmp_path: Path) -> None:
     assert hits[0] > 10 and cached_bytes(vol) > 0
 
 
-def test_a_hot_segment_cut_short_under_outs_that_already_hold_the_bytes(agent: StorageAgent) -> None:
+@pytest.mark.parametrize(("split", "cut"), [(False, 20), (True, 36)], ids=["one-thread", "split-second-half"])
+def test_a_hot_segment_cut_short_under_outs_that_already_hold_the_bytes(
+    agent: StorageAgent, split: bool, cut: int,
+) -> None:
     """The segment is truncated mid-block while this process holds it open (stale cached
     size) and the out tensors already hold the right bytes from the last get: the
     page-cache read stops at the new end, NIXL's read past it fails, and only the blocks
-    past the end are quarantined (the old bytes in ``out`` do not hide the loss)."""
+    past the end are quarantined (the old bytes in ``out`` do not hide the loss).  Also
+    with the copies split over two threads, the cut inside the second half (blocks 32..)."""
     vol = agent._vol("v")  # type: ignore[attr-defined]
+    agent.split_cached_reads = agent.verify_aside = split
     items = [(BlockKey(NS, 8000 + i), block(8000 + i, 64 * KiB)) for i in range(40)]  # 2.5 MiB
     ps = agent.put(items, "v")
     outs = [t.clone() for _, t in items]
     agent.get([k for k, _ in items], out=outs)
-    os.truncate(vol.path(ps[0].segment_id), ps[20].offset + 5)
+    os.truncate(vol.path(ps[0].segment_id), ps[cut].offset + 5)
     with pytest.raises(SegmentTruncatedError):
         agent.get([k for k, _ in items], out=outs)
-    assert agent.exists([k for k, _ in items]) == [True] * 20 + [False] * 20
-    assert agent.counters.quarantined == 20 and agent.counters.checksum_mismatches == 0
-    got = agent.get([k for k, _ in items[:20]])
-    assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * 20
+    assert agent.exists([k for k, _ in items]) == [True] * cut + [False] * (40 - cut)
+    assert agent.counters.quarantined == 40 - cut and agent.counters.checksum_mismatches == 0
+    got = agent.get([k for k, _ in items[:cut]])
+    assert [torch.equal(g, t) for g, (_, t) in zip(got, items)] == [True] * cut
 
 
 @pytest.mark.parametrize("seed", [1, 2])

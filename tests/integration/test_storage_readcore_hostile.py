@@ -487,26 +487,6 @@ def test_bytes_copied_by_the_second_half_of_a_failed_batch_are_counted(
     assert (cached_bytes(vol) - before, vol.counters.bytes_read - b0) == (hook.copied(), hook.copied() + nixl)
 
 
-def test_a_segment_cut_short_in_the_second_half_while_split(agent: StorageAgent) -> None:
-    """Split copies, the segment truncated inside the second half (stale cached size),
-    out tensors already holding the right bytes: only the blocks past the new end are
-    quarantined, the first half and the rest of the second come back right."""
-    vol = agent._vol("v")  # type: ignore[attr-defined]
-    agent.split_cached_reads = agent.verify_aside = True
-    items = [(BlockKey(NS, 800 + i), block(800 + i, 64 * KiB + 1)) for i in range(64)]  # ~4 MiB
-    ps = agent.put(items, "v")
-    outs = [t.clone() for _, t in items]
-    agent.get([k for k, _ in items], out=outs)
-    os.truncate(vol.path(ps[0].segment_id), ps[50].offset + 3)
-    from storage_backends import SegmentTruncatedError
-    with pytest.raises(SegmentTruncatedError):
-        agent.get([k for k, _ in items], out=outs)
-    assert agent.exists([k for k, _ in items]) == [True] * 50 + [False] * 14
-    assert agent.counters.quarantined == 14 and agent.counters.checksum_mismatches == 0
-    got = agent.get([k for k, _ in items[:50]])
-    assert _wrong(got, [t for _, t in items[:50]]) == []
-
-
 def test_the_same_block_twice_into_one_out_and_into_two_views(agent: StorageAgent) -> None:
     """Overlapping outs (the same tensor twice for the same key) go through the staging
     path; the same key into two disjoint views of one pool is copied twice, right both times."""
