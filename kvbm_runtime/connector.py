@@ -38,17 +38,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from event_plane.schema import EventType, KVEvent
+
 from .block import BlockMeta, ImmutableBlock
-from .errors import KvbmError
+from .errors import KvbmError, PoolExhaustedError
 from .layout import ExternalLayout
 from .manager import BlockManager
-from .transfer import HostOffloadItem, HostOffloadResult, StepEvent, StorageOffloadItem, StorageOffloadResult
+from .residency import HOST, STORAGE, ReportingSink, ResidencyReport
+from .transfer import (
+    HostOffloadItem,
+    HostOffloadResult,
+    StepEvent,
+    StorageOffloadItem,
+    StorageOffloadResult,
+    StorageOnboardResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +119,8 @@ class BlockTransfer:
     Attributes:
         sequence_hash, parent_hash, prefix_hash, salt: identity of the block.
         engine_block_id: the engine's block id.
-        tier: ``"g2"`` or ``"g3"`` for loads (where it comes from); ``"g1"`` for saves.
+        tier: ``"g2"`` or ``"storage"`` (a G3 or G4 volume) for loads, where the block
+            comes from; ``"g1"`` for saves.
     """
 
     sequence_hash: int
@@ -126,10 +137,19 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class RequestTransfers:
-    """Loads or saves of one request in one step."""
+    """Loads or saves of one request in one step.
+
+    Attributes:
+        request_id: engine request id.
+        blocks: the blocks, in block order.
+        load_async: (loads) the engine does not wait for these loads in the step's
+            forward pass; the worker lists the request in ``finished_recving`` once they
+            are done (slow tiers).
+    """
 
     request_id: str
     blocks: list[BlockTransfer]
+    load_async: bool = False
 
 
 @dataclass(slots=True)
@@ -194,7 +214,7 @@ class KvbmConnectorScheduler:
             handle = g2.get(hashes[i])
             if handle is not None:
                 pins.append(handle)
-                tiers.append("g2")
+                tiers.append(HOST)
                 continue
             storage_missing_from = i
             break
@@ -204,7 +224,7 @@ class KvbmConnectorScheduler:
             for ok in held:
                 if not ok:
                     break
-                tiers.append("g3")
+                tiers.append(STORAGE)
         with self._lock:
             old = self._matches.pop(request.request_id, None)
             self._matches[request.request_id] = _Match(hashes, first, tiers, pins)
@@ -314,31 +334,52 @@ class KvbmConnectorScheduler:
             p.release()
 
 
+@dataclass(slots=True)
+class _LoadJob:
+    """One queued load: its future, its blocks (in the future's order), their tier."""
+
+    future: Future[Any]
+    blocks: list[BlockTransfer]
+    tier: str
+
+
 class KvbmConnectorWorker:
     """Worker side of the connector (see module doc).
 
     Args:
         manager: the worker's block manager (transfer manager, G2, storage agent).
+        reporter: the sink the manager publishes through, when the scheduler side runs in
+            another process (:class:`~kvbm_runtime.residency.ReportingSink`): failed loads
+            are recorded there and :meth:`take_report` hands out the step's residency
+            changes.
+        disk_only: KVBM's disk-only mode: saves go from the engine's blocks straight to
+            the storage volume (no G2, no disk-offload filter).
     """
 
-    def __init__(self, manager: BlockManager) -> None:
+    def __init__(self, manager: BlockManager, reporter: ReportingSink | None = None, *, disk_only: bool = False) -> None:
+        if disk_only and manager.store is None:
+            raise ConnectorError("disk-only mode needs a storage agent and a volume")
         self.manager = manager
+        self.reporter = reporter
+        self.disk_only = disk_only
         self.layout: ExternalLayout | None = None
         self.layer_names: list[str] = []
         self._meta: KvConnectorMetadata | None = None
-        self._loads: list[Future[Any]] = []
-        self._load_blocks: list[tuple[Future[Any], list[int]]] = []
+        self._loads: list[_LoadJob] = []
+        self._async: dict[str, list[_LoadJob]] = {}
         self._step: StepEvent | None = None
         self._saved_layers: set[str] = set()
-        self._sending: dict[str, list[Future[HostOffloadResult]]] = {}
+        self._sending: dict[str, list[Future[Any]]] = {}
         self._finished_pending: set[str] = set()
         self._storage: list[Future[StorageOffloadResult]] = []
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
+        self._direct: ThreadPoolExecutor | None = None
         # G1 → G2 saves whose G2 → G3 follow-up (a done-callback) has not been queued yet:
         # a future reads done before its callbacks ran
         self._chaining = 0
         self._chained = threading.Condition(self._lock)
+        self.skipped_saves = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Adopt the engine's KV caches, one ``[num_blocks, 2, page_size, inner_dim]``
@@ -374,43 +415,114 @@ class KvbmConnectorWorker:
         return self.layout, self._meta
 
     def start_load_kv(self, forward_context: Any = None) -> None:
-        """Queue the step's loads and, behind the step, its saves."""
+        """Queue the step's loads and, behind the step, its saves.
+
+        Loads of a ``load_async`` request are not waited for in this step: the request is
+        listed in ``finished_recving`` by :meth:`get_finished` once they are done.  A G2
+        block evicted since scheduling fails alone (see
+        :meth:`get_block_ids_with_load_errors`); the engine recomputes from it.
+        """
         layout, meta = self._require()
-        tm = self.manager.transfers
         self._loads = []
-        self._load_blocks = []
         self._saved_layers = set()
         for req in meta.loads:
-            g2 = [b for b in req.blocks if b.tier == "g2"]
-            g3 = [b for b in req.blocks if b.tier == "g3"]
-            handles: list[ImmutableBlock] = []
-            ok = 0
-            for b in g2:
-                h = self.manager.g2.get(b.sequence_hash)
-                if h is None:
-                    break
-                handles.append(h)
-                ok += 1
-            if ok < len(g2):  # evicted since scheduling: this block and the rest fail
-                self._load_errors.update(b.engine_block_id for b in req.blocks[ok:])
-                g3 = []
-            fut = tm.onboard_from_host(handles, layout, [b.engine_block_id for b in g2[:ok]])
-            self._loads.append(fut)
-            if g3:
-                keys = [self.manager.block_key(b.sequence_hash) for b in g3]
-                f3 = tm.onboard_from_storage(keys, layout, [b.engine_block_id for b in g3])
-                self._loads.append(f3)
-                self._load_blocks.append((f3, [b.engine_block_id for b in g3]))
+            jobs = self._queue_loads(layout, req.blocks)
+            if req.load_async:
+                with self._lock:
+                    self._async.setdefault(req.request_id, []).extend(jobs)
+            else:
+                self._loads.extend(jobs)
         self._step = StepEvent()
         for req in meta.saves:
+            self._queue_save(layout, req, self._step)
+
+    def _queue_loads(self, layout: ExternalLayout, blocks: list[BlockTransfer]) -> list[_LoadJob]:
+        tm = self.manager.transfers
+        host: list[BlockTransfer] = []
+        handles: list[ImmutableBlock] = []
+        missing: list[BlockTransfer] = []
+        stored: list[BlockTransfer] = []
+        for b in blocks:
+            if b.tier == HOST:
+                h = self.manager.g2.get(b.sequence_hash)
+                if h is None:  # evicted since scheduling
+                    missing.append(b)
+                else:
+                    host.append(b)
+                    handles.append(h)
+            else:
+                stored.append(b)
+        if missing:
+            self._fail(missing, HOST, lost=missing, error="evicted from G2 since scheduling")
+        jobs: list[_LoadJob] = []
+        if handles:
+            jobs.append(_LoadJob(tm.onboard_from_host(handles, layout, [b.engine_block_id for b in host]), host, HOST))
+        if stored:
+            keys = [self.manager.block_key(b.sequence_hash) for b in stored]
+            jobs.append(_LoadJob(tm.onboard_from_storage(keys, layout, [b.engine_block_id for b in stored]), stored, STORAGE))
+        return jobs
+
+    def _settle(self, job: _LoadJob) -> None:
+        """Record the failures of a finished load job."""
+        try:
+            res = job.future.result()
+        except Exception as exc:  # noqa: BLE001 - the whole job failed: recompute its blocks
+            self._fail(job.blocks, job.tier, lost=[], error=repr(exc))
+            return
+        if isinstance(res, StorageOnboardResult) and res.failed_index is not None:
+            bad = job.blocks[res.failed_index]
+            self._fail(job.blocks[res.failed_index :], job.tier, lost=[bad], error=repr(res.error))
+
+    def _fail(self, blocks: list[BlockTransfer], tier: str, *, lost: list[BlockTransfer], error: str) -> None:
+        self._load_errors.update(b.engine_block_id for b in blocks)
+        self.manager.metrics.onboard_errors.inc(len(blocks))
+        if self.reporter is not None:
+            self.reporter.lost(tier, [b.sequence_hash for b in lost], failures=len(blocks))
+        logger.warning("load of %d block(s) from %s failed, the engine recomputes them: %s", len(blocks), tier, error)
+
+    def _queue_save(self, layout: ExternalLayout, req: RequestTransfers, step: StepEvent) -> None:
+        if self.disk_only:
+            if self._direct is None:
+                self._direct = ThreadPoolExecutor(1, thread_name_prefix="kvbm-disk-save")
+            fut: Future[Any] = self._direct.submit(self._save_direct, layout, req.blocks, step)
+        else:
             items = [HostOffloadItem(b.meta(), layout, b.engine_block_id, None) for b in req.blocks]
-            fut = tm.offload_to_host(items, self._step)
-            if self.manager.store is not None:
-                with self._lock:
-                    self._chaining += 1
-                fut.add_done_callback(lambda f, blocks=req.blocks: self._to_storage(f, blocks))
-            with self._lock:
-                self._sending.setdefault(req.request_id, []).append(fut)
+            try:
+                fut = self.manager.transfers.offload_to_host(items, step)
+            except PoolExhaustedError as exc:  # G2 cannot take the step's blocks: skip the save
+                self.skipped_saves += len(items)
+                logger.warning("save of %d block(s) of %s skipped: %s", len(items), req.request_id, exc)
+                fut = Future()
+                fut.set_running_or_notify_cancel()
+                fut.set_result(None)  # the engine still waits for this request's "finished sending"
+            else:
+                if self.manager.store is not None:
+                    with self._lock:
+                        self._chaining += 1
+                    fut.add_done_callback(lambda f, blocks=req.blocks: self._to_storage(f, blocks))
+        with self._lock:
+            self._sending.setdefault(req.request_id, []).append(fut)
+
+    def _save_direct(self, layout: ExternalLayout, blocks: list[BlockTransfer], step: StepEvent) -> int:
+        """Disk-only save: after the step, copy the blocks out of the engine's cache and put
+        the ones the store does not hold yet; publishes Store(<volume>) per block."""
+        step.wait()
+        m = self.manager
+        assert m.store is not None and m.g3_volume is not None
+        keys = [m.block_key(b.sequence_hash) for b in blocks]
+        todo = [(k, b) for k, b, held in zip(keys, blocks, m.store.exists(keys), strict=True) if not held]
+        if not todo:
+            return 0
+        try:
+            m.store.put([(k, layout.read_bytes(b.engine_block_id)) for k, b in todo], m.g3_volume)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+            logger.warning("disk-only save of %d block(s) failed: %r", len(todo), exc)
+            return 0
+        m.publisher.publish(
+            [KVEvent(EventType.STORE, b.sequence_hash, b.prefix_hash, b.parent_hash, m.block_bytes, m.g3_volume) for _, b in todo]
+        )
+        m.metrics.offload_d2d.inc(len(todo))
+        return len(todo)
 
     def _to_storage(self, fut: Future[HostOffloadResult], blocks: list[BlockTransfer]) -> None:
         try:
@@ -437,20 +549,17 @@ class KvbmConnectorWorker:
             self._storage.append(sf)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until the step's loads are in the engine's blocks (all layers at once).
+        """Block until the step's synchronous loads are in the engine's blocks (all layers
+        at once; the first call waits, later ones return at once).
 
         Raises:
             ConnectorError: unknown layer name.
         """
         if layer_name not in self.layer_names:
             raise ConnectorError(f"unknown layer {layer_name!r}")
-        for fut in self._loads:
-            fut.result()
-        for fut, ids in self._load_blocks:
-            res = fut.result()
-            if res.failed_index is not None:
-                self._load_errors.update(ids[res.failed_index :])
-        self._load_blocks = []
+        jobs, self._loads = self._loads, []
+        for job in jobs:
+            self._settle(job)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any = None) -> None:
         """Note that ``layer_name``'s KV of the step is written (saves start at
@@ -463,42 +572,70 @@ class KvbmConnectorWorker:
             raise ConnectorError(f"unknown layer {layer_name!r}")
         assert self.layout is not None
         own = self.layout.layers[self.layer_names.index(layer_name)]
-        if kv_layer.data_ptr() != own.data_ptr():
+        if kv_layer.untyped_storage().data_ptr() != own.untyped_storage().data_ptr():
             raise ConnectorError(f"save_kv_layer({layer_name!r}) got a tensor that is not the registered cache")
         self._saved_layers.add(layer_name)
 
     def wait_for_save(self) -> None:
         """End of the forward pass: the step's queued saves may read the engine's blocks
-        now.  Returns at once; the copies run in the transfer manager."""
+        now.  Returns at once; the copies run in the transfer manager.  Synchronous loads
+        not waited for yet (a step without attention layers) are settled here."""
+        for job in self._loads:
+            self._settle(job)
+        self._loads = []
         if self._step is not None:
             self._step.done()
             self._step = None
 
+    def wait_for_saves_reading_engine(self, timeout: float | None = None) -> None:
+        """Block until no queued save still reads the engine's blocks (the engine is
+        about to reuse blocks of preempted requests)."""
+        with self._lock:
+            futs = [f for fs in self._sending.values() for f in fs]
+        for f in futs:
+            try:
+                f.result(timeout)
+            except Exception:  # noqa: BLE001 - a failed save reads nothing any more
+                pass
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose saves no longer read the engine's blocks.
+        """Requests whose saves no longer read the engine's blocks, and requests whose
+        asynchronous loads are done (their failed blocks are listed by
+        :meth:`get_block_ids_with_load_errors` in the same step).
 
         Args:
             finished_req_ids: requests that finished this step (with delayed freeing).
 
         Returns:
-            ``(finished_sending, finished_recving)``; ``None`` for an empty set (loads are
-            synchronous, so ``finished_recving`` is always ``None``).
+            ``(finished_sending, finished_recving)``; ``None`` for an empty set.
         """
         done: set[str] = set()
+        recv: set[str] = set()
         with self._lock:
-            self._finished_pending |= set(finished_req_ids)
+            # only requests with saves were kept alive for us (request_finished said so)
+            self._finished_pending |= {rid for rid in finished_req_ids if rid in self._sending}
             for rid in list(self._finished_pending):
-                futs = self._sending.get(rid, [])
-                if all(f.done() for f in futs):
+                if all(f.done() for f in self._sending[rid]):
                     done.add(rid)
                     self._finished_pending.discard(rid)
-                    self._sending.pop(rid, None)
-        return (done or None), None
+                    del self._sending[rid]
+            ready = [rid for rid, jobs in self._async.items() if all(j.future.done() for j in jobs)]
+            settled = [(rid, self._async.pop(rid)) for rid in ready]
+        for rid, jobs in settled:
+            for job in jobs:
+                self._settle(job)
+            recv.add(rid)
+        return (done or None), (recv or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine block ids whose load failed since the last call (to be recomputed)."""
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def take_report(self) -> ResidencyReport | None:
+        """Residency changes since the last call for the scheduler side (``None`` without a
+        reporter or without changes)."""
+        return self.reporter.take_report() if self.reporter is not None else None
 
     def wait_for_storage(self, timeout: float | None = None) -> list[StorageOffloadResult]:
         """Wait for every queued G2 → G3 save (tests, shutdown); returns their results."""
@@ -517,6 +654,12 @@ class KvbmConnectorWorker:
             if not futs:
                 return out
             out.extend(f.result(timeout) for f in futs)
+
+    def close(self) -> None:
+        """Stop the disk-only save thread (waits for its saves)."""
+        if self._direct is not None:
+            self._direct.shutdown(wait=True)
+            self._direct = None
 
 
 class KvbmConnector:

@@ -144,6 +144,9 @@ class BlockManager:
             for a G1+G2-only runtime.
         g3_volume: volume id that offloaded blocks are put into (needed with ``store``).
         metrics: metrics holder (a fresh one labelled with the publisher's source when None).
+        engine_g1: the engine keeps G1 itself (vLLM's KV cache, reached through the
+            connector): no G1 pool is allocated, G2 may be smaller than the engine's G1,
+            and :meth:`serve` is not available.
 
     Raises:
         CapacityConfigError: G2 smaller than G1 (or G3 smaller than G2), naming the numbers.
@@ -159,8 +162,9 @@ class BlockManager:
         g3_volume: str | None = None,
         *,
         metrics: RuntimeMetrics | None = None,
+        engine_g1: bool = False,
     ) -> None:
-        config.check_capacities()
+        config.check_capacities(g1=not engine_g1)
         if (store is None) != (g3_volume is None):
             raise StorageTierError("store and g3_volume must be given together")
         self.config = config
@@ -173,9 +177,10 @@ class BlockManager:
         self.salt = salt_hash(self.fingerprint, config.lora_name, config.cache_salt)
         self.block_bytes = self.layout_config.block_bytes
         assert config.g2_blocks is not None
-        g1_layout = make_layout(config.layout, self.layout_config, config.g1_blocks, tier="g1")
         g2_layout = make_layout(config.layout, self.layout_config, config.g2_blocks, tier="g2")
-        self.g1 = BlockPool("g1", g1_layout, publisher)
+        self._g1: BlockPool | None = None
+        if not engine_g1:
+            self._g1 = BlockPool("g1", make_layout(config.layout, self.layout_config, config.g1_blocks, tier="g1"), publisher)
         self.g2 = BlockPool("g2", g2_layout, publisher)
         source = str(getattr(publisher, "source", "worker"))
         self.metrics = metrics or RuntimeMetrics(source, window=config.hit_rate_window)
@@ -201,6 +206,17 @@ class BlockManager:
         self._totals = _Totals()
         self._media: dict[str, MediaClass] = {}
         self._closed = False
+
+    @property
+    def g1(self) -> BlockPool:
+        """The G1 pool.
+
+        Raises:
+            StorageTierError: the engine keeps G1 itself (``engine_g1=True``).
+        """
+        if self._g1 is None:
+            raise StorageTierError("this manager has no G1 pool: the engine keeps G1 (engine_g1=True)")
+        return self._g1
 
     # ------------------------------------------------------------------ identity helpers
 
@@ -498,7 +514,9 @@ class BlockManager:
         """Totals since start, per-pool counts and hit rates (plain dict)."""
         with self._lock:
             t = self._totals
-            pools: dict[str, PoolStats] = {"g1": self.g1.stats(), "g2": self.g2.stats()}
+            pools: dict[str, PoolStats] = {"g2": self.g2.stats()}
+            if self._g1 is not None:
+                pools = {"g1": self._g1.stats(), **pools}
             return {
                 "requests": t.requests,
                 "blocks": t.blocks,

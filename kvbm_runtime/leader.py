@@ -1,0 +1,235 @@
+"""Scheduler side of the connector when the engine runs it in its own process (vLLM).
+
+The leader holds no KV memory.  It answers the engine's prefix queries from a
+:class:`~kvbm_runtime.residency.ResidencyDirectory` that the workers keep current
+(:meth:`KvbmLeader.apply_report`), plans loads into the engine's blocks, and lists each
+step's saves (the blocks the step fills).  Its output, :class:`KvConnectorMetadata`, is
+plain data the engine ships to the workers, which do the copies
+(:class:`~kvbm_runtime.connector.KvbmConnectorWorker`).
+
+Block identity is the engine's own: the caller passes each request's sequence hashes
+(for vLLM, its block hashes reduced to u64 as its KV events carry them), so the Store /
+Remove events of the workers name the same blocks as the engine's own KV events.
+
+Call order per engine step (vLLM's names):
+
+1. ``match(request, num_computed_tokens)`` for each waiting request — side-effect free
+   apart from remembering the match; may be called again for the same request;
+2. ``plan_load(request_id, block_ids, num_external_tokens)`` once the engine allocated
+   blocks for the tokens it accepted;
+3. ``build_meta(step)`` — the loads planned since the last call and the step's saves;
+4. ``apply_report(report)`` with the workers' step output;
+5. ``finished(request_id)`` when a request ends: ``True`` when saves of it may still
+   read its blocks (the engine frees them once a worker lists it as finished sending).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .connector import BlockTransfer, ConnectorError, KvConnectorMetadata, RequestTransfers
+from .residency import HOST, STORAGE, ResidencyDirectory, ResidencyReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """One request scheduled in an engine step.
+
+    Attributes:
+        request_id: engine request id.
+        sequence_hashes: the request's full-block sequence hashes so far, in block order.
+        block_ids: the engine's block ids of the request, in block order.
+        num_computed_tokens: tokens whose KV is in the engine before the step.
+        num_scheduled_tokens: tokens the step computes.
+    """
+
+    request_id: str
+    sequence_hashes: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class _Match:
+    hashes: list[int]
+    first: int
+    tiers: list[str]
+
+
+@dataclass(slots=True)
+class LeaderStats:
+    """Counters of the leader (blocks unless stated).
+
+    Attributes:
+        lookups: ``match`` calls.
+        matched_g2, matched_storage: blocks planned for loading, per source tier.
+        saves: blocks listed for saving.
+        reports: worker reports applied.
+        load_failures: blocks whose load a worker reported as failed.
+    """
+
+    lookups: int = 0
+    matched_g2: int = 0
+    matched_storage: int = 0
+    saves: int = 0
+    reports: int = 0
+    load_failures: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    loads: list[RequestTransfers] = field(default_factory=list)
+
+
+class KvbmLeader:
+    """Scheduler-side connector over a residency directory (see module doc).
+
+    Args:
+        page_size: tokens per block (the engine's block size).
+        salt: salt recorded in the transfers' block identities (informational; the
+            engine's hashes already include its own salt).
+        world_size: worker ranks that must all hold a block (tensor-parallel size).
+    """
+
+    def __init__(self, page_size: int, salt: int = 0, world_size: int = 1) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {page_size}")
+        self.page = page_size
+        self.salt = salt
+        self.directory = ResidencyDirectory(world_size)
+        self.stats = LeaderStats()
+        self._matches: dict[str, _Match] = {}
+        self._pending = _Pending()
+        self._saving: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, request_id: str, sequence_hashes: Sequence[int], num_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the workers can load.
+
+        Args:
+            request_id: engine request id.
+            sequence_hashes: the prompt's full-block hashes, in block order.
+            num_tokens: tokens of the request (the engine must compute at least one, so
+                a prompt is never matched whole).
+            num_computed_tokens: the engine's own prefix hit (a multiple of
+                ``page_size``).
+
+        Returns:
+            ``(tokens, load_async)``: a multiple of ``page_size``; ``load_async`` is true
+            when part of the match comes from storage (a slow tier: the engine schedules
+            other requests while it loads), false for host-only matches (copied before
+            the step's forward pass) and for no match.
+
+        Raises:
+            ConnectorError: ``num_computed_tokens`` negative or not block-aligned.
+        """
+        if num_computed_tokens < 0 or num_computed_tokens % self.page:
+            raise ConnectorError(f"num_computed_tokens={num_computed_tokens} must be a non-negative multiple of {self.page}")
+        first = num_computed_tokens // self.page
+        last = min(len(sequence_hashes), max(0, num_tokens - 1) // self.page)
+        hashes = list(sequence_hashes[:last])
+        tiers = self.directory.match(hashes[first:]) if first < last else []
+        with self._lock:
+            self.stats.lookups += 1
+            if tiers:
+                self._matches[request_id] = _Match(hashes, first, tiers)
+            else:
+                self._matches.pop(request_id, None)
+        return len(tiers) * self.page, STORAGE in tiers
+
+    def plan_load(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Plan the loads of the tokens the engine accepted into its ``block_ids``.
+
+        Args:
+            request_id: a request :meth:`match` matched.
+            block_ids: the engine's block ids of the whole request, in block order.
+            num_external_tokens: tokens to load (0: none; the match is dropped).
+
+        Raises:
+            ConnectorError: more tokens than matched, or too few block ids.
+        """
+        with self._lock:
+            match = self._matches.pop(request_id, None)
+        if num_external_tokens == 0 or match is None:
+            return
+        n, rest = divmod(num_external_tokens, self.page)
+        if rest or n > len(match.tiers):
+            raise ConnectorError(f"{num_external_tokens} external tokens but {len(match.tiers) * self.page} were matched")
+        if len(block_ids) < match.first + n:
+            raise ConnectorError(f"{len(block_ids)} engine blocks for {match.first + n} loaded blocks")
+        hashes = match.hashes
+        blocks = [
+            BlockTransfer(h, hashes[i - 1] if i else None, hashes[0], self.salt, block_ids[i], match.tiers[i - match.first])
+            for i, h in enumerate(hashes[match.first : match.first + n], start=match.first)
+        ]
+        load_async = STORAGE in match.tiers[:n]
+        with self._lock:
+            self._pending.loads.append(RequestTransfers(request_id, blocks, load_async))
+            self.stats.matched_g2 += sum(1 for b in blocks if b.tier == HOST)
+            self.stats.matched_storage += sum(1 for b in blocks if b.tier == STORAGE)
+
+    # ------------------------------------------------------------------ steps
+    def build_meta(self, step: Sequence[StepRequest]) -> KvConnectorMetadata:
+        """The loads planned since the last call and the saves of the blocks ``step`` fills.
+
+        A block is saved in the step that completes it: blocks ``[ceil(computed / page),
+        (computed + scheduled) // page)``, bounded by the hashes known (loaded blocks and
+        the engine's own prefix hits are not saved again).
+
+        Raises:
+            ConnectorError: a request with fewer block ids than blocks to save.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, _Pending()
+        meta = KvConnectorMetadata(loads=pending.loads)
+        page = self.page
+        for sr in step:
+            lo = -(-sr.num_computed_tokens // page)
+            hi = min((sr.num_computed_tokens + sr.num_scheduled_tokens) // page, len(sr.sequence_hashes))
+            if hi <= lo:
+                continue
+            if len(sr.block_ids) < hi:
+                raise ConnectorError(f"request {sr.request_id}: {len(sr.block_ids)} block ids for {hi} blocks")
+            hashes = sr.sequence_hashes
+            first = hashes[0]
+            blocks = [
+                BlockTransfer(hashes[i], hashes[i - 1] if i else None, first, self.salt, sr.block_ids[i], "g1")
+                for i in range(lo, hi)
+            ]
+            meta.saves.append(RequestTransfers(sr.request_id, blocks))
+            with self._lock:
+                self._saving.add(sr.request_id)
+                self.stats.saves += len(blocks)
+        return meta
+
+    def apply_report(self, report: ResidencyReport) -> None:
+        """Fold a worker step report (possibly merged over ranks) into the directory.
+
+        Raises:
+            ValueError: a rank or tier the directory does not know.
+        """
+        self.directory.apply(report)
+        with self._lock:
+            self.stats.reports += 1
+            self.stats.load_failures += sum(r.load_failures for r in report.flatten())
+
+    def finished(self, request_id: str) -> bool:
+        """The request ended; ``True`` when saves of it were listed (its blocks must stay
+        until a worker reports it as finished sending)."""
+        with self._lock:
+            self._matches.pop(request_id, None)
+            saving = request_id in self._saving
+            self._saving.discard(request_id)
+        return saving
+
+    def has_pending_loads(self) -> bool:
+        """Whether loads were planned that no :meth:`build_meta` has handed out yet."""
+        with self._lock:
+            return bool(self._pending.loads)
