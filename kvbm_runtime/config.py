@@ -16,8 +16,8 @@ Also accepts the names KVBM users already set (KVBM configuration reference):
 ``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS`` ``leader_worker_init_timeout_secs``
 =========================================== =====================================
 
-The disk-offload admission filter (a block is written to G3 only once it was offered at
-least twice, see :class:`~kvbm_runtime.transfer.DiskOffloadFilter`) is on by default; it is
+The disk-offload admission filter (a block is written to G3 only once its frequency is at
+least 2, see :class:`~kvbm_runtime.transfer.DiskOffloadFilter`) is on by default; it is
 off when ``disk_offload_filter=False`` (``KVADVISOR_RUNTIME_DISK_OFFLOAD_FILTER=false``) or
 ``DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=true``.  :attr:`RuntimeConfig.offload_filter_enabled`
 combines both.
@@ -57,10 +57,12 @@ class RuntimeConfig(BaseSettings):
         g3_blocks: disk budget in blocks (≥ g2_blocks when set; informational otherwise).
         cpu_cache_gb, disk_cache_gb: KVBM-style sizes in GB, used when the block counts
             are not given.
-        disk_offload_filter: admission filter before G3 writes (frequency >= 2, doubling
-            on each offer, halved every ``disk_filter_decay_s``); on by default.
+        disk_offload_filter: admission filter before G2 → G3 writes (frequency >= 2; 1
+            when first offered, doubling on each further offer, minus 1 every
+            ``disk_filter_decay_s``); on by default.
         disable_disk_offload_filter: KVBM's switch; ``True`` turns the filter off.
-        disk_filter_decay_s: seconds between two halvings of the filter's counts.
+        disk_filter_decay_s: seconds between two decay steps of the filter (every
+            frequency minus 1).
         disk_zerofill_fallback, disk_allocator_type, disk_disable_o_direct: KVBM's disk
             options; handed to whoever creates the G3 volume (:meth:`volume_options`); the
             runtime itself writes through the storage agent.
