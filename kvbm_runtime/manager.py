@@ -161,6 +161,7 @@ class BlockManager:
         metrics: RuntimeMetrics | None = None,
     ) -> None:
         config.check_capacities()
+        config.check_memory()
         if (store is None) != (g3_volume is None):
             raise StorageTierError("store and g3_volume must be given together")
         self.config = config
