@@ -223,3 +223,18 @@ def test_a_host_pool_above_the_available_memory_is_refused_before_allocating(cle
             small.check_memory(available=11 * 8192)
     with pytest.raises(CapacityConfigError, match="g2_blocks=8, from DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS / g2_blocks"):
         small.check_memory(available=7 * 8192)
+
+
+def test_docs_table_lists_every_kvbm_variable_accepted() -> None:
+    accepted = {
+        name.removeprefix("DYN_KVBM_")
+        for f in RuntimeConfig.model_fields.values()
+        if f.validation_alias is not None
+        for name in getattr(f.validation_alias, "choices", [])
+        if isinstance(name, str) and name.startswith("DYN_KVBM_")
+    }
+    assert len(accepted) == 12
+    docs = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    table = docs.split("## KVBM settings (DYN_KVBM_*)", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
+    assert accepted <= rows, sorted(accepted - rows)
