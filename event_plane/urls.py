@@ -36,9 +36,11 @@ _ALLOWED = {
     "zmq": {"replay", "topic"},
     "nats": {"namespace"},
     "jetstream": {"namespace", "durable"},
-    "vllm+zmq": {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"},
-    "sglang+zmq": {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"},
+    # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
+    "vllm+zmq": {"replay", "topic", "source", "bytes_per_token", "model", "kv_dtype", "num_layers", "num_kv_heads",
+                 "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
 }
+_ALLOWED["sglang+zmq"] = _ALLOWED["vllm+zmq"]
 _PEER_SCHEMES = {"vllm+zmq": "vllm", "sglang+zmq": "sglang"}
 
 

@@ -165,6 +165,7 @@ class BlockManager:
         engine_g1: bool = False,
     ) -> None:
         config.check_capacities(g1=not engine_g1)
+        config.check_memory(g1=not engine_g1)
         if (store is None) != (g3_volume is None):
             raise StorageTierError("store and g3_volume must be given together")
         self.config = config

@@ -25,14 +25,16 @@ Offload pipeline (both offload paths)::
              register at the destination / publish Store(volume) → release sources
 
 The disk admission filter (:class:`DiskOffloadFilter`, KVBM's frequency filter) keeps
-blocks used once off the disk: a block is written to G3 only once it was offered at least
-``min_frequency`` (2) times; its count doubles on each offer and is halved every
-``decay_interval_s``.
+blocks used once off the disk: a block goes from G2 to G3 only when its frequency is at
+least ``min_frequency`` (2); the frequency starts at 1 when the block is first offered,
+doubles on each further offer and drops by 1 every ``decay_interval_s`` (entries reaching
+0 are forgotten).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import logging
 import threading
 import time
@@ -121,17 +123,23 @@ _COMPLETED_STEP = StepEvent(done=True)
 
 
 class DiskOffloadFilter:
-    """Admission filter before blocks are written to disk (G3).
+    """Admission filter before blocks are written to disk (G3), as KVBM's frequency filter.
 
-    ``offer(h)`` counts one offer of block ``h``: the first offer sets its count to 1, each
-    later one doubles it (capped at 2**16); the block is admitted when its count is at
-    least ``min_frequency``.  Every ``decay_interval_s`` seconds (measured with ``clock``)
-    all counts are halved (integer division) and zero counts forgotten; the same happens
-    early when more than ``max_entries`` blocks are tracked.
+    ``offer(h)`` counts one offer (hit) of block ``h``: the first sets its frequency to 1,
+    each later one doubles it (capped at 2**16); the block is admitted when its frequency
+    is at least ``min_frequency``.  Every ``decay_interval_s`` seconds (measured with
+    ``clock``) every frequency drops by 1 and entries reaching 0 are forgotten.  When more
+    than ``max_entries`` blocks are tracked, decay steps are applied at once until at most
+    ``max_entries`` remain (as many steps as needed, in one pass) and the decay clock
+    restarts.
+
+    With the default ``min_frequency=2`` a block offered twice between two decay steps is
+    admitted at its second offer (1 → 2); a block offered once per decay interval never is
+    (1 → 0, forgotten, 1 again).
 
     Args:
-        min_frequency: count needed for admission (>= 1).
-        decay_interval_s: seconds between two halvings (> 0).
+        min_frequency: frequency needed for admission (>= 1).
+        decay_interval_s: seconds between two decay steps (> 0).
         max_entries: most blocks tracked (> 0).
         clock: monotonic seconds (``time.monotonic``).
 
@@ -168,12 +176,12 @@ class DiskOffloadFilter:
             count = self._counts.get(sequence_hash)
             count = 1 if count is None else min(count * 2, self._CAP)
             self._counts[sequence_hash] = count
-            while len(self._counts) > self.max_entries:
-                self._halve()
+            if len(self._counts) > self.max_entries:
+                self._shrink()
             return count >= self.min_frequency
 
     def frequency(self, sequence_hash: int) -> int:
-        """Current count of a block (0 when not tracked)."""
+        """Current frequency of a block (0 when not tracked)."""
         with self._lock:
             self._decay_due()
             return self._counts.get(sequence_hash, 0)
@@ -188,13 +196,18 @@ class DiskOffloadFilter:
         if steps <= 0:
             return
         self._last_decay += steps * self.decay_interval_s
-        for _ in range(min(steps, 17)):  # 17 halvings empty any count <= 2**16
-            if not self._counts:
-                break
-            self._halve()
+        self._decrement(steps)
 
-    def _halve(self) -> None:
-        self._counts = {h: c // 2 for h, c in self._counts.items() if c > 1}
+    def _decrement(self, steps: int) -> None:
+        """``steps`` decay steps at once: every frequency minus ``steps``, zeros forgotten."""
+        self._counts = {h: c - steps for h, c in self._counts.items() if c > steps}
+
+    def _shrink(self) -> None:
+        """The fewest decay steps that leave at most ``max_entries`` entries: the
+        ``max_entries + 1``-th largest frequency (every entry at or below it goes)."""
+        over = len(self._counts) - self.max_entries
+        self._decrement(heapq.nsmallest(over, self._counts.values())[-1])
+        self._last_decay = self._clock()
 
 
 class BlockStore(Protocol):

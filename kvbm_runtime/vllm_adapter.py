@@ -325,11 +325,7 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             root = s.disk_cache_dir or os.environ.get("DYN_KVBM_DISK_CACHE_DIR") or str(
                 Path(tempfile.gettempdir()) / f"kvbm-disk-{os.getuid()}"
             )
-            opts = cfg.volume_options()
-            vol = VolumeDescriptor(
-                DISK_VOLUME, VolumeKind.POSIX, MediaClass.SSD, cfg.g3_blocks * cfg.layout_config().block_bytes,
-                root=root, o_direct=bool(opts["o_direct"]),
-            )
+            vol = cfg.g3_volume_descriptor(DISK_VOLUME, root)
         if vol is None:
             return None, None
         catalog = s.storage_catalog or (str(Path(vol.root) / "catalog.sqlite") if vol.root else None)
@@ -443,8 +439,10 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._vllm_config, self._overrides, inner_dim=int(inner), g1_blocks=num_blocks, tp_rank=rank,
             kv_dtype=str(first.dtype).removeprefix("torch."),
         )
+        disk_only = cfg.disk_only
+        if disk_only:  # KVBM's disk-only mode: no host pool (one block keeps the manager whole)
+            cfg.g2_blocks = 1
         self._config = cfg
-        disk_only = bool(getattr(cfg, "disk_only", False))
         source = (self._settings.source or f"kvbm-{self._engine_id[:8]}") + (f"-{rank}" if rank else "")
         self._publisher = make_publisher(_rank_url(self._settings.events_url, rank), source)
         sink = ReportingSink(self._publisher, rank)

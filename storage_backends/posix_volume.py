@@ -3,8 +3,9 @@
 Layout: ``<root>/<encoded volume id>/seg-<id>.kvs`` (``keys.encode_component``: injective).
 A segment is created with ``O_EXCL``, preallocated (``fallocate(FALLOC_FL_KEEP_SIZE)``, so
 ENOSPC surfaces before any byte moves while the file size still only counts written
-bytes; zero-fill with page-aligned buffers where the filesystem does not support it, case
-C16), written through NIXL WRITEs of FILE memory (buffered: one per
+bytes; where the filesystem does not support it, case C16: zero-fill with page-aligned
+buffers when ``desc.zerofill_fallback`` (the default), else only extend the file with
+``ftruncate``, logged once per volume, as KVBM's ``DYN_KVBM_DISK_ZEROFILL_FALLBACK``), written through NIXL WRITEs of FILE memory (buffered: one per
 :attr:`PosixVolume.write_piece_bytes`, each piece's writeback started right after it),
 checked (the file must be exactly the written length: a short write is an error, case
 C14), ``fsync``-ed, and its directory ``fsync``-ed, before the agent records any placement
@@ -13,7 +14,10 @@ in it.
 O_DIRECT (``desc.o_direct``): block offsets and read lengths are padded to
 ``desc.alignment`` and staging buffers are aligned.  When the filesystem refuses
 O_DIRECT, or a buffer/offset/length is not aligned, the I/O falls back to buffered mode,
-``o_direct_fallbacks`` rises and the errno is logged (case C15).
+``o_direct_fallbacks`` rises and the errno is logged (case C15).  With
+``desc.require_o_direct`` (KVBM's ``open-direct`` disk allocator) a filesystem that refuses
+O_DIRECT is a :class:`~storage_backends.types.VolumeConfigError` instead: checked when the
+volume is created (a probe file is opened with O_DIRECT) and at every later open.
 """
 
 from __future__ import annotations
@@ -186,15 +190,23 @@ class PosixVolume(Volume):
         self._direct = bool(desc.o_direct and _O_DIRECT)
         self._nowait = bool(_RWF_NOWAIT)
         self._pinned = 0  # page_cache_files contexts open: no segment file is closed
+        self._extend_logged = False  # the no-zero-fill fallback is logged once
         if desc.o_direct and not _O_DIRECT:
+            if desc.require_o_direct:
+                raise VolumeConfigError(f"volume {desc.id!r}: require_o_direct is set but O_DIRECT is not available "
+                                        "on this platform")
             self._fallback("open", errno.EINVAL, "O_DIRECT is not available on this platform")
+        elif self._direct and desc.require_o_direct:
+            self._probe_direct()
 
     # ------------------------------------------------------------------ class-level
     @classmethod
     def validate(cls, desc: VolumeDescriptor) -> None:
-        """A posix volume needs ``root``."""
+        """A posix volume needs ``root``; ``require_o_direct`` needs ``o_direct``."""
         if not desc.root:
             raise VolumeConfigError(f"posix volume {desc.id!r} needs a root directory (root=...)")
+        if desc.require_o_direct and not desc.o_direct:
+            raise VolumeConfigError(f"posix volume {desc.id!r}: require_o_direct needs o_direct=True")
         root = Path(desc.root).expanduser()
         if root.exists() and not root.is_dir():
             raise VolumeConfigError(f"posix volume {desc.id!r}: root {root} exists and is not a directory")
@@ -328,7 +340,11 @@ class PosixVolume(Volume):
         self.counters.bytes_written += size
 
     def _create(self, path: Path, direct: bool) -> tuple[int, bool]:
-        """Create a new segment file; returns ``(fd, opened with O_DIRECT)``."""
+        """Create a new segment file; returns ``(fd, opened with O_DIRECT)``.
+
+        Raises:
+            VolumeConfigError: the filesystem refuses O_DIRECT and ``require_o_direct``.
+        """
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if direct:
             try:
@@ -336,19 +352,57 @@ class PosixVolume(Volume):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
+                path.unlink(missing_ok=True)  # some filesystems create the file, then refuse
                 self._no_direct("open", exc)
-                path.unlink(missing_ok=True)
         return os.open(path, flags, 0o644), False
+
+    def _probe_direct(self) -> None:
+        """Open (and remove) a probe file in the volume directory with O_DIRECT.
+
+        Raises:
+            VolumeConfigError: the filesystem refuses O_DIRECT (``require_o_direct``).
+            OSError: any other errno of the probe.
+        """
+        probe = self.dir / f".o_direct-probe-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _O_DIRECT, 0o600)
+        except OSError as exc:
+            probe.unlink(missing_ok=True)
+            if exc.errno != errno.EINVAL:
+                raise
+            self._no_direct("open", exc)
+        else:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
 
     def _no_direct(self, where: str, exc: OSError) -> None:
         """The filesystem refused an ``O_DIRECT`` open (EINVAL): count and log the fallback,
         and use buffered I/O for every later segment of this volume (a refusal does not go
         away; the segments' reads would fail the same way).  Block offsets planned with
-        the O_DIRECT alignment stay valid for buffered reads."""
+        the O_DIRECT alignment stay valid for buffered reads.
+
+        Raises:
+            VolumeConfigError: ``desc.require_o_direct``: no fallback.
+        """
+        if self.desc.require_o_direct:
+            raise VolumeConfigError(
+                f"volume {self.desc.id!r}: the filesystem of {self.dir} refuses O_DIRECT ({where}: {exc}) and "
+                "require_o_direct is set (KVBM's open-direct disk allocator); use a filesystem that supports "
+                "O_DIRECT or allow the buffered fallback"
+            ) from exc
         self._fallback(where, exc.errno or errno.EINVAL, str(exc))
         self._direct = False
 
     def _preallocate(self, fd: int, size: int, direct: bool) -> None:
+        """Reserve ``size`` bytes of a new segment: :attr:`fallocate`; where the filesystem
+        does not support it (EOPNOTSUPP, EINVAL, ENOSYS) a zero-fill when
+        ``desc.zerofill_fallback``, else only ``ftruncate`` to ``size`` (nothing allocated;
+        logged once per volume).  ``fallocate_fallbacks`` counts either fallback.
+
+        Raises:
+            VolumeFullError: ENOSPC / EDQUOT from fallocate or the zero-fill.
+            OSError: any other errno.
+        """
         try:
             self.fallocate(fd, 0, size)
             return
@@ -358,29 +412,43 @@ class PosixVolume(Volume):
             if exc.errno not in _FALLBACK_ERRNOS:
                 raise
             self.counters.bump("fallocate_fallbacks")
+            if not self.desc.zerofill_fallback:
+                if not self._extend_logged:
+                    self._extend_logged = True
+                    logger.warning("volume %s: fallocate unsupported (errno %d) and zerofill_fallback is off: "
+                                   "segments are only extended (ftruncate), their space is not reserved",
+                                   self.desc.id, exc.errno)
+                os.ftruncate(fd, size)
+                return
             logger.info("volume %s: posix_fallocate unsupported (errno %d), zero-filling", self.desc.id, exc.errno)
         # Zero-fill with page-aligned buffers (valid for O_DIRECT as long as the chunk
-        # lengths are aligned; the tail goes through a buffered descriptor).
+        # lengths are aligned; the tail goes through a buffered descriptor).  Every view of
+        # the mapping is released before it closes, also when a write fails (else the
+        # close raises BufferError and hides the ENOSPC).
+        a = self.desc.alignment if direct else 1
+        pos = 0
         with mmap.mmap(-1, _ZERO_CHUNK) as zeros:
             view = memoryview(zeros)
-            a = self.desc.alignment if direct else 1
-            pos = 0
-            while pos < size:
-                n = min(_ZERO_CHUNK, size - pos)
-                if direct and n % a:
-                    n = n - n % a
-                    if n == 0:
-                        break
-                try:
-                    written = os.pwrite(fd, view[:n], pos)
-                except OSError as exc:
-                    if exc.errno in _FULL_ERRNOS:
-                        raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})", exc.errno) from exc
-                    raise
-                if written <= 0:
-                    raise VolumeFullError(f"volume {self.desc.id!r}: zero-fill stopped at {pos} of {size} bytes")
-                pos += written
-            view.release()
+            try:
+                while pos < size:
+                    n = min(_ZERO_CHUNK, size - pos)
+                    if direct and n % a:
+                        n = n - n % a
+                        if n == 0:
+                            break
+                    with view[:n] as chunk:
+                        try:
+                            written = os.pwrite(fd, chunk, pos)
+                        except OSError as exc:
+                            if exc.errno in _FULL_ERRNOS:
+                                raise VolumeFullError(f"volume {self.desc.id!r}: no space for {size} bytes ({exc})",
+                                                      exc.errno) from exc
+                            raise
+                    if written <= 0:
+                        raise VolumeFullError(f"volume {self.desc.id!r}: zero-fill stopped at {pos} of {size} bytes")
+                    pos += written
+            finally:
+                view.release()
         if pos < size:  # unaligned tail under O_DIRECT: extend the file size only
             os.ftruncate(fd, size)
 

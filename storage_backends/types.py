@@ -137,11 +137,19 @@ class VolumeDescriptor:
         prefix: object-key prefix inside the bucket.
         region: S3 region.
         alignment: I/O alignment in bytes for O_DIRECT (power of two).
-        o_direct: open segment files with O_DIRECT (falls back to buffered I/O).
+        o_direct: open segment files with O_DIRECT (falls back to buffered I/O when the
+            filesystem refuses it, unless ``require_o_direct``).
         segment_bytes: target size of one segment file / object; a ``put`` larger than this
             is split into several segments.
         access_key / secret_key: S3 credentials; ``None`` uses the standard AWS chain
             (environment, shared config, instance profile) as resolved by boto3.
+        require_o_direct: with ``o_direct``, a filesystem (or platform) that refuses
+            O_DIRECT is an error (``VolumeConfigError`` at registration, no fallback);
+            KVBM's ``DYN_KVBM_DISK_ALLOCATOR_TYPE=open-direct``.
+        zerofill_fallback: where the filesystem has no ``fallocate``, zero-fill a new
+            segment so its space is really allocated before the write (``True``), or only
+            extend the file (``ftruncate``: no allocation, ENOSPC can surface during the
+            write; logged once per volume); KVBM's ``DYN_KVBM_DISK_ZEROFILL_FALLBACK``.
     """
 
     id: str
@@ -158,6 +166,8 @@ class VolumeDescriptor:
     segment_bytes: int = 64 << 20
     access_key: str | None = None
     secret_key: str | None = field(default=None, repr=False)
+    require_o_direct: bool = False
+    zerofill_fallback: bool = True
 
 
 @dataclass(frozen=True, slots=True)

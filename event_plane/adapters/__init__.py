@@ -3,7 +3,9 @@
 Submodules are imported lazily, so ``import event_plane`` stays light. Usually reached
 through URLs: ``event_plane.subscribe("vllm+zmq://HOST:5557?replay=5558&source=pod-a")``
 or ``sglang+zmq://...`` (parameters: ``replay``, ``topic``, ``source``,
-``bytes_per_token``, ``disk_volume``, ``external_volume``, ``keep_peer_fields``).
+``bytes_per_token`` or the KV geometry ``model``, ``kv_dtype``, ``num_layers``,
+``num_kv_heads``, ``head_size`` (:mod:`event_plane.adapters.geometry`), ``disk_volume``,
+``external_volume``, ``keep_peer_fields``).
 Mapping rules: :mod:`event_plane.adapters.peer` and ``docs/events.md`` §10.
 """
 
@@ -27,6 +29,10 @@ _EXPORTS = {
     "sglang_converter": "event_plane.adapters.sglang",
     "PeerEmitter": "event_plane.adapters.emit",
     "peer_subscriber": "event_plane.adapters.urls",
+    "url_bytes_per_token": "event_plane.adapters.urls",
+    "KVGeometry": "event_plane.adapters.geometry",
+    "kv_bytes_per_token": "event_plane.adapters.geometry",
+    "model_geometry": "event_plane.adapters.geometry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,7 @@
 """Shared machinery of the vLLM / SGLang adapters: parse their KV-event batches and turn them
 into KVEvent v1 batches.
 
-Peer wire format (facts: ``/work/shared/reference/kv_event_formats.md``; our description:
-``docs/events.md`` §10):
+Peer wire format (described in ``docs/events.md`` §10):
 
 * batch: MessagePack ``[ts: float seconds, events: list, dp_rank?]`` (a map with ``ts``,
   ``events``, ``data_parallel_rank`` / ``attn_dp_rank`` is accepted too);
@@ -17,8 +16,9 @@ Peer wire format (facts: ``/work/shared/reference/kv_event_formats.md``; our des
 Mapping (one peer batch → one KVEvent v1 batch with the peer's seq, the adapter's epoch):
 
 * ``BlockStored`` with N hashes → N Stores in order; block i's parent is block i-1, block 0's
-  parent is ``parent_block_hash`` (nil when absent); ``prefix_hash`` is the chain's first block:
-  the parent's recorded prefix when the adapter saw the parent, else block 0 itself;
+  parent is ``parent_block_hash`` (when absent: the parent the adapter recorded for block 0,
+  else nil); ``prefix_hash`` is the chain's first block: the parent's recorded prefix when
+  the adapter saw the parent, else block 0 itself;
   ``block_size`` = peer ``block_size`` (tokens) × ``bytes_per_token``;
 * ``BlockRemoved`` with N hashes → N Removes (parent / prefix / size from what the adapter
   recorded at Store time, else nil / the hash / 0);
@@ -234,19 +234,33 @@ class PeerConverter:
     def enrich(self, batch: EventBatch) -> EventBatch:
         """Apply the adapter's memory to a parsed batch, in delivery (seq) order: a Store's
         prefix becomes its parent's recorded prefix when the parent was seen (else it keeps
-        its own); every Store is recorded; a Remove gets the recorded parent, prefix and
-        size of its block. Returns a new batch (or ``batch`` when nothing changed)."""
+        its own); a Store without a parent of a block already recorded with one (vLLM sends
+        ``parent_block_hash=None`` when it offloads a known block, e.g. to medium CPU)
+        keeps the recorded parent and prefix, so a record never loses its parent; every
+        Store is recorded; a Remove gets the recorded parent, prefix and size of its block.
+        Returns a new batch (or ``batch`` when nothing changed)."""
         out: list[KVEvent] = []
         changed = False
         known = self._known
         for ev in batch.events:
             if ev.type == EventType.STORE:
-                rec = known.get(ev.parent_hash) if ev.parent_hash is not None else None
-                prefix = rec[1] if rec is not None else ev.sequence_hash
-                if prefix != ev.prefix_hash:
-                    ev = KVEvent(ev.type, ev.sequence_hash, prefix, ev.parent_hash, ev.block_size, ev.storage_location, ev.extra_metadata)
+                parent = ev.parent_hash
+                if parent is None:
+                    # vLLM's offloading events (e.g. a BlockStored with medium CPU for a
+                    # block first stored on GPU) send no parent: the block keeps the parent
+                    # and prefix recorded when it was first stored
+                    own = known.get(ev.sequence_hash)
+                    if own is not None and own[0] is not None:
+                        parent, prefix = own[0], own[1]
+                    else:
+                        prefix = ev.sequence_hash
+                else:
+                    rec = known.get(parent)
+                    prefix = rec[1] if rec is not None else ev.sequence_hash
+                if (prefix, parent) != (ev.prefix_hash, ev.parent_hash):
+                    ev = KVEvent(ev.type, ev.sequence_hash, prefix, parent, ev.block_size, ev.storage_location, ev.extra_metadata)
                     changed = True
-                self._remember(ev.sequence_hash, ev.parent_hash, prefix, ev.block_size)
+                self._remember(ev.sequence_hash, parent, prefix, ev.block_size)
             elif ev.type == EventType.REMOVE:
                 rec = known.get(ev.sequence_hash)
                 if rec is not None and (rec[0], rec[1], rec[2]) != (ev.parent_hash, ev.prefix_hash, ev.block_size):

@@ -1,7 +1,7 @@
 """SGLang KV-event adapter: subscribe to an unmodified SGLang server's ZMQ KV-event
 publisher and get KVEvent v1 batches.
 
-SGLang specifics (``/work/shared/reference/kv_event_formats.md``): same ZMQ machinery as
+SGLang specifics (``docs/events.md`` §10): same ZMQ machinery as
 vLLM; the batch's third element is the attention DP rank; ``medium`` is ``GPU``,
 ``CPU_PINNED``, ``DISK`` or ``EXTERNAL``; newer releases add ``cache_salt`` and
 ``session_id`` and use tagged maps; replay replies have no topic frame (``[seq,

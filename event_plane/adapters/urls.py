@@ -5,13 +5,82 @@ from __future__ import annotations
 
 from typing import Any
 
+from event_plane.adapters.geometry import KVGeometry, kv_bytes_per_token, model_geometry
 from event_plane.adapters.peer import PeerSubscriber
 from event_plane.errors import ConfigError, EventURLError
 
+GEOMETRY_PARAMS = ("num_layers", "num_kv_heads", "head_size")
+"""URL parameters giving the KV geometry directly (ints > 0)."""
+
 PEER_PARAMS = frozenset(
-    {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"}
+    {
+        "replay",
+        "topic",
+        "source",
+        "bytes_per_token",
+        "model",
+        "kv_dtype",
+        *GEOMETRY_PARAMS,
+        "disk_volume",
+        "external_volume",
+        "keep_peer_fields",
+    }
 )
 """Query parameters an adapter URL may carry."""
+
+
+def url_bytes_per_token(query: dict[str, str], url: str) -> int | None:
+    """KV bytes per token from an adapter URL's parameters, or ``None`` when none gives it.
+
+    Sources, in order: ``bytes_per_token=N`` (wins; the others are still checked);
+    ``model=DIR`` (a local Hugging Face model directory: its ``config.json``, see
+    :func:`~event_plane.adapters.geometry.model_geometry`), each of ``num_layers``,
+    ``num_kv_heads``, ``head_size`` overriding the model's value; without ``model`` all
+    three plus ``kv_dtype``. ``kv_dtype`` (vLLM's KV-cache dtype: ``float16``,
+    ``bfloat16``, ``float32``, ``fp8``, ...; ``auto`` = the model's) overrides the model's
+    dtype. Formula: :func:`~event_plane.adapters.geometry.kv_bytes_per_token`.
+
+    Raises:
+        EventURLError: a non-int value, an unreadable ``config.json``, an unknown dtype,
+            or an incomplete explicit geometry, naming the parameter.
+    """
+    explicit: int | None = None
+    if "bytes_per_token" in query:
+        if not query["bytes_per_token"].isdigit():
+            raise EventURLError(f"bytes_per_token must be a non-negative int in {url!r}")
+        explicit = int(query["bytes_per_token"])
+    given: dict[str, int] = {}
+    for name in GEOMETRY_PARAMS:
+        if name in query:
+            if not query[name].isdigit() or int(query[name]) == 0:
+                raise EventURLError(f"{name} must be an int > 0 in {url!r}, got {query[name]!r}")
+            given[name] = int(query[name])
+    kv_dtype = query.get("kv_dtype")
+    if "model" not in query and not given and kv_dtype is None:
+        return explicit
+    try:
+        if "model" in query:
+            if not query["model"]:
+                raise ConfigError("model must name a local model directory")
+            geo = model_geometry(query["model"])
+        else:
+            missing = [n for n in GEOMETRY_PARAMS if n not in given]
+            if kv_dtype in (None, "auto"):
+                missing.append("kv_dtype")
+            if missing:
+                raise ConfigError(
+                    "without model=, the KV geometry needs num_layers, num_kv_heads, head_size and "
+                    f"kv_dtype (auto needs model=); missing: {', '.join(missing)}"
+                )
+            geo = KVGeometry(given["num_layers"], given["num_kv_heads"], given["head_size"], kv_dtype or "")
+        dtype = geo.dtype if kv_dtype in (None, "auto") else kv_dtype
+        computed = kv_bytes_per_token(
+            given.get("num_layers", geo.num_layers), given.get("num_kv_heads", geo.num_kv_heads),
+            given.get("head_size", geo.head_size), dtype,
+        )
+    except ConfigError as exc:
+        raise EventURLError(f"{url!r}: {exc}") from exc
+    return computed if explicit is None else explicit
 
 
 def peer_subscriber(
@@ -22,7 +91,8 @@ def peer_subscriber(
     Args:
         endpoint / replay_endpoint: the peer's PUB and ROUTER endpoints (``tcp://...``).
         query: URL parameters (see :data:`PEER_PARAMS`); ``source`` defaults to
-            ``"<flavor>@<endpoint host:port>"``.
+            ``"<flavor>@<endpoint host:port>"``; the KV bytes per token come from
+            :func:`url_bytes_per_token`.
         url: the whole URL, for error messages.
         **kw: subscriber keywords.
 
@@ -30,10 +100,9 @@ def peer_subscriber(
         EventURLError: a bad parameter value.
     """
     options: dict[str, Any] = {}
-    if "bytes_per_token" in query:
-        if not query["bytes_per_token"].isdigit():
-            raise EventURLError(f"bytes_per_token must be a non-negative int in {url!r}")
-        options["bytes_per_token"] = int(query["bytes_per_token"])
+    bytes_per_token = url_bytes_per_token(query, url)
+    if bytes_per_token is not None:
+        options["bytes_per_token"] = bytes_per_token
     for name in ("disk_volume", "external_volume"):
         if name in query:
             options[name] = query[name]

@@ -2,12 +2,16 @@
 (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``) and
 get KVEvent v1 batches.
 
-vLLM specifics (``/work/shared/reference/kv_event_formats.md``): batch ``[ts, events,
+vLLM specifics (``docs/events.md`` §10): batch ``[ts, events,
 data_parallel_rank?]``; array-form field order below; hashes are u64 ints (the last 8 bytes
 of the SHA-256 digest, big-endian) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, the
 raw 32-byte digest, which :func:`~event_plane.adapters.peer.hash_to_u64` reduces the same
 way (``"last8"``), so both settings name a block by the same u64. Replay replies are
 ``[topic, seq, payload]`` since v0.26 and ``[seq, payload]`` before; both are read.
+
+vLLM publishes ``block_size`` in tokens; bytes need the model's KV bytes per token
+(:func:`vllm_config`'s ``bytes_per_token``, or the URL's ``model=`` / ``kv_dtype=``
+parameters, :mod:`event_plane.adapters.geometry`).
 """
 
 from __future__ import annotations

@@ -90,3 +90,28 @@ def test_vllm_raw_digests_and_peer_restart_gets_a_new_epoch() -> None:
     finally:
         sub.close()
         em.close()
+
+
+def test_vllm_offload_event_without_parent_keeps_the_recorded_chain() -> None:
+    """vLLM's offloading connector publishes ``BlockStored`` with medium ``CPU`` and
+    ``parent_block_hash=None`` for blocks it first announced on ``GPU``: the adapter keeps
+    the parent and prefix it recorded, on real sockets."""
+    port = free_port()
+    em = PeerEmitter(f"tcp://127.0.0.1:{port}", None, flavor="vllm", form="array")
+    sub = subscribe(f"vllm+zmq://127.0.0.1:{port}?source=pod-c&bytes_per_token=2")
+    sub.start()
+    time.sleep(0.3)
+    try:
+        em.send([em.stored([501, 502], None, block_size=16, medium="GPU")])
+        em.send([em.stored([502], None, block_size=16, medium="CPU")])  # offloaded to host
+        em.send([em.removed([502], medium="GPU")])
+        got = sub.get_many(3, 5.0)
+        assert rows(got) == [
+            (0, S, 501, 501, None, 32, "g1"),
+            (0, S, 502, 501, 501, 32, "g1"),
+            (1, S, 502, 501, 501, 32, "g2"),
+            (2, R, 502, 501, 501, 32, "g1"),
+        ]
+    finally:
+        sub.close()
+        em.close()

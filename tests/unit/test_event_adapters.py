@@ -205,3 +205,20 @@ def test_adapter_urls() -> None:
         make_publisher("vllm+zmq://127.0.0.1:5557", "w0")
     with pytest.raises(ConfigError):
         PeerConfig("s", bytes_per_token=-1)
+
+
+def test_store_without_parent_of_a_known_block_keeps_its_recorded_parent_and_prefix() -> None:
+    """vLLM's offloading events carry ``parent_block_hash=None`` for blocks it announced
+    before (here blocks 2 and 3 stored on GPU, then offloaded to CPU)."""
+    conv = vllm_converter(vllm_config("v", bytes_per_token=1, epoch=1))
+    conv.convert(0, peer_batch([["BlockStored", [1, 2, 3], None, [], 4, None, "GPU"]]))
+    offload = conv.convert(1, peer_batch([["BlockStored", [2, 3], None, [], 4, None, "CPU"]]))
+    assert rows(offload) == [(S, 2, 1, 1, 4, "g2"), (S, 3, 1, 2, 4, "g2")]
+    # the record kept its parent: a later Remove (of either copy) still carries it
+    removed = conv.convert(2, peer_batch([["BlockRemoved", [2], "GPU"], ["BlockRemoved", [3], "CPU"]]))
+    assert rows(removed) == [(R, 2, 1, 1, 4, "g1"), (R, 3, 1, 2, 4, "g2")]
+    # a root block (recorded without a parent) stays a root; an unknown block is its own prefix
+    roots = conv.convert(3, peer_batch([["BlockStored", [1, 9], None, [], 4, None, "CPU"]]))
+    assert rows(roots) == [(S, 1, 1, None, 4, "g2"), (S, 9, 1, 1, 4, "g2")]
+    fresh = conv.convert(4, peer_batch([["BlockStored", [50], None, [], 4, None, "CPU"]]))
+    assert rows(fresh) == [(S, 50, 50, None, 4, "g2")]

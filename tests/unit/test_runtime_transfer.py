@@ -184,28 +184,77 @@ def test_closed_manager_refuses_and_cancels_queued_work(rig: Rig) -> None:
     handles[0].release()
 
 
-def test_disk_filter_needs_two_offers_doubles_and_decays() -> None:
+def test_disk_filter_frequencies_double_on_offers_and_drop_by_one_per_decay_step() -> None:
+    """KVBM's frequency filter: 1 when first seen, x2 on each further offer, -1 per decay
+    step (entries reaching 0 are forgotten); admitted from frequency 2."""
     now = [0.0]
     f = DiskOffloadFilter(min_frequency=2, decay_interval_s=10.0, clock=lambda: now[0])
-    assert [f.offer(1), f.offer(1), f.offer(1)] == [False, True, True]
-    assert f.frequency(1) == 4 and f.frequency(2) == 0
-    assert f.offer(2) is False
-    now[0] = 10.5  # one halving: 4 → 2, 1 → 0 (forgotten)
-    assert (f.frequency(1), f.frequency(2), len(f)) == (2, 0, 1)
-    assert f.offer(2) is False  # counted from scratch again
-    now[0] = 30.0  # two more halvings
-    assert f.frequency(1) == 0 and len(f) == 0
+    trace: list[tuple[str, int, bool | None, int]] = []
+
+    def offer(h: int) -> None:
+        ok = f.offer(h)
+        trace.append(("offer", h, ok, f.frequency(h)))
+
+    def decay_to(t: float, h: int) -> None:
+        now[0] = t
+        trace.append(("decay", h, None, f.frequency(h)))
+
+    offer(1)
+    offer(1)
+    offer(1)
+    offer(2)
+    decay_to(10.5, 1)  # one step: 4 -> 3, 1 -> 0
+    trace.append(("check", 2, None, f.frequency(2)))
+    offer(1)  # 3 -> 6
+    offer(2)  # forgotten: from 1 again
+    decay_to(39.9, 1)  # steps at 20 and 30: 6 -> 4, and 2's 1 -> 0
+    decay_to(40.0, 1)  # step at 40: 4 -> 3
+    offer(2)
+    offer(2)
+    decay_to(70.0, 2)  # three steps: 2 -> 0
+    assert trace == [
+        ("offer", 1, False, 1),
+        ("offer", 1, True, 2),
+        ("offer", 1, True, 4),
+        ("offer", 2, False, 1),
+        ("decay", 1, None, 3),
+        ("check", 2, None, 0),
+        ("offer", 1, True, 6),
+        ("offer", 2, False, 1),
+        ("decay", 1, None, 4),
+        ("decay", 1, None, 3),
+        ("offer", 2, False, 1),
+        ("offer", 2, True, 2),
+        ("decay", 2, None, 0),
+    ]
+    assert f.frequency(1) == 0 and len(f) == 0  # 3 - 3 steps: forgotten too
     with pytest.raises(ValueError, match="min_frequency=0"):
         DiskOffloadFilter(min_frequency=0)
 
 
-def test_disk_filter_bounds_its_table() -> None:
-    f = DiskOffloadFilter(max_entries=3)
-    for h in range(3):
-        f.offer(h)
-    f.offer(0)  # 0 now has count 2
-    f.offer(99)  # fourth entry: one halving forgets the count-1 entries
-    assert len(f) <= 3 and f.frequency(0) == 1
+def test_disk_filter_frequency_is_capped() -> None:
+    f = DiskOffloadFilter(decay_interval_s=1e9)
+    for _ in range(20):
+        f.offer(7)
+    assert f.frequency(7) == 1 << 16
+
+
+def test_disk_filter_bounds_its_table_with_the_fewest_decay_steps() -> None:
+    now = [0.0]
+    f = DiskOffloadFilter(max_entries=3, decay_interval_s=10.0, clock=lambda: now[0])
+    for h, offers in ((0, 3), (1, 2), (2, 1)):  # frequencies 4, 2, 1
+        for _ in range(offers):
+            f.offer(h)
+    now[0] = 5.0
+    f.offer(99)  # a fourth entry (1): one decay step leaves 3, 1 -> the two 1s go
+    assert [f.frequency(h) for h in (0, 1, 2, 99)] == [3, 1, 0, 0] and len(f) == 2
+    f.offer(98)
+    f.offer(97)  # 3, 1, 1, 1: one step is enough again
+    assert [f.frequency(h) for h in (0, 1, 98, 97)] == [2, 0, 0, 0] and len(f) == 1
+    now[0] = 14.0  # the decay clock restarted at 5.0: no step before 15.0
+    assert f.frequency(0) == 2
+    now[0] = 15.0
+    assert f.frequency(0) == 1
 
 
 def test_a_copy_that_fails_part_way_gives_every_reserved_block_back(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,7 @@ def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     work = tmp_path_factory.mktemp("vllm-host")
     vport, kport = free_port(), free_port()
     kvbm_url = f"zmq://127.0.0.1:{kport}?replay={free_port()}"
-    vllm_url = f"vllm+zmq://127.0.0.1:{vport}?replay={vport + 1}&source={VLLM_SOURCE}&topic=kv"
+    vllm_url = f"vllm+zmq://127.0.0.1:{vport}?replay={vport + 1}&source={VLLM_SOURCE}&topic=kv&model={llama_dir}"
     settings = AdvisorSettings(
         journal_path=str(work / "journal.sqlite"), subscribe_urls=[vllm_url, kvbm_url], api_enabled=False,
         get_timeout_s=0.05,
