@@ -41,6 +41,7 @@ The bytes subscribers receive are the same in every case.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 from event_plane._fastenc import encode_meta_events, event_tail, make_meta_events
 from event_plane.codec import encode_event
@@ -77,6 +78,17 @@ _COMPLETE = BlockState.COMPLETE
 _REGISTERED = BlockState.REGISTERED
 _GENERATION_OF = attrgetter("generation")
 _HASH_OF = attrgetter("meta.sequence_hash")
+
+
+def _acquire_unless_finalizing(lock: Any) -> bool:
+    """Wait for ``lock`` (the uncontended try already failed), unless the interpreter is
+    shutting down: then a daemon thread stopped by the shutdown may hold the lock forever,
+    and a handle that module teardown deallocates gives nothing back instead of hanging
+    the exit (nothing reads the pool again).  Returns whether the lock is held."""
+    while not lock.acquire(timeout=0.05):
+        if sys.is_finalizing():
+            return False
+    return True
 
 
 def _names(weak: WeakBlock, block: Block) -> bool:
@@ -785,17 +797,28 @@ class BlockPool:
             b.ref_count += 1
 
     def _release(self, block: Block) -> None:
-        """Drop one strong ref; the last one makes the block inactive."""
-        with self._lock:
+        """Drop one strong ref; the last one makes the block inactive (also when a handle
+        is dropped while live, from its deallocation)."""
+        lock = self._lock
+        if not lock.acquire(False) and not _acquire_unless_finalizing(lock):
+            return
+        try:
             self._core.release_one(self, block)
+        finally:
+            lock.release()
 
     def _reset_block(self, block: Block) -> None:
         """A mutable handle was dropped: back to the Reset list."""
-        with self._lock:
+        lock = self._lock
+        if not lock.acquire(False) and not _acquire_unless_finalizing(lock):
+            return
+        try:
             if block.state is _REGISTERED:
                 return
             block.clear()
             self._reset.append(block.block_id)
+        finally:
+            lock.release()
 
     def _upgrade(self, block: Block, generation: int, sequence_hash: int) -> ImmutableBlock | None:
         with self._lock:
