@@ -9,7 +9,8 @@ from event_plane.adapters.peer import PeerSubscriber
 from event_plane.errors import ConfigError, EventURLError
 
 PEER_PARAMS = frozenset(
-    {"replay", "topic", "source", "bytes_per_token", "disk_volume", "external_volume", "keep_peer_fields"}
+    {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "disk_volume", "external_volume",
+     "keep_peer_fields"}
 )
 """Query parameters an adapter URL may carry."""
 

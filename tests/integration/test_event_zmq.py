@@ -349,6 +349,42 @@ def test_implausible_seq_from_a_new_source_or_epoch_is_refused_and_counted() -> 
         pub.close(linger=0)
 
 
+@pytest.mark.parametrize("path", ["gap-replay", "catch-up", "url"])
+def test_late_joiner_recovers_thousands_of_buffered_batches_with_a_short_inactivity_timeout(path: str) -> None:
+    """6,000 buffered batches take longer to answer than the 0.2 s timeout, but the timeout
+    is one of inactivity: every reply moves it forward, so the late joiner gets them all
+    (through a gap replay, with the timeout from the URL, or through the start-up catch-up)."""
+    from event_plane import subscribe
+
+    n = 6_000
+    port, replay = free_port(), free_port()
+    pub = ZmqPublisher("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
+                       config=PublisherConfig(max_events=8))
+    try:
+        for i in range(n):
+            pub.publish([ev(8 * i + k) for k in range(8)])
+        assert len(pub.buffered_seqs()) == n
+        eps = [(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")]
+        if path == "url":
+            sub = subscribe(f"zmq://127.0.0.1:{port}?replay={replay}&replay_timeout=0.2", catch_up=False)
+            assert sub._replay_timeout_s == 0.2
+        elif path == "gap-replay":
+            sub = ZmqSubscriber(eps, catch_up=False, replay_timeout_s=0.2)
+        else:
+            sub = ZmqSubscriber(eps, catch_up_timeout_s=0.2, replay_timeout_s=0.2)
+        started(sub)
+        try:
+            pub.publish([ev(8 * n + k) for k in range(8)])  # live batch n: reveals the gap if any
+            got = drain(sub, n + 1, timeout=60)
+            assert [b.seq for b in got] == list(range(n + 1))
+            st = sub.stats()
+            assert (st.unrecovered, st.replayed, st.resyncs) == (0, n, 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
 def test_publisher_that_binds_late_and_goes_quiet_is_still_caught_up() -> None:
     """The subscriber connects first; the publisher binds, sends one batch while the
     subscription is still travelling, and sends nothing more. No later batch reveals the
