@@ -57,7 +57,11 @@ class SourcedEvent(msgspec.Struct, frozen=True, gc=False):
 def iter_events(subscriber: Subscriber, timeout: float | None = None) -> Iterator[SourcedEvent]:
     """Typed events of ``subscriber`` in delivery order (per source: seq order, then the
     order within the batch). Stops when the subscriber is closed and drained, or when no
-    batch came for ``timeout`` seconds (``None``: wait forever)."""
+    batch came for ``timeout`` seconds (``None``: wait forever).
+
+    Raises:
+        NotStartedError: ``subscriber`` was never started (it would wait forever).
+    """
     while True:
         batch = subscriber.get(timeout=timeout)
         if batch is None:

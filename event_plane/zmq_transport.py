@@ -305,6 +305,7 @@ class ZmqSubscriber(Subscriber):
         return batch
 
     def _on_message(self, i: int, frames: list[bytes]) -> None:
+        self._answered.set()
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             self._stats.decode_errors += 1
             return
@@ -323,6 +324,7 @@ class ZmqSubscriber(Subscriber):
         Accepts ``[topic, seq, payload]`` (vLLM >= 0.26, ours) and ``[seq, payload]`` (older
         peers), with or without the leading empty delimiter frame.
         """
+        self._answered.set()
         if frames and frames[0] == b"":
             frames = frames[1:]
         if len(frames) == 3:
