@@ -61,6 +61,7 @@ from typing import Any
 import msgspec
 
 from advisor.frequency import FrequencySketch
+from event_plane.schema import PARENT_WALK_LIMIT as _WIRE_WALK_LIMIT
 from event_plane.schema import EventBatch, EventType
 
 PRIVATE_TIERS: frozenset[str] = frozenset({"g1", "g2"})
@@ -80,7 +81,7 @@ _U64 = 1 << 64
 U64_MAX = _U64 - 1
 """Ceiling of every hit count (per block and :attr:`IndexCounters.hits`): adds saturate."""
 
-PARENT_WALK_LIMIT = 4096
+PARENT_WALK_LIMIT = _WIRE_WALK_LIMIT
 """Parent links a new block's cycle check follows at most (``docs/events.md`` §2.3).
 
 A Store of a new block whose parent chain leads back to the block itself (``A -> B`` then
