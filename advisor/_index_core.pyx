@@ -38,6 +38,7 @@ from operator import index as _index
 
 from advisor.index_reference import (
     HITS_KEY,
+    PARENT_WALK_LIMIT,
     PLACEMENT_KEYS,
     PRIVATE_TIERS,
     STATE_VERSION,
@@ -136,6 +137,7 @@ ctypedef struct Ev:
 
 cdef uint64_t M64 = 0xFFFFFFFFFFFFFFFFULL
 cdef object PY_M64 = U64_MAX
+cdef Py_ssize_t WALK_LIMIT = PARENT_WALK_LIMIT
 cdef object _PRIV = PRIVATE_TIERS
 cdef object _STORE = EventType.STORE
 cdef object _REMOVE = EventType.REMOVE
@@ -631,6 +633,9 @@ cdef class IndexCore:
         if parent is not None and parent == h:
             c.self_parent_rejected += 1
             return
+        if parent is not None and h in self._waiting and self._find(h) < 0 and self._closes_cycle(h, parent):
+            c.parent_cycle_rejected += 1
+            return
         private = storage_location in _PRIV
         loc = f"{source}/{storage_location}" if private else storage_location
         bit = self._loc_bit.get(loc)
@@ -698,6 +703,20 @@ cdef class IndexCore:
             r.last = ts
             if self.frequency is not None:
                 self.frequency.increment(h, hits)
+
+    cdef bint _closes_cycle(self, uint64_t h, uint64_t p):
+        """Whether linking new block ``h`` under ``p`` closes a parent cycle: the chain from
+        ``p`` reaches ``h`` within ``PARENT_WALK_LIMIT`` links (as the reference)."""
+        cdef Py_ssize_t k
+        cdef int32_t j
+        for k in range(WALK_LIMIT):
+            j = self._find(p)
+            if j < 0 or not (self.recs[j].flags & F_PARENT):
+                return False
+            p = self.recs[j].parent
+            if p == h:
+                return True
+        return False
 
     def _is_access(self, str source, str storage_location, other_mask):
         """Whether a Store of a known block at a new location is a reuse of the block

@@ -34,7 +34,9 @@ Fault tolerance (failure cases of ``cases/CASES.md``):
     * Remove of an ancestor before its descendants: the descendants stay indexed and
       become orphans until the ancestor is stored again.
     * Remove at one location while others still hold the block: the others stay.
-    * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone.
+    * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone, and so is
+      the Store of a new block that closes a parent cycle (``A -> B`` then ``B -> A``;
+      checked up to ``PARENT_WALK_LIMIT`` links).
     * a new epoch of a known source drops that source's ``g1``/``g2`` residency; batches
       of a superseded epoch that arrive later are counted (``stale_batches``) and only their
       volume events are applied, in order (facts about shared storage; their Stores are

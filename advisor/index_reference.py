@@ -37,7 +37,9 @@ Fault tolerance (failure cases of ``cases/CASES.md``):
     * Remove of an ancestor before its descendants: the descendants stay indexed and
       become orphans until the ancestor is stored again.
     * Remove at one location while others still hold the block: the others stay.
-    * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone.
+    * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone, and so is
+      the Store of a new block that closes a parent cycle (``A -> B`` then ``B -> A``;
+      checked up to ``PARENT_WALK_LIMIT`` links).
     * a new epoch of a known source drops that source's ``g1``/``g2`` residency; batches
       of a superseded epoch that arrive later are counted (``stale_batches``) and only their
       volume events are applied, in order (facts about shared storage; their Stores are
@@ -59,6 +61,7 @@ from typing import Any
 import msgspec
 
 from advisor.frequency import FrequencySketch
+from event_plane.schema import PARENT_WALK_LIMIT as _WIRE_WALK_LIMIT
 from event_plane.schema import EventBatch, EventType
 
 PRIVATE_TIERS: frozenset[str] = frozenset({"g1", "g2"})
@@ -77,6 +80,16 @@ STATE_VERSION = 2
 _U64 = 1 << 64
 U64_MAX = _U64 - 1
 """Ceiling of every hit count (per block and :attr:`IndexCounters.hits`): adds saturate."""
+
+PARENT_WALK_LIMIT = _WIRE_WALK_LIMIT
+"""Parent links a new block's cycle check follows at most (``docs/events.md`` §2.3).
+
+A Store of a new block whose parent chain leads back to the block itself (``A -> B`` then
+``B -> A``, or longer) is rejected alone and counted (``parent_cycle_rejected``), like a
+self-parented one.  Only a block that orphans are waiting for can close a cycle, so the
+walk runs for those alone; it stops at the chain's first block, at a parent that is not
+indexed, or after this many links (4096 blocks: 64 Ki tokens of 16-token blocks), which
+bounds what one hostile event can cost.  A cycle longer than the limit is not detected."""
 
 _UNKNOWN_STORER = ""
 """Storer of volume residency imported from a version-1 state (no source attribution):
@@ -158,6 +171,9 @@ class IndexCounters:
     """Removes of a hash not indexed, or at a location that did not hold it (case C5)."""
     self_parent_rejected: int = 0
     """Stores with ``parent_hash == sequence_hash``, rejected alone (case C11)."""
+    parent_cycle_rejected: int = 0
+    """Stores of a new block whose parent chain leads back to it (a parent cycle), rejected
+    alone (see :data:`PARENT_WALK_LIMIT`)."""
     restarts: int = 0
     """New epochs of known sources (their g1/g2 residency was dropped, case C8)."""
     stale_batches: int = 0
@@ -698,6 +714,9 @@ class ReferencePrefixIndex(IndexStateViews):
         if parent == h:
             c.self_parent_rejected += 1
             return
+        if parent is not None and h in self._waiting and h not in self._blocks and self._closes_cycle(h, parent):
+            c.parent_cycle_rejected += 1
+            return
         private = storage_location in PRIVATE_TIERS
         loc = f"{source}/{storage_location}" if private else storage_location
         bit = self._loc_bit.get(loc)
@@ -757,6 +776,22 @@ class ReferencePrefixIndex(IndexStateViews):
             e.last = ts
             if self.frequency is not None:
                 self.frequency.increment(h, hits)
+
+    def _closes_cycle(self, h: int, parent: int) -> bool:
+        """Whether linking new block ``h`` under ``parent`` closes a parent cycle: the chain
+        from ``parent`` reaches ``h`` within :data:`PARENT_WALK_LIMIT` links."""
+        blocks = self._blocks
+        x: int | None = parent
+        for _ in range(PARENT_WALK_LIMIT):
+            r = blocks.get(x)  # type: ignore[arg-type]
+            if r is None:
+                return False
+            x = r.parent
+            if x is None:
+                return False
+            if x == h:
+                return True
+        return False
 
     def _is_access(self, source: str, storage_location: str, other_mask: int) -> bool:
         """Whether a Store of a known block at a new location is a reuse of the block.

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from event_plane.codec import CodecError, decode_batch
+from event_plane.codec import CodecError, check_batch, decode_batch
 from event_plane.schema import EventBatch
 
 _I64 = 1 << 63
@@ -98,7 +98,9 @@ class SqliteJournal:
             batch: the decoded batch, if the caller has it (saves a decode when
                 ``verify`` is false).
             verify: decode ``payload`` and check that it is ``batch`` (default). Pass
-                ``False`` only for bytes this process just encoded from ``batch``.
+                ``False`` only for bytes this process just encoded from ``batch``; ``batch``
+                still gets the decoder's own checks (:func:`event_plane.codec.check_batch`),
+                so nothing enters the log that a replay would refuse.
 
         Returns:
             The new log position (>= 1), or ``None`` when the batch's
@@ -121,6 +123,12 @@ class SqliteJournal:
                     f"not the batch {batch.source}:{batch.epoch}:{batch.seq} it was appended as"
                 )
             batch = decoded
+        else:
+            try:
+                check_batch(batch)
+            except CodecError as exc:
+                self.rejected += 1
+                raise BadPayloadError(f"batch is not a valid KVEvent v1 batch: {exc}") from exc
         row = (batch.source, _to_i64(batch.epoch), _to_i64(batch.seq), batch.ts_ns if batch.ts_ns < _I64 else _I64 - 1,
                len(batch.events), bytes(payload))
         with self._lock:

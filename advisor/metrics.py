@@ -67,6 +67,9 @@ class AdvisorMetrics:
             "kvadvisor_duplicate_batches", "Batches already journaled (not applied again)", registry=r
         )
         self.bad_batches = Counter("kvadvisor_bad_batches", "Batches refused by the journal", registry=r)
+        self.journal_skipped = Counter(
+            "kvadvisor_journal_skipped", "Journal entries skipped at replay (not a valid KVEvent v1 batch)", registry=r
+        )
         self.moves = Counter("kvadvisor_moves", "Plan items executed", ["kind", "status"], registry=r)
         self.bytes_moved = Counter("kvadvisor_bytes_moved", "Bytes written by moves and compactions", ["kind"], registry=r)
         self.policy_rounds = Counter("kvadvisor_policy_rounds", "Policy rounds run", registry=r)

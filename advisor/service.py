@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
-from advisor.journal import BadPayloadError, JournalError, SqliteJournal
+from advisor.journal import BadPayloadError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
@@ -134,6 +134,7 @@ class AdvisorService:
             "ingested_batches": 0,
             "duplicate_batches": 0,
             "bad_batches": 0,
+            "journal_skipped": 0,
             "policy_rounds": 0,
             "plans_deferred": 0,
             "reconciled_events": 0,
@@ -349,17 +350,28 @@ class AdvisorService:
         return self.position >= position
 
     def _replay_journal(self) -> None:
+        """Fold the journal past the current position into the index. An entry that does not
+        decode (:func:`event_plane.codec.decode_batch`, the live decoder) is skipped, logged
+        and counted (``journal_skipped``); the replay goes on."""
         assert self.journal is not None
         with self.lock:
             n = 0
+            skipped = 0
             for pos, payload in self.journal.read_raw(self.position):
                 try:
                     self.index.apply_payload(payload)  # decode + fold in one pass
-                except CodecError as exc:  # as SqliteJournal.read reports a corrupt entry
-                    raise JournalError(f"journal entry {pos} is corrupt: {exc}") from exc
+                except CodecError as exc:
+                    # Damaged on disk, or written by a build that accepted what the decoder
+                    # now refuses: one entry must not keep the advisor from starting.
+                    skipped += 1
+                    logger.warning("advisor: journal entry %d skipped, not a valid KVEvent v1 batch: %s", pos, exc)
+                else:
+                    n += 1
                 self.position = pos
-                n += 1
             self.counters["replayed_batches"] += n
+            self.counters["journal_skipped"] += skipped
+            if skipped:
+                self.metrics.journal_skipped.inc(skipped)
             self._batches_since_snapshot += n
             self.metrics.journal_position.set(self.position)
         logger.info("advisor: replayed %d journal batches (position %d)", n, self.position)

@@ -10,6 +10,7 @@ from event_plane.errors import (
     EventPlaneError,
     EventURLError,
     InvalidEventError,
+    NotStartedError,
     PublisherClosedError,
     TransportError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "ZmqSubscriber",
     "cleared",
     "decode_batch",
+    "NotStartedError",
     "encode_batch",
     "iter_events",
     "make_publisher",

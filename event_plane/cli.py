@@ -4,9 +4,14 @@
   "sequence_hash", "prefix_hash", "parent_hash", "block_size", "storage_location",
   "extra_metadata"}``; a gap the subscriber detected prints ``{"gap": {"source", "epoch",
   "first", "last"}}`` just before the first batch after it (recovered batches, if any,
-  follow the marker). Stops after ``--count`` events or ``--duration`` seconds.
+  follow the marker). Stops after ``--count`` events or ``--duration`` seconds. When nothing
+  answered at the URL within ``--connect-timeout`` seconds (no batch, no replay answer, no
+  server), it says so on stderr and keeps waiting; when ``--duration`` ends with nothing
+  received from an endpoint that never answered, it exits with status 1.
 * ``stats URL --duration S``: one JSON object with events/s, batches/s, bytes per event (of
   the KVEvent v1 encoding), gaps, replayed, unrecovered, drops, decode errors, restarts.
+  When no batch arrived and the endpoint never answered, it prints no report: a message on
+  stderr and exit status 1 (zeros would read as an idle stream).
 
 URLs: anything :func:`event_plane.subscribe` takes (``zmq://``, ``nats://``,
 ``jetstream://``, ``vllm+zmq://``, ``sglang+zmq://``).
@@ -74,6 +79,11 @@ class _GapMarkers:
         return out
 
 
+def _nothing_answered(command: str, url: str, seconds: float) -> str:
+    return (f"kvadvisor events {command}: nothing answered at {url} in {seconds:.3g} s "
+            "(no batch, no replay answer; is a publisher running there?)")
+
+
 def _open(url: str, **kw: Any) -> Any:
     try:
         sub = subscribe(url, **kw)
@@ -89,12 +99,17 @@ def tail(
     url: Annotated[str, typer.Argument(help="event URL, e.g. zmq://127.0.0.1:5557?replay=5558")],
     count: Annotated[Optional[int], typer.Option("--count", "-n", min=1, help="stop after N events")] = None,
     duration: Annotated[Optional[float], typer.Option("--duration", "-d", min=0.001, help="stop after S seconds")] = None,
+    connect_timeout: Annotated[
+        float, typer.Option("--connect-timeout", min=0.001, help="warn on stderr when nothing answered after S seconds")
+    ] = 5.0,
 ) -> None:
     """Print every event as a JSON line, with gap markers."""
     gaps = _GapMarkers()
+    t0 = time.monotonic()
     sub = _open(url, on_gap=gaps)
     printed = 0
-    deadline = None if duration is None else time.monotonic() + duration
+    warned = False
+    deadline = None if duration is None else t0 + duration
     try:
         while count is None or printed < count:
             wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
@@ -102,6 +117,9 @@ def tail(
                 break
             batch = sub.get(timeout=wait)
             if batch is None:
+                if not warned and not sub.answered and time.monotonic() - t0 >= connect_timeout:
+                    typer.echo(_nothing_answered("tail", url, connect_timeout) + "; still waiting", err=True)
+                    warned = True
                 continue
             for marker in gaps.due(batch):
                 typer.echo(json.dumps(marker))
@@ -114,6 +132,9 @@ def tail(
         pass
     finally:
         sub.close()
+    if printed == 0 and not sub.answered:
+        typer.echo(_nothing_answered("tail", url, time.monotonic() - t0), err=True)
+        raise typer.Exit(1)
 
 
 @events_app.command()
@@ -143,6 +164,9 @@ def stats(
         elapsed = max(time.monotonic() - t0, 1e-9)
         sub.close()
     st = sub.stats()
+    if batches == 0 and not sub.answered:
+        typer.echo(_nothing_answered("stats", url, elapsed), err=True)
+        raise typer.Exit(1)
     report = {
         "url": url,
         "seconds": round(elapsed, 3),

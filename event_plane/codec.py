@@ -2,9 +2,17 @@
 
 Every failure to decode raises :class:`CodecError` and nothing else, so a subscriber can
 count and skip a malformed batch without losing the ones around it.
+
+:func:`decode_batch` is the one decoder of the wire format: live subscribers, the advisor's
+journal (append and replay) and its index's payload fold all use it, so a batch accepted
+live is accepted again when the journal is replayed. ``extra_metadata`` may nest at most
+:data:`MAX_METADATA_DEPTH` containers deep; a deeper batch is refused whole, whatever stack
+depth the decoder runs at (msgspec alone fails such input only on a deep enough stack).
 """
 
 from __future__ import annotations
+
+from operator import attrgetter
 
 import msgspec
 
@@ -13,10 +21,53 @@ from event_plane.schema import WIRE_VERSION, EventBatch, KVEvent
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _event_decoder = msgspec.msgpack.Decoder(KVEvent)
+_metadata_of = attrgetter("extra_metadata")
+
+
+MAX_METADATA_DEPTH = 32
+"""Deepest nesting of an event's ``extra_metadata``: the map itself is level 1, each map or
+array inside it one more (``{"a": [{"b": 1}]}`` is 3 levels). Deeper metadata is invalid."""
 
 
 class CodecError(ValueError):
     """A byte string is not a valid KVEvent v1 batch (or event)."""
+
+
+def metadata_depth_error(meta: object, limit: int = MAX_METADATA_DEPTH) -> str | None:
+    """Why ``meta`` (an ``extra_metadata`` value) nests too deep, or ``None`` if it does not.
+
+    Walks the maps and arrays without recursion, so it runs at any stack depth and stops at
+    the first container past ``limit`` levels.
+    """
+    if not isinstance(meta, dict | list | tuple):
+        return None
+    stack: list[tuple[object, int]] = [(meta, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limit:
+            return f"extra_metadata nests more than {limit} levels deep"
+        children = obj.values() if isinstance(obj, dict) else obj
+        for child in children:  # type: ignore[attr-defined]
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, depth + 1))
+    return None
+
+
+def check_batch(batch: EventBatch) -> EventBatch:
+    """Return ``batch`` if it passes the checks msgspec's schema cannot express (wire
+    version, :data:`MAX_METADATA_DEPTH`); :func:`decode_batch` applies them to every batch.
+
+    Raises:
+        CodecError: the batch has another version or too deep ``extra_metadata``.
+    """
+    if batch.version != WIRE_VERSION:
+        raise CodecError(f"unsupported wire version {batch.version} (this build reads {WIRE_VERSION})")
+    for meta in filter(None, map(_metadata_of, batch.events)):  # C-speed skip of the nil ones
+        why = metadata_depth_error(meta)
+        if why is not None:
+            raise CodecError(why)
+    # A self-parented Store is structurally valid; the index rejects it alone (C11).
+    return batch
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -29,19 +80,13 @@ def encode_event(event: KVEvent) -> bytes:
     return _encoder.encode(event)
 
 
-def _check(batch: EventBatch) -> EventBatch:
-    if batch.version != WIRE_VERSION:
-        raise CodecError(f"unsupported wire version {batch.version} (this build reads {WIRE_VERSION})")
-    # A self-parented Store is structurally valid; the index rejects it alone (C11).
-    return batch
-
-
 def decode_batch(data: bytes | bytearray | memoryview) -> EventBatch:
     """Parse one wire batch.
 
     Raises:
         CodecError: on any malformed input (bad msgpack, wrong arity or types,
-            out-of-range integers, unknown event type, unsupported version).
+            out-of-range integers, unknown event type, unsupported version,
+            ``extra_metadata`` deeper than :data:`MAX_METADATA_DEPTH`).
     """
     try:
         batch = _batch_decoder.decode(data)
@@ -49,15 +94,19 @@ def decode_batch(data: bytes | bytearray | memoryview) -> EventBatch:
         raise CodecError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - msgspec may raise others on hostile input
         raise CodecError(f"{type(exc).__name__}: {exc}") from exc
-    return _check(batch)
+    return check_batch(batch)
 
 
 def decode_event(data: bytes | bytearray | memoryview) -> KVEvent:
-    """Parse one wire event. Raises :class:`CodecError` on malformed input."""
+    """Parse one wire event. Raises :class:`CodecError` on malformed input (including
+    ``extra_metadata`` deeper than :data:`MAX_METADATA_DEPTH`)."""
     try:
-        return _event_decoder.decode(data)
+        event = _event_decoder.decode(data)
     except Exception as exc:  # noqa: BLE001
         raise CodecError(f"{type(exc).__name__}: {exc}") from exc
+    if event.extra_metadata is not None and (why := metadata_depth_error(event.extra_metadata)) is not None:
+        raise CodecError(why)
+    return event
 
 
 def _array_header(n: int) -> bytes:

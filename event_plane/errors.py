@@ -33,3 +33,8 @@ class ConfigError(EventPlaneError, ValueError):
 
 class TransportError(EventPlaneError, RuntimeError):
     """A transport could not be set up (bind/connect failure, server unreachable)."""
+
+
+class NotStartedError(EventPlaneError, RuntimeError):
+    """``get`` (or iteration) on a subscriber that was never started: nothing could ever
+    arrive, so it fails at once instead of waiting forever."""

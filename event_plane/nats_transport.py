@@ -337,6 +337,7 @@ class NatsSubscriber(Subscriber):
         try:
             self._nc = self._io.run(connect_nats(self.url, self._connect_timeout_s, self._options))
             self._io.run(self._subscribe())
+            self._answered.set()  # the server answered
         except Exception as exc:
             self._io.stop()
             raise TransportError(f"cannot subscribe at {self.url}: {describe(exc)}") from exc

@@ -7,6 +7,9 @@ Rules (``docs/events.md`` §4):
   delivered before the later batch; seqs it cannot supply are counted as unrecovered;
 * the first batch of a source/epoch never seen before is expected to have seq 0; a higher
   seq is a gap from 0 (a subscriber that joined late recovers what is still buffered);
+* a seq more than ``max_gap`` (:data:`MAX_GAP`) past the expected one is implausible, for a
+  tracked source and a new source/epoch alike: the batch is dropped and counted as a decode
+  error, and nothing else changes;
 * a new epoch of a known source is a restart: tracking starts afresh, and batches of the
   superseded epoch that arrive later are dropped (counted as duplicates).
 """
@@ -32,7 +35,8 @@ Recover = Callable[[str, int, int, int], list[EventBatch]]
 
 
 MAX_GAP = 1 << 24
-"""Largest seq jump accepted from a source already being tracked (16.7 M batches)."""
+"""Largest seq jump accepted (16.7 M batches): past the next expected seq of a tracked
+source, or past 0 for the first batch of a new source/epoch on a live transport."""
 
 
 class SeqTracker:
@@ -49,8 +53,9 @@ class SeqTracker:
             position (JetStream durable consumers), where earlier seqs were consumed before.
         on_lost: optional ``on_lost(source, epoch, count)``, called once per gap that
             recovery could not fill completely; its exceptions are logged and ignored.
-        max_gap: a batch of a tracked (source, epoch) whose seq jumps further than this past
-            the expected one is counted as a decode error and dropped, not treated as a gap.
+        max_gap: a batch whose seq jumps further than this past the expected one (for a new
+            source or epoch on a live transport: past 0) is counted as a decode error and
+            dropped, not treated as a gap.
     """
 
     def __init__(
@@ -81,27 +86,29 @@ class SeqTracker:
         st = self._stats
         source, epoch, seq = batch.source, batch.epoch, batch.seq
         cur = self._current.get(source)
-        if cur is not None and cur[0] == epoch:
-            expected = cur[1]
+        known = cur is not None and cur[0] == epoch
+        if known:
+            expected = cur[1]  # type: ignore[index]
         else:
-            if cur is not None:
-                retired = self._retired.setdefault(source, set())
-                if epoch in retired:
-                    st.duplicates += 1
-                    return
-                retired.add(cur[0])
-                st.restarts += 1
+            if cur is not None and epoch in self._retired.get(source, ()):
+                st.duplicates += 1
+                return
             expected = 0 if self._first_seq_gap else seq
         if seq < expected:
             st.duplicates += 1
             return
-        if cur is not None and cur[0] == epoch and seq - expected > self._max_gap:
-            # A known source cannot have skipped this many batches: a corrupt or hostile
-            # batch must not silence the source (every real later seq would be a "duplicate").
+        if seq - expected > self._max_gap:
+            # No source skips this many batches, tracked or new (a new source/epoch starts
+            # at 0): a corrupt or hostile batch must neither silence the source (every real
+            # later seq would be a "duplicate") nor count ~2**64 batches unrecovered. It is
+            # dropped before it changes anything (a new epoch does not retire the old one).
             st.decode_errors += 1
             logger.warning("dropped batch of %s epoch=%d: seq %d is %d past the expected %d (max gap %d)",
                            source, epoch, seq, seq - expected, expected, self._max_gap)
             return
+        if not known and cur is not None:
+            self._retired.setdefault(source, set()).add(cur[0])
+            st.restarts += 1
         if seq > expected:
             expected = self._fill_gap(source, epoch, expected, seq - 1, recover)
         self._current[source] = (epoch, seq + 1)

@@ -23,6 +23,10 @@ import msgspec
 WIRE_VERSION = 1
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
+PARENT_WALK_LIMIT = 4096
+"""Parent links a receiver follows at most to find out whether a Store of a new block closes
+a parent cycle (``docs/events.md`` §2.3): the advisor's index and ``BlockTracker`` reject
+such a Store alone, like a self-parented one; a longer cycle is not detected."""
 
 # MessagePack integers never exceed 2**64-1, so ``ge=0`` makes a field an exact u64.
 U64 = Annotated[int, msgspec.Meta(ge=0)]

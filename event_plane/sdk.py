@@ -11,7 +11,9 @@ follows the receiver rules of ``docs/events.md`` §2.3 and §4:
 * Remove takes one (source, location) off a block; a Remove nobody matches is counted
   (``unknown_removes``), never an error; a block is forgotten when no location holds it;
 * a Store whose ``parent_hash`` equals its ``sequence_hash`` is rejected alone and counted
-  (``self_parent``); the rest of its batch applies;
+  (``self_parent``); the rest of its batch applies; so is a Store of a new block whose
+  parent chain leads back to it (a parent cycle, counted in ``parent_cycle``; checked up to
+  :data:`~event_plane.schema.PARENT_WALK_LIMIT` links);
 * a Store whose parent is not held is an *orphan*: kept, counted, and linked when the parent
   arrives (``match`` then walks through it);
 * Cleared drops every block the source holds at that location;
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from event_plane.schema import EventBatch, EventType, KVEvent
+from event_plane.schema import PARENT_WALK_LIMIT, EventBatch, EventType, KVEvent
 from event_plane.subscriber import Subscriber
 
 _STORE, _REMOVE = EventType.STORE, EventType.REMOVE
@@ -57,7 +59,11 @@ class SourcedEvent(msgspec.Struct, frozen=True, gc=False):
 def iter_events(subscriber: Subscriber, timeout: float | None = None) -> Iterator[SourcedEvent]:
     """Typed events of ``subscriber`` in delivery order (per source: seq order, then the
     order within the batch). Stops when the subscriber is closed and drained, or when no
-    batch came for ``timeout`` seconds (``None``: wait forever)."""
+    batch came for ``timeout`` seconds (``None``: wait forever).
+
+    Raises:
+        NotStartedError: ``subscriber`` was never started (it would wait forever).
+    """
     while True:
         batch = subscriber.get(timeout=timeout)
         if batch is None:
@@ -77,6 +83,7 @@ class TrackerStats:
         duplicate_stores: Stores of a block already held at that (source, location).
         unknown_removes: Removes of a block not held at that (source, location).
         self_parent: Stores rejected because their parent is themselves.
+        parent_cycle: Stores of a new block rejected because they close a parent cycle.
         orphan_stores: Stores whose parent was not held when they arrived.
         orphans_linked: orphans whose parent arrived later.
         restarts: new epochs of known sources.
@@ -93,6 +100,7 @@ class TrackerStats:
     duplicate_stores: int = 0
     unknown_removes: int = 0
     self_parent: int = 0
+    parent_cycle: int = 0
     orphan_stores: int = 0
     orphans_linked: int = 0
     restarts: int = 0
@@ -253,6 +261,9 @@ class BlockTracker:
             return
         holder = (source, ev.storage_location)
         block = self._blocks.get(h)
+        if block is None and parent is not None and h in self._children and self._closes_cycle(h, parent):
+            st.parent_cycle += 1
+            return
         if block is None:
             block = TrackedBlock(h, parent, ev.prefix_hash, ev.block_size)
             self._blocks[h] = block
@@ -275,6 +286,21 @@ class BlockTracker:
         st.stores += 1
         block.holders.add(holder)
         self._by_holder.setdefault(holder, set()).add(h)
+
+    def _closes_cycle(self, h: int, parent: int) -> bool:
+        """Whether new block ``h`` under ``parent`` closes a parent cycle (the chain from
+        ``parent`` reaches ``h`` within ``PARENT_WALK_LIMIT`` links)."""
+        x: int | None = parent
+        for _ in range(PARENT_WALK_LIMIT):
+            block = self._blocks.get(x)  # type: ignore[arg-type]
+            if block is None:
+                return False
+            x = block.parent_hash
+            if x is None:
+                return False
+            if x == h:
+                return True
+        return False
 
     def _remove(self, source: str, h: int, location: str) -> None:
         holder = (source, location)

@@ -11,6 +11,7 @@ before :meth:`Subscriber.resync_done` clears the mark. Batches known lost for go
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from event_plane.config import SubscriberStats
-from event_plane.errors import ConfigError
+from event_plane.errors import ConfigError, NotStartedError
 from event_plane.ordering import GapCallback, SeqTracker
 from event_plane.schema import EventBatch
 
@@ -64,6 +65,24 @@ class Subscriber(abc.ABC):
         self._resync_lock = threading.Lock()
         self._tracker = self._make_tracker()
         self._closed = threading.Event()
+        self._started = threading.Event()
+        self._answered = threading.Event()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Wrap each subclass's ``start`` so that a successful start marks the subscriber
+        started (``get`` refuses to wait on one that never was)."""
+        super().__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        start = cls.__dict__.get("start")
+        if start is None or getattr(start, "_marks_started", False) or getattr(start, "__isabstractmethod__", False):
+            return
+
+        @functools.wraps(start)
+        def marked_start(self: Subscriber) -> None:
+            start(self)
+            self._started.set()
+
+        marked_start._marks_started = True  # type: ignore[attr-defined]
+        cls.start = marked_start  # type: ignore[method-assign]
 
     def _make_tracker(self, *, first_seq_gap: bool = True) -> SeqTracker:
         """The ordering state machine feeding this subscriber's queue."""
@@ -87,9 +106,25 @@ class Subscriber(abc.ABC):
     def close(self) -> None:
         """Stop receiving and release sockets. Idempotent; batches already queued stay readable."""
 
+    @property
+    def answered(self) -> bool:
+        """Whether anything came from the other side since start: a batch, a replay answer,
+        a message that did not decode, or (NATS) a connection to the server. ``False`` after
+        a while means nothing listens at the endpoint (or a ZMQ publisher without replay
+        that has not sent yet)."""
+        return self._answered.is_set()
+
     def get(self, timeout: float | None = None) -> EventBatch | None:
         """Next batch in delivery order, or ``None`` after ``timeout`` seconds (or once closed
-        and drained). Thread-safe."""
+        and drained). Thread-safe.
+
+        Raises:
+            NotStartedError: the subscriber was never started (nor closed): no batch could
+                ever come, so it does not wait.
+        """
+        if not self._started.is_set() and not self._closed.is_set():
+            raise NotStartedError(f"{type(self).__name__}.get() before start(): call start() or use it as a "
+                                  "context manager")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
@@ -154,6 +189,7 @@ class Subscriber(abc.ABC):
         self.close()
 
     def _deliver(self, batch: EventBatch) -> None:
+        self._answered.set()
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
@@ -196,6 +232,10 @@ class MultiSubscriber(Subscriber):
         for child in self._children:
             child.close()
         self._closed.set()
+
+    @property
+    def answered(self) -> bool:
+        return any(child.answered for child in self._children)
 
     def stats(self) -> SubscriberStats:
         total = SubscriberStats()

@@ -7,7 +7,10 @@ URL                                        meaning
                                            block pools build no events (``wants_events``)
 ``zmq://HOST:PORT?replay=PORT&topic=T``    publisher binds ``tcp://HOST:PORT`` (PUB) and
                                            ``tcp://HOST:REPLAY`` (ROUTER); subscriber
-                                           connects to both
+                                           connects to both (subscriber only:
+                                           ``replay_timeout=S``, inactivity timeout of a
+                                           replay in seconds, default 2; also on the
+                                           adapter URLs below)
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
 ``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
                                            ``KVADVISOR_EVENTS`` (``durable``: subscriber)
@@ -33,12 +36,12 @@ from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber
 
 _ALLOWED = {
     "null": set(),
-    "zmq": {"replay", "topic"},
+    "zmq": {"replay", "topic", "replay_timeout"},
     "nats": {"namespace"},
     "jetstream": {"namespace", "durable"},
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
-    "vllm+zmq": {"replay", "topic", "source", "bytes_per_token", "model", "kv_dtype", "num_layers", "num_kv_heads",
-                 "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
+    "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
+                 "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
 }
 _ALLOWED["sglang+zmq"] = _ALLOWED["vllm+zmq"]
 _PEER_SCHEMES = {"vllm+zmq": "vllm", "sglang+zmq": "sglang"}
@@ -80,6 +83,20 @@ def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tup
     return pub, (f"tcp://{host_part}:{replay}" if replay is not None else None)
 
 
+def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
+    """``{"replay_timeout_s": S}`` from a ``replay_timeout=S`` parameter (seconds > 0), else ``{}``."""
+    raw = query.get("replay_timeout")
+    if raw is None:
+        return {}
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise EventURLError(f"replay_timeout must be a number of seconds > 0 in {url!r}, got {raw!r}")
+    return {"replay_timeout_s": value}
+
+
 def make_publisher(
     url: str,
     source: str,
@@ -108,6 +125,8 @@ def make_publisher(
     if scheme == "null":
         return NullPublisher(source, **common)
     if scheme == "zmq":
+        if "replay_timeout" in query:
+            raise EventURLError(f"replay_timeout is a subscriber parameter (in {url!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, **options)
     cls = JetStreamPublisher if scheme == "jetstream" else NatsPublisher
@@ -122,6 +141,7 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
         if host in ("*", "0.0.0.0", "::"):
             raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {url!r}")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
+        kw = {**kw, **_replay_timeout(query, url)}
         if scheme in _PEER_SCHEMES:
             from event_plane.adapters.urls import peer_subscriber  # lazy: adapters are optional
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from event_plane.codec import encode_event
+from event_plane.codec import MAX_METADATA_DEPTH, encode_event, metadata_depth_error
 from event_plane.errors import InvalidEventError
 from event_plane.schema import U32_MAX, U64_MAX, EventType, KVEvent
 
@@ -49,7 +49,8 @@ def encode_checked(event: object) -> bytes:
     Raises:
         InvalidEventError: not a KVEvent, unknown type, hash outside u64, block_size outside
             u32, storage_location not a str of 1..255 characters, extra_metadata not a map
-            with str keys of encodable values.
+            with str keys of encodable values, or nested deeper than
+            :data:`~event_plane.codec.MAX_METADATA_DEPTH` levels (receivers refuse it).
     """
     if not isinstance(event, KVEvent):
         raise InvalidEventError(f"expected KVEvent, got {type(event).__name__}")
@@ -71,6 +72,9 @@ def encode_checked(event: object) -> bytes:
     if meta is not None:
         if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
             raise InvalidEventError("extra_metadata must be None or a dict with str keys")
+        why = metadata_depth_error(meta, MAX_METADATA_DEPTH)
+        if why is not None:
+            raise InvalidEventError(why)
     try:
         return encode_event(event)
     except (msgspec.EncodeError, TypeError, ValueError, OverflowError) as exc:

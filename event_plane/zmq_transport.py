@@ -171,14 +171,17 @@ class ZmqSubscriber(Subscriber):
         endpoints: ``(pub_endpoint, replay_endpoint | None)`` pairs; one SUB connects to each.
         topic: topic prefix to subscribe to (``b""`` = everything).
         on_gap, queue_capacity, on_resync: see :class:`Subscriber`.
-        replay_timeout_s: seconds to wait for a full replay answer before giving up
-            (the missing batches then count as unrecovered).
+        replay_timeout_s: inactivity timeout of a replay, seconds: a replay gives up when no
+            reply frame came for this long (each reply moves the deadline forward, so a long
+            answer from a publisher that keeps sending is never cut); the batches still
+            missing then count as unrecovered. URL parameter ``replay_timeout``.
         catch_up: right after connecting, ask every replay socket for all it still buffers
             and deliver that first (a subscriber that joins after the last batch was sent
             would otherwise never see a later batch revealing the gap). Batches seen again
             live are dropped as duplicates.
-        catch_up_timeout_s: how long start-up waits for those answers (a publisher that is
-            not up yet simply has nothing to catch up on).
+        catch_up_timeout_s: inactivity timeout of that catch-up, seconds: it stops once no
+            answer came for this long (a publisher that is not up yet simply has nothing to
+            catch up on; one that keeps answering is waited for).
         idle_probe_s: after this many seconds without a message, ask every replay socket
             for anything past what was delivered (0 disables): a lost *last* batch, or a
             publisher that bound after this subscriber connected and then went quiet, is
@@ -204,6 +207,9 @@ class ZmqSubscriber(Subscriber):
         idle_probe_s: float = 1.0,
     ) -> None:
         super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
+        for name, value in (("replay_timeout_s", replay_timeout_s), ("catch_up_timeout_s", catch_up_timeout_s)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
         self._catch_up = catch_up
         self._catch_up_timeout_s = catch_up_timeout_s
         self._idle_probe_s = idle_probe_s
@@ -299,6 +305,7 @@ class ZmqSubscriber(Subscriber):
         return batch
 
     def _on_message(self, i: int, frames: list[bytes]) -> None:
+        self._answered.set()
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             self._stats.decode_errors += 1
             return
@@ -317,6 +324,7 @@ class ZmqSubscriber(Subscriber):
         Accepts ``[topic, seq, payload]`` (vLLM >= 0.26, ours) and ``[seq, payload]`` (older
         peers), with or without the leading empty delimiter frame.
         """
+        self._answered.set()
         if frames and frames[0] == b"":
             frames = frames[1:]
         if len(frames) == 3:
@@ -347,8 +355,8 @@ class ZmqSubscriber(Subscriber):
         """Fetch what the publishers still buffer and deliver it, oldest first.
 
         Sends one replay request to every replay socket at once (from seq 0 at start-up, or
-        from ``starts[i]`` for endpoint ``i``) and waits at most ``catch_up_timeout_s`` for
-        the answers; runs on the receiver thread, so the tracker sees these batches in order
+        from ``starts[i]`` for endpoint ``i``) and waits for the answers until none came for
+        ``catch_up_timeout_s``; runs on the receiver thread, so the tracker sees these batches in order
         with live ones (those already delivered are dropped as duplicates).
         """
         if starts is None:
@@ -373,7 +381,10 @@ class ZmqSubscriber(Subscriber):
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     break
-                for dealer, _ in poller.poll(remaining_ms):
+                ready = poller.poll(remaining_ms)
+                if ready:  # an inactivity timeout: each answer moves the deadline forward
+                    deadline = time.monotonic() + self._catch_up_timeout_s
+                for dealer, _ in ready:
                     i, got = pending[dealer]
                     reply = self._parse_reply(dealer.recv_multipart())
                     if reply is None:
@@ -415,10 +426,12 @@ class ZmqSubscriber(Subscriber):
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not dealer.poll(remaining_ms):
                 # No end marker: drop the socket so a late answer cannot pollute the next one.
-                logger.warning("replay from %s timed out after %d batches", self._endpoints[i][1], len(out))
+                logger.warning("replay from %s timed out after %d batches (nothing for %.3g s)",
+                               self._endpoints[i][1], len(out), self._replay_timeout_s)
                 dealer.close(linger=0)
                 del self._dealers[i]
                 return out
+            deadline = time.monotonic() + self._replay_timeout_s  # inactivity, not a total
             reply = self._parse_reply(dealer.recv_multipart())
             if reply is None:
                 continue

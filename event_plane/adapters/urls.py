@@ -16,6 +16,7 @@ PEER_PARAMS = frozenset(
     {
         "replay",
         "topic",
+        "replay_timeout",
         "source",
         "bytes_per_token",
         "model",

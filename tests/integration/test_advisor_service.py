@@ -214,3 +214,49 @@ def test_advisor_process_promotes_in_the_background(tmp_path) -> None:  # noqa: 
         pub.close()
         worker.close()
         cat.close()
+
+
+def test_live_batch_with_too_deep_metadata_is_refused_counted_and_the_restart_replays_cleanly(tmp_path) -> None:  # noqa: ANN001
+    """A hostile publisher on a real ZMQ socket sends metadata nested 980 levels deep (which
+    msgspec decodes on a shallow stack) and 33 levels (one past the limit) between honest
+    batches: both are refused at ingest and counted, the honest ones (one at exactly the
+    limit) are journaled and applied, and a restart replays the journal to the same index."""
+    import zmq
+
+    from event_plane.codec import MAX_METADATA_DEPTH, encode_batch_parts, encode_event
+    from event_plane.frames import seq_to_bytes
+
+    def payload(seq: int, h: int, depth: int) -> bytes:
+        ev = encode_event(store(h, h, None, BS, "g1"))[:-1] + b"\x81\xa1a" * depth + b"\x01"
+        return encode_batch_parts("evil", 5, seq, 10 + seq, [ev])
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[f"zmq://127.0.0.1:{port}"],
+                               api_enabled=False, get_timeout_s=0.05, snapshot_store="none")
+    svc = AdvisorService(settings)
+    svc.start()
+    try:
+        time.sleep(0.3)  # ZMQ slow joiner
+        for seq, (h, depth) in enumerate([(1, 1), (2, 980), (3, MAX_METADATA_DEPTH + 1), (4, MAX_METADATA_DEPTH)]):
+            pub.send_multipart([b"", seq_to_bytes(seq), payload(seq, h, depth)])
+        wait_for(lambda: svc.counters["ingested_batches"] == 2)
+        time.sleep(0.2)
+        assert svc.subscriber_stats()["decode_errors"] == 2
+        assert svc.block_info(1) is not None and svc.block_info(4) is not None
+        assert svc.block_info(2) is None and svc.block_info(3) is None
+        assert len(svc.journal) == 2
+        dump = svc.index.dump()
+    finally:
+        svc.stop()
+        pub.close(linger=0)
+    again = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[],
+                                           api_enabled=False, snapshot_store="none"))
+    try:
+        again.start()
+        assert again.index.dump() == dump
+        assert (again.counters["replayed_batches"], again.counters["journal_skipped"]) == (2, 0)
+    finally:
+        again.stop()

@@ -99,3 +99,54 @@ def test_bad_url_is_a_clear_error() -> None:
     result = runner.invoke(app, ["events", "tail", "ftp://x:1"])
     assert result.exit_code == 2
     assert "unsupported event URL scheme" in result.output
+
+
+def test_tail_and_stats_on_a_dead_endpoint_say_nothing_answered_and_exit_1() -> None:
+    """Nothing listens on the loopback ports: tail warns on stderr after --connect-timeout
+    and exits 1 when --duration ends; stats exits 1 with a message instead of a report of
+    zeros. Both still answer in time (no hang)."""
+    url = f"zmq://127.0.0.1:{free_port()}?replay={free_port()}"
+    t0 = time.monotonic()
+    tail = runner.invoke(app, ["events", "tail", url, "--duration", "1.2", "--connect-timeout", "0.3"])
+    assert tail.exit_code == 1, tail.output
+    assert tail.stdout == ""
+    assert tail.stderr.count("nothing answered at " + url) == 2  # the warning, then the verdict
+    assert "still waiting" in tail.stderr
+    stats = runner.invoke(app, ["events", "stats", url, "--duration", "0.5"])
+    assert stats.exit_code == 1, stats.output
+    assert stats.stdout == "" and "nothing answered at " + url in stats.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_tail_and_stats_on_a_live_but_quiet_publisher_exit_0() -> None:
+    """A publisher with a replay socket answers the start-up catch-up even when it has sent
+    nothing: that is an idle stream, not a dead endpoint."""
+    port, replay = free_port(), free_port()
+    pub = ZmqPublisher("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
+    try:
+        url = f"zmq://127.0.0.1:{port}?replay={replay}"
+        tail = runner.invoke(app, ["events", "tail", url, "--duration", "0.8", "--connect-timeout", "0.3"])
+        assert tail.exit_code == 0 and tail.stderr == "", tail.output
+        stats = runner.invoke(app, ["events", "stats", url, "--duration", "0.5"])
+        assert stats.exit_code == 0, stats.output
+        assert json.loads(stats.stdout)["batches"] == 0
+    finally:
+        pub.close()
+
+
+def test_get_on_a_never_started_subscriber_raises_at_once() -> None:
+    import pytest
+
+    from event_plane import NotStartedError, iter_events, subscribe
+
+    sub = subscribe(f"zmq://127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    with pytest.raises(NotStartedError, match="before start"):
+        sub.get()  # used to block forever
+    with pytest.raises(NotStartedError):
+        next(iter_events(sub, timeout=None))
+    with pytest.raises(NotStartedError):
+        subscribe([f"zmq://127.0.0.1:{free_port()}", f"zmq://127.0.0.1:{free_port()}"]).get(timeout=5)
+    assert time.monotonic() - t0 < 1
+    sub.close()
+    assert sub.get(timeout=0.1) is None  # closed and drained: the documented end, no error

@@ -320,6 +320,71 @@ def test_a_lying_or_implausible_seq_cannot_silence_its_source() -> None:
         pub.close(linger=0)
 
 
+def test_implausible_seq_from_a_new_source_or_epoch_is_refused_and_counted() -> None:
+    """The implausible-seq rule holds for a source never seen (its seqs start at 0) and for a
+    new epoch of a known one: a first batch with seq 2**64-1 (or just past MAX_GAP) is
+    dropped and counted, adds nothing to ``unrecovered``, and does not retire the epoch it
+    claims to replace; honest batches keep flowing."""
+    from event_plane.ordering import MAX_GAP
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = started(ZmqSubscriber([(f"tcp://127.0.0.1:{port}", None)]))
+
+    def frames(source: str, epoch: int, seq: int) -> list[bytes]:
+        return [b"", seq_to_bytes(seq), encode_batch(EventBatch(1, source, epoch, seq, 0, [ev(seq % 100)]))]
+
+    try:
+        for f in (frames("evil", 1, 2**64 - 1), frames("w", 7, 0), frames("evil2", 1, MAX_GAP + 1),
+                  frames("w", 8, 2**64 - 1), frames("w", 7, 1), frames("ok", 1, MAX_GAP)):
+            pub.send_multipart(f)
+        got = drain(sub, 3)
+        assert [(b.source, b.seq) for b in got] == [("w", 0), ("w", 1), ("ok", MAX_GAP)]
+        st = sub.stats()
+        assert (st.decode_errors, st.restarts, st.duplicates) == (3, 0, 0)
+        assert (st.gaps, st.unrecovered) == (1, MAX_GAP)  # the plausible late joiner only
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+@pytest.mark.parametrize("path", ["gap-replay", "catch-up", "url"])
+def test_late_joiner_recovers_thousands_of_buffered_batches_with_a_short_inactivity_timeout(path: str) -> None:
+    """6,000 buffered batches take longer to answer than the 0.2 s timeout, but the timeout
+    is one of inactivity: every reply moves it forward, so the late joiner gets them all
+    (through a gap replay, with the timeout from the URL, or through the start-up catch-up)."""
+    from event_plane import subscribe
+
+    n = 6_000
+    port, replay = free_port(), free_port()
+    pub = ZmqPublisher("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}",
+                       config=PublisherConfig(max_events=8))
+    try:
+        for i in range(n):
+            pub.publish([ev(8 * i + k) for k in range(8)])
+        assert len(pub.buffered_seqs()) == n
+        eps = [(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")]
+        if path == "url":
+            sub = subscribe(f"zmq://127.0.0.1:{port}?replay={replay}&replay_timeout=0.2", catch_up=False)
+            assert sub._replay_timeout_s == 0.2
+        elif path == "gap-replay":
+            sub = ZmqSubscriber(eps, catch_up=False, replay_timeout_s=0.2)
+        else:
+            sub = ZmqSubscriber(eps, catch_up_timeout_s=0.2, replay_timeout_s=0.2)
+        started(sub)
+        try:
+            pub.publish([ev(8 * n + k) for k in range(8)])  # live batch n: reveals the gap if any
+            got = drain(sub, n + 1, timeout=60)
+            assert [b.seq for b in got] == list(range(n + 1))
+            st = sub.stats()
+            assert (st.unrecovered, st.replayed, st.resyncs) == (0, n, 0)
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
 def test_publisher_that_binds_late_and_goes_quiet_is_still_caught_up() -> None:
     """The subscriber connects first; the publisher binds, sends one batch while the
     subscription is still travelling, and sends nothing more. No later batch reveals the

@@ -1,8 +1,8 @@
 """The advisor service folds raw payloads with ``PrefixIndex.apply_payload``; its error
 handling must stay what it was with ``decode_batch`` + ``apply_batch``: a stream entry that
-does not decode is counted and skipped (position advances, nothing applied), and a journal
-entry that does not decode stops the replay with ``JournalError("journal entry N is
-corrupt: ...")``."""
+does not decode is counted and skipped (position advances, nothing applied), and so is a
+journal entry at replay (counted in ``journal_skipped``): one bad entry must never keep the
+advisor from starting."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from advisor import AdvisorService, AdvisorSettings
 from advisor.index_reference import ReferencePrefixIndex
-from advisor.journal import JournalError, SqliteJournal
-from event_plane.codec import encode_batch
+from advisor.journal import SqliteJournal
+from event_plane.codec import encode_batch, encode_batch_parts, encode_event
 from event_plane.schema import EventBatch, store
 
 BS = 4096
@@ -43,30 +43,47 @@ def test_stream_entries_fold_through_apply_payload_and_bad_ones_are_skipped(tmp_
     assert svc.index.dump() == ref.dump()
 
 
-def test_journal_replay_folds_payloads_and_reports_a_corrupt_entry(tmp_path) -> None:  # noqa: ANN001
+def _insert_raw(path, source: str, epoch: int, seq: int, payload: bytes) -> None:  # noqa: ANN001
+    """Append a row the way ``SqliteJournal.append`` writes one (same columns), bypassing its
+    checks: a journal written by an older build, or damaged on disk."""
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO journal (source, epoch, seq, ts_ns, events, payload) VALUES (?,?,?,?,?,?)",
+               (source, epoch, seq, 0, 2, payload))
+    db.commit()
+    db.close()
+
+
+def _deep_metadata_payload(source: str, seq: int, depth: int) -> bytes:
+    """A batch whose second Store carries ``extra_metadata`` nested ``depth`` levels deep."""
+    deep = encode_event(store(8, 7, 7, BS, "g1"))[:-1] + b"\x81\xa1a" * depth + b"\x01"
+    return encode_batch_parts(source, 1, seq, 30, [encode_event(store(7, 7, None, BS, "g1")), deep])
+
+
+def test_journal_replay_skips_and_counts_bad_entries_and_applies_the_others(tmp_path) -> None:  # noqa: ANN001
+    """A corrupt entry (damaged bytes) and a too-deep one (metadata an older build accepted
+    live, which a replay on a deeper stack could not decode) are skipped and counted; every
+    other entry, before and after them, is applied, and the advisor starts."""
     path = tmp_path / "j.sqlite"
     j = SqliteJournal(path)
-    for b in batches():
-        j.append(encode_batch(b), b)
+    b0, b1 = batches()
+    j.append(encode_batch(b0), b0)
+    j.close()
+    _insert_raw(path, "w0", 1, 1, b"\x96\x01\xa2w0\x01")  # position 2: truncated
+    _insert_raw(path, "w9", 1, 0, _deep_metadata_payload("w9", 0, 980))  # position 3: too deep
+    j = SqliteJournal(path)
+    b1 = EventBatch(1, "w0", 1, 2, 20, b1.events)
+    j.append(encode_batch(b1), b1)  # position 4
     j.close()
     settings = AdvisorSettings(journal_path=str(path), subscribe_urls=[], api_enabled=False, snapshot_store="none")
     svc = AdvisorService(settings)
-    svc.start()
     try:
+        svc.start()
         ref = ReferencePrefixIndex()
-        for b in batches():
+        for b in (b0, b1):
             ref.apply_batch(b)
-        assert svc.index.dump() == ref.dump() and svc.counters["replayed_batches"] == 2
+        assert svc.index.dump() == ref.dump()
+        assert (svc.counters["replayed_batches"], svc.counters["journal_skipped"], svc.position) == (2, 2, 4)
+        assert svc.metrics.journal_skipped._value.get() == 2
+        assert svc.block_info(7) is None and svc.block_info(8) is None
     finally:
         svc.stop()
-    db = sqlite3.connect(path)
-    db.execute("UPDATE journal SET payload = ? WHERE position = 2", (b"\x96\x01\xa2w0\x01",))
-    db.commit()
-    db.close()
-    again = AdvisorService(settings)
-    try:
-        with pytest.raises(JournalError, match="journal entry 2 is corrupt"):
-            again.start()
-        assert again.position == 1 and len(again.index) == 2
-    finally:
-        again.stop()

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from advisor.index import PrefixIndex
+from advisor.index_reference import PARENT_WALK_LIMIT, ReferencePrefixIndex
+from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 
 BS = 4096  # block size in bytes
@@ -120,6 +124,59 @@ def test_self_parent_store_is_rejected_alone() -> None:  # C11
     assert idx.block(9) is None
     assert len(idx) == 4
     assert idx.lookup([1, 2, 3, 4]) == {"w0/g1": 4}
+
+
+def _fold(idx, batch: EventBatch, wire: bool) -> None:
+    if wire:
+        idx.apply_payload(encode_batch(batch))
+    else:
+        idx.apply_batch(batch)
+
+
+FOLDS = [(PrefixIndex, False), (PrefixIndex, True), (ReferencePrefixIndex, False)]
+
+
+@pytest.mark.parametrize("cls,wire", FOLDS, ids=["core", "core-wire", "reference"])
+@pytest.mark.parametrize("length", [2, 3, 50, PARENT_WALK_LIMIT])
+@pytest.mark.parametrize("one_batch", [False, True])
+def test_store_closing_a_parent_cycle_is_rejected_alone(cls, wire: bool, length: int, one_batch: bool) -> None:
+    """h1 -> h2 -> ... -> hN (each stored as an orphan of the next), then a Store of hN with
+    parent h1 closes the cycle: it is rejected and counted like a self-parent, the rest of
+    its batch applies, and the other members form an ordinary chain under an orphan root."""
+    idx = cls()
+    f = Feeder()
+    hs = list(range(100, 100 + length))
+    orphans = [store(h, hs[0], nxt, BS, "g1") for h, nxt in zip(hs, hs[1:])]
+    closing = store(hs[-1], hs[0], hs[0], BS, "g1")
+    if one_batch:
+        _fold(idx, f.batch(*orphans, closing, *chain([7, 8], "g1")), wire)
+    else:
+        _fold(idx, f.batch(*orphans), wire)
+        _fold(idx, f.batch(closing, *chain([7, 8], "g1")), wire)
+    assert idx.counters.parent_cycle_rejected == 1
+    assert idx.block(hs[-1]) is None
+    assert idx.block(7) is not None and idx.block(8).parent == 7  # the rest of the batch applied
+    assert [h for h in hs[:-1] if idx.block(h).orphan] == [hs[-2]]  # waiting for hs[-1]
+    # every member can still leave: a Remove of each forgets it, nothing is kept by a cycle
+    _fold(idx, f.batch(*[remove(h, hs[0], None, BS, "g1") for h in hs[:-1]]), wire)
+    assert sorted(idx.hashes()) == [7, 8]
+    # and the same hash stored with an honest parent later enters
+    _fold(idx, f.batch(store(hs[-1], hs[0], 8, BS, "g1")), wire)
+    assert idx.block(hs[-1]).parent == 8
+
+
+@pytest.mark.parametrize("cls,wire", FOLDS, ids=["core", "core-wire", "reference"])
+def test_parent_awaited_by_orphans_with_honest_parent_is_linked(cls, wire: bool) -> None:
+    """The cycle check must not reject an honest out-of-order arrival: a block that orphans
+    wait for, stored under a deep chain that does not contain it, is linked."""
+    idx = cls()
+    f = Feeder()
+    deep = list(range(1, PARENT_WALK_LIMIT + 10))
+    _fold(idx, f.batch(*chain(deep, "g1")), wire)
+    _fold(idx, f.batch(store(50_001, 1, 50_000, BS, "g1")), wire)  # waits for 50_000
+    _fold(idx, f.batch(store(50_000, 1, deep[-1], BS, "g1")), wire)
+    assert getattr(idx.counters, "parent_cycle_rejected", 0) == 0
+    assert not idx.block(50_001).orphan and idx.block(50_000).parent == deep[-1]
 
 
 def test_new_epoch_drops_private_tiers_and_indexes_new_stores() -> None:  # C8

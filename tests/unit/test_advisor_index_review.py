@@ -143,10 +143,15 @@ bt = st.tuples(st.sampled_from(SOURCES), st.booleans(), st.lists(ev, max_size=8)
 @given(st.lists(bt, min_size=1, max_size=30))
 def test_index_and_sdk_tracker_agree_on_residency(log: list[tuple]) -> None:
     """Without volume Removes (where the index drops the shared copy whoever stored it) the
-    index and the SDK's BlockTracker agree on every (block, location) after every batch."""
+    index and the SDK's BlockTracker agree on every (block, location) after every batch.
+    A hash keeps the parent of its first Store (sequence hashes are positional, so a block's
+    parent never changes): the two folds differ on a re-Store with another lineage (the index
+    keeps the first, the tracker the latest), which would make them judge parent cycles
+    differently; with one lineage per hash they reject the same cycle-closing Stores."""
     idx, tr = PrefixIndex(), BlockTracker()
     epochs = dict.fromkeys(SOURCES, 1)
     seqs = dict.fromkeys(SOURCES, 0)
+    lineage: dict[int, int | None] = {}
     for src, restart, evs in log:
         if restart:
             epochs[src] += 1
@@ -154,7 +159,7 @@ def test_index_and_sdk_tracker_agree_on_residency(log: list[tuple]) -> None:
         out = []
         for kind, h, parent, loc in evs:
             if kind == "store":
-                out.append(store(h, h, parent, BS, loc))
+                out.append(store(h, h, lineage.setdefault(h, parent), BS, loc))
             elif kind == "remove" and loc in ("g1", "g2"):
                 out.append(remove(h, h, parent, BS, loc))
             elif kind == "cleared":
@@ -164,6 +169,7 @@ def test_index_and_sdk_tracker_agree_on_residency(log: list[tuple]) -> None:
         idx.apply_batch(batch)
         assert tr.apply_batch(batch)
         assert set(idx.hashes()) == {b.sequence_hash for b in tr}
+        assert idx.counters.parent_cycle_rejected == tr.stats().parent_cycle
         for h in HS:
             want = set()
             for s, loc in tr.holders(h):

@@ -65,6 +65,24 @@ def test_bad_payloads_never_enter_the_journal(tmp_path) -> None:  # noqa: ANN001
     assert j.append(encode_batch(nxt), nxt) == 2
 
 
+def test_too_deep_metadata_never_enters_the_journal_even_unverified(tmp_path) -> None:  # noqa: ANN001
+    """A batch built in process (an adapter's, appended with ``verify=False``) gets the
+    decoder's checks too: nothing enters the log that a replay would refuse."""
+    from event_plane.codec import MAX_METADATA_DEPTH
+
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    meta: dict = {"hits": 1}
+    for _ in range(MAX_METADATA_DEPTH):
+        meta = {"a": meta}
+    deep = batch(0, store(1, 1, None, 64, "g1", meta))
+    for verify in (True, False):
+        with pytest.raises(BadPayloadError, match="nests more than 32 levels"):
+            j.append(encode_batch(deep), deep, verify=verify)
+    assert j.rejected == 2 and len(j) == 0
+    ok = batch(0, store(1, 1, None, 64, "g1", meta["a"]))
+    assert j.append(encode_batch(ok), ok, verify=False) == 1
+
+
 def test_folding_the_journal_twice_rebuilds_the_same_index(tmp_path) -> None:  # noqa: ANN001
     j = SqliteJournal(tmp_path / "j.sqlite")
     live = PrefixIndex()

@@ -21,7 +21,7 @@ from event_plane import (
     remove,
     store,
 )
-from event_plane.codec import encode_batch_parts, encode_event
+from event_plane.codec import decode_event, encode_batch_parts, encode_event
 from event_plane.validate import encode_checked
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -169,3 +169,70 @@ def test_encode_checked_all_matches_encode_checked_and_its_errors() -> None:
         with pytest.raises(InvalidEventError) as got:
             encode_checked_all([good[0], ev])
         assert str(got.value) == str(want.value)
+
+
+def nested(depth: int) -> bytes:
+    """MessagePack of an ``extra_metadata`` map nested ``depth`` levels: {"a": {"a": ... 1}}."""
+    return b"\x81\xa1a" * depth + b"\x01"
+
+
+def deep_payload(depth: int, seq: int = 0) -> bytes:
+    """A batch of two Stores, the second carrying metadata ``depth`` levels deep, built from
+    bytes (a hostile publisher's encoder need not be ours)."""
+    head = encode_event(store(2, 1, 1, 4096, "g1"))
+    assert head[-1] == 0xC0  # nil extra_metadata, swapped for the nested map
+    return encode_batch_parts("w0", 7, seq, 0, [encode_event(store(1, 1, None, 4096, "g1")), head[:-1] + nested(depth)])
+
+
+def _at_stack_depth(frames_left: int, fn):  # noqa: ANN001, ANN202
+    """Call ``fn()`` with only about ``frames_left`` frames left below the recursion limit."""
+    import sys
+
+    import inspect
+
+    def down(n: int):  # noqa: ANN202
+        return fn() if n <= 0 else down(n - 1)
+
+    return down(sys.getrecursionlimit() - len(inspect.stack()) - frames_left)
+
+
+def test_metadata_depth_limit_is_exact_and_the_same_at_any_stack_depth() -> None:
+    """One decoder, one limit: a batch at MAX_METADATA_DEPTH decodes, one level more is a
+    CodecError, and both answers stay the same when the decoder runs on a deep stack (a
+    journal replay) as on a shallow one (a live subscriber)."""
+    from event_plane.codec import MAX_METADATA_DEPTH
+
+    ok, deep, very_deep = deep_payload(MAX_METADATA_DEPTH), deep_payload(MAX_METADATA_DEPTH + 1), deep_payload(980)
+    assert decode_batch(ok).events[1].extra_metadata is not None
+    for frames_left in (None, 80):
+        run = (lambda f: f()) if frames_left is None else (lambda f: _at_stack_depth(frames_left, f))
+        assert run(lambda: decode_batch(ok)) == decode_batch(ok)
+        for bad in (deep, very_deep):
+            with pytest.raises(CodecError, match="nests more than 32 levels|RecursionError"):
+                run(lambda: decode_batch(bad))  # noqa: B023
+    with pytest.raises(CodecError, match="nests more than 32 levels"):
+        decode_batch(deep)
+    with pytest.raises(CodecError, match="nests more than 32 levels"):
+        decode_event(encode_event(store(2, 1, 1, 4096, "g1"))[:-1] + nested(MAX_METADATA_DEPTH + 1))
+
+
+def test_metadata_depth_counts_maps_and_arrays() -> None:
+    from event_plane.codec import MAX_METADATA_DEPTH, metadata_depth_error
+
+    meta: object = 1
+    for i in range(MAX_METADATA_DEPTH - 1):
+        meta = [meta] if i % 2 else {"k": meta}
+    assert metadata_depth_error({"top": meta}) is None  # exactly the limit
+    assert metadata_depth_error({"top": [meta]}) is not None
+    assert metadata_depth_error({"wide": [[1]] * 10_000}) is None
+
+
+def test_encode_checked_rejects_metadata_receivers_would_refuse() -> None:
+    from event_plane.codec import MAX_METADATA_DEPTH
+
+    meta: dict = {}
+    for _ in range(MAX_METADATA_DEPTH):
+        meta = {"a": meta}
+    with pytest.raises(InvalidEventError, match="nests more than 32 levels"):
+        encode_checked(store(1, 1, None, 1, "g1", meta))
+    encode_checked(store(1, 1, None, 1, "g1", meta["a"]))  # 32 levels: accepted

@@ -110,3 +110,18 @@ def test_iter_events_yields_typed_events_in_order() -> None:
     e1, e2, e3 = store(1, 1, None, 1, "g1"), store(2, 1, 1, 1, "g1"), remove(1, 1, None, 1, "g1")
     got = list(iter_events(_ListSub([b("w", 3, 0, e1, e2), b("w", 3, 1, e3)]), timeout=0.01))  # type: ignore[arg-type]
     assert got == [SourcedEvent("w", 3, 0, 0, e1), SourcedEvent("w", 3, 0, 1, e2), SourcedEvent("w", 3, 1, 0, e3)]
+
+
+def test_store_closing_a_parent_cycle_is_rejected_alone() -> None:
+    """A -> B stored (an orphan), then B -> A: B would close a cycle, so it is rejected and
+    counted like a self-parent; the rest of the batch applies. Also a longer cycle."""
+    from event_plane.schema import EventBatch
+
+    tr = BlockTracker()
+    tr.apply_batch(EventBatch(1, "w", 1, 0, 0, [store(10, 10, 11, 4096, "g1"), store(20, 20, 21, 4096, "g1"),
+                                                  store(21, 20, 22, 4096, "g1")]))
+    tr.apply_batch(EventBatch(1, "w", 1, 1, 0, [store(11, 10, 10, 4096, "g1"), store(22, 20, 20, 4096, "g1"),
+                                                  store(30, 30, None, 4096, "g1")]))
+    st = tr.stats()
+    assert st.parent_cycle == 2 and 11 not in tr and 22 not in tr and 30 in tr
+    assert tr.is_orphan(10) and tr.is_orphan(21)

@@ -67,3 +67,19 @@ def test_subscribe_builds_the_right_kinds() -> None:
     assert isinstance(js, JetStreamSubscriber) and js.subject == "kvadvisor.events.ns.>"
     multi = subscribe(["zmq://127.0.0.1:1", "nats://127.0.0.1:4222"])
     assert isinstance(multi, MultiSubscriber)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "", "inf", "nan"])
+def test_replay_timeout_must_be_positive_seconds(value: str) -> None:
+    for scheme in ("zmq", "vllm+zmq"):
+        with pytest.raises(EventURLError, match="replay_timeout"):
+            subscribe(f"{scheme}://127.0.0.1:5557?replay=5558&replay_timeout={value}")
+
+
+def test_replay_timeout_reaches_zmq_and_adapter_subscribers_and_is_not_a_publisher_parameter() -> None:
+    for scheme in ("zmq", "vllm+zmq", "sglang+zmq"):
+        sub = subscribe(f"{scheme}://127.0.0.1:5557?replay=5558&replay_timeout=7.5")
+        assert sub._replay_timeout_s == 7.5
+    assert subscribe("zmq://127.0.0.1:5557?replay=5558")._replay_timeout_s == 2.0
+    with pytest.raises(EventURLError, match="subscriber parameter"):
+        make_publisher(f"zmq://127.0.0.1:{free_port()}?replay_timeout=1", "w0")
