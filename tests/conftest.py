@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -123,3 +125,27 @@ def posix_agent(tmp_path: "os.PathLike[str] | str", name: str, volume_id: str = 
         VolumeDescriptor(volume_id, VolumeKind.POSIX, MediaClass.NVME, 64 << 20, root=root, segment_bytes=1 << 20)
     )
     return agent
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama (2 layers, hidden 128, vocab 1024) in HF format (vLLM tests)."""
+    from kvbm_runtime.testing.llama_model import build_llama
+
+    return build_llama(tmp_path_factory.mktemp("llama") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(llama_dir: Path) -> dict[str, Any]:
+    """Greedy outputs of every test prompt from vLLM without a connector, each computed
+    from scratch (vLLM's prefix cache reset before each), by prompt name of
+    ``tests/vllm/vllm_cases.py``."""
+    from kvbm_runtime.testing.vllm_engine import generate, llm_engine
+    from vllm_cases import MAX_TOKENS, PROMPTS
+
+    out: dict[str, Any] = {}
+    with llm_engine(llama_dir, use_connector=False) as llm:
+        for name, tokens in PROMPTS.items():
+            llm.reset_prefix_cache()
+            (out[name],) = generate(llm, [tokens], MAX_TOKENS)
+    return out

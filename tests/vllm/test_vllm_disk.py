@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PAGE, PROMPTS, run, scrape
+from vllm_cases import PAGE, PROMPTS, run, scrape
 
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine
 from storage_backends.local_s3 import free_port
@@ -56,7 +56,7 @@ def _store_then_evict(llm: Any, url: str, name: str, evictors: str) -> None:
     run(llm, *evictors)
 
 
-def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], reference: dict[str, Completion]) -> None:
+def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url = disk_engine["llm"], disk_engine["metrics"]
     _store_then_evict(llm, url, "a", "cd")
     llm.reset_prefix_cache()
@@ -66,11 +66,11 @@ def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], refer
     assert again.num_cached_tokens == FULL
     # the blocks came from the volume (G2 holds only c and d by now)
     assert scrape(url, "kvbm_onboard_blocks_d2d") - disk_reads >= 480 // PAGE
-    assert again.token_ids == reference["a"].token_ids
+    assert again.token_ids == vllm_reference["a"].token_ids
     assert any(disk_engine["disk"].rglob("*")), "the G3 volume directory is empty"
 
 
-def test_corrupt_g3_block_is_recomputed_and_counted(disk_engine: dict[str, Any], reference: dict[str, Completion]) -> None:
+def test_corrupt_g3_block_is_recomputed_and_counted(disk_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url, disk = disk_engine["llm"], disk_engine["metrics"], disk_engine["disk"]
     _store_then_evict(llm, url, "e", "fg")
     # flip bytes in every segment file of the volume: each stored block fails its checksum
@@ -87,6 +87,6 @@ def test_corrupt_g3_block_is_recomputed_and_counted(disk_engine: dict[str, Any],
     errors = scrape(url, "kvbm_onboard_errors")
     llm.reset_prefix_cache()
     (again,) = run(llm, "e")
-    assert again.token_ids == reference["e"].token_ids  # recomputed, never wrong KV
+    assert again.token_ids == vllm_reference["e"].token_ids  # recomputed, never wrong KV
     assert scrape(url, "kvbm_onboard_errors") > errors  # the failure is counted
     assert again.num_cached_tokens < FULL  # the failed blocks were not served from G3

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MAX_TOKENS, PAGE, PROMPTS, SHARED, run
+from vllm_cases import MAX_TOKENS, PAGE, PROMPTS, SHARED, run
 
 from advisor.service import AdvisorService
 from advisor.settings import AdvisorSettings
@@ -67,7 +67,7 @@ def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         svc.stop()
 
 
-def test_shared_prefix_then_reset_onboards_from_g2_with_identical_outputs(stack: dict[str, Any], reference: dict[str, Completion]) -> None:
+def test_shared_prefix_then_reset_onboards_from_g2_with_identical_outputs(stack: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm = stack["llm"]
     hits0 = metric(llm, "vllm:external_prefix_cache_hits")
     a1, b = run(llm, "a", "b")
@@ -79,7 +79,7 @@ def test_shared_prefix_then_reset_onboards_from_g2_with_identical_outputs(stack:
     assert a2.num_cached_tokens >= 480
     assert a2.num_cached_tokens == (len(PROMPTS["a"]) // PAGE) * PAGE
     assert metric(llm, "vllm:external_prefix_cache_hits") - hits0 == a2.num_cached_tokens
-    assert [a1.token_ids, b.token_ids, a2.token_ids] == [reference["a"].token_ids, reference["b"].token_ids, reference["a"].token_ids]
+    assert [a1.token_ids, b.token_ids, a2.token_ids] == [vllm_reference["a"].token_ids, vllm_reference["b"].token_ids, vllm_reference["a"].token_ids]
     assert len(a2.token_ids) == MAX_TOKENS
 
 

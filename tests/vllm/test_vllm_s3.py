@@ -10,7 +10,7 @@ from typing import Any
 
 import boto3
 import pytest
-from conftest import PAGE, PROMPTS, run, scrape
+from vllm_cases import PAGE, PROMPTS, run, scrape
 
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine
 from storage_backends.local_s3 import LocalS3, free_port
@@ -44,7 +44,7 @@ def s3_engine(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, local_s
         yield {"llm": llm, "metrics": f"http://127.0.0.1:{port}/metrics", "s3": local_s3, "prefix": volume["prefix"]}
 
 
-def test_onboard_from_g4_s3(s3_engine: dict[str, Any], reference: dict[str, Completion]) -> None:
+def test_onboard_from_g4_s3(s3_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url = s3_engine["llm"], s3_engine["metrics"]
     before = scrape(url, "kvbm_offload_blocks_h2d")
     run(llm, "a")
@@ -62,4 +62,4 @@ def test_onboard_from_g4_s3(s3_engine: dict[str, Any], reference: dict[str, Comp
     (again,) = run(llm, "a")
     assert again.num_cached_tokens >= 480, {m: scrape(url, m) for m in ("kvbm_onboard_errors", "kvbm_onboard_blocks_d2d", "kvbm_offload_blocks_h2d")}
     assert scrape(url, "kvbm_onboard_blocks_d2d") - reads >= 480 // PAGE
-    assert again.token_ids == reference["a"].token_ids
+    assert again.token_ids == vllm_reference["a"].token_ids

