@@ -514,24 +514,14 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KvbmWorkerMeta(report) if report is not None else None
 
     def shutdown(self) -> None:
-        """Stop the worker's runtime: pending saves finish, events are flushed."""
-        if self._endpoint is not None:
-            self._endpoint.close()
-            self._endpoint = None
-        if self._worker is not None:
-            self._worker.close()
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
-        if self._publisher is not None:
-            self._publisher.close()
-            self._publisher = None
-        if self._agent is not None:
-            self._agent.close()
-            self._agent = None
-        if self._catalog is not None:
-            self._catalog.close()
-            self._catalog = None
+        """Stop the worker's runtime, in order: the join socket, the saves (pending ones
+        finish), the manager (events flushed), the publisher, the storage agent, the
+        catalog.  Idempotent."""
+        for name in ("_endpoint", "_worker", "_manager", "_publisher", "_agent", "_catalog"):
+            part = getattr(self, name)
+            if part is not None:
+                setattr(self, name, None)
+                part.close()
 
 
 class BlockManagerProbe:
