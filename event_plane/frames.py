@@ -6,7 +6,7 @@ Replay request (DEALER): ``[b"", start_seq (8 bytes big-endian)]``; the ROUTER s
 Replay reply (ROUTER):   ``[identity, b"", topic, seq, payload]`` per buffered batch with
                          seq >= start_seq, then the end marker
                          ``[identity, b"", topic, END_SEQ, b""]``.
-Sources: ``docs/events.md`` §6, ``/work/shared/reference/kv_event_formats.md``.
+Sources: ``docs/events.md`` §6 and §10.
 """
 
 from __future__ import annotations

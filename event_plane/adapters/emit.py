@@ -1,7 +1,7 @@
 """Emit vLLM- or SGLang-shaped KV events over real ZMQ sockets, without vLLM or SGLang.
 
 For tests, benchmarks and vendors who want to try an adapter against a known stream. The
-shapes follow ``/work/shared/reference/kv_event_formats.md`` (our own encoder; nothing is
+shapes follow ``docs/events.md`` §10 (our own encoder; nothing is
 imported from the peers):
 
 * live: PUB multipart ``[topic, seq (8 bytes big-endian), payload]``;
