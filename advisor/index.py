@@ -67,6 +67,7 @@ from advisor.index_reference import (
     IndexCounters,
     IndexStateError,
     IndexStateViews,
+    held_by_location,
     SourceState,
     _is_private_name,
     _storer_add,
@@ -181,10 +182,9 @@ class PrefixIndex(IndexStateViews, IndexCore):
                 idx._put_record(h, parent, prefix, size_, mask, hits, last)
             idx._link_all()
             counts = idx._loc_counts
-            records = idx._records()
+            held_at = held_by_location(((r[0], r[4]) for r in idx._records()), len(idx._loc_sets))
             for bit, s in enumerate(idx._loc_sets):
-                flag = 1 << bit
-                held = [r[0] for r in records if r[4] & flag]
+                held = held_at[bit]
                 counts[bit] = len(held)
                 if s is None:
                     continue
