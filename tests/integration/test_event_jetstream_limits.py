@@ -1,0 +1,229 @@
+"""A bounded JetStream stream on private nats-servers: default and configured limits
+(publisher, subscriber, advisor), existing streams that differ, a full store reported at
+once, and batches the stream deleted before a new consumer read them reported as gaps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import nats
+import pytest
+from conftest import _wait_port, start_nats_server
+
+from advisor import AdvisorSettings
+from advisor.jslog import JetStreamLog
+from advisor.service import AdvisorService
+from event_plane import (
+    JetStreamPublisher,
+    JetStreamSubscriber,
+    PublisherConfig,
+    StreamLimits,
+    StreamMismatchError,
+    TransportError,
+    make_publisher,
+    store,
+    subscribe,
+)
+from storage_backends.local_s3 import free_port
+
+ONE = PublisherConfig(max_events=1)
+STREAM = "KVADVISOR_EVENTS"
+
+
+def ev(i: int) -> Any:
+    return store(1000 + i, 1000, (999 + i) if i else None, 4096, "g2")
+
+
+@pytest.fixture()
+def js_url(tmp_path) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def hostport(url: str) -> str:
+    return url.removeprefix("nats://")
+
+
+def js_call(url: str, fn: Any) -> Any:
+    """Run ``await fn(js)`` on a fresh nats-py connection to ``url``."""
+
+    async def go() -> Any:
+        nc = await nats.connect(url)
+        try:
+            return await fn(nc.jetstream())
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def stream_info(url: str) -> Any:
+    return js_call(url, lambda js: js.stream_info(STREAM))
+
+
+def limits_of(url: str) -> tuple[int, float, str]:
+    cfg = stream_info(url).config
+    return int(cfg.max_bytes), float(cfg.max_age or 0), getattr(cfg.discard, "value", cfg.discard)
+
+
+def create_stream(url: str, max_bytes: int, discard: str) -> None:
+    """Create the stream with plain nats-py (as an operator would), ahead of any publisher."""
+    from nats.js import api
+
+    cfg = api.StreamConfig(name=STREAM, subjects=["kvadvisor.events.>"], max_bytes=max_bytes,
+                           discard=api.DiscardPolicy(discard), duplicate_window=120.0)
+    js_call(url, lambda js: js.add_stream(cfg))
+
+
+def publish_each(pub: Any, idx: range, max_flush_s: float = 5.0) -> None:
+    """Publish one event per batch and flush each; each flush must take < ``max_flush_s``."""
+    for i in idx:
+        pub.publish([ev(i)])
+        t0 = time.monotonic()
+        pub.flush()
+        took = time.monotonic() - t0
+        assert took < max_flush_s, f"flush of batch {i} took {took:.1f} s"
+
+
+def start_small_store_server(tmp_path: Any, max_file_store: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A private nats-server whose JetStream file storage holds ``max_file_store`` bytes."""
+    port = free_port()
+    conf = tmp_path / "small.conf"
+    conf.write_text(f'jetstream {{ store_dir: "{tmp_path / "small-js"}", max_file_store: {max_file_store}, '
+                    f'max_memory_store: {max_file_store} }}\n')
+    exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+    proc = subprocess.Popen([exe, "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_port(port, proc, "nats-server")
+    return proc, f"nats://127.0.0.1:{port}"
+
+
+# ---------------------------------------------------------------------- 1. limits
+def test_a_subscriber_that_starts_first_creates_the_stream_with_the_default_limits(js_url: str) -> None:
+    sub = JetStreamSubscriber(js_url, "first", durable="early")
+    sub.start()
+    sub.close()
+    assert limits_of(js_url) == (1 << 30, 24 * 3600.0, "old")
+
+
+def test_url_limits_are_applied_by_whoever_creates_the_stream(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for who in ("publisher", "subscriber"):
+        proc, url, _ = start_nats_server(store_dir=str(tmp_path / who))
+        try:
+            target = f"jetstream://{hostport(url)}?namespace=lim&max_bytes=65536&max_age=90&discard=new"
+            if who == "publisher":
+                make_publisher(target, "w0").close()
+            else:
+                sub = subscribe(target + "&durable=d")
+                sub.start()
+                sub.close()
+            assert limits_of(url) == (65536, 90.0, "new"), who
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def test_unlimited_stream_by_url(js_url: str) -> None:
+    make_publisher(f"jetstream://{hostport(js_url)}?max_bytes=unlimited&max_age=unlimited", "w0").close()
+    assert limits_of(js_url) == (-1, 0.0, "old")
+
+
+# ---------------------------------------------------------------------- 2. existing streams
+def test_an_existing_stream_that_differs_is_named_field_by_field_or_refused(js_url: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    host = hostport(js_url)
+    sub = subscribe(f"jetstream://{host}?namespace=mm&durable=d&max_bytes=8192&discard=new")
+    sub.start()  # creates the stream: 8 KiB, 24 h, discard new
+    sub.close()
+    caplog.set_level(logging.WARNING, logger="event_plane.nats_transport")
+    pub = make_publisher(f"jetstream://{host}?namespace=mm&max_age=60", "w0", config=ONE)
+    try:
+        texts = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(texts) == 1, texts
+        assert "JetStream publisher w0" in texts[0]
+        assert "max_bytes: stream has 8192, configured 1073741824" in texts[0]
+        assert "max_age: stream has 86400.0, configured 60.0" in texts[0]
+        assert "discard: stream has new, configured old" in texts[0]
+        assert "subjects" not in texts[0] and "duplicate_window" not in texts[0]
+        publish_each(pub, range(2))  # it works with the stream as it is
+        assert pub.stats().dropped == 0
+    finally:
+        pub.close()
+    assert limits_of(js_url) == (8192, 86400.0, "new")  # nothing was changed
+
+    caplog.clear()
+    same = make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=8192&discard=new&strict_stream=1", "w1")
+    same.close()  # the same configuration: no warning, strict or not
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+    with pytest.raises(StreamMismatchError, match="max_bytes: stream has 8192, configured 4096"):
+        make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=4096&discard=new&strict_stream=1", "w2")
+    strict_sub = subscribe(f"jetstream://{host}?namespace=mm&durable=s&strict_stream=1")
+    with pytest.raises(StreamMismatchError, match="discard: stream has new, configured old"):
+        strict_sub.start()
+    with pytest.raises(StreamMismatchError, match="max_bytes"):
+        JetStreamLog(js_url, "mm", stream=StreamLimits(strict=True)).start()
+    # what was accepted before stays: the two batches are in the stream
+    assert stream_info(js_url).state.messages == 2
+
+
+def test_a_stream_larger_than_the_servers_storage_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc, url = start_small_store_server(tmp_path, 256 * 1024)
+    try:
+        with pytest.raises(TransportError, match=r"refused to create stream KVADVISOR_EVENTS \(max_bytes=1073741824"):
+            JetStreamPublisher("w0", url, "big")
+        make_publisher(f"jetstream://{hostport(url)}?namespace=big&max_bytes=65536", "w0").close()  # fits
+        assert limits_of(url)[0] == 65536
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------- the advisor
+def advisor_log_settings(tmp_path: Any, url: str, **kw: Any) -> AdvisorSettings:
+    return AdvisorSettings(log="jetstream", jetstream_url=url, jetstream_namespace="adv", snapshot_store="none",
+                           api_enabled=False, get_timeout_s=0.05, journal_path=str(tmp_path / "unused.sqlite"), **kw)
+
+
+def test_advisor_settings_set_the_stream_limits_wherever_the_advisor_meets_the_stream(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
+    try:
+        svc = AdvisorService(advisor_log_settings(tmp_path, url, jetstream_max_bytes=4096, jetstream_max_age_s=600.0))
+        svc.start()  # the advisor starts first: its log creates the stream
+        svc.stop()
+        assert limits_of(url) == (4096, 600.0, "old")
+        strict = AdvisorService(advisor_log_settings(tmp_path, url, jetstream_strict_stream=True))
+        with pytest.raises(StreamMismatchError, match="max_bytes: stream has 4096, configured 1073741824"):
+            strict.start()
+        strict.stop()
+        # subscribe_urls / publish_url get the settings too (the URL's own parameters win)
+        sub_settings = AdvisorSettings(subscribe_urls=[f"jetstream://{hostport(url)}?namespace=adv&durable=a"],
+                                       jetstream_max_bytes=4096, jetstream_max_age_s=600.0,
+                                       jetstream_strict_stream=True, api_enabled=False,
+                                       journal_path=str(tmp_path / "j.sqlite"), snapshot_store="none")
+        ok = AdvisorService(sub_settings)
+        ok.start()  # same limits: accepted under strict
+        ok.stop()
+        bad = AdvisorService(sub_settings.model_copy(update={"jetstream_max_age_s": 60.0}))
+        with pytest.raises(StreamMismatchError, match="max_age: stream has 600.0, configured 60.0"):
+            bad.start()
+        bad.stop()
+        pub_settings = sub_settings.model_copy(update={
+            "subscribe_urls": [], "publish_url": f"jetstream://{hostport(url)}?namespace=adv&max_age=60"})
+        bad = AdvisorService(pub_settings)
+        with pytest.raises(StreamMismatchError, match="max_age: stream has 600.0, configured 60.0"):
+            bad.start()
+        bad.stop()
+        assert limits_of(url) == (4096, 600.0, "old")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
