@@ -124,7 +124,10 @@ class PublisherStats:
         batches: batches sent (== next seq).
         payload_bytes: sum of encoded batch sizes (envelope included).
         event_bytes: sum of each event's encoded size inside its batch.
-        dropped: events in batches the transport could not take (queue full, send error).
+        dropped: events in batches the transport could not take (queue full, send error,
+            refused by a full JetStream store).
+        refused: batches a JetStream server refused at once because the stream or the
+            server's storage is full (their events are counted in ``dropped`` too).
         flush_delay_s: the flush time limit in force when the snapshot was taken, seconds
             (``max_delay_s`` at rest, lower under load when ``adaptive_delay`` is on).
         event_rate: the publisher's recent event rate, events per second.
@@ -135,6 +138,7 @@ class PublisherStats:
     payload_bytes: int = 0
     event_bytes: int = 0
     dropped: int = 0
+    refused: int = 0
     flush_delay_s: float = 0.0
     event_rate: float = 0.0
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import nats
 from nats.js import api as js_api
 from nats.js.errors import APIError, NotFoundError
-from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig, StreamLimits
@@ -45,6 +45,15 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-@:+=~]+$")
 _TIMEOUT_S = 30.0
 _DUPLICATE_WINDOW_S = 120.0
 _ERR_STREAM_NAME_IN_USE = 10058  # JetStream: stream name already in use with another configuration
+STORE_FULL_ERR_CODES = frozenset({
+    10077,  # store failed: "maximum bytes exceeded" / "maximum messages exceeded" (discard new)
+    10023,  # "insufficient resources": the server's JetStream storage is exhausted
+    10047,  # insufficient storage resources available
+    10028,  # insufficient memory resources available
+    10002,  # resource limits exceeded for account
+})
+"""JetStream API error codes (``err_code``) of a publish refused because the stream or the
+server's storage is full: not retried (:func:`is_store_full`)."""
 _UNSET: Any = object()
 
 
@@ -255,6 +264,14 @@ async def ensure_stream(js: Any, limits: StreamLimits | None = None, *, who: str
     return info
 
 
+def is_store_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a JetStream publish) says the stream or the server's
+    JetStream storage is full: an API error with one of the codes of
+    :data:`STORE_FULL_ERR_CODES`.  Such a publish fails again at once when retried, unlike
+    a lost connection or a timeout."""
+    return isinstance(exc, APIError) and exc.err_code in STORE_FULL_ERR_CODES
+
+
 class NatsPublisher(EventPublisher):
     """Publishes batches to core NATS (``kvadvisor.events.<namespace>.<source>``).
 
@@ -305,6 +322,8 @@ class NatsPublisher(EventPublisher):
         self.stream_limits = _limits(stream, stream_max_age_s, stream_max_bytes)
         self._inflight = 0
         self._dropped = 0
+        self._refused = 0  # batches refused for a full store (in a row: _refused_run)
+        self._refused_run = 0
         self._count_lock = threading.Lock()
         self._room = threading.Condition(self._count_lock)
         self._io = _LoopThread(f"kvevents-nats-pub-{source}")
@@ -354,25 +373,57 @@ class NatsPublisher(EventPublisher):
             payload, headers, n = item
             try:
                 if self._js is not None:
-                    # Re-sending is safe: the stream drops a repeated Nats-Msg-Id.
+                    # Re-sending is safe: the stream drops a repeated Nats-Msg-Id. A full
+                    # store is not retried: it refuses the batch again at once.
                     async for attempt in AsyncRetrying(
                         stop=stop_after_delay(self.retry_for_s),
                         wait=wait_exponential(multiplier=0.05, max=1.0),
+                        retry=retry_if_exception(lambda exc: not is_store_full(exc)),
                         reraise=True,
                     ):
                         with attempt:
                             await self._js.publish(self.subject, payload, headers=headers, timeout=2.0)
+                    self._store_accepts()
                 else:
                     await self._nc.publish(self.subject, payload, headers=headers)
-            except Exception:  # noqa: BLE001 - counted; the stream shows the gap
-                logger.exception("NATS publisher %s: publish failed", self.source)
-                with self._count_lock:
-                    self._dropped += n
+            except Exception as exc:  # noqa: BLE001 - counted; the stream shows the gap
+                if is_store_full(exc):
+                    self._store_refused(headers[MSG_ID_HEADER], n, exc)
+                else:
+                    logger.exception("NATS publisher %s: publish failed", self.source)
+                    with self._count_lock:
+                        self._dropped += n
             finally:
                 with self._room:
                     self._inflight -= n
                     self._room.notify_all()
                 self._aq.task_done()
+
+    def _store_refused(self, batch_id: str, n: int, exc: BaseException) -> None:
+        """A batch (``n`` events) refused for a full store: dropped and counted; the first
+        of a run of refusals is logged as an error, the others at debug level."""
+        with self._count_lock:
+            self._dropped += n
+            self._refused += 1
+            self._refused_run += 1
+            first = self._refused_run == 1
+        logger.log(
+            logging.ERROR if first else logging.DEBUG,
+            "JetStream publisher %s: stream %s is full, batch %s dropped (%s); later batches are "
+            "dropped the same way until it has room (stats().refused)",
+            self.source, STREAM_NAME, batch_id, describe(exc),
+        )
+
+    def _store_accepts(self) -> None:
+        with self._count_lock:
+            run, self._refused_run = self._refused_run, 0
+        if run:
+            logger.warning("JetStream publisher %s: stream %s accepts batches again after %d refused",
+                           self.source, STREAM_NAME, run)
+
+    def _transport_refused(self) -> int:
+        with self._count_lock:
+            return self._refused
 
     async def _drain_queue(self) -> None:
         await self._aq.join()
@@ -406,7 +457,12 @@ class JetStreamPublisher(NatsPublisher):
     them) and acknowledged by the server. A batch whose ack does not come is re-sent
     (exponential back-off, for up to ``retry_for_s`` seconds, e.g. across a server
     restart); the stream de-duplicates re-sent batches by ``Nats-Msg-Id``, so nothing is
-    doubled. ``flush`` returns once every batch is acked."""
+    doubled. ``flush`` returns once every batch is acked or given up.
+
+    A batch the server refuses because the stream or its JetStream storage is full
+    (:func:`is_store_full`: ``discard="new"`` at ``max_bytes``, or no storage left) is not
+    retried: it is dropped at once, counted in ``stats().dropped`` (events) and
+    ``stats().refused`` (batches), and logged as an error (the first of a run)."""
 
     _use_jetstream = True
     retry_for_s: float = 30.0

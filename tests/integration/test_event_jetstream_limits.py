@@ -188,6 +188,55 @@ def test_a_stream_larger_than_the_servers_storage_is_a_clear_error(tmp_path) -> 
         proc.wait(timeout=10)
 
 
+# ---------------------------------------------------------------------- 3. a full store
+def test_a_full_stream_with_discard_new_is_reported_at_once(js_url: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.DEBUG, logger="event_plane.nats_transport")
+    create_stream(js_url, 4096, "new")
+    pub = make_publisher(f"jetstream://{hostport(js_url)}?namespace=full", "w0",
+                         config=ONE, epoch=3)
+    try:
+        publish_each(pub, range(60))  # each flush returns at once, refused or not (was: 30 s)
+        st = pub.stats()
+        stored = stream_info(js_url).state.messages
+        assert 0 < stored < 60 and st.refused == 60 - stored  # the stream took what fitted
+        assert st.dropped == st.refused  # one event per batch, counted as dropped
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "stream KVADVISOR_EVENTS is full" in errors[0]
+        assert f"w0:3:{stored}" in errors[0] and "maximum bytes exceeded" in errors[0]
+
+        js_call(js_url, lambda js: js.purge_stream(STREAM))  # room again: the next batch goes in
+        publish_each(pub, range(60, 61))
+        assert pub.stats().refused == st.refused and stream_info(js_url).state.messages == 1
+        assert any("accepts batches again after" in r.getMessage() for r in caplog.records)
+    finally:
+        pub.close()
+
+
+def test_exhausted_server_storage_is_reported_at_once(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.ERROR, logger="event_plane.nats_transport")
+    proc, url = start_small_store_server(tmp_path, 64 * 1024)
+    try:
+        create_stream(url, -1, "old")  # unlimited: the server's storage is what fills up
+        pub = make_publisher(f"jetstream://{hostport(url)}?namespace=disk", "w0",
+                             config=PublisherConfig(max_events=128))
+        try:
+            for i in range(60):  # ~140 KB in all
+                pub.publish([ev(i * 128 + k) for k in range(128)])  # one ~2.3 KB batch
+                t0 = time.monotonic()
+                pub.flush()
+                assert time.monotonic() - t0 < 5.0, f"flush of batch {i} took {time.monotonic() - t0:.1f} s"
+            st = pub.stats()
+            assert st.refused > 0 and st.dropped == 128 * st.refused
+            assert stream_info(url).state.messages == 60 - st.refused
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1 and "is full" in errors[0] and "insufficient resources" in errors[0]
+        finally:
+            pub.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 # ---------------------------------------------------------------------- the advisor
 def advisor_log_settings(tmp_path: Any, url: str, **kw: Any) -> AdvisorSettings:
     return AdvisorSettings(log="jetstream", jetstream_url=url, jetstream_namespace="adv", snapshot_store="none",
