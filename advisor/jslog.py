@@ -47,6 +47,10 @@ class JetStreamLog:
         stream: the stream's limits, used when this log creates the stream and checked
             against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
 
+    When the stream already deleted entries from ``start_seq`` on (its limits), the log
+    starts at the stream's first sequence: :attr:`discarded` says how many entries were
+    lost (also logged as a warning).
+
     Raises:
         ConfigError: bad namespace or stream limits.
     """
@@ -67,6 +71,7 @@ class JetStreamLog:
         if stream is not None and not isinstance(stream, StreamLimits):
             raise ConfigError(f"stream must be a StreamLimits, got {type(stream).__name__}")
         self.stream_limits = stream if stream is not None else StreamLimits()
+        self.discarded = 0
         if start_seq < 1:
             raise JetStreamLogError(f"start_seq must be >= 1, got {start_seq}")
         self.url = url
@@ -118,6 +123,14 @@ class JetStreamLog:
             inactive_threshold=self._inactive_s,
         )
         psub = await self._js.pull_subscribe(self.subject, durable=None, stream=STREAM_NAME, config=config)
+        first = int((await self._js.stream_info(STREAM_NAME)).state.first_seq or 0)
+        if first > self.start_seq:
+            self.discarded = first - self.start_seq
+            logger.warning(
+                "JetStream log: reading from stream sequence %d, but the stream (limits max_bytes / max_age) "
+                "already deleted sequences %d..%d (%d entries, all namespaces): the fold misses them",
+                self.start_seq, self.start_seq, first - 1, self.discarded,
+            )
         self._task = asyncio.get_running_loop().create_task(self._pull(psub))
 
     async def _pull(self, psub: Any) -> None:

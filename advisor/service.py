@@ -142,6 +142,7 @@ class AdvisorService:
             "snapshot_failures": 0,
             "snapshot_position": 0,
             "snapshot_loaded_position": 0,
+            "log_discarded": 0,
         }
         self.rate = RateMeter()
         self.started_at: float | None = None
@@ -287,6 +288,7 @@ class AdvisorService:
         self.stream_log = JetStreamLog(s.jetstream_url, s.jetstream_namespace, start_seq=self.position + 1,
                                        stream=s.stream_limits())
         self.stream_log.start()
+        self.counters["log_discarded"] = self.stream_log.discarded
         target = self.stream_log.last_sequence()
         deadline = time.monotonic() + 60.0
         n = 0

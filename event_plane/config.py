@@ -159,6 +159,9 @@ class SubscriberStats:
         dropped: batches dropped because the delivery queue was full.
         resyncs: resyncs scheduled (a source entered ``resync_needed``: a dropped or
             unrecovered batch means the application's state of it is no longer exact).
+        discarded: JetStream: messages this consumer was to read that the stream had
+            already deleted (its limits) when the consumer started; counted over the whole
+            stream (all namespaces), so an upper bound of this subscriber's share.
     """
 
     batches: int = 0
@@ -171,6 +174,7 @@ class SubscriberStats:
     restarts: int = 0
     dropped: int = 0
     resyncs: int = 0
+    discarded: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

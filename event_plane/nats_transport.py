@@ -551,6 +551,15 @@ class JetStreamSubscriber(NatsSubscriber):
     last acknowledged batch. ``deliver`` chooses where a *new* durable starts: ``"all"``
     (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
 
+    Messages the consumer was to read but the stream had already deleted (its limits)
+    when it started are reported, not skipped in silence: when the consumer's start (a new
+    durable: stream sequence 1 for ``"all"``, ``n`` for ``("seq", n)``, the resolved
+    position for ``("time", t)`` when the oldest message kept is newer than ``t``; a durable
+    that resumes: its ack floor + 1) is below the stream's first sequence, their number is
+    counted in ``stats().discarded`` and logged, and the first batch of each (source, epoch)
+    seen afterwards with seq > 0 is a gap from 0 (``on_gap``, ``gaps``, ``unrecovered``,
+    ``resync_needed``), as on live transports.
+
     Args:
         durable: consumer name (one per logical subscriber; shared names split the stream).
         batch_size: messages fetched per pull.
@@ -594,7 +603,8 @@ class JetStreamSubscriber(NatsSubscriber):
         self._consumer_config()  # raises ConfigError on a bad ``deliver`` now, not at start()
         self._batch_size = batch_size
         self.stream_limits = _limits(stream)
-        # A durable resumes mid-stream: earlier seqs were consumed by its previous run.
+        # A durable resumes mid-stream: earlier seqs were consumed by its previous run
+        # (unless the stream deleted what it was to read: _check_discarded).
         self._tracker = self._make_tracker(first_seq_gap=False)
         self._task: Any = None
 
@@ -631,11 +641,57 @@ class JetStreamSubscriber(NatsSubscriber):
     async def _subscribe(self) -> None:
         js = self._nc.jetstream()
         await ensure_stream(js, self.stream_limits, who=f"JetStream subscriber {self._durable}")
+        try:
+            before = await js.consumer_info(STREAM_NAME, self._durable)
+        except NotFoundError:
+            before = None
         psub = await js.pull_subscribe(
             self.subject, durable=self._durable, stream=STREAM_NAME, config=self._consumer_config()
         )
+        await self._check_discarded(js, before)
         self._task = asyncio.get_running_loop().create_task(self._pull_loop(psub))
 
+    async def _check_discarded(self, js: Any, before: Any) -> None:
+        """Count and report what the stream deleted before this consumer could read it
+        (see the class doc); ``before`` is the durable's info before this start, ``None``
+        when it is new. Switches the tracker to gap-from-0 when anything was."""
+        state = (await js.stream_info(STREAM_NAME)).state
+        first = int(state.first_seq or 0)
+        if first <= 1:
+            return  # nothing ever deleted (an empty new stream has first_seq 0)
+        if before is not None:
+            acked = int(before.ack_floor.stream_seq) if before.ack_floor is not None else 0
+            delivered = before.delivered
+            if not acked and delivered is not None and not delivered.consumer_seq:
+                acked = int(delivered.stream_seq)  # nothing delivered yet: its start - 1
+            start = acked + 1
+            what = f"durable {self._durable!r} resumes at stream sequence {start}"
+        elif self._start_at == "all":
+            start, what = 1, f"new durable {self._durable!r} reads the whole stream"
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "seq":
+            start = int(self._start_at[1])
+            what = f"new durable {self._durable!r} starts at stream sequence {start}"
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "time":
+            info = await js.consumer_info(STREAM_NAME, self._durable)
+            resolved = int(info.delivered.stream_seq) + 1 if info.delivered is not None else first
+            if resolved > first:
+                return  # older messages kept: the start time falls inside the stream
+            # The oldest message kept is newer than the start time: deleted ones may not
+            # have been older; count them all (an upper bound).
+            start = 1
+            what = f"new durable {self._durable!r} starts at {self._start_at[1]}, before the oldest message kept"
+        else:
+            return  # "new": nothing before was asked for
+        lost = first - start
+        if lost <= 0:
+            return
+        self._stats.discarded += lost
+        self._tracker = self._make_tracker(first_seq_gap=True)
+        logger.warning(
+            "JetStream subscriber: %s, but the stream (limits max_bytes / max_age) already deleted "
+            "sequences %d..%d (%d messages, all namespaces): sources whose batches were among them "
+            "are reported as gaps", what, start, first - 1, lost,
+        )
 
     async def _pull_loop(self, psub: Any) -> None:
         async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream subscriber"):

@@ -237,6 +237,106 @@ def test_exhausted_server_storage_is_reported_at_once(tmp_path, caplog) -> None:
         proc.wait(timeout=10)
 
 
+# ---------------------------------------------------------------------- 4. deleted before read
+def ring(url: str, ns: str, n: int, epoch: int, source: str = "w0") -> int:
+    """Publish ``n`` one-event batches into a 4 KiB discard-old stream (created first if
+    missing); returns the stream's first sequence."""
+    try:
+        stream_info(url)
+    except Exception:  # noqa: BLE001 - not there yet
+        create_stream(url, 4096, "old")
+    pub = make_publisher(f"jetstream://{hostport(url)}?namespace={ns}", source, config=ONE, epoch=epoch)
+    try:
+        publish_each(pub, range(n))
+        assert pub.stats().dropped == 0  # discard old never refuses
+    finally:
+        pub.close()
+    return int(stream_info(url).state.first_seq)
+
+
+def test_a_new_durable_reports_what_the_stream_deleted_as_a_gap(js_url: str) -> None:
+    ring(js_url, "ring", 60, epoch=11)
+    first = ring(js_url, "ring", 3, epoch=12, source="w1")  # a source whose seq 0 is still there
+    assert 2 < first < 61  # stream seqs 1..first-1 (w0's batch seqs 0..first-2) are gone, w1's kept
+    lost = first - 1
+    gaps: list[tuple] = []
+    resyncs: list[str] = []
+    sub = subscribe(f"jetstream://{hostport(js_url)}?namespace=ring&durable=late",
+                    on_gap=lambda *g: gaps.append(g), on_resync=resyncs.append)
+    sub.start()
+    try:
+        got = sub.get_many(100, 3.0)
+        w0 = [b.seq for b in got if b.source == "w0"]
+        k = w0[0]
+        assert k == lost and w0 == list(range(k, 60))  # stream seq s holds w0's batch s-1
+        assert [b.seq for b in got if b.source == "w1"] == [0, 1, 2]  # no gap: all kept
+        assert gaps == [("w0", 11, 0, k - 1)]
+        st = sub.stats()
+        assert (st.gaps, st.unrecovered, st.resyncs) == (1, k, 1)
+        assert resyncs == ["w0"] and sub.resync_needed == frozenset({"w0"})
+        assert st.discarded == first - 1
+    finally:
+        sub.close()
+
+
+def test_start_positions_below_the_first_kept_sequence_are_gaps_and_above_it_are_not(js_url: str) -> None:
+    first = ring(js_url, "pos", 60, epoch=21)
+    cases = [
+        (("seq", 2), first - 2, 1),  # asked from seq 2: seqs 2..first-1 were deleted
+        (("seq", first), 0, 0),  # exactly the first kept: nothing lost
+        (("time", "2020-01-01T00:00:00+00:00"), first - 1, 1),  # before the oldest kept
+        ("new", 0, 0),
+    ]
+    for i, (deliver, discarded, gaps) in enumerate(cases):
+        sub = JetStreamSubscriber(js_url, "pos", durable=f"d{i}", deliver=deliver)
+        sub.start()
+        try:
+            got = sub.get_many(100, 1.5)
+            assert [b.seq for b in got] == ([] if deliver == "new" else list(range(first - 1, 60))), deliver
+            st = sub.stats()
+            assert (st.gaps, st.unrecovered) == (gaps, first - 1 if gaps else 0), deliver
+            assert st.discarded == discarded, deliver
+        finally:
+            sub.close()
+    # a start time inside the kept messages: nothing before it was wanted
+    since = js_call(js_url, lambda js: js.get_msg(STREAM, first + 5)).time.isoformat()
+    sub = JetStreamSubscriber(js_url, "pos", durable="late-time", deliver=("time", since))
+    sub.start()
+    try:
+        assert [b.seq for b in sub.get_many(100, 1.5)] == list(range(first + 4, 60))
+        assert (sub.stats().gaps, sub.stats().discarded) == (0, 0)
+    finally:
+        sub.close()
+
+
+def test_a_resumed_durable_reports_what_was_deleted_while_it_was_away(js_url: str) -> None:
+    host = hostport(js_url)
+    create_stream(js_url, 4096, "old")
+    pub = make_publisher(f"jetstream://{host}?namespace=away", "w0", config=ONE, epoch=31)
+    try:
+        publish_each(pub, range(3))
+        sub = subscribe(f"jetstream://{host}?namespace=away&durable=r")
+        sub.start()
+        assert [b.seq for b in sub.get_many(3, 3.0)] == [0, 1, 2]
+        sub.close()
+        assert sub.stats().gaps == 0
+        publish_each(pub, range(3, 63))  # the stream deletes seqs 4.. that the durable did not read
+    finally:
+        pub.close()
+    first = int(stream_info(js_url).state.first_seq)
+    assert first > 4
+    sub = subscribe(f"jetstream://{host}?namespace=away&durable=r")
+    sub.start()
+    try:
+        got = sub.get_many(100, 3.0)
+        assert [b.seq for b in got] == list(range(first - 1, 63))
+        st = sub.stats()
+        assert st.gaps == 1 and sub.resync_needed == frozenset({"w0"})
+        assert st.discarded == first - 4
+    finally:
+        sub.close()
+
+
 # ---------------------------------------------------------------------- the advisor
 def advisor_log_settings(tmp_path: Any, url: str, **kw: Any) -> AdvisorSettings:
     return AdvisorSettings(log="jetstream", jetstream_url=url, jetstream_namespace="adv", snapshot_store="none",
@@ -273,6 +373,30 @@ def test_advisor_settings_set_the_stream_limits_wherever_the_advisor_meets_the_s
             bad.start()
         bad.stop()
         assert limits_of(url) == (4096, 600.0, "old")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_advisor_log_reports_entries_the_stream_deleted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
+    settings = advisor_log_settings(tmp_path, url)
+    try:
+        ring(url, "adv", 5, epoch=40)  # nothing deleted yet
+        svc = AdvisorService(settings)
+        svc.start()
+        try:
+            assert svc.position == 5 and svc.counters["log_discarded"] == 0
+        finally:
+            svc.stop()
+        first = ring(url, "adv", 60, epoch=41)
+        fresh = AdvisorService(settings)
+        fresh.start()  # reads from sequence 1: 1..first-1 are gone
+        try:
+            assert fresh.counters["log_discarded"] == first - 1 > 0
+            assert fresh.position == 65
+        finally:
+            fresh.stop()
     finally:
         proc.terminate()
         proc.wait(timeout=10)
