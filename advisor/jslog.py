@@ -22,6 +22,8 @@ from typing import Any
 
 from nats.js import api as js_api
 
+from event_plane.config import StreamLimits
+from event_plane.errors import ConfigError, StreamMismatchError
 from event_plane.nats_transport import STREAM_NAME, SUBJECT_PREFIX, connect_nats, ensure_stream, fetch_forever, subject_for
 
 logger = logging.getLogger(__name__)
@@ -42,9 +44,15 @@ class JetStreamLog:
         queue_capacity: entries buffered before the reader waits (back-pressure).
         connect_timeout_s: seconds allowed to connect.
         inactive_threshold_s: the server removes the consumer after this long unread.
+        stream: the stream's limits, used when this log creates the stream and checked
+            against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
+
+    When the stream already deleted entries from ``start_seq`` on (its limits), the log
+    starts at the stream's first sequence: :attr:`discarded` says how many entries were
+    lost (also logged as a warning).
 
     Raises:
-        ConfigError: bad namespace.
+        ConfigError: bad namespace or stream limits.
     """
 
     def __init__(
@@ -57,8 +65,13 @@ class JetStreamLog:
         queue_capacity: int = 10_000,
         connect_timeout_s: float = 5.0,
         inactive_threshold_s: float = 60.0,
+        stream: StreamLimits | None = None,
     ) -> None:
         subject_for(namespace, "x")  # validates the namespace token
+        if stream is not None and not isinstance(stream, StreamLimits):
+            raise ConfigError(f"stream must be a StreamLimits, got {type(stream).__name__}")
+        self.stream_limits = stream if stream is not None else StreamLimits()
+        self.discarded = 0
         if start_seq < 1:
             raise JetStreamLogError(f"start_seq must be >= 1, got {start_seq}")
         self.url = url
@@ -83,6 +96,7 @@ class JetStreamLog:
         """Connect, make sure the stream exists and start reading.
 
         Raises:
+            StreamMismatchError: ``stream.strict`` and the existing stream differs.
             JetStreamLogError: the server cannot be reached or refuses the consumer.
         """
         if self._loop is not None:
@@ -93,13 +107,15 @@ class JetStreamLog:
         try:
             self._run(self._open(), timeout=self._connect_timeout_s + 30)
         except Exception as exc:
-            self._stop_loop()
+            self._abandon()
+            if isinstance(exc, StreamMismatchError):
+                raise
             raise JetStreamLogError(f"cannot read stream {STREAM_NAME} at {self.url}: {exc}") from exc
 
     async def _open(self) -> None:
         self._nc = await connect_nats(self.url, self._connect_timeout_s, {})
         self._js = self._nc.jetstream()
-        await ensure_stream(self._js)
+        await ensure_stream(self._js, self.stream_limits, who="advisor JetStream log")
         config = js_api.ConsumerConfig(
             deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.start_seq,
@@ -107,6 +123,14 @@ class JetStreamLog:
             inactive_threshold=self._inactive_s,
         )
         psub = await self._js.pull_subscribe(self.subject, durable=None, stream=STREAM_NAME, config=config)
+        first = int((await self._js.stream_info(STREAM_NAME)).state.first_seq or 0)
+        if first > self.start_seq:
+            self.discarded = first - self.start_seq
+            logger.warning(
+                "JetStream log: reading from stream sequence %d, but the stream (limits max_bytes / max_age) "
+                "already deleted sequences %d..%d (%d entries, all namespaces): the fold misses them",
+                self.start_seq, self.start_seq, first - 1, self.discarded,
+            )
         self._task = asyncio.get_running_loop().create_task(self._pull(psub))
 
     async def _pull(self, psub: Any) -> None:
@@ -140,6 +164,17 @@ class JetStreamLog:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def _abandon(self) -> None:
+        """After a failed start: close the connection (if made), stop the loop, and mark
+        the log closed (``close`` has nothing left to do)."""
+        if self._nc is not None:
+            try:
+                self._run(self._nc.close(), timeout=5)
+            except Exception:  # noqa: BLE001 - the start error is what counts
+                pass
+        self._stop_loop()
+        self._closed.set()
 
     def _stop_loop(self) -> None:
         if self._loop is not None:

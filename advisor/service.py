@@ -142,6 +142,7 @@ class AdvisorService:
             "snapshot_failures": 0,
             "snapshot_position": 0,
             "snapshot_loaded_position": 0,
+            "log_discarded": 0,
         }
         self.rate = RateMeter()
         self.started_at: float | None = None
@@ -177,7 +178,7 @@ class AdvisorService:
             self._open_storage()
         from event_plane import make_publisher
 
-        self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch)
+        self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch, stream=s.stream_limits())
         if self.agent is not None:
             from storage_backends.types import BlockKey
 
@@ -191,7 +192,7 @@ class AdvisorService:
         if s.subscribe_urls:
             from event_plane import subscribe
 
-            self.subscriber = subscribe(s.subscribe_urls)
+            self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits())
             self.subscriber.start()
             self._spawn("kvadvisor-ingest", self._ingest_loop)
         if self.mover is not None and s.policy_interval_s > 0:
@@ -284,8 +285,10 @@ class AdvisorService:
 
         s = self.settings
         assert s.jetstream_url is not None
-        self.stream_log = JetStreamLog(s.jetstream_url, s.jetstream_namespace, start_seq=self.position + 1)
+        self.stream_log = JetStreamLog(s.jetstream_url, s.jetstream_namespace, start_seq=self.position + 1,
+                                       stream=s.stream_limits())
         self.stream_log.start()
+        self.counters["log_discarded"] = self.stream_log.discarded
         target = self.stream_log.last_sequence()
         deadline = time.monotonic() + 60.0
         n = 0

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from advisor.policies import PolicySettings
@@ -101,6 +101,15 @@ class AdvisorSettings(BaseSettings):
             namespace ``jetstream_namespace``, is the log and the position is the stream
             sequence; ``subscribe_urls`` must be empty and the advisor's moves must be
             published to the stream, ``publish_url = jetstream://...``).
+        jetstream_max_bytes / jetstream_max_age_s / jetstream_discard /
+            jetstream_strict_stream: the ``KVADVISOR_EVENTS`` stream's limits wherever the
+            advisor creates or checks the stream (``log=jetstream``, ``jetstream://`` in
+            ``publish_url`` and ``subscribe_urls``; a URL's own ``max_bytes`` /
+            ``max_age`` / ``discard`` / ``strict_stream`` win): bytes (> 0, default
+            1 GiB) and seconds (> 0, default 24 h), ``null`` or ``"unlimited"`` = unlimited; ``old``
+            (default: the oldest batches are deleted) or ``new`` (new batches refused);
+            ``true`` refuses to start when the existing stream differs (default: a warning
+            naming the fields). See :class:`event_plane.StreamLimits`.
         snapshot_store: where index snapshots go: ``sqlite`` (``snapshot_path``, default
             ``<journal_path>.snapshots``), ``redis`` (``redis_url``, keys under
             ``snapshot_key_prefix``) or ``none``.
@@ -135,6 +144,10 @@ class AdvisorSettings(BaseSettings):
     log: Literal["sqlite", "jetstream"] = "sqlite"
     jetstream_url: str | None = None
     jetstream_namespace: str = Field("default", min_length=1)
+    jetstream_max_bytes: int | None = Field(1 << 30, gt=0)
+    jetstream_max_age_s: float | None = Field(24 * 3600.0, gt=0.0, allow_inf_nan=False)
+    jetstream_discard: Literal["old", "new"] = "old"
+    jetstream_strict_stream: bool = False
     snapshot_store: Literal["sqlite", "redis", "none"] = "sqlite"
     snapshot_path: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -143,6 +156,12 @@ class AdvisorSettings(BaseSettings):
     snapshot_every_s: float = Field(300.0, ge=0.0)
     snapshot_keep: int = Field(2, ge=1)
     snapshot_on_stop: bool = True
+
+    @field_validator("jetstream_max_bytes", "jetstream_max_age_s", mode="before")
+    @classmethod
+    def _unlimited(cls, value: Any) -> Any:
+        """``"unlimited"`` (any case; e.g. from the environment) means ``None``."""
+        return None if isinstance(value, str) and value.strip().lower() == "unlimited" else value
 
     @model_validator(mode="after")
     def _roles(self) -> AdvisorSettings:
@@ -180,6 +199,17 @@ class AdvisorSettings(BaseSettings):
             if ns not in out:
                 out.append(ns)
         return out
+
+    def stream_limits(self) -> Any:
+        """The ``jetstream_*`` stream fields as an :class:`event_plane.StreamLimits`."""
+        from event_plane import StreamLimits
+
+        return StreamLimits(
+            max_bytes=self.jetstream_max_bytes,
+            max_age_s=self.jetstream_max_age_s,
+            discard=self.jetstream_discard,
+            strict=self.jetstream_strict_stream,
+        )
 
     @property
     def snapshot_file(self) -> str:

@@ -4,7 +4,7 @@ the subscriber SDK (vendor helpers in :mod:`event_plane.sdk`, vLLM / SGLang inge
 ``docs/events.md``. Imports nothing else of ours."""
 
 from event_plane.codec import CodecError, decode_batch, encode_batch
-from event_plane.config import PublisherConfig, PublisherStats, SubscriberStats
+from event_plane.config import PublisherConfig, PublisherStats, StreamLimits, SubscriberStats
 from event_plane.errors import (
     ConfigError,
     EventPlaneError,
@@ -12,6 +12,7 @@ from event_plane.errors import (
     InvalidEventError,
     NotStartedError,
     PublisherClosedError,
+    StreamMismatchError,
     TransportError,
 )
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
@@ -44,6 +45,8 @@ __all__ = [
     "PublisherConfig",
     "PublisherStats",
     "SourcedEvent",
+    "StreamLimits",
+    "StreamMismatchError",
     "Subscriber",
     "SubscriberStats",
     "TrackerStats",

@@ -1,10 +1,17 @@
-"""Publisher settings and the counters that publishers and subscribers report."""
+"""Publisher settings, JetStream stream limits and the counters that publishers and
+subscribers report."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from event_plane.errors import ConfigError
+
+DEFAULT_STREAM_MAX_BYTES = 1 << 30
+"""Default size limit of the ``KVADVISOR_EVENTS`` JetStream stream: 1 GiB."""
+DEFAULT_STREAM_MAX_AGE_S = 24 * 3600.0
+"""Default age limit of the ``KVADVISOR_EVENTS`` JetStream stream: 24 h, in seconds."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,52 @@ class PublisherConfig:
             raise ConfigError(f"PublisherConfig.overflow must be 'drop' or 'block', got {self.overflow!r}")
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """Retention limits of the ``KVADVISOR_EVENTS`` JetStream stream, and what to do when
+    the stream already exists with other settings.
+
+    Whoever creates the stream (a publisher or a subscriber, whichever starts first)
+    creates it with these limits; whoever finds it already there compares its
+    configuration with these and logs a warning naming each differing field, or refuses
+    to start (``strict``).
+
+    Attributes:
+        max_bytes: bytes the stream may hold (> 0), ``None`` = unlimited.  Default 1 GiB.
+        max_age_s: seconds a batch is kept (> 0), ``None`` = unlimited.  Default 24 h.
+        discard: what the stream does at a limit: ``"old"`` (default: it deletes its
+            oldest batches, a ring of the most recent history: publishers are never
+            refused, a consumer that lags behind the deleted ones sees a gap) or ``"new"``
+            (it refuses new batches until old ones age out: publishers count them as
+            dropped and ``refused``).
+        strict: refuse (:class:`~event_plane.errors.StreamMismatchError`) instead of
+            warning when an existing stream's configuration differs.
+
+    Raises:
+        ConfigError: a limit that is not a positive number (``bool`` included), an unknown
+            ``discard``, a non-bool ``strict``.
+    """
+
+    max_bytes: int | None = DEFAULT_STREAM_MAX_BYTES
+    max_age_s: float | None = DEFAULT_STREAM_MAX_AGE_S
+    discard: str = "old"
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        mb = self.max_bytes
+        if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or mb < 1):
+            raise ConfigError(f"StreamLimits.max_bytes must be a positive int of bytes or None, got {mb!r}")
+        age = self.max_age_s
+        if age is not None and (
+            not isinstance(age, int | float) or isinstance(age, bool) or not 0 < age < math.inf
+        ):
+            raise ConfigError(f"StreamLimits.max_age_s must be a number of seconds > 0 or None, got {age!r}")
+        if self.discard not in ("old", "new"):
+            raise ConfigError(f"StreamLimits.discard must be 'old' or 'new', got {self.discard!r}")
+        if not isinstance(self.strict, bool):
+            raise ConfigError(f"StreamLimits.strict must be a bool, got {self.strict!r}")
+
+
 @dataclass
 class PublisherStats:
     """Counters of one publisher since it started.
@@ -71,7 +124,10 @@ class PublisherStats:
         batches: batches sent (== next seq).
         payload_bytes: sum of encoded batch sizes (envelope included).
         event_bytes: sum of each event's encoded size inside its batch.
-        dropped: events in batches the transport could not take (queue full, send error).
+        dropped: events in batches the transport could not take (queue full, send error,
+            refused by a full JetStream store).
+        refused: batches a JetStream server refused at once because the stream or the
+            server's storage is full (their events are counted in ``dropped`` too).
         flush_delay_s: the flush time limit in force when the snapshot was taken, seconds
             (``max_delay_s`` at rest, lower under load when ``adaptive_delay`` is on).
         event_rate: the publisher's recent event rate, events per second.
@@ -82,6 +138,7 @@ class PublisherStats:
     payload_bytes: int = 0
     event_bytes: int = 0
     dropped: int = 0
+    refused: int = 0
     flush_delay_s: float = 0.0
     event_rate: float = 0.0
 
@@ -102,6 +159,9 @@ class SubscriberStats:
         dropped: batches dropped because the delivery queue was full.
         resyncs: resyncs scheduled (a source entered ``resync_needed``: a dropped or
             unrecovered batch means the application's state of it is no longer exact).
+        discarded: JetStream: messages this consumer was to read that the stream had
+            already deleted (its limits) when the consumer started; counted over the whole
+            stream (all namespaces), so an upper bound of this subscriber's share.
     """
 
     batches: int = 0
@@ -114,6 +174,7 @@ class SubscriberStats:
     restarts: int = 0
     dropped: int = 0
     resyncs: int = 0
+    discarded: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

@@ -31,6 +31,11 @@ class ConfigError(EventPlaneError, ValueError):
     """A publisher or subscriber setting is out of range."""
 
 
+class StreamMismatchError(ConfigError):
+    """The JetStream stream exists with a configuration other than the one this publisher
+    or subscriber was given, and it was told to refuse (``strict``) rather than warn."""
+
+
 class TransportError(EventPlaneError, RuntimeError):
     """A transport could not be set up (bind/connect failure, server unreachable)."""
 

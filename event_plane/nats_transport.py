@@ -5,6 +5,10 @@ Subject of a batch: ``kvadvisor.events.<namespace>.<source>``; header
 asyncio: each publisher / subscriber runs a private event loop in a daemon thread and the
 thread-safe methods hand work to it. Extra keyword arguments (``user``, ``password``,
 ``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``.
+
+The JetStream stream is bounded (:class:`~event_plane.config.StreamLimits`: 1 GiB and 24 h
+by default, the oldest batches deleted first); whoever starts first creates it with its
+limits and the others check theirs against it (:func:`ensure_stream`).
 """
 
 from __future__ import annotations
@@ -14,16 +18,17 @@ import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import nats
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError
-from tenacity import AsyncRetrying, stop_after_delay, wait_exponential
+from nats.js.errors import APIError, NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from event_plane.codec import CodecError, decode_batch
-from event_plane.config import PublisherConfig
-from event_plane.errors import ConfigError, TransportError
+from event_plane.config import PublisherConfig, StreamLimits
+from event_plane.errors import ConfigError, StreamMismatchError, TransportError
 from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
@@ -38,6 +43,18 @@ STREAM_NAME = "KVADVISOR_EVENTS"
 MSG_ID_HEADER = "Nats-Msg-Id"
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-@:+=~]+$")
 _TIMEOUT_S = 30.0
+_DUPLICATE_WINDOW_S = 120.0
+_ERR_STREAM_NAME_IN_USE = 10058  # JetStream: stream name already in use with another configuration
+STORE_FULL_ERR_CODES = frozenset({
+    10077,  # store failed: "maximum bytes exceeded" / "maximum messages exceeded" (discard new)
+    10023,  # "insufficient resources": the server's JetStream storage is exhausted
+    10047,  # insufficient storage resources available
+    10028,  # insufficient memory resources available
+    10002,  # resource limits exceeded for account
+})
+"""JetStream API error codes (``err_code``) of a publish refused because the stream or the
+server's storage is full: not retried (:func:`is_store_full`)."""
+_UNSET: Any = object()
 
 
 def subject_for(namespace: str, source: str) -> str:
@@ -58,6 +75,23 @@ def msg_id(batch: EventBatch) -> str:
     return f"{batch.source}:{batch.epoch}:{batch.seq}"
 
 
+def _limits(stream: StreamLimits | None, max_age_s: Any = _UNSET, max_bytes: Any = _UNSET) -> StreamLimits:
+    """``stream`` (or the default :class:`StreamLimits`) with the shorthand overrides.
+
+    Raises:
+        ConfigError: ``stream`` is not a StreamLimits, or an override is out of range.
+    """
+    if stream is None:
+        stream = StreamLimits()
+    elif not isinstance(stream, StreamLimits):
+        raise ConfigError(f"stream must be a StreamLimits, got {type(stream).__name__}")
+    if max_age_s is not _UNSET:
+        stream = replace(stream, max_age_s=max_age_s)
+    if max_bytes is not _UNSET:
+        stream = replace(stream, max_bytes=max_bytes)
+    return stream
+
+
 class _LoopThread:
     """An asyncio event loop running in its own daemon thread."""
 
@@ -75,6 +109,16 @@ class _LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+
+def _abandon(io: _LoopThread, nc: Any) -> None:
+    """After a failed set-up: close ``nc`` (when it connected) and stop ``io``."""
+    if nc is not None:
+        try:
+            io.run(nc.close(), timeout=5)
+        except Exception:  # noqa: BLE001 - already failing; the set-up error is what counts
+            pass
+    io.stop()
 
 
 def describe(exc: BaseException) -> str:
@@ -132,19 +176,100 @@ async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, wha
             yield msg
 
 
-async def ensure_stream(js: Any, *, max_age_s: float | None = None, max_bytes: int | None = None) -> None:
-    """Create the ``KVADVISOR_EVENTS`` stream on ``kvadvisor.events.>`` unless it exists."""
-    config = js_api.StreamConfig(
+def stream_config(limits: StreamLimits) -> js_api.StreamConfig:
+    """The ``KVADVISOR_EVENTS`` stream configuration for ``limits``: subjects
+    ``kvadvisor.events.>``, file storage, a 120 s duplicate window (``max_age`` when that
+    is shorter: JetStream refuses a longer one), and ``limits``'s ``max_bytes`` /
+    ``max_age`` / ``discard`` (JetStream's ``-1`` / ``0`` for unlimited)."""
+    age = limits.max_age_s
+    return js_api.StreamConfig(
         name=STREAM_NAME,
         subjects=[f"{SUBJECT_PREFIX}.>"],
-        max_age=max_age_s,
-        max_bytes=max_bytes if max_bytes is not None else -1,
-        duplicate_window=120.0,
+        max_age=age if age is not None else 0.0,
+        max_bytes=limits.max_bytes if limits.max_bytes is not None else -1,
+        discard=js_api.DiscardPolicy(limits.discard),
+        duplicate_window=min(_DUPLICATE_WINDOW_S, age) if age is not None else _DUPLICATE_WINDOW_S,
     )
+
+
+def stream_differences(actual: js_api.StreamConfig, limits: StreamLimits) -> list[str]:
+    """``"field: stream has X, configured Y"`` for each field of ``actual`` (an existing
+    stream's configuration) that differs from :func:`stream_config` of ``limits``
+    (subjects, max_bytes, max_age (seconds), discard, duplicate_window (seconds), the
+    window only when max_age, which bounds it, does not differ already)."""
+
+    def unlimited(value: Any, none: Any) -> Any:
+        return "unlimited" if value in (None, none) else value
+
+    def enum_value(value: Any) -> Any:
+        return getattr(value, "value", value)
+
+    wanted = stream_config(limits)
+    out = []
+    pairs = [
+        ("subjects", sorted(actual.subjects or []), sorted(wanted.subjects or [])),
+        ("max_bytes", unlimited(actual.max_bytes, -1), unlimited(wanted.max_bytes, -1)),
+        ("max_age", unlimited(actual.max_age, 0), unlimited(wanted.max_age, 0)),
+        ("discard", enum_value(actual.discard) or "old", enum_value(wanted.discard)),
+        ("duplicate_window", actual.duplicate_window, wanted.duplicate_window),
+    ]
+    for name, have, want in pairs:
+        same = have == want
+        if not same and isinstance(have, float | int) and isinstance(want, float | int):
+            same = abs(float(have) - float(want)) < 1e-6  # durations travel as nanoseconds
+        if name == "duplicate_window" and any(line.startswith("max_age:") for line in out):
+            same = True  # follows from max_age (never longer), already named
+        if not same:
+            out.append(f"{name}: stream has {have}, configured {want}")
+    return out
+
+
+async def ensure_stream(js: Any, limits: StreamLimits | None = None, *, who: str = "kvadvisor") -> js_api.StreamInfo:
+    """Create the ``KVADVISOR_EVENTS`` stream with ``limits`` (default
+    :class:`StreamLimits`) unless it exists; an existing stream is checked against them.
+
+    An existing stream whose configuration differs (:func:`stream_differences`) is used as
+    it is (its own limits stay in force) and a warning naming ``who`` and each differing
+    field is logged; with ``limits.strict`` it is refused instead.
+
+    Returns:
+        The stream's info (state included) as found or created.
+
+    Raises:
+        StreamMismatchError: ``limits.strict`` and the existing stream differs.
+        TransportError: JetStream refused to create the stream (e.g. ``max_bytes`` larger
+            than the server's free JetStream storage); the message has the server's reason.
+        nats errors: the server cannot be reached, JetStream is not enabled.
+    """
+    limits = limits or StreamLimits()
     try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.stream_info(STREAM_NAME)  # exists with another config: use it as it is
+        info = await js.stream_info(STREAM_NAME)
+    except NotFoundError:
+        try:
+            return await js.add_stream(stream_config(limits))
+        except APIError as exc:
+            if exc.err_code != _ERR_STREAM_NAME_IN_USE:
+                raise TransportError(
+                    f"JetStream refused to create stream {STREAM_NAME} (max_bytes={limits.max_bytes}, "
+                    f"max_age_s={limits.max_age_s}, discard={limits.discard}): {describe(exc)}"
+                ) from exc
+            info = await js.stream_info(STREAM_NAME)  # another process created it meanwhile
+    diffs = stream_differences(info.config, limits)
+    if diffs:
+        text = (f"{who}: JetStream stream {STREAM_NAME} exists with another configuration than "
+                f"configured: {'; '.join(diffs)}")
+        if limits.strict:
+            raise StreamMismatchError(f"{text} (strict: refused; edit or recreate the stream, or fix the settings)")
+        logger.warning("%s (the stream's own settings stay in force)", text)
+    return info
+
+
+def is_store_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a JetStream publish) says the stream or the server's
+    JetStream storage is full: an API error with one of the codes of
+    :data:`STORE_FULL_ERR_CODES`.  Such a publish fails again at once when retried, unlike
+    a lost connection or a timeout."""
+    return isinstance(exc, APIError) and exc.err_code in STORE_FULL_ERR_CODES
 
 
 class NatsPublisher(EventPublisher):
@@ -156,9 +281,11 @@ class NatsPublisher(EventPublisher):
         namespace: subject namespace (single token).
         epoch, config, on_flush: see :class:`EventPublisher`.
         connect_timeout_s: seconds allowed for the initial connection.
-        stream_max_age_s / stream_max_bytes: retention limits of the ``KVADVISOR_EVENTS``
-            stream when this publisher creates it (JetStream only; ``None`` = unlimited).
-            An existing stream keeps its own configuration.
+        stream: JetStream only: the ``KVADVISOR_EVENTS`` stream's limits, used when this
+            publisher creates the stream and checked against an existing one
+            (:class:`StreamLimits`; ``None`` = its defaults: 1 GiB, 24 h, discard old).
+        stream_max_age_s / stream_max_bytes: shorthands that override ``stream``'s
+            ``max_age_s`` (seconds) / ``max_bytes`` (bytes); ``None`` = unlimited.
         **connect_options: passed to ``nats.connect`` (credentials, token, nkey, TLS, ...).
 
     ``flush`` returns once the server has the batches (a NATS PING/PONG round trip).
@@ -166,8 +293,10 @@ class NatsPublisher(EventPublisher):
     counted (``stats().dropped``), or wait for room when ``config.overflow == "block"``.
 
     Raises:
-        ConfigError: bad source / namespace token.
-        TransportError: the server cannot be reached.
+        ConfigError: bad source / namespace token, bad stream limits.
+        StreamMismatchError: JetStream, ``stream.strict`` and the existing stream's
+            configuration differs.
+        TransportError: the server cannot be reached, or refused to create the stream.
     """
 
     _use_jetstream = False
@@ -182,15 +311,19 @@ class NatsPublisher(EventPublisher):
         config: PublisherConfig | None = None,
         on_flush: FlushCallback | None = None,
         connect_timeout_s: float = 5.0,
-        stream_max_age_s: float | None = None,
-        stream_max_bytes: int | None = None,
+        stream: StreamLimits | None = None,
+        stream_max_age_s: float | None = _UNSET,
+        stream_max_bytes: int | None = _UNSET,
         **connect_options: Any,
     ) -> None:
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.subject = subject_for(namespace, source)
         self.url = url
+        self.stream_limits = _limits(stream, stream_max_age_s, stream_max_bytes)
         self._inflight = 0
         self._dropped = 0
+        self._refused = 0  # batches refused for a full store (in a row: _refused_run)
+        self._refused_run = 0
         self._count_lock = threading.Lock()
         self._room = threading.Condition(self._count_lock)
         self._io = _LoopThread(f"kvevents-nats-pub-{source}")
@@ -198,10 +331,13 @@ class NatsPublisher(EventPublisher):
             self._nc = self._io.run(connect_nats(url, connect_timeout_s, connect_options))
             self._js = self._nc.jetstream() if self._use_jetstream else None
             if self._js is not None:
-                self._io.run(ensure_stream(self._js, max_age_s=stream_max_age_s, max_bytes=stream_max_bytes))
+                self._io.run(ensure_stream(self._js, self.stream_limits, who=f"JetStream publisher {source}"))
+        except StreamMismatchError:
+            _abandon(self._io, getattr(self, "_nc", None))
+            raise
         except Exception as exc:
-            self._io.stop()
-            raise TransportError(f"cannot connect to NATS at {url}: {describe(exc)}") from exc
+            _abandon(self._io, getattr(self, "_nc", None))
+            raise TransportError(f"cannot set up the NATS publisher at {url}: {describe(exc)}") from exc
         self._aq: asyncio.Queue[tuple[bytes, dict[str, str], int] | None] = self._io.run(self._make_queue())
         self._sender = asyncio.run_coroutine_threadsafe(self._send_loop(), self._io.loop)
 
@@ -237,25 +373,57 @@ class NatsPublisher(EventPublisher):
             payload, headers, n = item
             try:
                 if self._js is not None:
-                    # Re-sending is safe: the stream drops a repeated Nats-Msg-Id.
+                    # Re-sending is safe: the stream drops a repeated Nats-Msg-Id. A full
+                    # store is not retried: it refuses the batch again at once.
                     async for attempt in AsyncRetrying(
                         stop=stop_after_delay(self.retry_for_s),
                         wait=wait_exponential(multiplier=0.05, max=1.0),
+                        retry=retry_if_exception(lambda exc: not is_store_full(exc)),
                         reraise=True,
                     ):
                         with attempt:
                             await self._js.publish(self.subject, payload, headers=headers, timeout=2.0)
+                    self._store_accepts()
                 else:
                     await self._nc.publish(self.subject, payload, headers=headers)
-            except Exception:  # noqa: BLE001 - counted; the stream shows the gap
-                logger.exception("NATS publisher %s: publish failed", self.source)
-                with self._count_lock:
-                    self._dropped += n
+            except Exception as exc:  # noqa: BLE001 - counted; the stream shows the gap
+                if is_store_full(exc):
+                    self._store_refused(headers[MSG_ID_HEADER], n, exc)
+                else:
+                    logger.exception("NATS publisher %s: publish failed", self.source)
+                    with self._count_lock:
+                        self._dropped += n
             finally:
                 with self._room:
                     self._inflight -= n
                     self._room.notify_all()
                 self._aq.task_done()
+
+    def _store_refused(self, batch_id: str, n: int, exc: BaseException) -> None:
+        """A batch (``n`` events) refused for a full store: dropped and counted; the first
+        of a run of refusals is logged as an error, the others at debug level."""
+        with self._count_lock:
+            self._dropped += n
+            self._refused += 1
+            self._refused_run += 1
+            first = self._refused_run == 1
+        logger.log(
+            logging.ERROR if first else logging.DEBUG,
+            "JetStream publisher %s: stream %s is full, batch %s dropped (%s); later batches are "
+            "dropped the same way until it has room (stats().refused)",
+            self.source, STREAM_NAME, batch_id, describe(exc),
+        )
+
+    def _store_accepts(self) -> None:
+        with self._count_lock:
+            run, self._refused_run = self._refused_run, 0
+        if run:
+            logger.warning("JetStream publisher %s: stream %s accepts batches again after %d refused",
+                           self.source, STREAM_NAME, run)
+
+    def _transport_refused(self) -> int:
+        with self._count_lock:
+            return self._refused
 
     async def _drain_queue(self) -> None:
         await self._aq.join()
@@ -285,10 +453,16 @@ class NatsPublisher(EventPublisher):
 
 class JetStreamPublisher(NatsPublisher):
     """Like :class:`NatsPublisher`, but each batch is stored in the ``KVADVISOR_EVENTS``
-    JetStream stream (created if missing) and acknowledged by the server. A batch whose
-    ack does not come is re-sent (exponential back-off, for up to ``retry_for_s`` seconds,
-    e.g. across a server restart); the stream de-duplicates re-sent batches by
-    ``Nats-Msg-Id``, so nothing is doubled. ``flush`` returns once every batch is acked."""
+    JetStream stream (created with ``stream``'s limits if missing, else checked against
+    them) and acknowledged by the server. A batch whose ack does not come is re-sent
+    (exponential back-off, for up to ``retry_for_s`` seconds, e.g. across a server
+    restart); the stream de-duplicates re-sent batches by ``Nats-Msg-Id``, so nothing is
+    doubled. ``flush`` returns once every batch is acked or given up.
+
+    A batch the server refuses because the stream or its JetStream storage is full
+    (:func:`is_store_full`: ``discard="new"`` at ``max_bytes``, or no storage left) is not
+    retried: it is dropped at once, counted in ``stats().dropped`` (events) and
+    ``stats().refused`` (batches), and logged as an error (the first of a run)."""
 
     _use_jetstream = True
     retry_for_s: float = 30.0
@@ -339,7 +513,7 @@ class NatsSubscriber(Subscriber):
             self._io.run(self._subscribe())
             self._answered.set()  # the server answered
         except Exception as exc:
-            self._io.stop()
+            _abandon(self._io, self._nc)
             raise TransportError(f"cannot subscribe at {self.url}: {describe(exc)}") from exc
 
     async def _subscribe(self) -> None:
@@ -359,7 +533,7 @@ class NatsSubscriber(Subscriber):
         return batch
 
     def close(self) -> None:
-        if self._io is not None and not self._closed.is_set():
+        if self._io is not None and not self._io.loop.is_closed() and not self._closed.is_set():
             if self._nc is not None:  # None when start() failed to connect
                 try:
                     self._io.run(self._nc.drain())
@@ -377,9 +551,25 @@ class JetStreamSubscriber(NatsSubscriber):
     last acknowledged batch. ``deliver`` chooses where a *new* durable starts: ``"all"``
     (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
 
+    Messages the consumer was to read but the stream had already deleted (its limits)
+    when it started are reported, not skipped in silence: when the consumer's start (a new
+    durable: stream sequence 1 for ``"all"``, ``n`` for ``("seq", n)``, the resolved
+    position for ``("time", t)`` when the oldest message kept is newer than ``t``; a durable
+    that resumes: its ack floor + 1) is below the stream's first sequence, their number is
+    counted in ``stats().discarded`` and logged, and the first batch of each (source, epoch)
+    seen afterwards with seq > 0 is a gap from 0 (``on_gap``, ``gaps``, ``unrecovered``,
+    ``resync_needed``), as on live transports.
+
     Args:
         durable: consumer name (one per logical subscriber; shared names split the stream).
         batch_size: messages fetched per pull.
+        stream: the stream's limits, used when this subscriber creates the stream and
+            checked against an existing one (:class:`StreamLimits`; ``None`` = defaults).
+
+    Raises:
+        ConfigError: bad namespace, durable name, ``deliver`` or stream limits.
+        StreamMismatchError (from ``start``): ``stream.strict`` and the existing stream's
+            configuration differs.
     """
 
     def __init__(
@@ -394,6 +584,7 @@ class JetStreamSubscriber(NatsSubscriber):
         queue_capacity: int = 100_000,
         connect_timeout_s: float = 5.0,
         on_resync: ResyncCallback | None = None,
+        stream: StreamLimits | None = None,
         **connect_options: Any,
     ) -> None:
         super().__init__(
@@ -411,9 +602,25 @@ class JetStreamSubscriber(NatsSubscriber):
         self._start_at = deliver
         self._consumer_config()  # raises ConfigError on a bad ``deliver`` now, not at start()
         self._batch_size = batch_size
-        # A durable resumes mid-stream: earlier seqs were consumed by its previous run.
+        self.stream_limits = _limits(stream)
+        # A durable resumes mid-stream: earlier seqs were consumed by its previous run
+        # (unless the stream deleted what it was to read: _check_discarded).
         self._tracker = self._make_tracker(first_seq_gap=False)
         self._task: Any = None
+
+    def start(self) -> None:
+        """Connect, create or check the stream, create or resume the durable, start pulling.
+
+        Raises:
+            StreamMismatchError: ``stream.strict`` and the existing stream differs.
+            TransportError: the server cannot be reached or refuses the stream / consumer.
+        """
+        try:
+            super().start()
+        except TransportError as exc:
+            if isinstance(exc.__cause__, StreamMismatchError):
+                raise exc.__cause__ from None
+            raise
 
     def _consumer_config(self) -> js_api.ConsumerConfig:
         kw: dict[str, Any] = {"durable_name": self._durable, "ack_policy": js_api.AckPolicy.EXPLICIT}
@@ -433,11 +640,58 @@ class JetStreamSubscriber(NatsSubscriber):
 
     async def _subscribe(self) -> None:
         js = self._nc.jetstream()
-        await ensure_stream(js)
+        await ensure_stream(js, self.stream_limits, who=f"JetStream subscriber {self._durable}")
+        try:
+            before = await js.consumer_info(STREAM_NAME, self._durable)
+        except NotFoundError:
+            before = None
         psub = await js.pull_subscribe(
             self.subject, durable=self._durable, stream=STREAM_NAME, config=self._consumer_config()
         )
+        await self._check_discarded(js, before)
         self._task = asyncio.get_running_loop().create_task(self._pull_loop(psub))
+
+    async def _check_discarded(self, js: Any, before: Any) -> None:
+        """Count and report what the stream deleted before this consumer could read it
+        (see the class doc); ``before`` is the durable's info before this start, ``None``
+        when it is new. Switches the tracker to gap-from-0 when anything was."""
+        state = (await js.stream_info(STREAM_NAME)).state
+        first = int(state.first_seq or 0)
+        if first <= 1:
+            return  # nothing ever deleted (an empty new stream has first_seq 0)
+        if before is not None:
+            acked = int(before.ack_floor.stream_seq) if before.ack_floor is not None else 0
+            delivered = before.delivered
+            if not acked and delivered is not None and not delivered.consumer_seq:
+                acked = int(delivered.stream_seq)  # nothing delivered yet: its start - 1
+            start = acked + 1
+            what = f"durable {self._durable!r} resumes at stream sequence {start}"
+        elif self._start_at == "all":
+            start, what = 1, f"new durable {self._durable!r} reads the whole stream"
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "seq":
+            start = int(self._start_at[1])
+            what = f"new durable {self._durable!r} starts at stream sequence {start}"
+        elif isinstance(self._start_at, tuple) and self._start_at[0] == "time":
+            info = await js.consumer_info(STREAM_NAME, self._durable)
+            resolved = int(info.delivered.stream_seq) + 1 if info.delivered is not None else first
+            if resolved > first:
+                return  # older messages kept: the start time falls inside the stream
+            # The oldest message kept is newer than the start time: deleted ones may not
+            # have been older; count them all (an upper bound).
+            start = 1
+            what = f"new durable {self._durable!r} starts at {self._start_at[1]}, before the oldest message kept"
+        else:
+            return  # "new": nothing before was asked for
+        lost = first - start
+        if lost <= 0:
+            return
+        self._stats.discarded += lost
+        self._tracker = self._make_tracker(first_seq_gap=True)
+        logger.warning(
+            "JetStream subscriber: %s, but the stream (limits max_bytes / max_age) already deleted "
+            "sequences %d..%d (%d messages, all namespaces): sources whose batches were among them "
+            "are reported as gaps", what, start, first - 1, lost,
+        )
 
     async def _pull_loop(self, psub: Any) -> None:
         async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream subscriber"):
@@ -453,7 +707,7 @@ class JetStreamSubscriber(NatsSubscriber):
             await msg.ack()
 
     def close(self) -> None:
-        if self._io is not None and not self._closed.is_set():
+        if self._io is not None and not self._io.loop.is_closed() and not self._closed.is_set():
             self._closed.set()
 
             async def _stop() -> None:

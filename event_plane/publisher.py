@@ -567,6 +567,7 @@ class EventPublisher(abc.ABC):
             return replace(
                 self._stats,
                 dropped=self._stats.dropped + self._transport_dropped(),
+                refused=self._stats.refused + self._transport_refused(),
                 flush_delay_s=self._delay.delay(now),
                 event_rate=self._delay.rate(now),
             )
@@ -607,6 +608,10 @@ class EventPublisher(abc.ABC):
 
     def _transport_dropped(self) -> int:
         """Events the transport dropped after ``_send`` accepted them (default 0)."""
+        return 0
+
+    def _transport_refused(self) -> int:
+        """Batches the transport's server refused for a full store (default 0)."""
         return 0
 
     # ------------------------------------------------------------------ internals

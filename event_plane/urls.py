@@ -13,7 +13,11 @@ URL                                        meaning
                                            adapter URLs below)
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
 ``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
-                                           ``KVADVISOR_EVENTS`` (``durable``: subscriber)
+                                           ``KVADVISOR_EVENTS`` (``durable``: subscriber);
+                                           publisher and subscriber: ``max_bytes=N``
+                                           (bytes) or ``unlimited``, ``max_age=S``
+                                           (seconds) or ``unlimited``, ``discard=old|new``,
+                                           ``strict_stream=1|0`` (:class:`StreamLimits`)
 ``vllm+zmq://HOST:PORT?replay=PORT&source=NAME``  subscriber only: an unmodified vLLM's
                                            KV events, converted to KVEvent v1
 ``sglang+zmq://HOST:PORT?replay=PORT&source=NAME``  same for SGLang (more parameters:
@@ -27,8 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from event_plane.config import PublisherConfig
-from event_plane.errors import EventURLError
+from dataclasses import replace
+
+from event_plane.config import PublisherConfig, StreamLimits
+from event_plane.errors import ConfigError, EventURLError
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
 from event_plane.publisher import EventPublisher, FlushCallback, NullPublisher
 from event_plane.subscriber import MultiSubscriber, Subscriber
@@ -38,7 +44,7 @@ _ALLOWED = {
     "null": set(),
     "zmq": {"replay", "topic", "replay_timeout"},
     "nats": {"namespace"},
-    "jetstream": {"namespace", "durable"},
+    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream"},
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
                  "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
@@ -97,6 +103,58 @@ def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
     return {"replay_timeout_s": value}
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits | None = None) -> StreamLimits:
+    """``base`` (default :class:`StreamLimits`) with the stream parameters of a
+    ``jetstream://`` URL's query applied: ``max_bytes`` (an int of bytes > 0, or
+    ``unlimited``), ``max_age`` (seconds > 0, or ``unlimited``), ``discard`` (``old`` /
+    ``new``), ``strict_stream`` (``1``/``true``/``yes`` or ``0``/``false``/``no``).
+
+    Raises:
+        EventURLError: a value out of range or of the wrong form (named with the URL).
+    """
+    limits = base if base is not None else StreamLimits()
+    if not isinstance(limits, StreamLimits):
+        raise EventURLError(f"stream must be a StreamLimits, got {type(limits).__name__}")
+    changes: dict[str, object] = {}
+    raw = query.get("max_bytes")
+    if raw is not None:
+        if raw.lower() == "unlimited":
+            changes["max_bytes"] = None
+        elif raw.isdigit() and int(raw) > 0:
+            changes["max_bytes"] = int(raw)
+        else:
+            raise EventURLError(f"max_bytes must be a number of bytes > 0 or 'unlimited' in {url!r}, got {raw!r}")
+    raw = query.get("max_age")
+    if raw is not None:
+        if raw.lower() == "unlimited":
+            changes["max_age_s"] = None
+        else:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not 0 < value < float("inf"):
+                raise EventURLError(f"max_age must be a number of seconds > 0 or 'unlimited' in {url!r}, got {raw!r}")
+            changes["max_age_s"] = value
+    raw = query.get("discard")
+    if raw is not None:
+        if raw not in ("old", "new"):
+            raise EventURLError(f"discard must be 'old' or 'new' in {url!r}, got {raw!r}")
+        changes["discard"] = raw
+    raw = query.get("strict_stream")
+    if raw is not None:
+        if raw.lower() not in _BOOLS:
+            raise EventURLError(f"strict_stream must be 1 or 0 (true/false) in {url!r}, got {raw!r}")
+        changes["strict"] = _BOOLS[raw.lower()]
+    try:
+        return replace(limits, **changes)  # type: ignore[arg-type]
+    except ConfigError as exc:  # unreachable after the checks above; kept for a clear error
+        raise EventURLError(f"{exc} in {url!r}") from exc
+
+
 def make_publisher(
     url: str,
     source: str,
@@ -104,6 +162,7 @@ def make_publisher(
     config: PublisherConfig | None = None,
     epoch: int | None = None,
     on_flush: FlushCallback | None = None,
+    stream: StreamLimits | None = None,
     **options: Any,
 ) -> EventPublisher:
     """Create the publisher that ``url`` names (see the module table).
@@ -112,6 +171,9 @@ def make_publisher(
         url: ``null://``, ``zmq://...``, ``nats://...`` or ``jetstream://...``.
         source: worker / instance id.
         config, epoch, on_flush: see :class:`EventPublisher`.
+        stream: ``jetstream://`` only (other schemes ignore it): the stream limits, which
+            the URL's ``max_bytes`` / ``max_age`` / ``discard`` / ``strict_stream``
+            override field by field (``None``: :class:`StreamLimits` defaults).
         **options: transport keywords (e.g. NATS credentials).
 
     Raises:
@@ -129,12 +191,16 @@ def make_publisher(
             raise EventURLError(f"replay_timeout is a subscriber parameter (in {url!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, **options)
-    cls = JetStreamPublisher if scheme == "jetstream" else NatsPublisher
-    return cls(source, f"nats://{netloc}", query.get("namespace", "default"), **common, **options)
+    if scheme == "jetstream":
+        limits = stream_limits_from_query(query, url, stream)
+        return JetStreamPublisher(source, f"nats://{netloc}", query.get("namespace", "default"), **common,
+                                  stream=limits, **options)
+    return NatsPublisher(source, f"nats://{netloc}", query.get("namespace", "default"), **common, **options)
 
 
 def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     scheme, host, port, query, netloc = _parse(url)
+    stream = kw.pop("stream", None)  # jetstream:// only
     if scheme == "null":
         raise EventURLError("null:// has nothing to subscribe to")
     if scheme == "zmq" or scheme in _PEER_SCHEMES:
@@ -151,6 +217,7 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     if scheme == "jetstream":
         if "durable" in query:
             kw = {**kw, "durable": query["durable"]}
+        kw["stream"] = stream_limits_from_query(query, url, stream)
         return JetStreamSubscriber(f"nats://{netloc}", namespace, **kw)
     return NatsSubscriber(f"nats://{netloc}", namespace, **kw)
 
@@ -162,7 +229,8 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
         urls: one URL or a list (``zmq://``, ``nats://``, ``jetstream://``,
             ``vllm+zmq://``, ``sglang+zmq://``).
         **kw: subscriber keywords (``on_gap``, ``queue_capacity``, ``on_resync``,
-            transport options).
+            transport options); ``stream=StreamLimits(...)`` goes to ``jetstream://``
+            URLs only, whose stream parameters override it field by field.
 
     Returns:
         A :class:`Subscriber`; call ``start()`` (or use it as a context manager).

@@ -72,3 +72,18 @@ def test_rate_meter_window() -> None:
     time.sleep(1.2)
     assert r.rate() == 0.0
     assert r.total == 600
+
+
+def test_jetstream_stream_limits_defaults_environment_and_errors(monkeypatch) -> None:  # noqa: ANN001
+    from event_plane import StreamLimits
+
+    assert AdvisorSettings().stream_limits() == StreamLimits(1 << 30, 24 * 3600.0, "old", False)
+    monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_MAX_BYTES", "unlimited")
+    monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_MAX_AGE_S", "600")
+    monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_DISCARD", "new")
+    monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_STRICT_STREAM", "true")
+    assert AdvisorSettings().stream_limits() == StreamLimits(None, 600.0, "new", True)
+    for field, value in [("jetstream_max_bytes", 0), ("jetstream_max_age_s", -1.0), ("jetstream_discard", "all"),
+                         ("jetstream_max_age_s", float("inf")), ("jetstream_max_bytes", "lots")]:
+        with pytest.raises(Exception, match=field):
+            AdvisorSettings(**{field: value})

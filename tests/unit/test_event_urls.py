@@ -83,3 +83,64 @@ def test_replay_timeout_reaches_zmq_and_adapter_subscribers_and_is_not_a_publish
     assert subscribe("zmq://127.0.0.1:5557?replay=5558")._replay_timeout_s == 2.0
     with pytest.raises(EventURLError, match="subscriber parameter"):
         make_publisher(f"zmq://127.0.0.1:{free_port()}?replay_timeout=1", "w0")
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("max_bytes=0", "max_bytes"),
+        ("max_bytes=-1", "max_bytes"),
+        ("max_bytes=1.5", "max_bytes"),
+        ("max_bytes=1GiB", "max_bytes"),
+        ("max_bytes=", "max_bytes"),
+        ("max_age=0", "max_age"),
+        ("max_age=-3", "max_age"),
+        ("max_age=inf", "max_age"),
+        ("max_age=nan", "max_age"),
+        ("max_age=1h", "max_age"),
+        ("discard=oldest", "discard"),
+        ("strict_stream=maybe", "strict_stream"),
+    ],
+)
+def test_bad_stream_parameters_are_refused_before_connecting(query: str, name: str) -> None:
+    url = f"jetstream://127.0.0.1:{free_port()}?namespace=ns&{query}"  # nothing listens there
+    with pytest.raises(EventURLError, match=name):
+        make_publisher(url, "w0")
+    with pytest.raises(EventURLError, match=name):
+        subscribe(url)
+
+
+@pytest.mark.parametrize("query", ["max_bytes=1024", "max_age=60", "discard=new", "strict_stream=1"])
+def test_stream_parameters_belong_to_jetstream_urls_only(query: str) -> None:
+    with pytest.raises(EventURLError, match="unknown parameter"):
+        make_publisher(f"nats://127.0.0.1:4222?{query}", "w0")
+    with pytest.raises(EventURLError, match="unknown parameter"):
+        subscribe(f"zmq://127.0.0.1:5557?{query}")
+
+
+def test_stream_parameters_reach_the_jetstream_subscriber_over_the_given_limits() -> None:
+    from event_plane import StreamLimits
+
+    default = subscribe("jetstream://127.0.0.1:4222?namespace=ns")
+    assert default.stream_limits == StreamLimits(1 << 30, 24 * 3600.0, "old", False)
+    base = StreamLimits(max_bytes=4096, max_age_s=30.0, discard="new")
+    sub = subscribe("jetstream://127.0.0.1:4222?namespace=ns&max_age=unlimited&strict_stream=true", stream=base)
+    assert sub.stream_limits == StreamLimits(max_bytes=4096, max_age_s=None, discard="new", strict=True)
+    sub = subscribe("jetstream://127.0.0.1:4222?max_bytes=unlimited&max_age=90.5&discard=old&strict_stream=0",
+                    stream=base)
+    assert sub.stream_limits == StreamLimits(max_bytes=None, max_age_s=90.5, discard="old", strict=False)
+    # other schemes ignore ``stream`` (the advisor passes its settings to every URL)
+    assert isinstance(subscribe(["zmq://127.0.0.1:1", "nats://127.0.0.1:4222"], stream=base), MultiSubscriber)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_bytes": 0}, {"max_bytes": -1}, {"max_bytes": 1.5}, {"max_bytes": True}, {"max_age_s": 0},
+     {"max_age_s": float("inf")}, {"max_age_s": float("nan")}, {"max_age_s": "60"}, {"discard": "NEW"},
+     {"strict": 1}],
+)
+def test_stream_limits_refuse_bad_values(kwargs: dict) -> None:
+    from event_plane import ConfigError, StreamLimits
+
+    with pytest.raises(ConfigError, match=next(iter(kwargs)).split("_s")[0]):
+        StreamLimits(**kwargs)
