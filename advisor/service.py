@@ -143,6 +143,7 @@ class AdvisorService:
             "snapshot_position": 0,
             "snapshot_loaded_position": 0,
             "log_discarded": 0,
+            "reserved_source_refused": 0,
         }
         self.rate = RateMeter()
         self.started_at: float | None = None
@@ -497,11 +498,21 @@ class AdvisorService:
     def _ingest_loop(self) -> None:
         sub = self.subscriber
         timeout = self.settings.get_timeout_s
+        own = self.settings.source
         while not self._stop.is_set():
             try:
                 batch = sub.get(timeout=timeout)
-                if batch is not None:
-                    self.ingest(batch, verify=False)
+                if batch is None:
+                    continue
+                if batch.source == own:
+                    # the advisor's own source name is reserved: its moves are journaled
+                    # as they are published (_on_own_batch), so a batch under that name
+                    # from the network is either its own coming back or a forgery that
+                    # would take the (epoch, seq) of a real move (dropped as a duplicate)
+                    self.counters["reserved_source_refused"] += 1
+                    self.metrics.bad_batches.inc()
+                    continue
+                self.ingest(batch, verify=False)
             except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
                 logger.exception("advisor: ingest failed")
 

@@ -82,7 +82,7 @@ def test_nats_ingest_and_own_moves_are_not_applied_twice(tmp_path, nats_url: str
     ns = f"adv{os.getpid()}{time.monotonic_ns() % 100000}"
     url = f"{nats_url}?namespace={ns}"
     # the advisor publishes on the same subjects it subscribes to: its own batches come
-    # back through NATS and must be recognised as already journaled
+    # back through NATS and are refused (its source name is reserved; journaled already)
     settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[url], publish_url=url,
                                api_enabled=False, get_timeout_s=0.05)
     svc = AdvisorService(settings)
@@ -95,7 +95,8 @@ def test_nats_ingest_and_own_moves_are_not_applied_twice(tmp_path, nats_url: str
         wait_for(lambda: svc.query().stats()["events_applied"] == 3)
         svc.publisher.publish([store(10, 10, None, BS, "fast", {"moved_from": "slow"})])
         svc.publisher.flush()
-        wait_for(lambda: svc.counters["duplicate_batches"] == 1)
+        wait_for(lambda: svc.counters["reserved_source_refused"] == 1)
+        assert svc.counters["duplicate_batches"] == 0
         assert svc.index.lookup([10, 11, 12]) == {"slow": 3, "fast": 1}
         assert svc.counters["ingested_batches"] == 2
         assert svc.index.block(10).hits == 0
@@ -260,3 +261,30 @@ def test_live_batch_with_too_deep_metadata_is_refused_counted_and_the_restart_re
         assert (again.counters["replayed_batches"], again.counters["journal_skipped"]) == (2, 0)
     finally:
         again.stop()
+
+
+def test_forged_batches_under_the_advisors_source_never_take_a_real_moves_place(tmp_path, nats_url: str) -> None:  # noqa: ANN001
+    """A publisher pre-sending the advisor's own source name (same epoch, the next seqs)
+    got the advisor's real move dropped as a duplicate; the name is reserved now."""
+    ns = f"forge{os.getpid()}{time.monotonic_ns() % 100000}"
+    url = f"{nats_url}?namespace={ns}"
+    settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[url], publish_url="null://",
+                               api_enabled=False, get_timeout_s=0.05)
+    svc = AdvisorService(settings)
+    svc.start()
+    forger = make_publisher(url, settings.source, epoch=svc.publisher.epoch, config=PublisherConfig(max_delay_s=0.05))
+    try:
+        time.sleep(0.3)  # core NATS: let the subscription settle
+        for h in range(5):  # seqs 1..5 of the advisor's own epoch, a block the advisor never moved
+            forger.publish([store(900 + h, 900 + h, None, BS, "fast", {"hits": 10**6})])
+            forger.flush()
+        wait_for(lambda: svc.counters["reserved_source_refused"] == 5)
+        svc.publisher.publish([store(10, 10, None, BS, "fast", {"moved_from": "slow"})])
+        svc.publisher.flush()
+        wait_for(lambda: svc.counters["ingested_batches"] == 1)
+        assert svc.index.block(10) is not None and svc.index.lookup([10]) == {"fast": 1}
+        assert all(svc.index.block(900 + h) is None for h in range(5))
+        assert svc.counters["duplicate_batches"] == 0
+    finally:
+        forger.close()
+        svc.stop()
