@@ -228,8 +228,3 @@ class KvbmLeader:
             saving = request_id in self._saving
             self._saving.discard(request_id)
         return saving
-
-    def has_pending_loads(self) -> bool:
-        """Whether loads were planned that no :meth:`build_meta` has handed out yet."""
-        with self._lock:
-            return bool(self._pending.loads)

@@ -91,7 +91,6 @@ class ResidencyDirectory:
         # tier -> sequence hash -> bit mask of the ranks that hold it
         self._ranks: dict[str, dict[int, int]] = {HOST: {}, STORAGE: {}}
         self._lock = threading.Lock()
-        self.reports = 0
 
     def apply(self, report: ResidencyReport) -> None:
         """Fold one (possibly merged) report in.
@@ -116,7 +115,6 @@ class ResidencyDirectory:
                             ranks[h] = left
                         else:
                             ranks.pop(h, None)
-            self.reports += 1
 
     def _tier(self, tier: str) -> dict[int, int]:
         try:
@@ -154,13 +152,6 @@ class ResidencyDirectory:
         """
         with self._lock:
             return {h for h, m in self._tier(tier).items() if m == self._full}
-
-    def forget(self, tier: str, hashes: Iterable[int]) -> None:
-        """Drop ``hashes`` at ``tier`` for every rank (a failed load proved them missing)."""
-        with self._lock:
-            ranks = self._tier(tier)
-            for h in hashes:
-                ranks.pop(h, None)
 
     def __len__(self) -> int:
         with self._lock:

@@ -293,7 +293,6 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}
         self._hashes: dict[str, list[int]] = {}
         self._blocks: dict[str, list[int]] = {}
-        self._hit_tiers: dict[str, tuple[int, int]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._start_leader(vllm_config)
 
