@@ -107,6 +107,7 @@ class KvbmLeader:
         self._matches: dict[str, _Match] = {}
         self._pending = _Pending()
         self._saving: set[str] = set()
+        self._planned: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lookups
@@ -170,10 +171,18 @@ class KvbmLeader:
             for i, h in enumerate(hashes[match.first : match.first + n], start=match.first)
         ]
         load_async = STORAGE in match.tiers[:n]
+        from_host = sum(1 for b in blocks if b.tier == HOST)
         with self._lock:
             self._pending.loads.append(RequestTransfers(request_id, blocks, load_async))
-            self.stats.matched_g2 += sum(1 for b in blocks if b.tier == HOST)
-            self.stats.matched_storage += sum(1 for b in blocks if b.tier == STORAGE)
+            self._planned[request_id] = (from_host, n - from_host)
+            self.stats.matched_g2 += from_host
+            self.stats.matched_storage += n - from_host
+
+    def planned_sources(self, request_id: str) -> tuple[int, int]:
+        """``(blocks from G2, blocks from storage)`` of the request's last planned load
+        (``(0, 0)`` when none); forgets it."""
+        with self._lock:
+            return self._planned.pop(request_id, (0, 0))
 
     # ------------------------------------------------------------------ steps
     def build_meta(self, step: Sequence[StepRequest]) -> KvConnectorMetadata:
@@ -225,6 +234,7 @@ class KvbmLeader:
         until a worker reports it as finished sending)."""
         with self._lock:
             self._matches.pop(request_id, None)
+            self._planned.pop(request_id, None)
             saving = request_id in self._saving
             self._saving.discard(request_id)
         return saving

@@ -79,7 +79,7 @@ from .connector import ConnectorError, KvbmConnectorWorker
 from .handshake import WorkerEndpoint, endpoint_path, join_workers
 from .leader import KvbmLeader, StepRequest
 from .manager import BlockManager
-from .residency import STORAGE, ReportingSink, ResidencyReport
+from .residency import ReportingSink, ResidencyReport
 
 logger = logging.getLogger(__name__)
 
@@ -371,12 +371,8 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Split of the loaded tokens between host (G2) and disk (volumes)."""
         if num_external_tokens == 0:
             return {}
-        leader = self._leader_or_fail()
-        hashes = self._sequence_hashes(request)
-        page = self._config.page_size
-        first = (request.num_computed_tokens or 0) // page
-        n = num_external_tokens // page
-        disk = sum(1 for h in hashes[first : first + n] if leader.directory.tier_of(h) == STORAGE) * page
+        _, stored = self._leader_or_fail().planned_sources(request.request_id)
+        disk = min(num_external_tokens, stored * self._config.page_size)
         out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
         return {k: v for k, v in out.items() if v}
 

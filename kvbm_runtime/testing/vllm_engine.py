@@ -140,11 +140,11 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int = 8) ->
     return out
 
 
-def metric(llm: Any, name: str) -> float:
+def metric(llm: Any, name: str, **labels: str) -> float:
     """Value of one of vLLM's own counters or gauges (``LLM.get_metrics()``), summed
-    over labels; 0 when absent."""
+    over the series whose labels include ``labels``; 0 when absent."""
     total = 0.0
     for m in llm.get_metrics():
-        if m.name == name and hasattr(m, "value"):
+        if m.name == name and hasattr(m, "value") and all(m.labels.get(k) == v for k, v in labels.items()):
             total += float(m.value)
     return total

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from vllm_cases import PAGE, PROMPTS, run, scrape
 
-from kvbm_runtime.testing.vllm_engine import Completion, llm_engine
+from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
 from storage_backends.local_s3 import free_port
 
 pytestmark = pytest.mark.vllm
@@ -61,9 +61,12 @@ def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], vllm_
     _store_then_evict(llm, url, "a", "cd")
     llm.reset_prefix_cache()
     disk_reads = scrape(url, "kvbm_onboard_blocks_d2d")
+    from_disk = metric(llm, "vllm:prompt_tokens_cached_by_source", source="disk")
     (again,) = run(llm, "a")
     assert again.num_cached_tokens >= 480
     assert again.num_cached_tokens == FULL
+    # vLLM's own account of where the cached tokens came from (the connector's split)
+    assert metric(llm, "vllm:prompt_tokens_cached_by_source", source="disk") - from_disk == FULL
     # the blocks came from the volume (G2 holds only c and d by now)
     assert scrape(url, "kvbm_onboard_blocks_d2d") - disk_reads >= 480 // PAGE
     assert again.token_ids == vllm_reference["a"].token_ids

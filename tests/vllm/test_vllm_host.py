@@ -70,6 +70,7 @@ def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def test_shared_prefix_then_reset_onboards_from_g2_with_identical_outputs(stack: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm = stack["llm"]
     hits0 = metric(llm, "vllm:external_prefix_cache_hits")
+    host0 = metric(llm, "vllm:prompt_tokens_cached_by_source", source="host")
     a1, b = run(llm, "a", "b")
     assert a1.num_cached_tokens == 0
     assert b.num_cached_tokens == SHARED  # vLLM's own G1 prefix cache
@@ -79,6 +80,7 @@ def test_shared_prefix_then_reset_onboards_from_g2_with_identical_outputs(stack:
     assert a2.num_cached_tokens >= 480
     assert a2.num_cached_tokens == (len(PROMPTS["a"]) // PAGE) * PAGE
     assert metric(llm, "vllm:external_prefix_cache_hits") - hits0 == a2.num_cached_tokens
+    assert metric(llm, "vllm:prompt_tokens_cached_by_source", source="host") - host0 == a2.num_cached_tokens
     assert [a1.token_ids, b.token_ids, a2.token_ids] == [vllm_reference["a"].token_ids, vllm_reference["b"].token_ids, vllm_reference["a"].token_ids]
     assert len(a2.token_ids) == MAX_TOKENS
 
