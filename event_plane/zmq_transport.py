@@ -7,6 +7,7 @@ thread, and every subscriber socket only by the subscriber's receiver thread.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -59,6 +60,26 @@ class _Recovery:
     hard_deadline: float  # monotonic: RECOVERY_MAX_S after the request
     got: list[EventBatch] = field(default_factory=list)
     parked: deque[tuple[int, EventBatch, bool]] = field(default_factory=deque)  # (endpoint, batch, replayed)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` listens on this machine only: ``ipc://`` / ``inproc://``,
+    or ``tcp://HOST:PORT`` whose HOST is ``localhost`` or a loopback address (127.0.0.0/8,
+    ``::1``). ``*``, ``0.0.0.0``, ``::``, another address or an interface name is not."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme in ("ipc", "inproc"):
+        return True
+    if not sep or scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> str:
@@ -126,6 +147,10 @@ class ZmqPublisher(EventPublisher):
         epoch, config, on_flush: see :class:`EventPublisher`.
         context: ZMQ context (the process-wide one by default).
         bind_retry_s: seconds to keep retrying a bind that fails with EADDRINUSE.
+        allow_remote: allow endpoints other machines can reach (``*``, ``0.0.0.0``, a
+            non-loopback address). The sockets have no authentication: any peer that
+            reaches them reads every event and can ask for replays. Off by default, so
+            only loopback endpoints bind (:func:`is_loopback_endpoint`).
 
     Replay answers are bounded against clients that ask and never read (``docs/events.md``
     §5.2): the ROUTER's send high-water mark is ``config.replay_hwm`` and answers are paced
@@ -138,6 +163,7 @@ class ZmqPublisher(EventPublisher):
         endpoint / replay_endpoint: the addresses actually bound (resolved wildcards).
 
     Raises:
+        ConfigError: an endpoint is not loopback and ``allow_remote`` is not set.
         TransportError: an endpoint cannot be bound.
     """
 
@@ -153,7 +179,16 @@ class ZmqPublisher(EventPublisher):
         on_flush: FlushCallback | None = None,
         context: zmq.Context | None = None,
         bind_retry_s: float = 2.0,
+        allow_remote: bool = False,
     ) -> None:
+        if not allow_remote:
+            for ep in (endpoint, replay_endpoint):
+                if ep is not None and not is_loopback_endpoint(ep):
+                    raise ConfigError(
+                        f"ZMQ publisher endpoint {ep} is reachable from other machines and the event sockets have "
+                        "no authentication (any peer could read the events and ask for replays): bind a loopback "
+                        "address (127.0.0.1, localhost, ::1), or opt in with allow_remote=True (URL: allow_remote=1)"
+                    )
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.topic: bytes = topic.encode()
         ctx = context or zmq.Context.instance()
