@@ -120,7 +120,8 @@ class AdvisorService:
         self.mover: Mover | None = None
         self.planner = Planner(settings.policy.planner)
         self.api: Any = None
-        self.metrics = AdvisorMetrics(self._metrics_snapshot)
+        self.metrics = AdvisorMetrics(self._metrics_snapshot, max_locations=settings.metrics_max_locations,
+                                      keep_locations=[v.id for v in settings.volumes])
         self.plans: deque[PlanResult] = deque(maxlen=1000)
         self.position = 0
         self.snapshots: SnapshotStore | None = None
