@@ -78,6 +78,14 @@ class _StateCollector(Collector):
         for name, n in snap.get("subscriber", {}).items():
             sub.add_metric([name], n)
         yield sub
+        replay = CounterMetricFamily(
+            "kvadvisor_publisher_replay",
+            "Replay requests to the advisor's own ZMQ publisher, by outcome (served, refused_*, stalled, ...)",
+            labels=["kind"],
+        )
+        for name, n in snap.get("replay", {}).items():
+            replay.add_metric([name], n)
+        yield replay
         yield CounterMetricFamily(
             "kvadvisor_subscriber_gaps", "Gaps detected in source seq numbers", value=snap.get("subscriber", {}).get("gaps", 0)
         )
@@ -92,7 +100,7 @@ class AdvisorMetrics:
     Args:
         snapshot: returns ``{"blocks_per_location": {loc: n}, "blocks": n,
             "orphans_pending": n, "index_counters": {...}, "subscriber": {...},
-            "events_per_s": float}``; called at every scrape.
+            "replay": {...}, "events_per_s": float}``; called at every scrape.
         max_locations: ``location`` label values of ``kvadvisor_index_blocks`` besides
             :data:`OTHER_LOCATIONS` (see :func:`bounded_locations`).
         keep_locations: locations always shown first (the configured volume ids).

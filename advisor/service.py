@@ -625,8 +625,15 @@ class AdvisorService:
             "orphans_pending": st["orphans_pending"],
             "index_counters": st["counters"],
             "subscriber": self.subscriber_stats(),
+            "replay": self.replay_stats(),
             "events_per_s": rate,
         }
+
+    def replay_stats(self) -> dict[str, int]:
+        """The replay counters of the advisor's own ZMQ publisher (refused, cut or abandoned
+        answers: :meth:`event_plane.ZmqPublisher.replay_stats`); empty for other publishers."""
+        stats = getattr(self.publisher, "replay_stats", None)
+        return stats() if callable(stats) else {}
 
 
 def results_summary(results: list[PlanResult]) -> dict[str, int]:

@@ -186,5 +186,12 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         assert series["w0/g1"] == 4.0 and series["_other"] == 5000 - 7
         assert sum(series.values()) == 5004
         assert [loc for loc in series if loc.startswith("v")] == [f"v{i:05d}" for i in range(7)]
+        # the default bound applies to any AdvisorMetrics over the same state
+        from prometheus_client import generate_latest
+
+        from advisor.metrics import AdvisorMetrics
+
+        text = generate_latest(AdvisorMetrics(svc._metrics_snapshot).registry).decode()
+        assert sum(line.startswith("kvadvisor_index_blocks{") for line in text.splitlines()) == 64 + 1
     finally:
         svc.stop()
