@@ -126,7 +126,8 @@ class SubscriberStats:
         resyncs: resyncs scheduled (a source entered ``resync_needed``: a dropped or
             unrecovered batch means the application's state of it is no longer exact).
         recoveries_refused: gaps not fetched because the most sources allowed were already
-            in recovery (ZMQ ``max_recovering``); their seqs count as unrecovered.
+            in recovery on that endpoint (ZMQ ``max_recovering``); their seqs count as
+            unrecovered.
         parked_dropped: batches dropped because their source already had the most batches
             allowed held back behind its recovery (ZMQ ``max_parked``).
     """

@@ -34,7 +34,7 @@ _END = object()  # end-of-replay marker returned by ZmqSubscriber._parse_reply
 _PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
 
 MAX_RECOVERING = 16
-"""Default of ``ZmqSubscriber(max_recovering=)``: sources whose gap is fetched at once."""
+"""Default of ``ZmqSubscriber(max_recovering=)``: sources per endpoint whose gap is fetched at once."""
 MAX_PARKED = 10_000
 """Default of ``ZmqSubscriber(max_parked=)``: batches of one source held during its recovery."""
 PROBE_MAX_S = 1.0
@@ -383,11 +383,13 @@ class ZmqSubscriber(Subscriber):
             publisher that bound after this subscriber connected and then went quiet, is
             otherwise never revealed by a later batch.
         context: ZMQ context (the process-wide one by default).
-        max_recovering: sources whose gap is being fetched at once (default
-            :data:`MAX_RECOVERING`). Gap recovery is asynchronous: the receiver thread sends
-            the replay request and keeps delivering the other sources while the answer
-            comes; a gap found while this many sources are already in recovery is not
-            fetched (its seqs count as unrecovered, ``recoveries_refused`` + 1).
+        max_recovering: sources of one endpoint whose gap is being fetched at once
+            (default :data:`MAX_RECOVERING`). Gap recovery is asynchronous: the receiver
+            thread sends the replay request and keeps delivering the other sources while
+            the answer comes; a gap found while this many sources of the same endpoint are
+            already in recovery is not fetched (its seqs count as unrecovered,
+            ``recoveries_refused`` + 1). Per endpoint, so that one publisher forging
+            sources cannot take the recovery of the others.
         max_parked: batches of one source held back while its gap is being fetched
             (default :data:`MAX_PARKED`); further ones are dropped and counted in
             ``parked_dropped`` (the hole they leave is a new gap, recovered in turn).
@@ -556,11 +558,13 @@ class ZmqSubscriber(Subscriber):
         """Deliver ``batch`` through the tracker, or, when it reveals a gap that endpoint
         ``i`` can replay, send the replay request and park the batch until the answer."""
         if self._endpoints[i][1] is not None and self._tracker.pending_gap(batch) is not None:
-            if len(self._recovering) < self._max_recovering:
+            busy = sum(rec.i == i for rec in self._recovering.values())
+            if busy < self._max_recovering:
                 self._start_recovery(i, batch, replayed)
                 return
             self._stats.recoveries_refused += 1
-            logger.warning("gap of %s not fetched: %d sources already in recovery", batch.source, len(self._recovering))
+            logger.warning("gap of %s not fetched: %d sources of %s already in recovery", batch.source, busy,
+                           self._endpoints[i][1])
         self._accept(batch, replayed, None)
 
     def _accept(self, batch: EventBatch, replayed: bool, fetched: list[EventBatch] | None) -> None:

@@ -248,26 +248,36 @@ def test_forged_sources_waiting_for_replay_do_not_delay_another_source() -> None
 def test_sources_in_recovery_and_parked_batches_are_bounded_and_counted() -> None:
     """With max_recovering=4, 6 of 10 forged gaps are not fetched (counted, their batches
     delivered at once); with max_parked=2 a source in recovery holds 2 batches and drops the
-    rest (counted). An honest source is never held."""
+    rest (counted). An honest source is never held, and an honest publisher on another
+    endpoint still gets its gap recovered (the limit is per endpoint)."""
     pub, router, pub_ep, rep_ep = silent_publisher()
-    sub = ZmqSubscriber([(pub_ep, rep_ep)], catch_up=False, idle_probe_s=0, replay_timeout_s=1.0,
-                        max_recovering=4, max_parked=2)
-    sub.start()
+    other_ep, other_rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    other = ZmqPublisher("other", other_ep, other_rep, config=PublisherConfig(max_events=1))
+    sub = ZmqSubscriber([(pub_ep, rep_ep), (other_ep, other_rep)], catch_up=False, idle_probe_s=0,
+                        replay_timeout_s=1.0, max_recovering=4, max_parked=2)
     try:
+        for i in range(3):
+            other.publish([store(5000 + i, 5000, (4999 + i) if i else None, 65536, "g1")])  # nobody listens yet
+        sub.start()
         time.sleep(0.3)
         for k in range(10):
             pub.send_multipart(forged(f"forged-{k}", 3))
         for seq in (4, 5, 6):
             pub.send_multipart(forged("forged-0", seq))
         pub.send_multipart(forged("honest", 0))
-        got = sub.get_many(7, 0.8)  # before any recovery times out
-        assert sorted(b.source for b in got) == sorted(["honest"] + [f"forged-{k}" for k in range(4, 10)])
+        time.sleep(0.05)
+        other.publish([store(5003, 5000, 5002, 65536, "g1")])  # reveals the gap 0..2 of "other"
+        got = sub.get_many(11, 0.8)  # before any forged recovery times out
+        assert sorted(b.source for b in got if b.source != "other") == sorted(
+            ["honest"] + [f"forged-{k}" for k in range(4, 10)])
+        assert [b.seq for b in got if b.source == "other"] == [0, 1, 2, 3]
         st = sub.stats()
-        assert (st.recoveries_refused, st.parked_dropped) == (6, 2)
+        assert (st.recoveries_refused, st.parked_dropped, st.replayed) == (6, 2, 3)
         later = sub.get_many(10, 3.0)
         assert [b.seq for b in later if b.source == "forged-0"] == [3, 4]
         assert sorted(b.source for b in later if b.source != "forged-0") == [f"forged-{k}" for k in (1, 2, 3)]
     finally:
         sub.close()
+        other.close()
         pub.close(linger=0)
         router.close(linger=0)
