@@ -41,6 +41,10 @@ class PublisherConfig:
             progress is dropped unanswered (counted ``refused_busy``).
         replay_stall_s: seconds; an answer whose client has read nothing for this long
             (its queue stays at ``replay_hwm``) is abandoned (counted ``stalled``).
+        replay_max_stalled: after this many abandoned answers the replay ROUTER is closed
+            and bound again (counted ``recycles``): ZMQ frees what it queued for a client
+            only when that connection closes, and a ROUTER cannot close one. Answers in
+            progress then are dropped (their clients count the rest unrecovered).
         queue_capacity: events a transport may hold in flight (queued, not yet handed
             to the network / acknowledged by JetStream).
         overflow: what a full transport queue does to the next batch: ``"drop"`` (count it
@@ -65,12 +69,13 @@ class PublisherConfig:
     replay_total_rate: float = 20.0
     replay_max_active: int = 8
     replay_stall_s: float = 5.0
+    replay_max_stalled: int = 8
     queue_capacity: int = 100_000
     overflow: str = "drop"
 
     def __post_init__(self) -> None:
         for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity", "target_batch_events",
-                     "replay_hwm", "replay_max_bytes", "replay_max_active"):
+                     "replay_hwm", "replay_max_bytes", "replay_max_active", "replay_max_stalled"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PublisherConfig.{name} must be a positive int, got {value!r}")

@@ -101,7 +101,7 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> s
 
 
 REPLAY_COUNTERS = ("requests", "served", "malformed", "refused_busy", "refused_peer_rate", "refused_total_rate",
-                   "refused_active", "truncated", "stalled", "unreachable")
+                   "refused_active", "truncated", "stalled", "unreachable", "recycles")
 """Keys of :meth:`ZmqPublisher.replay_stats` (a fixed set, whatever the clients send)."""
 
 _REPLAY_WAIT_MS = 5  # poll tick while every answer in progress waits for its client to read
@@ -203,17 +203,12 @@ class ZmqPublisher(EventPublisher):
         self._replay_thread: threading.Thread | None = None
         self.replay_requests = 0
         self._replay_counts = dict.fromkeys(REPLAY_COUNTERS, 0)
+        self._stalled_since_recycle = 0
+        self._ctx = ctx
+        self._bind_retry_s = bind_retry_s
         if replay_endpoint is not None:
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            # Bounded queue per client; answers are paced to it (sent as the client reads).
-            # MANDATORY: a full queue makes a non-blocking send fail (EAGAIN) instead of
-            # ZMQ dropping the message silently, and a gone client fails (EHOSTUNREACH).
-            router.setsockopt(zmq.SNDHWM, self.config.replay_hwm)
-            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.MAXMSGSIZE, 1024)  # requests are a few bytes; bigger ones disconnect
             try:
-                self.replay_endpoint = _bind(router, replay_endpoint, "ROUTER", bind_retry_s)
+                router, self.replay_endpoint = self._make_router(replay_endpoint)
             except TransportError:
                 self._pub.close(linger=0)
                 raise
@@ -250,8 +245,25 @@ class ZmqPublisher(EventPublisher):
         previous answer was still in progress: dropped unanswered), ``refused_peer_rate`` /
         ``refused_total_rate`` / ``refused_active`` (answered with the end marker only),
         ``truncated`` (cut at ``replay_max_bytes``), ``stalled`` (abandoned: the client did
-        not read for ``replay_stall_s``), ``unreachable`` (the client left mid-answer)."""
+        not read for ``replay_stall_s``), ``unreachable`` (the client left mid-answer),
+        ``recycles`` (the ROUTER was rebound after ``replay_max_stalled`` abandoned answers)."""
         return dict(self._replay_counts)
+
+    def _make_router(self, endpoint: str) -> tuple[zmq.Socket, str]:
+        """A bound replay ROUTER socket and the endpoint it is bound to.
+
+        Raises:
+            TransportError: the endpoint cannot be bound.
+        """
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Bounded queue per client; answers are paced to it (sent as the client reads).
+        # MANDATORY: a full queue makes a non-blocking send fail (EAGAIN) instead of
+        # ZMQ dropping the message silently, and a gone client fails (EHOSTUNREACH).
+        router.setsockopt(zmq.SNDHWM, self.config.replay_hwm)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, 1024)  # requests are a few bytes; bigger ones disconnect
+        return router, _bind(router, endpoint, "ROUTER", self._bind_retry_s)
 
     def _serve_replay(self, router: zmq.Socket) -> None:
         jobs: dict[bytes, _ReplayJob] = {}  # client identity -> its answer in progress
@@ -260,6 +272,18 @@ class ZmqPublisher(EventPublisher):
         busy = False
         try:
             while not self._stop.is_set():
+                if self._stalled_since_recycle >= self.config.replay_max_stalled:
+                    # ZMQ frees what it queued for a client only when its connection closes,
+                    # and a ROUTER cannot close one connection: start a new socket instead.
+                    logger.warning("replay server of %s: %d answers abandoned, rebinding %s to free what their "
+                                   "clients left unread (%d answers in progress dropped)", self.source,
+                                   self._stalled_since_recycle, self.replay_endpoint, len(jobs))
+                    router.close(linger=0)
+                    router = None  # type: ignore[assignment]
+                    self._replay_counts["recycles"] += 1
+                    self._stalled_since_recycle = 0
+                    jobs.clear()
+                    router, _ = self._make_router(self.replay_endpoint)  # type: ignore[arg-type]
                 timeout = _POLL_MS if not jobs else (0 if busy else _REPLAY_WAIT_MS)
                 if router.poll(timeout):
                     for _ in range(1000):
@@ -274,7 +298,8 @@ class ZmqPublisher(EventPublisher):
         except Exception:  # noqa: BLE001 - keep the publisher alive; replay is best effort
             logger.exception("replay server of %s stopped", self.source)
         finally:
-            router.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
 
     def _on_request(self, router: zmq.Socket, frames: list[bytes], jobs: dict[bytes, _ReplayJob],
                     peers: dict[bytes, _Bucket], total: _Bucket) -> None:
@@ -356,6 +381,7 @@ class ZmqPublisher(EventPublisher):
                                "for %.3g s)", self.source, job.pos, cfg.replay_stall_s)
             if done is not None:
                 count[done] += 1
+                self._stalled_since_recycle += done == "stalled"
                 del jobs[identity]
         return moved
 

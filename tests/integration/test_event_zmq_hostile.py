@@ -165,19 +165,34 @@ def test_replay_byte_cap_and_request_rates_are_enforced_and_counted() -> None:
         assert (st["requests"], st["served"], st["truncated"], st["refused_peer_rate"], st["refused_total_rate"]) == (
             4, 1, 1, 1, 1), st
         assert set(st) == {"requests", "served", "malformed", "refused_busy", "refused_peer_rate",
-                           "refused_total_rate", "refused_active", "truncated", "stalled", "unreachable"}
+                           "refused_total_rate", "refused_active", "truncated", "stalled", "unreachable",
+                           "recycles"}
     finally:
         for d in dealers:
             d.close(linger=0)
         pub.close()
 
 
+def tcp_peers_of(endpoint: str) -> list[str]:
+    """Established TCP connections whose local side is ``endpoint``'s port (Linux /proc)."""
+    port = int(endpoint.rsplit(":", 1)[1])
+    peers = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":  # 01: ESTABLISHED
+            peers.append(fields[2])
+    return peers
+
+
 def test_a_client_that_stops_reading_gets_one_answer_at_a_time_and_is_abandoned() -> None:
     """A ~32 MB answer to a client that does not read stalls once ZMQ's queue (the HWM) and
     the kernel's buffers are full; its second request meanwhile is dropped unanswered, and
-    the answer is abandoned after ``replay_stall_s``. Another client is answered meanwhile."""
+    the answer is abandoned after ``replay_stall_s``. Another client is answered meanwhile.
+    With ``replay_max_stalled=1`` the ROUTER is then rebound: the stalled connection is
+    closed (what ZMQ queued for it freed) and new requests are answered again."""
     pub_ep, rep_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    pub = ZmqPublisher("w0", pub_ep, rep_ep, config=PublisherConfig(max_events=1, replay_stall_s=1.0))
+    pub = ZmqPublisher("w0", pub_ep, rep_ep,
+                       config=PublisherConfig(max_events=1, replay_stall_s=1.0, replay_max_stalled=1))
     ctx = zmq.Context.instance()
     dealers: list[zmq.Socket] = []
     try:
@@ -190,11 +205,20 @@ def test_a_client_that_stops_reading_gets_one_answer_at_a_time_and_is_abandoned(
         other = replay_client(ctx, rep_ep, dealers)
         other.send_multipart([b"", seq_to_bytes(3999)])
         assert read_answer(other) == [seq_to_bytes(3999), END_SEQ]
+        other.close(linger=0)  # (only the stalled client stays connected)
         deadline = time.monotonic() + 5
         while pub.replay_stats()["stalled"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         st = pub.replay_stats()
         assert (st["refused_busy"], st["stalled"], st["served"]) == (1, 1, 1), st
+        deadline = time.monotonic() + 5
+        while pub.replay_stats()["recycles"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pub.replay_stats()["recycles"] == 1
+        assert not tcp_peers_of(rep_ep), "the stalled client's connection was kept"
+        late = replay_client(ctx, rep_ep, dealers)
+        late.send_multipart([b"", seq_to_bytes(3999)])
+        assert read_answer(late, 5000) == [seq_to_bytes(3999), END_SEQ]  # the rebound ROUTER answers
     finally:
         for d in dealers:
             d.close(linger=0)
