@@ -120,7 +120,8 @@ class AdvisorService:
         self.mover: Mover | None = None
         self.planner = Planner(settings.policy.planner)
         self.api: Any = None
-        self.metrics = AdvisorMetrics(self._metrics_snapshot)
+        self.metrics = AdvisorMetrics(self._metrics_snapshot, max_locations=settings.metrics_max_locations,
+                                      keep_locations=[v.id for v in settings.volumes])
         self.plans: deque[PlanResult] = deque(maxlen=1000)
         self.position = 0
         self.snapshots: SnapshotStore | None = None
@@ -638,8 +639,15 @@ class AdvisorService:
             "orphans_pending": st["orphans_pending"],
             "index_counters": st["counters"],
             "subscriber": self.subscriber_stats(),
+            "replay": self.replay_stats(),
             "events_per_s": rate,
         }
+
+    def replay_stats(self) -> dict[str, int]:
+        """The replay counters of the advisor's own ZMQ publisher (refused, cut or abandoned
+        answers: :meth:`event_plane.ZmqPublisher.replay_stats`); empty for other publishers."""
+        stats = getattr(self.publisher, "replay_stats", None)
+        return stats() if callable(stats) else {}
 
 
 def results_summary(results: list[PlanResult]) -> dict[str, int]:

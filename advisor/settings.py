@@ -117,6 +117,10 @@ class AdvisorSettings(BaseSettings):
             applied batches / seconds with new batches (``0`` disables that trigger).
         snapshot_keep: snapshots kept in the store.
         snapshot_on_stop: take a snapshot on a clean stop.
+        metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
+            metric: the configured volumes, then the locations holding the most blocks;
+            the rest are summed under ``location="_other"`` (locations come from events,
+            so a forging publisher must not create one series per name).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVADVISOR_ADVISOR_", env_nested_delimiter="__", extra="forbid")
@@ -156,6 +160,7 @@ class AdvisorSettings(BaseSettings):
     snapshot_every_s: float = Field(300.0, ge=0.0)
     snapshot_keep: int = Field(2, ge=1)
     snapshot_on_stop: bool = True
+    metrics_max_locations: int = Field(64, ge=1)
 
     @field_validator("jetstream_max_bytes", "jetstream_max_age_s", mode="before")
     @classmethod

@@ -33,6 +33,25 @@ class PublisherConfig:
             needs to gather this many events.
         rate_window_s: seconds; time constant of the event-rate estimate.
         replay_buffer: number of most recent batches a ZMQ publisher keeps for replay.
+        replay_hwm: messages ZMQ may queue towards one replay client (the ROUTER's send
+            high-water mark). A reply is paced to it: the next batches are sent as the
+            client reads, so a client that never reads holds at most this many.
+        replay_max_bytes: payload bytes one replay answer sends at most; the answer then
+            ends early with the end marker (counted ``truncated``). At least one batch is
+            always sent.
+        replay_peer_rate: replay requests per second one client (ROUTER identity) may
+            make; bursts of ``max(1, rate)``. Others get only the end marker.
+        replay_total_rate: replay requests per second from all clients together; bursts
+            of ``max(1, rate)``.
+        replay_max_active: replay answers in progress at once; a request past it gets
+            only the end marker. A second request from a client whose answer is still in
+            progress is dropped unanswered (counted ``refused_busy``).
+        replay_stall_s: seconds; an answer whose client has read nothing for this long
+            (its queue stays at ``replay_hwm``) is abandoned (counted ``stalled``).
+        replay_max_stalled: after this many abandoned answers the replay ROUTER is closed
+            and bound again (counted ``recycles``): ZMQ frees what it queued for a client
+            only when that connection closes, and a ROUTER cannot close one. Answers in
+            progress then are dropped (their clients count the rest unrecovered).
         queue_capacity: events a transport may hold in flight (queued, not yet handed
             to the network / acknowledged by JetStream).
         overflow: what a full transport queue does to the next batch: ``"drop"`` (count it
@@ -51,18 +70,27 @@ class PublisherConfig:
     target_batch_events: int = 256
     rate_window_s: float = 1.0
     replay_buffer: int = 10_000
+    replay_hwm: int = 128
+    replay_max_bytes: int = 64 << 20
+    replay_peer_rate: float = 2.0
+    replay_total_rate: float = 20.0
+    replay_max_active: int = 8
+    replay_stall_s: float = 5.0
+    replay_max_stalled: int = 8
     queue_capacity: int = 100_000
     overflow: str = "drop"
 
     def __post_init__(self) -> None:
-        for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity", "target_batch_events"):
+        for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity", "target_batch_events",
+                     "replay_hwm", "replay_max_bytes", "replay_max_active", "replay_max_stalled"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PublisherConfig.{name} must be a positive int, got {value!r}")
-        for name in ("max_delay_s", "min_delay_s", "rate_window_s"):
+        for name in ("max_delay_s", "min_delay_s", "rate_window_s", "replay_peer_rate", "replay_total_rate",
+                     "replay_stall_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"PublisherConfig.{name} must be > 0 seconds, got {value!r}")
+                raise ConfigError(f"PublisherConfig.{name} must be > 0, got {value!r}")
         if not isinstance(self.adaptive_delay, bool):
             raise ConfigError(f"PublisherConfig.adaptive_delay must be a bool, got {self.adaptive_delay!r}")
         if self.overflow not in ("drop", "block"):
@@ -162,6 +190,11 @@ class SubscriberStats:
         discarded: JetStream: messages this consumer was to read that the stream had
             already deleted (its limits) when the consumer started; counted over the whole
             stream (all namespaces), so an upper bound of this subscriber's share.
+        recoveries_refused: gaps not fetched because the most sources allowed were already
+            in recovery on that endpoint (ZMQ ``max_recovering``); their seqs count as
+            unrecovered.
+        parked_dropped: batches dropped because their source already had the most batches
+            allowed held back behind its recovery (ZMQ ``max_parked``).
     """
 
     batches: int = 0
@@ -175,6 +208,8 @@ class SubscriberStats:
     dropped: int = 0
     resyncs: int = 0
     discarded: int = 0
+    recoveries_refused: int = 0
+    parked_dropped: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

@@ -81,6 +81,22 @@ class SeqTracker:
         """``(epoch, next expected seq)`` of ``source``, or ``None`` if never seen."""
         return self._current.get(source)
 
+    def pending_gap(self, batch: EventBatch) -> tuple[int, int] | None:
+        """The missing seqs ``(first, last)`` that :meth:`accept` would try to recover
+        before delivering ``batch``, or ``None`` (no gap, a duplicate, or an implausible
+        seq). Changes nothing; a transport that fetches the range asynchronously asks
+        this first and calls :meth:`accept` once the fetch is over."""
+        cur = self._current.get(batch.source)
+        if cur is not None and cur[0] == batch.epoch:
+            expected = cur[1]
+        elif cur is not None and batch.epoch in self._retired.get(batch.source, ()):
+            return None
+        else:
+            expected = 0 if self._first_seq_gap else batch.seq
+        if batch.seq <= expected or batch.seq - expected > self._max_gap:
+            return None
+        return expected, batch.seq - 1
+
     def accept(self, batch: EventBatch, recover: Recover | None = None) -> None:
         """Deliver ``batch`` (and any recovered predecessors) or drop it as a duplicate."""
         st = self._stats

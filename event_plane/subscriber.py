@@ -37,7 +37,9 @@ class Subscriber(abc.ABC):
 
     Args:
         on_gap: ``on_gap(source, epoch, first_missing, last_missing)``, called from the
-            transport thread whenever a gap is detected (before recovery).
+            transport thread for every gap, before the batches recovered for it are
+            delivered (ZMQ fetches them asynchronously, so there it comes once the fetch
+            is over: ``docs/events.md`` §4.3).
         queue_capacity: batches held for ``get``; when full, further batches are dropped
             and counted in ``stats().dropped``, and their source needs a resync.
         on_resync: ``on_resync(source)``, called from the transport thread when ``source``

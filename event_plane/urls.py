@@ -10,7 +10,9 @@ URL                                        meaning
                                            connects to both (subscriber only:
                                            ``replay_timeout=S``, inactivity timeout of a
                                            replay in seconds, default 2; also on the
-                                           adapter URLs below)
+                                           adapter URLs below; publisher only:
+                                           ``allow_remote=1`` to bind a HOST
+                                           other machines reach, see below)
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
 ``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
                                            ``KVADVISOR_EVENTS`` (``durable``: subscriber);
@@ -23,6 +25,10 @@ URL                                        meaning
 ``sglang+zmq://HOST:PORT?replay=PORT&source=NAME``  same for SGLang (more parameters:
                                            :mod:`event_plane.adapters`)
 =========================================  =============================================
+
+A ``zmq://`` publisher binds loopback hosts only (``127.0.0.0/8``, ``localhost``, ``::1``)
+unless the URL says ``allow_remote=1``: the ZMQ sockets have no authentication, so any
+peer that reaches them reads every event and can ask for replays.
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ from event_plane.errors import ConfigError, EventURLError
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
 from event_plane.publisher import EventPublisher, FlushCallback, NullPublisher
 from event_plane.subscriber import MultiSubscriber, Subscriber
-from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber
+from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber, is_loopback_endpoint
 
 _ALLOWED = {
     "null": set(),
-    "zmq": {"replay", "topic", "replay_timeout"},
+    "zmq": {"replay", "topic", "replay_timeout", "allow_remote"},
     "nats": {"namespace"},
     "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream"},
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
@@ -87,6 +93,14 @@ def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tup
     host_part = f"[{host}]" if ":" in host else host
     pub = f"tcp://{host_part}:{port}"
     return pub, (f"tcp://{host_part}:{replay}" if replay is not None else None)
+
+
+def _allow_remote(query: dict[str, str], url: str) -> bool:
+    """The ``allow_remote`` flag: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (default off)."""
+    raw = query.get("allow_remote", "0").lower()
+    if raw not in ("1", "true", "yes", "0", "false", "no"):
+        raise EventURLError(f"allow_remote must be 1 or 0 in {url!r}, got {raw!r}")
+    return raw in ("1", "true", "yes")
 
 
 def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
@@ -190,7 +204,15 @@ def make_publisher(
         if "replay_timeout" in query:
             raise EventURLError(f"replay_timeout is a subscriber parameter (in {url!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
-        return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, **options)
+        allow_remote = _allow_remote(query, url) or bool(options.pop("allow_remote", False))
+        if not allow_remote and not (is_loopback_endpoint(pub) and (replay is None or is_loopback_endpoint(replay))):
+            raise EventURLError(
+                f"{url!r} binds host {host!r}, which other machines can reach, and ZMQ event sockets have no "
+                "authentication (any peer could read the events and ask for replays): use a loopback host "
+                "(127.0.0.1, localhost, [::1]), or add allow_remote=1 to the URL on a trusted network"
+            )
+        return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, allow_remote=allow_remote,
+                            **options)
     if scheme == "jetstream":
         limits = stream_limits_from_query(query, url, stream)
         return JetStreamPublisher(source, f"nats://{netloc}", query.get("namespace", "default"), **common,
@@ -206,6 +228,8 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     if scheme == "zmq" or scheme in _PEER_SCHEMES:
         if host in ("*", "0.0.0.0", "::"):
             raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {url!r}")
+        if "allow_remote" in query:
+            raise EventURLError(f"allow_remote is a publisher parameter (in {url!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         kw = {**kw, **_replay_timeout(query, url)}
         if scheme in _PEER_SCHEMES:

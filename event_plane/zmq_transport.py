@@ -7,12 +7,13 @@ thread, and every subscriber socket only by the subscriber's receiver thread.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from functools import partial
+from dataclasses import dataclass, field
 
 import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
@@ -31,6 +32,54 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 50
 _END = object()  # end-of-replay marker returned by ZmqSubscriber._parse_reply
 _PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
+
+MAX_RECOVERING = 16
+"""Default of ``ZmqSubscriber(max_recovering=)``: sources per endpoint whose gap is fetched at once."""
+MAX_PARKED = 10_000
+"""Default of ``ZmqSubscriber(max_parked=)``: batches of one source held during its recovery."""
+PROBE_MAX_S = 1.0
+"""An idle probe of the replay sockets (``ZmqSubscriber(idle_probe_s=)``) holds the receiver
+thread at most this long, however long the answers keep coming."""
+RECOVERY_MAX_S = 60.0
+"""A gap recovery ends after this long in all, even while the publisher keeps answering
+(its inactivity timeout is ``replay_timeout_s``): a peer that trickles an endless answer
+cannot keep a recovery slot, nor its source's batches parked, for ever."""
+
+
+@dataclass
+class _Recovery:
+    """One source's gap being fetched from endpoint ``i`` (subscriber receiver thread only)."""
+
+    i: int
+    source: str
+    epoch: int
+    first: int
+    last: int
+    dealer: zmq.Socket
+    deadline: float  # monotonic: no answer since replay_timeout_s
+    hard_deadline: float  # monotonic: RECOVERY_MAX_S after the request
+    got: list[EventBatch] = field(default_factory=list)
+    parked: deque[tuple[int, EventBatch, bool]] = field(default_factory=deque)  # (endpoint, batch, replayed)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` listens on this machine only: ``ipc://`` / ``inproc://``,
+    or ``tcp://HOST:PORT`` whose HOST is ``localhost`` or a loopback address (127.0.0.0/8,
+    ``::1``). ``*``, ``0.0.0.0``, ``::``, another address or an interface name is not."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme in ("ipc", "inproc"):
+        return True
+    if not sep or scheme != "tcp":
+        return False
+    host = rest.rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> str:
@@ -51,6 +100,42 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> s
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+REPLAY_COUNTERS = ("requests", "served", "malformed", "refused_busy", "refused_peer_rate", "refused_total_rate",
+                   "refused_active", "truncated", "stalled", "unreachable", "recycles")
+"""Keys of :meth:`ZmqPublisher.replay_stats` (a fixed set, whatever the clients send)."""
+
+_REPLAY_WAIT_MS = 5  # poll tick while every answer in progress waits for its client to read
+_REPLAY_CHUNK = 256  # messages one answer sends per round (fairness between clients)
+_REPLAY_PEERS = 4096  # clients whose request rate is remembered (least recent forgotten first)
+
+
+class _Bucket:
+    """Token bucket: ``rate`` tokens per second, at most ``max(1, rate)`` held."""
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate = rate
+        self.cap = max(1.0, rate)
+        self.tokens = self.cap
+        self.t = now
+
+    def ready(self, now: float) -> bool:
+        """Refill up to ``now``; whether a token is there (none is taken)."""
+        self.tokens = min(self.cap, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        return self.tokens >= 1.0
+
+
+@dataclass
+class _ReplayJob:
+    """One replay answer in progress (replay thread only)."""
+
+    envelope: list[bytes]
+    hits: list[tuple[int, bytes]]
+    since: float  # monotonic time of the last message the client's queue accepted
+    pos: int = 0
+    sent_bytes: int = 0
+
+
 class ZmqPublisher(EventPublisher):
     """Publishes batches on a ZMQ PUB socket and serves replays on a ROUTER socket.
 
@@ -62,11 +147,23 @@ class ZmqPublisher(EventPublisher):
         epoch, config, on_flush: see :class:`EventPublisher`.
         context: ZMQ context (the process-wide one by default).
         bind_retry_s: seconds to keep retrying a bind that fails with EADDRINUSE.
+        allow_remote: allow endpoints other machines can reach (``*``, ``0.0.0.0``, a
+            non-loopback address). The sockets have no authentication: any peer that
+            reaches them reads every event and can ask for replays. Off by default, so
+            only loopback endpoints bind (:func:`is_loopback_endpoint`).
+
+    Replay answers are bounded against clients that ask and never read (``docs/events.md``
+    §5.2): the ROUTER's send high-water mark is ``config.replay_hwm`` and answers are paced
+    to it, one answer at a time per client, at most ``config.replay_max_active`` at once
+    and ``config.replay_max_bytes`` each, requests limited per client and in all
+    (``replay_peer_rate``, ``replay_total_rate``); :meth:`replay_stats` counts what was
+    refused, cut or abandoned.
 
     Attributes:
         endpoint / replay_endpoint: the addresses actually bound (resolved wildcards).
 
     Raises:
+        ConfigError: an endpoint is not loopback and ``allow_remote`` is not set.
         TransportError: an endpoint cannot be bound.
     """
 
@@ -82,7 +179,16 @@ class ZmqPublisher(EventPublisher):
         on_flush: FlushCallback | None = None,
         context: zmq.Context | None = None,
         bind_retry_s: float = 2.0,
+        allow_remote: bool = False,
     ) -> None:
+        if not allow_remote:
+            for ep in (endpoint, replay_endpoint):
+                if ep is not None and not is_loopback_endpoint(ep):
+                    raise ConfigError(
+                        f"ZMQ publisher endpoint {ep} is reachable from other machines and the event sockets have "
+                        "no authentication (any peer could read the events and ask for replays): bind a loopback "
+                        "address (127.0.0.1, localhost, ::1), or opt in with allow_remote=True (URL: allow_remote=1)"
+                    )
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.topic: bytes = topic.encode()
         ctx = context or zmq.Context.instance()
@@ -96,12 +202,13 @@ class ZmqPublisher(EventPublisher):
         self.replay_endpoint: str | None = None
         self._replay_thread: threading.Thread | None = None
         self.replay_requests = 0
+        self._replay_counts = dict.fromkeys(REPLAY_COUNTERS, 0)
+        self._stalled_since_recycle = 0
+        self._ctx = ctx
+        self._bind_retry_s = bind_retry_s
         if replay_endpoint is not None:
-            router = ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.SNDHWM, 0)  # a reply of the whole buffer must not be cut
             try:
-                self.replay_endpoint = _bind(router, replay_endpoint, "ROUTER", bind_retry_s)
+                router, self.replay_endpoint = self._make_router(replay_endpoint)
             except TransportError:
                 self._pub.close(linger=0)
                 raise
@@ -132,36 +239,151 @@ class ZmqPublisher(EventPublisher):
         with self._buffer_lock:
             return [seq for seq, _ in self._buffer]
 
+    def replay_stats(self) -> dict[str, int]:
+        """Counters of the replay server (keys :data:`REPLAY_COUNTERS`): ``requests``
+        received, ``served`` (answers completed), ``malformed``, ``refused_busy`` (the client's
+        previous answer was still in progress: dropped unanswered), ``refused_peer_rate`` /
+        ``refused_total_rate`` / ``refused_active`` (answered with the end marker only),
+        ``truncated`` (cut at ``replay_max_bytes``), ``stalled`` (abandoned: the client did
+        not read for ``replay_stall_s``), ``unreachable`` (the client left mid-answer),
+        ``recycles`` (the ROUTER was rebound after ``replay_max_stalled`` abandoned answers)."""
+        return dict(self._replay_counts)
+
+    def _make_router(self, endpoint: str) -> tuple[zmq.Socket, str]:
+        """A bound replay ROUTER socket and the endpoint it is bound to.
+
+        Raises:
+            TransportError: the endpoint cannot be bound.
+        """
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        # Bounded queue per client; answers are paced to it (sent as the client reads).
+        # MANDATORY: a full queue makes a non-blocking send fail (EAGAIN) instead of
+        # ZMQ dropping the message silently, and a gone client fails (EHOSTUNREACH).
+        router.setsockopt(zmq.SNDHWM, self.config.replay_hwm)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, 1024)  # requests are a few bytes; bigger ones disconnect
+        return router, _bind(router, endpoint, "ROUTER", self._bind_retry_s)
+
     def _serve_replay(self, router: zmq.Socket) -> None:
+        jobs: dict[bytes, _ReplayJob] = {}  # client identity -> its answer in progress
+        peers: dict[bytes, _Bucket] = {}  # insertion order = least recently seen first
+        total = _Bucket(self.config.replay_total_rate, time.monotonic())
+        busy = False
         try:
             while not self._stop.is_set():
-                if not router.poll(_POLL_MS):
-                    continue
-                frames = router.recv_multipart()
-                self.replay_requests += 1
-                self._answer(router, frames)
+                if self._stalled_since_recycle >= self.config.replay_max_stalled:
+                    # ZMQ frees what it queued for a client only when its connection closes,
+                    # and a ROUTER cannot close one connection: start a new socket instead.
+                    logger.warning("replay server of %s: %d answers abandoned, rebinding %s to free what their "
+                                   "clients left unread (%d answers in progress dropped)", self.source,
+                                   self._stalled_since_recycle, self.replay_endpoint, len(jobs))
+                    router.close(linger=0)
+                    router = None  # type: ignore[assignment]
+                    self._replay_counts["recycles"] += 1
+                    self._stalled_since_recycle = 0
+                    jobs.clear()
+                    router, _ = self._make_router(self.replay_endpoint)  # type: ignore[arg-type]
+                timeout = _POLL_MS if not jobs else (0 if busy else _REPLAY_WAIT_MS)
+                if router.poll(timeout):
+                    for _ in range(1000):
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.replay_requests += 1
+                        self._replay_counts["requests"] += 1
+                        self._on_request(router, frames, jobs, peers, total)
+                busy = self._pump(router, jobs)
         except Exception:  # noqa: BLE001 - keep the publisher alive; replay is best effort
             logger.exception("replay server of %s stopped", self.source)
         finally:
-            router.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
 
-    def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
+    def _on_request(self, router: zmq.Socket, frames: list[bytes], jobs: dict[bytes, _ReplayJob],
+                    peers: dict[bytes, _Bucket], total: _Bucket) -> None:
         # [identity, b"", start] from a DEALER that adds the delimiter (our subscriber, vLLM's
         # documented client); [identity, start] from one that does not.
+        count = self._replay_counts
         identity, rest = frames[0], frames[1:]
         envelope = [identity]
         if rest and rest[0] == b"":
             envelope.append(b"")
             rest = rest[1:]
-        if len(rest) == 1 and len(rest[0]) == SEQ_BYTES:
-            start = seq_from_bytes(rest[0])
-            with self._buffer_lock:
-                hits = [(seq, payload) for seq, payload in self._buffer if seq >= start]
-            for seq, payload in hits:
-                router.send_multipart([*envelope, self.topic, seq_to_bytes(seq), payload], copy=False)
-        else:
+        if identity in jobs:
+            count["refused_busy"] += 1  # an answer to it is in progress: a second one would double its queue
+            return
+        if len(rest) != 1 or len(rest[0]) != SEQ_BYTES:
+            count["malformed"] += 1
             logger.warning("replay server of %s: malformed request of %d frames", self.source, len(rest))
-        router.send_multipart([*envelope, self.topic, END_SEQ, b""])
+            self._send_end(router, envelope)
+            return
+        now = time.monotonic()
+        peer = peers.pop(identity, None) or _Bucket(self.config.replay_peer_rate, now)
+        peers[identity] = peer
+        if len(peers) > _REPLAY_PEERS:
+            del peers[next(iter(peers))]
+        refused = ("refused_peer_rate" if not peer.ready(now) else "refused_total_rate" if not total.ready(now)
+                   else "refused_active" if len(jobs) >= self.config.replay_max_active else None)
+        if refused is not None:
+            count[refused] += 1
+            self._send_end(router, envelope)
+            return
+        peer.tokens -= 1.0
+        total.tokens -= 1.0
+        start = seq_from_bytes(rest[0])
+        with self._buffer_lock:
+            hits = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        jobs[identity] = _ReplayJob(envelope, hits, now)
+
+    def _send_end(self, router: zmq.Socket, envelope: list[bytes]) -> bool:
+        """Send the end marker without waiting; ``False`` if the client's queue is full or it left."""
+        try:
+            router.send_multipart([*envelope, self.topic, END_SEQ, b""], zmq.NOBLOCK)
+        except zmq.ZMQError:  # EAGAIN (queue full) or EHOSTUNREACH (gone): nothing to wait for
+            return False
+        return True
+
+    def _pump(self, router: zmq.Socket, jobs: dict[bytes, _ReplayJob]) -> bool:
+        """Send the next messages of every answer in progress, as far as each client's queue
+        takes them; end, cut or abandon answers. Returns whether any answer moved on."""
+        cfg = self.config
+        count = self._replay_counts
+        moved = False
+        now = time.monotonic()
+        for identity, job in list(jobs.items()):
+            done = None
+            for _ in range(_REPLAY_CHUNK):
+                if job.pos == len(job.hits) or (job.sent_bytes and job.sent_bytes + len(job.hits[job.pos][1])
+                                                > cfg.replay_max_bytes):
+                    if self._send_end(router, job.envelope):
+                        done = "served" if job.pos == len(job.hits) else "truncated"
+                    break
+                seq, payload = job.hits[job.pos]
+                try:
+                    router.send_multipart([*job.envelope, self.topic, seq_to_bytes(seq), payload],
+                                          zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break  # its queue is full: the client has not read yet
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise
+                    done = "unreachable"
+                    break
+                job.pos += 1
+                job.sent_bytes += len(payload)
+                job.since = now
+                moved = True
+            if done is None and now - job.since >= cfg.replay_stall_s:
+                done = "stalled"
+                logger.warning("replay server of %s: abandoned an answer after %d batches (client not reading "
+                               "for %.3g s)", self.source, job.pos, cfg.replay_stall_s)
+            if done is not None:
+                count[done] += 1
+                self._stalled_since_recycle += done == "stalled"
+                del jobs[identity]
+        return moved
 
 
 class ZmqSubscriber(Subscriber):
@@ -187,9 +409,19 @@ class ZmqSubscriber(Subscriber):
             publisher that bound after this subscriber connected and then went quiet, is
             otherwise never revealed by a later batch.
         context: ZMQ context (the process-wide one by default).
+        max_recovering: sources of one endpoint whose gap is being fetched at once
+            (default :data:`MAX_RECOVERING`). Gap recovery is asynchronous: the receiver
+            thread sends the replay request and keeps delivering the other sources while
+            the answer comes; a gap found while this many sources of the same endpoint are
+            already in recovery is not fetched (its seqs count as unrecovered,
+            ``recoveries_refused`` + 1). Per endpoint, so that one publisher forging
+            sources cannot take the recovery of the others.
+        max_parked: batches of one source held back while its gap is being fetched
+            (default :data:`MAX_PARKED`); further ones are dropped and counted in
+            ``parked_dropped`` (the hole they leave is a new gap, recovered in turn).
 
     Raises:
-        ConfigError: no endpoints.
+        ConfigError: no endpoints, or a non-positive limit.
     """
 
     def __init__(
@@ -205,11 +437,20 @@ class ZmqSubscriber(Subscriber):
         catch_up: bool = True,
         catch_up_timeout_s: float = 0.5,
         idle_probe_s: float = 1.0,
+        max_recovering: int = MAX_RECOVERING,
+        max_parked: int = MAX_PARKED,
     ) -> None:
         super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
         for name, value in (("replay_timeout_s", replay_timeout_s), ("catch_up_timeout_s", catch_up_timeout_s)):
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
+        for name, limit in (("max_recovering", max_recovering), ("max_parked", max_parked)):
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ConfigError(f"{name} must be a positive int, got {limit!r}")
+        self._max_recovering = max_recovering
+        self._max_parked = max_parked
+        self._recovering: dict[str, _Recovery] = {}  # source -> its gap being fetched
+        self._poller: zmq.Poller | None = None
         self._catch_up = catch_up
         self._catch_up_timeout_s = catch_up_timeout_s
         self._idle_probe_s = idle_probe_s
@@ -223,7 +464,6 @@ class ZmqSubscriber(Subscriber):
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._dealers: dict[int, zmq.Socket] = {}
 
     def start(self) -> None:
         if self._thread is not None:
@@ -258,6 +498,7 @@ class ZmqSubscriber(Subscriber):
             self._ready.set()
             return
         index = {sock: i for i, sock in enumerate(subs)}
+        self._poller = poller
         try:
             if self._catch_up:
                 self._catch_up_all()
@@ -266,14 +507,23 @@ class ZmqSubscriber(Subscriber):
         try:
             last_seen = time.monotonic()
             while not self._closed.is_set():
-                ready = poller.poll(_POLL_MS)
+                ready = poller.poll(self._poll_ms())
                 for sock, _ in ready:
+                    rec = self._by_dealer(sock)
+                    if rec is None and sock not in index:
+                        continue  # a recovery socket closed earlier in this round
                     for _ in range(1000):  # drain, but keep polling the others fairly
+                        if rec is not None and self._recovering.get(rec.source) is not rec:
+                            break  # finished while draining (its dealer is closed)
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(index[sock], frames)
+                        if rec is None:
+                            self._on_message(index[sock], frames)
+                        else:
+                            self._on_recovery_reply(rec, frames)
+                self._expire_recoveries()
                 now = time.monotonic()
                 if ready:
                     last_seen = now
@@ -285,9 +535,10 @@ class ZmqSubscriber(Subscriber):
         finally:
             for sock in subs:
                 sock.close(linger=0)
-            for dealer in self._dealers.values():
-                dealer.close(linger=0)
-            self._dealers.clear()
+            for rec in self._recovering.values():
+                rec.dealer.close(linger=0)
+            self._recovering.clear()
+            self._poller = None
 
     def _decode(self, seq: int, payload: bytes, *, live: bool) -> EventBatch:
         """Turn one message payload (seq from its seq frame) into a batch.
@@ -314,9 +565,107 @@ class ZmqSubscriber(Subscriber):
         except CodecError:
             self._stats.decode_errors += 1
             return
+        self._admit(i, batch)
+
+    # ------------------------------------------------------------ asynchronous gap recovery
+    def _admit(self, i: int, batch: EventBatch, replayed: bool = False) -> None:
+        """Take one decoded batch from endpoint ``i`` (``replayed``: from a catch-up answer):
+        park it behind its source's recovery in progress, or hand it on (:meth:`_feed`)."""
         self._sources_at.setdefault(i, set()).add(batch.source)
-        recover = partial(self._replay, i) if self._endpoints[i][1] is not None else None
-        self._tracker.accept(batch, recover)
+        rec = self._recovering.get(batch.source)
+        if rec is None:
+            self._feed(i, batch, replayed)
+        elif len(rec.parked) < self._max_parked:
+            rec.parked.append((i, batch, replayed))
+        else:
+            self._stats.parked_dropped += 1
+
+    def _feed(self, i: int, batch: EventBatch, replayed: bool) -> None:
+        """Deliver ``batch`` through the tracker, or, when it reveals a gap that endpoint
+        ``i`` can replay, send the replay request and park the batch until the answer."""
+        if self._endpoints[i][1] is not None and self._tracker.pending_gap(batch) is not None:
+            busy = sum(rec.i == i for rec in self._recovering.values())
+            if busy < self._max_recovering:
+                self._start_recovery(i, batch, replayed)
+                return
+            self._stats.recoveries_refused += 1
+            logger.warning("gap of %s not fetched: %d sources of %s already in recovery", batch.source, busy,
+                           self._endpoints[i][1])
+        self._accept(batch, replayed, None)
+
+    def _accept(self, batch: EventBatch, replayed: bool, fetched: list[EventBatch] | None) -> None:
+        st = self._stats
+        dup = st.duplicates
+        self._tracker.accept(batch, None if fetched is None else (lambda *_: fetched))
+        if replayed:
+            st.replayed += st.duplicates == dup  # delivered from the replay buffer
+
+    def _start_recovery(self, i: int, batch: EventBatch, replayed: bool) -> None:
+        gap = self._tracker.pending_gap(batch)
+        assert gap is not None and self._poller is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self._endpoints[i][1])  # type: ignore[arg-type]
+        dealer.send_multipart([b"", seq_to_bytes(gap[0])])
+        now = time.monotonic()
+        rec = _Recovery(i, batch.source, batch.epoch, gap[0], gap[1], dealer, now + self._replay_timeout_s,
+                        now + max(RECOVERY_MAX_S, self._replay_timeout_s))
+        rec.parked.append((i, batch, replayed))
+        self._recovering[batch.source] = rec
+        self._poller.register(dealer, zmq.POLLIN)
+
+    def _by_dealer(self, sock: zmq.Socket) -> _Recovery | None:
+        for rec in self._recovering.values():
+            if rec.dealer is sock:
+                return rec
+        return None
+
+    def _poll_ms(self) -> int:
+        """Poll timeout: the usual tick, shorter when a recovery's deadline comes first."""
+        if not self._recovering:
+            return _POLL_MS
+        due = min(min(r.deadline, r.hard_deadline) for r in self._recovering.values())
+        return max(1, min(_POLL_MS, int((due - time.monotonic()) * 1000) + 1))
+
+    def _on_recovery_reply(self, rec: _Recovery, frames: list[bytes]) -> None:
+        rec.deadline = time.monotonic() + self._replay_timeout_s  # inactivity, not a total
+        reply = self._parse_reply(frames)
+        if reply is None:
+            return
+        if reply is _END:
+            self._finish_recovery(rec)
+            return
+        seq, payload = reply  # type: ignore[misc]
+        if seq > rec.last:  # answers come oldest first: the range is complete
+            self._finish_recovery(rec)
+            return
+        if seq < rec.first:
+            return
+        try:
+            rec.got.append(self._decode(seq, payload, live=False))
+        except CodecError:
+            self._stats.decode_errors += 1
+
+    def _expire_recoveries(self) -> None:
+        now = time.monotonic()
+        for rec in [r for r in self._recovering.values() if now >= min(r.deadline, r.hard_deadline)]:
+            logger.warning("replay from %s for %s timed out after %d batches (%s)", self._endpoints[rec.i][1],
+                           rec.source, len(rec.got), "no answer for %.3g s" % self._replay_timeout_s
+                           if now >= rec.deadline else "longer than %.3g s in all" % RECOVERY_MAX_S)
+            self._finish_recovery(rec)
+
+    def _finish_recovery(self, rec: _Recovery) -> None:
+        """Close the recovery's socket, deliver what it fetched, then the parked batches in
+        arrival order (one of them may reveal a new gap and start a new recovery)."""
+        assert self._poller is not None
+        self._poller.unregister(rec.dealer)
+        rec.dealer.close(linger=0)
+        del self._recovering[rec.source]
+        _, revealing, replayed = rec.parked.popleft()
+        self._accept(revealing, replayed, rec.got)
+        for i, batch, replayed in rec.parked:
+            self._admit(i, batch, replayed)
 
     def _parse_reply(self, frames: list[bytes]) -> tuple[int, bytes] | object | None:
         """One replay answer: ``(seq, payload)``, ``_END`` for the end marker, ``None`` if malformed.
@@ -357,8 +706,12 @@ class ZmqSubscriber(Subscriber):
         Sends one replay request to every replay socket at once (from seq 0 at start-up, or
         from ``starts[i]`` for endpoint ``i``) and waits for the answers until none came for
         ``catch_up_timeout_s``; runs on the receiver thread, so the tracker sees these batches in order
-        with live ones (those already delivered are dropped as duplicates).
+        with live ones (those already delivered are dropped as duplicates). It holds that
+        thread, so it also stops after :data:`PROBE_MAX_S` in all for an idle probe
+        (:data:`RECOVERY_MAX_S` at start-up) even while answers keep coming; what came of an
+        unfinished answer is still delivered, and the next probe asks for the rest.
         """
+        hard_deadline = time.monotonic() + (RECOVERY_MAX_S if starts is None else PROBE_MAX_S)
         if starts is None:
             time.sleep(0.05)  # let the SUB subscriptions reach the publishers first
             starts = {i: 0 for i, (_, rep) in enumerate(self._endpoints) if rep is not None}
@@ -378,8 +731,11 @@ class ZmqSubscriber(Subscriber):
         deadline = time.monotonic() + self._catch_up_timeout_s
         try:
             while pending:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                remaining_ms = int((min(deadline, hard_deadline) - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
+                    for dealer, (i, got) in pending.items():
+                        for batch in sorted(got, key=lambda b: (b.source, b.epoch, b.seq)):
+                            self._admit(i, batch, replayed=True)
                     break
                 ready = poller.poll(remaining_ms)
                 if ready:  # an inactivity timeout: each answer moves the deadline forward
@@ -390,13 +746,8 @@ class ZmqSubscriber(Subscriber):
                     if reply is None:
                         continue
                     if reply is _END:
-                        recover = partial(self._replay, i)
-                        st = self._stats
                         for batch in sorted(got, key=lambda b: (b.source, b.epoch, b.seq)):
-                            self._sources_at.setdefault(i, set()).add(batch.source)
-                            dup = st.duplicates
-                            self._tracker.accept(batch, recover)
-                            st.replayed += st.duplicates == dup  # delivered from the replay buffer
+                            self._admit(i, batch, replayed=True)
                         poller.unregister(dealer)
                         dealer.close(linger=0)
                         del pending[dealer]
@@ -409,38 +760,3 @@ class ZmqSubscriber(Subscriber):
         finally:
             for dealer in pending:
                 dealer.close(linger=0)
-
-    def _replay(self, i: int, source: str, epoch: int, first: int, last: int) -> list[EventBatch]:
-        """Ask endpoint ``i``'s ROUTER for seqs ``first..last``; runs on the receiver thread."""
-        dealer = self._dealers.get(i)
-        if dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            dealer.connect(self._endpoints[i][1])  # type: ignore[arg-type]
-            self._dealers[i] = dealer
-        dealer.send_multipart([b"", seq_to_bytes(first)])
-        deadline = time.monotonic() + self._replay_timeout_s
-        out: list[EventBatch] = []
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not dealer.poll(remaining_ms):
-                # No end marker: drop the socket so a late answer cannot pollute the next one.
-                logger.warning("replay from %s timed out after %d batches (nothing for %.3g s)",
-                               self._endpoints[i][1], len(out), self._replay_timeout_s)
-                dealer.close(linger=0)
-                del self._dealers[i]
-                return out
-            deadline = time.monotonic() + self._replay_timeout_s  # inactivity, not a total
-            reply = self._parse_reply(dealer.recv_multipart())
-            if reply is None:
-                continue
-            if reply is _END:
-                return out
-            seq, payload = reply
-            if not first <= seq <= last:
-                continue
-            try:
-                out.append(self._decode(seq, payload, live=False))
-            except CodecError:
-                self._stats.decode_errors += 1

@@ -288,3 +288,35 @@ def test_forged_batches_under_the_advisors_source_never_take_a_real_moves_place(
     finally:
         forger.close()
         svc.stop()
+
+
+def test_replay_requests_refused_by_the_advisors_own_publisher_are_metrics(tmp_path) -> None:  # noqa: ANN001
+    """The advisor's own ZMQ publisher counts the replay requests it refuses; the counters
+    reach /metrics under a fixed set of kind labels, whatever the clients send."""
+    import zmq
+    from prometheus_client import generate_latest
+
+    from event_plane.frames import END_SEQ, seq_to_bytes
+    from event_plane.zmq_transport import REPLAY_COUNTERS
+
+    port, replay = free_port(), free_port()
+    svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), api_enabled=False,
+                                         publish_url=f"zmq://127.0.0.1:{port}?replay={replay}"))
+    svc.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{replay}")
+    try:
+        for frames in ([b"", b"bad"], [b"", seq_to_bytes(0)], [b"", seq_to_bytes(0)], [b"", seq_to_bytes(0)]):
+            dealer.send_multipart(frames)
+            assert dealer.poll(3000)
+            assert dealer.recv_multipart()[-2] == END_SEQ  # nothing buffered, or refused: the end marker
+        text = generate_latest(svc.metrics.registry).decode()
+        series = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("kvadvisor_publisher_replay_total{")}
+        assert set(series) == set(REPLAY_COUNTERS)
+        assert (series["requests"], series["malformed"], series["served"], series["refused_peer_rate"]) == (
+            4.0, 1.0, 2.0, 1.0)
+    finally:
+        dealer.close(linger=0)
+        svc.stop()

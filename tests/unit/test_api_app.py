@@ -166,3 +166,32 @@ def test_lookup_refuses_json_booleans_and_floats() -> None:
         with pytest.raises(ValidationError):
             LookupRequest(sequence_hashes=bad)
     assert LookupRequest(sequence_hashes=[1, "0x2", "3"]).sequence_hashes == [1, 2, 3]
+
+
+def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None:  # noqa: ANN001
+    """5,000 Stores at 5,000 forged volume names: the scrape shows the configured bound of
+    location series (the biggest locations first) plus one "_other" series holding the
+    rest, so the totals still add up."""
+    svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), api_enabled=False,
+                                         metrics_max_locations=8))
+    svc.start()
+    try:
+        svc.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1")))
+        svc.ingest(EventBatch(1, "evil", 1, 0, 100, [store(100 + i, 100 + i, None, BS, f"v{i:05d}")
+                                                    for i in range(5000)]))
+        text = TestClient(create_app(svc.query())).get("/metrics").text
+        series = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("kvadvisor_index_blocks{")}
+        assert len(series) == 9
+        assert series["w0/g1"] == 4.0 and series["_other"] == 5000 - 7
+        assert sum(series.values()) == 5004
+        assert [loc for loc in series if loc.startswith("v")] == [f"v{i:05d}" for i in range(7)]
+        # the default bound applies to any AdvisorMetrics over the same state
+        from prometheus_client import generate_latest
+
+        from advisor.metrics import AdvisorMetrics
+
+        text = generate_latest(AdvisorMetrics(svc._metrics_snapshot).registry).decode()
+        assert sum(line.startswith("kvadvisor_index_blocks{") for line in text.splitlines()) == 64 + 1
+    finally:
+        svc.stop()

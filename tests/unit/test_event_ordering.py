@@ -108,3 +108,30 @@ def test_failing_recover_and_gap_callback_do_not_stop_delivery() -> None:
     t.accept(b(0))
     t.accept(b(3), bad_recover)
     assert out == [0, 3] and stats.unrecovered == 2
+
+
+def test_pending_gap_names_the_range_accept_would_recover_and_changes_nothing() -> None:
+    """A transport that fetches gaps asynchronously asks ``pending_gap`` first: it must name
+    exactly the range ``accept`` then asks ``recover`` for, and ``None`` wherever ``accept``
+    would not recover (in order, duplicate, implausible, superseded epoch)."""
+    from event_plane.ordering import MAX_GAP
+
+    s = Sink()
+    asked: list[tuple[int, int]] = []
+
+    def recover(source: str, epoch: int, first: int, last: int) -> list[EventBatch]:
+        asked.append((first, last))
+        return []
+
+    assert s.tracker.pending_gap(b(0)) is None
+    assert s.tracker.pending_gap(b(3)) == (0, 2)
+    assert s.tracker.pending_gap(b(MAX_GAP + 1)) is None
+    assert s.out == [] and s.stats.gaps == 0  # nothing changed
+    s.tracker.accept(b(3), recover)
+    assert asked == [(0, 2)]
+    assert s.tracker.pending_gap(b(2)) is None and s.tracker.pending_gap(b(4)) is None
+    assert s.tracker.pending_gap(b(9)) == (4, 8)
+    assert s.tracker.pending_gap(b(5, epoch=2)) == (0, 4)  # a restart: a new epoch starts at 0
+    s.tracker.accept(b(0, epoch=2))
+    assert s.tracker.pending_gap(b(7, epoch=1)) is None  # epoch 1 is superseded
+    assert s.tracker.pending_gap(b(3, source="other")) == (0, 2)

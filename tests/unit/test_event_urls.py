@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from event_plane import (
+    ConfigError,
     EventURLError,
     MultiSubscriber,
     NatsSubscriber,
@@ -144,3 +145,46 @@ def test_stream_limits_refuse_bad_values(kwargs: dict) -> None:
 
     with pytest.raises(ConfigError, match=next(iter(kwargs)).split("_s")[0]):
         StreamLimits(**kwargs)
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "[::]", "10.1.2.3", "192.168.0.7", "eth0", "example.com"])
+def test_zmq_publisher_refuses_a_host_other_machines_reach_without_allow_remote(host: str) -> None:
+    """The ZMQ sockets have no authentication: a bind beyond loopback needs an explicit
+    opt-in, and the error says how and why; nothing is bound."""
+    port = free_port()
+    with pytest.raises(EventURLError, match="allow_remote=1") as err:
+        make_publisher(f"zmq://{host}:{port}?replay={free_port()}", "w0")
+    assert "authentication" in str(err.value)
+    with pytest.raises(ConfigError, match="allow_remote=True"):
+        ZmqPublisher("w0", f"tcp://{host}:{port}")
+
+
+def test_zmq_publisher_binds_loopback_by_default_and_any_host_when_allowed() -> None:
+    for host in ("127.0.0.1", "localhost", "127.0.0.2"):
+        pub = make_publisher(f"zmq://{host}:{free_port()}?replay={free_port()}", "w0")
+        pub.close()
+    with pytest.raises(EventURLError, match="allow_remote=1"):
+        make_publisher(f"zmq://0.0.0.0:{free_port()}?replay={free_port()}&allow_remote=0", "w0")
+    port = free_port()
+    pub = make_publisher(f"zmq://*:{port}?replay={free_port()}&allow_remote=1", "w0")
+    try:
+        assert pub.endpoint == f"tcp://0.0.0.0:{port}"
+    finally:
+        pub.close()
+    with pytest.raises(EventURLError, match="allow_remote must be 1 or 0"):
+        make_publisher(f"zmq://*:{free_port()}?allow_remote=maybe", "w0")
+    with pytest.raises(EventURLError, match="publisher parameter"):
+        subscribe("zmq://10.0.0.5:5557?replay=5558&allow_remote=1")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [("tcp://127.0.0.1:5557", True), ("tcp://127.9.9.9:*", True), ("tcp://localhost:1", True),
+     ("tcp://[::1]:1", True), ("ipc:///tmp/x", True), ("inproc://x", True), ("tcp://*:1", False),
+     ("tcp://0.0.0.0:1", False), ("tcp://[::]:1", False), ("tcp://10.0.0.1:1", False), ("tcp://eth0:1", False),
+     ("udp://127.0.0.1:1", False)],
+)
+def test_is_loopback_endpoint(endpoint: str, loopback: bool) -> None:
+    from event_plane.zmq_transport import is_loopback_endpoint
+
+    assert is_loopback_endpoint(endpoint) is loopback
