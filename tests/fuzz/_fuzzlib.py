@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,9 @@ if str(REPO) not in sys.path:
 
 INSTRUMENTED_PACKAGES = ("event_plane", "advisor")
 """Packages atheris instruments for coverage when a target runs as a fuzzer."""
+
+DICTIONARY = FUZZ_DIR / "msgpack.dict"
+"""libFuzzer dictionary of every target (MessagePack markers, special values, field names)."""
 
 MAX_RECORDS = 16
 """Records a record stream is cut to (more only slows each run down)."""
@@ -94,6 +98,25 @@ def has_nan(obj: object) -> bool:
     return False
 
 
+def nesting_depth(obj: object) -> int:
+    """Containers nested in ``obj`` (``obj`` itself is level 1 if it is one): maps, arrays
+    and arrays used as map keys (tuples), walked without recursion. An independent count
+    of what ``MAX_METADATA_DEPTH`` limits."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if isinstance(o, dict):
+            items = [*o.keys(), *o.values()]
+        elif isinstance(o, list | tuple):
+            items = list(o)
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((x, depth + 1) for x in items)
+    return deepest
+
+
 def stack_depth() -> int:
     """Python frames on the current thread's stack."""
     depth = 0
@@ -127,13 +150,19 @@ def scratch_dir(prefix: str) -> Path:
 def main(check: Callable[[bytes], None], name: str) -> None:
     """Run ``check`` under atheris with ``sys.argv``'s libFuzzer flags and corpus dirs.
 
-    Without a corpus directory or file among the arguments, the committed seed corpus of
+    The libFuzzer dictionary :data:`DICTIONARY` is used unless the arguments name a
+    ``-dict``. Without a corpus directory or file among the arguments, the committed seed corpus of
     ``name`` is read behind a scratch directory, which gets the new inputs (libFuzzer writes
     into its first corpus directory; the committed corpus is never written to).
     """
     import atheris
 
     argv = list(sys.argv)
+    # libFuzzer runs argv[0] through the shell for -minimize_crash, -fork and -jobs: this
+    # interpreter on this script, whatever the script's mode and shebang
+    argv[0] = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(argv[0]).resolve()))}"
+    if not any(a.startswith("-dict=") for a in argv[1:]):
+        argv.insert(1, f"-dict={DICTIONARY}")
     if not any(not a.startswith("-") for a in argv[1:]):
         argv += [str(scratch_dir(f"kvadvisor-fuzz-{name}-")), str(corpus_dir(name))]
     atheris.Setup(argv, check)

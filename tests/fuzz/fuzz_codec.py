@@ -12,9 +12,11 @@ Invariants of :func:`check`:
 * an accepted batch re-encodes to bytes that decode again, to an equal batch, whose encoding
   is the same bytes (``encode_batch_parts`` of its encoded events too), and each event
   decodes alone with ``decode_event``;
+* no accepted ``extra_metadata`` nests deeper than :data:`MAX_METADATA_DEPTH` (maps,
+  arrays and arrays used as map keys, counted by ``_fuzzlib.nesting_depth``);
 * acceptance does not depend on the stack depth the decoder runs at: an accepted batch
-  decodes again with only :data:`STACK_BUDGET` levels of recursion left, which is enough
-  for the deepest legal batch (``extra_metadata`` :data:`MAX_METADATA_DEPTH` deep).
+  decodes again with only about :data:`STACK_BUDGET` levels of recursion left, which is
+  enough for the deepest legal batch.
 
 Run: ``python tests/fuzz/fuzz_codec.py [-max_total_time=60] [corpus dirs]``.
 """
@@ -100,6 +102,9 @@ def check(data: bytes) -> None:
             raise AssertionError(f"an event of an accepted batch does not decode alone: {exc}") from exc
         assert encode_event(one) == raw, "an event decodes alone to another event"
 
+    for ev in batch.events:
+        depth = _fuzzlib.nesting_depth(ev.extra_metadata)
+        assert depth <= MAX_METADATA_DEPTH, f"accepted extra_metadata nesting {depth} levels deep"
     try:
         _fuzzlib.call_with_stack_budget(STACK_BUDGET, lambda: decode_batch(data))
     except CodecError as exc:

@@ -93,3 +93,10 @@ def test_bounded_fuzz_run(name: str, tmp_path: Path) -> None:
     crashes = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert proc.returncode == 0 and not crashes, f"fuzz_{name} failed (rc {proc.returncode}, {crashes}):\n{out[-6000:]}"
     assert f"Done {RUNS} runs" in out, out[-3000:]
+
+
+def test_nesting_depth_counts_maps_arrays_and_array_keys() -> None:
+    """The fuzz targets' own count of what ``MAX_METADATA_DEPTH`` limits."""
+    assert _fuzzlib.nesting_depth(None) == 0 and _fuzzlib.nesting_depth({"a": 1}) == 1
+    assert _fuzzlib.nesting_depth({"a": [{"b": 1}]}) == 3
+    assert _fuzzlib.nesting_depth({"a": {((1,),): 1}}) == 4  # {a: {[[1]]: 1}}
