@@ -43,6 +43,7 @@ fuzz: $(STAMP)
 	  echo "== fuzz_$$t: $(FUZZ_TIME) s"; \
 	  $(BIN)/python tests/fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_TIME) -print_final_stats=1 \
 	    -artifact_prefix=$(FUZZ_OUT)/$$t/crashes/ $(FUZZ_OUT)/$$t/corpus tests/fuzz/corpus/$$t \
+	    $$(test -d tests/fuzz/regressions/$$t && echo tests/fuzz/regressions/$$t) \
 	    || { status=1; echo "== fuzz_$$t found a crasher: $(FUZZ_OUT)/$$t/crashes/"; }; \
 	done; exit $$status
 

@@ -2,7 +2,8 @@
 
 * every committed input (seed corpus and minimised crashers, ``corpus/<target>/`` and
   ``regressions/<target>/``) passes its target's ``check``;
-* each target runs :data:`RUNS` atheris iterations from its seed corpus in a subprocess
+* each target runs :data:`RUNS` atheris iterations from its seed corpus and crashers in a
+  subprocess
   (a crash there fails the test with the fuzzer's report; long runs: ``make fuzz``).
 """
 
@@ -86,7 +87,8 @@ def test_bounded_fuzz_run(name: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(_fuzzlib.REPO)}
     proc = subprocess.run(
         [sys.executable, str(script), f"-runs={RUNS}", "-seed=1", "-max_len=4096", "-rss_limit_mb=2048",
-         f"-artifact_prefix={tmp_path}/", str(new_inputs), str(_fuzzlib.corpus_dir(name))],
+         f"-artifact_prefix={tmp_path}/", str(new_inputs), str(_fuzzlib.corpus_dir(name)),
+         *[str(d) for d in (_fuzzlib.regressions_dir(name),) if d.is_dir()]],
         cwd=_fuzzlib.REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     out = proc.stdout + proc.stderr
