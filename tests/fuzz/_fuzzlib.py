@@ -138,12 +138,22 @@ def call_with_stack_budget(budget: int, fn: Callable[[], Any]) -> Any:
     return down(target)
 
 
+SCRATCH_ENV = "KVADVISOR_FUZZ_SCRATCH"
+"""Environment variable naming the directory scratch directories are made in (the bounded
+suite points it at pytest's ``tmp_path``); unset: ``/dev/shm`` when the machine has it (so
+SQLite runs on memory), else the system's temporary directory."""
+
+
 def scratch_dir(prefix: str) -> Path:
-    """A fresh private directory for one process's scratch files (``/dev/shm`` when the
-    machine has it, so SQLite runs on memory)."""
+    """A fresh private directory for one process's scratch files (see :data:`SCRATCH_ENV`).
+    libFuzzer ends the process without Python's exit handlers, so it is left behind."""
     import tempfile
 
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    base = os.environ.get(SCRATCH_ENV)
+    if base:
+        os.makedirs(base, exist_ok=True)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 

@@ -84,7 +84,7 @@ def test_bounded_fuzz_run(name: str, tmp_path: Path) -> None:
     script = _fuzzlib.FUZZ_DIR / f"fuzz_{name}.py"
     new_inputs = tmp_path / "corpus"
     new_inputs.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(_fuzzlib.REPO)}
+    env = {**os.environ, "PYTHONPATH": str(_fuzzlib.REPO), _fuzzlib.SCRATCH_ENV: str(tmp_path / "scratch")}
     proc = subprocess.run(
         [sys.executable, str(script), f"-runs={RUNS}", "-seed=1", "-max_len=4096", "-rss_limit_mb=2048",
          f"-artifact_prefix={tmp_path}/", str(new_inputs), str(_fuzzlib.corpus_dir(name)),
@@ -95,6 +95,8 @@ def test_bounded_fuzz_run(name: str, tmp_path: Path) -> None:
     crashes = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert proc.returncode == 0 and not crashes, f"fuzz_{name} failed (rc {proc.returncode}, {crashes}):\n{out[-6000:]}"
     assert f"Done {RUNS} runs" in out, out[-3000:]
+    if name == "journal":  # its SQLite files went to the scratch directory given
+        assert list((tmp_path / "scratch").glob("kvadvisor-fuzz-journal-*/journal.sqlite*"))
 
 
 def test_nesting_depth_counts_maps_arrays_and_array_keys() -> None:
