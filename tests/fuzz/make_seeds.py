@@ -34,7 +34,7 @@ def _nested(depth: int) -> dict:
     return {"deep": inner}
 
 
-def _chain(source: str, loc: str, hashes: list[int], size: int = 4096) -> list:
+def _chain(loc: str, hashes: list[int], size: int = 4096) -> list:
     out = []
     parent = None
     for h in hashes:
@@ -47,7 +47,7 @@ def codec_seeds() -> dict[str, bytes]:
     """Single KVEvent v1 payloads, valid and not."""
     s: dict[str, bytes] = {
         "empty_batch": _batch("w0", 1, 0, []),
-        "store_chain_g1": _batch("w0", 1, 0, _chain("w0", "g1", [11, 12, 13])),
+        "store_chain_g1": _batch("w0", 1, 0, _chain("g1", [11, 12, 13])),
         "store_remove_cleared": _batch("w0", 1, 1, [store(21, 21, None, 4096, "g2"), remove(21, 21, None, 4096, "g2"),
                                                     cleared("g1")]),
         "volumes_meta": _batch("w1", 2, 5, [store(31, 31, None, 65536, "fast", {"hits": 3}),
@@ -64,7 +64,7 @@ def codec_seeds() -> dict[str, bytes]:
             "n": -(1 << 63), "u": U64})]),
         "self_parented": _batch("w4", 1, 0, [store(71, 71, 71, 8, "g1")]),
         "version_2": encode_batch(EventBatch(2, "w0", 1, 0, TS, [])),
-        "truncated": _batch("w0", 1, 0, _chain("w0", "g1", [11, 12]))[:-3],
+        "truncated": _batch("w0", 1, 0, _chain("g1", [11, 12]))[:-3],
         "trailing_byte": _batch("w0", 1, 0, []) + b"\xc0",
     }
     # hand-made: non-shortest integers, 6-field events (extra_metadata left out), a float32
@@ -124,7 +124,7 @@ def adapter_seeds() -> dict[str, bytes]:
 
 def journal_seeds() -> dict[str, bytes]:
     """Record streams of KVEvent v1 payloads for one advisor (flags: see ``fuzz_journal``)."""
-    a0 = _batch("w0", 1, 0, _chain("w0", "g1", [11, 12, 13]))
+    a0 = _batch("w0", 1, 0, _chain("g1", [11, 12, 13]))
     a1 = _batch("w0", 1, 1, [store(12, 11, 11, 4096, "fast", {"hits": 2}), remove(13, 11, 12, 4096, "g1")])
     a_restart = _batch("w0", 2, 0, [store(14, 14, None, 4096, "g1"), store(11, 11, None, 4096, "s3")])
     a_stale = _batch("w0", 1, 2, [store(15, 15, None, 4096, "fast"), remove(12, 11, 11, 4096, "g1")])

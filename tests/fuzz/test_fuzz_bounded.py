@@ -104,3 +104,14 @@ def test_nesting_depth_counts_maps_arrays_and_array_keys() -> None:
     assert _fuzzlib.nesting_depth(None) == 0 and _fuzzlib.nesting_depth({"a": 1}) == 1
     assert _fuzzlib.nesting_depth({"a": [{"b": 1}]}) == 3
     assert _fuzzlib.nesting_depth({"a": {((1,),): 1}}) == 4  # {a: {[[1]]: 1}}
+
+
+def test_seed_corpora_are_what_make_seeds_writes() -> None:
+    """The committed seeds are ``make_seeds.py``'s output (deterministic), so changing a seed
+    means changing the script that documents it."""
+    import make_seeds
+
+    for name, seeds in (("codec", make_seeds.codec_seeds()), ("adapters", make_seeds.adapter_seeds()),
+                        ("journal", make_seeds.journal_seeds())):
+        committed = {p.name: p.read_bytes() for p in _fuzzlib.corpus_dir(name).iterdir()}
+        assert committed == seeds, f"tests/fuzz/corpus/{name} differs from make_seeds.py: rerun it"
