@@ -2,14 +2,18 @@
 #   make demo   replay the bundled Mooncake trace slice through workers, event plane,
 #               advisor, volumes (two directories + a local S3 endpoint) and the REST API
 #   make test   run the whole test suite against real services
+#   make fuzz   run each coverage-guided fuzz target (tests/fuzz/) for FUZZ_TIME seconds
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+FUZZ_TIME ?= 600
+FUZZ_TARGETS ?= codec adapters journal
+FUZZ_OUT ?= .fuzz
 
-.PHONY: install demo test bench lint clean services
+.PHONY: install demo test fuzz bench lint clean services
 
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +35,20 @@ services:
 test: $(STAMP) services
 	NIXL_LOG_LEVEL=WARN $(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# New inputs go to $(FUZZ_OUT)/<target>/corpus, crashers to $(FUZZ_OUT)/<target>/crashes/
+# (docs/operations.md, "Fuzzing"); every target runs, the exit status says whether any crashed.
+fuzz: $(STAMP)
+	@status=0; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p $(FUZZ_OUT)/$$t/corpus $(FUZZ_OUT)/$$t/crashes; \
+	  echo "== fuzz_$$t: $(FUZZ_TIME) s"; \
+	  $(BIN)/python tests/fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_TIME) -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_OUT)/$$t/crashes/ $(FUZZ_OUT)/$$t/corpus tests/fuzz/corpus/$$t \
+	    $$(test -d tests/fuzz/regressions/$$t && echo tests/fuzz/regressions/$$t) \
+	    || { status=1; echo "== fuzz_$$t found a crasher: $(FUZZ_OUT)/$$t/crashes/"; }; \
+	done; exit $$status
+
 bench: $(STAMP)
 	$(BIN)/python bench/events.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info $(FUZZ_OUT)

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from event_plane.codec import CodecError, check_batch, decode_batch
+import msgspec
+
+from event_plane.codec import CodecError, check_batch, decode_batch, encode_batch
 from event_plane.schema import EventBatch
 
 _I64 = 1 << 63
@@ -41,6 +43,23 @@ def _to_i64(v: int) -> int:
 
 def _to_u64(v: int) -> int:
     return v + _U64 if v < 0 else v
+
+
+_sorted_encoder = msgspec.msgpack.Encoder(order="sorted")
+
+
+def _same_wire_value(a: EventBatch, b: EventBatch) -> bool:
+    """Whether two batches are the same wire value: equal MessagePack encodings, the order
+    of map keys aside. Python's ``==`` is no such test: a NaN never equals itself, and
+    ``True == 1 == 1.0`` while the index reads them differently (``hits`` counts ints only)."""
+    try:
+        return _sorted_encoder.encode(a) == _sorted_encoder.encode(b)
+    except Exception:  # noqa: BLE001 - non-str map keys inside extra_metadata cannot be sorted
+        pass
+    try:
+        return encode_batch(a) == encode_batch(b)
+    except Exception:  # noqa: BLE001 - a batch that does not encode is not the payload's batch
+        return False
 
 
 _SCHEMA = """
@@ -97,7 +116,9 @@ class SqliteJournal:
             payload: the batch's KVEvent v1 wire bytes.
             batch: the decoded batch, if the caller has it (saves a decode when
                 ``verify`` is false).
-            verify: decode ``payload`` and check that it is ``batch`` (default). Pass
+            verify: decode ``payload`` and check that it is ``batch`` (default: the same
+                wire value, map key order aside, so ``{"hits": True}`` is not the batch of
+                ``{"hits": 1}`` and a NaN is the batch of its own bytes). Pass
                 ``False`` only for bytes this process just encoded from ``batch``; ``batch``
                 still gets the decoder's own checks (:func:`event_plane.codec.check_batch`),
                 so nothing enters the log that a replay would refuse.
@@ -116,7 +137,7 @@ class SqliteJournal:
             except CodecError as exc:
                 self.rejected += 1
                 raise BadPayloadError(f"payload is not a KVEvent v1 batch: {exc}") from exc
-            if batch is not None and decoded != batch:
+            if batch is not None and not _same_wire_value(decoded, batch):
                 self.rejected += 1
                 raise BadPayloadError(
                     f"payload decodes to batch {decoded.source}:{decoded.epoch}:{decoded.seq}, "

@@ -6,7 +6,7 @@ count and skip a malformed batch without losing the ones around it.
 :func:`decode_batch` is the one decoder of the wire format: live subscribers, the advisor's
 journal (append and replay) and its index's payload fold all use it, so a batch accepted
 live is accepted again when the journal is replayed. ``extra_metadata`` may nest at most
-:data:`MAX_METADATA_DEPTH` containers deep; a deeper batch is refused whole, whatever stack
+:data:`MAX_METADATA_DEPTH` containers deep (arrays used as map keys included); a deeper batch is refused whole, whatever stack
 depth the decoder runs at (msgspec alone fails such input only on a deep enough stack).
 """
 
@@ -26,7 +26,8 @@ _metadata_of = attrgetter("extra_metadata")
 
 MAX_METADATA_DEPTH = 32
 """Deepest nesting of an event's ``extra_metadata``: the map itself is level 1, each map or
-array inside it one more (``{"a": [{"b": 1}]}`` is 3 levels). Deeper metadata is invalid."""
+array inside it one more, an array used as a map key too (``{"a": [{"b": 1}]}`` and
+``{"a": {[1]: 1}}`` are 3 levels). Deeper metadata is invalid."""
 
 
 class CodecError(ValueError):
@@ -37,7 +38,8 @@ def metadata_depth_error(meta: object, limit: int = MAX_METADATA_DEPTH) -> str |
     """Why ``meta`` (an ``extra_metadata`` value) nests too deep, or ``None`` if it does not.
 
     Walks the maps and arrays without recursion, so it runs at any stack depth and stops at
-    the first container past ``limit`` levels.
+    the first container past ``limit`` levels. An array used as a map key (decoded as a
+    tuple) nests like any array: it counts too.
     """
     if not isinstance(meta, dict | list | tuple):
         return None
@@ -46,7 +48,13 @@ def metadata_depth_error(meta: object, limit: int = MAX_METADATA_DEPTH) -> str |
         obj, depth = stack.pop()
         if depth > limit:
             return f"extra_metadata nests more than {limit} levels deep"
-        children = obj.values() if isinstance(obj, dict) else obj
+        if isinstance(obj, dict):
+            for key in obj:
+                if key.__class__ is tuple:
+                    stack.append((key, depth + 1))
+            children = obj.values()
+        else:
+            children = obj
         for child in children:  # type: ignore[attr-defined]
             if isinstance(child, dict | list | tuple):
                 stack.append((child, depth + 1))

@@ -99,7 +99,8 @@ class PeerConfig:
         media: extra / overriding medium → location entries (upper-case medium names).
         cleared_locations: locations an ``AllBlocksCleared`` empties.
         keep_peer_fields: copy ``medium``, ``lora_name``, ``group_idx`` and the batch's DP
-            rank into ``extra_metadata`` (costs bytes; off by default).
+            rank into ``extra_metadata`` (costs bytes; off by default); an event whose
+            ``lora_name`` is not a str or ``group_idx`` not an int is then malformed.
         prefix_memory: hashes whose (parent, prefix, size) the adapter remembers, LRU.
         digest_rule: see :func:`hash_to_u64`.
         epoch: KVEvent epoch of the first peer process seen (random when ``None``).
@@ -319,6 +320,13 @@ class PeerConverter:
     def _meta(self, f: Mapping[str, Any], dp_rank: int | None) -> dict[str, Any] | None:
         if not self.config.keep_peer_fields:
             return None
+        # only values of the peers' documented types are copied: anything else (e.g. a list
+        # nested past MAX_METADATA_DEPTH) could make a batch receivers refuse whole
+        lora, group = f.get("lora_name"), f.get("group_idx")
+        if lora is not None and not isinstance(lora, str):
+            raise PeerFormatError(f"lora_name must be a str, got {type(lora).__name__}")
+        if group is not None and type(group) is not int:  # noqa: E721 - bool is not an index
+            raise PeerFormatError(f"group_idx must be an int, got {type(group).__name__}")
         meta = {k: f[k] for k in ("medium", "lora_name", "group_idx") if f.get(k) is not None}
         if dp_rank is not None:
             meta["dp_rank"] = dp_rank

@@ -104,3 +104,43 @@ def test_folding_the_journal_twice_rebuilds_the_same_index(tmp_path) -> None:  #
         b2.apply_batch(bb)
     assert a.dump() == b2.dump() == live.dump()
     assert a.lookup([1, 2, 3]) == {"slow": 2}
+
+
+def test_verify_compares_wire_values_not_python_equality(tmp_path) -> None:  # noqa: ANN001
+    """``append(payload, batch)`` checks that ``payload`` is ``batch``'s wire form. Python's
+    ``==`` is the wrong test both ways: a NaN in ``extra_metadata`` never equals itself (the
+    batch decoded from the very payload was refused), while ``True == 1 == 1.0`` let a batch
+    with ``{"hits": True}`` be journaled as the bytes of ``{"hits": 1}``: live the index
+    counts no hit (it reads int hits only), the replay one."""
+    import math
+
+    from event_plane.codec import decode_batch
+
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    nan = batch(0, store(1, 1, None, 64, "fast", {"score": float("nan")}))
+    payload = encode_batch(nan)
+    assert j.append(payload, decode_batch(payload)) == 1
+    assert math.isnan(next(iter(j.read()))[1].events[0].extra_metadata["score"])
+
+    as_int = batch(1, store(2, 2, None, 64, "fast", {"hits": 1}))
+    for other in ({"hits": True}, {"hits": 1.0}):
+        looks_equal = batch(1, store(2, 2, None, 64, "fast", other))
+        assert looks_equal == as_int  # what the old check compared
+        with pytest.raises(BadPayloadError, match="not the batch"):
+            j.append(encode_batch(as_int), looks_equal)
+    # the order of a map's keys is not part of the value
+    ab = batch(2, store(3, 3, None, 64, "fast", {"a": 1, "b": [1, 2]}))
+    ba = batch(2, store(3, 3, None, 64, "fast", {"b": (1, 2), "a": 1}))
+    assert j.append(encode_batch(ab), ba) == 2
+    assert j.rejected == 2 and len(j) == 2
+
+
+def test_verify_refuses_a_batch_that_does_not_encode(tmp_path) -> None:  # noqa: ANN001
+    """A hand-built batch no encoder can write is not the batch of any payload: refused as a
+    bad payload, not an encoder error escaping ``append``."""
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    good = batch(0, store(1, 1, None, 64, "fast", {"k": {1: 2}}))  # non-str key inside: not sortable
+    assert j.append(encode_batch(good), good) == 1
+    for odd in ({"k": object()}, {"k": 1 << 70}):
+        with pytest.raises(BadPayloadError, match="not the batch"):
+            j.append(encode_batch(good), batch(0, store(1, 1, None, 64, "fast", odd)))

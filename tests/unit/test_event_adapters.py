@@ -222,3 +222,28 @@ def test_store_without_parent_of_a_known_block_keeps_its_recorded_parent_and_pre
     assert rows(roots) == [(S, 1, 1, None, 4, "g2"), (S, 9, 1, 1, 4, "g2")]
     fresh = conv.convert(4, peer_batch([["BlockStored", [50], None, [], 4, None, "CPU"]]))
     assert rows(fresh) == [(S, 50, 50, None, 4, "g2")]
+
+
+def test_keep_peer_fields_copies_only_fields_of_their_documented_types() -> None:
+    """With ``keep_peer_fields`` a peer's ``lora_name`` (str) and ``group_idx`` (int) go into
+    ``extra_metadata``; a value of another type made a batch receivers refuse (e.g. a list
+    nested past ``MAX_METADATA_DEPTH``: the whole converted batch failed ``decode_batch``).
+    Such an event is malformed: skipped alone and counted."""
+    from event_plane.codec import decode_batch, encode_batch
+
+    conv = vllm_converter(vllm_config("v", keep_peer_fields=True, epoch=1))
+    deep: object = "L"
+    for _ in range(40):
+        deep = [deep]
+    fields = {"block_hashes": [1], "parent_block_hash": None, "token_ids": [], "block_size": 1, "medium": "CPU"}
+    bad = [peer_event("BlockStored", {**fields, "lora_name": deep}),
+           peer_event("BlockStored", {**fields, "group_idx": [1]}),
+           peer_event("BlockStored", {**fields, "group_idx": True})]
+    good = peer_event("BlockStored", {**fields, "block_hashes": [2], "lora_name": "L", "group_idx": 0})
+    batch = conv.convert(0, enc([1.0, [*bad, good]]))
+    assert decode_batch(encode_batch(batch)) == batch
+    assert [e.sequence_hash for e in batch.events] == [2] and conv.stats.invalid_events == 3
+    assert batch.events[0].extra_metadata == {"medium": "CPU", "lora_name": "L", "group_idx": 0}
+    # without keep_peer_fields those fields are not read at all
+    plain = vllm_converter(vllm_config("v", epoch=1)).convert(0, enc([1.0, [*bad, good]]))
+    assert [e.sequence_hash for e in plain.events] == [1, 1, 1, 2]

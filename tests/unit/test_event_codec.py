@@ -236,3 +236,25 @@ def test_encode_checked_rejects_metadata_receivers_would_refuse() -> None:
     with pytest.raises(InvalidEventError, match="nests more than 32 levels"):
         encode_checked(store(1, 1, None, 1, "g1", meta))
     encode_checked(store(1, 1, None, 1, "g1", meta["a"]))  # 32 levels: accepted
+
+
+def test_metadata_depth_counts_arrays_used_as_map_keys() -> None:
+    """A MessagePack array used as a map key inside ``extra_metadata`` decodes as a tuple
+    key; it nests like any array. Uncounted, such keys carried any nesting past the limit,
+    and whether the batch decoded depended again on the decoder's stack depth (a batch a
+    live subscriber accepted could fail a replay on a deep stack)."""
+    from event_plane.codec import MAX_METADATA_DEPTH, metadata_depth_error
+
+    def with_key(levels: int) -> bytes:
+        # {"k": {[[...1...]]: 1}}: the maps are levels 1 and 2, the key's arrays 3 and up
+        head = encode_event(store(2, 1, 1, 4096, "fast"))[:-1]
+        meta = b"\x81\xa1k\x81" + b"\x91" * levels + b"\x01" + b"\x01"
+        return encode_batch_parts("w0", 7, 0, 0, [head + meta])
+
+    key = decode_batch(with_key(MAX_METADATA_DEPTH - 2)).events[0].extra_metadata
+    assert isinstance(next(iter(key["k"])), tuple)  # exactly the limit: accepted
+    for levels in (MAX_METADATA_DEPTH - 1, 300):
+        with pytest.raises(CodecError, match="nests more than 32 levels"):
+            decode_batch(with_key(levels))
+    assert metadata_depth_error({"k": {((1,),): 1}}, limit=4) is None
+    assert metadata_depth_error({"k": {(((1,),),): 1}}, limit=4) is not None
