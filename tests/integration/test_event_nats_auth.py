@@ -69,7 +69,8 @@ def password() -> str:
 
 @pytest.fixture()
 def user_server(tmp_path: Path, password: str) -> Iterator[int]:
-    yield from _start(tmp_path, f'authorization {{ user: {USER}, password: "{password}" }}\n')
+    body = f'authorization {{ user: {USER}, password: "{password}" }}\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
+    yield from _start(tmp_path, body)
 
 
 def test_redact_url_masks_passwords_tokens_and_unknown_params() -> None:
@@ -160,6 +161,12 @@ def test_user_password_server(user_server: int, password: str, tmp_path: Path,
     # credentials from the advisor settings
     settings = AdvisorSettings(nats_user=USER, nats_password=password)
     _batch_goes_through(f"nats://{base}?namespace={ns}", f"nats://{base}?namespace={ns}", nats_auth=settings.nats_auth())
+    # JetStream URLs take the same credentials (URL for the publisher, settings for the subscriber)
+    durable = "d" + secrets.token_hex(3)
+    _batch_goes_through(f"jetstream://{USER}:{password}@{base}?namespace={ns}",
+                        f"jetstream://{base}?namespace={ns}&durable={durable}", nats_auth=settings.nats_auth())
+    with pytest.raises(TransportError, match="(?i)authorization"):
+        subscribe(f"jetstream://{base}?namespace={ns}&durable={durable}", connect_timeout_s=2).start()
     # an advisor whose settings carry the credentials ingests from the protected server
     svc = AdvisorService(AdvisorSettings(
         journal_path=str(tmp_path / "journal.sqlite"), subscribe_urls=[f"nats://{base}?namespace={ns}"],
@@ -235,10 +242,14 @@ def test_mutual_tls(tmp_path: Path) -> None:
                                    nats_tls_key_file=f"{pki}/client.key", nats_tls_hostname="localhost")
         _batch_goes_through(f"nats://127.0.0.1:{port}?namespace={ns}", f"nats://127.0.0.1:{port}?namespace={ns}",
                             nats_auth=settings.nats_auth())
+        # the host name is checked: a name the server's certificate does not carry is refused
+        with pytest.raises(TransportError, match="Hostname mismatch"):
+            make_publisher(f"tls://127.0.0.1:{port}?namespace={ns}&{files}&tls_hostname=other.example", "w0",
+                           connect_timeout_s=2)
         # the server verifies clients: without a client certificate the connection is refused
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError, match="(?i)SSL.*certificate"):
             make_publisher(f"tls://127.0.0.1:{port}?namespace={ns}&tls_ca={pki}/ca.pem", "w0", connect_timeout_s=2)
         # a client that does not trust the server's CA refuses the server
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError, match="CERTIFICATE_VERIFY_FAILED"):
             make_publisher(f"tls://127.0.0.1:{port}?namespace={ns}&tls_cert={pki}/client.pem&tls_key={pki}/client.key",
                            "w0", connect_timeout_s=2)
