@@ -24,6 +24,7 @@ from nats.js import api as js_api
 
 from event_plane.config import StreamLimits
 from event_plane.errors import ConfigError, StreamMismatchError
+from event_plane.nats_auth import redact_url
 from event_plane.nats_transport import STREAM_NAME, SUBJECT_PREFIX, connect_nats, ensure_stream, fetch_forever, subject_for
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class JetStreamLog:
         inactive_threshold_s: the server removes the consumer after this long unread.
         stream: the stream's limits, used when this log creates the stream and checked
             against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
+        **connect_options: ``nats.connect`` keywords (credentials, TLS: see
+            ``event_plane.urls.nats_connection``).
 
     When the stream already deleted entries from ``start_seq`` on (its limits), the log
     starts at the stream's first sequence: :attr:`discarded` says how many entries were
@@ -66,6 +69,7 @@ class JetStreamLog:
         connect_timeout_s: float = 5.0,
         inactive_threshold_s: float = 60.0,
         stream: StreamLimits | None = None,
+        **connect_options: Any,
     ) -> None:
         subject_for(namespace, "x")  # validates the namespace token
         if stream is not None and not isinstance(stream, StreamLimits):
@@ -79,6 +83,7 @@ class JetStreamLog:
         self.start_seq = start_seq
         self._batch_size = batch_size
         self._connect_timeout_s = connect_timeout_s
+        self._connect_options = connect_options
         self._inactive_s = inactive_threshold_s
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
         self._closed = threading.Event()
@@ -110,10 +115,10 @@ class JetStreamLog:
             self._abandon()
             if isinstance(exc, StreamMismatchError):
                 raise
-            raise JetStreamLogError(f"cannot read stream {STREAM_NAME} at {self.url}: {exc}") from exc
+            raise JetStreamLogError(f"cannot read stream {STREAM_NAME} at {redact_url(self.url)}: {exc}") from exc
 
     async def _open(self) -> None:
-        self._nc = await connect_nats(self.url, self._connect_timeout_s, {})
+        self._nc = await connect_nats(self.url, self._connect_timeout_s, self._connect_options)
         self._js = self._nc.jetstream()
         await ensure_stream(self._js, self.stream_limits, who="advisor JetStream log")
         config = js_api.ConsumerConfig(

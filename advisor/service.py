@@ -180,7 +180,8 @@ class AdvisorService:
             self._open_storage()
         from event_plane import make_publisher
 
-        self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch, stream=s.stream_limits())
+        self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch, stream=s.stream_limits(),
+                                        nats_auth=s.nats_auth())
         if self.agent is not None:
             from storage_backends.types import BlockKey
 
@@ -194,7 +195,7 @@ class AdvisorService:
         if s.subscribe_urls:
             from event_plane import subscribe
 
-            self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits())
+            self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits(), nats_auth=s.nats_auth())
             self.subscriber.start()
             self._spawn("kvadvisor-ingest", self._ingest_loop)
         if self.mover is not None and s.policy_interval_s > 0:
@@ -286,9 +287,12 @@ class AdvisorService:
         from advisor.jslog import JetStreamLog
 
         s = self.settings
+        from event_plane.urls import nats_connection
+
         assert s.jetstream_url is not None
-        self.stream_log = JetStreamLog(s.jetstream_url, s.jetstream_namespace, start_seq=self.position + 1,
-                                       stream=s.stream_limits())
+        server, connect_options = nats_connection(s.jetstream_url, s.nats_auth())
+        self.stream_log = JetStreamLog(server, s.jetstream_namespace, start_seq=self.position + 1,
+                                       stream=s.stream_limits(), **connect_options)
         self.stream_log.start()
         self.counters["log_discarded"] = self.stream_log.discarded
         target = self.stream_log.last_sequence()

@@ -117,6 +117,15 @@ class AdvisorSettings(BaseSettings):
             applied batches / seconds with new batches (``0`` disables that trigger).
         snapshot_keep: snapshots kept in the store.
         snapshot_on_stop: take a snapshot on a clean stop.
+        nats_user / nats_password / nats_token / nats_token_file / nats_creds_file /
+            nats_nkey_seed_file: NATS authentication (one way at most) for every
+            ``nats://``, ``tls://`` and ``jetstream://`` URL of the advisor
+            (``subscribe_urls``, ``publish_url``, ``jetstream_url``) that sets none itself;
+            a URL's own authentication wins as a whole. Password and token are
+            ``SecretStr`` (never shown); prefer the file fields.
+        nats_tls / nats_tls_ca_file / nats_tls_cert_file / nats_tls_key_file /
+            nats_tls_hostname: TLS for those URLs (any file turns it on; cert + key =
+            mutual TLS); a URL's own ``tls_*`` values win field by field.
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -161,6 +170,17 @@ class AdvisorSettings(BaseSettings):
     snapshot_keep: int = Field(2, ge=1)
     snapshot_on_stop: bool = True
     metrics_max_locations: int = Field(64, ge=1)
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_token: SecretStr | None = None
+    nats_token_file: str | None = None
+    nats_creds_file: str | None = None
+    nats_nkey_seed_file: str | None = None
+    nats_tls: bool = False
+    nats_tls_ca_file: str | None = None
+    nats_tls_cert_file: str | None = None
+    nats_tls_key_file: str | None = None
+    nats_tls_hostname: str | None = None
 
     @field_validator("jetstream_max_bytes", "jetstream_max_age_s", mode="before")
     @classmethod
@@ -192,6 +212,7 @@ class AdvisorSettings(BaseSettings):
             if self.volumes and not self.publish_url.startswith("jetstream://"):
                 raise ValueError("log=jetstream with volumes needs publish_url=jetstream://... so that the "
                                  "advisor's moves enter the log")
+        self.nats_auth()  # raises on contradicting NATS credentials / TLS fields
         if self.volumes and self.catalog_path is None:
             raise ValueError("volumes are configured but catalog_path is not set")
         return self
@@ -214,6 +235,30 @@ class AdvisorSettings(BaseSettings):
             max_age_s=self.jetstream_max_age_s,
             discard=self.jetstream_discard,
             strict=self.jetstream_strict_stream,
+        )
+
+    def nats_auth(self) -> Any:
+        """The ``nats_*`` fields as an :class:`event_plane.nats_auth.NatsAuth` (the
+        defaults under every NATS URL's own credentials / TLS).
+
+        Raises:
+            ValueError: a password without a user, several ways of authentication, or a
+                TLS certificate without its key (or the reverse).
+        """
+        from event_plane.nats_auth import NatsAuth
+
+        return NatsAuth(
+            user=self.nats_user,
+            password=self.nats_password.get_secret_value() if self.nats_password is not None else None,
+            token=self.nats_token.get_secret_value() if self.nats_token is not None else None,
+            token_file=self.nats_token_file,
+            creds_file=self.nats_creds_file,
+            nkey_seed_file=self.nats_nkey_seed_file,
+            tls=self.nats_tls,
+            tls_ca_file=self.nats_tls_ca_file,
+            tls_cert_file=self.nats_tls_cert_file,
+            tls_key_file=self.nats_tls_key_file,
+            tls_hostname=self.nats_tls_hostname,
         )
 
     @property

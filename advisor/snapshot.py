@@ -29,6 +29,7 @@ import xxhash
 
 from advisor.frequency import FrequencySketch
 from advisor.index import IndexStateError, PrefixIndex
+from event_plane.nats_auth import redact_url
 
 
 class SnapshotError(RuntimeError):
@@ -235,7 +236,7 @@ class RedisSnapshotStore:
             self._r: Any = redis.Redis.from_url(url)
             self._r.ping()
         except redis.RedisError as exc:
-            raise SnapshotError(f"cannot reach Redis at {url}: {exc}") from exc
+            raise SnapshotError(f"cannot reach Redis at {redact_url(url)}: {exc}") from exc
         self._err = redis.RedisError
 
     def _key(self, position: int) -> str:

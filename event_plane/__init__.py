@@ -15,6 +15,7 @@ from event_plane.errors import (
     StreamMismatchError,
     TransportError,
 )
+from event_plane.nats_auth import NatsAuth, redact_url
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
 from event_plane.publisher import EventPublisher, NullPublisher
 from event_plane.schema import WIRE_VERSION, EventBatch, EventType, KVEvent, cleared, remove, store
@@ -38,6 +39,7 @@ __all__ = [
     "JetStreamSubscriber",
     "KVEvent",
     "MultiSubscriber",
+    "NatsAuth",
     "NatsPublisher",
     "NatsSubscriber",
     "NullPublisher",
@@ -59,6 +61,7 @@ __all__ = [
     "encode_batch",
     "iter_events",
     "make_publisher",
+    "redact_url",
     "remove",
     "store",
     "subscribe",

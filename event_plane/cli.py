@@ -28,6 +28,7 @@ import typer
 
 from event_plane.codec import encode_batch
 from event_plane.errors import EventPlaneError
+from event_plane.nats_auth import redact_url
 from event_plane.schema import EventBatch, EventType, KVEvent
 from event_plane.urls import subscribe
 
@@ -80,7 +81,7 @@ class _GapMarkers:
 
 
 def _nothing_answered(command: str, url: str, seconds: float) -> str:
-    return (f"kvadvisor events {command}: nothing answered at {url} in {seconds:.3g} s "
+    return (f"kvadvisor events {command}: nothing answered at {redact_url(url)} in {seconds:.3g} s "
             "(no batch, no replay answer; is a publisher running there?)")
 
 

@@ -4,7 +4,9 @@ Subject of a batch: ``kvadvisor.events.<namespace>.<source>``; header
 ``Nats-Msg-Id: <source>:<epoch>:<seq>`` (JetStream de-duplicates on it). nats-py is
 asyncio: each publisher / subscriber runs a private event loop in a daemon thread and the
 thread-safe methods hand work to it. Extra keyword arguments (``user``, ``password``,
-``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``.
+``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``
+(:class:`~event_plane.nats_auth.NatsAuth` builds them); URLs in messages are redacted
+(:func:`~event_plane.nats_auth.redact_url`).
 
 The JetStream stream is bounded (:class:`~event_plane.config.StreamLimits`: 1 GiB and 24 h
 by default, the oldest batches deleted first); whoever starts first creates it with its
@@ -29,6 +31,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig, StreamLimits
 from event_plane.errors import ConfigError, StreamMismatchError, TransportError
+from event_plane.nats_auth import redact_url
 from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
@@ -133,13 +136,18 @@ async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, An
     """``nats.connect`` with bounded first connect, endless reconnects and one-line error logs.
 
     Raises:
-        asyncio.TimeoutError / OSError / nats errors: the first connect failed.
+        asyncio.TimeoutError / OSError / nats errors: the first connect failed (when it
+            timed out after the server answered with an error, that error).
     """
     up = False
+    errors: list[Exception] = []  # before the first connection: the last is raised on a timeout
 
     async def one_line_errors(exc: Exception) -> None:  # nats-py's default logs a traceback
         # Before the first connection the caller gets one TransportError; after it, say it.
-        logger.log(logging.WARNING if up else logging.DEBUG, "NATS %s: %s", url, describe(exc))
+        if not up:  # keep the server's own answer (e.g. an authorization error) over a reset after it
+            if not isinstance(exc, OSError) or not errors or isinstance(errors[-1], OSError):
+                errors[:] = [exc]
+        logger.log(logging.WARNING if up else logging.DEBUG, "NATS %s: %s", redact_url(url), describe(exc))
 
     opts: dict[str, Any] = {
         "connect_timeout": connect_timeout_s,
@@ -150,7 +158,12 @@ async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, An
     opts.update(options)
     # nats-py retries the initial connect forever with max_reconnect_attempts=-1 unless told
     # otherwise; bound it so a wrong URL fails fast.
-    nc = await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+    try:
+        nc = await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+    except asyncio.TimeoutError:
+        if errors:  # e.g. "Authorization Violation" or a TLS failure, retried until the timeout
+            raise errors[-1] from None
+        raise
     up = True
     return nc
 
@@ -337,7 +350,7 @@ class NatsPublisher(EventPublisher):
             raise
         except Exception as exc:
             _abandon(self._io, getattr(self, "_nc", None))
-            raise TransportError(f"cannot set up the NATS publisher at {url}: {describe(exc)}") from exc
+            raise TransportError(f"cannot set up the NATS publisher at {redact_url(url)}: {describe(exc)}") from exc
         self._aq: asyncio.Queue[tuple[bytes, dict[str, str], int] | None] = self._io.run(self._make_queue())
         self._sender = asyncio.run_coroutine_threadsafe(self._send_loop(), self._io.loop)
 
@@ -514,7 +527,7 @@ class NatsSubscriber(Subscriber):
             self._answered.set()  # the server answered
         except Exception as exc:
             _abandon(self._io, self._nc)
-            raise TransportError(f"cannot subscribe at {self.url}: {describe(exc)}") from exc
+            raise TransportError(f"cannot subscribe at {redact_url(self.url)}: {describe(exc)}") from exc
 
     async def _subscribe(self) -> None:
         await self._nc.subscribe(self.subject, cb=self._on_msg)

@@ -13,7 +13,11 @@ URL                                        meaning
                                            adapter URLs below; publisher only:
                                            ``allow_remote=1`` to bind a HOST
                                            other machines reach, see below)
-``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS
+``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS (``tls://``: over TLS); NATS
+                                           URLs also take ``token_file``, ``creds``,
+                                           ``nkey_seed``, ``tls=1``, ``tls_ca``,
+                                           ``tls_cert``, ``tls_key``, ``tls_hostname``
+                                           (:mod:`event_plane.nats_auth`)
 ``jetstream://[user:pass@]HOST:PORT?namespace=NS&durable=D``  NATS JetStream stream
                                            ``KVADVISOR_EVENTS`` (``durable``: subscriber);
                                            publisher and subscriber: ``max_bytes=N``
@@ -29,6 +33,10 @@ URL                                        meaning
 A ``zmq://`` publisher binds loopback hosts only (``127.0.0.0/8``, ``localhost``, ``::1``)
 unless the URL says ``allow_remote=1``: the ZMQ sockets have no authentication, so any
 peer that reaches them reads every event and can ask for replays.
+
+NATS credentials go to ``nats.connect`` as options (the server address passed on carries
+none); prefer the file parameters to a password or token in the URL. Every URL in an
+error message is shown through :func:`~event_plane.nats_auth.redact_url`.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from dataclasses import replace
 
 from event_plane.config import PublisherConfig, StreamLimits
 from event_plane.errors import ConfigError, EventURLError
+from event_plane.nats_auth import NATS_PARAMS, NatsAuth, auth_from_url, redact_url, server_url
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
 from event_plane.publisher import EventPublisher, FlushCallback, NullPublisher
 from event_plane.subscriber import MultiSubscriber, Subscriber
@@ -49,8 +58,9 @@ from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber, is_loopback_e
 _ALLOWED = {
     "null": set(),
     "zmq": {"replay", "topic", "replay_timeout", "allow_remote"},
-    "nats": {"namespace"},
-    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream"},
+    "nats": {"namespace"} | NATS_PARAMS,
+    "tls": {"namespace"} | NATS_PARAMS,
+    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream"} | NATS_PARAMS,
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
                  "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
@@ -66,30 +76,30 @@ def _parse(url: str) -> tuple[str, str, int | None, dict[str, str], str]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _ALLOWED:
-        raise EventURLError(f"unsupported event URL scheme {parts.scheme!r} in {url!r} (use {sorted(_ALLOWED)})")
+        raise EventURLError(f"unsupported event URL scheme {parts.scheme!r} in {redact_url(url)!r} (use {sorted(_ALLOWED)})")
     query: dict[str, str] = {}
     for key, values in parse_qs(parts.query, keep_blank_values=True, strict_parsing=False).items():
         if key not in _ALLOWED[scheme]:
-            raise EventURLError(f"unknown parameter {key!r} in {url!r} (allowed: {sorted(_ALLOWED[scheme])})")
+            raise EventURLError(f"unknown parameter {key!r} in {redact_url(url)!r} (allowed: {sorted(_ALLOWED[scheme])})")
         if len(values) != 1:
-            raise EventURLError(f"parameter {key!r} given {len(values)} times in {url!r}")
+            raise EventURLError(f"parameter {key!r} given {len(values)} times in {redact_url(url)!r}")
         query[key] = values[0]
     if scheme == "null":
         return scheme, "", None, query, ""
     try:
         port = parts.port
     except ValueError as exc:
-        raise EventURLError(f"bad port in {url!r}: {exc}") from exc
+        raise EventURLError(f"bad port in {redact_url(url)!r}: {exc}") from exc
     host = parts.hostname or ""
     if not host or port is None:
-        raise EventURLError(f"{url!r} needs HOST:PORT")
+        raise EventURLError(f"{redact_url(url)!r} needs HOST:PORT")
     return scheme, host, port, query, parts.netloc
 
 
 def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tuple[str, str | None]:
     replay = query.get("replay")
     if replay is not None and not replay.isdigit():
-        raise EventURLError(f"replay must be a port number in {url!r}")
+        raise EventURLError(f"replay must be a port number in {redact_url(url)!r}")
     host_part = f"[{host}]" if ":" in host else host
     pub = f"tcp://{host_part}:{port}"
     return pub, (f"tcp://{host_part}:{replay}" if replay is not None else None)
@@ -99,7 +109,7 @@ def _allow_remote(query: dict[str, str], url: str) -> bool:
     """The ``allow_remote`` flag: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (default off)."""
     raw = query.get("allow_remote", "0").lower()
     if raw not in ("1", "true", "yes", "0", "false", "no"):
-        raise EventURLError(f"allow_remote must be 1 or 0 in {url!r}, got {raw!r}")
+        raise EventURLError(f"allow_remote must be 1 or 0 in {redact_url(url)!r}, got {raw!r}")
     return raw in ("1", "true", "yes")
 
 
@@ -113,7 +123,7 @@ def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise EventURLError(f"replay_timeout must be a number of seconds > 0 in {url!r}, got {raw!r}")
+        raise EventURLError(f"replay_timeout must be a number of seconds > 0 in {redact_url(url)!r}, got {raw!r}")
     return {"replay_timeout_s": value}
 
 
@@ -140,7 +150,7 @@ def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits
         elif raw.isdigit() and int(raw) > 0:
             changes["max_bytes"] = int(raw)
         else:
-            raise EventURLError(f"max_bytes must be a number of bytes > 0 or 'unlimited' in {url!r}, got {raw!r}")
+            raise EventURLError(f"max_bytes must be a number of bytes > 0 or 'unlimited' in {redact_url(url)!r}, got {raw!r}")
     raw = query.get("max_age")
     if raw is not None:
         if raw.lower() == "unlimited":
@@ -151,22 +161,22 @@ def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits
             except ValueError:
                 value = float("nan")
             if not 0 < value < float("inf"):
-                raise EventURLError(f"max_age must be a number of seconds > 0 or 'unlimited' in {url!r}, got {raw!r}")
+                raise EventURLError(f"max_age must be a number of seconds > 0 or 'unlimited' in {redact_url(url)!r}, got {raw!r}")
             changes["max_age_s"] = value
     raw = query.get("discard")
     if raw is not None:
         if raw not in ("old", "new"):
-            raise EventURLError(f"discard must be 'old' or 'new' in {url!r}, got {raw!r}")
+            raise EventURLError(f"discard must be 'old' or 'new' in {redact_url(url)!r}, got {raw!r}")
         changes["discard"] = raw
     raw = query.get("strict_stream")
     if raw is not None:
         if raw.lower() not in _BOOLS:
-            raise EventURLError(f"strict_stream must be 1 or 0 (true/false) in {url!r}, got {raw!r}")
+            raise EventURLError(f"strict_stream must be 1 or 0 (true/false) in {redact_url(url)!r}, got {raw!r}")
         changes["strict"] = _BOOLS[raw.lower()]
     try:
         return replace(limits, **changes)  # type: ignore[arg-type]
     except ConfigError as exc:  # unreachable after the checks above; kept for a clear error
-        raise EventURLError(f"{exc} in {url!r}") from exc
+        raise EventURLError(f"{exc} in {redact_url(url)!r}") from exc
 
 
 def make_publisher(
@@ -177,6 +187,7 @@ def make_publisher(
     epoch: int | None = None,
     on_flush: FlushCallback | None = None,
     stream: StreamLimits | None = None,
+    nats_auth: NatsAuth | None = None,
     **options: Any,
 ) -> EventPublisher:
     """Create the publisher that ``url`` names (see the module table).
@@ -188,7 +199,9 @@ def make_publisher(
         stream: ``jetstream://`` only (other schemes ignore it): the stream limits, which
             the URL's ``max_bytes`` / ``max_age`` / ``discard`` / ``strict_stream``
             override field by field (``None``: :class:`StreamLimits` defaults).
-        **options: transport keywords (e.g. NATS credentials).
+        nats_auth: NATS URLs only: credentials / TLS used where the URL sets none
+            (the URL's own authentication wins as a whole, its TLS values field by field).
+        **options: transport keywords (``nats.connect`` keywords win over the URL's).
 
     Raises:
         EventURLError: malformed or unsupported URL.
@@ -202,34 +215,62 @@ def make_publisher(
         return NullPublisher(source, **common)
     if scheme == "zmq":
         if "replay_timeout" in query:
-            raise EventURLError(f"replay_timeout is a subscriber parameter (in {url!r})")
+            raise EventURLError(f"replay_timeout is a subscriber parameter (in {redact_url(url)!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         allow_remote = _allow_remote(query, url) or bool(options.pop("allow_remote", False))
         if not allow_remote and not (is_loopback_endpoint(pub) and (replay is None or is_loopback_endpoint(replay))):
             raise EventURLError(
-                f"{url!r} binds host {host!r}, which other machines can reach, and ZMQ event sockets have no "
+                f"{redact_url(url)!r} binds host {host!r}, which other machines can reach, and ZMQ event sockets have no "
                 "authentication (any peer could read the events and ask for replays): use a loopback host "
                 "(127.0.0.1, localhost, [::1]), or add allow_remote=1 to the URL on a trusted network"
             )
         return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, allow_remote=allow_remote,
                             **options)
+    server, connect = _nats_target(url, query, nats_auth)
+    connect.update(options)  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
         limits = stream_limits_from_query(query, url, stream)
-        return JetStreamPublisher(source, f"nats://{netloc}", query.get("namespace", "default"), **common,
-                                  stream=limits, **options)
-    return NatsPublisher(source, f"nats://{netloc}", query.get("namespace", "default"), **common, **options)
+        return JetStreamPublisher(source, server, query.get("namespace", "default"), **common,
+                                  stream=limits, **connect)
+    return NatsPublisher(source, server, query.get("namespace", "default"), **common, **connect)
+
+
+def _nats_target(url: str, query: dict[str, str], defaults: NatsAuth | None) -> tuple[str, dict[str, Any]]:
+    """(server URL without credentials, ``nats.connect`` keywords) of a NATS URL whose
+    credentials / TLS are layered over ``defaults`` (:meth:`NatsAuth.over`)."""
+    auth = auth_from_url(url, query).over(defaults)
+    try:
+        options = auth.connect_options()
+    except ConfigError as exc:
+        raise EventURLError(f"{exc} (for {redact_url(url)!r})") from exc
+    return server_url(url, auth), options
+
+
+def nats_connection(url: str, defaults: NatsAuth | None = None) -> tuple[str, dict[str, Any]]:
+    """The server address and ``nats.connect`` keywords of a ``nats://``, ``tls://`` or
+    ``jetstream://`` URL (credentials and TLS from the URL over ``defaults``; the
+    returned address carries no credentials).
+
+    Raises:
+        EventURLError: not a NATS URL, a malformed one, or unreadable credential / TLS files.
+    """
+    scheme, _host, _port, query, _netloc = _parse(url)
+    if scheme not in ("nats", "tls", "jetstream"):
+        raise EventURLError(f"{redact_url(url)!r} is not a nats://, tls:// or jetstream:// URL")
+    return _nats_target(url, query, defaults)
 
 
 def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     scheme, host, port, query, netloc = _parse(url)
     stream = kw.pop("stream", None)  # jetstream:// only
+    nats_auth = kw.pop("nats_auth", None)  # NATS URLs only
     if scheme == "null":
         raise EventURLError("null:// has nothing to subscribe to")
     if scheme == "zmq" or scheme in _PEER_SCHEMES:
         if host in ("*", "0.0.0.0", "::"):
-            raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {url!r}")
+            raise EventURLError(f"a subscriber must connect to a concrete host, got {host!r} in {redact_url(url)!r}")
         if "allow_remote" in query:
-            raise EventURLError(f"allow_remote is a publisher parameter (in {url!r})")
+            raise EventURLError(f"allow_remote is a publisher parameter (in {redact_url(url)!r})")
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         kw = {**kw, **_replay_timeout(query, url)}
         if scheme in _PEER_SCHEMES:
@@ -238,12 +279,14 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
             return peer_subscriber(_PEER_SCHEMES[scheme], pub, replay, query, url, **kw)
         return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), **kw)
     namespace = query.get("namespace", "default")
+    server, connect = _nats_target(url, query, nats_auth)
+    kw = {**connect, **kw}  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
         if "durable" in query:
             kw = {**kw, "durable": query["durable"]}
         kw["stream"] = stream_limits_from_query(query, url, stream)
-        return JetStreamSubscriber(f"nats://{netloc}", namespace, **kw)
-    return NatsSubscriber(f"nats://{netloc}", namespace, **kw)
+        return JetStreamSubscriber(server, namespace, **kw)
+    return NatsSubscriber(server, namespace, **kw)
 
 
 def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
@@ -254,7 +297,9 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
             ``vllm+zmq://``, ``sglang+zmq://``).
         **kw: subscriber keywords (``on_gap``, ``queue_capacity``, ``on_resync``,
             transport options); ``stream=StreamLimits(...)`` goes to ``jetstream://``
-            URLs only, whose stream parameters override it field by field.
+            URLs only, whose stream parameters override it field by field;
+            ``nats_auth=NatsAuth(...)``: credentials / TLS for NATS URLs that set none
+            (as in :func:`make_publisher`).
 
     Returns:
         A :class:`Subscriber`; call ``start()`` (or use it as a context manager).

@@ -8,6 +8,7 @@ from typing import Any
 from event_plane.adapters.geometry import KVGeometry, kv_bytes_per_token, model_geometry
 from event_plane.adapters.peer import PeerSubscriber
 from event_plane.errors import ConfigError, EventURLError
+from event_plane.nats_auth import redact_url
 
 GEOMETRY_PARAMS = ("num_layers", "num_kv_heads", "head_size")
 """URL parameters giving the KV geometry directly (ints > 0)."""
@@ -48,13 +49,13 @@ def url_bytes_per_token(query: dict[str, str], url: str) -> int | None:
     explicit: int | None = None
     if "bytes_per_token" in query:
         if not query["bytes_per_token"].isdigit():
-            raise EventURLError(f"bytes_per_token must be a non-negative int in {url!r}")
+            raise EventURLError(f"bytes_per_token must be a non-negative int in {redact_url(url)!r}")
         explicit = int(query["bytes_per_token"])
     given: dict[str, int] = {}
     for name in GEOMETRY_PARAMS:
         if name in query:
             if not query[name].isdigit() or int(query[name]) == 0:
-                raise EventURLError(f"{name} must be an int > 0 in {url!r}, got {query[name]!r}")
+                raise EventURLError(f"{name} must be an int > 0 in {redact_url(url)!r}, got {query[name]!r}")
             given[name] = int(query[name])
     kv_dtype = query.get("kv_dtype")
     if "model" not in query and not given and kv_dtype is None:
@@ -80,7 +81,7 @@ def url_bytes_per_token(query: dict[str, str], url: str) -> int | None:
             given.get("head_size", geo.head_size), dtype,
         )
     except ConfigError as exc:
-        raise EventURLError(f"{url!r}: {exc}") from exc
+        raise EventURLError(f"{redact_url(url)!r}: {exc}") from exc
     return computed if explicit is None else explicit
 
 
@@ -110,7 +111,7 @@ def peer_subscriber(
     if "keep_peer_fields" in query:
         flag = query["keep_peer_fields"].lower()
         if flag not in ("1", "0", "true", "false", "yes", "no"):
-            raise EventURLError(f"keep_peer_fields must be a boolean in {url!r}")
+            raise EventURLError(f"keep_peer_fields must be a boolean in {redact_url(url)!r}")
         options["keep_peer_fields"] = flag in ("1", "true", "yes")
     source = query.get("source") or f"{flavor}@{endpoint.removeprefix('tcp://')}"
     topic = query.get("topic", "").encode()
@@ -124,5 +125,5 @@ def peer_subscriber(
 
             return SglangSubscriber(endpoint, replay_endpoint, sglang_config(source, **options), topic, **kw)
     except ConfigError as exc:
-        raise EventURLError(f"{url!r}: {exc}") from exc
-    raise EventURLError(f"unknown adapter {flavor!r} in {url!r}")
+        raise EventURLError(f"{redact_url(url)!r}: {exc}") from exc
+    raise EventURLError(f"unknown adapter {flavor!r} in {redact_url(url)!r}")
