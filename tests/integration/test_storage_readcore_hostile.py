@@ -249,13 +249,18 @@ def test_odd_sizes_unaligned_pool_views_holes_in_both_halves_each_byte_read_once
         outs.append(pool[pos : pos + s])
         pos += s + 1
     for holes in ([(0, 2 * MiB)], [(2 * MiB, 2 * MiB), (total - total % (2 * MiB) - 2 * MiB, 2 * MiB)]):
-        for o, ln in holes:
-            evict(path, o, ln)
-        ranges = _nixl_ranges(vol, monkeypatch)
-        with installed(Hook(), agent) as hook:
-            agent.get([k for k, _ in items], out=outs)
-        monkeypatch.undo()
-        assert _wrong(outs, [t for _, t in items]) == []
+        # a busy kernel may read the evicted pages back before the get (readahead of
+        # another process): up to 3 tries must show a NIXL read; every try must be right
+        for _ in range(3):
+            for o, ln in holes:
+                evict(path, o, ln)
+            ranges = _nixl_ranges(vol, monkeypatch)
+            with installed(Hook(), agent) as hook:
+                agent.get([k for k, _ in items], out=outs)
+            monkeypatch.undo()
+            assert _wrong(outs, [t for _, t in items]) == []
+            if ranges:
+                break
         assert ranges and hook.copied() > 0
         _no_byte_twice(vol, hook, ranges, total)
         if split:

@@ -3,13 +3,12 @@ keep the prompt), and a load failure on G3 that vLLM recomputes."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_cases import PAGE, PROMPTS, run, scrape
+from vllm_cases import PAGE, PROMPTS, run, run_offloaded, scrape
 
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
 from storage_backends.local_s3 import free_port
@@ -38,27 +37,9 @@ def disk_engine(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield {"llm": llm, "disk": disk, "metrics": f"http://127.0.0.1:{port}/metrics"}
 
 
-def _wait_metric(url: str, name: str, at_least: float, timeout: float = 30.0) -> float:
-    deadline = time.monotonic() + timeout
-    value = scrape(url, name)
-    while value < at_least and time.monotonic() < deadline:
-        time.sleep(0.1)
-        value = scrape(url, name)
-    return value
-
-
-def _store_then_evict(llm: Any, url: str, name: str, evictors: str) -> None:
-    """Run prompt ``name``, wait until its blocks are on G3, then run ``evictors`` so its
-    blocks leave G2."""
-    before = scrape(url, "kvbm_offload_blocks_h2d")
-    run(llm, name)
-    assert _wait_metric(url, "kvbm_offload_blocks_h2d", before + FULL // PAGE) >= before + FULL // PAGE
-    run(llm, *evictors)
-
-
 def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url = disk_engine["llm"], disk_engine["metrics"]
-    _store_then_evict(llm, url, "a", "cd")
+    run_offloaded(llm, url, "a", "c", "d")  # a on G3, then out of the 20-block G2
     llm.reset_prefix_cache()
     disk_reads = scrape(url, "kvbm_onboard_blocks_d2d")
     from_disk = metric(llm, "vllm:prompt_tokens_cached_by_source", source="disk")
@@ -75,7 +56,7 @@ def test_onboard_from_g3_when_g2_is_too_small(disk_engine: dict[str, Any], vllm_
 
 def test_corrupt_g3_block_is_recomputed_and_counted(disk_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url, disk = disk_engine["llm"], disk_engine["metrics"], disk_engine["disk"]
-    _store_then_evict(llm, url, "e", "fg")
+    run_offloaded(llm, url, "e", "f", "g")
     # flip bytes in every segment file of the volume: each stored block fails its checksum
     segments = [p for p in disk.rglob("*") if p.is_file() and "catalog" not in p.name and p.stat().st_size > 4096]
     assert segments

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
-from vllm_cases import PAGE, PROMPTS, run, scrape
+from vllm_cases import PAGE, PROMPTS, run, run_offloaded, scrape
 
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine
 from storage_backends.local_s3 import LocalS3, free_port
@@ -46,17 +45,13 @@ def s3_engine(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, local_s
 
 def test_onboard_from_g4_s3(s3_engine: dict[str, Any], vllm_reference: dict[str, Completion]) -> None:
     llm, url = s3_engine["llm"], s3_engine["metrics"]
-    before = scrape(url, "kvbm_offload_blocks_h2d")
-    run(llm, "a")
-    deadline = time.monotonic() + 30
-    while scrape(url, "kvbm_offload_blocks_h2d") < before + FULL // PAGE and time.monotonic() < deadline:
-        time.sleep(0.1)
+    run_offloaded(llm, url, "a")
     s3 = s3_engine["s3"]
     objects = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
                            aws_secret_access_key=s3.secret_key, region_name="us-east-1").list_objects_v2(
         Bucket="kvbm-vllm", Prefix=s3_engine["prefix"])
     assert objects.get("KeyCount", 0) >= 1  # the blocks are in the bucket
-    run(llm, "c", "d")  # evicts a's blocks from the 20-block G2
+    run_offloaded(llm, url, "c", "d")  # evict a's blocks from the 20-block G2
     llm.reset_prefix_cache()
     reads = scrape(url, "kvbm_onboard_blocks_d2d")
     (again,) = run(llm, "a")

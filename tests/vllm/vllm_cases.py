@@ -56,3 +56,23 @@ def scrape(url: str, name: str) -> float:
 def run(llm: object, *names: str) -> list[Completion]:
     """Generate the named prompts, one after the other."""
     return generate(llm, [PROMPTS[n] for n in names], MAX_TOKENS)
+
+
+def run_offloaded(llm: object, metrics_url: str, *names: str, timeout: float = 60.0) -> list[Completion]:
+    """Generate the named prompts one at a time, each time waiting until the worker's
+    ``kvbm_offload_blocks_h2d`` (blocks written from G2 to the volume) has grown by the
+    prompt's full blocks, so the G2 evictions the next prompt makes are deterministic (a
+    block still being written is pinned in G2)."""
+    import time
+
+    out: list[Completion] = []
+    for name in names:
+        before = scrape(metrics_url, "kvbm_offload_blocks_h2d")
+        out.extend(run(llm, name))
+        want = before + len(PROMPTS[name]) // PAGE
+        deadline = time.monotonic() + timeout
+        while scrape(metrics_url, "kvbm_offload_blocks_h2d") < want:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prompt {name!r}: its blocks did not reach the volume within {timeout} s")
+            time.sleep(0.05)
+    return out
