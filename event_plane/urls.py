@@ -105,12 +105,24 @@ def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tup
     return pub, (f"tcp://{host_part}:{replay}" if replay is not None else None)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def _allow_remote(query: dict[str, str], url: str) -> bool:
     """The ``allow_remote`` flag: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (default off)."""
     raw = query.get("allow_remote", "0").lower()
-    if raw not in ("1", "true", "yes", "0", "false", "no"):
+    if raw not in _BOOLS:
         raise EventURLError(f"allow_remote must be 1 or 0 in {redact_url(url)!r}, got {raw!r}")
-    return raw in ("1", "true", "yes")
+    return _BOOLS[raw]
+
+
+def _positive_seconds(raw: str) -> float | None:
+    """``raw`` as a finite number of seconds > 0, else ``None``."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if 0 < value < float("inf") else None
 
 
 def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
@@ -118,16 +130,10 @@ def _replay_timeout(query: dict[str, str], url: str) -> dict[str, float]:
     raw = query.get("replay_timeout")
     if raw is None:
         return {}
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
+    value = _positive_seconds(raw)
+    if value is None:
         raise EventURLError(f"replay_timeout must be a number of seconds > 0 in {redact_url(url)!r}, got {raw!r}")
     return {"replay_timeout_s": value}
-
-
-_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits | None = None) -> StreamLimits:
@@ -156,11 +162,8 @@ def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits
         if raw.lower() == "unlimited":
             changes["max_age_s"] = None
         else:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = float("nan")
-            if not 0 < value < float("inf"):
+            value = _positive_seconds(raw)
+            if value is None:
                 raise EventURLError(f"max_age must be a number of seconds > 0 or 'unlimited' in {redact_url(url)!r}, got {raw!r}")
             changes["max_age_s"] = value
     raw = query.get("discard")

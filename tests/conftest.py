@@ -149,3 +149,15 @@ def vllm_reference(llama_dir: Path) -> dict[str, Any]:
             llm.reset_prefix_cache()
             (out[name],) = generate(llm, [tokens], MAX_TOKENS)
     return out
+
+
+@pytest.fixture()
+def js_url(tmp_path: Path) -> Iterator[str]:
+    """URL of a private ``nats-server -js`` on a free port, with its own store under
+    ``tmp_path`` (tests that set stream limits or fill the store)."""
+    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -9,7 +9,6 @@ import logging
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import nats
@@ -40,14 +39,6 @@ def ev(i: int) -> Any:
     return store(1000 + i, 1000, (999 + i) if i else None, 4096, "g2")
 
 
-@pytest.fixture()
-def js_url(tmp_path) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def hostport(url: str) -> str:

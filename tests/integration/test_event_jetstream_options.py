@@ -8,11 +8,10 @@ import datetime as dt
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 
 import nats
 import pytest
-from conftest import _wait_port, start_nats_server
+from conftest import _wait_port
 
 from event_plane import (
     JetStreamPublisher,
@@ -31,14 +30,6 @@ def ev(i: int) -> object:
     return store(100 + i, 100, (99 + i) if i else None, 4096, "g2")
 
 
-@pytest.fixture()
-def js_url(tmp_path) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    proc, url, _ = start_nats_server(store_dir=str(tmp_path / "js"))
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def _publish(pub: JetStreamPublisher, idx: range) -> None:
