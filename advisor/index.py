@@ -1,6 +1,6 @@
 """PrefixIndex: the advisor's fold of the KV event log.
 
-Maps a block's sequence hash (u64, DESIGN.md §4) to its parent, prefix family, size in
+Maps a block's sequence hash (u64, docs/design.md §4) to its parent, prefix family, size in
 bytes, the set of *locations* that hold it, a hit counter and the time of its last access.
 
 Locations:

@@ -7,7 +7,7 @@ same ``dump()``, ``stats()``, lookups and views for every log
 :class:`IndexCounters`, :class:`SourceState`, :class:`IndexStateError`) and constants are
 defined here and re-exported by :mod:`advisor.index`.
 
-Maps a block's sequence hash (u64, DESIGN.md §4) to its parent, prefix family, size in
+Maps a block's sequence hash (u64, docs/design.md §4) to its parent, prefix family, size in
 bytes, the set of *locations* that hold it, a hit counter and the time of its last access.
 
 Locations:
@@ -812,7 +812,7 @@ class ReferencePrefixIndex(IndexStateViews):
 
         Onboarding into ``g1`` and a block (re)computed by any worker are accesses; a copy
         down the hierarchy by a worker that already holds the block in its own g1/g2
-        (write-through offload) is not.  Decayed frequency (issue 5) plugs in here.
+        (write-through offload) is not.  Decayed frequency plugs in here.
         """
         if storage_location == "g1":
             return True

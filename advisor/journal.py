@@ -1,4 +1,4 @@
-"""SQLite event journal: the advisor's durable log (embedded mode, DESIGN.md §7).
+"""SQLite event journal: the advisor's durable log (embedded mode, docs/design.md §7).
 
 Every batch is appended with its raw wire bytes *before* it is applied to the index, so
 the index can always be rebuilt by folding the journal from position 1.  A batch is

@@ -1,4 +1,4 @@
-"""The JetStream stream as the advisor's log (scaled mode, DESIGN.md §7-§8).
+"""The JetStream stream as the advisor's log (scaled mode, docs/design.md §7-§8).
 
 In scaled mode the ``KVADVISOR_EVENTS`` stream *is* the journal: the log position is the
 stream sequence of a batch.  :class:`JetStreamLog` reads a namespace's batches from a

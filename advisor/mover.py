@@ -1,4 +1,4 @@
-"""Mover: executes plan items with the crash-safe protocol of DESIGN.md §7.
+"""Mover: executes plan items with the crash-safe protocol of docs/design.md §7.
 
 A block move is:
 

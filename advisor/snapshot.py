@@ -1,4 +1,4 @@
-"""Index snapshots: the fold state at a known log position (DESIGN.md §7).
+"""Index snapshots: the fold state at a known log position (docs/design.md §7).
 
 A snapshot is ``PrefixIndex.export_state()`` encoded as MessagePack, stored with the log
 position it covers (journal position in embedded mode, JetStream stream sequence in

@@ -2,7 +2,7 @@
 
 Same data for both, in one run: the Mooncake conversation trace's requests become Store
 events (one per block, 4 workers round-robin).  Block ids are mapped to u64 sequence hashes
-by a bijection (``--ids u64``, the default: real sequence hashes are u64, DESIGN.md §4, and
+by a bijection (``--ids u64``, the default: real sequence hashes are u64, docs/design.md §4, and
 a Python int above 2**60 is bigger than a small id) or used as is (``--ids raw``); both
 sides get the same values, as sequence hashes and as Dynamo's local hashes.
 

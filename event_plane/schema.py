@@ -10,7 +10,7 @@ and an *event* is::
      block_size: u32, storage_location: str, extra_metadata: map | nil]
 
 No field names travel on the wire (``array_like=True``), so a Store of one block in
-``g1`` costs about 38 bytes inside a batch.  Format defined by ``DESIGN.md`` §3.
+``g1`` costs about 38 bytes inside a batch.  Format defined by docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class KVEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     Attributes:
         type: :class:`EventType`.
-        sequence_hash: positional lineage hash of the block (u64, DESIGN.md §4).
+        sequence_hash: positional lineage hash of the block (u64, docs/design.md §4).
         prefix_hash: sequence hash of the first block of the chain (u64).
         parent_hash: sequence hash of the previous block, ``None`` for the first.
         block_size: bytes of KV data in the block (u32).

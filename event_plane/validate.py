@@ -1,7 +1,7 @@
 """Check events before a publisher accepts them.
 
 ``msgspec`` structs do not check their constraints when built in Python, so a publisher
-checks each event against KVEvent v1 (DESIGN.md §3, ``docs/events.md``) and encodes it
+checks each event against KVEvent v1 (docs/design.md §3, ``docs/events.md``) and encodes it
 once; a bad event raises :class:`InvalidEventError` before anything is accepted.
 """
 

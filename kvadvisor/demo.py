@@ -1,6 +1,6 @@
 """``kvadvisor demo``: replay a real trace through every part of kvadvisor.
 
-Topology (DESIGN.md §1, embedded mode)::
+Topology (docs/design.md §1, embedded mode)::
 
     this process                                   advisor process (python -m advisor)
     ┌───────────────────────────────┐  ZMQ / NATS  ┌──────────────────────────────────┐
@@ -365,7 +365,7 @@ def run_demo(
         rcfg = runtime_config(s)
         namespace = rcfg.fingerprint().namespace()
         # Workers bind their publishers before the advisor subscribes, so it catches up on
-        # anything sent early through their replay sockets (DESIGN §3, docs/events.md §5.2).
+        # anything sent early through their replay sockets (docs/design.md §3, docs/events.md §5.2).
         publishers: list[EventPublisher] = []
         for i in range(s.workers):
             pub = make_publisher(topo.worker_pub_urls[i], source=f"worker-{i}")

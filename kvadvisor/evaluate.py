@@ -1,6 +1,6 @@
 """Offline evaluator: replay a block-reuse trace against fast-tier policies.
 
-Hit (``../shared/traces/SOURCES.md``): the longest prefix of a request's blocks held on the
+Hit (docs/traces.md): the longest prefix of a request's blocks held on the
 fast tier *before* the request is served, in blocks; after serving, all the request's
 blocks are inserted (touched) and the policy evicts down to ``capacity`` blocks.  The hit
 rate is hits / block references over the whole trace.

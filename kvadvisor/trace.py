@@ -1,13 +1,13 @@
 """Readers for public KV-cache block-reuse traces, and token synthesis for replays.
 
-Formats (see ``kvadvisor/data/ATTRIBUTION.md`` and ``../shared/traces/SOURCES.md``):
+Formats (see ``kvadvisor/data/ATTRIBUTION.md`` and docs/traces.md):
 
 * Mooncake FAST'25 jsonl: one request per line, ``{"timestamp": ms, "input_length": tokens,
   "output_length": tokens, "hash_ids": [...]}``; ``hash_ids`` are prefix-chained ids of
   512-token blocks, the last block may be partial.
 
 A trace carries block *ids*, not tokens.  To drive a real runtime (which hashes tokens,
-DESIGN.md §4) each id is expanded into a deterministic pseudo-random token block, so that
+docs/design.md §4) each id is expanded into a deterministic pseudo-random token block, so that
 equal ids give equal tokens and therefore equal sequence hashes at equal positions.
 """
 

@@ -1,6 +1,6 @@
 """KV block manager runtime: block lifecycle, sequence hashing, per-tier pools, layouts
 and formats, a transfer manager (offload G1 → G2 → G3, onboarding), remote blocks over
-NIXL, an engine connector with vLLM's call points, parallel modes (DESIGN.md §4–§5).
+NIXL, an engine connector with vLLM's call points, parallel modes (docs/design.md §4–§5).
 
 Imports ``event_plane`` (events) and ``storage_backends`` (block keys, storage agent
 contract) only.

@@ -1,4 +1,4 @@
-"""Block lifecycle states and the handles engines hold (DESIGN.md §5).
+"""Block lifecycle states and the handles engines hold (docs/design.md §5).
 
 States::
 
@@ -47,7 +47,7 @@ class BlockMeta:
     """Identity of a full block, the same at every tier.
 
     Attributes:
-        sequence_hash: positional lineage hash (u64, DESIGN.md §4).
+        sequence_hash: positional lineage hash (u64, docs/design.md §4).
         parent_hash: sequence hash of the previous block of the sequence, ``None`` for the first.
         prefix_hash: sequence hash of the first block of the sequence.
         salt: salt hash the local hash was seeded with.

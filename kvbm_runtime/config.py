@@ -89,7 +89,7 @@ class RuntimeConfig(BaseSettings):
 
     Attributes:
         model_name, model_revision: model identity (part of the salt and the storage namespace).
-        lora_name, cache_salt: optional salt fields (DESIGN.md §4).
+        lora_name, cache_salt: optional salt fields (docs/design.md §4).
         num_layers, outer_dim, page_size, inner_dim, kv_dtype, alignment: block geometry
             (``page_size`` = block size in tokens).
         layout: ``"FullyContiguous"`` or ``"LayerSeparated"``.

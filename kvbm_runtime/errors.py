@@ -8,7 +8,7 @@ class KvbmError(RuntimeError):
 
 
 class BlockStateError(KvbmError):
-    """An operation is not allowed in the block's current lifecycle state (DESIGN.md §5).
+    """An operation is not allowed in the block's current lifecycle state (docs/design.md §5).
 
     Examples: ``commit()`` on a Reset block or on a Partial block that is not full,
     ``register()`` of a Partial block, ``init_sequence()`` on a Partial block.

@@ -1,4 +1,4 @@
-"""Block identity: salted local hashes and positional sequence hashes (DESIGN.md §4).
+"""Block identity: salted local hashes and positional sequence hashes (docs/design.md §4).
 
 * local hash  = XXH3-64(token ids as 4-byte little-endian ints, seed = salt hash)
 * sequence hash of block 0 = its local hash;

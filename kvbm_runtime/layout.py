@@ -1,4 +1,4 @@
-"""Block layouts over one torch tensor per pool (DESIGN.md §5, KVBM's layout terms).
+"""Block layouts over one torch tensor per pool (docs/design.md §5, KVBM's layout terms).
 
 A block holds ``[num_layers][outer_dim][page_size][inner_dim]`` elements of one dtype:
 ``outer_dim`` is 2 for separate K and V (1 for MLA-style fused KV), ``page_size`` is the

@@ -1,6 +1,6 @@
 """One worker's block manager: G1 and G2 pools, write-through offload, onboarding.
 
-Data path of :meth:`BlockManager.serve` for one request (DESIGN.md §1, §5)::
+Data path of :meth:`BlockManager.serve` for one request (docs/design.md §1, §5)::
 
     tokens ──hash──▶ sequence hashes of the full blocks
       lookup, per block in order: G1 → G2 → storage agent (G3 volume, or G4 when the

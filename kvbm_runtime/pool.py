@@ -1,4 +1,4 @@
-"""Per-tier block pool: Reset list, active set, inactive set, registry (DESIGN.md §5).
+"""Per-tier block pool: Reset list, active set, inactive set, registry (docs/design.md §5).
 
 * **Reset list** — free physical blocks.
 * **Registry** — sequence hash → the registered physical block holding it, plus a side

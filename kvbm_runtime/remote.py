@@ -15,7 +15,7 @@ contiguous block is one range), issues one NIXL ``READ`` and registers the block
 their identities (Store events for the reader's tier).  The owner keeps the blocks pinned
 until the reader says it is done (``release``).
 
-NIXL facts relied on (shared/reference/nixl_notes.md): ``nixl_agent_config(backends=["UCX"])``
+NIXL facts relied on (docs/design.md §10): ``nixl_agent_config(backends=["UCX"])``
 moves DRAM ↔ DRAM between agents on loopback without a GPU; torch CPU tensors register
 directly; transfer descriptors are ``(addr, length, dev_id)`` lists with mem type ``"DRAM"``.
 """

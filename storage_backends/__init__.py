@@ -1,6 +1,6 @@
 """Storage layer: the NIXL storage agent, POSIX and S3 volumes, the placement catalog.
 
-Imports nothing else of kvadvisor (DESIGN.md §2).  The contract is DESIGN.md §6.
+Imports nothing else of kvadvisor (docs/design.md §2).  The contract is docs/design.md §6.
 """
 
 from .agent import StorageAgent

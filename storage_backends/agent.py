@@ -30,7 +30,7 @@ its bytes are wrong (checksum mismatch) or its segment is gone (ENOENT / NoSuchK
 short before the block ends (a truncated file / object: SegmentTruncatedError), so
 the block reads as absent and the next ``put`` stores it again; then ``get`` raises.
 
-Moves (``copy`` -> ``commit_move``) and ``compact`` keep the invariant of DESIGN.md §7:
+Moves (``copy`` -> ``commit_move``) and ``compact`` keep the invariant of docs/design.md §7:
 the catalog always points at a copy that was verified after it was written.
 """
 

@@ -3,7 +3,7 @@
 One catalog is shared by every process that reads or writes the same volumes (the
 inference workers and the advisor).  Implementations must make each method atomic across
 processes; ``compare_and_set`` is what lets a move and a concurrent put or delete never
-both win (DESIGN.md §6, §7).  ``SqliteCatalog`` is the embedded implementation
+both win (docs/design.md §6, §7).  ``SqliteCatalog`` is the embedded implementation
 (``BEGIN IMMEDIATE`` transactions on one file); ``RedisCatalog`` the scaled one (one Lua
 script per read-modify-write, ``INCR`` segment ids, per-segment live counters).  Both pass
 the same contract tests (``tests/unit/test_storage_catalog.py``).

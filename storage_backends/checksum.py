@@ -1,4 +1,4 @@
-"""Block bytes: XXH3-64 checksums (DESIGN.md §6) and single-threaded byte copies.
+"""Block bytes: XXH3-64 checksums (docs/design.md §6) and single-threaded byte copies.
 
 Copies go through numpy (one ``memcpy`` on the calling thread) rather than
 ``Tensor.copy_``, whose intra-op thread pool costs milliseconds per small block when the

@@ -2,7 +2,7 @@
 
 Nothing here is lossy: every name is either kept byte for byte or percent-encoded with
 ``%`` itself encoded, so two different inputs never give the same file name or object key
-(DESIGN.md §6, case C13).  S3 limits object keys to 1024 bytes of UTF-8; the limits below
+(docs/design.md §6, case C13).  S3 limits object keys to 1024 bytes of UTF-8; the limits below
 keep ``<prefix>/<volume>/seg-<id>`` under it and are checked when a volume is registered.
 """
 

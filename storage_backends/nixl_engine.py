@@ -1,6 +1,6 @@
 """NIXL plumbing: agents, backends, registered DRAM staging buffers and blocking transfers.
 
-Facts used here (``../shared/reference/nixl_notes.md``, checked with nixl-cu12 1.5.1):
+Facts used here (docs/design.md §10, checked with nixl-cu12 1.5.1):
 
 * ``nixl_agent_config(backends=[])`` then ``create_backend("POSIX")`` gives file I/O on FILE
   memory (``(offset, length, fd)`` descriptors); ``create_backend("OBJ", params)`` gives S3

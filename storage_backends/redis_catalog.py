@@ -2,7 +2,7 @@
 
 Every read-modify-write is one Lua script, so it is atomic on the server: a move's
 compare-and-set and a concurrent put or delete of the same key are serialized by Redis
-and never both win (DESIGN.md §6, §7).  Segment ids come from ``INCR`` (unique, never
+and never both win (docs/design.md §6, §7).  Segment ids come from ``INCR`` (unique, never
 reused); live bytes/blocks per segment are counters the scripts keep exact.
 
 Keys (``B`` = ``{<prefix>}:``; the hash tag keeps every key of one catalog in one Redis

@@ -3,7 +3,7 @@
 Sizes are in bytes.  A *block key* names one block of KV data under one model
 fingerprint; a *placement* says where its bytes physically are (volume, segment,
 offset, length) and carries the checksum and the catalog version used for
-compare-and-set updates (DESIGN.md §6).
+compare-and-set updates (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class BlockKey:
     Attributes:
         namespace: model-fingerprint namespace (``ModelFingerprint.namespace()``), so blocks
             written under one model are never served to another.
-        sequence_hash: the block's u64 sequence hash (DESIGN.md §4).
+        sequence_hash: the block's u64 sequence hash (docs/design.md §4).
     """
 
     namespace: str

@@ -1,4 +1,4 @@
-"""Acceptance 1 of issue 6: onboarded KV gives the same model output as recomputed KV.
+"""Runtime acceptance: onboarded KV gives the same model output as recomputed KV.
 
 A tiny transformer (random weights, float32) writes the K/V of every block it computes
 into the runtime's G1 block views and attends over K/V read back from those views.  For

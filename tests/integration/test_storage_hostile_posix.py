@@ -1,4 +1,4 @@
-"""Hostile concurrency test of the storage layer (issue 4 review): puts, gets, compactions
+"""Hostile concurrency test of the storage layer (storage review): puts, gets, compactions
 and deletes from several threads on one StorageAgent, real NIXL POSIX on files under
 tmp_path and a real SQLite catalog.  Every block that a put acknowledged reads back its
 own bytes until it is deleted; at the end the catalog and the files agree."""

@@ -1,4 +1,4 @@
-"""Hostile tests of S3 write waves and reads (issue 4 review), with real parts only: NIXL OBJ
+"""Hostile tests of S3 write waves and reads (storage review), with real parts only: NIXL OBJ
 and boto3 against the session's moto_server, through a real HTTP proxy that fails, delays
 or cuts chosen requests (per object key), so one PUT of a wave can fail while the others
 land, be slow, or land after the failure was reported."""

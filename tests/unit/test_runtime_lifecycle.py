@@ -1,4 +1,4 @@
-"""Block lifecycle, handles and per-tier pools (DESIGN.md §5, cases C4 and C10)."""
+"""Block lifecycle, handles and per-tier pools (docs/design.md §5, cases C4 and C10)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Fused pool operations of the offload path: ``register_downgrade`` and
-``pin_many`` / ``unpin_many`` (DESIGN.md §5): the same blocks, states, eviction order and
+``pin_many`` / ``unpin_many`` (docs/design.md §5): the same blocks, states, eviction order and
 events as the strong-handle calls they replace, with no handle per block."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile unit tests of the storage layer's latest changes (issue 4 review): the shared
+"""Hostile unit tests of the storage layer's latest changes (storage review): the shared
 garbage-collector pause under calls that overlap for ever, and signed sequence hashes in
 the SQLite catalog (real SQLite files)."""
 
