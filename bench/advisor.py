@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,10 @@ from event_plane.codec import decode_batch, encode_batch  # noqa: E402
 from event_plane.schema import EventBatch, store  # noqa: E402
 from kvadvisor.trace import read_mooncake  # noqa: E402
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+# the whole Mooncake file where KVADVISOR_TRACES names its directory (docs/traces.md), else the bundled slice
+_TRACES = os.environ.get("KVADVISOR_TRACES")
+DEFAULT_TRACE = (Path(_TRACES) / "conversation_trace.jsonl" if _TRACES else
+                 Path(__file__).resolve().parents[1] / "kvadvisor" / "data" / "mooncake_conversation_2000.jsonl")
 WORKERS = 4
 BLOCK_BYTES = 1 << 20
 _M64 = (1 << 64) - 1
