@@ -1,0 +1,411 @@
+"""Partition ownership through leases in a JetStream KV bucket (scaled mode, docs/design.md §8).
+
+Each advisor of a cluster runs a :class:`LeaseKeeper`.  The bucket (``KVADVISOR_LEASES`` by
+default, replicated like the event stream: ``replicas=3`` on a 3-node cluster) holds
+
+* ``member.<advisor id>``: the advisor is alive; refreshed every ``heartbeat_s``;
+* ``part.<n>``: partition ``n`` is owned by the advisor named in the value (JSON
+  ``{"owner": id, "since_ns": t}``).
+
+The bucket's ``ttl`` (JetStream ``max_age``) is the lease time: an entry that is not
+rewritten within it disappears, so a dead advisor's membership and leases expire by
+themselves; no home-made failure detector or consensus is involved, only JetStream's
+compare-and-set on a key's revision:
+
+* acquire: ``kv.create("part.<n>")`` succeeds for exactly one advisor while no live entry
+  exists;
+* renew: ``kv.update(..., last=revision)`` succeeds only for the holder of the latest
+  revision; a failure means another advisor holds it now, and the lease is dropped at once;
+* release: the owner stops using the partition (``on_release`` returns) and then deletes
+  the key with ``last=revision``.
+
+**Local expiry.**  An owner counts a lease as held only until ``renewed_at + ttl ×
+safety`` (``safety`` 0.8 by default; ``renewed_at`` is taken *before* the renewal is sent).
+The bucket keeps the entry at least ``ttl`` after the server stored it, so an owner that
+cannot reach the server (a partition, a paused process) stops acting on a partition before
+another advisor can acquire it, as long as clocks advance at the same rate (leases measure
+intervals on each side's monotonic clock, never wall time).
+
+**Balance.**  With ``M`` live members and ``P`` partitions each advisor aims at
+``ceil(P / M)`` partitions: it acquires free ones up to that, and releases its extras (the
+most recently acquired first) when it holds more, so a joining advisor gets partitions and
+a dead one's are taken over after the TTL.
+
+Callbacks ``on_acquire(partition)`` and ``on_release(partition, reason)`` run on the
+keeper's thread, one at a time, in order; ``reason`` is ``"rebalance"``, ``"lost"`` (a
+renewal failed or the local expiry passed), or ``"stop"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError
+
+from event_plane.nats_auth import redact_url
+from event_plane.nats_transport import connect_nats
+
+__all__ = ["LeaseError", "LeaseKeeper", "LeaseSettings", "lease_owners"]
+
+logger = logging.getLogger(__name__)
+
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+class LeaseError(RuntimeError):
+    """The lease bucket cannot be reached, created or bound, or settings are impossible."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSettings:
+    """Lease parameters.
+
+    Attributes:
+        partitions: partitions of the index (1 … 4096).
+        ttl_s: lease time in seconds (the bucket's ``max_age``), > 0.
+        heartbeat_s: seconds between renewals; at most ``ttl_s / 3``.
+        safety: fraction of ``ttl_s`` an owner trusts a renewal for (0 < safety < 1).
+        bucket: KV bucket name.
+        replicas: bucket replicas (1, or 3 on a 3-node cluster).
+        connect_timeout_s: bound on the first connect.
+
+    Raises:
+        LeaseError: a value out of range.
+    """
+
+    partitions: int
+    ttl_s: float = 10.0
+    heartbeat_s: float = 2.0
+    safety: float = 0.8
+    bucket: str = "KVADVISOR_LEASES"
+    replicas: int = 1
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= 4096:
+            raise LeaseError(f"lease settings: partitions={self.partitions} must be in [1, 4096]")
+        if not self.ttl_s > 0 or not 0 < self.heartbeat_s <= self.ttl_s / 3:
+            raise LeaseError(f"lease settings: need ttl_s > 0 and 0 < heartbeat_s <= ttl_s / 3 "
+                             f"(ttl_s={self.ttl_s}, heartbeat_s={self.heartbeat_s})")
+        if not 0 < self.safety < 1:
+            raise LeaseError(f"lease settings: safety={self.safety} must be in (0, 1)")
+        if self.replicas not in (1, 3, 5):
+            raise LeaseError(f"lease settings: replicas={self.replicas} must be 1, 3 or 5")
+        if not self.bucket or not set(self.bucket) <= _ID_CHARS:
+            raise LeaseError(f"lease settings: bucket {self.bucket!r} must be letters, digits, '_' or '-'")
+
+
+@dataclass(slots=True)
+class _Lease:
+    revision: int
+    renewed_at: float  # monotonic, taken before the request that produced ``revision``
+    acquired_at: float
+
+
+@dataclass
+class LeaseKeeper:
+    """Takes, renews and balances partition leases for one advisor (module docstring).
+
+    Args:
+        url: NATS server URL (``nats://``; any URL the event plane takes for NATS, with
+            credentials and TLS from it).
+        advisor_id: this advisor's name (letters, digits, ``_``, ``-``), unique in the cluster.
+        settings: :class:`LeaseSettings`.
+        on_acquire, on_release: callbacks (module docstring).
+        connect_options: passed to ``nats.connect`` (credentials, TLS).
+
+    Raises:
+        LeaseError: from :meth:`start`, when the server or bucket cannot be used within
+            ``connect_timeout_s``; a bad ``advisor_id``.
+    """
+
+    url: str
+    advisor_id: str
+    settings: LeaseSettings
+    on_acquire: Callable[[int], None] | None = None
+    on_release: Callable[[int, str], None] | None = None
+    connect_options: dict[str, Any] = field(default_factory=dict)
+    _leases: dict[int, _Lease] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
+    _stop: asyncio.Event | None = field(default=None, init=False, repr=False)
+    _crash: bool = field(default=False, init=False, repr=False)
+    _ready: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _error: BaseException | None = field(default=None, init=False, repr=False)
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "acquired": 0, "released": 0, "lost": 0, "renewals": 0, "errors": 0}, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.advisor_id or not set(self.advisor_id) <= _ID_CHARS:
+            raise LeaseError(f"advisor id {self.advisor_id!r} must be letters, digits, '_' or '-'")
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> LeaseKeeper:
+        """Connect, bind or create the bucket, join, and start the keeper thread.
+
+        Raises:
+            LeaseError: the server or bucket cannot be used (message without secrets).
+        """
+        self._thread = threading.Thread(target=self._run, name=f"leases-{self.advisor_id}", daemon=True)
+        self._thread.start()
+        self._ready.wait(self.settings.connect_timeout_s + 10.0)
+        if self._error is not None:
+            raise LeaseError(f"lease bucket {self.settings.bucket!r} at {redact_url(self.url)}: {self._error}")
+        if not self._ready.is_set():
+            raise LeaseError(f"lease bucket {self.settings.bucket!r} at {redact_url(self.url)}: no answer")
+        return self
+
+    def owned(self) -> frozenset[int]:
+        """Partitions this advisor holds now (leases within their local expiry)."""
+        now = time.monotonic()
+        limit = self.settings.ttl_s * self.settings.safety
+        with self._lock:
+            return frozenset(p for p, lease in self._leases.items() if now - lease.renewed_at < limit)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Release every lease (``on_release(p, "stop")`` first), leave, and disconnect."""
+        self._signal_stop()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def crash(self) -> None:
+        """Stop without releasing anything (as a killed process would): for tests and drills."""
+        self._crash = True
+        self.stop()
+
+    def _signal_stop(self) -> None:
+        loop, ev = self._loop, self._stop
+        if loop is not None and ev is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:
+                pass
+
+    # ------------------------------------------------------------------ keeper thread
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+            if not self._ready.is_set():
+                self._error = exc
+                self._ready.set()
+            else:
+                logger.exception("lease keeper %s stopped", self.advisor_id)
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        s = self.settings
+        self._stop = asyncio.Event()
+        nc = await connect_nats(self.url, s.connect_timeout_s, dict(self.connect_options))
+        try:
+            js = nc.jetstream(timeout=s.connect_timeout_s)
+            kv = await self._bucket(js)
+            await self._heartbeat(kv)
+            self._ready.set()
+            while not self._stop.is_set():
+                try:
+                    await asyncio.wait_for(self._stop.wait(), s.heartbeat_s)
+                except asyncio.TimeoutError:
+                    pass
+                if self._stop.is_set():
+                    break
+                try:
+                    await self._heartbeat(kv)
+                except Exception as exc:  # noqa: BLE001 - a round failed: leases expire locally
+                    self.counters["errors"] += 1
+                    logger.warning("lease keeper %s: round failed: %s", self.advisor_id, exc)
+                    self._expire_local()
+            if not self._crash:
+                await self._leave(kv)
+        finally:
+            if self._crash:
+                # a crashed process says nothing: drop the connection without a goodbye
+                with self._lock:
+                    self._leases.clear()
+            await nc.close()
+
+    async def _bucket(self, js: Any) -> Any:
+        s = self.settings
+        try:
+            kv = await js.key_value(s.bucket)
+            status = await kv.status()
+            have = status.ttl or 0.0
+            if abs(have - s.ttl_s) > 1e-3:
+                raise LeaseError(f"bucket exists with ttl {have} s, configured {s.ttl_s} s "
+                                 "(every advisor of a cluster must use the same lease ttl)")
+            return kv
+        except BucketNotFoundError:
+            pass
+        try:
+            return await js.create_key_value(KeyValueConfig(
+                bucket=s.bucket, history=1, ttl=s.ttl_s, replicas=s.replicas, storage=StorageType.FILE,
+                description="kvadvisor partition leases"))
+        except APIError:
+            return await js.key_value(s.bucket)  # another advisor created it meanwhile
+
+    async def _heartbeat(self, kv: Any) -> None:
+        s = self.settings
+        await kv.put(f"member.{self.advisor_id}", json.dumps({"since_ns": time.time_ns()}).encode())
+        await self._renew(kv)
+        members, owners = _parse(await _entries(kv))
+        target = math.ceil(s.partitions / max(1, len(members)))
+        mine = self.owned()
+        if len(mine) > target:
+            with self._lock:
+                extra = sorted(mine, key=lambda p: -self._leases[p].acquired_at)[: len(mine) - target]
+            for p in extra:
+                await self._release(kv, p, "rebalance")
+        elif len(mine) < target:
+            free = [p for p in range(s.partitions) if p not in owners]
+            # start at an offset of our own so joiners do not all race for partition 0
+            off = sum(map(ord, self.advisor_id)) % s.partitions
+            free.sort(key=lambda p: (p - off) % s.partitions)
+            for p in free[: target - len(mine)]:
+                await self._acquire(kv, p)
+
+    async def _renew(self, kv: Any) -> None:
+        with self._lock:
+            held = dict(self._leases)
+        for p, lease in held.items():
+            t0 = time.monotonic()
+            if t0 - lease.renewed_at >= self.settings.ttl_s * self.settings.safety:
+                await self._drop(p, "lost")
+                continue
+            try:
+                rev = await kv.update(f"part.{p}", self._value(), last=lease.revision)
+            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError) as exc:
+                logger.warning("lease keeper %s: lost partition %d (%s)", self.advisor_id, p, exc)
+                await self._drop(p, "lost")
+                continue
+            with self._lock:
+                if p in self._leases:
+                    self._leases[p].revision = rev
+                    self._leases[p].renewed_at = t0
+            self.counters["renewals"] += 1
+
+    async def _acquire(self, kv: Any, p: int) -> None:
+        t0 = time.monotonic()
+        try:
+            rev = await kv.create(f"part.{p}", self._value())
+        except (KeyWrongLastSequenceError, APIError):
+            return  # someone else took it first
+        with self._lock:
+            self._leases[p] = _Lease(rev, t0, t0)
+        self.counters["acquired"] += 1
+        logger.info("lease keeper %s: acquired partition %d", self.advisor_id, p)
+        if self.on_acquire is not None:
+            self.on_acquire(p)
+
+    async def _release(self, kv: Any, p: int, reason: str) -> None:
+        with self._lock:
+            lease = self._leases.get(p)
+        if lease is None:
+            return
+        await self._drop(p, reason)  # stop using it before anyone else may take it
+        try:
+            await kv.delete(f"part.{p}", last=lease.revision)
+        except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
+            pass  # expired or taken meanwhile: nothing of ours to delete
+        self.counters["released"] += 1
+
+    async def _drop(self, p: int, reason: str) -> None:
+        with self._lock:
+            had = self._leases.pop(p, None) is not None
+        if had:
+            if reason == "lost":
+                self.counters["lost"] += 1
+            if self.on_release is not None:
+                self.on_release(p, reason)
+
+    def _expire_local(self) -> None:
+        now = time.monotonic()
+        limit = self.settings.ttl_s * self.settings.safety
+        with self._lock:
+            gone = [p for p, lease in self._leases.items() if now - lease.renewed_at >= limit]
+        for p in gone:
+            with self._lock:
+                self._leases.pop(p, None)
+            self.counters["lost"] += 1
+            if self.on_release is not None:
+                self.on_release(p, "lost")
+
+    async def _leave(self, kv: Any) -> None:
+        for p in sorted(self.owned() | set(self._leases)):
+            await self._release(kv, p, "stop")
+        try:
+            await kv.delete(f"member.{self.advisor_id}")
+        except Exception:  # noqa: BLE001 - the entry expires anyway
+            pass
+
+    def _value(self) -> bytes:
+        return json.dumps({"owner": self.advisor_id, "since_ns": time.time_ns()}).encode()
+
+
+async def _entries(kv: Any) -> dict[str, bytes]:
+    """Every live ``key -> value`` of the bucket, read once through one ordered watcher
+    (nats-py's ``keys(filters=...)`` matches substrings; a 2.9 server has no multi-filter)."""
+    watcher = await kv.watchall(ignore_deletes=True)
+    out: dict[str, bytes] = {}
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            if entry.value:
+                out[entry.key] = entry.value
+    finally:
+        await watcher.stop()
+    return out
+
+
+def _parse(entries: dict[str, bytes]) -> tuple[list[str], dict[int, str]]:
+    """``(members, {partition: owner})`` from the bucket's entries; malformed ones are skipped."""
+    members: list[str] = []
+    owners: dict[int, str] = {}
+    for key, value in entries.items():
+        kind, _, name = key.partition(".")
+        try:
+            if kind == "member":
+                members.append(name)
+            elif kind == "part":
+                owners[int(name)] = str(json.loads(value)["owner"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("lease bucket: skipped malformed entry %r", key)
+    return sorted(members), owners
+
+
+def lease_owners(url: str, bucket: str = "KVADVISOR_LEASES", timeout_s: float = 5.0,
+                 **connect_options: Any) -> dict[int, str]:
+    """Current ``{partition: owner}`` of a lease bucket (partitions without a live lease
+    are absent): what the API consults to route a lookup or answer 503 during a takeover.
+
+    Raises:
+        LeaseError: the server or bucket cannot be read.
+    """
+    async def read() -> dict[int, str]:
+        nc = await connect_nats(url, timeout_s, connect_options)
+        try:
+            kv = await nc.jetstream(timeout=timeout_s).key_value(bucket)
+            return _parse(await _entries(kv))[1]
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(read())
+    except LeaseError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one clear error without secrets
+        raise LeaseError(f"lease bucket {bucket!r} at {redact_url(url)}: {exc}") from exc

@@ -1,0 +1,155 @@
+"""Partition leases in a JetStream KV bucket (advisor/leases.py), on a private nats-server:
+every partition has exactly one owner, a crashed owner's partitions are taken over after
+the TTL, a joining advisor gets its share, and a process killed with SIGKILL loses its
+partitions to the others."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from advisor.leases import LeaseError, LeaseKeeper, LeaseSettings, lease_owners
+
+P = 8
+SETTINGS = LeaseSettings(partitions=P, ttl_s=3.0, heartbeat_s=0.5)
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class _Recorder:
+    """Records (event, partition) per keeper and checks no two keepers hold a partition at
+    once, from their own callbacks (the view a mover acts on)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: dict[int, str] = {}
+        self.overlaps: list[tuple[int, str, str]] = []
+        self.events: list[tuple[str, str, int]] = []
+
+    def keeper(self, url: str, name: str) -> LeaseKeeper:
+        def acq(p: int) -> None:
+            with self.lock:
+                if p in self.holder:
+                    self.overlaps.append((p, self.holder[p], name))
+                self.holder[p] = name
+                self.events.append(("acquire", name, p))
+
+        def rel(p: int, reason: str) -> None:
+            with self.lock:
+                if self.holder.get(p) == name:
+                    del self.holder[p]
+                self.events.append((reason, name, p))
+
+        return LeaseKeeper(url, name, SETTINGS, on_acquire=acq, on_release=rel)
+
+
+def _balanced(keepers: list[LeaseKeeper]) -> bool:
+    sets = [k.owned() for k in keepers]
+    union = set().union(*sets)
+    disjoint = sum(map(len, sets)) == len(union)
+    target = -(-P // len(keepers))
+    return disjoint and union == set(range(P)) and all(len(s) <= target for s in sets)
+
+
+def test_leases_balance_take_over_and_rebalance(js_url: str) -> None:
+    rec = _Recorder()
+    ks = [rec.keeper(js_url, f"adv-{i}").start() for i in range(3)]
+    try:
+        _wait(lambda: _balanced(ks), 15, "3 advisors to share 8 partitions")
+        assert sorted(len(k.owned()) for k in ks) == [2, 3, 3]
+        owners = lease_owners(js_url)
+        assert sorted(owners) == list(range(P))
+        for k in ks:
+            assert {p for p, o in owners.items() if o == k.advisor_id} == set(k.owned())
+
+        # a crash: no release; its partitions come back after the TTL, to the survivors
+        dead = ks.pop(0)
+        lost = set(dead.owned())
+        dead.crash()
+        assert dead.owned() == frozenset()
+        with rec.lock:  # a dead process holds nothing and says nothing
+            rec.holder = {p: n for p, n in rec.holder.items() if n != dead.advisor_id}
+        took = _wait(lambda: _balanced(ks), 15, "the survivors to take over")
+        assert took >= SETTINGS.ttl_s * 0.5  # not before the lease could expire
+        assert sorted(len(k.owned()) for k in ks) == [4, 4]
+        assert lost <= set().union(*(k.owned() for k in ks))
+
+        # a joiner gets its share: the others release their extras
+        ks.append(rec.keeper(js_url, "adv-new").start())
+        _wait(lambda: _balanced(ks) and len(ks[-1].owned()) >= 2, 15, "a rebalance to the joiner")
+        assert ("rebalance" in {e for e, _, _ in rec.events})
+
+        # a graceful stop hands its partitions over at once (no TTL wait)
+        leaving = ks.pop()
+        leaving.stop()
+        took = _wait(lambda: _balanced(ks), 10, "the take-over after a graceful stop")
+        assert took < SETTINGS.ttl_s
+    finally:
+        for k in ks:
+            k.stop()
+    assert rec.overlaps == []
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    from advisor.leases import LeaseKeeper, LeaseSettings
+    k = LeaseKeeper(sys.argv[1], "victim", LeaseSettings(partitions=8, ttl_s=3.0, heartbeat_s=0.5)).start()
+    while len(k.owned()) < 8:
+        time.sleep(0.05)
+    print("owns", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_sigkill_of_an_owner_hands_its_partitions_over(js_url: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, js_url], stdout=subprocess.PIPE, text=True)
+    k = None
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "owns"
+        k = LeaseKeeper(js_url, "survivor", SETTINGS).start()
+        time.sleep(1.0)
+        # the victim is alive: the survivor gets its share only after the victim releases extras
+        _wait(lambda: len(k.owned()) == 4, 15, "a share for the second advisor")
+        child.kill()
+        child.wait(10)
+        took = _wait(lambda: len(k.owned()) == P, 15, "the take-over after SIGKILL")
+        assert took <= 15
+        assert set(lease_owners(js_url).values()) == {"survivor"}
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if k is not None:
+            k.stop()
+
+
+def test_bad_settings_and_unreachable_server_are_clear_errors() -> None:
+    with pytest.raises(LeaseError, match="heartbeat_s"):
+        LeaseSettings(partitions=4, ttl_s=1.0, heartbeat_s=0.5)
+    with pytest.raises(LeaseError, match="partitions"):
+        LeaseSettings(partitions=0)
+    with pytest.raises(LeaseError, match="advisor id"):
+        LeaseKeeper("nats://127.0.0.1:1", "a.b", LeaseSettings(4))
+    with pytest.raises(LeaseError, match=r"nats://\*\*\*@127\.0\.0\.1:1"):
+        LeaseKeeper("nats://s3cret@127.0.0.1:1", "a", LeaseSettings(4, connect_timeout_s=0.5)).start()
+
+
+def test_a_bucket_with_another_ttl_is_refused(js_url: str) -> None:
+    k = LeaseKeeper(js_url, "a", SETTINGS).start()
+    try:
+        with pytest.raises(LeaseError, match="ttl"):
+            LeaseKeeper(js_url, "b", LeaseSettings(partitions=P, ttl_s=6.0, heartbeat_s=1.0)).start()
+    finally:
+        k.stop()
