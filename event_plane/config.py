@@ -117,6 +117,8 @@ class StreamLimits:
             dropped and ``refused``).
         strict: refuse (:class:`~event_plane.errors.StreamMismatchError`) instead of
             warning when an existing stream's configuration differs.
+        replicas: copies of the stream on a NATS cluster (1, 3 or 5; 3 on a 3-node
+            cluster keeps the log through the loss of one node).
 
     Raises:
         ConfigError: a limit that is not a positive number (``bool`` included), an unknown
@@ -127,6 +129,7 @@ class StreamLimits:
     max_age_s: float | None = DEFAULT_STREAM_MAX_AGE_S
     discard: str = "old"
     strict: bool = False
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         mb = self.max_bytes
@@ -137,6 +140,8 @@ class StreamLimits:
             not isinstance(age, int | float) or isinstance(age, bool) or not 0 < age < math.inf
         ):
             raise ConfigError(f"StreamLimits.max_age_s must be a number of seconds > 0 or None, got {age!r}")
+        if self.replicas.__class__ is not int or self.replicas not in (1, 3, 5):
+            raise ConfigError(f"StreamLimits.replicas must be 1, 3 or 5, got {self.replicas!r}")
         if self.discard not in ("old", "new"):
             raise ConfigError(f"StreamLimits.discard must be 'old' or 'new', got {self.discard!r}")
         if not isinstance(self.strict, bool):

@@ -193,7 +193,7 @@ def stream_config(limits: StreamLimits) -> js_api.StreamConfig:
     """The ``KVADVISOR_EVENTS`` stream configuration for ``limits``: subjects
     ``kvadvisor.events.>``, file storage, a 120 s duplicate window (``max_age`` when that
     is shorter: JetStream refuses a longer one), and ``limits``'s ``max_bytes`` /
-    ``max_age`` / ``discard`` (JetStream's ``-1`` / ``0`` for unlimited)."""
+    ``max_age`` / ``discard`` (JetStream's ``-1`` / ``0`` for unlimited) and ``replicas``."""
     age = limits.max_age_s
     return js_api.StreamConfig(
         name=STREAM_NAME,
@@ -202,13 +202,14 @@ def stream_config(limits: StreamLimits) -> js_api.StreamConfig:
         max_bytes=limits.max_bytes if limits.max_bytes is not None else -1,
         discard=js_api.DiscardPolicy(limits.discard),
         duplicate_window=min(_DUPLICATE_WINDOW_S, age) if age is not None else _DUPLICATE_WINDOW_S,
+        num_replicas=limits.replicas,
     )
 
 
 def stream_differences(actual: js_api.StreamConfig, limits: StreamLimits) -> list[str]:
     """``"field: stream has X, configured Y"`` for each field of ``actual`` (an existing
     stream's configuration) that differs from :func:`stream_config` of ``limits``
-    (subjects, max_bytes, max_age (seconds), discard, duplicate_window (seconds), the
+    (subjects, max_bytes, max_age (seconds), discard, replicas, duplicate_window (seconds), the
     window only when max_age, which bounds it, does not differ already)."""
 
     def unlimited(value: Any, none: Any) -> Any:
@@ -225,6 +226,7 @@ def stream_differences(actual: js_api.StreamConfig, limits: StreamLimits) -> lis
         ("max_age", unlimited(actual.max_age, 0), unlimited(wanted.max_age, 0)),
         ("discard", enum_value(actual.discard) or "old", enum_value(wanted.discard)),
         ("duplicate_window", actual.duplicate_window, wanted.duplicate_window),
+        ("replicas", actual.num_replicas or 1, wanted.num_replicas),
     ]
     for name, have, want in pairs:
         same = have == want

@@ -60,7 +60,7 @@ _ALLOWED = {
     "zmq": {"replay", "topic", "replay_timeout", "allow_remote"},
     "nats": {"namespace"} | NATS_PARAMS,
     "tls": {"namespace"} | NATS_PARAMS,
-    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream"} | NATS_PARAMS,
+    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas"} | NATS_PARAMS,
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
                  "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
@@ -140,7 +140,8 @@ def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits
     """``base`` (default :class:`StreamLimits`) with the stream parameters of a
     ``jetstream://`` URL's query applied: ``max_bytes`` (an int of bytes > 0, or
     ``unlimited``), ``max_age`` (seconds > 0, or ``unlimited``), ``discard`` (``old`` /
-    ``new``), ``strict_stream`` (``1``/``true``/``yes`` or ``0``/``false``/``no``).
+    ``new``), ``replicas`` (1, 3 or 5), ``strict_stream`` (``1``/``true``/``yes`` or
+    ``0``/``false``/``no``).
 
     Raises:
         EventURLError: a value out of range or of the wrong form (named with the URL).
@@ -171,6 +172,11 @@ def stream_limits_from_query(query: dict[str, str], url: str, base: StreamLimits
         if raw not in ("old", "new"):
             raise EventURLError(f"discard must be 'old' or 'new' in {redact_url(url)!r}, got {raw!r}")
         changes["discard"] = raw
+    raw = query.get("replicas")
+    if raw is not None:
+        if raw not in ("1", "3", "5"):
+            raise EventURLError(f"replicas must be 1, 3 or 5 in {redact_url(url)!r}, got {raw!r}")
+        changes["replicas"] = int(raw)
     raw = query.get("strict_stream")
     if raw is not None:
         if raw.lower() not in _BOOLS:
