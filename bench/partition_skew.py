@@ -1,4 +1,4 @@
-"""Partition skew of the prefix index on real traces (scaled mode, advisor/partition.py).
+"""Partition skew of the prefix index on real traces (scaled mode, event_plane/partition.py).
 
 For each trace, every distinct block below the trunk is assigned to a partition, and the
 most-loaded partition's block count is divided by the mean (1.0 = perfectly even; the goal
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.partition import TRUNK, PartitionScheme  # noqa: E402
+from event_plane.partition import TRUNK, PartitionScheme  # noqa: E402
 from kvadvisor.evaluate import load_trace  # noqa: E402
 from kvadvisor.trace import bundled_trace  # noqa: E402
 

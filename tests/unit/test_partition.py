@@ -1,4 +1,4 @@
-"""Partitioned prefix index (advisor/partition.py): the pieces of a chain, event routing
+"""Partitioned prefix index (event_plane/partition.py): the pieces of a chain, event routing
 from parent links, and exactness: 8 partition indexes answer every lookup of a real trace
 exactly as one index folding the same events does."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from advisor.index import PrefixIndex
-from advisor.partition import TRUNK, ChainRouter, PartitionError, PartitionScheme, Piece, combine_lookups, partitioned_lookup
+from event_plane.partition import TRUNK, ChainRouter, PartitionError, PartitionScheme, Piece, combine_lookups, partitioned_lookup
 from event_plane.schema import WIRE_VERSION, EventBatch, remove, store
 from kvadvisor.evaluate import load_trace
 from kvadvisor.trace import bundled_trace
