@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from nats.js import api as js_api
+from nats.js.errors import NotFoundError
 
 from event_plane.config import StreamLimits
 from event_plane.errors import ConfigError, StreamMismatchError
@@ -47,6 +48,11 @@ class JetStreamLog:
         inactive_threshold_s: the server removes the consumer after this long unread.
         stream: the stream's limits, used when this log creates the stream and checked
             against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
+        durable: read through a durable consumer of this name (scaled mode: one per
+            partition, so the server tracks what the owner acknowledged) instead of an
+            ephemeral one.  The fold state lives in the snapshot, so a start always
+            reads from ``start_seq``: an existing consumer of that name (a previous
+            owner's) is deleted and created again from there.
         **connect_options: ``nats.connect`` keywords (credentials, TLS: see
             ``event_plane.urls.nats_connection``).
 
@@ -69,6 +75,7 @@ class JetStreamLog:
         connect_timeout_s: float = 5.0,
         inactive_threshold_s: float = 60.0,
         stream: StreamLimits | None = None,
+        durable: str | None = None,
         **connect_options: Any,
     ) -> None:
         subject_for(namespace, "x")  # validates the namespace token
@@ -92,6 +99,8 @@ class JetStreamLog:
         self._nc: Any = None
         self._js: Any = None
         self._task: Any = None
+        self._durable = durable
+        self.pending_at_start = 0  # entries of this namespace the stream held past start_seq at start()
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
         assert self._loop is not None
@@ -127,7 +136,14 @@ class JetStreamLog:
             ack_policy=js_api.AckPolicy.EXPLICIT,
             inactive_threshold=self._inactive_s,
         )
-        psub = await self._js.pull_subscribe(self.subject, durable=None, stream=STREAM_NAME, config=config)
+        if self._durable is not None:
+            try:
+                await self._js.delete_consumer(STREAM_NAME, self._durable)
+            except NotFoundError:
+                pass
+            config.durable_name = self._durable
+        psub = await self._js.pull_subscribe(self.subject, durable=self._durable, stream=STREAM_NAME, config=config)
+        self.pending_at_start = int((await psub.consumer_info()).num_pending or 0)
         first = int((await self._js.stream_info(STREAM_NAME)).state.first_seq or 0)
         if first > self.start_seq:
             self.discarded = first - self.start_seq

@@ -159,7 +159,7 @@ class LeaseKeeper:
         """
         self._thread = threading.Thread(target=self._run, name=f"leases-{self.advisor_id}", daemon=True)
         self._thread.start()
-        self._ready.wait(self.settings.connect_timeout_s + 10.0)
+        self._ready.wait(2 * self.settings.connect_timeout_s + 20.0)
         if self._error is not None:
             raise LeaseError(f"lease bucket {self.settings.bucket!r} at {redact_url(self.url)}: {self._error}")
         if not self._ready.is_set():
@@ -213,8 +213,21 @@ class LeaseKeeper:
         nc = await connect_nats(self.url, s.connect_timeout_s, dict(self.connect_options))
         try:
             js = nc.jetstream(timeout=s.connect_timeout_s)
-            kv = await self._bucket(js)
-            await self._heartbeat(kv)
+            # a replicated bucket just created (by us or a peer) answers once its stream has a
+            # leader: retry the first round for a while before calling the start failed
+            deadline = time.monotonic() + s.connect_timeout_s + 10.0
+            while True:
+                try:
+                    kv = await self._bucket(js)
+                    await self._heartbeat(kv)
+                    break
+                except LeaseError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - retried until the deadline
+                    if time.monotonic() > deadline:
+                        raise
+                    logger.info("lease keeper %s: bucket not ready yet (%s), retrying", self.advisor_id, exc)
+                    await asyncio.sleep(0.3)
             self._ready.set()
             while not self._stop.is_set():
                 try:

@@ -1,7 +1,7 @@
 """NATS transports: core NATS subjects and a JetStream stream as the durable log.
 
 Subject of a batch: ``kvadvisor.events.<namespace>.<source>``; header
-``Nats-Msg-Id: <source>:<epoch>:<seq>`` (JetStream de-duplicates on it). nats-py is
+``Nats-Msg-Id: <namespace>.<source>:<epoch>:<seq>`` (JetStream de-duplicates on it). nats-py is
 asyncio: each publisher / subscriber runs a private event loop in a daemon thread and the
 thread-safe methods hand work to it. Extra keyword arguments (``user``, ``password``,
 ``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``
@@ -73,9 +73,14 @@ def subject_for(namespace: str, source: str) -> str:
     return f"{SUBJECT_PREFIX}.{namespace}.{source}"
 
 
-def msg_id(batch: EventBatch) -> str:
-    """``Nats-Msg-Id`` of a batch: ``<source>:<epoch>:<seq>``."""
-    return f"{batch.source}:{batch.epoch}:{batch.seq}"
+def msg_id(namespace: str, batch: EventBatch) -> str:
+    """``Nats-Msg-Id`` of a batch published in ``namespace``: ``<namespace>.<source>:<epoch>:<seq>``.
+
+    The namespace is part of it because JetStream de-duplicates across the whole stream:
+    without it, batches of one source and epoch in two namespaces (the partitions of a
+    scaled index, docs/design.md §8) would drop each other, and anyone who may publish in
+    any namespace could suppress another namespace's batch by sending its id first."""
+    return f"{namespace}.{batch.source}:{batch.epoch}:{batch.seq}"
 
 
 def _limits(stream: StreamLimits | None, max_age_s: Any = _UNSET, max_bytes: Any = _UNSET) -> StreamLimits:
@@ -159,7 +164,9 @@ async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, An
     # nats-py retries the initial connect forever with max_reconnect_attempts=-1 unless told
     # otherwise; bound it so a wrong URL fails fast.
     try:
-        nc = await asyncio.wait_for(nats.connect(url, **opts), connect_timeout_s + 1.0)
+        # "nats://a:4222,nats://b:4222": every node of a cluster, tried in turn and failed over to
+        servers: str | list[str] = [u.strip() for u in url.split(",")] if "," in url else url
+        nc = await asyncio.wait_for(nats.connect(servers, **opts), connect_timeout_s + 1.0)
     except asyncio.TimeoutError:
         if errors:  # e.g. "Authorization Violation" or a TLS failure, retried until the timeout
             raise errors[-1] from None
@@ -333,6 +340,7 @@ class NatsPublisher(EventPublisher):
     ) -> None:
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.subject = subject_for(namespace, source)
+        self._msg_id_prefix = f"{namespace}.{source}"
         self.url = url
         self.stream_limits = _limits(stream, stream_max_age_s, stream_max_bytes)
         self._inflight = 0
@@ -376,7 +384,7 @@ class NatsPublisher(EventPublisher):
                 logger.warning("NATS publisher %s: queue full, dropped batch seq=%d", self.source, seq)
                 return
             self._inflight += n
-        item = (payload, {MSG_ID_HEADER: f"{self.source}:{self.epoch}:{seq}"}, n)  # msg_id of the batch
+        item = (payload, {MSG_ID_HEADER: f"{self._msg_id_prefix}:{self.epoch}:{seq}"}, n)  # msg_id of the batch
         self._io.loop.call_soon_threadsafe(self._aq.put_nowait, item)
 
     async def _send_loop(self) -> None:

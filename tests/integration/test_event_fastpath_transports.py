@@ -115,7 +115,7 @@ def test_nats_messages_carry_the_live_bytes_and_the_batch_msg_ids(nats_url: str,
         th.join(5)
     assert len(got) == n_batches > 5
     for seq, (msg_id, data) in enumerate(got):
-        assert msg_id == f"w-fast:{pub.epoch}:{seq}"
+        assert msg_id == f"{ns}.w-fast:{pub.epoch}:{seq}"
         batch = decode_batch(data)
         assert batch.seq == seq and batch.source == "w-fast" and batch.epoch == pub.epoch
         assert encode_batch(batch) == data

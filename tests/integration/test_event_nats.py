@@ -91,7 +91,7 @@ def test_core_pub_sub_exact_order_and_msg_id_header(nats_url: str) -> None:
                 break
             asyncio.run(asyncio.sleep(0.02))
         assert [m[0] for m in tap.msgs] == [f"kvadvisor.events.{ns}.w0"] * 4
-        assert [m[1]["Nats-Msg-Id"] for m in tap.msgs] == [f"w0:77:{s}" for s in range(4)]
+        assert [m[1]["Nats-Msg-Id"] for m in tap.msgs] == [f"{ns}.w0:77:{s}" for s in range(4)]
         assert [m[2] for m in tap.msgs] == [encode_batch(b) for b in got]
         assert pub.stats().payload_bytes == sum(len(m[2]) for m in tap.msgs)
     finally:
@@ -173,7 +173,7 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
             async def resend() -> bool:
                 ack = await tap.nc.jetstream().publish(
-                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": "w0:9:3"}
+                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": "ns1.w0:9:3"}
                 )
                 return bool(ack.duplicate)
 

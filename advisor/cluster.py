@@ -1,0 +1,414 @@
+"""Scaled mode: advisors that each own partitions of the prefix index (docs/design.md §8).
+
+Pieces, all on the engines the project already runs (no home-made consensus or queue):
+
+* **Log.**  Partition ``k`` of namespace ``NS`` is the JetStream namespace ``NS-p<k>``
+  (:func:`event_plane.partitioned.partition_namespace`) in the replicated
+  ``KVADVISOR_EVENTS`` stream; publishers route events there with
+  :class:`event_plane.partitioned.PartitionedPublisher`.
+* **Ownership.**  :class:`~advisor.leases.LeaseKeeper` leases in a JetStream KV bucket.
+* **State.**  On acquiring partition ``k`` an advisor loads the newest snapshot of ``k``
+  from Redis (:class:`~advisor.snapshot.RedisSnapshotStore`, key prefix
+  ``kvadvisor:<NS>:p<k>``), then folds the stream tail after the snapshot's stream sequence
+  through a durable pull consumer with explicit acks (``kvadvisor-<NS>-p<k>``).  It saves a
+  snapshot every ``snapshot_interval_s`` and when it hands the partition over.
+* **Queries.**  The owner of ``k`` answers NATS requests on ``kvadvisor.query.<NS>.p<k>``
+  (a subscription it holds only while it owns ``k``), so a lookup reaches the owner
+  whoever it is; with no owner (a take-over in progress) NATS answers "no responders" at
+  once and :class:`ClusterClient` raises :class:`PartitionUnavailable` (the API's 503 with
+  ``Retry-After``).  An owner still folding the tail it found at acquisition answers
+  ``unavailable`` too, so an answer is never older than the log was when the owner took
+  over.  Every answer carries the stream sequence it reflects (``position``).
+
+Wire format of a query: request = MessagePack array of u64 sequence hashes (one piece of a
+chain); reply = MessagePack map ``{"locations": {location: n}, "position": int}`` or
+``{"unavailable": reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from advisor.index import PrefixIndex
+from advisor.jslog import JetStreamLog
+from advisor.leases import LeaseKeeper, LeaseSettings
+from advisor.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
+from event_plane.config import StreamLimits
+from event_plane.nats_auth import redact_url
+from event_plane.nats_transport import connect_nats
+from event_plane.partition import PartitionScheme, partitioned_lookup
+from event_plane.partitioned import partition_namespace
+
+__all__ = ["ClusterClient", "ClusterNode", "ClusterSettings", "PartitionUnavailable", "query_subject"]
+
+logger = logging.getLogger(__name__)
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+def query_subject(namespace: str, partition: int) -> str:
+    """NATS subject the owner of ``partition`` answers lookups on."""
+    return f"kvadvisor.query.{namespace}.p{partition}"
+
+
+class PartitionUnavailable(RuntimeError):
+    """No advisor answers for a partition now (a take-over or a rebuild in progress).
+
+    Attributes:
+        partition: the partition.
+        retry_after_s: seconds after which asking again is worthwhile (the lease TTL).
+    """
+
+    def __init__(self, partition: int, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"partition {partition} unavailable: {reason}")
+        self.partition = partition
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """One advisor of a cluster.
+
+    Attributes:
+        nats_url: NATS server(s) (a cluster's URLs comma-separated, as nats-py takes them).
+        redis_url: Redis for snapshots (``redis://HOST:PORT/DB``).
+        advisor_id: this advisor's name (letters, digits, ``_``, ``-``).
+        scheme: the partition scheme (every advisor and publisher of a cluster uses the same).
+        namespace: the event namespace the partitions belong to.
+        lease_ttl_s, heartbeat_s: lease time and renewal period (:class:`LeaseSettings`).
+        replicas: JetStream replicas of the events stream and the lease bucket.
+        snapshot_interval_s: seconds between snapshots of each owned partition.
+        query_timeout_s: how long a client waits for an owner's answer.
+    """
+
+    nats_url: str
+    redis_url: str
+    advisor_id: str
+    scheme: PartitionScheme
+    namespace: str = "default"
+    lease_ttl_s: float = 10.0
+    heartbeat_s: float = 2.0
+    replicas: int = 1
+    snapshot_interval_s: float = 30.0
+    query_timeout_s: float = 2.0
+    connect_options: dict[str, Any] = field(default_factory=dict)
+
+    def lease_settings(self) -> LeaseSettings:
+        """The lease settings these settings imply."""
+        return LeaseSettings(partitions=self.scheme.partitions, ttl_s=self.lease_ttl_s,
+                             heartbeat_s=self.heartbeat_s, replicas=self.replicas)
+
+
+class _Replica:
+    """One owned partition: its index, its stream reader and its fold thread."""
+
+    def __init__(self, node: ClusterNode, partition: int) -> None:
+        s = node.settings
+        self.partition = partition
+        self.lock = threading.Lock()
+        self.snapshots = RedisSnapshotStore(s.redis_url, key_prefix=f"kvadvisor:{s.namespace}:p{partition}")
+        loaded = load_latest(self.snapshots)
+        self.index = loaded[1] if loaded else PrefixIndex()
+        self.position = loaded[0].position if loaded else 0
+        self.saved_position = self.position
+        self.log = JetStreamLog(
+            s.nats_url, partition_namespace(s.namespace, partition), start_seq=self.position + 1,
+            stream=StreamLimits(replicas=s.replicas), durable=f"kvadvisor-{s.namespace}-p{partition}",
+            connect_timeout_s=5.0, **s.connect_options)
+        self.log.start()
+        # answers wait until the fold has applied what the stream held for it at acquisition
+        self.ready_after = self.log.pending_at_start
+        self.ready = threading.Event()
+        if self.ready_after == 0:
+            self.ready.set()
+        self.stop_flag = threading.Event()
+        self.applied = 0
+        self.errors = 0
+        self.read = 0
+        self.thread = threading.Thread(target=self._fold, name=f"fold-p{partition}", daemon=True)
+        self.thread.start()
+
+    def _fold(self) -> None:
+        while not self.stop_flag.is_set():
+            item = self.log.get(timeout=0.1)
+            if item is None:
+                continue
+            seq, payload = item
+            with self.lock:
+                try:
+                    self.index.apply_payload(payload)
+                    self.applied += 1
+                except Exception as exc:  # noqa: BLE001 - a bad batch is counted, never fatal
+                    self.errors += 1
+                    logger.warning("partition %d: batch at stream seq %d refused: %s", self.partition, seq, exc)
+                self.position = seq
+                self.read += 1
+            if not self.ready.is_set() and self.read >= self.ready_after:
+                self.ready.set()
+
+    def lookup(self, hashes: Sequence[int]) -> dict[str, Any]:
+        if not self.ready.is_set():
+            return {"unavailable": "rebuilding"}
+        with self.lock:
+            return {"locations": self.index.lookup(hashes), "position": self.position}
+
+    def snapshot(self) -> None:
+        with self.lock:
+            if self.position == self.saved_position:
+                return
+            payload, pos = encode_index(self.index), self.position
+        self.snapshots.save(make_snapshot(pos, payload))
+        self.saved_position = pos
+
+    def stop(self, save: bool) -> None:
+        self.stop_flag.set()
+        self.thread.join(10)
+        self.log.close()
+        if save:
+            try:
+                self.snapshot()
+            except Exception as exc:  # noqa: BLE001 - the next owner folds a longer tail
+                logger.warning("partition %d: final snapshot failed: %s", self.partition, exc)
+        self.snapshots.close()
+
+
+class ClusterNode:
+    """An advisor of a cluster: leases, partition replicas, query answers, snapshots.
+
+    Raises (from :meth:`start`): LeaseError, JetStreamLogError, SnapshotError when NATS,
+    the stream or Redis cannot be used.
+    """
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.replicas: dict[int, _Replica] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"cluster-{settings.advisor_id}",
+                                         daemon=True)
+        self._nc: Any = None
+        self._subs: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._snapshotter: threading.Thread | None = None
+        self.keeper: LeaseKeeper | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> ClusterNode:
+        """Connect, join the lease table and start serving the partitions it gets."""
+        s = self.settings
+        self._thread.start()
+        self._nc = self._call(connect_nats(s.nats_url, 5.0, dict(s.connect_options)), 15)
+        self.keeper = LeaseKeeper(s.nats_url, s.advisor_id, s.lease_settings(), on_acquire=self._acquire,
+                                  on_release=self._release, connect_options=dict(s.connect_options))
+        self.keeper.start()
+        self._snapshotter = threading.Thread(target=self._snapshot_loop, name="snapshots", daemon=True)
+        self._snapshotter.start()
+        logger.info("cluster advisor %s up at %s", s.advisor_id, redact_url(s.nats_url))
+        return self
+
+    def stop(self) -> None:
+        """Hand every partition over (final snapshots), leave, and disconnect."""
+        self._stop.set()
+        if self.keeper is not None:
+            self.keeper.stop()
+        with self._lock:
+            left = list(self.replicas)
+        for p in left:
+            self._release(p, "stop")
+        if self._nc is not None:
+            try:
+                self._call(self._nc.close(), 5)
+            except Exception:  # noqa: BLE001 - stopping
+                pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def owned(self) -> frozenset[int]:
+        """Partitions this advisor serves now."""
+        with self._lock:
+            return frozenset(p for p, r in self.replicas.items() if r.ready.is_set())
+
+    def status(self) -> dict[str, Any]:
+        """``{"advisor", "partitions": {k: {"position", "blocks", "applied", "errors", "ready"}}}``."""
+        with self._lock:
+            reps = dict(self.replicas)
+        parts = {}
+        for p, r in sorted(reps.items()):
+            with r.lock:
+                parts[p] = {"position": r.position, "blocks": len(r.index.hashes()), "applied": r.applied,
+                            "errors": r.errors, "ready": r.ready.is_set()}
+        return {"advisor": self.settings.advisor_id, "partitions": parts}
+
+    # ------------------------------------------------------------------ leases
+    def _acquire(self, p: int) -> None:
+        try:
+            rep = _Replica(self, p)
+        except Exception as exc:  # noqa: BLE001 - without a replica the lease is useless
+            logger.error("advisor %s: cannot serve partition %d: %s", self.settings.advisor_id, p, exc)
+            return
+        with self._lock:
+            self.replicas[p] = rep
+        self._subs[p] = self._call(self._nc.subscribe(query_subject(self.settings.namespace, p),
+                                                      cb=self._answerer(p)), 10)
+
+    def _release(self, p: int, reason: str) -> None:
+        sub = self._subs.pop(p, None)
+        if sub is not None:
+            try:
+                self._call(sub.unsubscribe(), 5)
+            except Exception:  # noqa: BLE001 - the connection may be gone
+                pass
+        with self._lock:
+            rep = self.replicas.pop(p, None)
+        if rep is not None:
+            rep.stop(save=reason != "lost")
+
+    def _answerer(self, p: int) -> Any:
+        async def answer(msg: Any) -> None:
+            with self._lock:
+                rep = self.replicas.get(p)
+            try:
+                hashes = _dec.decode(msg.data)
+                body = rep.lookup(hashes) if rep is not None else {"unavailable": "released"}
+            except Exception as exc:  # noqa: BLE001 - a malformed request gets an error answer
+                body = {"unavailable": f"bad request: {type(exc).__name__}"}
+            await msg.respond(_enc.encode(body))
+        return answer
+
+    def _snapshot_loop(self) -> None:
+        while not self._stop.wait(self.settings.snapshot_interval_s):
+            with self._lock:
+                reps = list(self.replicas.values())
+            for r in reps:
+                try:
+                    r.snapshot()
+                except Exception as exc:  # noqa: BLE001 - retried next round
+                    logger.warning("partition %d: snapshot failed: %s", r.partition, exc)
+
+    def _call(self, coro: Any, timeout: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+class ClusterClient:
+    """Asks a cluster for longest-prefix lookups (the API's and routers' side).
+
+    Args:
+        nats_url: NATS server(s).
+        scheme: the cluster's partition scheme.
+        namespace: the event namespace.
+        timeout_s: how long to wait for an owner's answer.
+        retry_after_s: the ``retry_after_s`` given with :class:`PartitionUnavailable`.
+    """
+
+    def __init__(self, nats_url: str, scheme: PartitionScheme, namespace: str = "default",
+                 timeout_s: float = 2.0, retry_after_s: float = 2.0, **connect_options: Any) -> None:
+        self.scheme, self.namespace = scheme, namespace
+        self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="cluster-client", daemon=True)
+        self._thread.start()
+        self._nc = asyncio.run_coroutine_threadsafe(
+            connect_nats(nats_url, 5.0, connect_options), self._loop).result(15)
+        self.positions: dict[int, int] = {}
+
+    def ask(self, partition: int, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
+        """One partition's answer for one piece: ``(locations, position)``.
+
+        Raises:
+            PartitionUnavailable: no owner, an owner still rebuilding, or no answer in time.
+        """
+        async def req() -> Any:
+            return await self._nc.request(query_subject(self.namespace, partition), _enc.encode(list(hashes)),
+                                          timeout=self.timeout_s)
+        try:
+            msg = asyncio.run_coroutine_threadsafe(req(), self._loop).result(self.timeout_s + 5)
+        except NoRespondersError:
+            raise PartitionUnavailable(partition, "no owner", self.retry_after_s) from None
+        except (NatsTimeoutError, asyncio.TimeoutError, TimeoutError):
+            raise PartitionUnavailable(partition, "no answer in time", self.retry_after_s) from None
+        body = _dec.decode(msg.data)
+        if "unavailable" in body:
+            raise PartitionUnavailable(partition, str(body["unavailable"]), self.retry_after_s)
+        return {str(k): int(v) for k, v in body["locations"].items()}, int(body["position"])
+
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Longest cached prefix of a chain at each location, across the cluster
+        (``PrefixIndex.lookup``'s answer); :attr:`positions` then holds the stream
+        sequence each asked partition answered at.
+
+        Raises:
+            PartitionUnavailable: a partition the answer needs has no owner serving now.
+        """
+        self.positions = {}
+
+        def one(p: int, piece: Sequence[int]) -> dict[str, int]:
+            locs, pos = self.ask(p, piece)
+            self.positions[p] = pos
+            return locs
+
+        return partitioned_lookup(self.scheme, hashes, one)
+
+    def close(self) -> None:
+        """Disconnect."""
+        try:
+            asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(5)
+        except Exception:  # noqa: BLE001 - closing
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def wait_until(cond: Any, timeout_s: float, step_s: float = 0.1) -> bool:
+    """Poll ``cond()`` until true or ``timeout_s`` passes; returns the last value."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step_s)
+    return bool(cond())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one cluster advisor until SIGTERM/SIGINT (``python -m advisor.cluster --help``)."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(prog="python -m advisor.cluster", description="one advisor of a scaled cluster")
+    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--redis", required=True, help="redis://HOST:PORT/DB for snapshots")
+    ap.add_argument("--id", required=True, help="this advisor's name")
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--trunk-depth", type=int, default=1)
+    ap.add_argument("--stretch", type=int, default=64)
+    ap.add_argument("--lease-ttl", type=float, default=10.0)
+    ap.add_argument("--heartbeat", type=float, default=2.0)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--snapshot-interval", type=float, default=30.0)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    node = ClusterNode(ClusterSettings(
+        nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
+        scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
+        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval)).start()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    print(f"advisor {a.id} ready", flush=True)
+    done.wait()
+    node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
