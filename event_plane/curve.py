@@ -88,16 +88,21 @@ def load_secret(path: str | os.PathLike[str]) -> CurveKeys:
 
 
 def load_public(value: str) -> bytes:
-    """A public key given as 40 Z85 characters or as the path of a certificate file
-    (public ``NAME.key`` or secret ``NAME.key_secret``: only its public key is read).
+    """A public key (Z85 bytes) given as 40 Z85 characters (percent-encode them in a URL:
+    Z85 uses ``&``, ``#``, ``?``...), as 64 hex digits (URL-safe as they are), or as the
+    path of a certificate file (public ``NAME.key`` or secret ``NAME.key_secret``: only its
+    public key is read).
 
     Raises:
-        ConfigError: neither a Z85 key nor a readable certificate file.
+        ConfigError: none of these forms.
     """
     if _is_z85_key(value):
         return value.encode()
+    if len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value):
+        return bytes(zmq.utils.z85.encode(bytes.fromhex(value)))
     if not os.path.isfile(value):
-        raise ConfigError(f"CURVE public key {value[:64]!r} is neither 40 Z85 characters nor a certificate file")
+        raise ConfigError(f"CURVE public key {value[:64]!r} is neither 40 Z85 characters, 64 hex digits nor a "
+                          "certificate file")
     try:
         public, _secret = zmq.auth.load_certificate(value)
     except (OSError, ValueError) as exc:
