@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
-from conftest import chain, per_location, settings, wait_for
+from security_helpers import chain, per_location, settings, wait_for
 
 from event_plane import PublisherConfig, make_publisher
 from event_plane.codec import encode_batch

@@ -14,7 +14,7 @@ from urllib.parse import quote
 import pytest
 import zmq.auth
 import zmq.utils.z85
-from conftest import chain, per_location, settings, wait_for
+from security_helpers import chain, per_location, settings, wait_for
 from typer.testing import CliRunner
 
 from advisor.settings import SettingsError
