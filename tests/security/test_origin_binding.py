@@ -143,3 +143,54 @@ def test_nats_forged_epoch_from_another_subject_changes_nothing_and_survives_res
     finally:
         victim.close()
         forger.close()
+
+
+def test_jetstream_forged_epoch_from_another_namespace_is_refused_after_restart_too(
+    tmp_path: Path, advisor: Any, js_url: str
+) -> None:
+    base = js_url.replace("nats://", "jetstream://")
+    url1, url2 = f"{base}?namespace=js1&durable=d1", f"{base}?namespace=js2&durable=d2"
+    svc = advisor(settings(tmp_path, [url1, url2]))
+    victim = make_publisher(url1, VICTIM, config=ONE, epoch=1)
+    forger = make_publisher(url2, VICTIM, config=ONE, epoch=2)
+    try:
+        victim.publish(chain([31, 32], "g1"))
+        victim.flush()
+        wait_for(lambda: per_location(svc, [31, 32]) == {f"{VICTIM}/g1": 2}, what="victim indexed")
+        forger.publish(chain([31, 32, 33], "g2"))
+        forger.flush()
+        wait_for(lambda: svc.counters["origin_refused"] >= 1, what="forged batch refused")
+        assert per_location(svc, [31, 32, 33]) == {f"{VICTIM}/g1": 2}
+        victim.publish(chain([31, 32, 33], "g1"))
+        victim.flush()
+        wait_for(lambda: per_location(svc, [31, 32, 33]) == {f"{VICTIM}/g1": 3}, what="victim's later batch")
+        position = svc.position
+        svc.stop()
+        svc = advisor(settings(tmp_path, [url2]))
+        forger.publish(chain([31, 32, 33, 34], "g2"))
+        forger.flush()
+        wait_for(lambda: svc.counters["origin_refused"] >= 1, what="refused after restart")
+        time.sleep(0.5)
+        assert svc.position == position and per_location(svc, [31, 32, 33]) == {f"{VICTIM}/g1": 3}
+    finally:
+        victim.close()
+        forger.close()
+
+
+def test_a_binding_that_cannot_be_recorded_refuses_the_batch() -> None:
+    from event_plane.origins import OriginGuard
+
+    def broken(_source: str, _origin: str) -> None:
+        raise OSError("disk full")
+
+    refusals: list[tuple[str, str]] = []
+    guard = OriginGuard(on_bind=broken, on_refuse=lambda t, o: refusals.append((t, o)))
+    assert guard.admit("w0", "zmq:tcp://127.0.0.1:1") is False
+    assert (guard.store_errors, guard.refused, guard.origin_of("w0")) == (1, 0, None)
+    guard = OriginGuard({"w0": "nats:kvadvisor.events.a.w0"}, on_refuse=lambda t, o: refusals.append((t, o)))
+    assert guard.admit("w0", "nats:kvadvisor.events.a.w0") is True
+    assert guard.admit("w0", "nats:kvadvisor.events.b.w0") is False
+    assert guard.admit("w0", "tcp:elsewhere") is False
+    assert refusals == [("nats", "nats:kvadvisor.events.b.w0"), ("other", "tcp:elsewhere")]
+    assert guard.release("w0") and not guard.release("w0")
+    assert guard.admit("w0", "tcp:elsewhere") is True and guard.bindings() == {"w0": "tcp:elsewhere"}
