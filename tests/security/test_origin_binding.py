@@ -194,3 +194,34 @@ def test_a_binding_that_cannot_be_recorded_refuses_the_batch() -> None:
     assert refusals == [("nats", "nats:kvadvisor.events.b.w0"), ("other", "tcp:elsewhere")]
     assert guard.release("w0") and not guard.release("w0")
     assert guard.admit("w0", "tcp:elsewhere") is True and guard.bindings() == {"w0": "tcp:elsewhere"}
+
+
+def test_operator_lists_and_releases_bindings_of_a_stopped_advisor(tmp_path: Path, advisor: Any) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvadvisor.cli import app
+
+    at = _zmq_url()
+    s = settings(tmp_path, [at])
+    pub = make_publisher(at, VICTIM, config=ONE)
+    try:
+        svc = advisor(s)
+        pub.publish(chain([41], "g1"))
+        pub.flush()
+        wait_for(lambda: per_location(svc, [41]) == {f"{VICTIM}/g1": 1}, what="indexed")
+        svc.stop()
+    finally:
+        pub.close()
+    cfg = tmp_path / "advisor.json"
+    cfg.write_text(s.model_dump_json())
+    listed = CliRunner().invoke(app, ["advisor", "origins", "--config", str(cfg)])
+    assert listed.exit_code == 0, listed.output
+    origin = f"zmq:{at.split('?')[0].replace('zmq://', 'tcp://')}"
+    assert json.loads(listed.stdout)["bindings"] == {VICTIM: origin}
+    gone = CliRunner().invoke(app, ["advisor", "origins", "--config", str(cfg), "--release", VICTIM, "--release", "nope"])
+    assert gone.exit_code == 1
+    report = json.loads(gone.stdout)
+    assert (report["bindings"], report["released"], report["not_bound"]) == ({}, [VICTIM], ["nope"])
+    assert advisor(s).origins.origin_of(VICTIM) is None  # the next start has no binding for it
