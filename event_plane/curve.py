@@ -23,6 +23,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 
 from event_plane.errors import ConfigError
 

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 
 import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
-
 from zmq.auth.thread import ThreadAuthenticator
 
 from event_plane.codec import CodecError, decode_batch
-from event_plane.curve import CurveClient, CurveKeys, configure_client, configure_server
 from event_plane.config import PublisherConfig
+from event_plane.curve import CurveClient, CurveKeys, configure_client, configure_server
 from event_plane.errors import ConfigError, TransportError
 from event_plane.frames import END_SEQ, SEQ_BYTES, seq_from_bytes, seq_to_bytes
 from event_plane.ordering import GapCallback
