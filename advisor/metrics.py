@@ -127,6 +127,10 @@ class AdvisorMetrics:
         self.moves = Counter("kvadvisor_moves", "Plan items executed", ["kind", "status"], registry=r)
         self.bytes_moved = Counter("kvadvisor_bytes_moved", "Bytes written by moves and compactions", ["kind"], registry=r)
         self.policy_rounds = Counter("kvadvisor_policy_rounds", "Policy rounds run", registry=r)
+        self.origin_refused = Counter(
+            "kvadvisor_origin_refused", "Batches refused: their source is bound to another origin (transport: "
+            "zmq | nats | other)", ["transport"], registry=r,
+        )
         self.journal_position = Gauge("kvadvisor_journal_position", "Last journal position applied", registry=r)
         r.register(_StateCollector(snapshot, max_locations, keep_locations))
 

@@ -145,7 +145,10 @@ class AdvisorService:
             "snapshot_loaded_position": 0,
             "log_discarded": 0,
             "reserved_source_refused": 0,
+            "origin_refused": 0,
         }
+        self.origins: Any = None  # event_plane.origins.OriginGuard while subscribed with origin_binding
+        self._origin_store: Any = None
         self.rate = RateMeter()
         self.started_at: float | None = None
         self._stop = threading.Event()
@@ -195,13 +198,43 @@ class AdvisorService:
         if s.subscribe_urls:
             from event_plane import subscribe
 
-            self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits(), nats_auth=s.nats_auth())
+            if s.origin_binding:
+                self._open_origins()
+            self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits(), nats_auth=s.nats_auth(),
+                                        origins=self.origins, **s.zmq_auth())
             self.subscriber.start()
             self._spawn("kvadvisor-ingest", self._ingest_loop)
         if self.mover is not None and s.policy_interval_s > 0:
             self._spawn("kvadvisor-policy", self._policy_loop)
         if s.api_enabled:
             self.api = self._load_api_factory()(self.query(), s.api_host, s.api_port)
+
+    def _open_origins(self) -> None:
+        """Restore the source → origin bindings (``settings.origins_file``) into a guard
+        that persists each new one there and counts refusals (:mod:`event_plane.origins`)."""
+        from advisor.origin_store import SqliteOriginStore
+        from event_plane.origins import OriginGuard
+
+        path = self.settings.origins_file
+        self._origin_store = _open_file("origin bindings", path, SqliteOriginStore, path)
+
+        def refused(transport: str, _origin: str) -> None:
+            self.counters["origin_refused"] += 1
+            self.metrics.origin_refused.labels(transport).inc()
+
+        self.origins = OriginGuard(self._origin_store.load(), on_bind=self._origin_store.bind, on_refuse=refused)
+
+    def release_origin(self, source: str) -> bool:
+        """Release ``source``'s origin binding (an operator retired the source or moved it to
+        another endpoint / subject): the next origin to deliver it is bound instead.
+
+        Returns:
+            Whether ``source`` was bound.
+        """
+        if self.origins is None:
+            return False
+        released = self.origins.release(source)
+        return self._origin_store.release(source) or released
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -444,6 +477,8 @@ class AdvisorService:
             self.catalog.close()
         if self.journal is not None:
             self.journal.close()
+        if self._origin_store is not None:
+            self._origin_store.close()
 
     def __enter__(self) -> AdvisorService:
         self.start()

@@ -126,6 +126,23 @@ class AdvisorSettings(BaseSettings):
         nats_tls / nats_tls_ca_file / nats_tls_cert_file / nats_tls_key_file /
             nats_tls_hostname: TLS for those URLs (any file turns it on; cert + key =
             mutual TLS); a URL's own ``tls_*`` values win field by field.
+        zmq_allowed_publishers: the allowed-publisher list for ``zmq://`` subscribe URLs:
+            a directory of CURVE public key files (``*.key``) or one such file. When set,
+            every ``zmq://`` URL in ``subscribe_urls`` must use CURVE
+            (``curve_server_key=``) with a publisher key on the list (else the advisor
+            refuses to start), and ``vllm+zmq://`` / ``sglang+zmq://`` URLs are refused.
+            Default ``None``: no list (URLs may still set CURVE and their own
+            ``allowed_publishers``).
+        zmq_curve_secret_file: the advisor's CURVE secret key file (``NAME.key_secret``,
+            mode 0600) for ``zmq://`` URLs with CURVE that name no ``curve_secret``;
+            ``None``: a fresh key each start (enough unless the publishers check their
+            clients, ``curve_clients=``).
+        origin_binding: bind each source to the origin that first delivered it and refuse
+            its batches from any other (counted ``origin_refused``;
+            :mod:`event_plane.origins`). Default on.
+        origins_path: the SQLite file of those bindings (default
+            ``<journal_path>.origins``); they survive restarts until
+            :meth:`AdvisorService.release_origin`.
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -181,6 +198,10 @@ class AdvisorSettings(BaseSettings):
     nats_tls_cert_file: str | None = None
     nats_tls_key_file: str | None = None
     nats_tls_hostname: str | None = None
+    zmq_allowed_publishers: str | None = None
+    zmq_curve_secret_file: str | None = None
+    origin_binding: bool = True
+    origins_path: str | None = None
 
     @field_validator("jetstream_max_bytes", "jetstream_max_age_s", mode="before")
     @classmethod
@@ -213,6 +234,14 @@ class AdvisorSettings(BaseSettings):
                 raise ValueError("log=jetstream with volumes needs publish_url=jetstream://... so that the "
                                  "advisor's moves enter the log")
         self.nats_auth()  # raises on contradicting NATS credentials / TLS fields
+        if self.zmq_curve_secret_file is not None:
+            from event_plane.curve import check_secret_mode
+            from event_plane.errors import ConfigError
+
+            try:
+                check_secret_mode(self.zmq_curve_secret_file)
+            except ConfigError as exc:
+                raise ValueError(f"zmq_curve_secret_file: {exc}") from exc
         if self.volumes and self.catalog_path is None:
             raise ValueError("volumes are configured but catalog_path is not set")
         return self
@@ -260,6 +289,21 @@ class AdvisorSettings(BaseSettings):
             tls_key_file=self.nats_tls_key_file,
             tls_hostname=self.nats_tls_hostname,
         )
+
+    @property
+    def origins_file(self) -> str:
+        """SQLite file of the source → origin bindings: ``origins_path`` or ``<journal_path>.origins``."""
+        return self.origins_path or f"{self.journal_path}.origins"
+
+    def zmq_auth(self) -> dict[str, Any]:
+        """``subscribe()`` keywords of the ``zmq_*`` fields (``zmq_allowed_publishers``,
+        ``zmq_curve_secret``), only those set."""
+        out: dict[str, Any] = {}
+        if self.zmq_allowed_publishers is not None:
+            out["zmq_allowed_publishers"] = self.zmq_allowed_publishers
+        if self.zmq_curve_secret_file is not None:
+            out["zmq_curve_secret"] = self.zmq_curve_secret_file
+        return out
 
     @property
     def snapshot_file(self) -> str:

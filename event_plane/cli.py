@@ -12,6 +12,10 @@
   the KVEvent v1 encoding), gaps, replayed, unrecovered, drops, decode errors, restarts.
   When no batch arrived and the endpoint never answered, it prints no report: a message on
   stderr and exit status 1 (zeros would read as an idle stream).
+* ``keygen DIR [--name NAME]``: write a new CURVE keypair, ``DIR/NAME.key`` (public, give
+  it to the other side) and ``DIR/NAME.key_secret`` (mode 0600, keep it), in the ZeroMQ
+  certificate format (:func:`event_plane.curve.keygen`); prints the public key's path and
+  the public key (Z85), never the secret one.
 
 URLs: anything :func:`event_plane.subscribe` takes (``zmq://``, ``nats://``,
 ``jetstream://``, ``vllm+zmq://``, ``sglang+zmq://``).
@@ -22,17 +26,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from event_plane.codec import encode_batch
-from event_plane.errors import EventPlaneError
+from event_plane.errors import ConfigError, EventPlaneError
 from event_plane.nats_auth import redact_url
 from event_plane.schema import EventBatch, EventType, KVEvent
 from event_plane.urls import subscribe
 
-events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats).")
+events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats); CURVE keys (keygen).")
 
 _TYPE_NAMES = {EventType.STORE: "store", EventType.REMOVE: "remove", EventType.CLEARED: "cleared"}
 
@@ -185,3 +190,20 @@ def stats(
         "restarts": st.restarts,
     }
     typer.echo(json.dumps(report))
+
+
+@events_app.command()
+def keygen(
+    directory: Annotated[Path, typer.Argument(help="directory to write NAME.key and NAME.key_secret into")],
+    name: Annotated[str, typer.Option("--name", help="file name of the keypair")] = "kvadvisor",
+) -> None:
+    """Write a CURVE keypair for ZMQ event sockets (public NAME.key, secret NAME.key_secret, mode 0600)."""
+    from event_plane.curve import keygen as write_keypair, load_public
+
+    try:
+        public_path, secret_path = write_keypair(directory, name)
+    except (ConfigError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(json.dumps({"public_file": str(public_path), "secret_file": str(secret_path),
+                           "public_key": load_public(str(public_path)).decode()}))

@@ -36,6 +36,8 @@ _SAFE_PARAMS = NATS_PARAMS | frozenset({
     "namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream",
     "replay", "topic", "replay_timeout", "allow_remote", "source", "bytes_per_token", "model", "kv_dtype",
     "num_layers", "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields",
+    # ZMQ CURVE (event_plane.curve): file / directory paths and a public key, no secret itself
+    "curve_secret", "curve_clients", "curve_server_key", "allowed_publishers",
 })
 """Query parameters whose values :func:`redact_url` shows; every other value is masked."""
 

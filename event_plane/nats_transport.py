@@ -35,6 +35,7 @@ from event_plane.nats_auth import redact_url
 from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
+from event_plane.origins import nats_origin
 from event_plane.subscriber import ResyncCallback, Subscriber
 
 logger = logging.getLogger(__name__)
@@ -544,13 +545,18 @@ class NatsSubscriber(Subscriber):
         await self._nc.flush()
 
     async def _on_msg(self, msg: Any) -> None:
-        self._on_payload(msg.data)
+        self._on_payload(msg.data, msg.subject)
 
-    def _on_payload(self, data: bytes) -> EventBatch | None:
+    def _on_payload(self, data: bytes, subject: str) -> EventBatch | None:
+        """Decode one message that came on ``subject`` (its origin,
+        :func:`event_plane.origins.nats_origin`) and hand it to ordering; ``None`` if it
+        does not decode or its source is bound to another subject."""
         try:
             batch = decode_batch(data)
         except CodecError:
             self._stats.decode_errors += 1
+            return None
+        if not self._origin_admits(batch, nats_origin(subject)):
             return None
         self._tracker.accept(batch, None)
         return batch
@@ -724,7 +730,7 @@ class JetStreamSubscriber(NatsSubscriber):
             if self._closed.is_set():
                 return  # unacked: redelivered to the next run of this durable
             try:
-                self._on_payload(msg.data)
+                self._on_payload(msg.data, msg.subject)
             except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
                 logger.exception("JetStream subscriber: batch could not be applied")
             await msg.ack()

@@ -22,6 +22,7 @@ from dataclasses import replace
 from event_plane.config import SubscriberStats
 from event_plane.errors import ConfigError, NotStartedError
 from event_plane.ordering import GapCallback, SeqTracker
+from event_plane.origins import OriginGuard
 from event_plane.schema import EventBatch
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,19 @@ class Subscriber(abc.ABC):
 
         marked_start._marks_started = True  # type: ignore[attr-defined]
         cls.start = marked_start  # type: ignore[method-assign]
+
+    _origins: OriginGuard | None = None
+
+    def guard_origins(self, guard: OriginGuard | None) -> None:
+        """Check every received batch against ``guard`` before ordering (call before
+        :meth:`start`): a batch whose source is bound to another origin is dropped there
+        and counted by the guard (:mod:`event_plane.origins`). ``None`` turns it off."""
+        self._origins = guard
+
+    def _origin_admits(self, batch: EventBatch, origin: str) -> bool:
+        """Whether ``batch``, received from ``origin``, may enter ordering (transport threads)."""
+        guard = self._origins
+        return guard is None or guard.admit(batch.source, origin)
 
     def _make_tracker(self, *, first_seq_gap: bool = True) -> SeqTracker:
         """The ordering state machine feeding this subscriber's queue."""
@@ -225,6 +239,11 @@ class MultiSubscriber(Subscriber):
             child._queue = self._queue
             if on_resync is not None and child._on_resync is None:
                 child._on_resync = on_resync
+
+    def guard_origins(self, guard: OriginGuard | None) -> None:
+        super().guard_origins(guard)
+        for child in self._children:
+            child.guard_origins(guard)
 
     def start(self) -> None:
         for child in self._children:

@@ -13,6 +13,11 @@ URL                                        meaning
                                            adapter URLs below; publisher only:
                                            ``allow_remote=1`` to bind a HOST
                                            other machines reach, see below)
+                                           CURVE (:mod:`event_plane.curve`): publisher
+                                           ``curve_secret=FILE`` [``curve_clients=DIR``];
+                                           subscriber ``curve_server_key=KEY|FILE``
+                                           [``curve_secret=FILE``]
+                                           [``allowed_publishers=DIR``]
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS (``tls://``: over TLS); NATS
                                            URLs also take ``token_file``, ``creds``,
                                            ``nkey_seed``, ``tls=1``, ``tls_ca``,
@@ -31,8 +36,11 @@ URL                                        meaning
 =========================================  =============================================
 
 A ``zmq://`` publisher binds loopback hosts only (``127.0.0.0/8``, ``localhost``, ``::1``)
-unless the URL says ``allow_remote=1``: the ZMQ sockets have no authentication, so any
-peer that reaches them reads every event and can ask for replays.
+unless CURVE is on (``curve_secret=FILE``: authenticated and encrypted) or the URL says
+``allow_remote=1``: without CURVE the ZMQ sockets have no authentication, so any peer
+that reaches them reads every event and can ask for replays. A subscriber given allowed
+publishers (URL ``allowed_publishers=DIR`` or ``subscribe(zmq_allowed_publishers=)``)
+refuses a ``zmq://`` URL without CURVE or whose ``curve_server_key`` is not on the list.
 
 NATS credentials go to ``nats.connect`` as options (the server address passed on carries
 none); prefer the file parameters to a password or token in the URL. Every URL in an
@@ -41,6 +49,7 @@ error message is shown through :func:`~event_plane.nats_auth.redact_url`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -48,6 +57,7 @@ from urllib.parse import parse_qs, urlsplit
 from dataclasses import replace
 
 from event_plane.config import PublisherConfig, StreamLimits
+from event_plane.curve import CurveClient, ephemeral_keys, load_allowed, load_public, load_secret
 from event_plane.errors import ConfigError, EventURLError
 from event_plane.nats_auth import NATS_PARAMS, NatsAuth, auth_from_url, redact_url, server_url
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
@@ -57,7 +67,8 @@ from event_plane.zmq_transport import ZmqPublisher, ZmqSubscriber, is_loopback_e
 
 _ALLOWED = {
     "null": set(),
-    "zmq": {"replay", "topic", "replay_timeout", "allow_remote"},
+    "zmq": {"replay", "topic", "replay_timeout", "allow_remote", "curve_secret", "curve_clients", "curve_server_key",
+            "allowed_publishers"},
     "nats": {"namespace"} | NATS_PARAMS,
     "tls": {"namespace"} | NATS_PARAMS,
     "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas"} | NATS_PARAMS,
@@ -106,6 +117,67 @@ def _zmq_endpoints(host: str, port: int, query: dict[str, str], url: str) -> tup
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_ZMQ_PUBLISHER_ONLY = ("allow_remote", "curve_clients")
+_ZMQ_SUBSCRIBER_ONLY = ("replay_timeout", "curve_server_key", "allowed_publishers")
+
+
+def _zmq_publisher_curve(query: dict[str, str], url: str) -> dict[str, Any]:
+    """``ZmqPublisher`` keywords ``curve`` / ``curve_clients`` from ``curve_secret=FILE``
+    and ``curve_clients=DIR`` (``{}`` without CURVE)."""
+    for key in _ZMQ_SUBSCRIBER_ONLY:
+        if key in query:
+            raise EventURLError(f"{key} is a subscriber parameter (in {redact_url(url)!r})")
+    if "curve_secret" not in query:
+        if "curve_clients" in query:
+            raise EventURLError(f"curve_clients needs curve_secret=FILE (in {redact_url(url)!r})")
+        return {}
+    try:
+        keys = load_secret(query["curve_secret"])
+    except ConfigError as exc:
+        raise EventURLError(f"{exc} (for {redact_url(url)!r})") from exc
+    clients = query.get("curve_clients")
+    if clients is not None and not os.path.isdir(clients):
+        raise EventURLError(f"curve_clients must be a directory of public key files, got {clients!r} "
+                            f"(in {redact_url(url)!r})")
+    return {"curve": keys, "curve_clients": clients}
+
+
+def _zmq_subscriber_curve(query: dict[str, str], url: str, allowed: frozenset[bytes] | None,
+                          secret: str | None) -> CurveClient | None:
+    """The CURVE side of a ``zmq://`` subscriber URL: ``curve_server_key`` (the
+    publisher's public key, Z85 or a certificate file) with our key from ``curve_secret``
+    (else ``secret``, else a fresh one), checked against the allowed publishers (the URL's
+    ``allowed_publishers`` directory and ``allowed``: with either set, the publisher must
+    use CURVE with a key on the list).
+
+    Raises:
+        EventURLError: a key that does not load, a world-readable secret key file, or a
+            publisher not on the allowed list.
+    """
+    for key in _ZMQ_PUBLISHER_ONLY:
+        if key in query:
+            raise EventURLError(f"{key} is a publisher parameter (in {redact_url(url)!r})")
+    try:
+        if "allowed_publishers" in query:
+            allowed = load_allowed(query["allowed_publishers"]) | (allowed or frozenset())
+        server = query.get("curve_server_key")
+        if server is None:
+            if "curve_secret" in query:
+                raise EventURLError(f"curve_secret needs curve_server_key (the publisher's public key) in "
+                                    f"{redact_url(url)!r}")
+            if allowed is not None:
+                raise EventURLError(f"{redact_url(url)!r} has no curve_server_key, and only publishers on the allowed "
+                                    "list (CURVE keys) are accepted: add curve_server_key=KEY_OR_FILE")
+            return None
+        server_key = load_public(server)
+        if allowed is not None and server_key not in allowed:
+            raise EventURLError(f"the publisher key of {redact_url(url)!r} ({server_key.decode()}) is not on the "
+                                f"allowed publishers list ({len(allowed)} keys)")
+        path = query.get("curve_secret", secret)
+        keys = load_secret(path) if path is not None else ephemeral_keys()
+    except ConfigError as exc:
+        raise EventURLError(f"{exc} (for {redact_url(url)!r})") from exc
+    return CurveClient(keys, server_key)
 
 
 def _allow_remote(query: dict[str, str], url: str) -> bool:
@@ -223,18 +295,20 @@ def make_publisher(
     if scheme == "null":
         return NullPublisher(source, **common)
     if scheme == "zmq":
-        if "replay_timeout" in query:
-            raise EventURLError(f"replay_timeout is a subscriber parameter (in {redact_url(url)!r})")
+        curve = _zmq_publisher_curve(query, url)
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         allow_remote = _allow_remote(query, url) or bool(options.pop("allow_remote", False))
-        if not allow_remote and not (is_loopback_endpoint(pub) and (replay is None or is_loopback_endpoint(replay))):
+        if not allow_remote and not curve and not (
+            is_loopback_endpoint(pub) and (replay is None or is_loopback_endpoint(replay))
+        ):
             raise EventURLError(
                 f"{redact_url(url)!r} binds host {host!r}, which other machines can reach, and ZMQ event sockets have no "
                 "authentication (any peer could read the events and ask for replays): use a loopback host "
-                "(127.0.0.1, localhost, [::1]), or add allow_remote=1 to the URL on a trusted network"
+                "(127.0.0.1, localhost, [::1]), turn CURVE on (curve_secret=FILE), or add allow_remote=1 to the URL "
+                "on a trusted network"
             )
         return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, allow_remote=allow_remote,
-                            **options)
+                            **curve, **options)
     server, connect = _nats_target(url, query, nats_auth)
     connect.update(options)  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
@@ -273,6 +347,8 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
     scheme, host, port, query, netloc = _parse(url)
     stream = kw.pop("stream", None)  # jetstream:// only
     nats_auth = kw.pop("nats_auth", None)  # NATS URLs only
+    allowed = kw.pop("zmq_allowed_publishers", None)  # zmq:// only
+    zmq_secret = kw.pop("zmq_curve_secret", None)  # zmq:// only
     if scheme == "null":
         raise EventURLError("null:// has nothing to subscribe to")
     if scheme == "zmq" or scheme in _PEER_SCHEMES:
@@ -283,10 +359,14 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
         pub, replay = _zmq_endpoints(host, port or 0, query, url)
         kw = {**kw, **_replay_timeout(query, url)}
         if scheme in _PEER_SCHEMES:
+            if allowed is not None:
+                raise EventURLError(f"{redact_url(url)!r}: {scheme}:// publishers have no CURVE key, and only "
+                                    "publishers on the allowed list (zmq_allowed_publishers) are accepted")
             from event_plane.adapters.urls import peer_subscriber  # lazy: adapters are optional
 
             return peer_subscriber(_PEER_SCHEMES[scheme], pub, replay, query, url, **kw)
-        return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), **kw)
+        curve = _zmq_subscriber_curve(query, url, _allowed_keys(allowed), zmq_secret)
+        return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), curve=curve, **kw)
     namespace = query.get("namespace", "default")
     server, connect = _nats_target(url, query, nats_auth)
     kw = {**connect, **kw}  # a caller's explicit nats.connect keywords win
@@ -296,6 +376,18 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
         kw["stream"] = stream_limits_from_query(query, url, stream)
         return JetStreamSubscriber(server, namespace, **kw)
     return NatsSubscriber(server, namespace, **kw)
+
+
+def _allowed_keys(allowed: Any) -> frozenset[bytes] | None:
+    """``zmq_allowed_publishers``: ``None``, a directory / certificate file, or keys."""
+    if allowed is None or isinstance(allowed, frozenset):
+        return allowed
+    if isinstance(allowed, str | os.PathLike):
+        try:
+            return load_allowed(allowed)
+        except ConfigError as exc:
+            raise EventURLError(str(exc)) from exc
+    return frozenset(k if isinstance(k, bytes) else str(k).encode() for k in allowed)
 
 
 def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
@@ -308,7 +400,12 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
             transport options); ``stream=StreamLimits(...)`` goes to ``jetstream://``
             URLs only, whose stream parameters override it field by field;
             ``nats_auth=NatsAuth(...)``: credentials / TLS for NATS URLs that set none
-            (as in :func:`make_publisher`).
+            (as in :func:`make_publisher`); ``zmq_allowed_publishers`` (a directory of
+            ``*.key`` files, one certificate file, or Z85 keys): every ``zmq://`` URL must
+            use CURVE with a publisher key on it (added to the URL's own
+            ``allowed_publishers``); ``zmq_curve_secret`` (a secret key file): our CURVE
+            key for ``zmq://`` URLs that name none; ``origins=OriginGuard(...)``: bind
+            each source to its origin (:mod:`event_plane.origins`).
 
     Returns:
         A :class:`Subscriber`; call ``start()`` (or use it as a context manager).
@@ -316,14 +413,21 @@ def subscribe(urls: str | Sequence[str], **kw: Any) -> Subscriber:
     Raises:
         EventURLError: malformed URL, or no URL.
     """
+    origins = kw.pop("origins", None)
+    if "zmq_allowed_publishers" in kw:
+        kw["zmq_allowed_publishers"] = _allowed_keys(kw["zmq_allowed_publishers"])  # read the directory once
     if isinstance(urls, str):
-        return _subscriber(urls, dict(kw))
+        urls = [urls]
     urls = list(urls)
     if not urls:
         raise EventURLError("subscribe() needs at least one URL")
     if len(urls) == 1:
-        return _subscriber(urls[0], dict(kw))
-    capacity = kw.get("queue_capacity", 100_000)
-    return MultiSubscriber(
-        [_subscriber(u, dict(kw)) for u in urls], queue_capacity=capacity, on_resync=kw.get("on_resync")
-    )
+        sub = _subscriber(urls[0], dict(kw))
+    else:
+        capacity = kw.get("queue_capacity", 100_000)
+        sub = MultiSubscriber(
+            [_subscriber(u, dict(kw)) for u in urls], queue_capacity=capacity, on_resync=kw.get("on_resync")
+        )
+    if origins is not None:
+        sub.guard_origins(origins)
+    return sub

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 
 import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
+from zmq.auth.thread import ThreadAuthenticator
 
 from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig
+from event_plane.curve import CurveClient, CurveKeys, configure_client, configure_server
 from event_plane.errors import ConfigError, TransportError
 from event_plane.frames import END_SEQ, SEQ_BYTES, seq_from_bytes, seq_to_bytes
 from event_plane.ordering import GapCallback
+from event_plane.origins import zmq_origin
 from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
 from event_plane.subscriber import ResyncCallback, Subscriber
@@ -148,9 +151,17 @@ class ZmqPublisher(EventPublisher):
         context: ZMQ context (the process-wide one by default).
         bind_retry_s: seconds to keep retrying a bind that fails with EADDRINUSE.
         allow_remote: allow endpoints other machines can reach (``*``, ``0.0.0.0``, a
-            non-loopback address). The sockets have no authentication: any peer that
-            reaches them reads every event and can ask for replays. Off by default, so
-            only loopback endpoints bind (:func:`is_loopback_endpoint`).
+            non-loopback address) without CURVE. The sockets then have no
+            authentication: any peer that reaches them reads every event and can ask for
+            replays. Off by default, so only loopback endpoints bind
+            (:func:`is_loopback_endpoint`) unless ``curve`` is given.
+        curve: our CURVE keypair (:func:`event_plane.curve.load_secret`): the PUB and
+            replay ROUTER become CURVE servers (encrypted, and subscribers must know our
+            public key), and any endpoint may be bound. URL ``curve_secret=FILE``.
+        curve_clients: with ``curve``: a directory of the subscribers' public key files
+            (``*.key``) allowed to connect; others are refused by a ZAP authenticator
+            (on a ZMQ context of this publisher's own). ``None``: any client that knows
+            our public key. URL ``curve_clients=DIR``.
 
     Replay answers are bounded against clients that ask and never read (``docs/events.md``
     §5.2): the ROUTER's send high-water mark is ``config.replay_hwm`` and answers are paced
@@ -180,22 +191,47 @@ class ZmqPublisher(EventPublisher):
         context: zmq.Context | None = None,
         bind_retry_s: float = 2.0,
         allow_remote: bool = False,
+        curve: CurveKeys | None = None,
+        curve_clients: str | None = None,
     ) -> None:
-        if not allow_remote:
+        if curve_clients is not None and curve is None:
+            raise ConfigError("curve_clients needs CURVE on (a curve secret key, URL curve_secret=FILE)")
+        if not allow_remote and curve is None:
             for ep in (endpoint, replay_endpoint):
                 if ep is not None and not is_loopback_endpoint(ep):
                     raise ConfigError(
                         f"ZMQ publisher endpoint {ep} is reachable from other machines and the event sockets have "
                         "no authentication (any peer could read the events and ask for replays): bind a loopback "
-                        "address (127.0.0.1, localhost, ::1), or opt in with allow_remote=True (URL: allow_remote=1)"
+                        "address (127.0.0.1, localhost, ::1), turn CURVE on (URL: curve_secret=FILE), or opt in "
+                        "with allow_remote=True (URL: allow_remote=1)"
                     )
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.topic: bytes = topic.encode()
-        ctx = context or zmq.Context.instance()
+        self._curve = curve
+        self._auth: ThreadAuthenticator | None = None
+        self._own_ctx: zmq.Context | None = None
+        if curve_clients is not None:
+            # one ZAP handler per context: this publisher's own, so that several
+            # publishers (and subscribers) in one process do not share or fight over it
+            self._own_ctx = zmq.Context()
+            self._auth = ThreadAuthenticator(self._own_ctx, log=logging.getLogger(f"{__name__}.zap"))
+            self._auth.start()
+            try:
+                self._auth.configure_curve(domain="*", location=str(curve_clients))
+            except Exception:
+                self._release_own_context()
+                raise
+        ctx = self._own_ctx or context or zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
+        if curve is not None:
+            configure_server(self._pub, curve)
         self._pub.setsockopt(zmq.SNDHWM, _PUB_HWM)
         self._pub.setsockopt(zmq.LINGER, 1000)
-        self.endpoint: str = _bind(self._pub, endpoint, "PUB", bind_retry_s)
+        try:
+            self.endpoint: str = _bind(self._pub, endpoint, "PUB", bind_retry_s)
+        except TransportError:
+            self._release_own_context()
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.replay_buffer)
         self._buffer_lock = threading.Lock()
         self._stop = threading.Event()
@@ -211,6 +247,7 @@ class ZmqPublisher(EventPublisher):
                 router, self.replay_endpoint = self._make_router(replay_endpoint)
             except TransportError:
                 self._pub.close(linger=0)
+                self._release_own_context()
                 raise
             self._replay_thread = threading.Thread(
                 target=self._serve_replay, args=(router,), name=f"kvevents-replay-{source}", daemon=True
@@ -233,6 +270,21 @@ class ZmqPublisher(EventPublisher):
         if self._replay_thread is not None:
             self._replay_thread.join()
         self._pub.close()
+        self._release_own_context()
+
+    def _release_own_context(self) -> None:
+        """Stop the ZAP authenticator and end the context of a ``curve_clients`` publisher."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx is not None:
+            self._own_ctx.term()  # waits for the PUB's linger (its sockets are closed first)
+            self._own_ctx = None
+
+    @property
+    def curve_public_key(self) -> bytes | None:
+        """Our CURVE public key (Z85), or ``None`` with CURVE off."""
+        return None if self._curve is None else self._curve.public
 
     def buffered_seqs(self) -> list[int]:
         """Seqs currently held for replay, oldest first."""
@@ -263,6 +315,8 @@ class ZmqPublisher(EventPublisher):
         router.setsockopt(zmq.SNDHWM, self.config.replay_hwm)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, 1024)  # requests are a few bytes; bigger ones disconnect
+        if self._curve is not None:
+            configure_server(router, self._curve)
         return router, _bind(router, endpoint, "ROUTER", self._bind_retry_s)
 
     def _serve_replay(self, router: zmq.Socket) -> None:
@@ -419,9 +473,16 @@ class ZmqSubscriber(Subscriber):
         max_parked: batches of one source held back while its gap is being fetched
             (default :data:`MAX_PARKED`); further ones are dropped and counted in
             ``parked_dropped`` (the hole they leave is a new gap, recovered in turn).
+        curve: per endpoint pair, a :class:`~event_plane.curve.CurveClient` (our keys and
+            the publisher's public key: the SUB and replay DEALERs connect with CURVE) or
+            ``None`` (plain); one value applies to every pair. URL parameters
+            ``curve_server_key`` / ``curve_secret`` (:mod:`event_plane.urls`).
+
+    Each pair is an origin (:func:`event_plane.origins.zmq_origin`: its PUB endpoint and,
+    with CURVE, the publisher's key) for :meth:`Subscriber.guard_origins`.
 
     Raises:
-        ConfigError: no endpoints, or a non-positive limit.
+        ConfigError: no endpoints, a non-positive limit, or ``curve`` of the wrong length.
     """
 
     def __init__(
@@ -439,6 +500,7 @@ class ZmqSubscriber(Subscriber):
         idle_probe_s: float = 1.0,
         max_recovering: int = MAX_RECOVERING,
         max_parked: int = MAX_PARKED,
+        curve: CurveClient | Sequence[CurveClient | None] | None = None,
     ) -> None:
         super().__init__(on_gap=on_gap, queue_capacity=queue_capacity, on_resync=on_resync)
         for name, value in (("replay_timeout_s", replay_timeout_s), ("catch_up_timeout_s", catch_up_timeout_s)):
@@ -458,6 +520,14 @@ class ZmqSubscriber(Subscriber):
         if not endpoints:
             raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
         self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
+        if curve is None or isinstance(curve, CurveClient):
+            self._curve: list[CurveClient | None] = [curve] * len(self._endpoints)
+        else:
+            self._curve = list(curve)
+            if len(self._curve) != len(self._endpoints):
+                raise ConfigError(f"curve has {len(self._curve)} entries for {len(self._endpoints)} endpoint pairs")
+        self._origin = [zmq_origin(p, None if c is None else c.server_key)
+                        for (p, _), c in zip(self._endpoints, self._curve)]
         self._topic = bytes(topic)
         self._replay_timeout_s = replay_timeout_s
         self._ctx = context or zmq.Context.instance()
@@ -489,7 +559,7 @@ class ZmqSubscriber(Subscriber):
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, _PUB_HWM)
                 sock.setsockopt(zmq.SUBSCRIBE, self._topic)
-                sock.connect(pub_ep)
+                self._connect(sock, len(subs) - 1, pub_ep)
                 poller.register(sock, zmq.POLLIN)
         except Exception as exc:  # noqa: BLE001 - reported to start()
             self._error = exc
@@ -540,6 +610,13 @@ class ZmqSubscriber(Subscriber):
             self._recovering.clear()
             self._poller = None
 
+    def _connect(self, sock: zmq.Socket, i: int, endpoint: str) -> None:
+        """Connect ``sock`` to ``endpoint`` of pair ``i``, as a CURVE client when pair ``i`` has CURVE."""
+        curve = self._curve[i]
+        if curve is not None:
+            configure_client(sock, curve.keys, curve.server_key)
+        sock.connect(endpoint)
+
     def _decode(self, seq: int, payload: bytes, *, live: bool) -> EventBatch:
         """Turn one message payload (seq from its seq frame) into a batch.
 
@@ -571,6 +648,8 @@ class ZmqSubscriber(Subscriber):
     def _admit(self, i: int, batch: EventBatch, replayed: bool = False) -> None:
         """Take one decoded batch from endpoint ``i`` (``replayed``: from a catch-up answer):
         park it behind its source's recovery in progress, or hand it on (:meth:`_feed`)."""
+        if not self._origin_admits(batch, self._origin[i]):
+            return
         self._sources_at.setdefault(i, set()).add(batch.source)
         rec = self._recovering.get(batch.source)
         if rec is None:
@@ -606,7 +685,7 @@ class ZmqSubscriber(Subscriber):
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(self._endpoints[i][1])  # type: ignore[arg-type]
+        self._connect(dealer, i, self._endpoints[i][1])  # type: ignore[arg-type]
         dealer.send_multipart([b"", seq_to_bytes(gap[0])])
         now = time.monotonic()
         rec = _Recovery(i, batch.source, batch.epoch, gap[0], gap[1], dealer, now + self._replay_timeout_s,
@@ -724,7 +803,7 @@ class ZmqSubscriber(Subscriber):
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
-            dealer.connect(rep)
+            self._connect(dealer, i, rep)
             dealer.send_multipart([b"", seq_to_bytes(start)])
             pending[dealer] = (i, [])
             poller.register(dealer, zmq.POLLIN)

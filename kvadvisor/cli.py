@@ -197,5 +197,37 @@ def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]
     sys.exit(main(["--config", str(config)]))
 
 
+@advisor_app.command("origins")
+def advisor_origins(
+    config: Annotated[Path, typer.Option(help="JSON settings file of the advisor")],
+    release: Annotated[Optional[list[str]], typer.Option("--release", help="release this source's binding (repeatable)")] = None,
+) -> None:
+    """List the advisor's source → origin bindings (JSON), or release some (``--release``).
+
+    Works on the bindings file (``origins_path``) of a stopped advisor: a running one keeps
+    its bindings in memory until it stops (in code: ``AdvisorService.release_origin``).
+    """
+    from advisor.origin_store import SqliteOriginStore
+    from advisor.settings import AdvisorSettings, SettingsError
+
+    try:
+        settings = AdvisorSettings.from_json_file(config)
+    except (SettingsError, ValueError) as exc:
+        _fail(f"configuration error: {exc}")
+    path = settings.origins_file
+    if not Path(path).exists():
+        _fail(f"no origin bindings file at {path}")
+    store = SqliteOriginStore(path)
+    try:
+        missing = [src for src in release or [] if not store.release(src)]
+        released = sorted(set(release or []) - set(missing))
+        typer.echo(json.dumps({"origins_file": path, "bindings": store.load(), "released": released,
+                               "not_bound": missing}))
+    finally:
+        store.close()
+    if missing:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

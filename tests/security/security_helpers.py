@@ -1,0 +1,81 @@
+"""Helpers of the security tests: event chains, polling, advisor settings, a private nats-server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from advisor.service import AdvisorService
+from advisor.settings import AdvisorSettings
+from event_plane import store
+from storage_backends.local_s3 import free_port
+
+BS = 4096
+
+
+def chain(hashes: list[int], loc: str) -> list[Any]:
+    """Store events of one prefix chain (first hash = prefix hash) at ``loc``."""
+    out, parent = [], None
+    for h in hashes:
+        out.append(store(h, hashes[0], parent, BS, loc))
+        parent = h
+    return out
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll ``pred`` until true; fail after ``timeout`` seconds (generous: the machine is shared)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached in {timeout} s")
+
+
+def per_location(svc: AdvisorService, hashes: list[int]) -> dict[str, int]:
+    """How many of ``hashes`` (a chain) the advisor's index holds, per location."""
+    return dict(svc.query().lookup(hashes).per_location)
+
+
+def settings(tmp_path: Path, urls: list[str], **kw: Any) -> AdvisorSettings:
+    """Advisor settings for an ingest-only advisor journaling under ``tmp_path``."""
+    base: dict[str, Any] = {"journal_path": str(tmp_path / "journal.sqlite"), "subscribe_urls": urls,
+                            "api_enabled": False, "snapshot_store": "none", "policy_interval_s": 0,
+                            "get_timeout_s": 0.05}
+    return AdvisorSettings(**{**base, **kw})
+
+
+
+
+def nats_server(tmp_path: Path, body: str) -> Iterator[int]:
+    """A private nats-server on a free loopback port with config ``body`` (written mode
+    0600: it holds passwords); yields its port, stops it afterwards."""
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"listen: 127.0.0.1:{port}\n" + body)
+    exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15.0
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"nats-server did not listen on {port}") from None
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
