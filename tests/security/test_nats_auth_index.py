@@ -15,6 +15,7 @@ from typing import Any
 
 import nats
 import pytest
+from security_fixtures import advisor  # noqa: F401 - fixture
 from security_helpers import chain, nats_server, per_location, settings, wait_for
 
 from event_plane import PublisherConfig, TransportError, make_publisher

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from security_fixtures import advisor, keys  # noqa: F401 - fixtures
 from security_helpers import chain, per_location, settings, wait_for
 
 from event_plane import PublisherConfig, make_publisher

@@ -14,6 +14,7 @@ from urllib.parse import quote
 import pytest
 import zmq.auth
 import zmq.utils.z85
+from security_fixtures import advisor, keys  # noqa: F401 - fixtures
 from security_helpers import chain, per_location, settings, wait_for
 from typer.testing import CliRunner
 

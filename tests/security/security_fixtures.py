@@ -1,4 +1,6 @@
-"""Fixtures of the security tests: started advisors, CURVE keypairs."""
+"""Fixtures of the security tests: started advisors, CURVE keypairs.  Test modules import
+them by name (a ``conftest.py`` here would shadow the top-level one that other test
+directories import helpers from)."""
 
 from __future__ import annotations
 
