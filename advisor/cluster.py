@@ -20,9 +20,11 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
   ``unavailable`` too, so an answer is never older than the log was when the owner took
   over.  Every answer carries the stream sequence it reflects (``position``).
 
-Wire format of a query: request = MessagePack array of u64 sequence hashes (one piece of a
-chain); reply = MessagePack map ``{"locations": {location: n}, "position": int}`` or
-``{"unavailable": reason}``.
+Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashes (one
+piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
+``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "sources":
+{source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
+``{"position", "hashes": [...]}``.  Any of them may be answered ``{"unavailable": reason}``.
 """
 
 from __future__ import annotations
@@ -162,6 +164,20 @@ class _Replica:
         with self.lock:
             return {"locations": self.index.lookup(hashes), "position": self.position}
 
+    def op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{"op": "status"}`` -> position, block count, per-source last seq;
+        ``{"op": "blocks_at", "location": L}`` -> the hashes held at ``L``."""
+        if not self.ready.is_set():
+            return {"unavailable": "rebuilding"}
+        with self.lock:
+            if request.get("op") == "status":
+                return {"position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
+                        "errors": self.errors,
+                        "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
+            if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):
+                return {"position": self.position, "hashes": sorted(self.index.blocks_at(request["location"]))}
+        return {"unavailable": f"bad request: unknown op {str(request.get('op'))[:40]!r}"}
+
     def snapshot(self) -> None:
         with self.lock:
             if self.position == self.saved_position:
@@ -278,8 +294,13 @@ class ClusterNode:
             with self._lock:
                 rep = self.replicas.get(p)
             try:
-                hashes = _dec.decode(msg.data)
-                body = rep.lookup(hashes) if rep is not None else {"unavailable": "released"}
+                req = _dec.decode(msg.data)
+                if rep is None:
+                    body = {"unavailable": "released"}
+                elif isinstance(req, dict):
+                    body = rep.op(req)
+                else:
+                    body = rep.lookup(req)
             except Exception as exc:  # noqa: BLE001 - a malformed request gets an error answer
                 body = {"unavailable": f"bad request: {type(exc).__name__}"}
             await msg.respond(_enc.encode(body))
@@ -327,8 +348,12 @@ class ClusterClient:
         Raises:
             PartitionUnavailable: no owner, an owner still rebuilding, or no answer in time.
         """
+        body = self._request(partition, list(hashes))
+        return {str(k): int(v) for k, v in body["locations"].items()}, int(body["position"])
+
+    def _request(self, partition: int, body: Any) -> dict[str, Any]:
         async def req() -> Any:
-            return await self._nc.request(query_subject(self.namespace, partition), _enc.encode(list(hashes)),
+            return await self._nc.request(query_subject(self.namespace, partition), _enc.encode(body),
                                           timeout=self.timeout_s)
         try:
             msg = asyncio.run_coroutine_threadsafe(req(), self._loop).result(self.timeout_s + 5)
@@ -336,10 +361,29 @@ class ClusterClient:
             raise PartitionUnavailable(partition, "no owner", self.retry_after_s) from None
         except (NatsTimeoutError, asyncio.TimeoutError, TimeoutError):
             raise PartitionUnavailable(partition, "no answer in time", self.retry_after_s) from None
-        body = _dec.decode(msg.data)
-        if "unavailable" in body:
-            raise PartitionUnavailable(partition, str(body["unavailable"]), self.retry_after_s)
-        return {str(k): int(v) for k, v in body["locations"].items()}, int(body["position"])
+        out = _dec.decode(msg.data)
+        if "unavailable" in out:
+            raise PartitionUnavailable(partition, str(out["unavailable"]), self.retry_after_s)
+        return out
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        """Every partition's status (``{"op": "status"}`` answer), by partition.
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        return {p: self._request(p, {"op": "status"}) for p in range(self.scheme.partitions)}
+
+    def blocks_at(self, location: str) -> set[int]:
+        """Sequence hashes held at ``location`` across every partition.
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        out: set[int] = set()
+        for p in range(self.scheme.partitions):
+            out.update(self._request(p, {"op": "blocks_at", "location": location})["hashes"])
+        return out
 
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         """Longest cached prefix of a chain at each location, across the cluster

@@ -50,8 +50,11 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option(help="keep volumes, journal and catalog here")] = None,
     verify: Annotated[bool, typer.Option(help="check index == held blocks and read every block back")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+    scaled: Annotated[bool, typer.Option("--scaled", help="replay through the topology `kvadvisor up` started")] = False,
+    cluster_dir: Annotated[Path, typer.Option("--dir", help="--scaled: the directory given to `kvadvisor up`")] = Path("runs/cluster"),
 ) -> None:
-    """Replay a real trace through workers, event plane, advisor, volumes and the REST API."""
+    """Replay a real trace through workers, event plane, advisor, volumes and the REST API
+    (``--scaled``: through the NATS cluster, Redis, S3 and cluster advisors of ``kvadvisor up``)."""
     import signal
 
     from kvadvisor.demo import DemoError, run_demo
@@ -96,7 +99,17 @@ def demo(
             bar.console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): " + "  ".join(f"'{u}'" for u in event_urls))
 
         try:
-            report = run_demo(s, progress=progress, on_ready=ready)
+            if scaled:
+                from kvadvisor.scaled_demo import run_scaled_demo
+                from kvadvisor.up import UpError
+
+                try:
+                    report = run_scaled_demo(s, cluster_dir, progress=progress)
+                except UpError as exc:
+                    _fail(str(exc))
+                    return
+            else:
+                report = run_demo(s, progress=progress, on_ready=ready)
         except (DemoError, TraceFormatError, FileNotFoundError) as exc:
             _fail(str(exc))
             return
@@ -153,6 +166,45 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+
+
+@app.command()
+def up(
+    cluster_dir: Annotated[Path, typer.Option("--dir", help="state, stores and logs of the topology")] = Path("runs/cluster"),
+    nodes: Annotated[int, typer.Option(help="NATS servers in the JetStream cluster")] = 3,
+    advisors: Annotated[int, typer.Option(help="cluster advisors")] = 3,
+    partitions: Annotated[int, typer.Option(help="partitions of the prefix index")] = 8,
+) -> None:
+    """Start the scaled topology on loopback without Docker: a NATS JetStream cluster,
+    redis-server, an S3 endpoint and cluster advisors (they keep running; `kvadvisor down`)."""
+    from kvadvisor.up import UpError
+    from kvadvisor.up import up as start
+
+    try:
+        st = start(cluster_dir, nodes=nodes, advisors=advisors, partitions=partitions)
+    except UpError as exc:
+        _fail(str(exc))
+        return
+    console.print(f"NATS cluster {st.nats_url} · Redis 127.0.0.1 · S3 {st.s3_endpoint} · "
+                  f"{len(st.advisors)} advisors own {st.partitions} partitions")
+    console.print(f"state: {Path(st.root) / 'cluster.json'} (mode 0600) · logs: {Path(st.root) / 'logs'}")
+    console.print(f"next: kvadvisor demo --scaled --dir {cluster_dir}    stop: kvadvisor down --dir {cluster_dir}")
+
+
+@app.command()
+def down(
+    cluster_dir: Annotated[Path, typer.Option("--dir", help="the directory given to `kvadvisor up`")] = Path("runs/cluster"),
+) -> None:
+    """Stop the topology `kvadvisor up` started (advisors first, then the servers)."""
+    from kvadvisor.up import UpError
+    from kvadvisor.up import down as stop
+
+    try:
+        names = stop(cluster_dir)
+    except UpError as exc:
+        _fail(str(exc))
+        return
+    console.print(f"stopped: {', '.join(names)}")
 
 
 @app.command()

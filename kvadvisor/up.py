@@ -1,0 +1,247 @@
+"""``kvadvisor up`` / ``kvadvisor down``: the scaled topology on this machine, without Docker.
+
+Started from installed binaries, on loopback ports only (docs/design.md §8; ``compose/``
+describes the same topology in containers):
+
+* a NATS JetStream cluster of ``nodes`` servers (:class:`kvadvisor.localcluster.NatsCluster`);
+* ``redis-server`` (snapshots and the placement catalog), with a random password;
+* an S3 endpoint (``moto_server``) with a bucket of its own;
+* ``advisors`` cluster advisors (``python -m advisor.cluster``) sharing ``partitions``
+  partitions of the index through leases.
+
+Every process runs in its own session, so it outlives the command; ``up`` returns once all
+partitions are owned and writes ``<dir>/cluster.json`` (mode 0600: it holds the Redis
+password and the S3 keys), which ``kvadvisor demo --scaled`` and ``kvadvisor down`` read.
+Logs go to ``<dir>/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvadvisor.localcluster import NatsCluster, free_port
+
+__all__ = ["ClusterUp", "UpError", "down", "load", "up"]
+
+STATE_FILE = "cluster.json"
+
+
+class UpError(RuntimeError):
+    """The topology could not be started, read or stopped."""
+
+
+@dataclass
+class ClusterUp:
+    """What ``kvadvisor up`` started (the contents of ``cluster.json``).
+
+    Attributes:
+        root: the directory holding state, stores and logs.
+        nats_urls: client URL of every NATS node.
+        redis_url: ``redis://:PASSWORD@127.0.0.1:PORT/0``.
+        s3_endpoint, s3_access_key, s3_secret_key, s3_bucket: the S3 endpoint.
+        namespace: event namespace; partitions: index partitions (trunk 1, stretch 64).
+        replicas: JetStream replicas (3 on a 3-node cluster).
+        advisors: advisor ids; pids: every process started, by name.
+    """
+
+    root: str
+    nats_urls: list[str]
+    redis_url: str
+    s3_endpoint: str
+    s3_access_key: str
+    s3_secret_key: str
+    s3_bucket: str
+    namespace: str
+    partitions: int
+    replicas: int
+    advisors: list[str]
+    pids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nats_url(self) -> str:
+        """All NATS nodes, comma-separated."""
+        return ",".join(self.nats_urls)
+
+
+def _spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
+    log.close()
+    return proc
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
+    import socket
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise UpError(f"{what} exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise UpError(f"{what} did not answer on 127.0.0.1:{port} within {timeout_s} s")
+
+
+def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, namespace: str = "demo",
+       timeout_s: float = 90.0) -> ClusterUp:
+    """Start the scaled topology under ``root`` and return what runs.
+
+    Raises:
+        UpError: ``root`` already holds a running topology, a binary is missing, or a
+            process does not come up within ``timeout_s`` (everything started is stopped).
+    """
+    root = Path(root).resolve()
+    if (root / STATE_FILE).exists():
+        raise UpError(f"{root / STATE_FILE} exists: a topology runs there (kvadvisor down --dir {root} first)")
+    redis_exe = shutil.which("redis-server")
+    if redis_exe is None:
+        raise UpError("redis-server not found on PATH (Debian: apt-get install redis-server)")
+    root.mkdir(parents=True, exist_ok=True)
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    started: dict[str, subprocess.Popen[bytes]] = {}
+    nats = NatsCluster(root / "nats", nodes=nodes)
+    try:
+        nats.root.mkdir(parents=True, exist_ok=True)
+        for i in range(nodes):
+            nats.start_node(i)
+        for i, proc in enumerate(nats.procs):
+            assert proc is not None
+            started[f"nats-{i}"] = proc
+        nats.wait_ready(timeout_s)
+
+        rport, password = free_port(), secrets.token_hex(16)
+        conf = root / "redis.conf"
+        conf.write_text(f"bind 127.0.0.1\nport {rport}\nrequirepass {password}\nsave \"\"\nappendonly no\n"
+                        f"dir {root}\n")
+        conf.chmod(0o600)
+        started["redis"] = _spawn("redis", [redis_exe, str(conf)], logs)
+        _wait_port(rport, started["redis"], "redis-server")
+        redis_url = f"redis://:{password}@127.0.0.1:{rport}/0"
+
+        s3_port = free_port()
+        moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+        if not os.path.exists(moto):
+            moto = shutil.which("moto_server") or moto
+        started["s3"] = _spawn("s3", [moto, "-H", "127.0.0.1", "-p", str(s3_port)], logs)
+        _wait_port(s3_port, started["s3"], "moto_server")
+        endpoint = f"http://127.0.0.1:{s3_port}"
+        bucket = "kvadvisor-" + secrets.token_hex(4)
+        access, secret = "kv" + secrets.token_hex(8), secrets.token_hex(20)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access, aws_secret_access_key=secret,
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+
+        ids = [f"advisor-{i}" for i in range(advisors)]
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+        repo = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+        for a in ids:
+            started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster", "--nats", nats.url, "--redis", redis_url,
+                                    "--id", a, "--namespace", namespace, "--partitions", str(partitions),
+                                    "--replicas", str(3 if nodes >= 3 else 1), "--lease-ttl", "6",
+                                    "--heartbeat", "1", "--snapshot-interval", "10"], logs, env)
+        state = ClusterUp(root=str(root), nats_urls=nats.urls, redis_url=redis_url, s3_endpoint=endpoint,
+                          s3_access_key=access, s3_secret_key=secret, s3_bucket=bucket, namespace=namespace,
+                          partitions=partitions, replicas=3 if nodes >= 3 else 1, advisors=ids,
+                          pids={k: p.pid for k, p in started.items()})
+        _wait_owned(state, started, timeout_s)
+        path = root / STATE_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(state), f, indent=2)
+        return state
+    except BaseException:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+        raise
+
+
+def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    from advisor.leases import LeaseError, lease_owners
+
+    end = time.monotonic() + timeout_s
+    owners: dict[int, str] = {}
+    while time.monotonic() < end:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise UpError(f"{name} exited with code {proc.returncode} (log: {state.root}/logs/{name}.log)")
+        try:
+            owners = lease_owners(state.nats_url)
+        except LeaseError:
+            owners = {}
+        if len(owners) == state.partitions:
+            return
+        time.sleep(0.3)
+    raise UpError(f"only {len(owners)} of {state.partitions} partitions owned after {timeout_s} s "
+                  f"(logs: {state.root}/logs/)")
+
+
+def load(root: Path) -> ClusterUp:
+    """The topology ``kvadvisor up`` started under ``root``.
+
+    Raises:
+        UpError: no ``cluster.json`` there, or it is unreadable.
+    """
+    path = Path(root).resolve() / STATE_FILE
+    try:
+        return ClusterUp(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UpError(f"no topology under {path.parent} (run `kvadvisor up --dir {path.parent}` first)") from None
+    except (ValueError, TypeError) as exc:
+        raise UpError(f"{path} is unreadable: {exc}") from exc
+
+
+def down(root: Path, timeout_s: float = 20.0) -> list[str]:
+    """Stop what ``up`` started under ``root`` (SIGTERM, then SIGKILL after ``timeout_s``):
+    advisors first (they save their final snapshots), then the servers.  Returns the names
+    stopped; removes ``cluster.json``.
+
+    Raises:
+        UpError: no topology under ``root``.
+    """
+    state = load(root)
+    order = [n for n in state.pids if n.startswith("advisor")] + [n for n in state.pids if not n.startswith("advisor")]
+    stopped = []
+    for group in (order[: len(state.advisors)], order[len(state.advisors):]):
+        for name in group:
+            try:
+                os.kill(state.pids[name], signal.SIGTERM)
+                stopped.append(name)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + timeout_s
+        for name in group:
+            while time.monotonic() < end and _alive(state.pids[name]):
+                time.sleep(0.05)
+            if _alive(state.pids[name]):
+                os.kill(state.pids[name], signal.SIGKILL)
+    (Path(state.root) / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of this process counts as gone
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
