@@ -22,8 +22,9 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
 
 Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashes (one
 piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
-``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "sources":
-{source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
+``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events",
+"started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
+rebuild was done), "sources": {source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
 ``{"position", "hashes": [...]}``.  Any of them may be answered ``{"unavailable": reason}``.
 """
 
@@ -117,6 +118,8 @@ class _Replica:
     def __init__(self, node: ClusterNode, partition: int) -> None:
         s = node.settings
         self.partition = partition
+        self.started_at = time.time()  # wall clock, comparable across advisors (rebuild timing)
+        self.ready_at = 0.0
         self.lock = threading.Lock()
         self.snapshots = RedisSnapshotStore(s.redis_url, key_prefix=f"kvadvisor:{s.namespace}:p{partition}")
         loaded = load_latest(self.snapshots)
@@ -133,6 +136,7 @@ class _Replica:
         self.ready = threading.Event()
         if self.ready_after == 0:
             self.ready.set()
+            self.ready_at = time.time()
         self.stop_flag = threading.Event()
         self.applied = 0
         self.errors = 0
@@ -156,6 +160,7 @@ class _Replica:
                 self.position = seq
                 self.read += 1
             if not self.ready.is_set() and self.read >= self.ready_after:
+                self.ready_at = time.time()
                 self.ready.set()
 
     def lookup(self, hashes: Sequence[int]) -> dict[str, Any]:
@@ -172,7 +177,8 @@ class _Replica:
         with self.lock:
             if request.get("op") == "status":
                 return {"position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
-                        "errors": self.errors,
+                        "errors": self.errors, "started_at": self.started_at, "ready_at": self.ready_at,
+                        "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
             if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):
                 return {"position": self.position, "hashes": sorted(self.index.blocks_at(request["location"]))}
