@@ -12,6 +12,9 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
   ``kvadvisor:<NS>:p<k>``), then folds the stream tail after the snapshot's stream sequence
   through a durable pull consumer with explicit acks (``kvadvisor-<NS>-p<k>``).  It saves a
   snapshot every ``snapshot_interval_s`` and when it hands the partition over.
+* **Origins.**  A batch whose source is not its subject's last token is refused and
+  counted (``origin_refused`` in the status): the subject is the origin, and nats-server
+  permissions decide who may publish on it.
 * **Queries.**  The owner of ``k`` answers NATS requests on ``kvadvisor.query.<NS>.p<k>``
   (a subscription it holds only while it owns ``k``), so a lookup reaches the owner
   whoever it is; with no owner (a take-over in progress) NATS answers "no responders" at
@@ -112,6 +115,38 @@ class ClusterSettings:
                              heartbeat_s=self.heartbeat_s, replicas=self.replicas)
 
 
+class _BatchHead(msgspec.Struct, array_like=True):
+    """The envelope of a wire batch (docs/events.md §2.1), its events left undecoded."""
+
+    version: int
+    source: str
+    epoch: int
+    seq: int
+    ts_ns: int
+    events: msgspec.Raw
+
+
+_head = msgspec.msgpack.Decoder(_BatchHead)
+
+
+def _foreign_source(payload: bytes, subject: str) -> str | None:
+    """Why a batch that came on ``subject`` must be refused, or ``None``.
+
+    On NATS a batch's origin is its subject, ``kvadvisor.events.<namespace>.<source>``, and
+    nats-server per-user publish permissions bind users to subjects (docs/operations.md,
+    "NATS and JetStream"); a batch naming another source than its subject's is a forgery
+    (or a broken publisher) and changes nothing.  Undecodable envelopes are left to the
+    index, which rejects and counts them."""
+    try:
+        head = _head.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    token = subject.rsplit(".", 1)[-1]
+    if subject and head.source != token:
+        return f"source {head.source[:64]!r} on subject {subject[:160]!r}"
+    return None
+
+
 class _Replica:
     """One owned partition: its index, its stream reader and its fold thread."""
 
@@ -129,6 +164,7 @@ class _Replica:
         self.log = JetStreamLog(
             s.nats_url, partition_namespace(s.namespace, partition), start_seq=self.position + 1,
             stream=StreamLimits(replicas=s.replicas), durable=f"kvadvisor-{s.namespace}-p{partition}",
+            keep_subjects=True,
             connect_timeout_s=5.0, **s.connect_options)
         self.log.start()
         # answers wait until the fold has applied what the stream held for it at acquisition
@@ -141,6 +177,7 @@ class _Replica:
         self.applied = 0
         self.errors = 0
         self.read = 0
+        self.origin_refused = 0
         self.thread = threading.Thread(target=self._fold, name=f"fold-p{partition}", daemon=True)
         self.thread.start()
 
@@ -150,10 +187,18 @@ class _Replica:
             if item is None:
                 continue
             seq, payload = item
+            subject = self.log.subject_of(seq) or ""
             with self.lock:
                 try:
-                    self.index.apply_payload(payload)
-                    self.applied += 1
+                    refused = _foreign_source(payload, subject)
+                    if refused:
+                        self.origin_refused += 1
+                        if self.origin_refused == 1 or self.origin_refused % 1000 == 0:
+                            logger.warning("partition %d: batch at stream seq %d refused: %s (%d so far)",
+                                           self.partition, seq, refused, self.origin_refused)
+                    else:
+                        self.index.apply_payload(payload)
+                        self.applied += 1
                 except Exception as exc:  # noqa: BLE001 - a bad batch is counted, never fatal
                     self.errors += 1
                     logger.warning("partition %d: batch at stream seq %d refused: %s", self.partition, seq, exc)
@@ -177,7 +222,7 @@ class _Replica:
         with self.lock:
             if request.get("op") == "status":
                 return {"position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
-                        "errors": self.errors, "started_at": self.started_at, "ready_at": self.ready_at,
+                        "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
             if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):

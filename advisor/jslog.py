@@ -48,6 +48,8 @@ class JetStreamLog:
         inactive_threshold_s: the server removes the consumer after this long unread.
         stream: the stream's limits, used when this log creates the stream and checked
             against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
+        keep_subjects: remember each entry's subject until :meth:`subject_of` takes it
+            (the origin of a batch: ``kvadvisor.events.<namespace>.<source>``).
         durable: read through a durable consumer of this name (scaled mode: one per
             partition, so the server tracks what the owner acknowledged) instead of an
             ephemeral one.  The fold state lives in the snapshot, so a start always
@@ -76,6 +78,7 @@ class JetStreamLog:
         inactive_threshold_s: float = 60.0,
         stream: StreamLimits | None = None,
         durable: str | None = None,
+        keep_subjects: bool = False,
         **connect_options: Any,
     ) -> None:
         subject_for(namespace, "x")  # validates the namespace token
@@ -93,6 +96,7 @@ class JetStreamLog:
         self._connect_options = connect_options
         self._inactive_s = inactive_threshold_s
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
+        self.subjects: dict[int, str] = {}  # stream seq -> subject, kept only with keep_subjects
         self._closed = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -100,6 +104,7 @@ class JetStreamLog:
         self._js: Any = None
         self._task: Any = None
         self._durable = durable
+        self._keep_subjects = keep_subjects
         self.pending_at_start = 0  # entries of this namespace the stream held past start_seq at start()
 
     def _run(self, coro: Any, timeout: float = 30.0) -> Any:
@@ -157,6 +162,8 @@ class JetStreamLog:
     async def _pull(self, psub: Any) -> None:
         async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
             item = (int(msg.metadata.sequence.stream), bytes(msg.data))
+            if self._keep_subjects:
+                self.subjects[item[0]] = msg.subject
             while not self._closed.is_set():
                 try:
                     self._queue.put_nowait(item)
@@ -178,6 +185,10 @@ class JetStreamLog:
             return int(self._run(_info()))
         except Exception as exc:
             raise JetStreamLogError(f"stream info failed: {exc}") from exc
+
+    def subject_of(self, seq: int) -> str | None:
+        """The subject of the entry at stream sequence ``seq`` (once; ``keep_subjects`` only)."""
+        return self.subjects.pop(seq, None)
 
     def get(self, timeout: float | None = None) -> tuple[int, bytes] | None:
         """Next ``(stream sequence, payload)`` in stream order, or ``None`` after ``timeout`` s."""
