@@ -4,8 +4,8 @@ M. Arlitt, L. Cherkasova, J. Dilley, R. Friedrich and T. Jin, "Evaluating Conten
 Management Techniques for Web Proxy Caches", ACM SIGMETRICS Performance Evaluation Review
 27(4), 2000, §3.  A cached block has key ``K = F + L`` where ``F`` is its reference count
 since it entered the tier (1 on insertion) and ``L`` the cache age; the block with the
-smallest key is evicted and ``L`` becomes its key.  A reference recomputes ``K`` with the
-current ``L``.  Ties (not fixed by the paper) go to the least recently referenced block.
+smallest key is evicted (before a missed block is admitted) and ``L`` becomes its key.  A
+reference recomputes ``K`` with the current ``L``.  Ties (not fixed by the paper) go to the least recently referenced block.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) ->
             x = flat[j]
             clock += 1
             if freq[x] == 0:
+                while size >= capacity:  # the missed block is always admitted: evict first
+                    k, s, v = heapq.heappop(heap)
+                    if freq[v] > 0 and stamp[v] == s:
+                        freq[v] = 0
+                        size -= 1
+                        age = k
                 size += 1
             freq[x] += 1
             stamp[x] = clock
             key[x] = freq[x] + age
             heapq.heappush(heap, (key[x], clock, np.int64(x)))
-            while size > capacity:
-                k, s, v = heapq.heappop(heap)
-                if freq[v] > 0 and stamp[v] == s:
-                    freq[v] = 0
-                    size -= 1
-                    age = k
             if len(heap) > 4 * capacity + 1024:
                 heap = [(key[v], stamp[v], np.int64(v)) for v in range(n_blocks) if freq[v] > 0]
                 heapq.heapify(heap)
