@@ -1,13 +1,35 @@
-"""Prefix-value eviction (the default policy), compiled, with lookahead.
+"""Prefix-value eviction with an adaptive memory: the default policy of the evaluator.
 
-priority(block) = last access clock + horizon × value(class of the block at that access);
-the lowest priority is evicted, a block's priority never exceeds its parent's within a
-request (leaves first), and evicting a block evicts its cached descendants.
+priority(block) = last reference clock + horizon × P(reuse | class of the block)
+
+* ``clock`` counts block references; ``horizon`` = ``horizon_multiplier`` × the mean
+  observed reuse distance (clock ticks), so one setting fits every capacity and trace.
+* The *class* of a block at a reference is ``(times referenced before (capped), blocks
+  from the request's end (capped), whether the request continued a known prefix)``;
+  ``P(reuse | class)`` is learned online (a reference credits the class its block had at
+  its previous reference), with a prior.  The last, partial block of a request is almost
+  never reused; a block referenced again is reused far more often than a new one.
+* **Memory window** (the adaptivity, after ARC's ghost directory — N. Megiddo and D. S.
+  Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", USENIX FAST 2003 — which
+  remembers only about ``2c`` recent ids): a block's history is forgotten when it has not
+  been referenced for ``window × capacity`` ticks, so it counts as new again.  The window
+  is tuned online by two shadow replays of the same requests with half and twice the
+  current window (miniature simulations, C. A. Waldspurger et al., "Cache Modeling and
+  Optimization using Miniature Simulations", USENIX ATC 2017, here at full size): every
+  ``adapt_every × capacity`` ticks the window moves by ``adapt_step`` towards the shadow
+  that hit more, between ``min_window`` and ``max_window``.
+* Prefix structure: within a request a block's priority never exceeds its parent's
+  (leaves go first, a parent is worth at least its children), and evicting a block evicts
+  its cached descendants (a block without its parent can never be hit).
+* Lookahead (``lookahead`` = K > 0): the next K requests are visible, as a router's lookup
+  or a scheduler's queue makes them.  A cached block due in the window is evicted last
+  (the farthest due first), and a visible request's blocks that were seen before (so sit
+  on a lower tier) are promoted before it runs, up to the first never-seen block.
 """
 
 from __future__ import annotations
 
-import heapq
+from dataclasses import astuple, dataclass
 
 import numba
 import numpy as np
@@ -15,38 +37,130 @@ import numpy as np
 from advisor.eviction.compact import CompactTrace
 
 BIG = 1.0e18
+N_INST = 3  # 0 = the real tier, 1 = shadow with window / step, 2 = shadow with window × step
+
+
+@dataclass(frozen=True)
+class PrefixValueSettings:
+    """Settings of the default policy (one set for every trace and capacity).
+
+    Attributes:
+        horizon_multiplier: horizon = this × mean observed reuse distance (ticks).
+        initial_horizon: horizon (ticks) before any reuse was observed.
+        max_seen: "times referenced before" is capped at this value in the class.
+        max_from_end: "blocks from the request's end" is capped at this value.
+        prior_reuse: prior P(reuse) of a class, with pseudo-count ``prior_weight``.
+        prior_weight: pseudo-count of the prior.
+        initial_window: memory window at start, in multiples of the capacity (ticks).
+        min_window: smallest window (× capacity).
+        max_window: largest window (× capacity); at this value nothing is forgotten.
+        adapt_step: factor between the window and its shadows, and of one move.
+        adapt_every: adaptation period, in multiples of the capacity (ticks).
+    """
+
+    horizon_multiplier: float = 8.0
+    initial_horizon: float = 100_000.0
+    max_seen: int = 4
+    max_from_end: int = 1
+    prior_reuse: float = 0.3
+    prior_weight: float = 1.0
+    initial_window: float = 8.0
+    min_window: float = 1.0
+    max_window: float = 64.0
+    adapt_step: float = 2.0
+    adapt_every: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not (self.horizon_multiplier > 0 and self.initial_horizon > 0 and self.prior_weight > 0):
+            raise ValueError("horizon_multiplier, initial_horizon and prior_weight must be > 0")
+        if self.max_seen < 0 or self.max_from_end < 0 or not 0.0 <= self.prior_reuse <= 1.0:
+            raise ValueError("max_seen, max_from_end must be >= 0 and prior_reuse in [0, 1]")
+        if not 0 < self.min_window <= self.initial_window <= self.max_window:
+            raise ValueError("need 0 < min_window <= initial_window <= max_window")
+        if self.adapt_step <= 1.0 or self.adapt_every <= 0:
+            raise ValueError("adapt_step must be > 1 and adapt_every > 0")
+
+    def as_array(self) -> np.ndarray:
+        """The settings as the float64 vector the compiled kernel takes."""
+        return np.array(astuple(self), dtype=np.float64)
+
+
+@numba.njit(cache=True, inline="always")
+def _push(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, k: int, key: float, x: int) -> None:
+    i = hsize[k]
+    hsize[k] = i + 1
+    while i > 0:
+        p = (i - 1) >> 1
+        if hkey[k, p] <= key:
+            break
+        hkey[k, i] = hkey[k, p]
+        hid[k, i] = hid[k, p]
+        i = p
+    hkey[k, i] = key
+    hid[k, i] = x
+
+
+@numba.njit(cache=True, inline="always")
+def _pop(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, k: int) -> tuple[float, int]:
+    top_key = hkey[k, 0]
+    top_id = hid[k, 0]
+    n = hsize[k] - 1
+    hsize[k] = n
+    key = hkey[k, n]
+    x = hid[k, n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and hkey[k, c + 1] < hkey[k, c]:
+            c += 1
+        if hkey[k, c] >= key:
+            break
+        hkey[k, i] = hkey[k, c]
+        hid[k, i] = hid[k, c]
+        i = c
+    hkey[k, i] = key
+    hid[k, i] = x
+    return top_key, top_id
+
+
+@numba.njit(cache=True)
+def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndarray, k: int) -> None:
+    hsize[k] = 0
+    for x in range(prio.shape[1]):
+        if not np.isnan(prio[k, x]):
+            _push(hkey, hid, hsize, k, prio[k, x], x)
 
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
-         next_use: np.ndarray, lookahead: int, params: np.ndarray) -> np.ndarray:
-    horizon_mult = params[0]
-    initial_horizon = params[1]
-    max_seen = int(params[2])
-    max_from_end = int(params[3])
-    prior = params[4]
-    prior_w = params[5]
-    mode = int(params[6])
-    cascade = params[7] > 0
-    promote = params[8] > 0
+         next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray) -> np.ndarray:
+    horizon_mult, initial_horizon = params[0], params[1]
+    max_seen, max_from_end = int(params[2]), int(params[3])
+    prior, prior_w = params[4], params[5]
+    window, min_window, max_window = params[6], params[7], params[8]
+    step, adapt_every = params[9], params[10]
     n_fe = max_from_end + 1
-    n_ib = int(params[9]) + 1 if (mode == 1 or mode == 3) else 1
-    ib_scale = params[10]
-    n_cls = (max_seen + 1) * n_fe * 2 * n_ib
-    if mode == 5:
-        n_cls = (max_seen + 1) * n_fe * 4 * 3 * 2
-    kids = np.zeros(n_blocks, dtype=np.int32)
-    ins = np.zeros(n_cls, dtype=np.float64)
-    reu = np.zeros(n_cls, dtype=np.float64)
-    cdist = np.zeros(n_cls, dtype=np.float64)
-    dist_sum = 0.0
-    dist_n = 0
+    n_cls = (max_seen + 1) * n_fe * 2
     n_req = offsets.shape[0] - 1
-    seen = np.zeros(n_blocks, dtype=np.int32)
+    max_len = 0
+    for i in range(n_req):
+        max_len = max(max_len, offsets[i + 1] - offsets[i])
+    ins = np.zeros((N_INST, n_cls))
+    reu = np.zeros((N_INST, n_cls))
+    dist_sum = np.zeros(N_INST)
+    dist_n = np.zeros(N_INST)
+    seen = np.zeros((N_INST, n_blocks), dtype=np.int32)
+    cls_of = np.zeros((N_INST, n_blocks), dtype=np.int32)
+    prio = np.full((N_INST, n_blocks), np.nan)  # nan = not cached
+    size = np.zeros(N_INST, dtype=np.int64)
+    heap_cap = 4 * capacity + 1024 + 2 * max_len + 16
+    hkey = np.empty((N_INST, heap_cap))
+    hid = np.empty((N_INST, heap_cap), dtype=np.int32)
+    hsize = np.zeros(N_INST, dtype=np.int64)
     last = np.zeros(n_blocks, dtype=np.int64)
-    cls_of = np.zeros(n_blocks, dtype=np.int32)
-    prio = np.full(n_blocks, np.nan, dtype=np.float64)  # nan = not cached
-    # children lists from the fixed parent array
+    ever = np.zeros(n_blocks, dtype=np.bool_)
     first_child = np.full(n_blocks, -1, dtype=np.int32)
     sibling = np.full(n_blocks, -1, dtype=np.int32)
     for x in range(n_blocks):
@@ -54,134 +168,132 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
         if p >= 0:
             sibling[x] = first_child[p]
             first_child[p] = x
-    hits = np.zeros(n_req, dtype=np.int64)
-    heap = [(0.0, np.int64(0))]
-    heap.pop()
     stack = np.empty(n_blocks, dtype=np.int32)
-    size = 0
+    hits = np.zeros(n_req, dtype=np.int64)
+    shadow_hits = np.zeros(N_INST)
+    windows = np.array([window, window / step, window * step])
     clock = 0
+    next_adapt = int(adapt_every * capacity)
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
-        j = a
-        while j < b and not np.isnan(prio[flat[j]]):
-            j += 1
-        hits[i] = j - a
-        # lookahead: blocks of request i+K become visible; cached ones are protected
-        if lookahead > 0 and i + lookahead < n_req:
-            w = i + lookahead
-            for jj in range(offsets[w], offsets[w + 1]):
-                x = flat[jj]
-                if np.isnan(prio[x]):
-                    if not promote or seen[x] == 0:
-                        break  # never seen: nothing to promote from a lower tier
-                    size += 1
-                    prio[x] = BIG - w
-                    heapq.heappush(heap, (prio[x], np.int64(x)))
-                elif prio[x] < BIG:
-                    prio[x] = BIG - w
-                    heapq.heappush(heap, (prio[x], np.int64(x)))
-        seen_prefix = 0
-        for jj in range(a, b):
-            if seen[flat[jj]] == 0:
-                break
-            seen_prefix += 1
-        cont = 1 if seen_prefix > 1 else 0
-        horizon = initial_horizon if dist_n == 0 else horizon_mult * dist_sum / dist_n
         n = b - a
-        parent_prio = np.inf
+        for k in range(N_INST):
+            j = a
+            while j < b and not np.isnan(prio[k, flat[j]]):
+                j += 1
+            if k == 0:
+                hits[i] = j - a
+            shadow_hits[k] += j - a
+        w = i + lookahead
+        if lookahead > 0 and w < n_req:
+            for k in range(N_INST):
+                for jj in range(offsets[w], offsets[w + 1]):
+                    x = flat[jj]
+                    if np.isnan(prio[k, x]):
+                        if not promote or not ever[x]:
+                            break  # never seen: nothing to promote from a lower tier
+                        size[k] += 1
+                    elif prio[k, x] >= BIG:
+                        continue
+                    prio[k, x] = BIG - w
+                    _push(hkey, hid, hsize, k, BIG - w, x)
+        known = 0
         for jj in range(a, b):
-            x = flat[jj]
-            pos = jj - a
-            fe = min(n - 1 - pos, max_from_end)
-            s = seen[x]
-            if s > 0:
-                reu[cls_of[x]] += 1.0
-                cdist[cls_of[x]] += clock - last[x]
-                dist_sum += clock - last[x]
-                dist_n += 1
-            c = (min(s, max_seen) * n_fe + fe) * 2 + cont
-            if mode == 5:
-                if jj + 1 < b and seen[flat[jj + 1]] == 0:
-                    kids[x] += 1
-                lb = 0 if n < 16 else (1 if n < 64 else 2)
-                spb = 1 if 2 * seen_prefix >= n else 0
-                c = (((min(s, max_seen) * n_fe + fe) * 4 + min(kids[x], 3)) * 3 + lb) * 2 + spb
-            if mode == 1 or mode == 3:
-                ib = 0
+            if not ever[flat[jj]]:
+                break
+            known += 1
+        cont = 1 if known > 1 else 0
+        for k in range(N_INST):
+            forget = windows[k] * capacity if windows[k] < max_window else np.inf
+            horizon = initial_horizon if dist_n[k] == 0 else horizon_mult * dist_sum[k] / dist_n[k]
+            parent_prio = np.inf
+            for jj in range(a, b):
+                x = flat[jj]
+                pos = jj - a
+                s = seen[k, x]
+                if s > 0 and clock - last[x] > forget:
+                    s = 0  # forgotten: counts as a new block
                 if s > 0:
-                    d = (clock - last[x]) / ib_scale
-                    ib = 1
-                    while d >= 2.0 and ib < n_ib - 1:
-                        d *= 0.5
-                        ib += 1
-                c = c * n_ib + ib
-            ins[c] += 1.0
-            seen[x] = s + 1
-            last[x] = clock
-            cls_of[x] = c
-            pr = (reu[c] + prior_w * prior) / (ins[c] + prior_w)
-            if mode == 2 or mode == 3:
-                dc = cdist[c] / reu[c] if reu[c] > 0 else initial_horizon
-                pr = pr * dc * horizon_mult / horizon
-            if mode == 6:
-                pr = min(s + 1, max_seen + 1) / (max_seen + 1.0)
-            if mode == 7:
-                pr = 0.0 if s == 0 else 1.0
-            if mode == 4:
-                pr = 1.0 if next_use[jj] < n_req else 0.0
-            nu = next_use[jj]
-            if lookahead > 0 and nu <= i + lookahead:
-                q = BIG - nu
-            else:
-                q = clock + horizon * pr - pos * 1e-6
-            if q > parent_prio:
-                q = parent_prio - 1e-6
-            parent_prio = q
-            if np.isnan(prio[x]):
-                size += 1
-            prio[x] = q
-            heapq.heappush(heap, (q, np.int64(x)))
+                    reu[k, cls_of[k, x]] += 1.0
+                    dist_sum[k] += clock - last[x]
+                    dist_n[k] += 1.0
+                c = (min(s, max_seen) * n_fe + min(n - 1 - pos, max_from_end)) * 2 + cont
+                ins[k, c] += 1.0
+                seen[k, x] = s + 1
+                cls_of[k, x] = c
+                nu = next_use[jj]
+                if lookahead > 0 and nu <= i + lookahead:
+                    q = BIG - nu
+                else:
+                    q = clock + horizon * (reu[k, c] + prior_w * prior) / (ins[k, c] + prior_w) - pos * 1e-6
+                if q > parent_prio:
+                    q = parent_prio - 1e-6  # leaves first: never above its parent
+                parent_prio = q
+                if np.isnan(prio[k, x]):
+                    size[k] += 1
+                prio[k, x] = q
+                _push(hkey, hid, hsize, k, q, x)
+        for jj in range(a, b):
+            last[flat[jj]] = clock
+            ever[flat[jj]] = True
         clock += n
-        while size > capacity:
-            q, v = heapq.heappop(heap)
-            if prio[v] != q:
-                continue
-            prio[v] = np.nan
-            size -= 1
-            if cascade:
+        for k in range(N_INST):
+            while size[k] > capacity:
+                q, v = _pop(hkey, hid, hsize, k)
+                if prio[k, v] != q:
+                    continue  # stale entry
+                prio[k, v] = np.nan
+                size[k] -= 1
                 top = 0
                 c2 = first_child[v]
                 while c2 >= 0:
                     stack[top] = c2
                     top += 1
                     c2 = sibling[c2]
-                while top > 0:
+                while top > 0:  # cascade: a child without its parent is never hit
                     top -= 1
                     u = stack[top]
-                    if not np.isnan(prio[u]):
-                        prio[u] = np.nan
-                        size -= 1
+                    if not np.isnan(prio[k, u]):
+                        prio[k, u] = np.nan
+                        size[k] -= 1
                         c2 = first_child[u]
                         while c2 >= 0:
                             stack[top] = c2
                             top += 1
                             c2 = sibling[c2]
-        if len(heap) > 4 * capacity + 1024:
-            heap = [(prio[v], np.int64(v)) for v in range(n_blocks) if not np.isnan(prio[v])]
-            heapq.heapify(heap)
+            if hsize[k] > 4 * capacity + 1024:
+                _rebuild(hkey, hid, hsize, prio, k)
+        if clock >= next_adapt:
+            next_adapt = clock + int(adapt_every * capacity)
+            if shadow_hits[2] > shadow_hits[1]:
+                window = min(window * step, max_window)
+            elif shadow_hits[1] > shadow_hits[2]:
+                window = max(window / step, min_window)
+            windows[0], windows[1], windows[2] = window, max(window / step, min_window), min(window * step, max_window)
+            shadow_hits[:] = 0.0
     return hits
 
 
-DEFAULT_PARAMS = np.array([8.0, 100_000.0, 4, 1, 0.3, 1.0, 0, 1, 1, 12, 64.0], dtype=np.float64)
+def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
+             settings: PrefixValueSettings | None = None, promote: bool = True) -> np.ndarray:
+    """Hit blocks per request (int64 ``[requests]``) under the default policy.
 
+    Args:
+        trace: the compact trace.
+        capacity: fast-tier capacity in blocks (>= 1).
+        lookahead: upcoming requests visible (0 = none).
+        settings: policy settings (default: :class:`PrefixValueSettings`).
+        promote: with a lookahead, also promote a visible request's known blocks (else the
+            hints only keep cached blocks from eviction).
 
-def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0, params: np.ndarray | None = None) -> np.ndarray:
-    """Hit blocks per request (int64 ``[requests]``) under prefix-value eviction."""
-    p = DEFAULT_PARAMS if params is None else params
+    Raises:
+        ValueError: ``capacity`` < 1 or ``lookahead`` < 0.
+    """
+    if capacity < 1 or lookahead < 0:
+        raise ValueError(f"need capacity >= 1 and lookahead >= 0, got {capacity}, {lookahead}")
+    p = (settings or PrefixValueSettings()).as_array()
     nu = trace.next_use() if lookahead > 0 else np.zeros(trace.refs, dtype=np.int64)
-    if lookahead <= 0:
-        nu = nu + trace.requests + 1
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, p)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p)
 
 
-__all__ = ["simulate"]
+__all__ = ["PrefixValueSettings", "simulate"]
