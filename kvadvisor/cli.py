@@ -164,6 +164,8 @@ def evaluate(
     baselines: Annotated[str, typer.Option(help="online baselines, comma-separated (LRU always runs)")] = ",".join(
         ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru")),
     lookahead: Annotated[str, typer.Option(help="upcoming requests our policies see, comma-separated (e.g. 0,1,4,16)")] = "0",
+    promote: Annotated[bool, typer.Option("--promote/--no-promote",
+                                          help="with --lookahead: promote a visible request's known blocks (else only protect)")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG plot of hit rate vs capacity")] = None,
     limit: Annotated[Optional[int], typer.Option(help="replay only the first N requests")] = None,
     stagger_s: Annotated[float, typer.Option(help="WEKA: seconds between conversation starts")] = 60.0,
@@ -183,7 +185,8 @@ def evaluate(
         ks = ev_mod.parse_lookaheads(lookahead)
         reqs = ev_mod.load_trace(trace, format, limit, stagger_s)  # type: ignore[arg-type]
         result = ev_mod.evaluate(reqs, caps, [p.strip() for p in policies.split(",") if p.strip()], ks,
-                                 [p.strip() for p in baselines.split(",") if p.strip()], trace=trace.name)
+                                 [p.strip() for p in baselines.split(",") if p.strip()], trace=trace.name,
+                                 promote=promote)
     except (ev_mod.EvaluateError, TraceFormatError, FileNotFoundError) as exc:
         _fail(str(exc))
         return

@@ -216,7 +216,7 @@ class Evaluation:
 def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
              policies: Sequence[str] = (DEFAULT_POLICY,), lookaheads: Sequence[int] = (0,),
              baselines: Sequence[str] = BASELINES, trace: str = "",
-             progress: Callable[[str, int], None] | None = None) -> Evaluation:
+             progress: Callable[[str, int], None] | None = None, promote: bool = True) -> Evaluation:
     """Replay ``requests`` at each capacity under the baselines, Belady and ``policies``.
 
     Args:
@@ -228,6 +228,8 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
         baselines: online baselines to compare with (LRU is always run).
         trace: a label for reports.
         progress: called with ``(column, capacity)`` before each replay.
+        promote: with a lookahead, a visible request's blocks seen before are promoted
+            before it runs; ``False``: hints only keep cached blocks from eviction.
 
     Raises:
         EvaluateError: empty trace, capacity < 1, lookahead < 0 or unknown policy.
@@ -258,7 +260,7 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
             col = column(p, k)
             if progress:
                 progress(col, cap)
-            res.hit_rate[col] = float(POLICIES[p](ct, cap, k).sum()) / refs if refs else 0.0
+            res.hit_rate[col] = float(POLICIES[p](ct, cap, k, promote).sum()) / refs if refs else 0.0
         results.append(res)
     distinct = int(ct.n_blocks)
     return Evaluation(trace, ct.requests, refs, distinct, cols, results, time.perf_counter() - t0, base)

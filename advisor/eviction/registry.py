@@ -1,8 +1,9 @@
 """Names of the evaluator's policies and the function that replays each.
 
-Every entry maps a name to ``simulate(trace, capacity, lookahead) -> hits per request``
-(int64 ``[requests]``).  Baselines ignore ``lookahead`` (they take no hints); the default
-policy (:data:`DEFAULT_POLICY`) uses it (:mod:`advisor.eviction.prefix_value`).
+Every entry maps a name to ``simulate(trace, capacity, lookahead, promote) -> hits per
+request`` (int64 ``[requests]``).  Baselines ignore ``lookahead`` and ``promote`` (they take
+no hints); the default policy (:data:`DEFAULT_POLICY`) uses them
+(:mod:`advisor.eviction.prefix_value`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from advisor.eviction import arc, belady, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
 from advisor.eviction.compact import CompactTrace
 
-Simulator = Callable[[CompactTrace, int, int], np.ndarray]
+Simulator = Callable[[CompactTrace, int, int, bool], np.ndarray]
 
 LRU = "lru"
 BELADY = "belady"
@@ -29,7 +30,7 @@ LABELS: dict[str, str] = {
 
 
 def _no_hints(mod: object) -> Simulator:
-    def run(trace: CompactTrace, capacity: int, lookahead: int = 0) -> np.ndarray:
+    def run(trace: CompactTrace, capacity: int, lookahead: int = 0, promote: bool = True) -> np.ndarray:
         return mod.simulate(trace, capacity)  # type: ignore[attr-defined,no-any-return]
     return run
 
@@ -42,7 +43,8 @@ POLICIES: dict[str, Simulator] = {
     "sieve": _no_hints(sieve),
     "prefix_lru": _no_hints(prefix_lru),
     "belady": _no_hints(belady),
-    "prefix_value": lambda trace, capacity, lookahead=0: prefix_value.simulate(trace, capacity, lookahead),
+    "prefix_value": lambda trace, capacity, lookahead=0, promote=True: prefix_value.simulate(
+        trace, capacity, lookahead, promote=promote),
 }
 
 __all__ = ["BASELINES", "BELADY", "DEFAULT_POLICY", "LABELS", "LRU", "POLICIES", "Simulator"]
