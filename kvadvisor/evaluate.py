@@ -323,7 +323,9 @@ def plot(ev: Evaluation, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     caps = [r.capacity for r in ev.results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    tab20 = list(plt.get_cmap("tab20").colors)
+    ax.set_prop_cycle(color=tab20[0::2] + tab20[1::2])  # 20 distinct colours, strong ones first
     for p in (*ev.baselines, BELADY, *ev.policies):
         ax.plot(caps, [r.hit_rate[p] for r in ev.results], marker="o", label=_label(p),
                 linestyle="--" if p in (*ev.baselines, BELADY) else "-", linewidth=2 if p in ev.policies else 1)
@@ -332,7 +334,7 @@ def plot(ev: Evaluation, out: str | Path) -> Path:
     ax.set_ylabel("prefix hit rate (blocks)")
     ax.set_title(f"{ev.trace}: {ev.requests:,} requests")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=120)
