@@ -87,7 +87,7 @@ def compact(requests: Sequence[Sequence[int]]) -> CompactTrace:
         The :class:`CompactTrace`; dense ids keep the order of the original ids.
 
     Raises:
-        ValueError: a block id does not fit in int64.
+        ValueError: a block id is not an integer in int64 range (the message names the request).
     """
     lengths = np.fromiter((len(r) for r in requests), dtype=np.int64, count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
@@ -95,10 +95,13 @@ def compact(requests: Sequence[Sequence[int]]) -> CompactTrace:
     total = int(offsets[-1])
     raw = np.empty(total, dtype=np.int64)
     pos = 0
-    for r in requests:
+    for i, r in enumerate(requests):
         n = len(r)
         if n:
-            raw[pos:pos + n] = r
+            try:
+                raw[pos:pos + n] = r
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"request {i}: block ids must be integers in int64 range ({exc})") from exc
         pos += n
     uniq, inv = np.unique(raw, return_inverse=True)
     flat = inv.astype(np.int32).reshape(-1)

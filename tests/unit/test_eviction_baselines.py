@@ -25,6 +25,8 @@ def test_compact_keeps_id_order_parents_and_next_uses() -> None:
     assert ct.offsets.tolist() == [0, 2, 4, 5]
     assert ct.parent.tolist() == [2, 2, -1]  # 10 and 20 both follow 30
     assert ct.next_use().tolist() == [1, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="request 1"):
+        compact([[1], [2**64]])
 
 
 def test_lru() -> None:
