@@ -212,13 +212,19 @@ def evaluate(
     trace: Annotated[Path, typer.Option(help="Mooncake jsonl, or a WEKA trace_NNNN.json[.gz] file / directory")],
     capacity: Annotated[str, typer.Option(help="fast-tier capacities in blocks, comma-separated")],
     format: Annotated[Optional[str], typer.Option("--format", help="mooncake | weka (default: from the name)")] = None,
-    policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated")] = "prefix_value,seen_twice",
+    policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated")] = "prefix_value",
+    baselines: Annotated[str, typer.Option(help="online baselines, comma-separated (LRU always runs)")] = ",".join(
+        ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru")),
+    lookahead: Annotated[str, typer.Option(help="upcoming requests our policies see, comma-separated (e.g. 0,1,4,16)")] = "0",
+    promote: Annotated[bool, typer.Option("--promote/--no-promote",
+                                          help="with --lookahead: promote a visible request's known blocks (else only protect)")] = True,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="write a PNG plot of hit rate vs capacity")] = None,
     limit: Annotated[Optional[int], typer.Option(help="replay only the first N requests")] = None,
     stagger_s: Annotated[float, typer.Option(help="WEKA: seconds between conversation starts")] = 60.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results as JSON")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="also print the table as markdown")] = False,
 ) -> None:
-    """Replay a trace: fast-tier hit rate of LRU, Belady and our policies per capacity."""
+    """Replay a trace: fast-tier hit rate of the baselines, Belady and our policies per capacity."""
     from kvadvisor import evaluate as ev_mod
     from kvadvisor.trace import TraceFormatError
 
@@ -228,12 +234,17 @@ def evaluate(
         _fail("--limit must be at least 1")
     try:
         caps = ev_mod.parse_capacities(capacity)
+        ks = ev_mod.parse_lookaheads(lookahead)
         reqs = ev_mod.load_trace(trace, format, limit, stagger_s)  # type: ignore[arg-type]
-        result = ev_mod.evaluate(reqs, caps, [p.strip() for p in policies.split(",") if p.strip()], trace=trace.name)
+        result = ev_mod.evaluate(reqs, caps, [p.strip() for p in policies.split(",") if p.strip()], ks,
+                                 [p.strip() for p in baselines.split(",") if p.strip()], trace=trace.name,
+                                 promote=promote)
     except (ev_mod.EvaluateError, TraceFormatError, FileNotFoundError) as exc:
         _fail(str(exc))
         return
     console.print(ev_mod.render_table(result))
+    if markdown:
+        console.print(ev_mod.markdown_table(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"replayed in {result.seconds:.1f} s")
     if plot:
         console.print(f"plot: {ev_mod.plot(result, plot)}")

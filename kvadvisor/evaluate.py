@@ -5,13 +5,14 @@ fast tier *before* the request is served, in blocks; after serving, all the requ
 blocks are inserted (touched) and the policy evicts down to ``capacity`` blocks.  The hit
 rate is hits / block references over the whole trace.
 
-Policies:
-    * ``lru``: least recently used; a request's blocks are touched first to last.
-    * ``belady``: offline optimum for this insert-everything model: evict the block whose
-      next use (request index) is farthest, ties by smaller id first.
-    * ``seen_twice``: LRU that admits a block only from its second reference (known to win
-      at small capacities and lose at large ones).
-    * ``prefix_value``: the advisor's default policy (:mod:`advisor.prefix_policy`).
+Policies (one module each in :mod:`advisor.eviction`, compiled with numba over a compact
+trace so that every policy replays a 15-million-reference trace in seconds):
+    * baselines: ``lru``, ``arc``, ``lfu_da``, ``s3fifo``, ``sieve`` and ``prefix_lru``
+      (leaf-first LRU), each cited from its paper in its module;
+    * ``belady``: evict the block whose next use (request index) is farthest, ties by
+      smaller id first (offline reference);
+    * ``prefix_value``: the default policy (:mod:`advisor.eviction.prefix_value`); with a
+      lookahead of K requests it also sees the next K requests (docs/BENCHMARKS.md).
 
 Trace formats:
     * ``mooncake``: jsonl, ``{"timestamp", "input_length", "output_length", "hash_ids"}``.
@@ -24,22 +25,19 @@ Trace formats:
 from __future__ import annotations
 
 import gzip
-import heapq
 import json
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from advisor.prefix_policy import PrefixPolicySettings, PrefixValueCache
+from advisor.eviction.compact import CompactTrace, compact
+from advisor.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
 
 TraceFormat = Literal["mooncake", "weka"]
 Requests = Sequence[Sequence[int]]
-REFERENCE_POLICIES: tuple[str, ...] = ("lru", "belady")
-OUR_POLICIES: tuple[str, ...] = ("prefix_value", "seen_twice")
 
 
 class EvaluateError(ValueError):
@@ -126,118 +124,71 @@ def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | No
 
 
 # ---------------------------------------------------------------------------- policies
-def _prefix_hit(hashes: Sequence[int], cached: Any) -> int:
-    n = 0
-    for h in hashes:
-        if h not in cached:
-            break
-        n += 1
-    return n
+def _hits(name: str, requests: Requests | CompactTrace, capacity: int, lookahead: int = 0) -> int:
+    trace = requests if isinstance(requests, CompactTrace) else compact(requests)
+    if capacity < 1:
+        raise EvaluateError(f"capacity must be >= 1 block, got {capacity}")
+    return int(POLICIES[name](trace, capacity, lookahead).sum())
 
 
 def simulate_lru(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under LRU with ``capacity`` blocks."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    move = cache.move_to_end
-    pop = cache.popitem
-    for r in requests:
-        hits += _prefix_hit(r, cache)
-        for h in r:
-            if h in cache:
-                move(h)
-            else:
-                cache[h] = None
-                if len(cache) > capacity:
-                    pop(last=False)
-    return hits
+    """Total hit blocks under LRU with ``capacity`` blocks (:mod:`advisor.eviction.lru`)."""
+    return _hits("lru", requests, capacity)
 
 
-def simulate_seen_twice(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under LRU admitting a block only from its second reference."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    seen: set[int] = set()
-    hits = 0
-    for r in requests:
-        hits += _prefix_hit(r, cache)
-        for h in r:
-            if h in cache:
-                cache.move_to_end(h)
-            elif h in seen:
-                cache[h] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-            else:
-                seen.add(h)
-    return hits
+def simulate_belady(requests: Requests, capacity: int) -> int:
+    """Total hit blocks under Belady's rule (:mod:`advisor.eviction.belady`)."""
+    return _hits("belady", requests, capacity)
+
+
+def simulate_prefix_value(requests: Requests, capacity: int, lookahead: int = 0) -> int:
+    """Total hit blocks under the default policy (:mod:`advisor.eviction.prefix_value`)."""
+    return _hits(DEFAULT_POLICY, requests, capacity, lookahead)
 
 
 def next_uses(requests: Requests) -> list[list[int]]:
     """For each block reference, the index of the next request using that block
     (``len(requests)`` = never), same shape as ``requests``."""
-    never = len(requests)
-    last: dict[int, int] = {}
-    out: list[list[int]] = [[] for _ in requests]
-    for i in range(len(requests) - 1, -1, -1):
-        r = requests[i]
-        out[i] = [last.get(h, never) for h in r]
-        for h in r:
-            last[h] = i
-    return out
+    trace = compact(requests)
+    nu = trace.next_use().tolist()
+    off = trace.offsets.tolist()
+    return [nu[off[i]:off[i + 1]] for i in range(len(requests))]
 
 
-def simulate_belady(requests: Requests, capacity: int, nxt: list[list[int]] | None = None) -> int:
-    """Total hit blocks under Belady's rule (evict the farthest next use, ties: smaller id)."""
-    nxt = nxt if nxt is not None else next_uses(requests)
-    cache: dict[int, int] = {}
-    heap: list[tuple[int, int]] = []
-    hits = 0
-    push, pop = heapq.heappush, heapq.heappop
-    for r, nu in zip(requests, nxt):
-        hits += _prefix_hit(r, cache)
-        for h, u in zip(r, nu):
-            cache[h] = u
-            push(heap, (-u, h))
-        while len(cache) > capacity:
-            negu, h = pop(heap)
-            if cache.get(h) == -negu:
-                del cache[h]
-    return hits
-
-
-def simulate_prefix_value(requests: Requests, capacity: int, settings: PrefixPolicySettings | None = None) -> int:
-    """Total hit blocks under the advisor's prefix-value policy."""
-    cache = PrefixValueCache(capacity, settings)
-    return sum(cache.access(r) for r in requests)
-
-
-SIMULATORS: dict[str, Callable[[Requests, int], int]] = {
-    "lru": simulate_lru,
-    "belady": simulate_belady,
-    "seen_twice": simulate_seen_twice,
-    "prefix_value": simulate_prefix_value,
-}
+def column(policy: str, lookahead: int = 0) -> str:
+    """Result key of a policy run: its name, or ``name@K`` with a lookahead of K requests."""
+    return policy if lookahead <= 0 else f"{policy}@{lookahead}"
 
 
 # ---------------------------------------------------------------------------- results
 @dataclass
 class CapacityResult:
-    """Hit rates at one capacity: ``{policy: hit rate}`` and the gap share each closes."""
+    """Hit rates at one capacity: ``{column: hit rate}`` (see :func:`column`)."""
 
     capacity: int
     hit_rate: dict[str, float] = field(default_factory=dict)
+    baselines: tuple[str, ...] = BASELINES
 
     def gap_closed(self, policy: str) -> float | None:
         """(policy − LRU) / (Belady − LRU); ``None`` when Belady == LRU."""
-        lru, opt = self.hit_rate["lru"], self.hit_rate["belady"]
+        lru, opt = self.hit_rate[LRU], self.hit_rate[BELADY]
         if opt - lru <= 1e-12:
             return None
         return (self.hit_rate[policy] - lru) / (opt - lru)
 
+    def best_baseline(self) -> tuple[str, float]:
+        """``(name, hit rate)`` of the best online baseline at this capacity."""
+        name = max(self.baselines, key=lambda p: self.hit_rate[p])
+        return name, self.hit_rate[name]
+
+    def margin(self, policy: str) -> float:
+        """Hit rate of ``policy`` minus the best baseline's (≥ −0.002 is the acceptance)."""
+        return self.hit_rate[policy] - self.best_baseline()[1]
+
 
 @dataclass
 class Evaluation:
-    """All capacities of one trace."""
+    """All capacities of one trace; ``policies`` are our columns (with lookahead suffixes)."""
 
     trace: str
     requests: int
@@ -246,89 +197,121 @@ class Evaluation:
     policies: list[str]
     results: list[CapacityResult]
     seconds: float = 0.0
+    baselines: tuple[str, ...] = BASELINES
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (hit rates, gap closed and margin over the best baseline)."""
         return {
             "trace": self.trace, "requests": self.requests, "block_refs": self.block_refs,
-            "distinct_blocks": self.distinct_blocks, "policies": self.policies, "seconds": self.seconds,
+            "distinct_blocks": self.distinct_blocks, "baselines": list(self.baselines),
+            "policies": self.policies, "seconds": self.seconds,
             "results": [{"capacity": r.capacity, "hit_rate": r.hit_rate,
-                         "gap_closed": {p: r.gap_closed(p) for p in self.policies if p not in REFERENCE_POLICIES}}
+                         "best_baseline": r.best_baseline()[0],
+                         "gap_closed": {p: r.gap_closed(p) for p in (*self.baselines, *self.policies)},
+                         "margin": {p: r.margin(p) for p in self.policies}}
                         for r in self.results],
         }
 
 
-def evaluate(requests: Requests, capacities: Sequence[int], policies: Sequence[str] = OUR_POLICIES,
-             trace: str = "", progress: Callable[[str, int], None] | None = None) -> Evaluation:
-    """Replay ``requests`` at each capacity under LRU, Belady and ``policies``.
+def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
+             policies: Sequence[str] = (DEFAULT_POLICY,), lookaheads: Sequence[int] = (0,),
+             baselines: Sequence[str] = BASELINES, trace: str = "",
+             progress: Callable[[str, int], None] | None = None, promote: bool = True) -> Evaluation:
+    """Replay ``requests`` at each capacity under the baselines, Belady and ``policies``.
 
     Args:
-        requests: block id lists in arrival order.
+        requests: block id lists in arrival order, or their :class:`CompactTrace`.
         capacities: fast-tier capacities in blocks (each >= 1).
-        policies: our policies to compare (names of :data:`SIMULATORS`).
+        policies: our policies (names of :data:`advisor.eviction.registry.POLICIES`).
+        lookaheads: for each of ``policies``, the numbers of upcoming requests it sees
+            (``0`` = none); each K > 0 adds a column ``policy@K``.
+        baselines: online baselines to compare with (LRU is always run).
         trace: a label for reports.
-        progress: called with ``(policy, capacity)`` before each replay.
+        progress: called with ``(column, capacity)`` before each replay.
+        promote: with a lookahead, a visible request's blocks seen before are promoted
+            before it runs; ``False``: hints only keep cached blocks from eviction.
 
     Raises:
-        EvaluateError: empty trace, capacity < 1 or unknown policy.
+        EvaluateError: empty trace, capacity < 1, lookahead < 0 or unknown policy.
     """
     import time
 
-    if not requests:
+    ct = requests if isinstance(requests, CompactTrace) else (compact(requests) if requests else None)
+    if ct is None or ct.requests == 0:
         raise EvaluateError("the trace has no requests")
     bad = [c for c in capacities if c < 1]
     if bad or not capacities:
         raise EvaluateError(f"capacities must be >= 1 block, got {list(capacities)}")
-    unknown = [p for p in policies if p not in SIMULATORS or p in REFERENCE_POLICIES]
+    if any(k < 0 for k in lookaheads) or not lookaheads:
+        raise EvaluateError(f"lookaheads must be >= 0 requests, got {list(lookaheads)}")
+    unknown = [p for p in (*policies, *baselines) if p not in POLICIES or p == BELADY]
     if unknown:
-        raise EvaluateError(f"unknown policies {unknown} (choose from {sorted(set(SIMULATORS) - set(REFERENCE_POLICIES))})")
+        raise EvaluateError(f"unknown policies {unknown} (choose from {sorted(set(POLICIES) - {BELADY})})")
+    base = tuple(dict.fromkeys((LRU, *baselines)))
     t0 = time.perf_counter()
-    refs = sum(len(r) for r in requests)
-    distinct = len({h for r in requests for h in r})
-    nxt = next_uses(requests)
+    refs = ct.refs
+    ct.next_use()
+    cols = [column(p, k) for p in policies for k in lookaheads]
     results = []
     for cap in capacities:
-        res = CapacityResult(cap)
-        for p in (*REFERENCE_POLICIES, *policies):
+        res = CapacityResult(cap, baselines=base)
+        runs = [(p, 0) for p in (*base, BELADY)] + [(p, k) for p in policies for k in lookaheads]
+        for p, k in runs:
+            col = column(p, k)
             if progress:
-                progress(p, cap)
-            hits = simulate_belady(requests, cap, nxt) if p == "belady" else SIMULATORS[p](requests, cap)
-            res.hit_rate[p] = hits / refs if refs else 0.0
+                progress(col, cap)
+            res.hit_rate[col] = float(POLICIES[p](ct, cap, k, promote).sum()) / refs if refs else 0.0
         results.append(res)
-    return Evaluation(trace, len(requests), refs, distinct, list(policies), results, time.perf_counter() - t0)
+    distinct = int(ct.n_blocks)
+    return Evaluation(trace, ct.requests, refs, distinct, cols, results, time.perf_counter() - t0, base)
+
+
+def _label(col: str) -> str:
+    name, _, k = col.partition("@")
+    return LABELS.get(name, name) + (f" K={k}" if k else "")
 
 
 def render_table(ev: Evaluation) -> Any:
-    """A :class:`rich.table.Table` of hit rates and gap shares closed."""
+    """A :class:`rich.table.Table`, one row per policy (hit rate, then our policies' gap
+    closed and margin over the best baseline), one column per capacity (fits 80 columns)."""
     from rich.table import Table
 
     t = Table(title=f"fast-tier prefix hit rate — {ev.trace} ({ev.requests:,} requests, "
                     f"{ev.block_refs:,} block refs, {ev.distinct_blocks:,} distinct)")
-    t.add_column("capacity\n(blocks)", justify="right")
-    t.add_column("LRU", justify="right")
-    t.add_column("Belady", justify="right")
-    for p in ev.policies:
-        # policy names are never cut (a terminal of 80 columns used to show "prefix_v…")
-        t.add_column(p, justify="right", min_width=len(p))
-        t.add_column("gap\nclosed", justify="right")
+    t.add_column("policy", no_wrap=True)
     for r in ev.results:
-        row = [f"{r.capacity:,}", f"{r.hit_rate['lru']:.4f}", f"{r.hit_rate['belady']:.4f}"]
+        t.add_column(f"{r.capacity:,}", justify="right", no_wrap=True)
+    for p in (*ev.baselines, BELADY):
+        t.add_row(_label(p), *[f"{r.hit_rate[p]:.4f}" for r in ev.results])
+    for p in ev.policies:
+        t.add_row(f"[bold]{_label(p)}[/bold]", *[f"{r.hit_rate[p]:.4f}" for r in ev.results])
+        t.add_row("  gap closed", *["—" if (g := r.gap_closed(p)) is None else f"{100 * g:.1f}%"
+                                    for r in ev.results])
+        t.add_row("  vs best baseline", *[f"{r.margin(p):+.4f}" for r in ev.results])
+    return t
+
+
+def _head(ev: Evaluation) -> list[str]:
+    return (["capacity (blocks)"] + [_label(p) for p in (*ev.baselines, BELADY)]
+            + [x for p in ev.policies for x in (_label(p), f"{_label(p)} gap closed", f"{_label(p)} vs best")])
+
+
+def _rows(ev: Evaluation) -> list[list[str]]:
+    rows = []
+    for r in ev.results:
+        row = [f"{r.capacity:,}"] + [f"{r.hit_rate[p]:.4f}" for p in (*ev.baselines, BELADY)]
         for p in ev.policies:
             g = r.gap_closed(p)
-            row += [f"{r.hit_rate[p]:.4f}", "—" if g is None else f"{100 * g:.1f}%"]
-        t.add_row(*row)
-    return t
+            row += [f"{r.hit_rate[p]:.4f}", "—" if g is None else f"{100 * g:.1f}%", f"{r.margin(p):+.4f}"]
+        rows.append(row)
+    return rows
 
 
 def markdown_table(ev: Evaluation) -> str:
     """The same table as GitHub markdown (for docs/BENCHMARKS.md)."""
-    head = ["capacity (blocks)", "LRU", "Belady"] + [x for p in ev.policies for x in (p, f"{p} gap closed")]
+    head = _head(ev)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in ev.results:
-        row = [f"{r.capacity:,}", f"{r.hit_rate['lru']:.4f}", f"{r.hit_rate['belady']:.4f}"]
-        for p in ev.policies:
-            g = r.gap_closed(p)
-            row += [f"{r.hit_rate[p]:.4f}", "—" if g is None else f"{100 * g:.1f}%"]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(ev)]
     return "\n".join(lines)
 
 
@@ -340,16 +323,18 @@ def plot(ev: Evaluation, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     caps = [r.capacity for r in ev.results]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for p in (*REFERENCE_POLICIES, *ev.policies):
-        ax.plot(caps, [r.hit_rate[p] for r in ev.results], marker="o", label=p,
-                linestyle="--" if p in REFERENCE_POLICIES else "-")
+    fig, ax = plt.subplots(figsize=(9, 5))
+    tab20 = list(plt.get_cmap("tab20").colors)
+    ax.set_prop_cycle(color=tab20[0::2] + tab20[1::2])  # 20 distinct colours, strong ones first
+    for p in (*ev.baselines, BELADY, *ev.policies):
+        ax.plot(caps, [r.hit_rate[p] for r in ev.results], marker="o", label=_label(p),
+                linestyle="--" if p in (*ev.baselines, BELADY) else "-", linewidth=2 if p in ev.policies else 1)
     ax.set_xscale("log")
     ax.set_xlabel("fast-tier capacity (blocks)")
     ax.set_ylabel("prefix hit rate (blocks)")
     ax.set_title(f"{ev.trace}: {ev.requests:,} requests")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=120)
@@ -375,8 +360,23 @@ def parse_capacities(text: str) -> list[int]:
     return caps
 
 
+def parse_lookaheads(text: str) -> list[int]:
+    """``"0,1,4,16"`` → ``[0, 1, 4, 16]`` (numbers of upcoming requests visible).
+
+    Raises:
+        EvaluateError: a part is not an integer >= 0.
+    """
+    try:
+        ks = [int(x.strip()) for x in text.split(",")]
+    except ValueError as exc:
+        raise EvaluateError(f"lookahead must be comma-separated integers >= 0, got {text!r}") from exc
+    if not ks or any(k < 0 for k in ks):
+        raise EvaluateError(f"lookahead must be comma-separated integers >= 0, got {text!r}")
+    return list(dict.fromkeys(ks))
+
+
 __all__ = [
-    "CapacityResult", "EvaluateError", "Evaluation", "SIMULATORS", "evaluate", "load_mooncake", "load_trace",
-    "load_weka", "markdown_table", "next_uses", "parse_capacities", "plot", "render_table", "simulate_belady",
-    "simulate_lru", "simulate_prefix_value", "simulate_seen_twice",
+    "CapacityResult", "EvaluateError", "Evaluation", "column", "evaluate", "load_mooncake", "load_trace",
+    "load_weka", "markdown_table", "next_uses", "parse_capacities", "parse_lookaheads", "plot", "render_table",
+    "simulate_belady", "simulate_lru", "simulate_prefix_value",
 ]

@@ -1,5 +1,5 @@
-"""Offline evaluator: hand-computed LRU / Belady / seen-twice hit counts, trace loaders,
-the prefix-value policy's invariants, and the CLI on a slice of the Mooncake trace."""
+"""Offline evaluator: hand-computed LRU / Belady hit counts, trace loaders, the table and
+its margins, lookahead, and the CLI on a slice of the Mooncake trace."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from advisor.prefix_policy import PrefixPolicySettings, PrefixValueCache
 from kvadvisor.cli import app
 from kvadvisor.evaluate import (
     EvaluateError,
@@ -20,10 +19,10 @@ from kvadvisor.evaluate import (
     load_weka,
     next_uses,
     parse_capacities,
+    parse_lookaheads,
     simulate_belady,
     simulate_lru,
     simulate_prefix_value,
-    simulate_seen_twice,
 )
 from kvadvisor.trace import bundled_trace
 
@@ -46,49 +45,21 @@ def test_belady_hand_computed() -> None:
     assert simulate_belady(REQS, 1) == 0
 
 
-def test_seen_twice_hand_computed() -> None:
-    # only 1,2 are admitted (at r1); r3 hits them, 3 is admitted then
-    assert simulate_seen_twice(REQS, 3) == 2
-
-
 def test_unbounded_capacity_all_policies_equal() -> None:
     best = simulate_lru(REQS, 100)
     assert best == 5
     assert simulate_belady(REQS, 100) == simulate_prefix_value(REQS, 100) == best
 
 
-def test_prefix_value_evicts_leaves_and_descendants() -> None:
-    cache = PrefixValueCache(3)
-    assert cache.access([10, 11, 12, 13]) == 0  # 4 blocks > 3: the deepest (13) goes first
-    assert 13 not in cache and cache.cached_prefix([10, 11, 12]) == 3
-    assert cache.access([10, 11, 12, 14]) == 3
-    assert len(cache) == 3
-    # never a child without its parent
-    for h in (11, 12):
-        if h in cache:
-            assert h - 1 in cache
-
-
-def test_prefix_value_never_holds_a_child_without_its_parent() -> None:
-    reqs = load_trace(bundled_trace(), "mooncake", limit=400)
-    cache = PrefixValueCache(300)
-    for r in reqs:
-        cache.access(r)
-        held = cache.cached()
-        assert len(held) <= 300
-        for h in held:
-            p = cache.parent_of(h)
-            assert p is None or p in held, (h, p)
-    with pytest.raises(ValueError):
-        PrefixValueCache(0)
-
-
 def test_evaluate_table_and_errors() -> None:
-    ev = evaluate(REQS, [3, 100], ["prefix_value", "seen_twice"], trace="toy")
+    ev = evaluate(REQS, [3, 100], ["prefix_value"], trace="toy")
     r3 = ev.results[0]
     assert r3.hit_rate["lru"] == pytest.approx(0.2)
     assert r3.hit_rate["belady"] == pytest.approx(0.5)
-    assert r3.gap_closed("seen_twice") == pytest.approx(0.0)
+    assert set(r3.hit_rate) == {"lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru", "belady", "prefix_value"}
+    name, best = r3.best_baseline()
+    assert best == max(r3.hit_rate[p] for p in ev.baselines) and name in ev.baselines
+    assert r3.margin("prefix_value") == pytest.approx(r3.hit_rate["prefix_value"] - best)
     assert ev.results[1].gap_closed("prefix_value") is None  # Belady == LRU
     with pytest.raises(EvaluateError):
         evaluate([], [3])
@@ -96,9 +67,39 @@ def test_evaluate_table_and_errors() -> None:
         evaluate(REQS, [0])
     with pytest.raises(EvaluateError):
         evaluate(REQS, [3], ["fifo"])
+    with pytest.raises(EvaluateError):
+        evaluate(REQS, [3], lookaheads=[-1])
     assert parse_capacities("1_000, 5859") == [1000, 5859]
     with pytest.raises(EvaluateError):
         parse_capacities("10,x")
+    assert parse_lookaheads("0,1,4,16,4") == [0, 1, 4, 16]
+    for bad in ("1,-1", "x", ""):
+        with pytest.raises(EvaluateError):
+            parse_lookaheads(bad)
+
+
+def test_lookahead_columns_and_promotion() -> None:
+    from advisor.eviction import prefix_value
+    from advisor.eviction.compact import compact
+
+    # 40 requests cycling over 3 two-block prefixes with [1,2] once in the middle, then
+    # [1,2] again, on a tier of 4 blocks: without hints [1,2] is long gone when it comes back
+    cycle = [[100 + i % 3, 200 + i % 3] for i in range(40)]
+    reqs = cycle[:10] + [[1, 2]] + cycle[10:] + [[1, 2]]
+    ct = compact(reqs)
+    assert prefix_value.simulate(ct, 4)[-1] == 0
+    # seeing 1 request ahead, its known prefix is promoted before it runs
+    assert prefix_value.simulate(ct, 4, lookahead=1)[-1] == 2
+    # hints without promotion only keep cached blocks: nothing to keep here
+    assert prefix_value.simulate(ct, 4, lookahead=1, promote=False)[-1] == 0
+    ev = evaluate(reqs, [4], ["prefix_value"], lookaheads=[0, 1])
+    assert ev.policies == ["prefix_value", "prefix_value@1"]
+    r = ev.results[0]
+    assert r.hit_rate["prefix_value@1"] > r.hit_rate["prefix_value"]
+    # on a real slice, hints help: the known prefixes of the next 4 requests are promoted
+    real = compact(load_trace(bundled_trace(), "mooncake", limit=600))
+    assert prefix_value.simulate(real, 300, 4).sum() > prefix_value.simulate(real, 300).sum()
+    assert simulate_prefix_value(reqs, 4, lookahead=1) == int(prefix_value.simulate(ct, 4, 1).sum())
 
 
 def test_weka_loader_pairs_ids_with_file_and_flattens_subagents(tmp_path: Path) -> None:
@@ -133,15 +134,21 @@ def test_mooncake_slice_policy_beats_lru() -> None:
 def test_cli_evaluate_prints_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "p.png"
     res = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "300,1000",
-                                   "--limit", "600", "--plot", str(out), "--json", str(tmp_path / "r.json")])
+                                   "--limit", "600", "--plot", str(out), "--json", str(tmp_path / "r.json"),
+                                   "--lookahead", "0,4", "--markdown"])
     assert res.exit_code == 0, res.output
-    assert "LRU" in res.output and "replayed in" in res.output
+    assert "LRU" in res.output and "replayed in" in res.output and "| capacity (blocks) |" in res.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "r.json").read_text())
     assert [r["capacity"] for r in data["results"]] == [300, 1000]
-    assert set(data["results"][0]["hit_rate"]) == {"lru", "belady", "prefix_value", "seen_twice"}
+    assert set(data["results"][0]["hit_rate"]) == {"lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru",
+                                                   "belady", "prefix_value", "prefix_value@4"}
+    assert data["results"][0]["best_baseline"] in data["baselines"]
     bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "0"])
     assert bad.exit_code == 2
+    bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "10",
+                                   "--lookahead", "-2"])
+    assert bad.exit_code == 2 and "lookahead" in bad.output
 
 
 def test_the_table_keeps_policy_names_whole_in_80_columns() -> None:
@@ -149,9 +156,9 @@ def test_the_table_keeps_policy_names_whole_in_80_columns() -> None:
 
     from kvadvisor.evaluate import render_table
 
-    ev = evaluate(REQS, [3, 100], ["prefix_value", "seen_twice"], trace="toy")
+    ev = evaluate(REQS, [3, 100, 1000, 10000], ["prefix_value"], lookaheads=[0, 16], trace="toy")
     con = Console(width=80, record=True, file=io.StringIO())
     con.print(render_table(ev))
     text = con.export_text()
-    assert "prefix_value" in text and "seen_twice" in text and "…" not in text
+    assert "prefix_value K=16" in text and "prefix-LRU" in text and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
