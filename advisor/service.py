@@ -31,6 +31,7 @@ from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.quotas import QuotaGuard
 from advisor.settings import AdvisorSettings
 from advisor.snapshot import (
     RedisSnapshotStore,
@@ -146,6 +147,8 @@ class AdvisorService:
             "log_discarded": 0,
             "reserved_source_refused": 0,
         }
+        self.counters.update(dict.fromkeys(QuotaGuard.counter_names(), 0))
+        self.quotas = QuotaGuard(settings.quota_limits())
         self.rate = RateMeter()
         self.started_at: float | None = None
         self._stop = threading.Event()
@@ -461,9 +464,14 @@ class AdvisorService:
             payload: its wire bytes (encoded from ``batch`` when ``None``).
             verify: check that ``payload`` decodes to ``batch`` before journaling.
 
+        Batches of other sources than the advisor's own pass the quotas first
+        (:class:`advisor.quotas.QuotaGuard`): a batch refused whole is not journaled; one
+        with refused events or rewritten ``hits`` is journaled as admitted (encoded again).
+
         Returns:
-            ``True`` if applied, ``False`` if it was already journaled (duplicate) or
-            refused as bad (counted in ``counters``; nothing else changes).
+            ``True`` if applied, ``False`` if it was already journaled (duplicate),
+            refused as bad or refused whole by a quota (counted in ``counters``; nothing
+            else changes).
         """
         if self.journal is None:
             if self.stream_log is not None:
@@ -473,6 +481,12 @@ class AdvisorService:
             payload = encode_batch(batch)
         with self.lock:
             t0 = time.perf_counter()
+            if batch.source != self.settings.source:
+                admitted = self._admit(batch)
+                if admitted is None:
+                    return False
+                if admitted is not batch:
+                    batch, payload, verify = admitted, encode_batch(admitted), False
             try:
                 pos = self.journal.append(payload, batch, verify=verify)
             except BadPayloadError as exc:
@@ -494,6 +508,31 @@ class AdvisorService:
         self.metrics.journal_position.set(pos)
         self._maybe_snapshot()
         return True
+
+    def _admit(self, batch: EventBatch) -> EventBatch | None:
+        """The quota decision for ``batch`` (call under the state lock): ``None`` when
+        refused whole, else the batch to journal; counters and metrics are updated."""
+        q = self.quotas
+        v0 = q.changes
+        got = q.admit(batch, self.index)
+        if q.changes == v0:
+            return got.batch
+        before = {k: self.counters.get(k, 0) for k in QuotaGuard.counter_names()}
+        m = self.metrics
+        for key, n in q.as_dict().items():
+            d = n - before[key]
+            if not d:
+                continue
+            self.counters[key] = n
+            if key.startswith("quota_refused_batches_"):
+                m.quota_refused_batches.labels(reason=key[len("quota_refused_batches_"):]).inc(d)
+            elif key.startswith("quota_refused_events_"):
+                m.quota_refused_events.labels(reason=key[len("quota_refused_events_"):]).inc(d)
+            elif key == "reported_hits_capped":
+                m.reported_hits_capped.inc(d)
+            else:
+                m.reported_hits_untrusted.inc(d)
+        return got.batch
 
     def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
         if self.settings.log == "jetstream":

@@ -1,0 +1,221 @@
+"""Admission quotas of the advisor (``advisor/quotas.py``): what goes over a limit is refused
+alone and counted under a fixed ``reason`` label, the other sources and the rest of the
+stream go on, and the decision is the same after a restart (only admitted batches are
+journaled, so the replay folds what the live advisor folded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+from prometheus_client import generate_latest
+
+from advisor.quotas import EVENT_REASONS, QuotaGuard, QuotaLimits, QuotaReason
+from advisor.service import AdvisorService
+from advisor.settings import AdvisorSettings
+from event_plane.codec import encode_batch
+from event_plane.frames import seq_to_bytes
+from event_plane.schema import WIRE_VERSION, EventBatch, store
+from storage_backends.local_s3 import free_port
+
+BS = 4096
+REPO = Path(__file__).resolve().parents[2]
+
+
+def batch(source: str, seq: int, events: list, epoch: int = 1) -> EventBatch:
+    return EventBatch(WIRE_VERSION, source, epoch, seq, 1_000 + seq, events)
+
+
+def g1(h: int, loc: str = "g1", extra: dict | None = None):  # noqa: ANN201
+    return store(h, h, None, BS, loc, extra)
+
+
+def service(tmp_path: Path, **quotas: object) -> AdvisorService:
+    settings = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[], api_enabled=False,
+                               snapshot_store="none", **quotas)
+    svc = AdvisorService(settings)
+    svc.start()
+    return svc
+
+
+def restarted(svc: AdvisorService) -> AdvisorService:
+    """Stop ``svc`` and start a new service on the same settings (journal replay)."""
+    svc.stop()
+    again = AdvisorService(svc.settings)
+    again.start()
+    return again
+
+
+def metric(svc: AdvisorService, name: str, reason: str | None = None) -> float:
+    labels = {"reason": reason} if reason else {}
+    got = svc.metrics.registry.get_sample_value(name, labels)
+    return got or 0.0
+
+
+def test_batch_over_max_batch_events_is_refused_alone_and_counted(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_batch_events=4, quota_source_burst=100)
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(1)]))
+        assert not svc.ingest(batch("w0", 1, [g1(h) for h in range(10, 15)]))  # 5 events > 4
+        assert svc.ingest(batch("w0", 2, [g1(2)]))  # the same source goes on
+        assert svc.ingest(batch("w1", 0, [g1(3), g1(4), g1(5), g1(6)]))  # 4 = the limit
+        assert svc.counters["quota_refused_batches_batch_events"] == 1
+        assert svc.counters["quota_refused_events_batch_events"] == 5
+        assert metric(svc, "kvadvisor_quota_refused_batches_total", "batch_events") == 1
+        assert metric(svc, "kvadvisor_quota_refused_events_total", "batch_events") == 5
+        assert all(svc.index.block(h) is None for h in range(10, 15))
+        assert sorted(svc.index.hashes()) == [1, 2, 3, 4, 5, 6]
+        dump = svc.index.dump()
+        svc = restarted(svc)
+        assert svc.index.dump() == dump and svc.counters["replayed_batches"] == 3
+        assert not svc.ingest(batch("w0", 1, [g1(h) for h in range(10, 15)]))  # still refused
+    finally:
+        svc.stop()
+
+
+def test_new_source_over_max_sources_is_refused_known_sources_continue(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_sources=2)
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(1)]))
+        assert svc.ingest(batch("w1", 0, [g1(2)]))
+        assert not svc.ingest(batch("w2", 0, [g1(3), g1(4)]))  # a third source
+        assert svc.ingest(batch("w0", 1, [g1(5)]))  # known sources go on
+        assert svc.ingest(batch("w1", 1, [g1(6)], epoch=2))  # a restart of a known source too
+        assert svc.counters["quota_refused_batches_sources"] == 1
+        assert svc.counters["quota_refused_events_sources"] == 2
+        assert metric(svc, "kvadvisor_quota_refused_batches_total", "sources") == 1
+        assert set(svc.index.sources()) == {"w0", "w1"}
+        dump = svc.index.dump()
+        svc = restarted(svc)
+        assert svc.index.dump() == dump
+        assert not svc.ingest(batch("w2", 0, [g1(3)]))  # refused after the restart as well
+        assert svc.ingest(batch("w0", 2, [g1(7)]))
+    finally:
+        svc.stop()
+
+
+def test_store_at_a_new_volume_over_max_locations_is_refused_alone(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_locations=2)
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(1, "vol-a"), g1(2, "vol-b"), g1(3, "vol-c"), g1(4, "g1"), g1(5, "vol-a")]))
+        # vol-c is a third volume name: its Store alone is refused; g1 (private) and the
+        # known volumes are not limited by it
+        assert svc.index.block(3) is None
+        assert {h: sorted(svc.index.block(h).locations) for h in (1, 2, 4, 5)} == {
+            1: ["vol-a"], 2: ["vol-b"], 4: ["w0/g1"], 5: ["vol-a"]}
+        assert svc.counters["quota_refused_events_locations"] == 1
+        assert metric(svc, "kvadvisor_quota_refused_events_total", "locations") == 1
+        assert svc.ingest(batch("w1", 0, [g1(6, "vol-c"), g1(7, "vol-b")]))  # other sources: same rule
+        assert svc.index.block(6) is None and svc.index.block(7) is not None
+        assert svc.counters["quota_refused_events_locations"] == 2
+        dump = svc.index.dump()
+        svc = restarted(svc)
+        assert svc.index.dump() == dump
+        assert svc.ingest(batch("w0", 1, [g1(8, "vol-c"), g1(9, "vol-a")]))
+        assert svc.index.block(8) is None and svc.index.block(9) is not None  # still refused after restart
+        assert svc.counters["quota_refused_events_locations"] == 1  # counted again by the new process
+    finally:
+        svc.stop()
+
+
+def test_metadata_over_the_event_limit_refuses_that_event_over_the_batch_limit_the_batch(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_event_metadata_bytes=64, quota_max_batch_metadata_bytes=200)
+    try:
+        big = {"blob": "x" * 100}
+        assert svc.ingest(batch("w0", 0, [g1(1, extra={"tier": "nvme"}), g1(2, extra=big), g1(3)]))
+        assert svc.index.block(2) is None and svc.index.block(1) is not None and svc.index.block(3) is not None
+        assert svc.counters["quota_refused_events_metadata_bytes"] == 1
+        many = [g1(10 + i, extra={"blob": "y" * 50}) for i in range(5)]  # 5 x ~57 bytes > 200
+        assert not svc.ingest(batch("w0", 1, many))
+        assert all(svc.index.block(10 + i) is None for i in range(5))
+        assert svc.counters["quota_refused_batches_batch_metadata_bytes"] == 1
+        assert svc.ingest(batch("w1", 0, [g1(20, extra={"tier": "ssd"})]))
+        dump = svc.index.dump()
+        svc = restarted(svc)
+        assert svc.index.dump() == dump
+        assert svc.index.block(2) is None
+    finally:
+        svc.stop()
+
+
+def test_per_source_rate_limit_refuses_the_batch_over_the_bucket_others_unaffected(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_source_rate=80.0, quota_source_burst=10, quota_max_batch_events=10)
+    now = [1024.0]
+    svc.quotas.clock = lambda: now[0]
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(h) for h in range(1, 11)]))  # the full bucket: 10 events
+        assert not svc.ingest(batch("w0", 1, [g1(11)]))  # empty: refused
+        assert svc.ingest(batch("w1", 0, [g1(h) for h in range(20, 30)]))  # another source: its own bucket
+        now[0] += 0.0625  # 5 tokens refilled (80/s; exact binary fractions)
+        assert not svc.ingest(batch("w0", 2, [g1(h) for h in range(30, 36)]))  # 6 > 5
+        assert svc.ingest(batch("w0", 3, [g1(h) for h in range(40, 45)]))  # 5 = 5
+        assert svc.counters["quota_refused_batches_rate"] == 2
+        assert svc.counters["quota_refused_events_rate"] == 7
+        assert metric(svc, "kvadvisor_quota_refused_batches_total", "rate") == 2
+        assert svc.index.block(11) is None and svc.index.block(44) is not None
+        dump = svc.index.dump()
+        svc = restarted(svc)
+        assert svc.index.dump() == dump  # refused batches were never journaled
+    finally:
+        svc.stop()
+
+
+def test_the_advisors_own_batches_are_not_subject_to_quotas(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_sources=1, quota_max_batch_events=2, quota_source_burst=2)
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(1)]))
+        own = batch(svc.settings.source, 0, [g1(h, "fast") for h in range(2, 6)])
+        assert svc.ingest(own)  # a second source and 4 events: its moves are never refused
+        assert svc.index.block(5) is not None
+    finally:
+        svc.stop()
+
+
+def test_quota_metrics_have_a_fixed_label_set_whatever_the_names_offered(tmp_path: Path) -> None:
+    svc = service(tmp_path, quota_max_sources=3, quota_max_locations=3)
+    try:
+        for s in range(50):
+            svc.ingest(batch(f"forged-{s}", 0, [g1(1000 + i, f"loc-{s}-{i}") for i in range(4)]))
+        text = generate_latest(svc.metrics.registry).decode()
+        quota_lines = [ln for ln in text.splitlines() if ln.startswith("kvadvisor_quota_")]
+        reasons = {ln.split('reason="')[1].split('"')[0] for ln in quota_lines if 'reason="' in ln}
+        assert reasons == {r.value for r in QuotaReason}
+        assert not any("forged" in ln or "loc-" in ln for ln in quota_lines)
+        assert svc.counters["quota_refused_batches_sources"] == 47
+        assert len(svc.index.sources()) == 3
+        assert svc.index.volume_count() == 3
+    finally:
+        svc.stop()
+
+
+def test_settings_refuse_a_bucket_smaller_than_a_batch() -> None:
+    with pytest.raises(ValueError, match="quota_source_burst"):
+        AdvisorSettings(quota_source_burst=10, quota_max_batch_events=11)
+    env = {"KVADVISOR_ADVISOR_QUOTA_MAX_SOURCES": "7", "KVADVISOR_ADVISOR_REPORTED_HITS_SOURCES": '["cache-a"]'}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        lim = AdvisorSettings().quota_limits()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert lim.max_sources == 7 and lim.reported_hits_sources == frozenset({"cache-a"})
+    assert QuotaLimits().max_sources == 10_000 and QuotaLimits().max_locations == 256
+
+
+def test_guard_refusal_is_event_level_only_for_event_reasons() -> None:
+    """The enum split the service and the metrics rely on."""
+    assert set(EVENT_REASONS) == {QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS}
+    assert "quota_refused_events_locations" in QuotaGuard.counter_names()
+    assert "quota_refused_batches_locations" not in QuotaGuard.counter_names()
