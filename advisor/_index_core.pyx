@@ -659,19 +659,28 @@ cdef class IndexCore:
                 self.mcap[bit] = 0
 
     def _rebuild_members(self):
-        """Membership of every private location from the records (after a state import)."""
+        """Membership of every private location from the records (after a state import):
+        one pass over the records and the set bits of each (O(blocks x locations per
+        block), never blocks x locations)."""
         cdef int32_t j
         cdef Py_ssize_t b
         for b in range(self.nmem):
             self.mlen[b] = 0
-        private = [b for b, (name, s) in enumerate(zip(self._loc_names, self._loc_sets)) if name and s is None]
-        if not private:
+        private = bytearray(len(self._loc_names))
+        for b, (name, s) in enumerate(zip(self._loc_names, self._loc_sets)):
+            if name and s is None:
+                private[b] = 1
+        if not any(private):
             return
         for j in range(self.nrec):
             if self.recs[j].flags & F_LIVE:
-                for b in private:
-                    if self._has_bit(j, b):
+                m = self._mask(j)
+                while m:
+                    low = m & -m
+                    b = low.bit_length() - 1
+                    if private[b]:
                         self._mem_push(b, j)
+                    m ^= low
 
     # ------------------------------------------------------------------ locations
     cdef Py_ssize_t _bit(self, str location) except -1:

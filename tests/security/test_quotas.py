@@ -219,3 +219,132 @@ def test_guard_refusal_is_event_level_only_for_event_reasons() -> None:
     assert set(EVENT_REASONS) == {QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS}
     assert "quota_refused_events_locations" in QuotaGuard.counter_names()
     assert "quota_refused_batches_locations" not in QuotaGuard.counter_names()
+
+
+# ----------------------------------------------------------------------------- a flood over real ZMQ
+FORGED_SOURCES = 20_000
+FORGED_LOCATIONS = 1_000
+W0_BLOCKS = 90_000
+
+
+def scrape(base: str) -> dict[str, float]:
+    """``/metrics`` as ``{'name{labels}': value}`` (comments dropped)."""
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not reached in {timeout} s")
+
+
+def spawn(cfg: Path, tmp: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"}
+    err = tmp / f"{name}.stderr"
+    with err.open("w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "advisor", "--config", str(cfg)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=fh, text=True)
+    return proc, err
+
+
+def test_20k_sources_and_1k_locations_over_zmq_stay_under_quota_and_restart_fast(tmp_path: Path) -> None:
+    """20,000 sources and 1,000 volume names offered over a real ZMQ PUB socket to the advisor
+    process (default quotas: 10,000 sources, 256 volume names): the excess is refused and
+    counted, known sources go on, and at ~100k indexed blocks SIGTERM (a snapshot, then
+    exit) and a restart each take under 10 s; after the restart a new source is still
+    refused and a known one still admitted."""
+    port, api_port = free_port(), free_port()
+    cfg = tmp_path / "advisor.json"
+    cfg.write_text(json.dumps({
+        "journal_path": str(tmp_path / "j.sqlite"), "subscribe_urls": [f"zmq://127.0.0.1:{port}"],
+        "api_port": api_port, "get_timeout_s": 0.05, "snapshot_store": "sqlite",
+        "snapshot_every_batches": 0, "snapshot_every_s": 0, "reconcile_on_start": False,
+    }))
+    base = f"http://127.0.0.1:{api_port}"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+
+    def send(b: EventBatch) -> None:
+        pub.send_multipart([b"", seq_to_bytes(b.seq), encode_batch(b)])
+
+    def joined(tag: str, known: bool) -> int:
+        """Send one-event batches until the (re)started advisor applies one (PUB drops what
+        it sends before the subscription arrives); how many probe sources were sent."""
+        n = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            src = "forged-0" if known else f"probe-{tag}-{n}"
+            send(batch(src, 0, [g1((1 << 50) + n, "g2")], epoch=(1000 + n) if known else 1))
+            n += 1
+            time.sleep(0.2)
+            if scrape(base).get("kvadvisor_batches_applied_total", 0) >= 1:
+                return n
+        raise AssertionError("the advisor never received a probe")
+
+    proc, err = spawn(cfg, tmp_path, "advisor1")
+    try:
+        assert proc.stdout.readline().startswith("ADVISOR READY"), err.read_text()
+        probes = joined("a", known=False)
+        sent = 0
+        h = 1
+        for seq in range(W0_BLOCKS // 1000):  # one worker's chains on a volume: 90,000 blocks
+            send(batch("w0", seq, [store(h + i, h, h + i - 1 if i else None, BS, "fast") for i in range(1000)]))
+            h += 1000
+            sent += 1
+        send(batch("locs", 0, [g1((1 << 45) + i, f"vol-{i:04d}") for i in range(FORGED_LOCATIONS)]))
+        sent += 1
+        for s in range(FORGED_SOURCES):
+            send(batch(f"forged-{s}", 0, [g1((1 << 40) + s)]))
+            sent += 1
+        key_src = 'kvadvisor_quota_refused_batches_total{reason="sources"}'
+        until(lambda: (lambda m: m["kvadvisor_batches_applied_total"] + m[key_src] >= probes + sent)(scrape(base)),
+              240, "every batch applied or refused")
+        m = scrape(base)
+        known_before = 1 + probes + 1  # w0, the probes, locs
+        admitted_forged = 10_000 - known_before
+        assert m[key_src] == FORGED_SOURCES - admitted_forged
+        assert m['kvadvisor_quota_refused_events_total{reason="locations"}'] == FORGED_LOCATIONS - 255  # "fast" + 255
+        assert m["kvadvisor_batches_applied_total"] == probes + sent - m[key_src]
+        blocks = m["kvadvisor_index_blocks_total"]
+        assert blocks == probes + W0_BLOCKS + 255 + admitted_forged and blocks >= 99_000
+        assert not any("forged-" in k or "vol-0" in k for k in m if k.startswith("kvadvisor_quota"))
+        t = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, err.read_text()
+        stop_s = time.perf_counter() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert stop_s < 10, stop_s
+
+    t = time.perf_counter()
+    proc, err = spawn(cfg, tmp_path, "advisor2")
+    try:
+        assert proc.stdout.readline().startswith("ADVISOR READY"), err.read_text()
+        start_s = time.perf_counter() - t
+        m = scrape(base)
+        assert m["kvadvisor_index_blocks_total"] == blocks
+        joined("b", known=True)  # a known source (a new epoch of it) is admitted
+        send(batch("late-forged", 0, [g1(1 << 55)]))
+        until(lambda: scrape(base).get(key_src, 0) == 1, 30, "the new source refused after the restart")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        pub.close()
+        ctx.term()
+    assert start_s < 10, start_s
