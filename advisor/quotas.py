@@ -192,7 +192,7 @@ class QuotaGuard:
     @staticmethod
     def counter_names() -> list[str]:
         """The keys of :meth:`as_dict`, in order."""
-        return list(QuotaGuard(QuotaLimits()).as_dict())
+        return list(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ admission
     def admit(self, batch: EventBatch, index: IndexView) -> Admission:
@@ -303,6 +303,12 @@ class QuotaGuard:
         out["reported_hits_capped"] = c.hits_capped
         out["reported_hits_untrusted"] = c.hits_untrusted
         return out
+
+
+_COUNTER_NAMES = tuple(
+    [f"quota_refused_batches_{r.value}" for r in QuotaReason if r in BATCH_REASONS]
+    + [f"quota_refused_events_{r.value}" for r in QuotaReason]
+    + ["reported_hits_capped", "reported_hits_untrusted"])
 
 
 __all__ = [
