@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Protocol
 
 import msgspec
@@ -50,6 +51,8 @@ from event_plane.schema import EventBatch, EventType, KVEvent
 logger = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
+_metadata_of = attrgetter("extra_metadata")
+_location_of = attrgetter("storage_location")
 
 
 class QuotaReason(str, enum.Enum):
@@ -214,7 +217,7 @@ class QuotaGuard:
         if source not in known and len(known) >= lim.max_sources:
             return self._refuse(batch, QuotaReason.SOURCES, f"{len(known)} sources known (max {lim.max_sources})")
         sizes: list[int] | None = None
-        if any(ev.extra_metadata is not None for ev in events):
+        if any(map(_metadata_of, events)):  # an empty map is 1 byte and reports nothing
             sizes = [len(_encoder.encode(ev.extra_metadata)) if ev.extra_metadata is not None else 0 for ev in events]
             total = sum(sizes)
             if total > lim.max_batch_metadata_bytes:
@@ -228,6 +231,11 @@ class QuotaGuard:
             self._buckets[source] = bucket
             return self._refuse(batch, QuotaReason.RATE, f"{n} events > {bucket.tokens:.0f} tokens left")
         self._buckets[source] = bucket
+        if sizes is None and all(
+            sl in PRIVATE_TIERS or index.has_location(sl) or not is_valid_location(sl)
+            for sl in set(map(_location_of, events))
+        ):
+            return Admission(batch)  # the common case: no metadata, no new volume name
         return self._admit_events(batch, index, sizes)
 
     def _admit_events(self, batch: EventBatch, index: IndexView, sizes: list[int] | None) -> Admission:
