@@ -1339,7 +1339,11 @@ cdef class IndexCore:
                                   and not (r.flags & F_WIDE) and not priv_wide):
                                 self.hm[j].mask = lo | flag
                                 if lset is None:
-                                    self._mem_push(bit, j)
+                                    if bit < self.nmem and self.mlen[bit] < self.mcap[bit]:
+                                        self.mem[bit][self.mlen[bit]] = j
+                                        self.mlen[bit] += 1
+                                    else:
+                                        self._mem_push(bit, j)
                                 r.size = e.size
                                 if is_g1 or not (lo & priv):
                                     if r.hits != M64:
@@ -1365,7 +1369,11 @@ cdef class IndexCore:
                                 j = -1
                             if j >= 0:
                                 if lset is None:
-                                    self._mem_push(bit, j)
+                                    if bit < self.nmem and self.mlen[bit] < self.mcap[bit]:
+                                        self.mem[bit][self.mlen[bit]] = j
+                                        self.mlen[bit] += 1
+                                    else:
+                                        self._mem_push(bit, j)
                                 r.prefix = e.prefix
                                 r.size = e.size
                                 self.hm[j].mask = flag
