@@ -12,6 +12,11 @@ State in C, allocated with ``PyMem_Malloc``/``PyMem_Realloc`` (so ``tracemalloc`
   finalizer after an XOR with a random per-process seed (ids may be small sequential ints;
   hashes from the wire must not be able to pick their slots), load factor at most 1/2.
 
+* ``mem``: per private location bit (a source's ``g1``/``g2``), a growable array of the
+  record numbers that got that bit, compacted lazily (entries of records that lost the bit
+  or were reused are dropped, duplicates merged) so a new epoch or a Cleared of g1/g2 reads
+  that source's blocks only (``private_visits`` counts the entries read).
+
 Python objects only where the data is rare or shared: location names/bits/counts, the
 volumes' storers (``h -> source``), orphans and the children of hashes that are not
 indexed, the sources, the counters and, for location bits 64 and above, a wide-mask side
