@@ -663,29 +663,16 @@ cdef class IndexCore:
                 self.mem[bit] = NULL
                 self.mcap[bit] = 0
 
-    def _rebuild_members(self):
-        """Membership of every private location from the records (after a state import):
-        one pass over the records and the set bits of each (O(blocks x locations per
-        block), never blocks x locations)."""
+    def _add_members(self, Py_ssize_t bit, hashes):
+        """Record that the blocks ``hashes`` (all indexed) hold private location ``bit``
+        (snapshot import, which lists each location's blocks once: O(blocks listed))."""
+        cdef uint64_t k
         cdef int32_t j
-        cdef Py_ssize_t b
-        for b in range(self.nmem):
-            self.mlen[b] = 0
-        private = bytearray(len(self._loc_names))
-        for b, (name, s) in enumerate(zip(self._loc_names, self._loc_sets)):
-            if name and s is None:
-                private[b] = 1
-        if not any(private):
-            return
-        for j in range(self.nrec):
-            if self.recs[j].flags & F_LIVE:
-                m = self._mask(j)
-                while m:
-                    low = m & -m
-                    b = low.bit_length() - 1
-                    if private[b]:
-                        self._mem_push(b, j)
-                    m ^= low
+        for h in hashes:
+            if _key(h, &k):
+                j = self._find(k)
+                if j >= 0:
+                    self._mem_push(bit, j)
 
     # ------------------------------------------------------------------ locations
     cdef Py_ssize_t _bit(self, str location) except -1:

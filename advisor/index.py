@@ -183,13 +183,14 @@ class PrefixIndex(IndexStateViews, IndexCore):
                     raise IndexStateError(f"block {h} uses a location bit beyond {nloc} locations or a free one")
                 idx._put_record(h, parent, prefix, size_, mask, hits, last)
             idx._link_all()
-            idx._rebuild_members()
             counts = idx._loc_counts
             held_at = held_by_location(((r[0], r[4]) for r in idx._records()), len(idx._loc_sets))
             for bit, s in enumerate(idx._loc_sets):
                 held = held_at[bit]
                 counts[bit] = len(held)
                 if s is None:
+                    if held:
+                        idx._add_members(bit, held)  # a private location: its membership
                     continue
                 if storers is None:
                     s.update(dict.fromkeys(held, _UNKNOWN_STORER))
