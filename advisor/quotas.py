@@ -217,8 +217,9 @@ class QuotaGuard:
         if source not in known and len(known) >= lim.max_sources:
             return self._refuse(batch, QuotaReason.SOURCES, f"{len(known)} sources known (max {lim.max_sources})")
         sizes: list[int] | None = None
-        if any(map(_metadata_of, events)):  # an empty map is 1 byte and reports nothing
-            sizes = [len(_encoder.encode(ev.extra_metadata)) if ev.extra_metadata is not None else 0 for ev in events]
+        metas = list(map(_metadata_of, events))
+        if metas.count(None) != n:
+            sizes = [0 if m is None else len(_encoder.encode(m)) for m in metas]
             total = sum(sizes)
             if total > lim.max_batch_metadata_bytes:
                 return self._refuse(batch, QuotaReason.BATCH_METADATA_BYTES,

@@ -348,3 +348,15 @@ def test_20k_sources_and_1k_locations_over_zmq_stay_under_quota_and_restart_fast
         pub.close()
         ctx.term()
     assert start_s < 10, start_s
+
+
+def test_empty_metadata_maps_count_towards_the_batch_metadata_limit(tmp_path: Path) -> None:
+    """An empty ``extra_metadata`` map is 1 encoded byte: 10 of them pass a 10-byte batch
+    limit, 11 do not (empty maps are not skipped as "no metadata")."""
+    svc = service(tmp_path, quota_max_batch_metadata_bytes=10)
+    try:
+        assert svc.ingest(batch("w0", 0, [g1(h, extra={}) for h in range(1, 11)]))
+        assert not svc.ingest(batch("w0", 1, [g1(h, extra={}) for h in range(20, 31)]))
+        assert svc.counters["quota_refused_batches_batch_metadata_bytes"] == 1
+    finally:
+        svc.stop()
