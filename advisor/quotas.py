@@ -30,7 +30,10 @@ only ever add to what the index sees itself.
 
 Sizes are those of the MessagePack encoding of ``extra_metadata`` (what the wire carries).
 The rate limit uses the advisor's monotonic clock: it is decided live only (a refused batch
-is not journaled), so the replay needs no clock.
+is not journaled), so the replay needs no clock.  With ``log=jetstream`` the stream is the
+log: every entry is checked as it is folded (``AdvisorService._apply_logged``), with every
+quota but the rate limit, which only reads the batch, the index and the limits, so a fold
+from a snapshot decides the same again (with the same limits).
 """
 
 from __future__ import annotations
@@ -198,9 +201,11 @@ class QuotaGuard:
         return list(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, batch: EventBatch, index: IndexView) -> Admission:
+    def admit(self, batch: EventBatch, index: IndexView, *, rate: bool = True) -> Admission:
         """Check ``batch`` against the quotas and the state of ``index`` (before the batch
-        is applied to it).
+        is applied to it); ``rate=False`` skips the token bucket (a decision that must come
+        out the same when a log is folded again reads only the batch, the index and the
+        limits).
 
         Returns:
             An :class:`Admission`: the batch refused whole (``batch=None``, counted under
@@ -224,14 +229,14 @@ class QuotaGuard:
             if total > lim.max_batch_metadata_bytes:
                 return self._refuse(batch, QuotaReason.BATCH_METADATA_BYTES,
                                     f"{total} metadata bytes > {lim.max_batch_metadata_bytes}")
-        bucket = self._buckets.get(source)
-        now = self.clock()
-        if bucket is None:
-            bucket = TokenBucket(lim.source_rate, float(lim.source_burst), float(lim.source_burst), now)
-        if not bucket.take(n, now):
+        if rate:
+            bucket = self._buckets.get(source)
+            now = self.clock()
+            if bucket is None:
+                bucket = TokenBucket(lim.source_rate, float(lim.source_burst), float(lim.source_burst), now)
             self._buckets[source] = bucket
-            return self._refuse(batch, QuotaReason.RATE, f"{n} events > {bucket.tokens:.0f} tokens left")
-        self._buckets[source] = bucket
+            if not bucket.take(n, now):
+                return self._refuse(batch, QuotaReason.RATE, f"{n} events > {bucket.tokens:.0f} tokens left")
         if sizes is None and all(
             sl in PRIVATE_TIERS or index.has_location(sl) or not is_valid_location(sl)
             for sl in set(map(_location_of, events))

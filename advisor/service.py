@@ -41,7 +41,7 @@ from advisor.snapshot import (
     load_latest,
     make_snapshot,
 )
-from event_plane.codec import CodecError, encode_batch
+from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
 logger = logging.getLogger(__name__)
@@ -313,7 +313,11 @@ class AdvisorService:
         """Fold one stream entry (scaled mode); entries at or below the position are skipped.
 
         An entry that does not decode is counted and skipped: it is part of the log, so a
-        fresh fold skips it as well and the position still advances.
+        fresh fold skips it as well and the position still advances. Entries of other
+        sources than the advisor's own pass the quotas (:class:`advisor.quotas.QuotaGuard`)
+        except the rate limit: the stream is the log, so each decision must come out the
+        same when the stream is folded again from a snapshot, and these only read the batch,
+        the index and the settings. A refused entry advances the position, nothing applied.
         """
         with self.lock:
             t0 = time.perf_counter()
@@ -321,16 +325,20 @@ class AdvisorService:
                 self.counters["duplicate_batches"] += 1
                 return False
             try:
-                # decode + fold in one pass; CodecError exactly when decode_batch raises it,
-                # and then nothing is applied
-                n_events = self.index.apply_payload(payload)
+                batch = decode_batch(payload)  # CodecError: nothing is applied
             except CodecError as exc:
                 self.position = seq
                 self.counters["bad_batches"] += 1
                 self.metrics.bad_batches.inc()
                 logger.warning("advisor: stream entry %d is not a KVEvent v1 batch: %s", seq, exc)
                 return False
+            admitted = batch if batch.source == self.settings.source else self._admit(batch, rate=False)
             self.position = seq
+            if admitted is None:
+                self._batches_since_snapshot += 1
+                return False
+            self.index.apply_batch(admitted)
+            n_events = len(admitted.events)
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
             self.rate.add(n_events, time.perf_counter() - t0)
@@ -509,12 +517,13 @@ class AdvisorService:
         self._maybe_snapshot()
         return True
 
-    def _admit(self, batch: EventBatch) -> EventBatch | None:
+    def _admit(self, batch: EventBatch, *, rate: bool = True) -> EventBatch | None:
         """The quota decision for ``batch`` (call under the state lock): ``None`` when
-        refused whole, else the batch to journal; counters and metrics are updated."""
+        refused whole, else the batch to journal / apply; counters and metrics are updated.
+        ``rate=False`` skips the per-source rate limit (stream fold)."""
         q = self.quotas
         v0 = q.changes
-        got = q.admit(batch, self.index)
+        got = q.admit(batch, self.index, rate=rate)
         if q.changes == v0:
             return got.batch
         before = {k: self.counters.get(k, 0) for k in QuotaGuard.counter_names()}

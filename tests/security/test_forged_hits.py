@@ -115,3 +115,42 @@ def test_a_cap_of_zero_ignores_every_report(tmp_path: Path) -> None:
         assert svc.index.block(1).hits == 0 and svc.counters["reported_hits_capped"] == 9
     finally:
         svc.stop()
+
+
+def test_scaled_mode_checks_stream_entries_as_it_folds_them_and_refolds_the_same(tmp_path: Path, js_url: str) -> None:
+    """``log=jetstream``: the stream is the log, so each entry passes the quotas as it is
+    folded (rate limit aside); forged hits are removed, a source over the quota is refused,
+    and a fresh advisor folding the whole stream again decides the same."""
+    host = js_url.removeprefix("nats://")
+    ns = f"q{time.monotonic_ns() % 10**9}"
+    settings = AdvisorSettings(log="jetstream", jetstream_url=js_url, jetstream_namespace=ns, snapshot_store="none",
+                               api_enabled=False, get_timeout_s=0.05, journal_path=str(tmp_path / "unused.sqlite"),
+                               quota_max_sources=2)
+    pubs = [make_publisher(f"jetstream://{host}?namespace={ns}", name, config=PublisherConfig(max_delay_s=0.02))
+            for name in ("forger", "w1", "w2")]
+    svc = AdvisorService(settings)
+    svc.start()
+    try:
+        pubs[0].publish([store(77, 77, None, BS, "slow", FORGED)])
+        pubs[0].flush()
+        pubs[1].publish([store(5, 5, None, BS, "g1")])
+        pubs[1].flush()
+        pubs[2].publish([store(6, 6, None, BS, "g1")])  # a third source: over the quota
+        pubs[2].flush()
+        wait_for(lambda: svc.position >= 3)
+        assert svc.index.block(77).hits == 0 and svc.index.block(77).locations == frozenset({"slow"})
+        assert svc.index.block(6) is None and set(svc.index.sources()) == {"forger", "w1"}
+        assert svc.counters["reported_hits_untrusted"] == 1
+        assert svc.counters["quota_refused_batches_sources"] == 1
+        live = svc.index.dump()
+    finally:
+        for p in pubs:
+            p.close()
+        svc.stop()
+    fresh = AdvisorService(settings)
+    fresh.start()
+    try:
+        assert fresh.index.dump() == live
+        assert fresh.counters["quota_refused_batches_sources"] == 1
+    finally:
+        fresh.stop()

@@ -27,8 +27,9 @@ def batches() -> list[EventBatch]:
 
 
 def test_stream_entries_fold_through_apply_payload_and_bad_ones_are_skipped(tmp_path) -> None:  # noqa: ANN001
+    # "w0" may report hits (the default trusts none: tests/security/test_forged_hits.py)
     svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[],
-                                         api_enabled=False))
+                                         api_enabled=False, reported_hits_sources=["w0"]))
     ref = ReferencePrefixIndex()
     b0, b1 = batches()
     assert svc._apply_logged(1, encode_batch(b0))
