@@ -1,5 +1,6 @@
-"""The advisor service folds raw payloads with ``PrefixIndex.apply_payload``; its error
-handling must stay what it was with ``decode_batch`` + ``apply_batch``: a stream entry that
+"""The advisor service folds journal entries with ``PrefixIndex.apply_payload`` and stream
+entries with ``decode_batch``, the quotas and ``apply_batch`` (``advisor/quotas.py``); the
+error handling is the same either way: a stream entry that
 does not decode is counted and skipped (position advances, nothing applied), and so is a
 journal entry at replay (counted in ``journal_skipped``): one bad entry must never keep the
 advisor from starting."""
