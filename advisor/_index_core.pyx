@@ -12,6 +12,11 @@ State in C, allocated with ``PyMem_Malloc``/``PyMem_Realloc`` (so ``tracemalloc`
   finalizer after an XOR with a random per-process seed (ids may be small sequential ints;
   hashes from the wire must not be able to pick their slots), load factor at most 1/2.
 
+* ``mem``: per private location bit (a source's ``g1``/``g2``), a growable array of the
+  record numbers that got that bit, compacted lazily (entries of records that lost the bit
+  or were reused are dropped, duplicates merged) so a new epoch or a Cleared of g1/g2 reads
+  that source's blocks only (``private_visits`` counts the entries read).
+
 Python objects only where the data is rare or shared: location names/bits/counts, the
 volumes' storers (``h -> source``), orphans and the children of hashes that are not
 indexed, the sources, the counters and, for location bits 64 and above, a wide-mask side
@@ -108,6 +113,7 @@ cdef enum:
     F_LIVE = 1
     F_PARENT = 2
     F_WIDE = 4
+    F_MARK = 8         # transient: deduplicating a membership array (never set between calls)
 
 ctypedef struct HM:   # what a lookup reads, in its own dense array (same index as Rec)
     uint64_t h
@@ -328,6 +334,17 @@ cdef class IndexCore:
     cdef Ev* evs
     cdef Py_ssize_t evcap
     cdef bint folding          # a batch is being folded (guards against re-entry)
+    # Membership of private locations (a source's g1/g2): per location bit, the record
+    # numbers that got the bit (appended when they do; entries whose record lost the bit
+    # since, or is another block now, are dropped lazily by _mem_compact).  So a new epoch
+    # or a Cleared of g1/g2 visits that source's blocks only, not the whole table.
+    cdef int32_t** mem
+    cdef Py_ssize_t* mlen
+    cdef Py_ssize_t* mcap
+    cdef Py_ssize_t nmem       # location bits the three arrays above cover
+    cdef public unsigned long long private_visits
+    """Membership entries read to list a private location's blocks (new epochs, Cleared
+    of g1/g2, ``blocks_at``): a cumulative count, for tests (not part of the state)."""
 
     cdef public object frequency
     cdef public object counters
@@ -350,6 +367,10 @@ cdef class IndexCore:
         self.evcap = 0
         self.evs = NULL
         self.folding = False
+        self.mem = NULL
+        self.mlen = NULL
+        self.mcap = NULL
+        self.nmem = 0
         if self.recs == NULL or self.slots == NULL or self.hm == NULL:
             raise MemoryError()
         for i in range(16):
@@ -360,6 +381,7 @@ cdef class IndexCore:
         self.nlive = 0
 
     def __dealloc__(self):
+        self._mem_free_all()
         PyMem_Free(self.recs)
         PyMem_Free(self.hm)
         PyMem_Free(self.slots)
@@ -376,6 +398,8 @@ cdef class IndexCore:
         self.nrec = 0
         self.free_head = -1
         self.nlive = 0
+        self._mem_free_all()
+        self.private_visits = 0
         self.frequency = frequency
         self.counters = IndexCounters()
         self._waiting = {}
@@ -547,6 +571,109 @@ cdef class IndexCore:
             return (self._wide[self.hm[j].h] >> (bit - 64)) & 1
         return False
 
+    # ------------------------------------------------------------------ private membership
+    cdef void _mem_free_all(self) noexcept:
+        cdef Py_ssize_t b
+        for b in range(self.nmem):
+            PyMem_Free(self.mem[b])
+        PyMem_Free(self.mem)
+        PyMem_Free(self.mlen)
+        PyMem_Free(self.mcap)
+        self.mem = NULL
+        self.mlen = NULL
+        self.mcap = NULL
+        self.nmem = 0
+
+    cdef int _mem_cover(self, Py_ssize_t bit) except -1:
+        """Grow the per-bit arrays to cover location ``bit``."""
+        cdef Py_ssize_t n = self.nmem, b
+        cdef Py_ssize_t want = bit + 1 if bit + 1 > 2 * n else 2 * n
+        cdef int32_t** nm
+        cdef Py_ssize_t* nl
+        cdef Py_ssize_t* nc
+        if bit < n:
+            return 0
+        if want < 16:
+            want = 16
+        nm = <int32_t**>PyMem_Realloc(self.mem, want * sizeof(int32_t*))
+        if nm == NULL:
+            raise MemoryError()
+        self.mem = nm
+        nl = <Py_ssize_t*>PyMem_Realloc(self.mlen, want * sizeof(Py_ssize_t))
+        if nl == NULL:
+            raise MemoryError()
+        self.mlen = nl
+        nc = <Py_ssize_t*>PyMem_Realloc(self.mcap, want * sizeof(Py_ssize_t))
+        if nc == NULL:
+            raise MemoryError()
+        self.mcap = nc
+        for b in range(n, want):
+            self.mem[b] = NULL
+            self.mlen[b] = 0
+            self.mcap[b] = 0
+        self.nmem = want
+        return 0
+
+    cdef int _mem_push(self, Py_ssize_t bit, int32_t j) except -1:
+        """Record ``j`` got private location ``bit``.  Amortized O(1): a full array is
+        compacted first and doubled only when still more than half full."""
+        cdef int32_t* na
+        cdef Py_ssize_t cap
+        if bit >= self.nmem:
+            self._mem_cover(bit)
+        if self.mlen[bit] == self.mcap[bit]:
+            if self.mlen[bit]:
+                self._mem_compact(bit)
+            if self.mlen[bit] * 2 > self.mcap[bit] or self.mcap[bit] == 0:
+                cap = self.mcap[bit] * 2 if self.mcap[bit] else 8
+                na = <int32_t*>PyMem_Realloc(self.mem[bit], cap * sizeof(int32_t))
+                if na == NULL:
+                    raise MemoryError()
+                self.mem[bit] = na
+                self.mcap[bit] = cap
+        self.mem[bit][self.mlen[bit]] = j
+        self.mlen[bit] += 1
+        return 0
+
+    cdef int _mem_compact(self, Py_ssize_t bit) except -1:
+        """Keep the entries of live records that hold ``bit``, once each."""
+        cdef int32_t* a = self.mem[bit]
+        cdef Py_ssize_t i, w = 0, n = self.mlen[bit]
+        cdef int32_t j
+        cdef Rec* recs = self.recs
+        self.private_visits += n
+        for i in range(n):
+            j = a[i]
+            if j < self.nrec and recs[j].flags & F_LIVE and not (recs[j].flags & F_MARK) \
+                    and self._has_bit(j, bit):
+                recs[j].flags |= F_MARK
+                a[w] = j
+                w += 1
+        for i in range(w):
+            recs[a[i]].flags &= ~F_MARK
+        self.mlen[bit] = w
+        return 0
+
+    cdef void _mem_reset(self, Py_ssize_t bit) noexcept:
+        """Location ``bit`` holds no block any more (cleared, or its bit given back)."""
+        if bit < self.nmem:
+            self.mlen[bit] = 0
+            if self.mcap[bit] > 64:
+                PyMem_Free(self.mem[bit])
+                self.mem[bit] = NULL
+                self.mcap[bit] = 0
+
+    def _add_members(self, Py_ssize_t bit, hashes):
+        """Record that the blocks ``hashes`` (all indexed) hold private location ``bit``
+        (snapshot import, which lists each location's blocks once: O(blocks listed))."""
+        cdef uint64_t k
+        cdef int32_t j
+        for h in hashes:
+            if _key(h, &k):
+                j = self._find(k)
+                if j >= 0:
+                    self._mem_push(bit, j)
+
     # ------------------------------------------------------------------ locations
     cdef Py_ssize_t _bit(self, str location) except -1:
         bit = self._loc_bit.get(location)
@@ -574,6 +701,7 @@ cdef class IndexCore:
                 del self._loc_bit[names[bit]]
                 names[bit] = ""
                 self._loc_sets[bit] = None
+                self._mem_reset(bit)
                 heapq.heappush(self._free_bits, bit)
         self._touched.clear()
 
@@ -584,14 +712,16 @@ cdef class IndexCore:
 
     cdef list _held(self, Py_ssize_t bit):
         """Hashes held at location ``bit`` (set copy for volumes, table scan for g1/g2)."""
-        cdef int32_t j
+        cdef Py_ssize_t i
         s = self._loc_sets[bit]
         if s is not None:
             return list(s)
         cdef list out = []
-        for j in range(self.nrec):
-            if self.recs[j].flags & F_LIVE and self._has_bit(j, bit):
-                out.append(self.hm[j].h)
+        if bit >= self.nmem:
+            return out
+        self._mem_compact(bit)
+        for i in range(self.mlen[bit]):
+            out.append(self.hm[self.mem[bit][i]].h)
         return out
 
     def _private_mask(self, str source):
@@ -661,6 +791,8 @@ cdef class IndexCore:
                     self._link(pj, j)
             self._set_mask(j, flag)
             self._hold(bit, h, source)
+            if self._loc_sets[bit] is None:
+                self._mem_push(bit, j)
             kids = self._waiting.pop(h, None)
             if kids is not None:
                 for child in kids:
@@ -687,6 +819,8 @@ cdef class IndexCore:
         self._set_mask(j, m | flag)
         self.recs[j].size = size
         self._hold(bit, h, source)
+        if self._loc_sets[bit] is None:
+            self._mem_push(bit, j)
         hits = _reported_hits(extra)
         placement_only = not access or (extra is not None and any(k in extra for k in PLACEMENT_KEYS))
         if not placement_only and self._is_access(source, storage_location, m):
@@ -788,6 +922,8 @@ cdef class IndexCore:
             self._set_mask(j, m)
             if not m:
                 self._forget(j)
+        if s is None:
+            self._mem_reset(bit)
 
     def _clear_storer(self, str volume, str source):
         """Cleared of ``volume`` from ``source``: ``source`` stops being a storer of each
@@ -1194,6 +1330,12 @@ cdef class IndexCore:
                             elif (fast and e.extra == NULL and not (e.has_parent and e.parent == h)
                                   and not (r.flags & F_WIDE) and not priv_wide):
                                 self.hm[j].mask = lo | flag
+                                if lset is None:
+                                    if bit < self.nmem and self.mlen[bit] < self.mcap[bit]:
+                                        self.mem[bit][self.mlen[bit]] = j
+                                        self.mlen[bit] += 1
+                                    else:
+                                        self._mem_push(bit, j)
                                 r.size = e.size
                                 if is_g1 or not (lo & priv):
                                     if r.hits != M64:
@@ -1218,6 +1360,12 @@ cdef class IndexCore:
                             else:
                                 j = -1
                             if j >= 0:
+                                if lset is None:
+                                    if bit < self.nmem and self.mlen[bit] < self.mcap[bit]:
+                                        self.mem[bit][self.mlen[bit]] = j
+                                        self.mlen[bit] += 1
+                                    else:
+                                        self._mem_push(bit, j)
                                 r.prefix = e.prefix
                                 r.size = e.size
                                 self.hm[j].mask = flag

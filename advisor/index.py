@@ -37,7 +37,9 @@ Fault tolerance (failure cases of ``cases/CASES.md``):
     * a self-parented Store (``parent_hash == sequence_hash``) is rejected alone, and so is
       the Store of a new block that closes a parent cycle (``A -> B`` then ``B -> A``;
       checked up to ``PARENT_WALK_LIMIT`` links).
-    * a new epoch of a known source drops that source's ``g1``/``g2`` residency; batches
+    * a new epoch of a known source drops that source's ``g1``/``g2`` residency (reading
+      that source's own blocks: each private location keeps its members, so the cost does
+      not grow with the index, ``bench/advisor.py``); batches
       of a superseded epoch that arrive later are counted (``stale_batches``) and only their
       volume events are applied, in order (facts about shared storage; their Stores are
       placement only, never accesses); their ``g1``/``g2`` events are ignored.
@@ -187,6 +189,8 @@ class PrefixIndex(IndexStateViews, IndexCore):
                 held = held_at[bit]
                 counts[bit] = len(held)
                 if s is None:
+                    if held:
+                        idx._add_members(bit, held)  # a private location: its membership
                     continue
                 if storers is None:
                     s.update(dict.fromkeys(held, _UNKNOWN_STORER))

@@ -289,8 +289,8 @@ class IndexStateViews:
 
     A class using it provides ``_records()`` (one ``(h, parent, prefix, size, mask, hits,
     last_access)`` per indexed block), ``__len__``, ``_names(mask)`` and the location,
-    source, orphan and counter attributes (``_loc_names``, ``_loc_counts``, ``_loc_sets``,
-    ``_sources``, ``_orphans``, ``counters``).
+    source, orphan and counter attributes (``_loc_bit``, ``_loc_names``, ``_loc_counts``,
+    ``_loc_sets``, ``_sources``, ``_orphans``, ``counters``).
     """
 
     @staticmethod
@@ -304,6 +304,15 @@ class IndexStateViews:
         if not is_valid_location(storage_location):
             raise ValueError(f"storage_location {storage_location!r} is empty, blank or contains '/'")
         return _located(source, storage_location)
+
+    def has_location(self, location: str) -> bool:
+        """Whether index location ``location`` (a volume id or ``"<source>/g1|g2"``) holds a block now."""
+        return location in self._loc_bit  # type: ignore[attr-defined]
+
+    def volume_count(self) -> int:
+        """Volume (global) locations holding a block now: O(location bits), for the
+        location quota (``advisor/quotas.py``), which calls it only for a new volume name."""
+        return sum(1 for s in self._loc_sets if s is not None)  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, Any]:
         """Blocks per location, total blocks, pending orphans and the counters.

@@ -132,6 +132,23 @@ class AdvisorMetrics:
             "zmq | nats | other)", ["transport"], registry=r,
         )
         self.journal_position = Gauge("kvadvisor_journal_position", "Last journal position applied", registry=r)
+        from advisor.quotas import BATCH_REASONS, QuotaReason
+
+        self.quota_refused_batches = Counter(
+            "kvadvisor_quota_refused_batches", "Subscribed batches refused whole by a quota, by reason",
+            ["reason"], registry=r)
+        self.quota_refused_events = Counter(
+            "kvadvisor_quota_refused_events",
+            "Events refused by a quota, by reason (those of refused batches included)", ["reason"], registry=r)
+        for reason in QuotaReason:  # every series exists from the start, at 0; no other label value ever does
+            if reason in BATCH_REASONS:
+                self.quota_refused_batches.labels(reason=reason.value)
+            self.quota_refused_events.labels(reason=reason.value)
+        self.reported_hits_capped = Counter(
+            "kvadvisor_reported_hits_capped", "Publisher-reported hits removed by reported_hits_cap", registry=r)
+        self.reported_hits_untrusted = Counter(
+            "kvadvisor_reported_hits_untrusted",
+            "Events whose reported hits were removed (source not in reported_hits_sources)", registry=r)
         r.register(_StateCollector(snapshot, max_locations, keep_locations))
 
     def record_results(self, results: list[PlanResult]) -> None:

@@ -31,6 +31,7 @@ from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.quotas import QuotaGuard
 from advisor.settings import AdvisorSettings
 from advisor.snapshot import (
     RedisSnapshotStore,
@@ -40,7 +41,7 @@ from advisor.snapshot import (
     load_latest,
     make_snapshot,
 )
-from event_plane.codec import CodecError, encode_batch
+from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ class AdvisorService:
         }
         self.origins: Any = None  # event_plane.origins.OriginGuard while subscribed with origin_binding
         self._origin_store: Any = None
+        self.counters.update(dict.fromkeys(QuotaGuard.counter_names(), 0))
+        self.quotas = QuotaGuard(settings.quota_limits())
         self.rate = RateMeter()
         self.started_at: float | None = None
         self._stop = threading.Event()
@@ -343,7 +346,11 @@ class AdvisorService:
         """Fold one stream entry (scaled mode); entries at or below the position are skipped.
 
         An entry that does not decode is counted and skipped: it is part of the log, so a
-        fresh fold skips it as well and the position still advances.
+        fresh fold skips it as well and the position still advances. Entries of other
+        sources than the advisor's own pass the quotas (:class:`advisor.quotas.QuotaGuard`)
+        except the rate limit: the stream is the log, so each decision must come out the
+        same when the stream is folded again from a snapshot, and these only read the batch,
+        the index and the settings. A refused entry advances the position, nothing applied.
         """
         with self.lock:
             t0 = time.perf_counter()
@@ -351,16 +358,20 @@ class AdvisorService:
                 self.counters["duplicate_batches"] += 1
                 return False
             try:
-                # decode + fold in one pass; CodecError exactly when decode_batch raises it,
-                # and then nothing is applied
-                n_events = self.index.apply_payload(payload)
+                batch = decode_batch(payload)  # CodecError: nothing is applied
             except CodecError as exc:
                 self.position = seq
                 self.counters["bad_batches"] += 1
                 self.metrics.bad_batches.inc()
                 logger.warning("advisor: stream entry %d is not a KVEvent v1 batch: %s", seq, exc)
                 return False
+            admitted = batch if batch.source == self.settings.source else self._admit(batch, rate=False)
             self.position = seq
+            if admitted is None:
+                self._batches_since_snapshot += 1
+                return False
+            self.index.apply_batch(admitted)
+            n_events = len(admitted.events)
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
             self.rate.add(n_events, time.perf_counter() - t0)
@@ -496,9 +507,14 @@ class AdvisorService:
             payload: its wire bytes (encoded from ``batch`` when ``None``).
             verify: check that ``payload`` decodes to ``batch`` before journaling.
 
+        Batches of other sources than the advisor's own pass the quotas first
+        (:class:`advisor.quotas.QuotaGuard`): a batch refused whole is not journaled; one
+        with refused events or rewritten ``hits`` is journaled as admitted (encoded again).
+
         Returns:
-            ``True`` if applied, ``False`` if it was already journaled (duplicate) or
-            refused as bad (counted in ``counters``; nothing else changes).
+            ``True`` if applied, ``False`` if it was already journaled (duplicate),
+            refused as bad or refused whole by a quota (counted in ``counters``; nothing
+            else changes).
         """
         if self.journal is None:
             if self.stream_log is not None:
@@ -508,6 +524,12 @@ class AdvisorService:
             payload = encode_batch(batch)
         with self.lock:
             t0 = time.perf_counter()
+            if batch.source != self.settings.source:
+                admitted = self._admit(batch)
+                if admitted is None:
+                    return False
+                if admitted is not batch:
+                    batch, payload, verify = admitted, encode_batch(admitted), False
             try:
                 pos = self.journal.append(payload, batch, verify=verify)
             except BadPayloadError as exc:
@@ -529,6 +551,32 @@ class AdvisorService:
         self.metrics.journal_position.set(pos)
         self._maybe_snapshot()
         return True
+
+    def _admit(self, batch: EventBatch, *, rate: bool = True) -> EventBatch | None:
+        """The quota decision for ``batch`` (call under the state lock): ``None`` when
+        refused whole, else the batch to journal / apply; counters and metrics are updated.
+        ``rate=False`` skips the per-source rate limit (stream fold)."""
+        q = self.quotas
+        v0 = q.changes
+        got = q.admit(batch, self.index, rate=rate)
+        if q.changes == v0:
+            return got.batch
+        before = {k: self.counters.get(k, 0) for k in QuotaGuard.counter_names()}
+        m = self.metrics
+        for key, n in q.as_dict().items():
+            d = n - before[key]
+            if not d:
+                continue
+            self.counters[key] = n
+            if key.startswith("quota_refused_batches_"):
+                m.quota_refused_batches.labels(reason=key[len("quota_refused_batches_"):]).inc(d)
+            elif key.startswith("quota_refused_events_"):
+                m.quota_refused_events.labels(reason=key[len("quota_refused_events_"):]).inc(d)
+            elif key == "reported_hits_capped":
+                m.reported_hits_capped.inc(d)
+            else:
+                m.reported_hits_untrusted.inc(d)
+        return got.batch
 
     def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
         if self.settings.log == "jetstream":

@@ -143,6 +143,17 @@ class AdvisorSettings(BaseSettings):
         origins_path: the SQLite file of those bindings (default
             ``<journal_path>.origins``); they survive restarts until
             :meth:`AdvisorService.release_origin`.
+        quota_max_sources / quota_max_locations / quota_max_batch_events /
+            quota_max_event_metadata_bytes / quota_max_batch_metadata_bytes /
+            quota_source_rate / quota_source_burst: admission quotas of subscribed
+            batches (``advisor/quotas.py``): distinct sources (default 10,000), distinct
+            volume names (256), events per batch (65,536), encoded ``extra_metadata``
+            bytes per event (4 KiB) and per batch (1 MiB), and each source's token bucket:
+            events/s (200,000) and size in events (1,048,576, at least
+            ``quota_max_batch_events``). What goes over is refused alone and counted.
+        reported_hits_sources / reported_hits_cap: sources whose ``extra_metadata["hits"]``
+            counts (default none: the key is removed from every subscribed event), and
+            the most hits one Store of theirs may report (default 8).
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -187,6 +198,15 @@ class AdvisorSettings(BaseSettings):
     snapshot_keep: int = Field(2, ge=1)
     snapshot_on_stop: bool = True
     metrics_max_locations: int = Field(64, ge=1)
+    quota_max_sources: int = Field(10_000, ge=1)
+    quota_max_locations: int = Field(256, ge=1)
+    quota_max_batch_events: int = Field(65_536, ge=1)
+    quota_max_event_metadata_bytes: int = Field(4096, ge=1)
+    quota_max_batch_metadata_bytes: int = Field(1 << 20, ge=1)
+    quota_source_rate: float = Field(200_000.0, gt=0.0, allow_inf_nan=False)
+    quota_source_burst: int = Field(1 << 20, ge=1)
+    reported_hits_sources: list[str] = Field(default_factory=list)
+    reported_hits_cap: int = Field(8, ge=0)
     nats_user: str | None = None
     nats_password: SecretStr | None = None
     nats_token: SecretStr | None = None
@@ -242,6 +262,9 @@ class AdvisorSettings(BaseSettings):
                 check_secret_mode(self.zmq_curve_secret_file)
             except ConfigError as exc:
                 raise ValueError(f"zmq_curve_secret_file: {exc}") from exc
+        if self.quota_source_burst < self.quota_max_batch_events:
+            raise ValueError(f"quota_source_burst ({self.quota_source_burst}) must be at least quota_max_batch_events "
+                             f"({self.quota_max_batch_events}): a bucket smaller than a batch refuses it forever")
         if self.volumes and self.catalog_path is None:
             raise ValueError("volumes are configured but catalog_path is not set")
         return self
@@ -288,6 +311,22 @@ class AdvisorSettings(BaseSettings):
             tls_cert_file=self.nats_tls_cert_file,
             tls_key_file=self.nats_tls_key_file,
             tls_hostname=self.nats_tls_hostname,
+        )
+
+    def quota_limits(self) -> Any:
+        """The ``quota_*`` and ``reported_hits_*`` fields as an :class:`advisor.quotas.QuotaLimits`."""
+        from advisor.quotas import QuotaLimits
+
+        return QuotaLimits(
+            max_sources=self.quota_max_sources,
+            max_locations=self.quota_max_locations,
+            max_batch_events=self.quota_max_batch_events,
+            max_event_metadata_bytes=self.quota_max_event_metadata_bytes,
+            max_batch_metadata_bytes=self.quota_max_batch_metadata_bytes,
+            source_rate=self.quota_source_rate,
+            source_burst=self.quota_source_burst,
+            reported_hits_cap=self.reported_hits_cap,
+            reported_hits_sources=frozenset(self.reported_hits_sources),
         )
 
     @property

@@ -21,11 +21,21 @@ Both rates count blocks: events/s = Store events (block references, 288,500 for 
 file) / seconds.  Each side runs ``--repeat`` times, alternating ours and Dynamo so that
 both see the same machine load; the medians are printed.
 
+Admission: ``QuotaGuard.admit`` (the advisor service's quota step before the journal) of
+every decoded batch against the index as it is before that batch, default limits (the rate
+limit aside); printed beside the fold as its own rate and as a share of ``apply_payload``.
+
 Memory per indexed block: ``tracemalloc`` bytes still allocated once the whole file is
 decoded and folded (the batches are freed, so every int the index keeps, keys included,
 is counted), divided by the number of indexed blocks.
 
-Run: ``taskset -c 0 python bench/advisor.py [--trace FILE] [--requests N] [--repeat N]``.
+New epoch: an index of ``--epoch-blocks`` blocks (default 1,000,000, on a volume) plus one
+worker holding a few blocks in its ``g1``; the median cost of a 1-event batch that starts a
+new epoch of that worker (its ``g1``/``g2`` residency is dropped) vs the same batch in its
+current epoch, and the ratio; also the membership entries the drop read
+(``PrefixIndex.private_visits``): the worker's blocks, not the index's.
+
+Run: ``taskset -c 0 python bench/advisor.py [--trace FILE] [--requests N] [--repeat N] [--epoch-blocks N]``.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.index import PrefixIndex  # noqa: E402
+from advisor.quotas import QuotaGuard, QuotaLimits  # noqa: E402
 from event_plane.codec import decode_batch, encode_batch  # noqa: E402
 from event_plane.schema import EventBatch, store  # noqa: E402
 from kvadvisor.trace import read_mooncake  # noqa: E402
@@ -96,10 +107,17 @@ def run_ours(payloads: list[bytes], requests: list[tuple[int, ...]]) -> dict[str
     batches = [decode_batch(p) for p in payloads]
     decode_s = time.perf_counter() - t0
     idx = PrefixIndex()
+    guard = QuotaGuard(QuotaLimits(source_rate=1e15, source_burst=1 << 62))  # every other limit at its default
+    admit = guard.admit
+    admit_s = 0.0
     t0 = time.perf_counter()
     for b in batches:
+        t1 = time.perf_counter()
+        admit(b, idx)  # the service's admission step, against the index as it is before the batch
+        admit_s += time.perf_counter() - t1
         idx.apply_batch(b)
-    fold_s = time.perf_counter() - t0
+    fold_s = time.perf_counter() - t0 - admit_s
+    assert guard.changes == 0, guard.as_dict()  # nothing in the trace goes over a default quota
     del batches, idx
     idx = PrefixIndex()
     apply = idx.apply_payload
@@ -112,7 +130,8 @@ def run_ours(payloads: list[bytes], requests: list[tuple[int, ...]]) -> dict[str
     for r in requests:
         lookup(r)
     lookup_s = time.perf_counter() - t0
-    return {"apply_s": apply_s, "decode_s": decode_s, "fold_s": fold_s, "lookup_s": lookup_s, "blocks": len(idx)}
+    return {"apply_s": apply_s, "decode_s": decode_s, "fold_s": fold_s, "admit_s": admit_s, "lookup_s": lookup_s,
+            "blocks": len(idx)}
 
 
 def memory_per_block(payloads: list[bytes]) -> tuple[float, int]:
@@ -152,6 +171,42 @@ def run_dynamo(tree_cls: Any, events: list[tuple[int, bytes]], queries: list[lis
     return {"apply_s": apply_s, "lookup_s": lookup_s}
 
 
+def bench_new_epoch(total: int, own: int, repeat: int = 21) -> dict[str, float]:
+    """Median seconds of a new-epoch batch vs a normal batch of a worker holding ``own``
+    g1 blocks, in an index of ``total`` blocks (see the module docstring)."""
+    idx = PrefixIndex()
+    step = 4096
+    for start in range(0, total - own, step):
+        n = min(step, total - own - start)
+        idx.apply_payload(encode_batch(EventBatch(1, "bulk", 1, start // step, 1, [
+            store((1 << 40) + start + i, (1 << 40) + start + i, None, BLOCK_BYTES, "fast") for i in range(n)])))
+    mine = [store(h, h, None, BLOCK_BYTES, "g1") for h in range(1, own + 1)]
+    probe = [store(1 << 50, 1 << 50, None, BLOCK_BYTES, "g2")]
+    epoch, seq = 1, 0
+    idx.apply_payload(encode_batch(EventBatch(1, "w1", epoch, seq, 1, mine)))
+    normal: list[float] = []
+    restart: list[float] = []
+    visits: list[int] = []
+    for _ in range(repeat):
+        seq += 1
+        payload = encode_batch(EventBatch(1, "w1", epoch, seq, 2, probe))
+        t0 = time.perf_counter()
+        idx.apply_payload(payload)
+        normal.append(time.perf_counter() - t0)
+        epoch, seq = epoch + 1, 0
+        payload = encode_batch(EventBatch(1, "w1", epoch, seq, 3, probe))
+        v0 = idx.private_visits
+        t0 = time.perf_counter()
+        idx.apply_payload(payload)  # drops w1/g1 (own blocks) and w1/g2
+        restart.append(time.perf_counter() - t0)
+        visits.append(idx.private_visits - v0)
+        assert idx.count_at("w1/g1") == 0 and len(idx) == total - own + 1
+        seq += 1
+        idx.apply_payload(encode_batch(EventBatch(1, "w1", epoch, seq, 4, mine)))  # back for the next round
+    return {"normal_s": statistics.median(normal), "epoch_s": statistics.median(restart),
+            "visits": statistics.median(visits), "blocks": float(len(idx))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -159,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-events", type=int, default=256)
     ap.add_argument("--ids", choices=("u64", "raw"), default="u64", help="hash values: u64 bijection or trace ids")
     ap.add_argument("--repeat", type=int, default=5, help="runs per side (medians are printed)")
+    ap.add_argument("--epoch-blocks", type=int, default=1_000_000, help="index size of the new-epoch case (0 = skip)")
     args = ap.parse_args(argv)
     reqs = [r.hash_ids for r in read_mooncake(args.trace, args.requests or None)]
     if args.ids == "u64":
@@ -189,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ours (decode + apply)':24}{o_apply:>20,.0f}{o_lookup:>14,.0f}   apply_payload(bytes)")
     print(f"{'  decode only':24}{n_events / med(ours, 'decode_s'):>20,.0f}{'':14}   decode_batch (msgspec)")
     print(f"{'  apply only':24}{n_events / med(ours, 'fold_s'):>20,.0f}{'':14}   apply_batch(decoded batch)")
+    print(f"{'  admission only':24}{n_events / med(ours, 'admit_s'):>20,.0f}{'':14}   QuotaGuard.admit (advisor/quotas.py), "
+          f"{med(ours, 'admit_s') / med(ours, 'apply_s'):.2f}x the time of apply_payload")
     if not dyn:
         print(why)
     else:
@@ -197,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'Dynamo RadixTree':24}{d_apply:>20,.0f}{d_lookup:>14,.0f}")
         print(f"{'ratio ours / Dynamo':24}{o_apply / d_apply:>19.1f}x{o_lookup / d_lookup:>13.1f}x")
     print(f"memory per indexed block: {mem:.0f} bytes ({blocks:,} blocks, index kept after the batches are freed)")
+    if args.epoch_blocks > 0:
+        for own in (16, 1024):
+            r = bench_new_epoch(args.epoch_blocks, own)
+            print(f"new epoch at {r['blocks']:,.0f} blocks, worker holding {own} g1 blocks: "
+                  f"{r['epoch_s'] * 1e6:,.1f} us vs normal batch {r['normal_s'] * 1e6:,.1f} us = "
+                  f"{r['epoch_s'] / r['normal_s']:.1f}x ({r['visits']:,.0f} membership entries read)")
     return 0
 
 

@@ -11,6 +11,11 @@ Prints, side by side:
    vLLM sends the blocks' token ids, 16 tokens per block here);
 2. encode and decode rates of KVEvent v1 batches on one core, and for reference a generic
    MessagePack decode of vLLM's array form and the full vLLM → KVEvent v1 adapter;
+2b. ``BlockTracker.apply_batch`` on one core, ours against a reference tracker whose
+   parent-cycle check walks one link at a time (the check before shortcuts): the stream of
+   section 3 (Stores and Removes of chained blocks; no Store there needs the check), and
+   a stream where every Store of a new block finds its child already held (the child came
+   first) under a 4,096-block chain, so every such Store needs the check;
 3. publish → apply throughput and p50 / p99 latency over ZMQ and over NATS JetStream on
    loopback: the publisher (validate, batch, encode, send) runs in this process, the
    subscriber in another one; "deliver" takes each batch from the subscriber's queue,
@@ -57,6 +62,7 @@ from event_plane import (  # noqa: E402
     store,
 )
 from event_plane.adapters import vllm_config, vllm_converter  # noqa: E402
+from event_plane.schema import PARENT_WALK_LIMIT  # noqa: E402
 from event_plane.adapters.emit import peer_batch, peer_event  # noqa: E402
 
 BLOCK_TOKENS = 16
@@ -152,6 +158,58 @@ def bench_codec(chains: list[list[tuple[int, list[int]]]], min_s: float) -> dict
         "vLLM array form: generic msgpack decode": rate(lambda: generic.decode(vpayload), BATCH_EVENTS, min_s),
         "vLLM array form -> KVEvent v1 (adapter)": rate(lambda: conv.convert(0, vpayload, live=False), BATCH_EVENTS, min_s),
     }
+
+
+# ---------------------------------------------------------------------------- 2b. tracker
+class WalkingTracker(BlockTracker):
+    """Reference: the parent-cycle check one link at a time, up to PARENT_WALK_LIMIT."""
+
+    def _closes_cycle(self, h: int, parent: int) -> bool:
+        x: int | None = parent
+        for _ in range(PARENT_WALK_LIMIT):
+            block = self._blocks.get(x)  # type: ignore[arg-type]
+            if block is None or block.parent_hash is None:
+                return False
+            x = block.parent_hash
+            if x == h:
+                return True
+        return False
+
+
+def tracker_streams(chains: list[list[tuple[int, list[int]]]], n_batches: int) -> dict[str, list[EventBatch]]:
+    """The two streams of section 2b, ``n_batches`` batches each (after a set-up batch)."""
+    stores = our_events(chains)[:BATCH_EVENTS]
+    removes = [remove(e.sequence_hash, e.prefix_hash, e.parent_hash, e.block_size, e.storage_location) for e in stores]
+    first = [EventBatch(1, "w", 1, i, 0, stores if i % 2 == 0 else removes) for i in range(n_batches)]
+    long = [store(h, 1, h - 1 if h > 1 else None, 4096, "g1") for h in range(1, PARENT_WALK_LIMIT + 1)]
+    late = [EventBatch(1, "w", 1, 0, 0, long)]
+    for i in range(n_batches):
+        evs = []
+        for k in range(BATCH_EVENTS // 4):  # child first (an orphan), then its parent under the chain's end
+            w = (1 << 40) + (i * BATCH_EVENTS + k) * 2
+            evs += [store(w + 1, 1, w, 4096, "g1"), store(w, 1, PARENT_WALK_LIMIT, 4096, "g1")]
+        evs += [remove(e.sequence_hash, 1, e.parent_hash, 4096, "g1") for e in reversed(evs)]  # leaves first
+        late.append(EventBatch(1, "w", 1, i + 1, 0, evs))
+    return {"Store/Remove of chains (section 3's stream)": first,
+            "child first, then parent under a 4,096-block chain": late}
+
+
+def bench_tracker(chains: list[list[tuple[int, list[int]]]], n_batches: int) -> dict[str, tuple[float, float]]:
+    """Events/s of ours and of :class:`WalkingTracker` per stream (best of 5 runs each,
+    the two run alternately so that both see the same machine load)."""
+    out = {}
+    for label, batches in tracker_streams(chains, n_batches).items():
+        n = sum(len(b.events) for b in batches)
+        best = {BlockTracker: 0.0, WalkingTracker: 0.0}
+        for _ in range(5):
+            for cls in best:
+                tr = cls()
+                t0 = time.perf_counter()
+                for b in batches:
+                    tr.apply_batch(b)
+                best[cls] = max(best[cls], n / (time.perf_counter() - t0))
+        out[label] = (best[BlockTracker], best[WalkingTracker])
+    return out
 
 
 # ---------------------------------------------------------------------------- 3. end to end
@@ -280,6 +338,11 @@ def main() -> int:
         print(f"{label:58s} {value / 1e6:8.2f} M events/s")
     dec = codec["KVEvent v1 decode (typed, validated)"]
     print(f"goal: >= 1,000,000 events/s decode -> {'MET' if dec >= 1e6 else 'MISSED'} ({dec / 1e6:.2f} M/s)")
+
+    print("\n## 2b. BlockTracker apply, one core: ours vs a one-link-at-a-time cycle check")
+    print(f"{'stream':58s} {'ours ev/s':>12s} {'reference':>12s} {'ratio':>7s}")
+    for label, (ours_r, ref_r) in bench_tracker(chains, 20 if args.quick else 100).items():
+        print(f"{label:58s} {ours_r:12,.0f} {ref_r:12,.0f} {ours_r / ref_r:6.2f}x")
 
     print(f"\n## 3. Publish -> apply (BlockTracker in a second process), loopback, {total:,} events")
     exe = shutil.which("nats-server") or "/usr/sbin/nats-server"

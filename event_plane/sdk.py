@@ -143,6 +143,15 @@ class BlockTracker:
         self._epochs: dict[str, int] = {}  # source -> current epoch
         self._retired: dict[str, set[int]] = {}  # source -> superseded epochs
         self._applied: dict[str, int] = {}  # source -> last applied seq (current epoch)
+        # Cycle check shortcuts: held block -> (held ancestor it leads to, parent links to
+        # it, cut generation). Valid while no held block with held children was dropped
+        # or re-parented since (``_cut_gen`` unchanged): until then, ancestry and link
+        # counts only grow at the top (a block stored above a chain's first block).
+        self._up: dict[int, tuple[int, int, int]] = {}
+        self._cut_gen = 0
+        self.cycle_walk_steps = 0
+        """Parent links followed one by one by the cycle check (cumulative; shortcuts
+        skip the rest): a diagnostic for tests and benchmarks."""
         self._stats = TrackerStats()
 
     # ------------------------------------------------------------------ queries
@@ -278,6 +287,7 @@ class BlockTracker:
             st.duplicate_stores += 1
             return
         elif block.parent_hash != parent:  # re-stored with another lineage: latest wins
+            self._cut()
             if block.parent_hash is not None:
                 self._unlink(block.parent_hash, h)
             if parent is not None:
@@ -288,19 +298,58 @@ class BlockTracker:
         self._by_holder.setdefault(holder, set()).add(h)
 
     def _closes_cycle(self, h: int, parent: int) -> bool:
-        """Whether new block ``h`` under ``parent`` closes a parent cycle (the chain from
-        ``parent`` reaches ``h`` within ``PARENT_WALK_LIMIT`` links)."""
-        x: int | None = parent
-        for _ in range(PARENT_WALK_LIMIT):
-            block = self._blocks.get(x)  # type: ignore[arg-type]
+        """Whether new block ``h`` under ``parent`` closes a parent cycle: the chain from
+        ``parent`` reaches ``h`` within ``PARENT_WALK_LIMIT`` links (same answer as a walk
+        of one link at a time, and as the advisor's index).
+
+        ``h`` is not held, so the chain can reach it only from its top: the first block on
+        it whose parent is not held. The walk goes there through the shortcuts of earlier
+        walks (each ``(ancestor, links)``) and leaves a shortcut to the top on every block
+        it passed, so a later walk from any of them costs O(1) (path compression, as in
+        union-find) until a cut (see ``__init__``) clears them: amortized O(1) per Store
+        on a stream that does not drop chained blocks from their middle.
+        """
+        blocks = self._blocks
+        up = self._up
+        gen = self._cut_gen
+        x = parent
+        links = 0  # links followed from ``parent`` to ``x``
+        path: list[tuple[int, int]] = []  # (block passed, links from ``parent`` to it)
+        while links < PARENT_WALK_LIMIT:
+            block = blocks.get(x)
             if block is None:
-                return False
-            x = block.parent_hash
-            if x is None:
-                return False
-            if x == h:
-                return True
+                return False  # only ``parent`` itself can be missing: shortcuts lead to held blocks
+            sc = up.get(x)
+            if sc is not None and sc[2] == gen and sc[0] != x:
+                if links + sc[1] >= PARENT_WALK_LIMIT:
+                    # the blocks up to the shortcut's end are held, so none is ``h``: the walk
+                    # would run out of links before it could reach ``h``
+                    return False
+                path.append((x, links))
+                x, links = sc[0], links + sc[1]
+                continue
+            nxt = block.parent_hash
+            if nxt is None:
+                break
+            if nxt == h:
+                return True  # reached at link ``links + 1 <= PARENT_WALK_LIMIT``
+            if nxt not in blocks:
+                break  # ``x`` is the top and its parent is another hash
+            path.append((x, links))
+            self.cycle_walk_steps += 1
+            x, links = nxt, links + 1
+        else:
+            return False  # the limit ran out first (a longer cycle is not detected)
+        for node, at in path:  # every block passed now leads straight to the top ``x``
+            up[node] = (x, links - at, gen)
         return False
+
+    def _cut(self) -> None:
+        """A held block with held children left, or a block changed parent: chains may
+        have split, so every cycle-check shortcut is dropped."""
+        self._cut_gen += 1
+        if self._up:
+            self._up.clear()
 
     def _remove(self, source: str, h: int, location: str) -> None:
         holder = (source, location)
@@ -330,6 +379,10 @@ class BlockTracker:
         if block.holders:
             return
         del self._blocks[block.sequence_hash]
+        if self._up:
+            self._up.pop(block.sequence_hash, None)
+            if block.sequence_hash in self._children:
+                self._cut()  # its children's chains no longer reach above it
         if block.parent_hash is not None:
             self._unlink(block.parent_hash, block.sequence_hash)
 

@@ -57,8 +57,10 @@ def test_snapshot_export_and_import_stay_linear_in_blocks() -> None:
 
 
 def test_sigterm_and_restart_with_20k_sources_finish_in_seconds(tmp_path: Path) -> None:
+    # the source quota (default 10,000) is raised: this test is about snapshot cost, the
+    # quota's own test is tests/security/test_quotas.py
     settings = AdvisorSettings(journal_path=str(tmp_path / "journal.sqlite"), subscribe_urls=[], api_enabled=False,
-                               snapshot_store="sqlite", snapshot_every_batches=0)
+                               snapshot_store="sqlite", snapshot_every_batches=0, quota_max_sources=SOURCES + 1)
     svc = AdvisorService(settings)
     svc.start()
     try:

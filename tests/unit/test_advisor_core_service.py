@@ -1,5 +1,6 @@
-"""The advisor service folds raw payloads with ``PrefixIndex.apply_payload``; its error
-handling must stay what it was with ``decode_batch`` + ``apply_batch``: a stream entry that
+"""The advisor service folds journal entries with ``PrefixIndex.apply_payload`` and stream
+entries with ``decode_batch``, the quotas and ``apply_batch`` (``advisor/quotas.py``); the
+error handling is the same either way: a stream entry that
 does not decode is counted and skipped (position advances, nothing applied), and so is a
 journal entry at replay (counted in ``journal_skipped``): one bad entry must never keep the
 advisor from starting."""
@@ -27,8 +28,9 @@ def batches() -> list[EventBatch]:
 
 
 def test_stream_entries_fold_through_apply_payload_and_bad_ones_are_skipped(tmp_path) -> None:  # noqa: ANN001
+    # "w0" may report hits (the default trusts none: tests/security/test_forged_hits.py)
     svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), subscribe_urls=[],
-                                         api_enabled=False))
+                                         api_enabled=False, reported_hits_sources=["w0"]))
     ref = ReferencePrefixIndex()
     b0, b1 = batches()
     assert svc._apply_logged(1, encode_batch(b0))

@@ -58,8 +58,9 @@ def test_hits_above_u64_from_direct_callers_are_clamped_and_feed_the_sketch() ->
 
 
 def test_service_keeps_snapshotting_after_a_poisoned_hit_count(tmp_path) -> None:  # noqa: ANN001
+    # "w" may report hits without a cap (the default trusts no source: tests/security/test_forged_hits.py)
     s = AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), api_enabled=False, snapshot_every_batches=0,
-                        snapshot_every_s=0, snapshot_on_stop=False)
+                        snapshot_every_s=0, snapshot_on_stop=False, reported_hits_sources=["w"], reported_hits_cap=U64_MAX)
     svc = AdvisorService(s)
     svc.start()
     try:

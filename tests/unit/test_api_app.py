@@ -172,8 +172,9 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
     """5,000 Stores at 5,000 forged volume names: the scrape shows the configured bound of
     location series (the biggest locations first) plus one "_other" series holding the
     rest, so the totals still add up."""
+    # the location quota (default 256 volume names) is raised: this test is about the metric
     svc = AdvisorService(AdvisorSettings(journal_path=str(tmp_path / "j.sqlite"), api_enabled=False,
-                                         metrics_max_locations=8))
+                                         metrics_max_locations=8, quota_max_locations=10_000))
     svc.start()
     try:
         svc.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1")))
