@@ -10,10 +10,13 @@ import re
 
 from typing import Any
 
-from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+
+from api.errors import ErrorResponse
 
 U64_MAX = (1 << 64) - 1
 MAX_LOOKUP_HASHES = 100_000
+MAX_LOOKUP_TOKENS = 262_144
 
 
 class HashParseError(ValueError):
@@ -51,12 +54,6 @@ def hex64(h: int) -> str:
     return f"0x{h:016x}"
 
 
-class ErrorResponse(BaseModel):
-    """Every error body: a stable machine code and a human explanation."""
-
-    error: str
-    detail: str
-
 
 class BlockResponse(BaseModel):
     """One indexed block."""
@@ -64,23 +61,50 @@ class BlockResponse(BaseModel):
     sequence_hash: int
     sequence_hash_hex: str
     parent: int | None
+    parent_hex: str | None = None
     prefix_hash: int = Field(description="sequence hash of the chain's first block (prefix family)")
+    prefix_hash_hex: str = ""
     size_bytes: int
     locations: list[str]
     hits: int
     last_access_ns: int
     orphan: bool
     children: list[int]
+    children_hex: list[str] = []
+
+
+class FingerprintModel(BaseModel):
+    """The model fingerprint our sequence hashes are salted with (``kvbm_runtime.hashing``)."""
+
+    name: StrictStr = Field(min_length=1, max_length=256, examples=["meta-llama/Llama-3.1-8B"])
+    dtype: StrictStr = Field(max_length=64, examples=["float16"])
+    layout: StrictStr = Field(max_length=64, examples=["FullyContiguous"])
+    block_size: StrictInt = Field(ge=1, le=1 << 20, description="tokens per block", examples=[16])
+    revision: StrictStr = Field("", max_length=256)
 
 
 class LookupRequest(BaseModel):
-    """``{"sequence_hashes": [h0, h1, ...]}``, first block first; ints or decimal/0x strings."""
+    """Either ``{"sequence_hashes": [h0, h1, ...]}`` (first block first; ints or decimal/0x
+    strings), or ``{"token_ids": [...], "model": {...}, "lora_name"?, "cache_salt"?}``: the
+    API computes the sequence hashes the runtime would (docs/design.md §4)."""
 
-    sequence_hashes: list[StrictInt | StrictStr] = Field(max_length=MAX_LOOKUP_HASHES)
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"sequence_hashes": ["0xf000000000000001", 11]},
+        {"token_ids": list(range(32)), "model": {"name": "meta-llama/Llama-3.1-8B", "dtype": "float16",
+                                                 "layout": "FullyContiguous", "block_size": 16}},
+    ]})
+
+    sequence_hashes: list[StrictInt | StrictStr] | None = Field(None, max_length=MAX_LOOKUP_HASHES)
+    token_ids: list[StrictInt] | None = Field(None, max_length=MAX_LOOKUP_TOKENS)
+    model: FingerprintModel | None = None
+    lora_name: StrictStr | None = Field(None, max_length=256)
+    cache_salt: StrictStr | None = Field(None, max_length=256)
 
     @field_validator("sequence_hashes")
     @classmethod
-    def _parse(cls, values: list[int | str]) -> list[int]:
+    def _parse(cls, values: list[int | str] | None) -> list[int] | None:
+        if values is None:
+            return None
         out = []
         for i, v in enumerate(values):
             try:
@@ -89,14 +113,25 @@ class LookupRequest(BaseModel):
                 raise ValueError(f"sequence_hashes[{i}]: {exc}") from None
         return out
 
+    @model_validator(mode="after")
+    def _one_form(self) -> LookupRequest:
+        if (self.sequence_hashes is None) == (self.token_ids is None):
+            raise ValueError("give either sequence_hashes or token_ids (with model)")
+        if self.token_ids is not None and self.model is None:
+            raise ValueError("token_ids need the model fingerprint (model)")
+        return self
+
 
 class LookupResponse(BaseModel):
-    """Longest cached prefix, in blocks, per location."""
+    """Longest cached prefix, in blocks, per location, per tier and per worker."""
 
     requested: int
     prefix_blocks: dict[str, int] = Field(description="location -> leading blocks all held there")
     any_location: int = Field(description="leading blocks held somewhere (locations may differ)")
     longest: int = Field(description="max over prefix_blocks (0 if none)")
+    per_tier: dict[str, int] = Field(description="G1..G4 -> leading blocks held in one location of that tier")
+    per_worker: dict[str, dict[str, int]] = Field(description="worker -> G1/G2 -> leading blocks in its own tiers")
+    sequence_hashes_hex: list[str] | None = Field(None, description="the hashes computed from token_ids")
 
 
 class VolumeResponse(BaseModel):
@@ -119,6 +154,7 @@ class VolumeResponse(BaseModel):
 
 class VolumesResponse(BaseModel):
     volumes: list[VolumeResponse]
+    next_cursor: str | None = None
 
 
 class SourceResponse(BaseModel):
@@ -146,8 +182,10 @@ class LocationBlocksResponse(BaseModel):
     """Blocks the index places at one location."""
 
     location: str
-    count: int
-    sequence_hashes: list[int]
+    count: int = Field(description="blocks at the location (all pages)")
+    sequence_hashes: list[int] = Field(description="this page, ascending")
+    sequence_hashes_hex: list[str]
+    next_cursor: str | None = Field(None, description="cursor of the next page, null on the last")
 
 
 class LocationsResponse(BaseModel):
@@ -201,6 +239,7 @@ class PlanResponse(BaseModel):
 
 class PlansResponse(BaseModel):
     plans: list[PlanResponse]
+    next_cursor: str | None = None
     summary: dict[str, int] = Field(description='counts by "<kind>_<status>"')
 
 

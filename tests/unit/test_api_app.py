@@ -36,7 +36,7 @@ def service(tmp_path) -> Iterator[AdvisorService]:  # noqa: ANN001
 
 @pytest.fixture
 def client(service: AdvisorService) -> TestClient:
-    return TestClient(create_app(service.query()))
+    return TestClient(create_app(service.query()), base_url="http://127.0.0.1")
 
 
 def test_block_by_decimal_and_hex(service: AdvisorService, client: TestClient) -> None:
@@ -78,6 +78,9 @@ def test_lookup_longest_prefix_per_location(service: AdvisorService, client: Tes
         "prefix_blocks": {"slow": 2, "w0/g1": 4, "w1/g2": 3},
         "any_location": 4,
         "longest": 4,
+        "per_tier": {"G1": 4, "G2": 3, "G3": 2},  # "slow" is not an S3 volume here: G3
+        "per_worker": {"w0": {"G1": 4}, "w1": {"G2": 3}},
+        "sequence_hashes_hex": None,
     }
     assert client.post("/v1/lookup", json={"sequence_hashes": []}).json()["longest"] == 0
 
@@ -86,10 +89,12 @@ def test_blocks_per_location(service: AdvisorService, client: TestClient) -> Non
     service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1") + chain(H[:2], "slow")))
     assert client.get("/v1/locations").json() == {"locations": {"slow": 2, "w0/g1": 4}}
     r = client.get("/v1/locations/w0/g1/blocks").json()
-    assert r == {"location": "w0/g1", "count": 4, "sequence_hashes": sorted(H)}
+    assert r == {"location": "w0/g1", "count": 4, "sequence_hashes": sorted(H),
+                 "sequence_hashes_hex": [f"0x{h:016x}" for h in sorted(H)], "next_cursor": None}
     assert client.get("/v1/locations/slow/blocks").json()["sequence_hashes"] == sorted(H[:2])
     assert client.get("/v1/locations/nowhere/blocks").json() == {"location": "nowhere", "count": 0,
-                                                                 "sequence_hashes": []}
+                                                                 "sequence_hashes": [], "sequence_hashes_hex": [],
+                                                                 "next_cursor": None}
 
 
 def test_duplicate_store_batch_counts_once_in_rest_stats(service: AdvisorService, client: TestClient) -> None:  # C3
@@ -125,9 +130,9 @@ def test_metrics_volumes_plans_health(service: AdvisorService, client: TestClien
     assert "kvadvisor_events_applied_total 4.0" in text
     assert "kvadvisor_batches_applied_total 1.0" in text
     assert "kvadvisor_subscriber_gaps_total 0.0" in text
-    assert client.get("/v1/volumes").json() == {"volumes": []}
-    assert client.get("/v1/plans").json() == {"plans": [], "summary": {}}
-    assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}}  # no storage attached
+    assert client.get("/v1/volumes").json() == {"volumes": [], "next_cursor": None}
+    assert client.get("/v1/plans").json() == {"plans": [], "summary": {}, "next_cursor": None}
+    assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}, "next_cursor": None}  # no storage
     h = client.get("/healthz").json()
     assert h == {"status": "ok", "journal_position": 1, "subscribed": False, "storage": False}
 
@@ -179,7 +184,7 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         svc.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1")))
         svc.ingest(EventBatch(1, "evil", 1, 0, 100, [store(100 + i, 100 + i, None, BS, f"v{i:05d}")
                                                     for i in range(5000)]))
-        text = TestClient(create_app(svc.query())).get("/metrics").text
+        text = TestClient(create_app(svc.query()), base_url="http://127.0.0.1").get("/metrics").text
         series = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("kvadvisor_index_blocks{")}
         assert len(series) == 9
