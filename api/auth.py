@@ -245,9 +245,16 @@ class GuardMiddleware:
             return msg
 
         started = False
+        replaced = False
 
         async def wrapped_send(msg: Any) -> None:
-            nonlocal started
+            nonlocal started, replaced
+            if too_big:
+                # the app turned the aborted read into its own error (FastAPI: 400): answer 413
+                if msg["type"] == "http.response.start" and not started:
+                    started = replaced = True
+                    await _reject(send, 413, "body_too_large", f"request bodies are limited to {limit} bytes")
+                return
             if msg["type"] == "http.response.start":
                 started = True
                 if cors_origin is not None:
@@ -256,13 +263,10 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, limited_receive, wrapped_send)
-        except _BodyTooLarge:
-            if not started:
-                await _reject(send, 413, "body_too_large", f"request bodies are limited to {limit} bytes")
         except Exception:
             if too_big and not started:
                 await _reject(send, 413, "body_too_large", f"request bodies are limited to {limit} bytes")
-            else:
+            elif not too_big:
                 raise
 
 

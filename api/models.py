@@ -32,6 +32,7 @@ def parse_sequence_hash(value: int | str) -> int:
     Raises:
         HashParseError: not a number, negative, or above 2**64 - 1.
     """
+    shown = _short(value)
     if isinstance(value, bool):
         raise HashParseError(f"sequence hash must be an integer, got {value!r}")
     if isinstance(value, int):
@@ -40,13 +41,19 @@ def parse_sequence_hash(value: int | str) -> int:
         # ASCII digits only: int() alone would also take "1_0" and non-ASCII digits.
         m = _HASH_TEXT.fullmatch(value.strip())
         if m is None:
-            raise HashParseError(f"sequence hash {value!r} is neither decimal nor 0x-hex")
+            raise HashParseError(f"sequence hash {shown} is neither decimal nor 0x-hex")
         h = int(m.group(1), 16) if m.group(1) else int(m.group(2), 10)
     else:
         raise HashParseError(f"sequence hash must be an integer or string, got {type(value).__name__}")
     if not 0 <= h <= U64_MAX:
-        raise HashParseError(f"sequence hash {value!r} is outside the u64 range 0..2**64-1")
+        raise HashParseError(f"sequence hash {shown} is outside the u64 range 0..2**64-1")
     return h
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters: errors name a bad value, never echo a huge one."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 128 else f"<{value.bit_length()}-bit int>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def hex64(h: int) -> str:
