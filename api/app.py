@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -159,7 +159,8 @@ def create_app(
                             headers=getattr(exc, "headers", None))
 
     @app.get("/v1/blocks/{sequence_hash}", response_model=BlockResponse, dependencies=read)
-    def get_block(sequence_hash: str) -> BlockResponse:
+    def get_block(sequence_hash: str = Path(description="decimal or 0x-hex u64",
+                                            examples=["0x8000000000000000", "11"])) -> BlockResponse:
         try:
             h = parse_sequence_hash(sequence_hash)
         except HashParseError as exc:

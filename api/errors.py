@@ -47,3 +47,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     )
 }
 """``responses=`` entry every route carries, so the OpenAPI documents the error shape."""
+
+CONFLICT_RESPONSES: dict[int | str, dict[str, object]] = {
+    409: {"model": ErrorResponse, "description": "already registered, or another block size for the pair"},
+    429: {"model": ErrorResponse, "description": "registration limit reached"},
+}
+"""Extra documented errors of the routes that register workers or indexes."""

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from api.errors import ERROR_RESPONSES, ApiError
+from api.errors import CONFLICT_RESPONSES, ERROR_RESPONSES, ApiError
 from api.indexer_registry import DEFAULT_TENANT, IndexerRegistry, Registration
 from api.models import MAX_LOOKUP_HASHES, HashParseError, hex64, parse_sequence_hash
 from api.paging import MAX_PAGE, page
@@ -226,7 +226,7 @@ def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: S
     r = APIRouter(tags=["indexer"], responses=ERROR_RESPONSES)
     rd, ad = [Depends(d) for d in read], [Depends(d) for d in admin]
 
-    @r.post("/register", response_model=RegisterResponse, dependencies=ad)
+    @r.post("/register", response_model=RegisterResponse, dependencies=ad, responses=CONFLICT_RESPONSES)
     def register(req: RegisterRequest) -> RegisterResponse:
         registry.register(Registration(req.instance_id, req.dp_rank, req.model_name, req.tenant_id, req.endpoint,
                                        req.replay_endpoint, req.block_size))
@@ -288,7 +288,7 @@ def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: S
             out.setdefault(key, []).append(ev)
         return out
 
-    @r.post("/load", response_model=LoadResponse, dependencies=ad)
+    @r.post("/load", response_model=LoadResponse, dependencies=ad, responses=CONFLICT_RESPONSES)
     def load(req: LoadRequest) -> LoadResponse:
         n = 0
         for key, events in req.dump.items():
