@@ -168,7 +168,7 @@ def _authorize(request: Request, creds: HTTPAuthorizationCredentials | None, nee
         raise ApiError(403, "forbidden", "this route needs an admin token")
 
 
-def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+async def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
     """FastAPI dependency of read routes (any token; open without tokens); the bearer scheme
     appears in the OpenAPI.
 
@@ -178,7 +178,7 @@ def require_read(request: Request, creds: HTTPAuthorizationCredentials | None = 
     _authorize(request, creds, "read")
 
 
-def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
     """FastAPI dependency of mutating routes (an admin token; open without tokens).
 
     Raises:

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from api.errors import CONFLICT_RESPONSES, ERROR_RESPONSES, ApiError
+from api.errors import CONFLICT_RESPONSES, ERROR_RESPONSES, ApiError, json_response
 from api.indexer_registry import DEFAULT_TENANT, IndexerRegistry, Registration
 from api.models import MAX_LOOKUP_HASHES, HashParseError, hex64, parse_sequence_hash
 from api.paging import MAX_PAGE, page
@@ -191,15 +191,16 @@ def _nested(d: dict[tuple[int, int], Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def scores_response(ov: Overlap, index: WorkerIndex) -> ScoresResponse:
-    """Convert an :class:`~api.worker_index.Overlap` to the RFC's answer (tokens = blocks × block size)."""
+def scores_body(ov: Overlap, index: WorkerIndex) -> dict[str, Any]:
+    """The RFC's answer (:class:`ScoresResponse` shape) for an :class:`~api.worker_index.Overlap`
+    (tokens = blocks × block size)."""
     bs = index.block_size
-    return ScoresResponse(
-        scores=_nested({w: n * bs for w, n in ov.blocks.items()}),
-        frequencies=ov.frequencies,
-        tree_sizes=_nested(index.tree_sizes()),
-        tiers=_nested({w: {t: n * bs for t, n in sorted(m.items())} for w, m in ov.tiers.items()}),
-    )
+    return {
+        "scores": _nested({w: n * bs for w, n in ov.blocks.items()}),
+        "frequencies": ov.frequencies,
+        "tree_sizes": _nested(index.tree_sizes()),
+        "tiers": _nested({w: {t: n * bs for t, n in sorted(m.items())} for w, m in ov.tiers.items()}),
+    }
 
 
 def _index_of(registry: IndexerRegistry, model: str, tenant: str) -> WorkerIndex:
@@ -255,11 +256,12 @@ def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: S
             response.headers["X-Next-Cursor"] = nxt
         return items
 
-    def _answer(idx: WorkerIndex, local: list[int]) -> ScoresResponse:
-        return scores_response(idx.overlap(local), idx)
+    def _answer(idx: WorkerIndex, local: list[int]) -> Response:
+        return json_response(scores_body(idx.overlap(local), idx))
 
+    # async: the hot routes run on the event loop (an overlap walk takes microseconds)
     @r.post("/query", response_model=ScoresResponse, dependencies=rd)
-    def query(req: QueryRequest) -> ScoresResponse:
+    async def query(req: QueryRequest) -> Response:
         idx = _index_of(registry, req.model_name, req.tenant_id)
         try:
             local = local_block_hashes(req.token_ids, idx.block_size, req.lora_name)
@@ -268,7 +270,7 @@ def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: S
         return _answer(idx, local)
 
     @r.post("/query_by_hash", response_model=ScoresResponse, dependencies=rd)
-    def query_by_hash(req: QueryByHashRequest) -> ScoresResponse:
+    async def query_by_hash(req: QueryByHashRequest) -> Response:
         return _answer(_index_of(registry, req.model_name, req.tenant_id), req.block_hashes)  # type: ignore[arg-type]
 
     @r.get("/dump", dependencies=rd, response_model=dict[str, list[DumpEvent]])
