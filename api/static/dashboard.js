@@ -202,8 +202,23 @@ function parseJSON(text) {
     /^-?\d+$/.test(ctx.source) ? BigInt(ctx.source) : value);
 }
 
+/** Bearer token for APIs with tokens configured: asked once on a 401, kept for this tab only. */
+const TOKEN_KEY = "kvadvisor-api-token";
+let tokenAsked = false;
+
 async function getJSON(path, init) {
-  const resp = await fetch(path, { cache: "no-store", ...init });
+  const headers = { ...((init && init.headers) || {}) };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const resp = await fetch(path, { cache: "no-store", ...init, headers });
+  if (resp.status === 401 && !tokenAsked && typeof window.prompt === "function") {
+    tokenAsked = true;
+    const given = window.prompt("This advisor API needs a read token (admin for policy runs):");
+    if (given) {
+      sessionStorage.setItem(TOKEN_KEY, given.trim());
+      return getJSON(path, init);
+    }
+  }
   let body = null;
   try { body = parseJSON(await resp.text()); } catch (_) { /* non-JSON error page */ }
   if (!resp.ok) {

@@ -200,3 +200,30 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         assert sum(line.startswith("kvadvisor_index_blocks{") for line in text.splitlines()) == 64 + 1
     finally:
         svc.stop()
+
+
+def test_lookup_by_token_ids_hashes_as_the_runtime_does(service: AdvisorService, client: TestClient) -> None:
+    from kvbm_runtime.hashing import ModelFingerprint, salt_hash, sequence_hashes
+
+    model = {"name": "m", "dtype": "float16", "layout": "FullyContiguous", "block_size": 4}
+    tokens = list(range(1, 21))  # 5 blocks of 4
+    seed = salt_hash(ModelFingerprint("m", "float16", "FullyContiguous", 4), "lora-x", None)
+    hs = sequence_hashes(tokens, 4, seed)
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(hs, "g1") + chain(hs[:2], "slow")))
+    service.ingest(EventBatch(1, "w1", 6, 0, 100, chain(hs[:3], "g2")))
+    r = client.post("/v1/lookup", json={"token_ids": tokens + [99], "model": model, "lora_name": "lora-x"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["sequence_hashes_hex"] == [f"0x{h:016x}" for h in hs]
+    assert body["prefix_blocks"] == {"slow": 2, "w0/g1": 5, "w1/g2": 3}
+    assert body["per_tier"] == {"G1": 5, "G2": 3, "G3": 2}
+    assert body["per_worker"] == {"w0": {"G1": 5}, "w1": {"G2": 3}}
+    by_hash = client.post("/v1/lookup", json={"sequence_hashes": hs}).json()
+    assert {k: v for k, v in by_hash.items() if k != "sequence_hashes_hex"} == \
+        {k: v for k, v in body.items() if k != "sequence_hashes_hex"} | {"requested": 5}
+    # another LoRA (or none) is another salt: nothing cached
+    other = client.post("/v1/lookup", json={"token_ids": tokens, "model": model}).json()
+    assert other["longest"] == 0 and other["per_tier"] == {}
+    for bad in ({"token_ids": tokens}, {"token_ids": [1.5], "model": model}, {"token_ids": [-1] * 4, "model": model}):
+        r = client.post("/v1/lookup", json=bad)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request", bad
