@@ -126,6 +126,7 @@ class IndexerRegistry:
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int, str, str], tuple[Registration, _IndexingSubscriber]] = {}
         self._indexes: dict[tuple[str, str], WorkerIndex] = {}
+        self._pending: set[tuple[int, int, str, str]] = set()
         self._max = max_registrations
         self._ctx = context
 
@@ -166,19 +167,25 @@ class IndexerRegistry:
         """
         key = (reg.instance_id, reg.dp_rank, reg.model_name, reg.tenant_id)
         with self._lock:
-            if key in self._regs:
+            if key in self._regs or key in self._pending:
                 raise ApiError(409, "already_registered",
                                f"instance {reg.instance_id} dp_rank {reg.dp_rank} is registered for "
                                f"{reg.model_name}:{reg.tenant_id}")
-            if len(self._regs) >= self._max:
+            if len(self._regs) + len(self._pending) >= self._max:
                 raise ApiError(429, "too_many_registrations", f"at most {self._max} registrations")
             idx = self._ensure(reg.model_name, reg.tenant_id, reg.block_size)
-            sub = _IndexingSubscriber(reg, idx, self._ctx)
-            try:
-                sub.start()
-            except Exception as exc:  # noqa: BLE001 - the event plane raises several kinds
-                sub.close()
-                raise ApiError(400, "subscribe_failed", f"cannot subscribe to {reg.endpoint}: {type(exc).__name__}") from None
+            self._pending.add(key)
+        # connecting and catching up through the replay socket take a while: not under the lock
+        sub = _IndexingSubscriber(reg, idx, self._ctx)
+        try:
+            sub.start()
+        except Exception as exc:  # noqa: BLE001 - the event plane raises several kinds
+            sub.close()
+            with self._lock:
+                self._pending.discard(key)
+            raise ApiError(400, "subscribe_failed", f"cannot subscribe to {reg.endpoint}: {type(exc).__name__}") from None
+        with self._lock:
+            self._pending.discard(key)
             self._regs[key] = (reg, sub)
         logger.info("indexer: registered instance %d dp_rank %d for %s:%s", reg.instance_id, reg.dp_rank,
                     reg.model_name, reg.tenant_id)
