@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import ApiSecurity, ApiSecuritySettings, GuardMiddleware, require_admin, require_read
 from api.dashboard import mount_dashboard
 from api.errors import ERROR_RESPONSES, ApiError, json_response
+from api.hit_rates import HitRateCollector, HitRates
 from api.indexer import indexer_router
 from api.indexer_registry import IndexerRegistry
 from api.models import (
@@ -142,6 +143,10 @@ def create_app(
     app.add_middleware(GuardMiddleware, security=app.state.security)
     read, admin = [Depends(require_read)], [Depends(require_admin)]
     tiers = _Tiers(query)
+    rates = {"lookup": HitRates("lookup"), "query": HitRates("query")}
+    app.state.hit_rates = rates
+    api_metrics = CollectorRegistry(auto_describe=False)
+    api_metrics.register(HitRateCollector(rates.values()))
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
@@ -207,6 +212,8 @@ def create_app(
             per_tier[tier] = max(per_tier.get(tier, 0), n)
             if worker is not None:
                 per_worker.setdefault(worker, {})[tier] = n
+        rates["lookup"].record(per_tier, {w: max(t.values()) for w, t in per_worker.items()},
+                               req.model.block_size if computed is not None and req.model is not None else None)
         return json_response({
             "requested": res.requested,
             "prefix_blocks": res.per_location,
@@ -248,7 +255,9 @@ def create_app(
 
     @app.get("/v1/stats", response_model=StatsResponse, dependencies=read)
     def stats() -> StatsResponse:
-        return StatsResponse.model_validate(query.stats())
+        body = query.stats()
+        body["hit_rates"] = {kind: t.snapshot() for kind, t in rates.items()}
+        return StatsResponse.model_validate(body)
 
     @app.get("/v1/plans", response_model=PlansResponse, dependencies=read)
     def plans(limit: int = Query(100, ge=1, le=MAX_PAGE), cursor: str | None = Query(None, max_length=64)) -> PlansResponse:
@@ -265,7 +274,8 @@ def create_app(
     @app.get("/metrics", dependencies=read, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}})
     def metrics() -> Response:
-        return Response(generate_latest(query.metrics_registry()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(query.metrics_registry()) + generate_latest(api_metrics),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", response_model=HealthResponse)
     def healthz() -> HealthResponse:
@@ -275,7 +285,8 @@ def create_app(
     def health() -> HealthResponse:
         return HealthResponse.model_validate(query.health())
 
-    app.include_router(indexer_router(app.state.indexer_registry, read=[require_read], admin=[require_admin]))
+    app.include_router(indexer_router(app.state.indexer_registry, read=[require_read], admin=[require_admin],
+                                      hit_rates=rates["query"]))
     mount_dashboard(app)
     return app
 

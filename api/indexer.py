@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from api.errors import CONFLICT_RESPONSES, ERROR_RESPONSES, ApiError, json_response
+from api.hit_rates import HitRates
 from api.indexer_registry import DEFAULT_TENANT, IndexerRegistry, Registration
 from api.models import MAX_LOOKUP_HASHES, HashParseError, hex64, parse_sequence_hash
 from api.paging import MAX_PAGE, page
@@ -217,12 +218,15 @@ def _u64(v: int | str, what: str) -> int:
         raise ApiError(400, "bad_hash", f"{what}: {exc}") from None
 
 
-def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: Sequence[Any] = ()) -> APIRouter:
+def indexer_router(
+    registry: IndexerRegistry, read: Sequence[Any] = (), admin: Sequence[Any] = (), hit_rates: HitRates | None = None
+) -> APIRouter:
     """The indexer-compatible routes over ``registry``.
 
     Args:
         registry: registrations and indexes.
         read / admin: FastAPI dependencies guarding read and mutating routes (:mod:`api.auth`).
+        hit_rates: tally of ``/query`` and ``/query_by_hash`` answers (:mod:`api.hit_rates`).
     """
     r = APIRouter(tags=["indexer"], responses=ERROR_RESPONSES)
     rd, ad = [Depends(d) for d in read], [Depends(d) for d in admin]
@@ -257,7 +261,14 @@ def indexer_router(registry: IndexerRegistry, read: Sequence[Any] = (), admin: S
         return items
 
     def _answer(idx: WorkerIndex, local: list[int]) -> Response:
-        return json_response(scores_body(idx.overlap(local), idx))
+        ov = idx.overlap(local)
+        if hit_rates is not None:
+            tiers: dict[str, int] = {}
+            for media in ov.tiers.values():
+                for t, n in media.items():
+                    tiers[t] = max(tiers.get(t, 0), n)
+            hit_rates.record(tiers, {f"{i}/{d}": n for (i, d), n in ov.blocks.items()}, idx.block_size)
+        return json_response(scores_body(ov, idx))
 
     # async: the hot routes run on the event loop (an overlap walk takes microseconds)
     @r.post("/query", response_model=ScoresResponse, dependencies=rd)

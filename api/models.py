@@ -223,6 +223,9 @@ class StatsResponse(BaseModel):
     moves: MovesResponse
     subscriber: dict[str, int]
     uptime_s: float
+    hit_rates: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')
 
 
 class PlanResponse(BaseModel):

@@ -108,6 +108,10 @@ def test_two_vllm_workers_scores_hashes_dump_tenants(server: httpx.Client) -> No
         r = c.post("/query", json={**q, "tenant_id": "nobody"})
         assert r.status_code == 404 and r.json()["error"] == "unknown_index"
 
+        hr = c.get("/v1/stats").json()["hit_rates"]["query"]["total"]
+        assert hr["lookups"] >= 3 and hr["workers"]["1/0"]["hits"] >= 1
+        assert hr["workers"]["1/0"]["tokens"] == hr["workers"]["1/0"]["blocks"] * BS and "g1" in hr["tiers"]
+
         workers = c.get("/workers").json()
         assert [(w["instance_id"], w["endpoints"]) for w in workers] == [(1, {"0": pub1}), (2, {"1": pub2}), (3, {"0": pub3})]
         assert c.get("/workers", params={"limit": 2}).headers["x-next-cursor"] == "2"
