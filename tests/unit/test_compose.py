@@ -23,7 +23,7 @@ def test_compose_has_the_scaled_topology() -> None:
     assert "./config/advisor.json" in mounted
     prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
     targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets == ["advisor:8080"]
+    assert targets == ["advisor:8080", "host.docker.internal:6880"]  # the advisor, then the workers' kvbm_*
 
 
 def test_compose_advisor_config_is_valid_scaled_mode() -> None:
