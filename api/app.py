@@ -66,6 +66,8 @@ __all__ = ["ApiError", "create_app"]
 MAX_DETAIL_CHARS = 600
 """A 422 detail is cut here: it names fields and reasons, never the whole input."""
 
+_METRICS_EXAMPLE = '# TYPE kvadvisor_index_blocks gauge\nkvadvisor_index_blocks{location="w0/g1"} 4.0\n'
+
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 403: "forbidden"}
 
 
@@ -272,7 +274,8 @@ def create_app(
         return PlansResponse(plans=items, summary=_summary(items))
 
     @app.get("/metrics", dependencies=read, response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}})
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"example": _METRICS_EXAMPLE}},
+                              "description": "Prometheus text"}})
     def metrics() -> Response:
         return Response(generate_latest(query.metrics_registry()) + generate_latest(api_metrics),
                         media_type=CONTENT_TYPE_LATEST)

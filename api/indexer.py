@@ -83,10 +83,16 @@ class UnregisterRequest(BaseModel):
 
 
 class UnregisterResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"removed": 1}]})
+
     removed: int = Field(description="registrations removed", examples=[1])
 
 
 class RegisterResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "status": "registered", "instance_id": 1, "dp_rank": 0, "model_name": "meta-llama/Llama-3.1-8B",
+        "tenant_id": "default"}]})
+
     status: str = Field(examples=["registered"])
     instance_id: int
     dp_rank: int
@@ -150,6 +156,13 @@ class WorkerResponse(BaseModel):
     indexes: list[str] = Field(description='"<model>:<tenant>" pairs it feeds (ours)')
 
 
+_DUMP_EVENT: dict[str, Any] = {
+    "instance_id": 1, "dp_rank": 0, "event": {"stored": {
+        "parent_hash": None, "medium": "g1", "copies": 1,
+        "blocks": [{"block_hash": 101, "block_hash_hex": "0x0000000000000065",
+                    "tokens_hash": 10823191264391160519, "sequence_hash": 10823191264391160519}]}}}
+
+
 class DumpBlock(BaseModel):
     block_hash: StrictInt | StrictStr
     tokens_hash: StrictInt | StrictStr
@@ -169,6 +182,8 @@ class DumpEventBody(BaseModel):
 
 
 class DumpEvent(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [_DUMP_EVENT]})
+
     instance_id: StrictInt = U64
     dp_rank: StrictInt = Field(ge=0, le=1 << 16)
     event: DumpEventBody
@@ -177,11 +192,16 @@ class DumpEvent(BaseModel):
 class LoadRequest(BaseModel):
     """``POST /load``: a ``/dump`` body and the block size of new indexes."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "block_size": 16, "dump": {"meta-llama/Llama-3.1-8B:default": [_DUMP_EVENT]}}]})
+
     block_size: StrictInt = Field(ge=1, le=1 << 20)
     dump: dict[str, list[DumpEvent]] = Field(max_length=1024)
 
 
 class LoadResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"blocks": 1}]})
+
     blocks: int = Field(description="blocks applied", examples=[128])
 
 

@@ -65,6 +65,13 @@ def hex64(h: int) -> str:
 class BlockResponse(BaseModel):
     """One indexed block."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "sequence_hash": 11, "sequence_hash_hex": "0x000000000000000b", "parent": 17293822569102704641,
+        "parent_hex": "0xf000000000000001", "prefix_hash": 17293822569102704641,
+        "prefix_hash_hex": "0xf000000000000001", "size_bytes": 2048, "locations": ["slow", "w0/g1"], "hits": 0,
+        "last_access_ns": 0, "orphan": False, "children": [12], "children_hex": ["0x000000000000000c"]}]})
+
+
     sequence_hash: int
     sequence_hash_hex: str
     parent: int | None
@@ -132,6 +139,12 @@ class LookupRequest(BaseModel):
 class LookupResponse(BaseModel):
     """Longest cached prefix, in blocks, per location, per tier and per worker."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "requested": 5, "prefix_blocks": {"slow": 2, "w0/g1": 4, "w1/g2": 3}, "any_location": 4, "longest": 4,
+        "per_tier": {"G1": 4, "G2": 3, "G3": 2}, "per_worker": {"w0": {"G1": 4}, "w1": {"G2": 3}},
+        "sequence_hashes_hex": None}]})
+
+
     requested: int
     prefix_blocks: dict[str, int] = Field(description="location -> leading blocks all held there")
     any_location: int = Field(description="leading blocks held somewhere (locations may differ)")
@@ -160,6 +173,11 @@ class VolumeResponse(BaseModel):
 
 
 class VolumesResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"volumes": [{
+        "id": "fast", "kind": "posix", "media": "nvme", "role": "fast", "capacity_bytes": 68719476736,
+        "used_bytes": 1048576, "live_bytes": 1048576, "dead_bytes": 0, "segments": 1, "blocks": 512, "reads": 10,
+        "writes": 512, "indexed_blocks": 512}], "next_cursor": None}]})
+
     volumes: list[VolumeResponse]
     next_cursor: str | None = None
 
@@ -188,6 +206,11 @@ class MovesResponse(BaseModel):
 class LocationBlocksResponse(BaseModel):
     """Blocks the index places at one location."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "location": "w0/g1", "count": 2, "sequence_hashes": [11, 12],
+        "sequence_hashes_hex": ["0x000000000000000b", "0x000000000000000c"], "next_cursor": None}]})
+
+
     location: str
     count: int = Field(description="blocks at the location (all pages)")
     sequence_hashes: list[int] = Field(description="this page, ascending")
@@ -198,11 +221,30 @@ class LocationBlocksResponse(BaseModel):
 class LocationsResponse(BaseModel):
     """Blocks per location."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{"locations": {"slow": 2, "w0/g1": 4}}]})
+
+
     locations: dict[str, int]
+
+
+_STATS_EXAMPLE: dict[str, Any] = {
+    "blocks": 1, "blocks_per_location": {"w0/g1": 1}, "orphans_pending": 0, "index_counters": {"stores": 1},
+    "sources": {"w0": {"epoch": 5, "last_seq": 0, "batches": 1, "events": 1}}, "journal_position": 1,
+    "batches_applied": 1, "events_applied": 1, "events_per_s": 1.0, "ingest_events_per_busy_s": 5600.0,
+    "ingest": {"ingested_batches": 1}, "advisor_events": 0, "promotions": 0, "demotions": 0, "compactions": 0,
+    "bytes_moved": 0, "moves": {"promotions": 0, "demotions": 0, "compactions": 0, "bytes_moved": 0,
+                                "done": {"promote": 0}, "skipped": {"promote": 0}, "failed": {"promote": 0},
+                                "bytes_by_kind": {"promote": 0}, "blocks_by_kind": {"promote": 0}},
+    "subscriber": {}, "uptime_s": 12.5,
+    "hit_rates": {"lookup": {"1m": {"lookups": 1, "tiers": {"G1": {"hits": 1, "blocks": 1, "tokens": 16, "hit_rate": 1.0}},
+                                    "workers": {"w0": {"hits": 1, "blocks": 1, "tokens": 16, "hit_rate": 1.0}}}}},
+}
 
 
 class StatsResponse(BaseModel):
     """Index, ingest, mover and subscriber figures."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [_STATS_EXAMPLE]})
 
     blocks: int
     blocks_per_location: dict[str, int]
@@ -248,12 +290,21 @@ class PlanResponse(BaseModel):
 
 
 class PlansResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"plans": [{
+        "kind": "promote", "status": "done", "reason": "hits 5 >= min_hits 3", "detail": "", "src_volume": "slow",
+        "dst_volume": "fast", "sequence_hash": 11, "sequence_hash_hex": "0x000000000000000b", "segment_id": None,
+        "bytes": 2048, "bytes_moved": 2048, "blocks_moved": 1, "finished_ns": 1764600000000000000,
+        "duration_s": 0.002}], "summary": {"promote_done": 1}, "next_cursor": None}]})
+
     plans: list[PlanResponse]
     next_cursor: str | None = None
     summary: dict[str, int] = Field(description='counts by "<kind>_<status>"')
 
 
 class HealthResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"status": "ok", "journal_position": 1, "subscribed": True,
+                                                               "storage": True}]})
+
     status: str
     journal_position: int
     subscribed: bool

@@ -227,3 +227,39 @@ def test_lookup_by_token_ids_hashes_as_the_runtime_does(service: AdvisorService,
     for bad in ({"token_ids": tokens}, {"token_ids": [1.5], "model": model}, {"token_ids": [-1] * 4, "model": model}):
         r = client.post("/v1/lookup", json=bad)
         assert r.status_code == 422 and r.json()["error"] == "invalid_request", bad
+
+
+def test_openapi_has_an_example_for_every_route_and_examples_validate(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    comps = spec["components"]["schemas"]
+
+    def example_of(schema: dict | None) -> bool:  # type: ignore[type-arg]
+        if not schema:
+            return False
+        if "$ref" in schema:
+            return example_of(comps[schema["$ref"].rsplit("/", 1)[1]])
+        if "examples" in schema or "example" in schema:
+            return True
+        return any(example_of(schema.get(k)) for k in ("items", "additionalProperties") if isinstance(schema.get(k), dict))
+
+    missing = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            content = next(iter(op["responses"]["200"].get("content", {}).values()), {})
+            if not (example_of(body) or example_of(content.get("schema")) or "example" in content):
+                missing.append(f"{method.upper()} {path}")
+    assert missing == []
+    # every model-level example is a valid instance of its model
+    import api.indexer as ix
+    import api.models as m
+    from pydantic import BaseModel
+
+    checked = 0
+    for mod in (m, ix):
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, BaseModel) and obj is not BaseModel:
+                for ex in (obj.model_config.get("json_schema_extra") or {}).get("examples", []):
+                    obj.model_validate(ex)
+                    checked += 1
+    assert checked >= 15
