@@ -180,6 +180,13 @@ class AdvisorQuery:
         """Run one policy round synchronously and return its results."""
         return self._svc.run_policies_once()
 
+    def invalidate(self, namespace: str) -> Any:
+        """Delete a namespace's blocks on every volume and publish their Removes
+        (:func:`advisor.invalidate.invalidate_namespace`; its errors)."""
+        from advisor.invalidate import invalidate_namespace
+
+        return invalidate_namespace(self._svc, namespace)
+
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""
         return self._svc.metrics.registry

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import ApiSecurity, ApiSecuritySettings, GuardMiddleware, require_admin, require_read
 from api.dashboard import mount_dashboard
-from api.errors import ERROR_RESPONSES, ApiError, json_response
+from api.errors import ERROR_RESPONSES, ApiError, ErrorResponse, json_response
 from api.hit_rates import HitRateCollector, HitRates
 from api.indexer import indexer_router
 from api.indexer_registry import IndexerRegistry
@@ -43,6 +43,8 @@ from api.models import (
     BlockResponse,
     HashParseError,
     HealthResponse,
+    InvalidateRequest,
+    InvalidateResponse,
     LocationBlocksResponse,
     LocationsResponse,
     LookupRequest,
@@ -272,6 +274,22 @@ def create_app(
     def run_plans() -> PlansResponse:
         items = [plan_response(r) for r in query.run_policies()]
         return PlansResponse(plans=items, summary=_summary(items))
+
+    @app.post("/v1/actions/invalidate", response_model=InvalidateResponse, dependencies=admin,
+              responses={409: {"model": ErrorResponse, "description": "no storage attached"}})
+    def invalidate(req: InvalidateRequest) -> InvalidateResponse:
+        from advisor.invalidate import InvalidateError
+
+        ns = req.namespace
+        if req.model is not None:
+            m = req.model
+            ns = ModelFingerprint(m.name, m.dtype, m.layout, m.block_size, m.revision).namespace()
+        assert ns is not None  # the model validator requires one
+        try:
+            res = query.invalidate(ns)
+        except InvalidateError as exc:
+            raise ApiError(409, "no_storage", str(exc)) from None
+        return InvalidateResponse(namespace=res.namespace, deleted=res.deleted, removes_published=res.removes_published)
 
     @app.get("/metrics", dependencies=read, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"example": _METRICS_EXAMPLE}},

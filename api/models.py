@@ -154,6 +154,36 @@ class LookupResponse(BaseModel):
     sequence_hashes_hex: list[str] | None = Field(None, description="the hashes computed from token_ids")
 
 
+class InvalidateRequest(BaseModel):
+    """``POST /v1/actions/invalidate``: a key namespace, or the model fingerprint it derives from."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"namespace": "9f2c4e1a7b3d5f60"},
+        {"model": {"name": "meta-llama/Llama-3.1-8B", "dtype": "float16", "layout": "FullyContiguous",
+                   "block_size": 16}},
+    ]})
+
+    namespace: StrictStr | None = Field(None, min_length=1, max_length=256)
+    model: FingerprintModel | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> InvalidateRequest:
+        if (self.namespace is None) == (self.model is None):
+            raise ValueError("give either namespace or model")
+        return self
+
+
+class InvalidateResponse(BaseModel):
+    """What an invalidation deleted and published."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"namespace": "9f2c4e1a7b3d5f60", "deleted": {"fast": 12, "s3": 40}, "removes_published": 52}]})
+
+    namespace: str
+    deleted: dict[str, int] = Field(description="volume -> blocks deleted there")
+    removes_published: int
+
+
 class VolumeResponse(BaseModel):
     """A registered volume with its role, usage (bytes) and indexed block count."""
 

@@ -263,3 +263,8 @@ def test_openapi_has_an_example_for_every_route_and_examples_validate(client: Te
                     obj.model_validate(ex)
                     checked += 1
     assert checked >= 15
+
+
+def test_invalidate_without_storage_is_a_clear_409(client: TestClient) -> None:
+    r = client.post("/v1/actions/invalidate", json={"namespace": "abc"})
+    assert r.status_code == 409 and r.json()["error"] == "no_storage" and "no storage" in r.json()["detail"]

@@ -1,0 +1,58 @@
+"""Invalidating a namespace through the API (admin): its blocks are deleted on every volume
+(POSIX and S3), Removes are published for them, other namespaces and workers' G1 are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api import create_app
+from event_plane.schema import EventType
+from kvbm_runtime.hashing import ModelFingerprint
+from storage_backends import BlockKey
+from storage_backends.local_s3 import LocalS3
+
+from tests.integration.test_advisor_mover import NS, World, chain, data
+
+FP = ModelFingerprint("m", "float16", "FullyContiguous", 16)
+OTHER = FP.namespace()
+
+
+@pytest.fixture
+def world(tmp_path: Path, local_s3: LocalS3) -> Iterator[World]:
+    w = World(tmp_path, local_s3)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def test_invalidate_deletes_everywhere_and_publishes_removes(world: World) -> None:
+    w = world
+    fast, slow, s3 = [101, 102], [201, 202, 203], [301]
+    w.put(fast, "fast")
+    w.put(slow, "slow")
+    w.put(s3, "s3")
+    w.worker.put([(BlockKey(OTHER, 900), data(900))], "slow")  # another model's block stays
+    w.events("w0", *chain(fast, "fast"), *chain(slow, "slow"), *chain(s3, "s3"), *chain([900], "slow"),
+             *chain(fast, "g1"))
+    c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    r = c.post("/v1/actions/invalidate", json={"namespace": NS})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"namespace": NS, "deleted": {"fast": 2, "slow": 3, "s3": 1}, "removes_published": 6}
+    assert w.where(fast + slow + s3) == [None] * 6
+    assert w.worker.locate([BlockKey(OTHER, 900)])[0] is not None
+    removes = {(h, loc) for kind, h, loc in w.advisor_events() if kind == EventType.REMOVE.name}
+    assert removes == {(h, v) for v, hs in (("fast", fast), ("slow", slow), ("s3", s3)) for h in hs}
+    locs = c.get("/v1/locations").json()["locations"]
+    assert locs == {"slow": 1, "w0/g1": 2}  # the index followed; workers' own G1 untouched
+    # by model fingerprint: the other namespace goes too; a second run finds nothing
+    model = {"name": "m", "dtype": "float16", "layout": "FullyContiguous", "block_size": 16}
+    r = c.post("/v1/actions/invalidate", json={"model": model}).json()
+    assert r == {"namespace": OTHER, "deleted": {"slow": 1}, "removes_published": 1}
+    assert c.post("/v1/actions/invalidate", json={"namespace": NS}).json()["deleted"] == {}
+    r = c.post("/v1/actions/invalidate", json={"namespace": NS, "model": model})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request"
