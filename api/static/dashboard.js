@@ -253,6 +253,7 @@ async function poll() {
     renderLocations(stats.blocks_per_location, roles);
     renderVolumes(vols.volumes);
     renderPlans(plans);
+    if (typeof renderCharts === "function") renderCharts(stats);
     polls += 1;
     document.body.dataset.polls = String(polls);
     const now = new Date();
