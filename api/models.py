@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
-from api.errors import ErrorResponse
+from api.errors import ErrorResponse  # noqa: F401 - re-exported: its old home
 
 U64_MAX = (1 << 64) - 1
 MAX_LOOKUP_HASHES = 100_000
