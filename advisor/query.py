@@ -114,7 +114,8 @@ class AdvisorQuery:
 
         Returns:
             ``{"blocks", "blocks_per_location", "orphans_pending", "index_counters",
-            "sources": {source: {"epoch", "last_seq", "batches", "events"}},
+            "sources": {source: {"epoch", "last_seq", "batches", "events", "last_ts_ns" (the
+            last batch's timestamp, the publisher's clock, ns since the epoch)}},
             "journal_position", "batches_applied", "events_applied", "events_per_s" (arrival rate,
             last 10 s), "ingest_events_per_busy_s" (journal + apply capacity: events per
             second of ingest work, idle time excluded),
@@ -137,7 +138,8 @@ class AdvisorQuery:
         with svc.lock:
             st = svc.index.stats()
             sources = {
-                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events}
+                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
+                       "last_ts_ns": s.last_ts_ns}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)

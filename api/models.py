@@ -217,6 +217,7 @@ class SourceResponse(BaseModel):
     last_seq: int
     batches: int
     events: int
+    last_ts_ns: int = Field(0, description="timestamp of its last batch (publisher clock, ns since the Unix epoch)")
 
 
 class MovesResponse(BaseModel):
@@ -259,7 +260,8 @@ class LocationsResponse(BaseModel):
 
 _STATS_EXAMPLE: dict[str, Any] = {
     "blocks": 1, "blocks_per_location": {"w0/g1": 1}, "orphans_pending": 0, "index_counters": {"stores": 1},
-    "sources": {"w0": {"epoch": 5, "last_seq": 0, "batches": 1, "events": 1}}, "journal_position": 1,
+    "sources": {"w0": {"epoch": 5, "last_seq": 0, "batches": 1, "events": 1,
+                       "last_ts_ns": 1764600000000000000}}, "journal_position": 1,
     "batches_applied": 1, "events_applied": 1, "events_per_s": 1.0, "ingest_events_per_busy_s": 5600.0,
     "ingest": {"ingested_batches": 1}, "advisor_events": 0, "promotions": 0, "demotions": 0, "compactions": 0,
     "bytes_moved": 0, "moves": {"promotions": 0, "demotions": 0, "compactions": 0, "bytes_moved": 0,

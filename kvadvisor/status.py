@@ -9,6 +9,7 @@ moves; lookup hit rates per tier over the last minute and hour.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import httpx
@@ -83,10 +84,13 @@ def print_status(st: Status, console: Console) -> None:
         t.add_row(loc, f"{n:,}")
     console.print(t)
     t = Table(title="sources")
-    for col, j in (("source", "left"), ("epoch", "right"), ("last seq", "right"), ("batches", "right"), ("events", "right")):
+    for col, j in (("source", "left"), ("epoch", "right"), ("last seq", "right"), ("batches", "right"),
+                   ("events", "right"), ("last batch (UTC)", "left")):
         t.add_column(col, justify=j)  # type: ignore[arg-type]
     for src, v in sorted(s["sources"].items()):
-        t.add_row(src, f"{v['epoch']:#018x}", f"{v['last_seq']:,}", f"{v['batches']:,}", f"{v['events']:,}")
+        ts = v.get("last_ts_ns", 0)
+        seen = datetime.fromtimestamp(ts / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "never"
+        t.add_row(src, f"{v['epoch']:#018x}", f"{v['last_seq']:,}", f"{v['batches']:,}", f"{v['events']:,}", seen)
     console.print(t)
     t = Table(title="volumes")
     for col in ("id", "role", "kind", "used", "capacity", "indexed blocks"):

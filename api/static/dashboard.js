@@ -92,6 +92,13 @@ function tierOf(location, roles) {
 }
 
 // ---------------------------------------------------------------- renderers
+/** "12 s ago" from a ns timestamp (the publisher's clock; BigInt or number). */
+function fmtAgo(tsNs) {
+  if (!tsNs) return "never";
+  const s = Math.max(0, (Date.now() - Number(BigInt(tsNs) / 1000000n)) / 1000);
+  return s < 120 ? `${s.toFixed(0)} s ago` : s < 7200 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+}
+
 function renderStats(st) {
   const sub = st.subscriber || {};
   const hasSub = Object.keys(sub).length > 0;
@@ -136,7 +143,10 @@ function renderStats(st) {
       el("td", { class: "num mono", "data-field": "epoch", "data-value": String(s.epoch), text: fmtHex64(s.epoch),
         title: `epoch ${fmtInt(s.epoch)}` }),
       numCell("last_seq", s.last_seq),
-      numCell("batches", s.batches), numCell("events", s.events))), "no sources yet", 5);
+      numCell("batches", s.batches), numCell("events", s.events),
+      el("td", { class: "num", "data-field": "last_seen", "data-value": String(s.last_ts_ns ?? 0),
+        title: s.last_ts_ns ? new Date(Number(BigInt(s.last_ts_ns) / 1000000n)).toISOString() : "never",
+        text: fmtAgo(s.last_ts_ns) }))), "no sources yet", 6);
 }
 
 function renderLocations(perLocation, roles) {

@@ -283,6 +283,9 @@ def test_dashboard_renders_the_api_figures_in_chromium(advisor_with_dashboard: R
         assert int(sources[name]["epoch"].attrs["data-value"]) == src["epoch"]
         assert sources[name]["epoch"].text == f"0x{src['epoch']:016x}"
     assert int(w0["events"].attrs["data-value"]) == stats["sources"]["w0"]["events"] == 15
+    # last seen: the last batch's timestamp, shown relative to now
+    assert int(w0["last_seen"].attrs["data-value"]) == stats["sources"]["w0"]["last_ts_ns"] > 0
+    assert w0["last_seen"].text.endswith("ago")
 
     # blocks per location: the same figures as the API, biggest first
     locs = dom.table("locations-body")

@@ -23,7 +23,7 @@ def test_status_prints_the_api_figures(tmp_path) -> None:  # noqa: ANN001
     for h in range(1, 1235):
         evs.append(store(h, 1, parent, 2048, "g1"))
         parent = h
-    svc.ingest(EventBatch(1, "worker-7", 0xABC, 41, 100, evs))
+    svc.ingest(EventBatch(1, "worker-7", 0xABC, 41, 1_764_600_000_000_000_000, evs))
     handle = serve_query(svc.query(), "127.0.0.1", 0, security=ApiSecuritySettings(read_tokens=[SecretStr(READ)]))
     try:
         runner = CliRunner()
@@ -31,6 +31,7 @@ def test_status_prints_the_api_figures(tmp_path) -> None:  # noqa: ANN001
         assert r.exit_code == 0, r.output
         assert "status ok" in r.output and "1,234" in r.output  # blocks
         assert "worker-7/g1" in r.output and "0x0000000000000abc" in r.output and "41" in r.output
+        assert "2025-12-01 14:40:00" in r.output  # the last batch's timestamp
         r = runner.invoke(app, ["status", "--url", handle.url], env={"KVADVISOR_API_TOKEN": ""})
         assert r.exit_code == 2 and "401 (unauthorized" in r.output
     finally:
