@@ -189,6 +189,12 @@ class AdvisorQuery:
 
         return invalidate_namespace(self._svc, namespace)
 
+    def drain(self, volume: str, to: str | None = None) -> Any:
+        """Move every managed block off ``volume`` (:func:`advisor.drain.drain_volume`; its errors)."""
+        from advisor.drain import drain_volume
+
+        return drain_volume(self._svc, volume, to)
+
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""
         return self._svc.metrics.registry

@@ -42,6 +42,8 @@ from api.indexer_registry import IndexerRegistry
 from api.models import (
     BlockResponse,
     HashParseError,
+    DrainRequest,
+    DrainResponse,
     HealthResponse,
     InvalidateRequest,
     InvalidateResponse,
@@ -290,6 +292,18 @@ def create_app(
         except InvalidateError as exc:
             raise ApiError(409, "no_storage", str(exc)) from None
         return InvalidateResponse(namespace=res.namespace, deleted=res.deleted, removes_published=res.removes_published)
+
+    @app.post("/v1/volumes/{volume_id}/drain", response_model=DrainResponse, dependencies=admin,
+              responses={409: {"model": ErrorResponse, "description": "no storage, unknown volume or destination"}})
+    def drain(volume_id: str = Path(max_length=255, examples=["fast"]),
+              req: DrainRequest | None = None) -> DrainResponse:
+        from advisor.drain import DrainError
+
+        try:
+            res = query.drain(volume_id, req.to if req is not None else None)
+        except DrainError as exc:
+            raise ApiError(409, "cannot_drain", str(exc)[:300]) from None
+        return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved)
 
     @app.get("/metrics", dependencies=read, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"example": _METRICS_EXAMPLE}},

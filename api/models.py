@@ -184,6 +184,27 @@ class InvalidateResponse(BaseModel):
     removes_published: int
 
 
+class DrainRequest(BaseModel):
+    """``POST /v1/volumes/{volume_id}/drain`` body (may be empty)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"to": "slow"}, {}]})
+
+    to: StrictStr | None = Field(None, min_length=1, max_length=255,
+                                 description="destination volume (default: a slow volume, else the archive)")
+
+
+class DrainResponse(BaseModel):
+    """What a drain moved."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "volume": "fast", "to": "slow", "counts": {"done": 12, "skipped": 0, "failed": 0}, "bytes_moved": 786432}]})
+
+    volume: str
+    to: str
+    counts: dict[str, int] = Field(description="plan status -> blocks")
+    bytes_moved: int
+
+
 class VolumeResponse(BaseModel):
     """A registered volume with its role, usage (bytes) and indexed block count."""
 

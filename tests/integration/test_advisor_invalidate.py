@@ -56,3 +56,30 @@ def test_invalidate_deletes_everywhere_and_publishes_removes(world: World) -> No
     assert c.post("/v1/actions/invalidate", json={"namespace": NS}).json()["deleted"] == {}
     r = c.post("/v1/actions/invalidate", json={"namespace": NS, "model": model})
     assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+
+
+def test_drain_moves_every_block_off_a_volume(world: World) -> None:
+    w = world
+    fast = [401, 402, 403]
+    w.put(fast, "fast")
+    w.events("w0", *chain(fast, "fast"))
+    c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    r = c.post("/v1/volumes/fast/drain", json={"to": "slow"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"volume": "fast", "to": "slow", "counts": {"done": 3, "skipped": 0, "failed": 0},
+                        "bytes_moved": 3 * len(data(1))}
+    assert w.where(fast) == ["slow"] * 3
+    for h in fast:  # the bytes came along, verified
+        assert w.worker.get([BlockKey(NS, h)])[0].equal(data(h))
+    evs = [(k, h, loc) for k, h, loc in w.advisor_events() if h in fast]
+    assert {(h, loc) for k, h, loc in evs if k == EventType.STORE.name} == {(h, "slow") for h in fast}
+    assert {(h, loc) for k, h, loc in evs if k == EventType.REMOVE.name} == {(h, "fast") for h in fast}
+    assert c.get("/v1/locations").json()["locations"] == {"slow": 3}
+    assert [p["reason"] for p in c.get("/v1/plans").json()["plans"]] == ["drain fast"] * 3
+    # nothing left: a second drain moves nothing; the default destination is a slow volume
+    assert c.post("/v1/volumes/fast/drain").json()["counts"] == {"done": 0, "skipped": 0, "failed": 0}
+    for bad, why in (("nope", "unknown volume"), ("s3x", "unknown volume")):
+        r = c.post(f"/v1/volumes/{bad}/drain")
+        assert r.status_code == 409 and r.json()["error"] == "cannot_drain" and why in r.json()["detail"]
+    r = c.post("/v1/volumes/slow/drain", json={"to": "slow"})
+    assert r.status_code == 409 and "give another configured volume" in r.json()["detail"]

@@ -18,7 +18,7 @@ from event_plane.schema import EventBatch, store
 
 ADMIN, READ = "admin-token-0123456789abcdef", "read-token-0123456789abcdef"
 SEC = ApiSecuritySettings(admin_tokens=[SecretStr(ADMIN)], read_tokens=[SecretStr(READ)], max_body_bytes=64 * 1024)
-MUTATING = {("POST", "/v1/plans/run"), ("POST", "/v1/actions/invalidate"), ("POST", "/register"), ("POST", "/unregister"), ("POST", "/load")}
+MUTATING = {("POST", "/v1/plans/run"), ("POST", "/v1/actions/invalidate"), ("POST", "/v1/volumes/{volume_id}/drain"), ("POST", "/register"), ("POST", "/unregister"), ("POST", "/load")}
 OPEN = {("GET", "/healthz"), ("GET", "/health")}
 
 
@@ -47,7 +47,7 @@ def _routes(app) -> list[tuple[str, str, APIRoute]]:  # noqa: ANN001
 
 
 def _path(path: str) -> str:
-    return path.replace("{sequence_hash}", "1").replace("{location:path}", "w0/g1")
+    return path.replace("{sequence_hash}", "1").replace("{location:path}", "w0/g1").replace("{volume_id}", "fast")
 
 
 def test_every_mutating_route_needs_admin(service: AdvisorService) -> None:
@@ -56,6 +56,7 @@ def test_every_mutating_route_needs_admin(service: AdvisorService) -> None:
     assert admin == MUTATING
     anon, reader = _client(service), _client(service, token=READ)
     for m, p in sorted(MUTATING):
+        p = _path(p)
         r = anon.request(m, p, json={})
         assert r.status_code == 401, (m, p)
         assert r.json()["error"] == "unauthorized" and r.headers["www-authenticate"] == "Bearer"
