@@ -195,6 +195,18 @@ class AdvisorQuery:
 
         return drain_volume(self._svc, volume, to)
 
+    def register_volume(self, volume: Any, role: str = "none") -> None:
+        """Add a volume at run time (:func:`advisor.volume_admin.register_volume`; its errors)."""
+        from advisor.volume_admin import register_volume
+
+        register_volume(self._svc, volume, role)  # type: ignore[arg-type]
+
+    def unregister_volume(self, volume_id: str) -> None:
+        """Remove an empty volume (:func:`advisor.volume_admin.unregister_volume`; its errors)."""
+        from advisor.volume_admin import unregister_volume
+
+        unregister_volume(self._svc, volume_id)
+
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""
         return self._svc.metrics.registry

@@ -43,6 +43,8 @@ from api.models import (
     BlockResponse,
     HashParseError,
     DrainRequest,
+    RegisterVolumeRequest,
+    VolumeActionResponse,
     DrainResponse,
     HealthResponse,
     InvalidateRequest,
@@ -292,6 +294,36 @@ def create_app(
         except InvalidateError as exc:
             raise ApiError(409, "no_storage", str(exc)) from None
         return InvalidateResponse(namespace=res.namespace, deleted=res.deleted, removes_published=res.removes_published)
+
+    @app.post("/v1/volumes", response_model=VolumeActionResponse, dependencies=admin,
+              responses={409: {"model": ErrorResponse, "description": "no storage, id taken, volume refused"}})
+    def register_volume(req: RegisterVolumeRequest) -> VolumeActionResponse:
+        from pydantic import ValidationError
+
+        from advisor.settings import VolumeSettings
+        from advisor.volume_admin import VolumeAdminError
+
+        try:
+            vol = VolumeSettings.model_validate(req.volume)
+        except ValidationError as exc:
+            raise ApiError(422, "invalid_request", "volume: " + "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])[:500]) from None
+        try:
+            query.register_volume(vol, req.role)
+        except VolumeAdminError as exc:
+            raise ApiError(409, "volume_refused", str(exc)[:400]) from None
+        return VolumeActionResponse(volume=vol.id, status="registered")
+
+    @app.delete("/v1/volumes/{volume_id}", response_model=VolumeActionResponse, dependencies=admin,
+                responses={409: {"model": ErrorResponse, "description": "unknown, fast/archive, or not empty"}})
+    def unregister_volume(volume_id: str = Path(max_length=255, examples=["slow2"])) -> VolumeActionResponse:
+        from advisor.volume_admin import VolumeAdminError
+
+        try:
+            query.unregister_volume(volume_id)
+        except VolumeAdminError as exc:
+            raise ApiError(409, "volume_refused", str(exc)[:400]) from None
+        return VolumeActionResponse(volume=volume_id, status="unregistered")
 
     @app.post("/v1/volumes/{volume_id}/drain", response_model=DrainResponse, dependencies=admin,
               responses={409: {"model": ErrorResponse, "description": "no storage, unknown volume or destination"}})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
@@ -182,6 +182,24 @@ class InvalidateResponse(BaseModel):
     namespace: str
     deleted: dict[str, int] = Field(description="volume -> blocks deleted there")
     removes_published: int
+
+
+class RegisterVolumeRequest(BaseModel):
+    """``POST /v1/volumes``: a volume as in the configuration's ``volumes``, and its role."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "volume": {"id": "slow2", "kind": "posix", "media": "hdd", "capacity_bytes": 549755813888,
+                   "root": "/var/lib/kvadvisor/volumes/slow2"}, "role": "slow"}]})
+
+    volume: dict[str, Any] = Field(description="fields of advisor.settings.VolumeSettings")
+    role: Literal["slow", "none"] = "none"
+
+
+class VolumeActionResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"volume": "slow2", "status": "registered"}]})
+
+    volume: str
+    status: str
 
 
 class DrainRequest(BaseModel):

@@ -83,3 +83,33 @@ def test_drain_moves_every_block_off_a_volume(world: World) -> None:
         assert r.status_code == 409 and r.json()["error"] == "cannot_drain" and why in r.json()["detail"]
     r = c.post("/v1/volumes/slow/drain", json={"to": "slow"})
     assert r.status_code == 409 and "give another configured volume" in r.json()["detail"]
+
+
+def test_register_drain_and_unregister_a_volume_at_run_time(world: World, tmp_path: Path) -> None:
+    w = world
+    c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    vol = {"id": "slow2", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30, "root": str(tmp_path / "slow2")}
+    r = c.post("/v1/volumes", json={"volume": vol, "role": "slow"})
+    assert r.status_code == 200 and r.json() == {"volume": "slow2", "status": "registered"}
+    listed = {v["id"]: v["role"] for v in c.get("/v1/volumes").json()["volumes"]}
+    assert listed == {"fast": "fast", "slow": "slow", "s3": "archive", "slow2": "slow"}
+    r = c.post("/v1/volumes", json={"volume": vol})
+    assert r.status_code == 409 and "already registered" in r.json()["detail"]
+    r = c.post("/v1/volumes", json={"volume": {**vol, "id": "x", "kind": "tape"}})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request" and "kind" in r.json()["detail"]
+    # blocks go onto the new volume by a drain, then it refuses to leave until drained again
+    hs = [501, 502]
+    w.put(hs, "fast")
+    w.events("w0", *chain(hs, "fast"))
+    assert c.post("/v1/volumes/fast/drain", json={"to": "slow2"}).json()["counts"]["done"] == 2
+    assert w.where(hs) == ["slow2", "slow2"]
+    r = c.delete("/v1/volumes/slow2")
+    assert r.status_code == 409 and "still holds 2 blocks: drain it first" in r.json()["detail"]
+    for fixed in ("fast", "s3"):
+        assert "fast or archive" in c.delete(f"/v1/volumes/{fixed}").json()["detail"]
+    assert c.post("/v1/volumes/slow2/drain", json={"to": "slow"}).json()["counts"]["done"] == 2
+    assert w.where(hs) == ["slow", "slow"]
+    assert c.delete("/v1/volumes/slow2").json() == {"volume": "slow2", "status": "unregistered"}
+    assert "slow2" not in {v["id"] for v in c.get("/v1/volumes").json()["volumes"]}
+    assert "slow2" not in {d.id for d in w.svc.agent.volumes()}
+    assert c.delete("/v1/volumes/slow2").status_code == 409  # unknown now
