@@ -194,28 +194,38 @@ class WorkerIndex:
         tiers: dict[WorkerKey, dict[str, int]] = {}
         freqs: list[int] = []
         chains = chain_hashes(local_hashes)
+        depth = 0
         with self._lock:
             self.counters.queries += 1
-            active: set[WorkerKey] | None = None
-            live_media: dict[WorkerKey, set[str]] = {}
-            for depth, c in enumerate(chains):
-                holders = self._holders.get(c)
+            hget = self._holders.get
+            # worker -> media it has held at every depth so far
+            active: dict[WorkerKey, set[str]] | None = None
+            for c in chains:
+                holders = hget(c)
                 if not holders:
                     break
                 if active is None:
-                    active = set(holders)
-                    live_media = {w: set(m) for w, m in holders.items()}
+                    active = {w: set(m) for w, m in holders.items()}
                 else:
-                    active &= holders.keys()
-                if not active:
-                    break
+                    for w in list(active):
+                        media = holders.get(w)
+                        live = active[w]
+                        if media is None:  # the worker's prefix ends here
+                            scores[w] = depth
+                            tiers[w] = dict.fromkeys(live, depth)
+                            del active[w]
+                        elif not live <= media.keys():  # a medium's prefix ends here
+                            wt = tiers.setdefault(w, {})
+                            for m in live - media.keys():
+                                wt[m] = depth
+                            live &= media.keys()
+                    if not active:
+                        break
                 freqs.append(len(holders))
-                for w in active:
-                    scores[w] = depth + 1
-                    live_media[w] &= holders[w].keys()
-                    wt = tiers.setdefault(w, {})
-                    for m in live_media[w]:
-                        wt[m] = depth + 1
+                depth += 1
+            for w, live in (active or {}).items():
+                scores[w] = depth
+                tiers.setdefault(w, {}).update(dict.fromkeys(live, depth))
         return Overlap(scores, freqs, tiers)
 
     def tree_sizes(self) -> dict[WorkerKey, int]:
