@@ -58,7 +58,8 @@ class ApiSecuritySettings(BaseSettings):
         pydantic.ValidationError: a token shorter than 16 characters or with whitespace.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVADVISOR_API_", extra="ignore")
+    # hide_input_in_errors: a refused token must not appear in the error (logs, tracebacks)
+    model_config = SettingsConfigDict(env_prefix="KVADVISOR_API_", extra="ignore", hide_input_in_errors=True)
 
     read_tokens: list[SecretStr] = Field(default_factory=list)
     admin_tokens: list[SecretStr] = Field(default_factory=list)

@@ -96,11 +96,15 @@ def test_no_tokens_means_loopback_only(service: AdvisorService, tmp_path) -> Non
     svc.stop()
 
 
-def test_weak_tokens_are_refused() -> None:
+def test_weak_tokens_are_refused_without_echoing_them(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValidationError):
         ApiSecuritySettings(admin_tokens=[SecretStr("short")])
     with pytest.raises(ValidationError):
         ApiSecuritySettings(read_tokens=[SecretStr("has a space in it, 123456")])
+    monkeypatch.setenv("KVADVISOR_API_ADMIN_TOKENS", '["tiny-secret"]')
+    with pytest.raises(ValidationError) as info:
+        ApiSecuritySettings()
+    assert "tiny-secret" not in str(info.value) and "at least 16" in str(info.value)
 
 
 def test_token_compare_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
