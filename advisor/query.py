@@ -189,6 +189,16 @@ class AdvisorQuery:
 
         return invalidate_namespace(self._svc, namespace)
 
+    def segments(self, volume_id: str) -> list[Any] | None:
+        """Segments of one configured volume (``storage_backends.SegmentInfo``, by id); ``[]``
+        without storage; ``None`` when the volume is not configured."""
+        if not any(v.id == volume_id for v in self._svc.settings.volumes):
+            return None
+        agent = self._svc.agent
+        if agent is None:
+            return []
+        return sorted(agent.segments(volume_id), key=lambda s: s.segment_id)
+
     def drain(self, volume: str, to: str | None = None) -> Any:
         """Move every managed block off ``volume`` (:func:`advisor.drain.drain_volume`; its errors)."""
         from advisor.drain import drain_volume

@@ -43,6 +43,8 @@ from api.models import (
     BlockResponse,
     HashParseError,
     DrainRequest,
+    SegmentResponse,
+    SegmentsResponse,
     RegisterVolumeRequest,
     VolumeActionResponse,
     DrainResponse,
@@ -294,6 +296,19 @@ def create_app(
         except InvalidateError as exc:
             raise ApiError(409, "no_storage", str(exc)) from None
         return InvalidateResponse(namespace=res.namespace, deleted=res.deleted, removes_published=res.removes_published)
+
+    @app.get("/v1/volumes/{volume_id}/segments", response_model=SegmentsResponse, dependencies=read)
+    def volume_segments(volume_id: str = Path(max_length=255, examples=["fast"]),
+                        limit: int = Query(MAX_PAGE, ge=1, le=MAX_PAGE),
+                        cursor: str | None = Query(None, max_length=64)) -> SegmentsResponse:
+        segs = query.segments(volume_id)
+        if segs is None:
+            raise ApiError(404, "unknown_volume", f"volume {volume_id[:60]!r} is not configured")
+        items, nxt = page(segs, limit, cursor)
+        return SegmentsResponse(volume=volume_id, count=len(segs), next_cursor=nxt, segments=[
+            SegmentResponse(segment_id=g.segment_id, size_bytes=g.size_bytes, live_bytes=g.live_bytes,
+                            dead_bytes=g.dead_bytes, live_blocks=g.live_blocks, sealed=g.sealed,
+                            created_at=g.created_at) for g in items])
 
     @app.post("/v1/volumes", response_model=VolumeActionResponse, dependencies=admin,
               responses={409: {"model": ErrorResponse, "description": "no storage, id taken, volume refused"}})

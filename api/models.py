@@ -202,6 +202,32 @@ class VolumeActionResponse(BaseModel):
     status: str
 
 
+class SegmentResponse(BaseModel):
+    """One segment (file or object) of a volume, bytes."""
+
+    segment_id: int
+    size_bytes: int
+    live_bytes: int
+    dead_bytes: int
+    live_blocks: int
+    sealed: bool
+    created_at: float = Field(description="Unix seconds")
+
+
+class SegmentsResponse(BaseModel):
+    """The segments of one volume, by id, paged."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "volume": "fast", "count": 1, "segments": [{"segment_id": 7, "size_bytes": 4194304, "live_bytes": 3145728,
+                                                    "dead_bytes": 1048576, "live_blocks": 48, "sealed": True,
+                                                    "created_at": 1764600000.0}], "next_cursor": None}]})
+
+    volume: str
+    count: int = Field(description="segments of the volume (all pages)")
+    segments: list[SegmentResponse]
+    next_cursor: str | None = None
+
+
 class DrainRequest(BaseModel):
     """``POST /v1/volumes/{volume_id}/drain`` body (may be empty)."""
 

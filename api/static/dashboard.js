@@ -249,6 +249,34 @@ function setStatus(ok, text) {
   if (!ok) banner.textContent = `Cannot reach the advisor API — showing the last data received. ${text}`;
 }
 
+// ---------------------------------------------------------------- one volume's segments
+let volumeShown = new URLSearchParams(window.location.search).get("volume");
+
+function renderVolumeSelect(vols) {
+  const sel = $("volume-select");
+  const ids = vols.map((v) => v.id);
+  if (!volumeShown || !ids.includes(volumeShown)) volumeShown = ids[0] || null;
+  if (sel.dataset.ids !== ids.join("\u0000")) {
+    sel.replaceChildren(...ids.map((id) => el("option", { value: id, text: id })));
+    sel.dataset.ids = ids.join("\u0000");
+  }
+  if (volumeShown) sel.value = volumeShown;
+  $("volume-detail").hidden = !ids.length;
+}
+
+function renderSegments(body) {
+  $("segments-count").textContent = `${fmtInt(body.count)} segment${body.count === 1 ? "" : "s"}`;
+  replaceRows("segments-body", body.segments.map((g) =>
+    el("tr", { "data-key": String(g.segment_id) },
+      numCell("segment_id", g.segment_id), numCell("size_bytes", g.size_bytes, fmtBytes),
+      numCell("live_bytes", g.live_bytes, fmtBytes), numCell("dead_bytes", g.dead_bytes, fmtBytes),
+      numCell("live_blocks", g.live_blocks),
+      el("td", { "data-field": "sealed", "data-value": String(g.sealed), text: g.sealed ? "sealed" : "open" }),
+      el("td", {}, bar([{ cls: "b-live", pct: pct(g.live_bytes, g.size_bytes), title: `${fmtBytes(g.live_bytes)} live` },
+        { cls: "b-dead", pct: pct(g.dead_bytes, g.size_bytes), title: `${fmtBytes(g.dead_bytes)} dead` }])))),
+  "no segments", 7);
+}
+
 let polls = 0;
 async function poll() {
   try {
@@ -262,6 +290,8 @@ async function poll() {
     renderStats(stats);
     renderLocations(stats.blocks_per_location, roles);
     renderVolumes(vols.volumes);
+    renderVolumeSelect(vols.volumes);
+    if (volumeShown) renderSegments(await getJSON(`v1/volumes/${encodeURIComponent(volumeShown)}/segments?limit=200`));
     renderPlans(plans);
     if (typeof renderCharts === "function") renderCharts(stats);
     polls += 1;
@@ -312,6 +342,7 @@ async function lookup(text) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  $("volume-select").addEventListener("change", (ev) => { volumeShown = ev.target.value; });
   $("lookup-form").addEventListener("submit", (ev) => { ev.preventDefault(); lookup($("lookup-input").value); });
   // ?lookup=h0,h1,... pre-fills the box and runs it (shareable links)
   const pre = new URLSearchParams(window.location.search).get("lookup");

@@ -75,6 +75,9 @@ def test_drain_moves_every_block_off_a_volume(world: World) -> None:
     assert {(h, loc) for k, h, loc in evs if k == EventType.STORE.name} == {(h, "slow") for h in fast}
     assert {(h, loc) for k, h, loc in evs if k == EventType.REMOVE.name} == {(h, "fast") for h in fast}
     assert c.get("/v1/locations").json()["locations"] == {"slow": 3}
+    segs = c.get("/v1/volumes/slow/segments").json()
+    assert sum(g["live_blocks"] for g in segs["segments"]) == 3 and segs["count"] == len(segs["segments"])
+    assert sum(g["live_blocks"] for g in c.get("/v1/volumes/fast/segments").json()["segments"]) == 0
     assert [p["reason"] for p in c.get("/v1/plans").json()["plans"]] == ["drain fast"] * 3
     # nothing left: a second drain moves nothing; the default destination is a slow volume
     assert c.post("/v1/volumes/fast/drain").json()["counts"] == {"done": 0, "skipped": 0, "failed": 0}

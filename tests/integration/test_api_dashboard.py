@@ -419,6 +419,15 @@ def test_history_charts_show_the_api_hit_rates_and_occupancy(advisor_with_dashbo
     shown = dom.table("chart-hit-latest")["G1"]["value"].text.strip()
     assert shown == "50.0 %"
 
+    # the per-volume panel: the first volume's segments, as the API lists them
+    segs = httpx.get(base + "/v1/volumes/fast/segments").json()
+    rows = dom.table("segments-body")
+    assert segs["count"] >= 1 and sorted(rows, key=int) == [str(g["segment_id"]) for g in segs["segments"]]
+    for g in segs["segments"]:
+        for f in ("size_bytes", "live_bytes", "dead_bytes", "live_blocks"):
+            assert rows[str(g["segment_id"])][f].attrs["data-value"] == str(g[f]), f
+    assert sum(g["live_blocks"] for g in segs["segments"]) == 2  # the two promoted blocks
+
     assert shot.stat().st_size > 10_000
     artifacts = Path(__file__).resolve().parents[2] / "runs" / "test-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)

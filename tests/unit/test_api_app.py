@@ -268,3 +268,8 @@ def test_openapi_has_an_example_for_every_route_and_examples_validate(client: Te
 def test_invalidate_without_storage_is_a_clear_409(client: TestClient) -> None:
     r = client.post("/v1/actions/invalidate", json={"namespace": "abc"})
     assert r.status_code == 409 and r.json()["error"] == "no_storage" and "no storage" in r.json()["detail"]
+
+
+def test_segments_of_an_unknown_volume_are_a_404(client: TestClient) -> None:
+    r = client.get("/v1/volumes/nope/segments")
+    assert r.status_code == 404 and r.json()["error"] == "unknown_volume"
