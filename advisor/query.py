@@ -114,7 +114,8 @@ class AdvisorQuery:
 
         Returns:
             ``{"blocks", "blocks_per_location", "orphans_pending", "index_counters",
-            "sources": {source: {"epoch", "last_seq", "batches", "events"}},
+            "sources": {source: {"epoch", "last_seq", "batches", "events", "last_ts_ns" (the
+            last batch's timestamp, the publisher's clock, ns since the epoch)}},
             "journal_position", "batches_applied", "events_applied", "events_per_s" (arrival rate,
             last 10 s), "ingest_events_per_busy_s" (journal + apply capacity: events per
             second of ingest work, idle time excluded),
@@ -137,7 +138,8 @@ class AdvisorQuery:
         with svc.lock:
             st = svc.index.stats()
             sources = {
-                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events}
+                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
+                       "last_ts_ns": s.last_ts_ns}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)
@@ -179,6 +181,41 @@ class AdvisorQuery:
     def run_policies(self) -> list[PlanResult]:
         """Run one policy round synchronously and return its results."""
         return self._svc.run_policies_once()
+
+    def invalidate(self, namespace: str) -> Any:
+        """Delete a namespace's blocks on every volume and publish their Removes
+        (:func:`advisor.invalidate.invalidate_namespace`; its errors)."""
+        from advisor.invalidate import invalidate_namespace
+
+        return invalidate_namespace(self._svc, namespace)
+
+    def segments(self, volume_id: str) -> list[Any] | None:
+        """Segments of one configured volume (``storage_backends.SegmentInfo``, by id); ``[]``
+        without storage; ``None`` when the volume is not configured."""
+        if not any(v.id == volume_id for v in self._svc.settings.volumes):
+            return None
+        agent = self._svc.agent
+        if agent is None:
+            return []
+        return sorted(agent.segments(volume_id), key=lambda s: s.segment_id)
+
+    def drain(self, volume: str, to: str | None = None) -> Any:
+        """Move every managed block off ``volume`` (:func:`advisor.drain.drain_volume`; its errors)."""
+        from advisor.drain import drain_volume
+
+        return drain_volume(self._svc, volume, to)
+
+    def register_volume(self, volume: Any, role: str = "none") -> None:
+        """Add a volume at run time (:func:`advisor.volume_admin.register_volume`; its errors)."""
+        from advisor.volume_admin import register_volume
+
+        register_volume(self._svc, volume, role)  # type: ignore[arg-type]
+
+    def unregister_volume(self, volume_id: str) -> None:
+        """Remove an empty volume (:func:`advisor.volume_admin.unregister_volume`; its errors)."""
+        from advisor.volume_admin import unregister_volume
+
+        unregister_volume(self._svc, volume_id)
 
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""

@@ -7,7 +7,8 @@
 ``GET /dashboard/static/{file}``    its CSS and JS, served from ``api/static/``
 ==================================  ===============================================
 
-The page is plain HTML + CSS + vanilla JS: no CDN, no build step, nothing fetched at
+The page is plain HTML + CSS + vanilla JS, with uPlot (npm ``uplot``, MIT licence) vendored in
+``api/static/vendor/`` for the history charts: no CDN, no build step, nothing fetched at
 run time except the app's own ``/v1/stats``, ``/v1/volumes``, ``/v1/plans`` (every
 ``POLL_INTERVAL_MS``) and ``POST /v1/lookup`` (the lookup box).  It uses relative URLs,
 so it also works when the app is served under a path prefix.
@@ -30,7 +31,8 @@ POLL_INTERVAL_MS = 2000
 """How often the page polls the API (the value is also set in ``dashboard.js``)."""
 
 _PAGE = "dashboard.html"
-_ASSETS = ("dashboard.html", "dashboard.css", "dashboard.js")
+_ASSETS = ("dashboard.html", "dashboard.css", "dashboard.js", "dashboard_charts.js", "vendor/uPlot.iife.min.js",
+           "vendor/uPlot.min.css", "vendor/uPlot.LICENSE")
 
 
 class DashboardError(RuntimeError):

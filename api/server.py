@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from api.app import create_app
+from api.auth import ApiSecuritySettings, InsecureBindError, check_bind
 
 if TYPE_CHECKING:
     from advisor.query import AdvisorQuery
@@ -36,9 +37,12 @@ class ServerHandle:
     _thread: threading.Thread = field(repr=False)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask uvicorn to exit and wait for its thread (idempotent)."""
+        """Ask uvicorn to exit, wait for its thread and stop the indexer's subscriptions (idempotent)."""
         self._server.should_exit = True
         self._thread.join(timeout=timeout_s)
+        registry = getattr(getattr(self._server.config.app, "state", None), "indexer_registry", None)
+        if registry is not None:
+            registry.close()
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, start_timeout_s: float = 15.0) -> ServerHandle:
@@ -68,6 +72,21 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, sta
     return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread)
 
 
-def serve_query(query: AdvisorQuery, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
-    """Build the app for ``query`` and serve it in a thread (``AdvisorSettings.api_factory``)."""
-    return serve_in_thread(create_app(query), host, port)
+def serve_query(
+    query: AdvisorQuery, host: str = "127.0.0.1", port: int = 0, *, security: ApiSecuritySettings | None = None
+) -> ServerHandle:
+    """Build the app for ``query`` and serve it in a thread (``AdvisorSettings.api_factory``).
+
+    Args:
+        security: tokens and limits (default: from the environment, ``KVADVISOR_API_*``).
+
+    Raises:
+        ServerError: ``host`` is not loopback and no token is configured (:func:`api.auth.check_bind`),
+            or the server did not start.
+    """
+    settings = security if security is not None else ApiSecuritySettings()
+    try:
+        check_bind(host, settings)
+    except InsecureBindError as exc:
+        raise ServerError(str(exc)) from None
+    return serve_in_thread(create_app(query, security=settings, bind_host=host), host, port)

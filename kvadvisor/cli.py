@@ -252,6 +252,24 @@ def evaluate(
         json_out.write_text(json.dumps(result.as_dict(), indent=2))
 
 
+@app.command()
+def status(
+    url: Annotated[str, typer.Option(envvar="KVADVISOR_URL", help="the advisor API")] = "http://127.0.0.1:8080",
+    token: Annotated[Optional[str], typer.Option(envvar="KVADVISOR_API_TOKEN", show_default=False,
+                                                 help="read token (env KVADVISOR_API_TOKEN), when the API has tokens")] = None,
+) -> None:
+    """Print the figures an operator checks first (health, ingest, sources, volumes, moves, hit rates)."""
+    from kvadvisor.status import StatusError, fetch_status, print_status
+
+    try:
+        st = fetch_status(url, token)
+    except StatusError as exc:
+        _fail(str(exc))
+    print_status(st, console)
+    if st.health.get("status") != "ok":
+        raise typer.Exit(1)
+
+
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""

@@ -244,11 +244,23 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
 
 
 class AdvisorClient:
-    """Thin REST client of the advisor's API (used by the demo and the e2e test)."""
+    """Thin REST client of the advisor's API (used by the demo and the e2e test).
 
-    def __init__(self, base_url: str) -> None:
+    Args:
+        base_url: ``http://HOST:PORT`` of the API.
+        token: bearer token (default: the first admin token of ``KVADVISOR_API_ADMIN_TOKENS``,
+            the API's own settings, when any is set; none otherwise).
+    """
+
+    def __init__(self, base_url: str, token: str | None = None) -> None:
         self.base_url = base_url
-        self.http = httpx.Client(base_url=base_url, timeout=120.0)
+        if token is None:
+            from api.auth import ApiSecuritySettings
+
+            admins = ApiSecuritySettings().admin_tokens
+            token = admins[0].get_secret_value() if admins else None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url, timeout=120.0, headers=headers)
 
     def stats(self) -> dict[str, Any]:
         r = self.http.get("/v1/stats")
@@ -266,9 +278,18 @@ class AdvisorClient:
         return r.json()
 
     def blocks_at(self, location: str) -> set[int]:
-        r = self.http.get(f"/v1/locations/{location}/blocks")
-        r.raise_for_status()
-        return {int(h) for h in r.json()["sequence_hashes"]}
+        """Every sequence hash at ``location``, walking the route's pages."""
+        out: set[int] = set()
+        cursor: str | None = None
+        while True:
+            params = {"limit": 1000, **({"cursor": cursor} if cursor else {})}
+            r = self.http.get(f"/v1/locations/{location}/blocks", params=params)
+            r.raise_for_status()
+            body = r.json()
+            out.update(int(h) for h in body["sequence_hashes"])
+            cursor = body.get("next_cursor")
+            if not cursor:
+                return out
 
     def wait_caught_up(self, publishers: list[EventPublisher], timeout_s: float = 120.0) -> dict[str, Any]:
         """Block until the advisor has applied every batch the publishers sent.

@@ -92,6 +92,13 @@ function tierOf(location, roles) {
 }
 
 // ---------------------------------------------------------------- renderers
+/** "12 s ago" from a ns timestamp (the publisher's clock; BigInt or number). */
+function fmtAgo(tsNs) {
+  if (!tsNs) return "never";
+  const s = Math.max(0, (Date.now() - Number(BigInt(tsNs) / 1000000n)) / 1000);
+  return s < 120 ? `${s.toFixed(0)} s ago` : s < 7200 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+}
+
 function renderStats(st) {
   const sub = st.subscriber || {};
   const hasSub = Object.keys(sub).length > 0;
@@ -136,7 +143,10 @@ function renderStats(st) {
       el("td", { class: "num mono", "data-field": "epoch", "data-value": String(s.epoch), text: fmtHex64(s.epoch),
         title: `epoch ${fmtInt(s.epoch)}` }),
       numCell("last_seq", s.last_seq),
-      numCell("batches", s.batches), numCell("events", s.events))), "no sources yet", 5);
+      numCell("batches", s.batches), numCell("events", s.events),
+      el("td", { class: "num", "data-field": "last_seen", "data-value": String(s.last_ts_ns ?? 0),
+        title: s.last_ts_ns ? new Date(Number(BigInt(s.last_ts_ns) / 1000000n)).toISOString() : "never",
+        text: fmtAgo(s.last_ts_ns) }))), "no sources yet", 6);
 }
 
 function renderLocations(perLocation, roles) {
@@ -202,8 +212,23 @@ function parseJSON(text) {
     /^-?\d+$/.test(ctx.source) ? BigInt(ctx.source) : value);
 }
 
+/** Bearer token for APIs with tokens configured: asked once on a 401, kept for this tab only. */
+const TOKEN_KEY = "kvadvisor-api-token";
+let tokenAsked = false;
+
 async function getJSON(path, init) {
-  const resp = await fetch(path, { cache: "no-store", ...init });
+  const headers = { ...((init && init.headers) || {}) };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const resp = await fetch(path, { cache: "no-store", ...init, headers });
+  if (resp.status === 401 && !tokenAsked && typeof window.prompt === "function") {
+    tokenAsked = true;
+    const given = window.prompt("This advisor API needs a read token (admin for policy runs):");
+    if (given) {
+      sessionStorage.setItem(TOKEN_KEY, given.trim());
+      return getJSON(path, init);
+    }
+  }
   let body = null;
   try { body = parseJSON(await resp.text()); } catch (_) { /* non-JSON error page */ }
   if (!resp.ok) {
@@ -224,6 +249,34 @@ function setStatus(ok, text) {
   if (!ok) banner.textContent = `Cannot reach the advisor API — showing the last data received. ${text}`;
 }
 
+// ---------------------------------------------------------------- one volume's segments
+let volumeShown = new URLSearchParams(window.location.search).get("volume");
+
+function renderVolumeSelect(vols) {
+  const sel = $("volume-select");
+  const ids = vols.map((v) => v.id);
+  if (!volumeShown || !ids.includes(volumeShown)) volumeShown = ids[0] || null;
+  if (sel.dataset.ids !== ids.join("\u0000")) {
+    sel.replaceChildren(...ids.map((id) => el("option", { value: id, text: id })));
+    sel.dataset.ids = ids.join("\u0000");
+  }
+  if (volumeShown) sel.value = volumeShown;
+  $("volume-detail").hidden = !ids.length;
+}
+
+function renderSegments(body) {
+  $("segments-count").textContent = `${fmtInt(body.count)} segment${body.count === 1 ? "" : "s"}`;
+  replaceRows("segments-body", body.segments.map((g) =>
+    el("tr", { "data-key": String(g.segment_id) },
+      numCell("segment_id", g.segment_id), numCell("size_bytes", g.size_bytes, fmtBytes),
+      numCell("live_bytes", g.live_bytes, fmtBytes), numCell("dead_bytes", g.dead_bytes, fmtBytes),
+      numCell("live_blocks", g.live_blocks),
+      el("td", { "data-field": "sealed", "data-value": String(g.sealed), text: g.sealed ? "sealed" : "open" }),
+      el("td", {}, bar([{ cls: "b-live", pct: pct(g.live_bytes, g.size_bytes), title: `${fmtBytes(g.live_bytes)} live` },
+        { cls: "b-dead", pct: pct(g.dead_bytes, g.size_bytes), title: `${fmtBytes(g.dead_bytes)} dead` }])))),
+  "no segments", 7);
+}
+
 let polls = 0;
 async function poll() {
   try {
@@ -237,7 +290,10 @@ async function poll() {
     renderStats(stats);
     renderLocations(stats.blocks_per_location, roles);
     renderVolumes(vols.volumes);
+    renderVolumeSelect(vols.volumes);
+    if (volumeShown) renderSegments(await getJSON(`v1/volumes/${encodeURIComponent(volumeShown)}/segments?limit=200`));
     renderPlans(plans);
+    if (typeof renderCharts === "function") renderCharts(stats);
     polls += 1;
     document.body.dataset.polls = String(polls);
     const now = new Date();
@@ -286,6 +342,7 @@ async function lookup(text) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  $("volume-select").addEventListener("change", (ev) => { volumeShown = ev.target.value; });
   $("lookup-form").addEventListener("submit", (ev) => { ev.preventDefault(); lookup($("lookup-input").value); });
   // ?lookup=h0,h1,... pre-fills the box and runs it (shareable links)
   const pre = new URLSearchParams(window.location.search).get("lookup");

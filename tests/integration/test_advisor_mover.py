@@ -216,7 +216,7 @@ def test_rest_api_over_real_storage(world: World) -> None:
     world.events("w0", *chain(hs, "g1"), *chain(hs, "slow"))
     world.events("w1", *chain(hs, "g1"))
     world.events("w2", *chain(hs, "g1"))
-    client = TestClient(create_app(world.svc.query()))
+    client = TestClient(create_app(world.svc.query()), base_url="http://127.0.0.1")
     vols = {v["id"]: v for v in client.get("/v1/volumes").json()["volumes"]}
     assert {k: (v["role"], v["kind"], v["media"]) for k, v in vols.items()} == {
         "fast": ("fast", "posix", "nvme"), "slow": ("slow", "posix", "hdd"), "s3": ("archive", "s3", "object")}

@@ -9,6 +9,7 @@ JS (virtual time), and the DOM it dumps must show what the JSON API returns.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -282,6 +283,9 @@ def test_dashboard_renders_the_api_figures_in_chromium(advisor_with_dashboard: R
         assert int(sources[name]["epoch"].attrs["data-value"]) == src["epoch"]
         assert sources[name]["epoch"].text == f"0x{src['epoch']:016x}"
     assert int(w0["events"].attrs["data-value"]) == stats["sources"]["w0"]["events"] == 15
+    # last seen: the last batch's timestamp, shown relative to now
+    assert int(w0["last_seen"].attrs["data-value"]) == stats["sources"]["w0"]["last_ts_ns"] > 0
+    assert w0["last_seen"].text.endswith("ago")
 
     # blocks per location: the same figures as the API, biggest first
     locs = dom.table("locations-body")
@@ -377,3 +381,54 @@ def test_mounting_twice_is_a_no_op_and_a_taken_path_is_refused() -> None:
 
     with pytest.raises(DashboardError, match=r"app already serves \['/dashboard'\]"):
         mount_dashboard(other)
+
+
+def test_history_charts_show_the_api_hit_rates_and_occupancy(advisor_with_dashboard: Running, tmp_path: Path) -> None:
+    """The uPlot history charts (hit rate per tier, occupancy, events/s, moves) are drawn, and
+    the values beside them are /v1/stats' after the replay and a few lookups; a screenshot is
+    kept as a test artifact (runs/test-artifacts/dashboard-history.png)."""
+    run = advisor_with_dashboard
+    base = run.url
+    assert httpx.get(base + "/dashboard/static/vendor/uPlot.iife.min.js").status_code == 200
+    assert "MIT" in httpx.get(base + "/dashboard/static/vendor/uPlot.LICENSE").text
+    hot = [f"0x{h:x}" for h in run.hashes]
+    assert httpx.post(base + "/v1/lookup", json={"sequence_hashes": hot}).json()["longest"] >= 1
+    httpx.post(base + "/v1/lookup", json={"sequence_hashes": [99]})  # a miss everywhere
+    shot = tmp_path / "history.png"
+    dump, _ = run_browsers([
+        chromium_cmd(tmp_path, "hdom", "--dump-dom", f"{base}/dashboard"),
+        chromium_cmd(tmp_path, "hshot", f"--screenshot={shot}", "--window-size=1280,2200", f"{base}/dashboard"),
+    ])
+    dom = parse_dom(dump.stdout)
+    stats = httpx.get(base + "/v1/stats").json()
+    assert dom.by_id["status"].attrs.get("data-state") == "ok", dom.by_id["status"].text
+
+    # uPlot drew the four charts (one canvas each) from the vendored script
+    assert dump.stdout.count('class="uplot') >= 4 and dump.stdout.count("<canvas") >= 4
+
+    def latest(chart: str) -> dict[str, float]:
+        return {k: float(v["value"].attrs["data-value"]) for k, v in dom.table(f"chart-{chart}-latest").items()}
+
+    tiers = stats["hit_rates"]["lookup"]["1m"]["tiers"]
+    assert tiers and latest("hit") == {t: v["hit_rate"] for t, v in tiers.items()}
+    assert latest("hit")["G1"] == 0.5  # one of the two lookups found its first block in w0/g1
+    assert latest("occupancy") == {k: float(v) for k, v in stats["blocks_per_location"].items()}
+    assert latest("occupancy") == {"fast": 2.0, "slow": 1.0, "w0/g1": 6.0, "w0/g2": 2.0}
+    assert latest("moves") == {"promotions": 2.0, "demotions": 0.0, "compactions": 0.0}
+    assert set(latest("events")) == {"events/s"}
+    shown = dom.table("chart-hit-latest")["G1"]["value"].text.strip()
+    assert shown == "50.0 %"
+
+    # the per-volume panel: the first volume's segments, as the API lists them
+    segs = httpx.get(base + "/v1/volumes/fast/segments").json()
+    rows = dom.table("segments-body")
+    assert segs["count"] >= 1 and sorted(rows, key=int) == [str(g["segment_id"]) for g in segs["segments"]]
+    for g in segs["segments"]:
+        for f in ("size_bytes", "live_bytes", "dead_bytes", "live_blocks"):
+            assert rows[str(g["segment_id"])][f].attrs["data-value"] == str(g[f]), f
+    assert sum(g["live_blocks"] for g in segs["segments"]) == 2  # the two promoted blocks
+
+    assert shot.stat().st_size > 10_000
+    artifacts = Path(__file__).resolve().parents[2] / "runs" / "test-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, artifacts / "dashboard-history.png")

@@ -36,7 +36,7 @@ def service(tmp_path) -> Iterator[AdvisorService]:  # noqa: ANN001
 
 @pytest.fixture
 def client(service: AdvisorService) -> TestClient:
-    return TestClient(create_app(service.query()))
+    return TestClient(create_app(service.query()), base_url="http://127.0.0.1")
 
 
 def test_block_by_decimal_and_hex(service: AdvisorService, client: TestClient) -> None:
@@ -78,6 +78,9 @@ def test_lookup_longest_prefix_per_location(service: AdvisorService, client: Tes
         "prefix_blocks": {"slow": 2, "w0/g1": 4, "w1/g2": 3},
         "any_location": 4,
         "longest": 4,
+        "per_tier": {"G1": 4, "G2": 3, "G3": 2},  # "slow" is not an S3 volume here: G3
+        "per_worker": {"w0": {"G1": 4}, "w1": {"G2": 3}},
+        "sequence_hashes_hex": None,
     }
     assert client.post("/v1/lookup", json={"sequence_hashes": []}).json()["longest"] == 0
 
@@ -86,10 +89,12 @@ def test_blocks_per_location(service: AdvisorService, client: TestClient) -> Non
     service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1") + chain(H[:2], "slow")))
     assert client.get("/v1/locations").json() == {"locations": {"slow": 2, "w0/g1": 4}}
     r = client.get("/v1/locations/w0/g1/blocks").json()
-    assert r == {"location": "w0/g1", "count": 4, "sequence_hashes": sorted(H)}
+    assert r == {"location": "w0/g1", "count": 4, "sequence_hashes": sorted(H),
+                 "sequence_hashes_hex": [f"0x{h:016x}" for h in sorted(H)], "next_cursor": None}
     assert client.get("/v1/locations/slow/blocks").json()["sequence_hashes"] == sorted(H[:2])
     assert client.get("/v1/locations/nowhere/blocks").json() == {"location": "nowhere", "count": 0,
-                                                                 "sequence_hashes": []}
+                                                                 "sequence_hashes": [], "sequence_hashes_hex": [],
+                                                                 "next_cursor": None}
 
 
 def test_duplicate_store_batch_counts_once_in_rest_stats(service: AdvisorService, client: TestClient) -> None:  # C3
@@ -103,7 +108,7 @@ def test_duplicate_store_batch_counts_once_in_rest_stats(service: AdvisorService
     assert st["blocks_per_location"] == {"w0/g1": 3}
     assert st["index_counters"]["duplicate_stores"] == 3
     assert st["ingest"]["duplicate_batches"] == 1
-    assert st["sources"]["w0"] == {"epoch": 5, "last_seq": 1, "batches": 2, "events": 6}
+    assert st["sources"]["w0"] == {"epoch": 5, "last_seq": 1, "batches": 2, "events": 6, "last_ts_ns": 200}
     assert st["journal_position"] == 2 and st["batches_applied"] == 2 and st["events_applied"] == 6
     assert st["advisor_events"] == 0
     assert st["moves"]["promotions"] == 0 and st["moves"]["done"] == {"promote": 0, "demote": 0, "compact": 0}
@@ -125,9 +130,9 @@ def test_metrics_volumes_plans_health(service: AdvisorService, client: TestClien
     assert "kvadvisor_events_applied_total 4.0" in text
     assert "kvadvisor_batches_applied_total 1.0" in text
     assert "kvadvisor_subscriber_gaps_total 0.0" in text
-    assert client.get("/v1/volumes").json() == {"volumes": []}
-    assert client.get("/v1/plans").json() == {"plans": [], "summary": {}}
-    assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}}  # no storage attached
+    assert client.get("/v1/volumes").json() == {"volumes": [], "next_cursor": None}
+    assert client.get("/v1/plans").json() == {"plans": [], "summary": {}, "next_cursor": None}
+    assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}, "next_cursor": None}  # no storage
     h = client.get("/healthz").json()
     assert h == {"status": "ok", "journal_position": 1, "subscribed": False, "storage": False}
 
@@ -180,7 +185,7 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         svc.ingest(EventBatch(1, "w0", 5, 0, 100, chain(H, "g1")))
         svc.ingest(EventBatch(1, "evil", 1, 0, 100, [store(100 + i, 100 + i, None, BS, f"v{i:05d}")
                                                     for i in range(5000)]))
-        text = TestClient(create_app(svc.query())).get("/metrics").text
+        text = TestClient(create_app(svc.query()), base_url="http://127.0.0.1").get("/metrics").text
         series = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith("kvadvisor_index_blocks{")}
         assert len(series) == 9
@@ -196,3 +201,76 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         assert sum(line.startswith("kvadvisor_index_blocks{") for line in text.splitlines()) == 64 + 1
     finally:
         svc.stop()
+
+
+def test_lookup_by_token_ids_hashes_as_the_runtime_does(service: AdvisorService, client: TestClient) -> None:
+    from kvbm_runtime.hashing import ModelFingerprint, salt_hash, sequence_hashes
+
+    model = {"name": "m", "dtype": "float16", "layout": "FullyContiguous", "block_size": 4}
+    tokens = list(range(1, 21))  # 5 blocks of 4
+    seed = salt_hash(ModelFingerprint("m", "float16", "FullyContiguous", 4), "lora-x", None)
+    hs = sequence_hashes(tokens, 4, seed)
+    service.ingest(EventBatch(1, "w0", 5, 0, 100, chain(hs, "g1") + chain(hs[:2], "slow")))
+    service.ingest(EventBatch(1, "w1", 6, 0, 100, chain(hs[:3], "g2")))
+    r = client.post("/v1/lookup", json={"token_ids": tokens + [99], "model": model, "lora_name": "lora-x"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["sequence_hashes_hex"] == [f"0x{h:016x}" for h in hs]
+    assert body["prefix_blocks"] == {"slow": 2, "w0/g1": 5, "w1/g2": 3}
+    assert body["per_tier"] == {"G1": 5, "G2": 3, "G3": 2}
+    assert body["per_worker"] == {"w0": {"G1": 5}, "w1": {"G2": 3}}
+    by_hash = client.post("/v1/lookup", json={"sequence_hashes": hs}).json()
+    assert {k: v for k, v in by_hash.items() if k != "sequence_hashes_hex"} == \
+        {k: v for k, v in body.items() if k != "sequence_hashes_hex"} | {"requested": 5}
+    # another LoRA (or none) is another salt: nothing cached
+    other = client.post("/v1/lookup", json={"token_ids": tokens, "model": model}).json()
+    assert other["longest"] == 0 and other["per_tier"] == {}
+    for bad in ({"token_ids": tokens}, {"token_ids": [1.5], "model": model}, {"token_ids": [-1] * 4, "model": model}):
+        r = client.post("/v1/lookup", json=bad)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request", bad
+
+
+def test_openapi_has_an_example_for_every_route_and_examples_validate(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    comps = spec["components"]["schemas"]
+
+    def example_of(schema: dict | None) -> bool:  # type: ignore[type-arg]
+        if not schema:
+            return False
+        if "$ref" in schema:
+            return example_of(comps[schema["$ref"].rsplit("/", 1)[1]])
+        if "examples" in schema or "example" in schema:
+            return True
+        return any(example_of(schema.get(k)) for k in ("items", "additionalProperties") if isinstance(schema.get(k), dict))
+
+    missing = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            content = next(iter(op["responses"]["200"].get("content", {}).values()), {})
+            if not (example_of(body) or example_of(content.get("schema")) or "example" in content):
+                missing.append(f"{method.upper()} {path}")
+    assert missing == []
+    # every model-level example is a valid instance of its model
+    import api.indexer as ix
+    import api.models as m
+    from pydantic import BaseModel
+
+    checked = 0
+    for mod in (m, ix):
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and issubclass(obj, BaseModel) and obj is not BaseModel:
+                for ex in (obj.model_config.get("json_schema_extra") or {}).get("examples", []):
+                    obj.model_validate(ex)
+                    checked += 1
+    assert checked >= 15
+
+
+def test_invalidate_without_storage_is_a_clear_409(client: TestClient) -> None:
+    r = client.post("/v1/actions/invalidate", json={"namespace": "abc"})
+    assert r.status_code == 409 and r.json()["error"] == "no_storage" and "no storage" in r.json()["detail"]
+
+
+def test_segments_of_an_unknown_volume_are_a_404(client: TestClient) -> None:
+    r = client.get("/v1/volumes/nope/segments")
+    assert r.status_code == 404 and r.json()["error"] == "unknown_volume"

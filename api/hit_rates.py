@@ -1,0 +1,157 @@
+"""Hit rates and savings of lookups, per tier and per worker, in total and over rolling
+windows (1 min, 1 h) (docs/operations.md, "Hit rates").
+
+A *lookup* is one ``POST /v1/lookup`` (kind ``lookup``) or one ``POST /query`` /
+``/query_by_hash`` (kind ``query``). For each key (a tier ``G1``..``G4`` or ``g1``..``g4``,
+or a worker) a lookup is a *hit* when that key holds at least one leading block; *blocks*
+sums the leading blocks it held; *tokens* sums those blocks × tokens per block, the prompt
+tokens that did not need recomputing there (known only when the block size is: token-id
+lookups, and every indexer query). ``hit_rate`` = hits / lookups of that kind.
+
+Windows are kept as one-second buckets (the last 3,600), so a window's figures are exact to
+the second; the totals never reset. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+WINDOWS: dict[str, int] = {"1m": 60, "1h": 3600}
+"""Window name → seconds."""
+
+Key = tuple[str, str]
+"""``("tier", "G1")`` or ``("worker", "w0")``."""
+
+
+class _Bucket:
+    __slots__ = ("second", "lookups", "keys")
+
+    def __init__(self, second: int) -> None:
+        self.second = second
+        self.lookups = 0
+        self.keys: dict[Key, list[int]] = {}  # key -> [hits, blocks, tokens]
+
+
+def _add(into: dict[Key, list[int]], key: Key, blocks: int, tokens: int) -> None:
+    v = into.get(key)
+    if v is None:
+        into[key] = [1, blocks, tokens]
+    else:
+        v[0] += 1
+        v[1] += blocks
+        v[2] += tokens
+
+
+class HitRates:
+    """Hit-rate tally of one kind of lookup.
+
+    Args:
+        kind: ``"lookup"`` or ``"query"`` (the label of its metrics).
+        clock: seconds source (``time.monotonic`` by default).
+    """
+
+    def __init__(self, kind: str, clock: Any = time.monotonic) -> None:
+        self.kind = kind
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: deque[_Bucket] = deque()
+        self._lookups = 0
+        self._totals: dict[Key, list[int]] = {}
+
+    def record(self, tiers: Mapping[str, int], workers: Mapping[str, int], block_tokens: int | None) -> None:
+        """Count one lookup.
+
+        Args:
+            tiers: tier → leading blocks held there (0 or absent: a miss).
+            workers: worker → leading blocks it held.
+            block_tokens: tokens per block, or ``None`` when unknown (tokens then count 0).
+        """
+        bt = block_tokens or 0
+        hits = [(("tier", t), n) for t, n in tiers.items() if n > 0] + [(("worker", w), n) for w, n in workers.items() if n > 0]
+        second = int(self._clock())
+        with self._lock:
+            b = self._buckets[-1] if self._buckets else None
+            if b is None or b.second != second:
+                b = _Bucket(second)
+                self._buckets.append(b)
+                while self._buckets and self._buckets[0].second <= second - max(WINDOWS.values()):
+                    self._buckets.popleft()
+            b.lookups += 1
+            self._lookups += 1
+            for key, n in hits:
+                _add(b.keys, key, n, n * bt)
+                _add(self._totals, key, n, n * bt)
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"total": figures, "1m": figures, "1h": figures}``; figures = ``{"lookups": n,
+        "tiers": {tier: {"hits", "blocks", "tokens", "hit_rate"}}, "workers": {...}}``."""
+        now = int(self._clock())
+        with self._lock:
+            out = {"total": _figures(self._lookups, self._totals)}
+            buckets = list(self._buckets)
+        for name, seconds in WINDOWS.items():
+            lookups, keys = 0, {}
+            for b in buckets:
+                if b.second > now - seconds:
+                    lookups += b.lookups
+                    for key, (h, bl, tk) in b.keys.items():
+                        v = keys.setdefault(key, [0, 0, 0])
+                        v[0] += h
+                        v[1] += bl
+                        v[2] += tk
+            out[name] = _figures(lookups, keys)
+        return out
+
+
+def _figures(lookups: int, keys: Mapping[Key, list[int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"lookups": lookups, "tiers": {}, "workers": {}}
+    for (scope, name), (h, bl, tk) in sorted(keys.items()):
+        out["tiers" if scope == "tier" else "workers"][name] = {
+            "hits": h, "blocks": bl, "tokens": tk, "hit_rate": h / lookups if lookups else 0.0}
+    return out
+
+
+class HitRateCollector(Collector):
+    """Prometheus view of several :class:`HitRates`: ``kvadvisor_api_lookups_total{kind}``,
+    ``kvadvisor_api_lookup_{hits,blocks,tokens}_total{kind,scope,key}`` and
+    ``kvadvisor_api_hit_rate{kind,scope,key,window}``.
+
+    Worker keys come from events, so at most ``max_keys`` worker series per kind are shown
+    (the busiest); the tiers are always there.
+    """
+
+    def __init__(self, tallies: Iterable[HitRates], max_keys: int = 64) -> None:
+        self._tallies = list(tallies)
+        self._max = max_keys
+
+    def collect(self) -> Iterable[Any]:
+        lookups = CounterMetricFamily("kvadvisor_api_lookups", "lookups answered", labels=["kind"])
+        fams = {f: CounterMetricFamily(f"kvadvisor_api_lookup_{f}", f"lookup {f} per tier / worker",
+                                       labels=["kind", "scope", "key"]) for f in ("hits", "blocks", "tokens")}
+        rate = GaugeMetricFamily("kvadvisor_api_hit_rate", "hits / lookups over a window",
+                                 labels=["kind", "scope", "key", "window"])
+        for t in self._tallies:
+            snap = t.snapshot()
+            lookups.add_metric([t.kind], snap["total"]["lookups"])
+            for window, fig in snap.items():
+                for scope in ("tiers", "workers"):
+                    items = sorted(fig[scope].items(), key=lambda kv: -kv[1]["hits"])
+                    if scope == "workers":
+                        items = items[: self._max]
+                    for key, v in items:
+                        labels = [t.kind, scope[:-1], key]
+                        if window == "total":
+                            for f, fam in fams.items():
+                                fam.add_metric(labels, v[f])
+                        else:
+                            rate.add_metric([*labels, window], v["hit_rate"])
+        yield lookups
+        yield from fams.values()
+        yield rate

@@ -1,0 +1,229 @@
+"""Registered workers of the indexer-compatible API and their ZMQ KV-event subscriptions
+(docs/operations.md, "Indexer API").
+
+One :class:`~api.worker_index.WorkerIndex` per ``(model_name, tenant_id)``; its block size is
+fixed by the first registration of the pair. Each registration ``(instance_id, dp_rank,
+model_name, tenant_id)`` subscribes to the worker's vLLM-format ZMQ publisher through the
+event plane's vLLM adapter (:mod:`event_plane.adapters.vllm`, gap recovery through the
+replay endpoint when one is given) and applies its events, in seq order, to that index:
+a ``BlockStored`` needs its ``token_ids`` (one full block each) to key the blocks by
+tokens (:mod:`api.token_hashes`); media map to tiers ``g1`` (GPU), ``g2`` (CPU,
+CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from api.errors import ApiError
+from api.token_hashes import TokenIdError, local_block_hashes
+from api.worker_index import WorkerIndex
+from event_plane.adapters.peer import PeerConverter, PeerFormatError, PeerSubscriber
+from event_plane.adapters.vllm import VLLM_FIELDS, vllm_config
+from event_plane.schema import EventBatch, EventType, KVEvent
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+TIER_MEDIA = {"GPU": "g1", "CPU": "g2", "CPU_PINNED": "g2", "DISK": "g3", "EXTERNAL": "g4"}
+"""Peer medium → tier name used in per-tier answers."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One worker rank of one (model, tenant).
+
+    Attributes:
+        instance_id: the worker's id (u64).
+        dp_rank: its data-parallel rank.
+        model_name / tenant_id: which index it feeds.
+        endpoint: its ZMQ PUB endpoint (``tcp://HOST:PORT``).
+        replay_endpoint: its ZMQ replay ROUTER endpoint, or ``None``.
+        block_size: tokens per block.
+    """
+
+    instance_id: int
+    dp_rank: int
+    model_name: str
+    tenant_id: str
+    endpoint: str
+    replay_endpoint: str | None
+    block_size: int
+
+
+class _TokenConverter(PeerConverter):
+    """vLLM converter that also keys each stored block by its tokens' local hash
+    (``extra_metadata = {"tokens_hash": h}``); a Store without one full block of token
+    ids per hash, or of another block size, is malformed (skipped and counted)."""
+
+    def __init__(self, source: str, block_size: int) -> None:
+        super().__init__(vllm_config(source, disk_volume="g3", external_volume="g4", cleared_locations=("g1",)),
+                         VLLM_FIELDS)
+        self.block_size = block_size
+
+    def convert_event(self, ev: object, dp_rank: int | None = None) -> list[KVEvent]:
+        out = super().convert_event(ev, dp_rank)
+        if not out or out[0].type != EventType.STORE:
+            return out
+        _, f = self._fields_of(ev)
+        tokens, size, lora = f.get("token_ids"), f.get("block_size"), f.get("lora_name")
+        if size != self.block_size:
+            raise PeerFormatError(f"block_size {size!r} differs from the registered {self.block_size}")
+        if not isinstance(tokens, list) or len(tokens) != size * len(out):
+            raise PeerFormatError("token_ids must hold block_size ids per block hash")
+        try:
+            locals_ = local_block_hashes(tokens, size, lora if isinstance(lora, str) else None)
+        except (TokenIdError, ValueError) as exc:
+            raise PeerFormatError(str(exc)) from None
+        return [KVEvent(e.type, e.sequence_hash, e.prefix_hash, e.parent_hash, e.block_size, e.storage_location,
+                        {"tokens_hash": h}) for e, h in zip(out, locals_)]
+
+
+class _IndexingSubscriber(PeerSubscriber):
+    """Applies each delivered batch (in seq order) to one worker's slot of an index."""
+
+    def __init__(self, reg: Registration, index: WorkerIndex, context: zmq.Context | None) -> None:
+        source = f"{reg.instance_id}/{reg.dp_rank}"
+        super().__init__(reg.endpoint, reg.replay_endpoint, _TokenConverter(source, reg.block_size),
+                         context=context, queue_capacity=16)
+        self._worker = (reg.instance_id, reg.dp_rank)
+        self._index = index
+
+    def _deliver(self, batch: EventBatch) -> None:
+        batch = self.converter.enrich(batch)
+        idx, w = self._index, self._worker
+        for ev in batch.events:
+            if ev.type == EventType.STORE:
+                meta = ev.extra_metadata or {}
+                local = meta.get("tokens_hash")
+                if isinstance(local, int):
+                    idx.stored(w, [ev.sequence_hash], ev.parent_hash, [local], ev.storage_location)
+            elif ev.type == EventType.REMOVE:
+                idx.removed(w, [ev.sequence_hash], ev.storage_location)
+            elif ev.type == EventType.CLEARED:
+                idx.cleared(w)
+        self._answered.set()
+        self._stats.batches += 1
+        self._stats.events += len(batch.events)
+
+
+class IndexerRegistry:
+    """Registrations, their subscriptions and the per-(model, tenant) indexes.
+
+    Args:
+        max_registrations: registrations held at once (each holds a ZMQ socket and a thread).
+        context: ZMQ context (the process-wide one by default).
+
+    Thread-safe.
+    """
+
+    def __init__(self, max_registrations: int = 1024, context: zmq.Context | None = None) -> None:
+        self._lock = threading.Lock()
+        self._regs: dict[tuple[int, int, str, str], tuple[Registration, _IndexingSubscriber]] = {}
+        self._indexes: dict[tuple[str, str], WorkerIndex] = {}
+        self._pending: set[tuple[int, int, str, str]] = set()
+        self._max = max_registrations
+        self._ctx = context
+
+    def index(self, model_name: str, tenant_id: str) -> WorkerIndex | None:
+        """The index of ``(model_name, tenant_id)``, or ``None``."""
+        with self._lock:
+            return self._indexes.get((model_name, tenant_id))
+
+    def indexes(self) -> dict[tuple[str, str], WorkerIndex]:
+        """All indexes by ``(model_name, tenant_id)``."""
+        with self._lock:
+            return dict(self._indexes)
+
+    def ensure_index(self, model_name: str, tenant_id: str, block_size: int) -> WorkerIndex:
+        """The index of the pair, created with ``block_size`` if new.
+
+        Raises:
+            ApiError: 409 ``block_size_mismatch`` when the pair exists with another block size.
+        """
+        with self._lock:
+            return self._ensure(model_name, tenant_id, block_size)
+
+    def _ensure(self, model_name: str, tenant_id: str, block_size: int) -> WorkerIndex:
+        idx = self._indexes.get((model_name, tenant_id))
+        if idx is None:
+            idx = self._indexes[(model_name, tenant_id)] = WorkerIndex(block_size)
+        elif idx.block_size != block_size:
+            raise ApiError(409, "block_size_mismatch",
+                           f"{model_name}:{tenant_id} has block_size {idx.block_size}, not {block_size}")
+        return idx
+
+    def register(self, reg: Registration) -> None:
+        """Subscribe to the worker's events and feed the pair's index.
+
+        Raises:
+            ApiError: 409 ``already_registered`` / ``block_size_mismatch``, 429
+                ``too_many_registrations``, 400 ``subscribe_failed`` (bad endpoint).
+        """
+        key = (reg.instance_id, reg.dp_rank, reg.model_name, reg.tenant_id)
+        with self._lock:
+            if key in self._regs or key in self._pending:
+                raise ApiError(409, "already_registered",
+                               f"instance {reg.instance_id} dp_rank {reg.dp_rank} is registered for "
+                               f"{reg.model_name}:{reg.tenant_id}")
+            if len(self._regs) + len(self._pending) >= self._max:
+                raise ApiError(429, "too_many_registrations", f"at most {self._max} registrations")
+            idx = self._ensure(reg.model_name, reg.tenant_id, reg.block_size)
+            self._pending.add(key)
+        # connecting and catching up through the replay socket take a while: not under the lock
+        sub = _IndexingSubscriber(reg, idx, self._ctx)
+        try:
+            sub.start()
+        except Exception as exc:  # noqa: BLE001 - the event plane raises several kinds
+            sub.close()
+            with self._lock:
+                self._pending.discard(key)
+            raise ApiError(400, "subscribe_failed", f"cannot subscribe to {reg.endpoint}: {type(exc).__name__}") from None
+        with self._lock:
+            self._pending.discard(key)
+            self._regs[key] = (reg, sub)
+        logger.info("indexer: registered instance %d dp_rank %d for %s:%s", reg.instance_id, reg.dp_rank,
+                    reg.model_name, reg.tenant_id)
+
+    def unregister(self, instance_id: int, model_name: str, tenant_id: str | None, dp_rank: int | None) -> int:
+        """Stop the matching subscriptions and drop their blocks; ``None`` tenant / rank
+        matches every tenant / rank. Returns registrations removed (0: nothing matched)."""
+        with self._lock:
+            keys = [k for k in self._regs if k[0] == instance_id and k[2] == model_name
+                    and (tenant_id is None or k[3] == tenant_id) and (dp_rank is None or k[1] == dp_rank)]
+            gone = [self._regs.pop(k) for k in keys]
+        for reg, sub in gone:
+            sub.close()
+            idx = self.index(reg.model_name, reg.tenant_id)
+            if idx is not None:
+                idx.remove_worker((reg.instance_id, reg.dp_rank))
+        return len(gone)
+
+    def registrations(self) -> list[Registration]:
+        """Current registrations, in registration order."""
+        with self._lock:
+            return [r for r, _ in self._regs.values()]
+
+    def subscriber_stats(self) -> dict[str, Any]:
+        """Per registration ``"instance/dp_rank@model:tenant"``: batches, events, gaps, invalid events."""
+        with self._lock:
+            items = list(self._regs.items())
+        out: dict[str, Any] = {}
+        for (inst, dp, model, tenant), (_, sub) in items:
+            st, ps = sub.stats(), sub.peer_stats()
+            out[f"{inst}/{dp}@{model}:{tenant}"] = {"batches": st.batches, "events": st.events, "gaps": st.gaps,
+                                                    "invalid_events": ps.invalid_events}
+        return out
+
+    def close(self) -> None:
+        """Stop every subscription (idempotent)."""
+        with self._lock:
+            subs = [s for _, s in self._regs.values()]
+            self._regs.clear()
+        for s in subs:
+            s.close()
