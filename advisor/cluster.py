@@ -28,7 +28,10 @@ piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
 ``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events",
 "started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
 rebuild was done), "sources": {source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
-``{"position", "hashes": [...]}``.  Any of them may be answered ``{"unavailable": reason}``.
+``{"position", "hashes": [...]}``; ``{"op": "locations"}`` ``{"position", "locations":
+{location: blocks}, "orphans"}``; ``{"op": "block", "hash": h}`` ``{"position", "block":
+[hash, parent, prefix, size, locations, hits, last_access_ns, orphan] or null}``.  A lookup
+answer also carries ``"any"``: the leading blocks held at some location.  Any of them may be answered ``{"unavailable": reason}``.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from advisor.snapshot import RedisSnapshotStore, encode_index, load_latest, make
 from event_plane.config import StreamLimits
 from event_plane.nats_auth import redact_url
 from event_plane.nats_transport import connect_nats
-from event_plane.partition import PartitionScheme, partitioned_lookup
+from event_plane.partition import PartitionScheme, combine_lookups, partitioned_lookup
 from event_plane.partitioned import partition_namespace
 
 __all__ = ["ClusterClient", "ClusterNode", "ClusterSettings", "PartitionUnavailable", "query_subject"]
@@ -212,7 +215,8 @@ class _Replica:
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}
         with self.lock:
-            return {"locations": self.index.lookup(hashes), "position": self.position}
+            return {"locations": self.index.lookup(hashes), "any": self.index.lookup_any(hashes),
+                    "position": self.position}
 
     def op(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"op": "status"}`` -> position, block count, per-source last seq;
@@ -227,6 +231,17 @@ class _Replica:
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
             if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):
                 return {"position": self.position, "hashes": sorted(self.index.blocks_at(request["location"]))}
+            if request.get("op") == "locations":
+                return {"position": self.position,
+                        "locations": dict(self.index.stats()["blocks_per_location"]),
+                        "orphans": int(self.index.stats()["orphans_pending"])}
+            if request.get("op") == "block" and isinstance(request.get("hash"), int):
+                info = self.index.block(request["hash"])
+                if info is None:
+                    return {"position": self.position, "block": None}
+                return {"position": self.position, "block": [info.sequence_hash, info.parent, info.prefix_hash,
+                                                               info.size, sorted(info.locations), info.hits,
+                                                               info.last_access_ns, info.orphan]}
         return {"unavailable": f"bad request: unknown op {str(request.get('op'))[:40]!r}"}
 
     def snapshot(self) -> None:
@@ -435,6 +450,50 @@ class ClusterClient:
         for p in range(self.scheme.partitions):
             out.update(self._request(p, {"op": "blocks_at", "location": location})["hashes"])
         return out
+
+    def locations(self) -> list[dict[str, int]]:
+        """Each partition's blocks per location (trunk blocks appear in every partition).
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        return [self._request(p, {"op": "locations"})["locations"] for p in range(self.scheme.partitions)]
+
+    def block(self, sequence_hash: int) -> list[Any] | None:
+        """What the partitions know of one block (the first that has it), or ``None``.
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        for p in range(self.scheme.partitions):
+            got = self._request(p, {"op": "block", "hash": int(sequence_hash)})["block"]
+            if got is not None:
+                return list(got)
+        return None
+
+    def lookup_full(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
+        """``(per location, any location)``: :meth:`lookup`'s answer and the number of
+        leading blocks held at some location (locations may differ per block).
+
+        Raises:
+            PartitionUnavailable: a partition the answer needs has no owner serving now.
+        """
+        pieces = self.scheme.pieces(hashes)
+        trunk_owner = next((pc.partition for pc in pieces if pc.partition >= 0), 0)
+        answers, done, any_n = [], [], 0
+        any_alive = True
+        for pc in pieces:
+            owner = trunk_owner if pc.partition < 0 else pc.partition
+            body = self._request(owner, list(hashes[pc.start:pc.end]))
+            locs = {str(k): int(v) for k, v in body["locations"].items()}
+            answers.append(locs)
+            done.append(pc)
+            if any_alive:
+                any_n += int(body["any"])
+                any_alive = int(body["any"]) == pc.end - pc.start
+            if not any_alive and not any(n == pc.end - pc.start for n in locs.values()):
+                break
+        return combine_lookups(done, answers), any_n
 
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         """Longest cached prefix of a chain at each location, across the cluster

@@ -23,6 +23,7 @@ goes out as a number and as a ``0x`` string. docs/operations.md lists codes and 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from advisor.cluster import PartitionUnavailable
 from api.auth import ApiSecurity, ApiSecuritySettings, GuardMiddleware, require_admin, require_read
 from api.dashboard import mount_dashboard
 from api.errors import ERROR_RESPONSES, ApiError, ErrorResponse, json_response
@@ -162,6 +164,17 @@ def create_app(
     async def _api_error(_req: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(status_code=exc.status, content={"error": exc.error, "detail": exc.detail},
                             headers=exc.headers)
+
+    @app.exception_handler(PartitionUnavailable)
+    async def _unavailable(_req: Request, exc: PartitionUnavailable) -> JSONResponse:
+        # a partition of a scaled cluster is being taken over: never a partial answer
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return JSONResponse(status_code=503, content={"error": "partition_unavailable", "detail": str(exc)[:200]},
+                            headers={"Retry-After": str(retry)})
+
+    @app.exception_handler(NotImplementedError)
+    async def _not_here(_req: Request, exc: NotImplementedError) -> JSONResponse:
+        return JSONResponse(status_code=501, content={"error": "not_implemented", "detail": str(exc)[:200]})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:

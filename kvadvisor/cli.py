@@ -187,6 +187,7 @@ def up(
         return
     console.print(f"NATS cluster {st.nats_url} · Redis 127.0.0.1 · S3 {st.s3_endpoint} · "
                   f"{len(st.advisors)} advisors own {st.partitions} partitions")
+    console.print(f"API {st.api_url} (dashboard: {st.api_url}/dashboard)")
     console.print(f"state: {Path(st.root) / 'cluster.json'} (mode 0600) · logs: {Path(st.root) / 'logs'}")
     console.print(f"next: kvadvisor demo --scaled --dir {cluster_dir}    stop: kvadvisor down --dir {cluster_dir}")
 

@@ -106,7 +106,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
             managers.append(mgr)
         client = ClusterClient(state.nats_url, scheme, state.namespace, timeout_s=5.0)
         stack.callback(client.close)
-        report = DemoReport(requests=len(reqs), workers=s.workers, api_url="(scaled: NATS kvadvisor.query.*)",
+        report = DemoReport(requests=len(reqs), workers=s.workers, api_url=state.api_url,
                             event_urls=[url], transport="jetstream (partitioned)")
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]

@@ -7,7 +7,8 @@ describes the same topology in containers):
 * ``redis-server`` (snapshots and the placement catalog), with a random password;
 * an S3 endpoint (``moto_server``) with a bucket of its own;
 * ``advisors`` cluster advisors (``python -m advisor.cluster``) sharing ``partitions``
-  partitions of the index through leases.
+  partitions of the index through leases;
+* the cluster's REST API (``python -m advisor.cluster_api``) on a loopback port.
 
 Every process runs in its own session, so it outlives the command; ``up`` returns once all
 partitions are owned and writes ``<dir>/cluster.json`` (mode 0600: it holds the Redis
@@ -51,6 +52,7 @@ class ClusterUp:
         namespace: event namespace; partitions: index partitions (trunk 1, stretch 64).
         replicas: JetStream replicas (3 on a 3-node cluster).
         advisors: advisor ids; pids: every process started, by name.
+        api_url: the cluster's REST API.
     """
 
     root: str
@@ -65,6 +67,7 @@ class ClusterUp:
     replicas: int
     advisors: list[str]
     pids: dict[str, int] = field(default_factory=dict)
+    api_url: str = ""
 
     @property
     def nats_url(self) -> str:
@@ -155,10 +158,15 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
                                     "--id", a, "--namespace", namespace, "--partitions", str(partitions),
                                     "--replicas", str(3 if nodes >= 3 else 1), "--lease-ttl", "6",
                                     "--heartbeat", "1", "--snapshot-interval", "10"], logs, env)
+        api_port = free_port()
+        started["api"] = _spawn("api", [sys.executable, "-m", "advisor.cluster_api", "--nats", nats.url,
+                                        "--namespace", namespace, "--partitions", str(partitions),
+                                        "--port", str(api_port), "--retry-after", "6"], logs, env)
         state = ClusterUp(root=str(root), nats_urls=nats.urls, redis_url=redis_url, s3_endpoint=endpoint,
                           s3_access_key=access, s3_secret_key=secret, s3_bucket=bucket, namespace=namespace,
                           partitions=partitions, replicas=3 if nodes >= 3 else 1, advisors=ids,
-                          pids={k: p.pid for k, p in started.items()})
+                          pids={k: p.pid for k, p in started.items()}, api_url=f"http://127.0.0.1:{api_port}")
+        _wait_port(api_port, started["api"], "the cluster API")
         _wait_owned(state, started, timeout_s)
         path = root / STATE_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -216,9 +224,9 @@ def down(root: Path, timeout_s: float = 20.0) -> list[str]:
         UpError: no topology under ``root``.
     """
     state = load(root)
-    order = [n for n in state.pids if n.startswith("advisor")] + [n for n in state.pids if not n.startswith("advisor")]
+    first = [n for n in state.pids if n.startswith("advisor") or n == "api"]
     stopped = []
-    for group in (order[: len(state.advisors)], order[len(state.advisors):]):
+    for group in (first, [n for n in state.pids if n not in first]):
         for name in group:
             try:
                 os.kill(state.pids[name], signal.SIGTERM)

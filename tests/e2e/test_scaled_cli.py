@@ -10,7 +10,10 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 KVADVISOR = [sys.executable, "-m", "kvadvisor.cli"]
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +50,42 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         r = _run("demo", "--scaled", "--dir", str(root), "--requests", "300")
         out = r.stdout + r.stderr
         assert r.returncode == 0, out
+        # the cluster's one query face: the same routes as one advisor's API
+        api = state["api_url"]
+        stats = httpx.get(f"{api}/v1/stats", timeout=30).json()
+        assert stats["blocks"] > 0 and stats["ingest"]["origin_refused"] == 0
+        workers = sorted({loc.split("/")[0] for loc in stats["blocks_per_location"] if "/" in loc})
+        held = httpx.get(f"{api}/v1/locations/{workers[0]}/g1/blocks", params={"limit": 1000}, timeout=30).json()
+        # the listing is the union over partitions; the summed count holds each trunk block
+        # (the shared first block) once per partition
+        summed = stats["blocks_per_location"][f"{workers[0]}/g1"]
+        assert held["count"] <= summed <= held["count"] + 7 * 8
+        # a chain, walked up through its parents with /v1/blocks, is answered across partitions
+        chain = [held["sequence_hashes"][len(held["sequence_hashes"]) // 2]]
+        while True:
+            info = httpx.get(f"{api}/v1/blocks/{chain[-1]}", timeout=30).json()
+            if info["parent"] is None:
+                break
+            chain.append(info["parent"])
+        chain.reverse()
+        assert len(chain) > 1
+        got = httpx.post(f"{api}/v1/lookup", json={"sequence_hashes": chain}, timeout=30).json()
+        assert got["any_location"] == len(chain)  # every block of it is indexed somewhere
+        assert httpx.post(f"{api}/v1/plans/run", timeout=30).status_code in (401, 403, 501)
+        # an advisor dies: while its partitions wait for the lease TTL, answers are 503 + Retry-After
+        victim = state["pids"]["advisor-0"]
+        os.kill(victim, 9)
+        codes = set()
+        for _ in range(40):
+            resp = httpx.get(f"{api}/v1/stats", timeout=30)
+            codes.add(resp.status_code)
+            if resp.status_code == 503:
+                assert int(resp.headers["Retry-After"]) >= 1
+                assert resp.json()["error"] == "partition_unavailable"
+            elif 503 in codes:
+                break
+            time.sleep(0.5)
+        assert 503 in codes and 200 in codes, codes
         assert "6/6 locations" in out  # g1 and g2 of both workers, slow and s3: index == held
         line = next(ln for ln in out.splitlines() if "read back byte-exact" in ln)
         ok, checked = (int(x.replace(",", "")) for x in line.split("│")[2].strip().split("/"))
@@ -56,6 +95,7 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
     assert d.returncode == 0, d.stdout + d.stderr
     assert not state_file.exists()
     assert not any(_alive(pid) for pid in state["pids"].values())
+    assert state["api_url"].startswith("http://127.0.0.1:")
     # without a topology the scaled demo and `down` say so and exit non-zero
     r = _run("demo", "--scaled", "--dir", str(root), "--requests", "10")
     assert r.returncode != 0 and "kvadvisor up" in r.stdout + r.stderr
