@@ -10,7 +10,9 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
 * **State.**  On acquiring partition ``k`` an advisor loads the newest snapshot of ``k``
   from Redis (:class:`~advisor.snapshot.RedisSnapshotStore`, key prefix
   ``kvadvisor:<NS>:p<k>``), then folds the stream tail after the snapshot's stream sequence
-  through a durable pull consumer with explicit acks (``kvadvisor-<NS>-p<k>``).  It saves a
+  through a durable pull consumer with explicit acks (``kvadvisor-<NS>-p<k>-<advisor id>``:
+  one per owner, so an old owner still stopping never takes messages from the new owner's
+  consumer; an abandoned one is removed by the server after 60 s without a reader).  It saves a
   snapshot every ``snapshot_interval_s`` and when it hands the partition over.
 * **Origins.**  A batch whose source is not its subject's last token is refused and
   counted (``origin_refused`` in the status): the subject is the origin, and nats-server
@@ -166,7 +168,7 @@ class _Replica:
         self.saved_position = self.position
         self.log = JetStreamLog(
             s.nats_url, partition_namespace(s.namespace, partition), start_seq=self.position + 1,
-            stream=StreamLimits(replicas=s.replicas), durable=f"kvadvisor-{s.namespace}-p{partition}",
+            stream=StreamLimits(replicas=s.replicas), durable=f"kvadvisor-{s.namespace}-p{partition}-{s.advisor_id}",
             keep_subjects=True,
             connect_timeout_s=5.0, **s.connect_options)
         self.log.start()

@@ -7,12 +7,16 @@ volume on a real HTTP endpoint.  Then checks, while everything is still up:
 (a) the advisor's index equals, location by location, what the runtimes and the storage
     agent hold;
 (b) every block read back (NIXL) from its final volume has the bytes the runtime wrote;
-(c) at least one promotion, one demotion to S3 and one compaction happened.
+(c) at least one promotion, one demotion to S3 and one compaction happened;
+(d) the dashboard, loaded in headless chromium after the replay, shows the hit rates and
+    occupancy /v1/stats gives (screenshot kept in runs/test-artifacts/).
 """
 
 from __future__ import annotations
 
+import shutil
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +25,8 @@ import torch
 from kvadvisor.demo import FAST, S3, SLOW, AdvisorClient, DemoReport, run_demo
 from kvbm_runtime import synthetic_block_bytes
 from kvadvisor.settings import DemoSettings
+
+from browser import chromium_cmd, parse_dom, run_browsers  # tests/browser.py
 
 pytestmark = pytest.mark.e2e
 
@@ -45,6 +51,7 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
         inner_dim=2,
     )
     seen: dict[str, Any] = {}
+    tmp = tmp_path_factory.mktemp("browser")
 
     def inspect(report: DemoReport, client: AdvisorClient, managers: list, agent: Any) -> None:
         # (a) location by location, independently of the demo's own verification
@@ -70,7 +77,21 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
                     if not torch.equal(data.reshape(-1), want):
                         bad.append(p.key.sequence_hash)
         seen["read_back"] = (n, bad)
+        # the operator's page after the replay: a few router lookups through the API, then the
+        # dashboard in headless chromium (DOM dump + screenshot) and /v1/stats right after
+        base = client.base_url
+        for mgr in managers:
+            for h in sorted(mgr.resident("g1"))[:10]:
+                assert client.http.post("/v1/lookup", json={"sequence_hashes": [f"0x{h:x}"]}).status_code == 200
+        client.http.post("/v1/lookup", json={"sequence_hashes": [99]})  # a miss everywhere
+        shot = tmp / "dashboard.png"
+        dump, _ = run_browsers([
+            chromium_cmd(tmp, "dom", "--dump-dom", f"{base}/dashboard"),
+            chromium_cmd(tmp, "shot", f"--screenshot={shot}", "--window-size=1280,2200", f"{base}/dashboard"),
+        ])
+        seen["dom"] = parse_dom(dump.stdout)
         seen["stats"] = client.stats()
+        seen["shot"] = shot
 
     report = run_demo(s, inspect=inspect)
     seen["report"] = report
@@ -116,3 +137,23 @@ def test_event_streams_are_listed_in_worker_order_then_the_advisor(replay: dict[
     # mixed transport: worker-0 publishes over ZMQ, worker-1 over NATS; the advisor over ZMQ
     assert len(urls) == 3
     assert urls[0].startswith("zmq://") and urls[1].startswith("nats://") and urls[2].startswith("zmq://")
+
+
+def test_dashboard_after_the_replay_shows_the_stats(replay: dict[str, Any]) -> None:
+    dom, stats = replay["dom"], replay["stats"]
+    assert dom.by_id["status"].attrs.get("data-state") == "ok", dom.by_id["status"].text
+
+    def latest(chart: str) -> dict[str, float]:
+        return {k: float(v["value"].attrs["data-value"]) for k, v in dom.table(f"chart-{chart}-latest").items()}
+
+    tiers = stats["hit_rates"]["lookup"]["1m"]["tiers"]
+    assert tiers and latest("hit") == {t: v["hit_rate"] for t, v in tiers.items()}
+    assert latest("hit")["G1"] > 0  # the API lookups of resident blocks hit G1
+    assert latest("occupancy") == {k: float(v) for k, v in stats["blocks_per_location"].items()}
+    moves = latest("moves")
+    assert moves["promotions"] == stats["promotions"] >= 1 and moves["demotions"] == stats["demotions"]
+    shot = replay["shot"]
+    assert shot.stat().st_size > 10_000
+    artifacts = Path(__file__).resolve().parents[2] / "runs" / "test-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(shot, artifacts / "dashboard-after-demo.png")
