@@ -38,6 +38,22 @@ if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null
     echo "services: docker-compose missing and not root; run as root: apt-get install -y docker-compose" >&2
   fi
 fi
+# prometheus + promtool (Debian) for tests/integration/test_compose_scrape.py: the compose
+# Prometheus config checked by promtool, and a real Prometheus scraping the stack on loopback.
+# The package's own service must not start (it would listen on 0.0.0.0:9090): policy-rc.d.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    made_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && made_policy=1
+    fi
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+      || echo "services: prometheus install failed; the compose scrape test will fail" >&2
+    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  else
+    echo "services: prometheus missing and not root; run as root: apt-get install -y --no-install-recommends prometheus" >&2
+  fi
+fi
 for _ in $(seq 1 50); do answers 4222 && answers 6379 && exit 0; sleep 0.1; done
 echo "services: NATS or Redis did not come up" >&2
 exit 1

@@ -183,6 +183,7 @@ class _Replica:
         self.errors = 0
         self.read = 0
         self.origin_refused = 0
+        self.lookups = 0
         self.thread = threading.Thread(target=self._fold, name=f"fold-p{partition}", daemon=True)
         self.thread.start()
 
@@ -217,6 +218,7 @@ class _Replica:
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}
         with self.lock:
+            self.lookups += 1
             return {"locations": self.index.lookup(hashes), "any": self.index.lookup_any(hashes),
                     "position": self.position}
 
@@ -323,14 +325,14 @@ class ClusterNode:
             return frozenset(p for p, r in self.replicas.items() if r.ready.is_set())
 
     def status(self) -> dict[str, Any]:
-        """``{"advisor", "partitions": {k: {"position", "blocks", "applied", "errors", "ready"}}}``."""
+        """``{"advisor", "partitions": {k: {"position", "blocks", "applied", "errors", "lookups", "ready"}}}``."""
         with self._lock:
             reps = dict(self.replicas)
         parts = {}
         for p, r in sorted(reps.items()):
             with r.lock:
                 parts[p] = {"position": r.position, "blocks": len(r.index.hashes()), "applied": r.applied,
-                            "errors": r.errors, "ready": r.ready.is_set()}
+                            "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set()}
         return {"advisor": self.settings.advisor_id, "partitions": parts}
 
     # ------------------------------------------------------------------ leases
@@ -537,11 +539,14 @@ def wait_until(cond: Any, timeout_s: float, step_s: float = 0.1) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one cluster advisor until SIGTERM/SIGINT (``python -m advisor.cluster --help``)."""
     import argparse
+    import os
     import signal
 
     ap = argparse.ArgumentParser(prog="python -m advisor.cluster", description="one advisor of a scaled cluster")
     ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
-    ap.add_argument("--redis", required=True, help="redis://HOST:PORT/DB for snapshots")
+    ap.add_argument("--redis", default=os.environ.get("KVADVISOR_CLUSTER_REDIS_URL"),
+                    help="redis://[:PASSWORD@]HOST:PORT/DB for snapshots (default: $KVADVISOR_CLUSTER_REDIS_URL, "
+                         "which keeps a password off the command line)")
     ap.add_argument("--id", required=True, help="this advisor's name")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--partitions", type=int, default=8)
@@ -551,16 +556,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=2.0)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--snapshot-interval", type=float, default=30.0)
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus /metrics on this port (advisor.cluster_metrics); off when not given")
+    ap.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address of /metrics (no authentication: 0.0.0.0 only inside a private network)")
     a = ap.parse_args(argv)
+    if not a.redis:
+        ap.error("--redis or KVADVISOR_CLUSTER_REDIS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     node = ClusterNode(ClusterSettings(
         nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
         scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
         heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval)).start()
+    metrics_url = None
+    if a.metrics_port is not None:
+        from advisor.cluster_metrics import serve_cluster_metrics
+
+        metrics_url = serve_cluster_metrics(node, a.metrics_port, a.metrics_host)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     print(f"advisor {a.id} ready", flush=True)
+    if metrics_url is not None:
+        print(f"advisor {a.id} metrics at {metrics_url}", flush=True)
     done.wait()
     node.stop()
     return 0

@@ -110,6 +110,9 @@ class AdvisorSettings(BaseSettings):
             (default: the oldest batches are deleted) or ``new`` (new batches refused);
             ``true`` refuses to start when the existing stream differs (default: a warning
             naming the fields). See :class:`event_plane.StreamLimits`.
+        jetstream_replicas: copies of that stream on a NATS cluster (1, or 3 on a
+            3-node cluster, as the cluster advisors' ``--replicas``); a URL's own
+            ``replicas`` wins.
         snapshot_store: where index snapshots go: ``sqlite`` (``snapshot_path``, default
             ``<journal_path>.snapshots``), ``redis`` (``redis_url``, keys under
             ``snapshot_key_prefix``) or ``none``.
@@ -189,6 +192,7 @@ class AdvisorSettings(BaseSettings):
     jetstream_max_age_s: float | None = Field(24 * 3600.0, gt=0.0, allow_inf_nan=False)
     jetstream_discard: Literal["old", "new"] = "old"
     jetstream_strict_stream: bool = False
+    jetstream_replicas: int = 1
     snapshot_store: Literal["sqlite", "redis", "none"] = "sqlite"
     snapshot_path: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -228,6 +232,14 @@ class AdvisorSettings(BaseSettings):
     def _unlimited(cls, value: Any) -> Any:
         """``"unlimited"`` (any case; e.g. from the environment) means ``None``."""
         return None if isinstance(value, str) and value.strip().lower() == "unlimited" else value
+
+    @field_validator("jetstream_replicas")
+    @classmethod
+    def _replicas(cls, value: int) -> int:
+        """JetStream keeps 1, 3 or 5 copies of a stream."""
+        if value not in (1, 3, 5):
+            raise ValueError(f"must be 1, 3 or 5, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _roles(self) -> AdvisorSettings:
@@ -287,6 +299,7 @@ class AdvisorSettings(BaseSettings):
             max_age_s=self.jetstream_max_age_s,
             discard=self.jetstream_discard,
             strict=self.jetstream_strict_stream,
+            replicas=self.jetstream_replicas,
         )
 
     def nats_auth(self) -> Any:

@@ -271,6 +271,44 @@ def status(
         raise typer.Exit(1)
 
 
+@app.command("worker-sim")
+def worker_sim(
+    nats: Annotated[Optional[str], typer.Option(help="NATS server(s), comma-separated")] = None,
+    namespace: Annotated[Optional[str], typer.Option(help="event namespace of the cluster")] = None,
+    source: Annotated[Optional[str], typer.Option(help="this worker's source name")] = None,
+    partitions: Annotated[Optional[int], typer.Option(help="the cluster advisors' --partitions")] = None,
+    replicas: Annotated[Optional[int], typer.Option(help="JetStream replicas of the events stream")] = None,
+    requests: Annotated[Optional[int], typer.Option(help="requests to replay (default: the whole trace)")] = None,
+    loop: Annotated[Optional[bool], typer.Option("--loop/--once", help="start the trace again at its end")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="G3 volume and its catalog")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="kvbm_* /metrics port (default 6880)")] = None,
+    metrics_host: Annotated[Optional[str], typer.Option(help="address of /metrics (default 127.0.0.1)")] = None,
+) -> None:
+    """Run one KVBM worker replaying the bundled trace into a scaled cluster (partitioned
+    JetStream events, kvbm_* metrics); settings also from ``KVADVISOR_WORKER_SIM_*``."""
+    import signal
+    import threading
+
+    from kvadvisor.worker_sim import WorkerSimSettings, run_worker_sim
+
+    given = {"nats_url": nats, "namespace": namespace, "source": source, "partitions": partitions,
+             "replicas": replicas, "requests": requests, "loop": loop, "workdir": workdir,
+             "metrics_port": metrics_port, "metrics_host": metrics_host}
+    try:
+        settings = WorkerSimSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        _fail(f"configuration error: {exc}")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        n = run_worker_sim(settings, stop,
+                           on_ready=lambda url: typer.echo(f"worker {settings.source} ready, metrics: {url}"))
+    except (OSError, ValueError, RuntimeError) as exc:
+        _fail(f"worker-sim: {exc}")
+    typer.echo(f"worker {settings.source}: {n} requests served")
+
+
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""

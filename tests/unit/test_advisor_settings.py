@@ -83,7 +83,11 @@ def test_jetstream_stream_limits_defaults_environment_and_errors(monkeypatch) ->
     monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_DISCARD", "new")
     monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_STRICT_STREAM", "true")
     assert AdvisorSettings().stream_limits() == StreamLimits(None, 600.0, "new", True)
+    # the replicas of the stream on a 3-node cluster (compose: R3, as the cluster advisors)
+    monkeypatch.setenv("KVADVISOR_ADVISOR_JETSTREAM_REPLICAS", "3")
+    assert AdvisorSettings().stream_limits() == StreamLimits(None, 600.0, "new", True, replicas=3)
     for field, value in [("jetstream_max_bytes", 0), ("jetstream_max_age_s", -1.0), ("jetstream_discard", "all"),
+                         ("jetstream_replicas", 2),
                          ("jetstream_max_age_s", float("inf")), ("jetstream_max_bytes", "lots")]:
         with pytest.raises(Exception, match=field):
             AdvisorSettings(**{field: value})

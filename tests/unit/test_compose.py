@@ -1,77 +1,173 @@
-"""The scaled deployment in compose/ is well-formed and mirrors the design's topology."""
+"""The scaled deployment in compose/ is well-formed and mirrors the design's topology
+(docs/design.md §8): a 3-node JetStream cluster, Redis and MinIO with secrets from
+compose/.env, three cluster advisors, the API, a worker, Prometheus scraping each, Grafana."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from advisor.settings import AdvisorSettings
 
-COMPOSE = Path(__file__).resolve().parents[2] / "compose"
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose"
+ADVISORS = ["advisor-1", "advisor-2", "advisor-3"]
+NATS = ["nats-1", "nats-2", "nats-3"]
+SECRETS = ["KVADVISOR_ADMIN_TOKEN", "KVADVISOR_READ_TOKEN", "REDIS_PASSWORD", "MINIO_ROOT_USER",
+           "MINIO_ROOT_PASSWORD", "GRAFANA_ADMIN_PASSWORD"]
+
+
+def _spec() -> dict:
+    return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+
+
+def _compose() -> list[str]:
+    exe = shutil.which("docker-compose")
+    assert exe or shutil.which("docker"), "docker-compose missing: run .ci/services.sh as root (installs it)"
+    return [exe] if exe else ["docker", "compose"]
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
 
 
 def test_compose_has_the_scaled_topology() -> None:
-    spec = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
-    assert set(spec["services"]) == {"nats", "redis", "minio", "advisor", "prometheus", "grafana"}
-    assert "-js" in spec["services"]["nats"]["command"]  # JetStream is the durable log
-    advisor = spec["services"]["advisor"]
-    assert set(advisor["depends_on"]) == {"nats", "redis", "minio"}
-    mounted = [v.split(":")[0] for v in advisor["volumes"]]
-    assert "./config/advisor.json" in mounted
+    services = _spec()["services"]
+    assert set(services) == {*NATS, "redis", "minio", "minio-init", *ADVISORS, "api", "worker-sim",
+                             "prometheus", "grafana"}
+    urls = ",".join(f"nats://{n}:4222" for n in NATS)
+    for a in ADVISORS:
+        svc = services[a]
+        assert svc["entrypoint"] == ["python", "-m", "advisor.cluster"]
+        cmd = svc["command"]
+        assert (_flag(cmd, "--id"), _flag(cmd, "--nats"), _flag(cmd, "--replicas")) == (a, urls, "3")
+        assert _flag(cmd, "--partitions") == "8" and _flag(cmd, "--metrics-port") == "9100"
+        assert "--redis" not in cmd  # the URL with the password comes from the environment
+        assert "${REDIS_PASSWORD:?" in svc["environment"]["KVADVISOR_CLUSTER_REDIS_URL"]
+        assert set(svc["depends_on"]) == {*NATS, "redis"}
+        assert "ports" not in svc  # /metrics has no authentication: inside the network only
+    sim = services["worker-sim"]["command"]
+    assert sim[0] == "worker-sim" and "--loop" in sim
+    assert (_flag(sim, "--nats"), _flag(sim, "--partitions"), _flag(sim, "--replicas")) == (urls, "8", "3")
+    api = services["api"]
+    assert api["command"] == ["advisor", "run", "--config", "/etc/kvadvisor/advisor.json"]
+    assert "./config/advisor.json" in [v.split(":")[0] for v in api["volumes"]]
+    assert api["depends_on"]["minio-init"] == {"condition": "service_completed_successfully"}
+    init = services["minio-init"]
+    assert init["image"].startswith("minio/mc") and "mc mb --ignore-existing kv/kvadvisor" in init["command"][0]
+    assert init["restart"] == "no"
+
+
+def test_every_published_port_is_on_loopback() -> None:
+    published = {name: svc.get("ports", []) for name, svc in _spec()["services"].items()}
+    assert published["api"] == ["127.0.0.1:8080:8080"]
+    for name, ports in published.items():
+        for p in ports:
+            assert p.startswith("127.0.0.1:"), (name, p)
+    assert {n for n, p in published.items() if p} == {"api", "prometheus", "grafana", "minio"}
+
+
+def test_nats_cluster_routes_and_jetstream() -> None:
+    services = _spec()["services"]
+    for n in NATS:
+        assert f"./nats/{n}.conf:/etc/nats/nats.conf:ro" in services[n]["volumes"]
+        assert services[n]["command"] == ["-c", "/etc/nats/nats.conf"]
+        conf = (COMPOSE / "nats" / f"{n}.conf").read_text()
+        assert f'server_name: "{n}"' in conf
+        assert re.search(r'jetstream \{ store_dir: "/data" \}', conf)
+        assert re.search(r"cluster \{\s*name: kvadvisor\s*listen: 0\.0\.0\.0:6222", conf)
+        routes = set(re.findall(r"nats://(nats-\d):6222", conf))
+        assert routes == set(NATS) - {n}  # each node routes to the two others: R3 survives one loss
+
+
+@pytest.mark.parametrize("node", NATS)
+def test_nats_configs_parse(node: str) -> None:
+    exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+    r = subprocess.run([exe, "-c", str(COMPOSE / "nats" / f"{node}.conf"), "-t"], capture_output=True, text=True)
+    assert r.returncode == 0 and "is valid" in r.stderr + r.stdout, r.stderr
+
+
+def test_prometheus_scrapes_every_process() -> None:
     prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
-    targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets == ["advisor:8080", "host.docker.internal:6880"]  # the advisor, then the workers' kvbm_*
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    targets = {name: [t for sc in j["static_configs"] for t in sc["targets"]] for name, j in jobs.items()}
+    assert targets == {"kvadvisor-api": ["api:8080"],
+                       "kvadvisor-cluster": [f"{a}:9100" for a in ADVISORS],
+                       "kvbm-workers": ["worker-sim:6880"]}
+    # the API's /metrics takes the read token, from a file the entrypoint writes privately
+    assert jobs["kvadvisor-api"]["authorization"] == {"type": "Bearer",
+                                                      "credentials_file": "/prometheus/api-read-token"}
+    prom_svc = _spec()["services"]["prometheus"]
+    assert "umask 077" in prom_svc["command"][0] and "/prometheus/api-read-token" in prom_svc["command"][0]
+    # the ports scraped are the ports the processes serve on
+    services = _spec()["services"]
+    assert _flag(services["worker-sim"]["command"], "--metrics-port") == "6880"
+    assert AdvisorSettings.from_json_file(COMPOSE / "config" / "advisor.json").api_port == 8080
 
 
-def test_compose_advisor_config_is_valid_scaled_mode() -> None:
+def test_grafana_provisions_the_dashboards() -> None:
+    graf = _spec()["services"]["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in graf["volumes"]}
+    assert mounts == {"/etc/grafana/provisioning": "./grafana/provisioning",
+                      "/var/lib/grafana/dashboards": "./grafana/dashboards"}
+    prov = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "dashboards" / "kvadvisor.yml").read_text())
+    assert [p["options"]["path"] for p in prov["providers"]] == ["/var/lib/grafana/dashboards"]
+    ds = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert [(d["uid"], d["url"]) for d in ds["datasources"]] == [("prometheus", "http://prometheus:9090")]
+    names = sorted(p.name for p in (COMPOSE / "grafana" / "dashboards").glob("*.json"))
+    assert names == ["advisor.json", "kvbm.json"]
+
+
+def test_no_default_passwords_anywhere() -> None:
+    text = "\n".join(p.read_text() for p in COMPOSE.rglob("*") if p.is_file() and p.suffix in {".yml", ".json", ".conf", ".example"})
+    assert "minioadmin" not in text.lower()
+    assert "kvadvisor-secret" not in text
+    services = _spec()["services"]
+    env = {k: str(v) for svc in services.values() for k, v in (svc.get("environment") or {}).items()}
+    assert env["MINIO_ROOT_USER"] == "${MINIO_ROOT_USER:?set MINIO_ROOT_USER in compose/.env}"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")  # never admin/admin
+    for key in ("MINIO_ROOT_PASSWORD", "REDIS_PASSWORD", "AWS_SECRET_ACCESS_KEY", "KVADVISOR_API_ADMIN_TOKENS",
+                "KVADVISOR_API_READ_TOKENS", "KVADVISOR_READ_TOKEN"):
+        assert re.search(r"\$\{[A-Z_]+:\?", env[key]), key  # required: no default value
+    redis = services["redis"]["command"][0]
+    assert 'requirepass "%s"' in redis and "$$REDIS_PASSWORD" in redis  # never an empty password
+    for url in (env["KVADVISOR_ADVISOR_REDIS_URL"], env["KVADVISOR_CLUSTER_REDIS_URL"]):
+        assert url.startswith("redis://:${REDIS_PASSWORD:?")
+    example = (COMPOSE / ".env.example").read_text()
+    keys = [line.split("=", 1)[0] for line in example.splitlines() if line and not line.startswith("#")]
+    assert keys == SECRETS
+    assert all("replace-with" in line for line in example.splitlines() if "=" in line and not line.startswith("#"))
+    assert "compose/.env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_compose_advisor_config_is_valid_scaled_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = (COMPOSE / "config" / "advisor.json").read_text()
+    assert "redis_url" not in raw  # with its password, from KVADVISOR_ADVISOR_REDIS_URL
+    monkeypatch.setenv("KVADVISOR_ADVISOR_REDIS_URL", "redis://:pw@redis:6379/0")
     s = AdvisorSettings.from_json_file(COMPOSE / "config" / "advisor.json")
-    assert (s.log, s.snapshot_store) == ("jetstream", "redis")
-    assert s.publish_url.startswith("jetstream://nats:4222")
+    assert (s.log, s.snapshot_store, s.redis_url) == ("jetstream", "redis", "redis://:pw@redis:6379/0")
+    assert s.jetstream_url == "nats://nats-1:4222" and s.stream_limits().replicas == 3
+    assert s.publish_url == "jetstream://nats-1:4222?namespace=default&replicas=3"
+    assert s.jetstream_namespace == "default"  # the worker's unpartitioned log; the cluster reads default-p<k>
     assert {v.id: v.kind for v in s.volumes} == {"fast": "posix", "slow": "posix", "s3": "s3"}
-    assert s.api_port == 8080
+    assert s.volumes[2].endpoint == "http://minio:9000" and s.volumes[2].bucket == "kvadvisor"
+    assert (s.api_host, s.api_port) == ("0.0.0.0", 8080)
 
 
 def test_docker_compose_config_accepts_the_file() -> None:
-    exe = shutil.which("docker-compose")
-    cmd = [exe] if exe else ["docker", "compose"]
-    assert exe or shutil.which("docker"), "docker-compose missing: run .ci/services.sh (installs it)"
-    r = subprocess.run([*cmd, "--env-file", str(COMPOSE / "secrets.env.example"), "-f", str(COMPOSE / "docker-compose.yml"),
+    r = subprocess.run([*_compose(), "--env-file", str(COMPOSE / ".env.example"), "-f", str(COMPOSE / "docker-compose.yml"),
                         "config", "-q"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
-def test_compose_takes_every_secret_from_the_env_file() -> None:
-    """No default password in the file: API tokens, Redis, MinIO and Grafana secrets are all
-    required interpolations (compose stops while one is unset), and the example names each."""
-    text = (COMPOSE / "docker-compose.yml").read_text()
-    spec = yaml.safe_load(text)
-    assert "kvadvisor-secret" not in text
-    example = (COMPOSE / "secrets.env.example").read_text()
-    env = {**spec["services"]["advisor"]["environment"], **spec["services"]["minio"]["environment"],
-           **spec["services"]["grafana"]["environment"]}
-    assert "${KVADVISOR_READ_TOKEN:?" in spec["services"]["prometheus"]["environment"]["KVADVISOR_READ_TOKEN"]
-    for key in ("KVADVISOR_API_ADMIN_TOKENS", "KVADVISOR_API_READ_TOKENS", "AWS_SECRET_ACCESS_KEY",
-                "MINIO_ROOT_PASSWORD", "GF_SECURITY_ADMIN_PASSWORD", "KVADVISOR_ADVISOR_REDIS_URL"):
-        assert "${" in env[key] and ":?" in env[key], key
-    assert any("--requirepass" == a for a in spec["services"]["redis"]["command"])
-    for var in ("KVADVISOR_ADMIN_TOKEN", "KVADVISOR_READ_TOKEN", "REDIS_PASSWORD", "MINIO_ROOT_PASSWORD",
-                "GRAFANA_ADMIN_PASSWORD"):
-        assert f"{var}=" in example and f"${{{var}:?" in text, var
-    prom = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
-    assert prom["scrape_configs"][0]["authorization"]["credentials_file"] == "/prometheus/advisor-read-token"
-    # the advisor listens on 0.0.0.0 in its container: with these tokens the API accepts it
-    assert AdvisorSettings.from_json_file(COMPOSE / "config" / "advisor.json").api_host == "0.0.0.0"
-
-
 def test_docker_compose_refuses_to_start_without_the_secrets(tmp_path: Path) -> None:
-    exe = shutil.which("docker-compose")
-    cmd = [exe] if exe else ["docker", "compose"]
-    assert exe or shutil.which("docker"), "docker-compose missing: run .ci/services.sh (installs it)"
     empty = tmp_path / "empty.env"
-    empty.write_text("")
-    r = subprocess.run([*cmd, "--env-file", str(empty), "-f", str(COMPOSE / "docker-compose.yml"), "config", "-q"],
-                       capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin:/usr/local/bin"})
-    assert r.returncode != 0 and "in compose/secrets.env" in r.stderr, r.stderr
+    empty.write_text("# nothing set\n")
+    r = subprocess.run([*_compose(), "--env-file", str(empty), "-f", str(COMPOSE / "docker-compose.yml"), "config", "-q"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin:/usr/local/bin"})
+    assert r.returncode != 0 and "in compose/.env" in r.stderr, r.stderr
