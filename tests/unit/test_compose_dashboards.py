@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from advisor.cluster import ClusterNode, ClusterSettings
 from advisor.cluster_metrics import cluster_registry
 from advisor.metrics import AdvisorMetrics
+from api.hit_rates import HitRateCollector, HitRates
 from event_plane.partition import PartitionScheme
 from kvbm_runtime.metrics import RuntimeMetrics
 
@@ -59,8 +60,10 @@ def registered() -> set[str]:
     advisor = AdvisorMetrics(lambda: {})
     node = ClusterNode(ClusterSettings(nats_url="nats://127.0.0.1:1", redis_url="redis://127.0.0.1:1/0",
                                        advisor_id="a", scheme=PartitionScheme(8, 1, 64)))  # never started
+    api = CollectorRegistry(auto_describe=False)  # the API's hit-rate windows (api/hit_rates.py)
+    api.register(HitRateCollector([HitRates("lookup"), HitRates("query")]))
     return (series_names(advisor.registry) | series_names(cluster_registry(node))
-            | series_names(RuntimeMetrics("w").registry))
+            | series_names(RuntimeMetrics("w").registry) | series_names(api))
 
 
 def _panels() -> list[tuple[str, dict]]:
