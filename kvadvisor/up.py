@@ -150,11 +150,12 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
                      region_name="us-east-1").create_bucket(Bucket=bucket)
 
         ids = [f"advisor-{i}" for i in range(advisors)]
-        env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+        # the Redis URL (with its password) goes through the environment, never argv (ps shows argv)
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", KVADVISOR_CLUSTER_REDIS_URL=redis_url)
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         for a in ids:
-            started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster", "--nats", nats.url, "--redis", redis_url,
+            started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster", "--nats", nats.url,
                                     "--id", a, "--namespace", namespace, "--partitions", str(partitions),
                                     "--replicas", str(3 if nodes >= 3 else 1), "--lease-ttl", "6",
                                     "--heartbeat", "1", "--snapshot-interval", "10"], logs, env)

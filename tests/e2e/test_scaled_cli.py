@@ -43,6 +43,9 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         assert state["redis_url"].split("@")[0] not in r.stdout + r.stderr  # the password is never printed
         assert len(state["nats_urls"]) == 3 and len(state["advisors"]) == 3
         assert all(_alive(pid) for pid in state["pids"].values())
+        password = state["redis_url"].split("@")[0].rsplit(":", 1)[1]
+        for pid in state["pids"].values():  # no secret on any command line (ps shows them to every user)
+            assert password not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         # a second `up` on the same directory is refused, nothing started twice
         again = _run("up", "--dir", str(root))
         assert again.returncode != 0 and "exists" in again.stderr + again.stdout
