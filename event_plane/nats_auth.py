@@ -33,7 +33,7 @@ NATS_PARAMS = frozenset({
 credentials or TLS (file paths, a flag and a host name: none holds a secret itself)."""
 
 _SAFE_PARAMS = NATS_PARAMS | frozenset({
-    "namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream",
+    "namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas",
     "replay", "topic", "replay_timeout", "allow_remote", "source", "bytes_per_token", "model", "kv_dtype",
     "num_layers", "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields",
     # ZMQ CURVE (event_plane.curve): file / directory paths and a public key, no secret itself

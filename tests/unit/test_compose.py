@@ -120,7 +120,7 @@ def test_grafana_provisions_the_dashboards() -> None:
     ds = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert [(d["uid"], d["url"]) for d in ds["datasources"]] == [("prometheus", "http://prometheus:9090")]
     names = sorted(p.name for p in (COMPOSE / "grafana" / "dashboards").glob("*.json"))
-    assert names == ["advisor.json", "kvbm.json"]
+    assert names == ["advisor.json", "api.json", "kvbm.json"]
 
 
 def test_no_default_passwords_anywhere() -> None:
