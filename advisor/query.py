@@ -114,7 +114,9 @@ class AdvisorQuery:
 
         Returns:
             ``{"blocks", "blocks_per_location", "orphans_pending", "index_counters",
-            "sources": {source: {"epoch", "last_seq", "batches", "events"}},
+            "sources": {source: {"epoch", "last_seq", "batches", "events", "last_seen_s"
+            (the ``ts_ns`` of its last batch, seconds since the Unix epoch), "last_seen"
+            (the same, ISO 8601 UTC)}},
             "journal_position", "batches_applied", "events_applied", "events_per_s" (arrival rate,
             last 10 s), "ingest_events_per_busy_s" (journal + apply capacity: events per
             second of ingest work, idle time excluded),
@@ -137,7 +139,8 @@ class AdvisorQuery:
         with svc.lock:
             st = svc.index.stats()
             sources = {
-                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events}
+                name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
+                       **_last_seen(s.last_ts_ns)}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)
@@ -194,3 +197,15 @@ class AdvisorQuery:
             "subscribed": self._svc.subscriber is not None,
             "storage": self._svc.agent is not None,
         }
+
+
+def _last_seen(ts_ns: int) -> dict[str, Any]:
+    """A source's last-seen time (its last batch's ``ts_ns``) in seconds and ISO 8601 UTC."""
+    import datetime as _dt
+
+    secs = ts_ns / 1e9
+    try:
+        iso = _dt.datetime.fromtimestamp(secs, _dt.timezone.utc).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        iso = ""
+    return {"last_seen_s": secs, "last_seen": iso}

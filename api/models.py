@@ -126,6 +126,8 @@ class SourceResponse(BaseModel):
     last_seq: int
     batches: int
     events: int
+    last_seen_s: float = Field(0.0, description="ts_ns of its last batch, seconds since the Unix epoch")
+    last_seen: str = Field("", description="the same, ISO 8601 UTC")
 
 
 class MovesResponse(BaseModel):

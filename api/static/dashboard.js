@@ -136,7 +136,10 @@ function renderStats(st) {
       el("td", { class: "num mono", "data-field": "epoch", "data-value": String(s.epoch), text: fmtHex64(s.epoch),
         title: `epoch ${fmtInt(s.epoch)}` }),
       numCell("last_seq", s.last_seq),
-      numCell("batches", s.batches), numCell("events", s.events))), "no sources yet", 5);
+      numCell("batches", s.batches), numCell("events", s.events),
+      el("td", { class: "mono", "data-field": "last_seen", "data-value": String(s.last_seen_s ?? ""),
+        text: s.last_seen ? s.last_seen.replace("T", " ").slice(0, 19) : "—", title: s.last_seen || "" }))),
+  "no sources yet", 6);
 }
 
 function renderLocations(perLocation, roles) {
