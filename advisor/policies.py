@@ -53,12 +53,17 @@ class PromotionSettings(BaseModel):
             demotion watermark, so the next round does not demote what this one promoted).
         from_archive: also promote hot blocks from the archive (S3) volume to the first
             slow volume (one tier up, under the slow volume's watermark).
+        max_swaps: when the fast volume has no room left under its limit, up to this many
+            qualifying blocks per round replace fast leaves that rank lower (one demotion to
+            the slow tier per promotion; :func:`plan_swaps`), so a full fast volume does not
+            freeze with its first promotions; ``0`` = never.
     """
 
     enabled: bool = True
     min_hits: int = Field(2, ge=1)
     max_fill: float = Field(0.8, gt=0.0, le=1.0)
     from_archive: bool = True
+    max_swaps: int = Field(32, ge=0)
 
 
 class DemotionSettings(BaseModel):
@@ -484,13 +489,76 @@ def plan_compactions(settings: CompactionSettings, inp: PolicyInput) -> list[Pla
     return [t[3] for t in found]
 
 
+def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex, score: Callable[[int], float],
+               busy: set[int], budget: float = 0.0) -> list[PlanItem]:
+    """Hot blocks of the slow volumes that rank above the lowest fast leaves take their place.
+
+    Candidates: blocks with ``hits >= min_hits`` on a slow volume, not on the fast volume,
+    whose parent is on the fast volume (or who have none), hottest first.  Victims: the
+    fast volume's leaves, lowest-ranked first (:func:`_leaves_first`), never the parent of
+    a candidate.  While the candidate ranks strictly above the victim and is no larger (at
+    most ``max_swaps`` pairs), the victim is demoted to the candidate's slow volume, and the
+    candidate promoted if ``budget`` (bytes the fast volume may still take under its limit)
+    holds it: a demotion frees no used bytes until compaction rewrites the segment, so the
+    promotion otherwise waits for a later round (:func:`plan_promotions` then picks the
+    hottest).  Each swap raises the ranks on the fast volume, so rounds without new events
+    stop swapping.  Blocks in ``busy`` (already in this round's plan) are left alone.
+    """
+    fast = inp.fast_volume
+    if not settings.enabled or settings.max_swaps <= 0 or fast is None or not inp.slow_volumes:
+        return []
+    cand: list[tuple[float, int, str, int]] = []
+    seen: set[int] = set()
+    for src in inp.slow_volumes:
+        for h in index.blocks_at(src):
+            if h in seen or h in busy or index.holds(h, fast):
+                continue
+            seen.add(h)
+            info = index.block(h)
+            if info is None or info.hits < settings.min_hits:
+                continue
+            if info.parent is not None and not index.holds(info.parent, fast):
+                continue
+            cand.append((score(h), h, src, info.size))
+    if not cand:
+        return []
+    on_fast: dict[int, PlacementLike] = {}
+    for p in inp.fast_placements:
+        on_fast.setdefault(p.key.sequence_hash, p)  # type: ignore[attr-defined]
+    cand = sorted((c for c in cand if c[1] not in on_fast), key=lambda t: (-t[0], t[1]))
+    if not cand:
+        return []
+    parents = {index.block(h).parent for _, h, _, _ in cand}  # type: ignore[union-attr]
+    victims = [(v, h) for v, h in _leaves_first(on_fast, index, score) if h not in busy and h not in parents]
+    items: list[PlanItem] = []
+    vi = 0
+    for rank, h, src, size in cand:
+        if vi >= settings.max_swaps or vi >= len(victims):
+            break
+        vrank, v = victims[vi]
+        if not rank > vrank:
+            break  # candidates only get colder, victims only warmer
+        p = on_fast[v]
+        if size > p.length:
+            continue
+        vi += 1
+        why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of fast leaf {v}"
+        items.append(PlanItem(PlanKind.DEMOTE, why, fast, src, sequence_hash=v, namespace=p.key.namespace,  # type: ignore[attr-defined]
+                              bytes=p.length))
+        if size <= budget:
+            budget -= size
+            items.append(PlanItem(PlanKind.PROMOTE, why, src, fast, sequence_hash=h, bytes=size))
+    return items
+
+
 def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> list[PlanItem]:
     """Demotions first (they make room), then promotions, then compactions.
 
     Promotion and demotion rank blocks with one scorer (:func:`make_scorer`, the default
     policy's priority unless ``demotion.scoring = "lru"``); promotions stop at the demotion
     high watermark, and hot blocks (``hits >= promotion.min_hits``) are demoted only as far
-    as that watermark.
+    as that watermark.  When the fast volume has neither demotions nor room for a promotion,
+    :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks.
     """
     hashes = [p.key.sequence_hash for p in inp.fast_placements]  # type: ignore[attr-defined]
     for ps in inp.placements.values():
@@ -499,8 +567,14 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
         hashes += list(index.blocks_at(v))
     score = make_scorer(settings, index, hashes) if settings.demotion.scoring == "prefix_value" else None
     hot = settings.promotion.min_hits if settings.promotion.enabled else None
-    return (
-        plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
-        + plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)
-        + plan_compactions(settings.compaction, inp)
-    )
+    demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
+    promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)
+    swaps: list[PlanItem] = []
+    if not demotions and not any(i.dst_volume == inp.fast_volume for i in promotions):
+        busy = {i.sequence_hash for i in promotions if i.sequence_hash is not None}
+        limit = min(settings.promotion.max_fill, settings.demotion.high_watermark)
+        budget = max(0.0, _fill_budget(inp.usage.get(inp.fast_volume), limit)) if inp.fast_volume else 0.0
+        swaps = plan_swaps(settings.promotion, inp, index, score or make_scorer(
+            PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})), index, ()), busy,
+            budget)
+    return demotions + promotions + swaps + plan_compactions(settings.compaction, inp)

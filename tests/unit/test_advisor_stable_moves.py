@@ -9,6 +9,7 @@ from advisor.eviction.prefix_value import PrefixValueSettings, priority, reuse_c
 from advisor.move_guard import MoveGuard
 from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
 from advisor.policies import DemotionSettings, PolicyInput, PolicySettings, VolumeUsage, plan_all, plan_demotions
+from event_plane.schema import store
 from tests.unit.test_advisor_policies import BS, Log, chain_events, placements
 
 
@@ -25,10 +26,13 @@ def test_promotion_stops_at_the_demotion_high_watermark_so_the_next_round_demote
     items = plan_all(s, pin, log.idx)
     promoted = [i.sequence_hash for i in items if i.kind is PlanKind.PROMOTE]
     assert len(promoted) == 8  # 80 % of 10 blocks
-    # the fast volume after those promotions is at its watermark, not above: no demotion
+    # the fast volume after those promotions is at its watermark, not above: no demotion,
+    # and the blocks left on slow rank below those on fast: no swap either
+    for h in promoted:
+        log.apply("advisor", store(h, h, None, BS, "fast", {"moved_from": "slow"}))
     pin2 = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(10 * BS, 8 * BS, 8 * BS)},
                        fast_placements=placements(promoted))
-    assert [i for i in plan_all(s, pin2, log.idx) if i.kind is PlanKind.DEMOTE] == []
+    assert [i for i in plan_all(s, pin2, log.idx) if i.kind is not PlanKind.COMPACT] == []
 
 
 def test_demotion_goes_one_tier_down_and_to_the_archive_only_when_slow_is_full() -> None:
@@ -95,3 +99,35 @@ def test_live_scorer_uses_the_evaluators_priority_and_classes() -> None:
     assert (sc.inserts[c], sc.reuses[c]) == (6.0, 5.0)
     # class 0 (leaf, continuation) saw 2 references and 1 reuse: P = (1 + 0.3) / (2 + 1)
     assert np.isclose(sc.p_reuse(BlockFacts(0, 0, True, True)), 1.3 / 3)
+
+
+def test_a_full_fast_volume_swaps_its_coldest_leaf_for_a_hotter_block_once() -> None:
+    log = Log()
+    log.apply("w0", *chain_events([1], "fast"), *chain_events([2], "fast"))  # on fast, never hit
+    log.apply("w0", *chain_events([7], "slow"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([7], "g1"))  # 7: hits 3, on slow, newest
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(2 * BS, 2 * BS * 8 // 10, 2 * BS * 8 // 10)},
+                      fast_placements=placements([1, 2]))
+    items = [(i.kind, i.sequence_hash, i.src_volume, i.dst_volume) for i in plan_all(s, pin, log.idx)]
+    # at its limit, the fast volume has no used bytes to spare: the cold leaf goes now, the
+    # hot block waits for the room (compaction of the dead bytes) ...
+    assert items == [(PlanKind.DEMOTE, 1, "fast", "slow")]
+    # ... and with room for one block (but no promotion budget left by plan_promotions'
+    # candidates), both moves are planned together
+    pin.usage["fast"] = VolumeUsage(4 * BS, 3 * BS, 2 * BS)  # 75 %: 0.2 blocks of room
+    assert plan_all(s, pin, log.idx)[0].kind is PlanKind.DEMOTE
+    pin.usage["fast"] = VolumeUsage(10 * BS, 7 * BS, 2 * BS)
+    items = [(i.kind, i.sequence_hash, i.src_volume, i.dst_volume) for i in plan_all(s, pin, log.idx)]
+    assert items[0] == (PlanKind.PROMOTE, 7, "slow", "fast")  # room: a plain promotion, no swap
+    pin.usage["fast"] = VolumeUsage(2 * BS, 2 * BS * 8 // 10, 2 * BS * 8 // 10)
+    # after the swap: 7 on fast, 1 on slow (never hit): nothing more to do
+    log.apply("advisor", store(7, 7, None, BS, "fast", {"moved_from": "slow"}),
+              store(1, 1, None, BS, "slow", {"moved_from": "fast"}))
+    pin.fast_placements = placements([7, 2])
+    assert [i for i in plan_all(s, pin, log.idx) if i.kind is not PlanKind.COMPACT] == []
+    s.promotion.max_swaps = 0
+    pin.fast_placements = placements([1, 2])
+    assert plan_all(s, pin, log.idx) == []
