@@ -494,14 +494,15 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     """Hot blocks of the slow volumes that rank above the lowest fast leaves take their place.
 
     Candidates: blocks with ``hits >= min_hits`` on a slow volume, not on the fast volume,
-    whose parent is on the fast volume (or who have none), hottest first.  Victims: the
+    hottest first.  Victims: the
     fast volume's leaves, lowest-ranked first (:func:`_leaves_first`), never the parent of
     a candidate.  While the candidate ranks strictly above the victim and is no larger (at
     most ``max_swaps`` pairs), the victim is demoted to the candidate's slow volume, and the
     candidate promoted if ``budget`` (bytes the fast volume may still take under its limit)
-    holds it: a demotion frees no used bytes until compaction rewrites the segment, so the
-    promotion otherwise waits for a later round (:func:`plan_promotions` then picks the
-    hottest).  Each swap raises the ranks on the fast volume, so rounds without new events
+    holds it and its parent is on the fast volume (or promoted here, or it has none): a
+    demotion frees no used bytes until compaction rewrites the segment, so the promotion
+    otherwise waits for a later round (:func:`plan_promotions` then picks the hottest,
+    ancestors first).  Each swap raises the ranks on the fast volume, so rounds without new events
     stop swapping.  Blocks in ``busy`` (already in this round's plan) are left alone.
     """
     fast = inp.fast_volume
@@ -517,8 +518,6 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
             info = index.block(h)
             if info is None or info.hits < settings.min_hits:
                 continue
-            if info.parent is not None and not index.holds(info.parent, fast):
-                continue
             cand.append((score(h), h, src, info.size))
     if not cand:
         return []
@@ -531,6 +530,7 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     parents = {index.block(h).parent for _, h, _, _ in cand}  # type: ignore[union-attr]
     victims = [(v, h) for v, h in _leaves_first(on_fast, index, score) if h not in busy and h not in parents]
     items: list[PlanItem] = []
+    promoted: set[int] = set()
     vi = 0
     for rank, h, src, size in cand:
         if vi >= settings.max_swaps or vi >= len(victims):
@@ -545,8 +545,10 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
         why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of fast leaf {v}"
         items.append(PlanItem(PlanKind.DEMOTE, why, fast, src, sequence_hash=v, namespace=p.key.namespace,  # type: ignore[attr-defined]
                               bytes=p.length))
-        if size <= budget:
+        parent = index.block(h).parent  # type: ignore[union-attr]
+        if size <= budget and (parent is None or parent in on_fast or parent in promoted):
             budget -= size
+            promoted.add(h)
             items.append(PlanItem(PlanKind.PROMOTE, why, src, fast, sequence_hash=h, bytes=size))
     return items
 

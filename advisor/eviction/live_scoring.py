@@ -11,10 +11,10 @@ come from:
 * the class counts are learned from the index's hit counters of the blocks being ranked:
   a block with ``hits`` accesses after its first was referenced in classes
   ``seen = 0 .. hits`` and reused from each of ``0 .. hits - 1`` (capped at ``max_seen``);
-  its place in the class (``from_end``) is 0 for a leaf on its tier and 1 otherwise, and
-  ``continuation`` is whether it has a parent;
-* ``pos`` (position in a request) is the block's depth in its prefix chain on the tier
-  (0 for a leaf), so ties still go to the leaves.
+  its place in the class (``from_end``) is 0 for a block without indexed children (a leaf)
+  and 1 otherwise, and ``continuation`` is whether it has a parent;
+* ``pos`` (position in a request) is 0: the callers walk the blocks leaves first
+  (:func:`advisor.policies._leaves_first`), which keeps the leaves-first rule.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class BlockFacts:
     Attributes:
         last_access_ns: time of its last access (ns, the batches' clock).
         hits: accesses after its first (the index's hit counter).
-        leaf: no child of it is on the same tier.
+        leaf: no child of it is indexed.
         has_parent: it continues a prefix (not the first block of a request).
     """
 
