@@ -22,7 +22,7 @@ from advisor.policies import (
     plan_demotions,
     plan_promotions,
 )
-from advisor.prefix_policy import BlockScorer, PrefixPolicySettings, PrefixValueCache, ReuseStats
+from advisor.prefix_policy import PrefixPolicySettings, PrefixValueCache, ReuseStats
 from advisor.query import AdvisorQuery, LookupResult, VolumeView
 from advisor.service import AdvisorError, AdvisorService, main
 from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
@@ -47,7 +47,6 @@ __all__ = [
     "PrefixPolicySettings",
     "FrequencySketch",
     "FrequencySettings",
-    "BlockScorer",
     "AdvisorError",
     "AdvisorQuery",
     "AdvisorService",

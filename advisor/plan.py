@@ -10,9 +10,9 @@ class PlanKind(str, enum.Enum):
     """Kind of a plan item."""
 
     PROMOTE = "promote"
-    """Copy a hot block from a slow volume to the fast volume."""
+    """Move a hot block one tier up (slow → fast, archive → slow)."""
     DEMOTE = "demote"
-    """Move a cold block from the fast volume to the archive (S3) volume."""
+    """Move a cold block one tier down (fast → slow, slow → archive)."""
     COMPACT = "compact"
     """Rewrite the live blocks of a sparse segment into a new one (same volume)."""
 

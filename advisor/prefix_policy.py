@@ -20,8 +20,8 @@ knowledge, and turns it into an eviction priority:
   a slightly lower priority (leaves first), and evicting a block also evicts its cached
   descendants (a child without its parent can never be hit).
 
-:class:`BlockScorer` exposes the same scoring for the live cold-demotion policy
-(:func:`advisor.policies.plan_demotions` with ``scoring="prefix_value"``).
+This pure-Python replay is kept as the reference of ``bench/evaluator.py``; the live
+advisor ranks blocks with the evaluator's own rule (:mod:`advisor.eviction.live_scoring`).
 """
 
 from __future__ import annotations
@@ -246,53 +246,4 @@ class PrefixValueCache:
             heapq.heapify(self._heap)
 
 
-class BlockScorer:
-    """Prefix-value scores for live blocks (the cold-demotion order).
-
-    Maps what the :class:`~advisor.index.PrefixIndex` knows of a block (hits, last access,
-    depth from the leaves) onto the same priority as :class:`PrefixValueCache`, with time
-    in nanoseconds instead of clock ticks: ``last_access_ns + horizon_ns × P(class)``.
-    Lower = demote first.
-
-    Args:
-        settings: the policy settings (classes, priors).
-        horizon_ns: horizon in nanoseconds.
-        stats: learned class statistics (e.g. from an offline evaluation); ``None`` uses
-            the priors, refined by :meth:`observe`.
-    """
-
-    def __init__(self, settings: PrefixPolicySettings | None = None, horizon_ns: int = 600_000_000_000,
-                 stats: ReuseStats | None = None) -> None:
-        self.settings = settings or PrefixPolicySettings()
-        self.horizon_ns = horizon_ns
-        self.stats = stats or ReuseStats(self.settings)
-
-    def observe(self, seen_before: int, from_end: int, continuation: bool, reused: bool) -> None:
-        """Feed one outcome: a block of this class was (``reused``) or was not reused."""
-        cls = self.stats.classify(seen_before, from_end, continuation)
-        self.stats.record_insert(cls)
-        if reused:
-            self.stats.record_reuse(cls, 0)
-
-    def score(self, last_access_ns: int, hits: int, from_end: int, continuation: bool = False) -> float:
-        """Priority of a block: its last access plus the horizon weighted by ``P(reuse)``.
-
-        Args:
-            last_access_ns: time of the block's last access (ns).
-            hits: accesses after the first (the index's hit counter) = times seen before.
-            from_end: 0 for a leaf on the tier, 1 for its parent, ... (capped).
-            continuation: the block's prefix family was extended by later requests.
-        """
-        p = self.stats.probability(self.stats.classify(hits, from_end, continuation))
-        return last_access_ns + self.horizon_ns * p
-
-    def explain(self, last_access_ns: int, hits: int, from_end: int, continuation: bool = False) -> str:
-        """The score and its parts, as a reason string."""
-        cls = self.stats.classify(hits, from_end, continuation)
-        p = self.stats.probability(cls)
-        return (f"prefix value {last_access_ns + self.horizon_ns * p:.0f} = last access {last_access_ns} + "
-                f"horizon {self.horizon_ns} ns × P(reuse | seen={cls[0]}, from_end={cls[1]}, "
-                f"continuation={cls[2]}) {p:.3f}")
-
-
-__all__ = ["BlockScorer", "PrefixPolicySettings", "PrefixValueCache", "ReuseClass", "ReuseStats"]
+__all__ = ["PrefixPolicySettings", "PrefixValueCache", "ReuseClass", "ReuseStats"]

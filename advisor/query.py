@@ -115,7 +115,8 @@ class AdvisorQuery:
         Returns:
             ``{"blocks", "blocks_per_location", "orphans_pending", "index_counters",
             "sources": {source: {"epoch", "last_seq", "batches", "events", "last_ts_ns" (the
-            last batch's timestamp, the publisher's clock, ns since the epoch)}},
+            last batch's timestamp, the publisher's clock, ns since the epoch), "last_seen_s"
+            (the same in seconds), "last_seen" (the same, ISO 8601 UTC)}},
             "journal_position", "batches_applied", "events_applied", "events_per_s" (arrival rate,
             last 10 s), "ingest_events_per_busy_s" (journal + apply capacity: events per
             second of ingest work, idle time excluded),
@@ -139,7 +140,7 @@ class AdvisorQuery:
             st = svc.index.stats()
             sources = {
                 name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
-                       "last_ts_ns": s.last_ts_ns}
+                       "last_ts_ns": s.last_ts_ns, **_last_seen(s.last_ts_ns)}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)
@@ -231,3 +232,15 @@ class AdvisorQuery:
             "subscribed": self._svc.subscriber is not None,
             "storage": self._svc.agent is not None,
         }
+
+
+def _last_seen(ts_ns: int) -> dict[str, Any]:
+    """A source's last-seen time (its last batch's ``ts_ns``) in seconds and ISO 8601 UTC."""
+    import datetime as _dt
+
+    secs = ts_ns / 1e9
+    try:
+        iso = _dt.datetime.fromtimestamp(secs, _dt.timezone.utc).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        iso = ""
+    return {"last_seen_s": secs, "last_seen": iso}

@@ -3,6 +3,8 @@
 Threads:
     * ``ingest``: ``subscriber.get`` → :meth:`AdvisorService.ingest` (journal, then apply);
     * ``policy``: every ``policy_interval_s``, :meth:`AdvisorService.run_policies_once`;
+    * ``expiry``: drops the ``g1``/``g2`` of sources silent for ``source_ttl_s``
+      (:meth:`AdvisorService.expire_sources`, :mod:`advisor.source_expiry`);
     * the API server (uvicorn), loaded by name from ``settings.api_factory``.
 
 One re-entrant *state lock* orders journal appends and index updates, so the journal
@@ -27,12 +29,14 @@ from typing import Any
 from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
 from advisor.journal import BadPayloadError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
+from advisor.move_guard import MoveGuard
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.quotas import QuotaGuard
 from advisor.settings import AdvisorSettings
+from advisor.source_expiry import due, expiry_batch, private_blocks
 from advisor.snapshot import (
     RedisSnapshotStore,
     SnapshotStore,
@@ -120,6 +124,8 @@ class AdvisorService:
         self.subscriber: Any = None
         self.mover: Mover | None = None
         self.planner = Planner(settings.policy.planner)
+        self.move_guard = MoveGuard(settings.policy.planner.min_move_interval_s, self._last_access)
+        self._heard: dict[str, float] = {}  # source -> monotonic time of its last batch received
         self.api: Any = None
         self.metrics = AdvisorMetrics(self._metrics_snapshot, max_locations=settings.metrics_max_locations,
                                       keep_locations=[v.id for v in settings.volumes])
@@ -147,6 +153,8 @@ class AdvisorService:
             "log_discarded": 0,
             "reserved_source_refused": 0,
             "origin_refused": 0,
+            "moves_held_back": 0,
+            "sources_expired": 0,
         }
         self.origins: Any = None  # event_plane.origins.OriginGuard while subscribed with origin_binding
         self._origin_store: Any = None
@@ -209,6 +217,8 @@ class AdvisorService:
             self._spawn("kvadvisor-ingest", self._ingest_loop)
         if self.mover is not None and s.policy_interval_s > 0:
             self._spawn("kvadvisor-policy", self._policy_loop)
+        if self.journal is not None and s.source_ttl_s > 0:
+            self._spawn("kvadvisor-expiry", self._expiry_loop)
         if s.api_enabled:
             self.api = self._load_api_factory()(self.query(), s.api_host, s.api_port)
 
@@ -530,6 +540,7 @@ class AdvisorService:
                     return False
                 if admitted is not batch:
                     batch, payload, verify = admitted, encode_batch(admitted), False
+            self._heard[batch.source] = time.monotonic()
             try:
                 pos = self.journal.append(payload, batch, verify=verify)
             except BadPayloadError as exc:
@@ -613,6 +624,52 @@ class AdvisorService:
             except Exception:  # noqa: BLE001
                 logger.exception("advisor: policy round failed")
 
+    def _last_access(self, h: int) -> int | None:
+        with self.lock:
+            info = self.index.block(h)
+        return info.last_access_ns if info is not None else None
+
+    def _expiry_loop(self) -> None:
+        ttl = self.settings.source_ttl_s
+        while not self._stop.wait(min(max(ttl / 10.0, 0.05), 5.0)):
+            try:
+                self.expire_sources()
+            except Exception:  # noqa: BLE001 - keep checking; the error is logged
+                logger.exception("advisor: source expiry failed")
+
+    def expire_sources(self, now: float | None = None) -> list[str]:
+        """Drop the ``g1``/``g2`` blocks of every source silent for ``source_ttl_s``.
+
+        Each expiry is a batch journaled and applied like any other (Cleared of ``g1`` and
+        ``g2`` under the source's name and epoch, :func:`advisor.source_expiry.expiry_batch`),
+        so a replay of the journal reproduces it.  Its blocks on shared volumes stay.
+
+        Args:
+            now: monotonic seconds (default: now).
+
+        Returns:
+            The sources expired.
+        """
+        s = self.settings
+        if self.journal is None or s.source_ttl_s <= 0:
+            return []
+        t = time.monotonic() if now is None else now
+        start = self.started_at if self.started_at is not None else t
+        done: list[str] = []
+        with self.lock:
+            sources = self.index.sources()
+            holding = [n for n in sources if private_blocks(self.index, n)]
+            for name in due(holding, self._heard, t, s.source_ttl_s, start, exclude=[s.source]):
+                heard = self._heard.get(name)
+                if self.ingest(expiry_batch(name, sources[name]), verify=False):
+                    self._heard[name] = start if heard is None else heard  # expiry is not a sign of life
+                    done.append(name)
+                    self.counters["sources_expired"] += 1
+        for name in done:
+            logger.warning("advisor: source %r sent nothing for %.0f s: its g1/g2 blocks were dropped",
+                           name, s.source_ttl_s)
+        return done
+
     def policy_input(self) -> PolicyInput:
         """Gather volume usage, fast-volume placements and segments from storage."""
         s = self.settings
@@ -624,6 +681,8 @@ class AdvisorService:
         namespaces = set(s.namespaces)
         if s.fast_volume is not None:
             inp.fast_placements = [p for p in self.catalog.iter_volume(s.fast_volume) if p.key.namespace in namespaces]
+        for vol in s.slow_volumes:
+            inp.placements[vol] = [p for p in self.catalog.iter_volume(vol) if p.key.namespace in namespaces]
         for vol in s.volumes:
             inp.segments[vol.id] = list(self.agent.segments(vol.id))
         return inp
@@ -640,12 +699,15 @@ class AdvisorService:
             inp = self.policy_input()
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index)
+            proposed, held = self.move_guard.filter(proposed)
             plan = self.planner.plan(proposed)
             try:
                 results = self.mover.execute_many(plan.items)
             finally:
                 self.planner.release(len(plan.items))
+            self.move_guard.record(results)
             with self.lock:
+                self.counters["moves_held_back"] += held
                 self.plans.extend(results)
                 self.counters["policy_rounds"] += 1
                 self.counters["plans_deferred"] += plan.deferred

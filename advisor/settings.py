@@ -87,8 +87,12 @@ class AdvisorSettings(BaseSettings):
         volumes: the volumes to register.
         fast_volume / slow_volumes / archive_volume: roles of the volume ids.
         policy: policy and planner settings.
-        policy_interval_s: seconds between policy rounds; ``0`` disables the timer
-            (rounds then run only on request).
+        policy_interval_s: seconds between policy rounds (default 30); ``0`` disables the
+            timer (rounds then run only on request).
+        source_ttl_s: a source that has sent nothing for this many seconds has its
+            ``g1``/``g2`` blocks dropped from the index by a journaled expiry batch
+            (:mod:`advisor.source_expiry`; its blocks on shared volumes stay); ``0`` = never.
+            Embedded mode (``log = sqlite``) only.
         reconcile_on_start: compare the catalog with the index at start and publish the
             Store/Remove events a crash between commit and publish left out.
         get_timeout_s: subscriber poll timeout of the ingest loop.
@@ -178,7 +182,8 @@ class AdvisorSettings(BaseSettings):
     slow_volumes: list[str] = Field(default_factory=list)
     archive_volume: str | None = None
     policy: PolicySettings = Field(default_factory=PolicySettings)
-    policy_interval_s: float = Field(5.0, ge=0.0)
+    policy_interval_s: float = Field(30.0, ge=0.0)
+    source_ttl_s: float = Field(600.0, ge=0.0)
     reconcile_on_start: bool = True
     get_timeout_s: float = Field(0.2, gt=0.0)
     api_enabled: bool = True

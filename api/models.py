@@ -283,6 +283,8 @@ class SourceResponse(BaseModel):
     batches: int
     events: int
     last_ts_ns: int = Field(0, description="timestamp of its last batch (publisher clock, ns since the Unix epoch)")
+    last_seen_s: float = Field(0.0, description="ts_ns of its last batch, seconds since the Unix epoch")
+    last_seen: str = Field("", description="the same, ISO 8601 UTC")
 
 
 class MovesResponse(BaseModel):

@@ -179,10 +179,19 @@ def advisor_config(s: DemoSettings, topo: Topology, namespace: str) -> dict[str,
             "demotion": {"high_watermark": 0.8, "low_watermark": 0.6},
             "compaction": {"live_fraction": s.compaction_live_fraction},
         },
-        "policy_interval_s": 0,
+        # `advisor run` on the work directory runs its rounds on a timer (the demo's own
+        # advisor process runs with the timer off: the replay drives its rounds, see
+        # DEMO_RUN_OVERRIDES)
+        "policy_interval_s": 30,
         "api_host": topo.api_host,
         "api_port": topo.api_port,
     }
+
+
+DEMO_RUN_OVERRIDES: dict[str, Any] = {"policy_interval_s": 0}
+"""What the demo's own advisor process runs with instead of ``advisor.json``: the replay
+runs a policy round every ``policy_every`` requests itself, and its verification compares
+the index with the catalog, which a timer round could change between the two reads."""
 
 
 def _descriptor_json(v: VolumeDescriptor) -> dict[str, Any]:
@@ -201,10 +210,12 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
     """
     cfg_path = workdir / "advisor.json"
     cfg_path.write_text(json.dumps(config, indent=2))
+    run_path = workdir / "advisor.demo-run.json"  # what this process runs: advisor.json + overrides
+    run_path.write_text(json.dumps({**config, **DEMO_RUN_OVERRIDES}, indent=2))
     log_path = workdir / "advisor.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "advisor", "--config", str(cfg_path)],
+        [sys.executable, "-m", "advisor", "--config", str(run_path)],
         stdout=subprocess.PIPE,
         stderr=log,
         env=env,

@@ -86,6 +86,44 @@ class PrefixValueSettings:
 
 
 @numba.njit(cache=True, inline="always")
+def reuse_class(seen_before: int, from_end: int, continuation: int, max_seen: int, max_from_end: int) -> int:
+    """Index of a block's class ``(times referenced before, blocks from the request's end,
+    continuation)``, each capped as in :class:`PrefixValueSettings`.
+
+    Args:
+        seen_before: times the block was referenced before (>= 0).
+        from_end: blocks between it and the end of its request (0 = last block, >= 0).
+        continuation: 1 when the request continued a known prefix, else 0.
+        max_seen / max_from_end: the caps.
+
+    Returns:
+        An int in ``[0, (max_seen + 1) × (max_from_end + 1) × 2)``.
+    """
+    return (min(seen_before, max_seen) * (max_from_end + 1) + min(from_end, max_from_end)) * 2 + continuation
+
+
+@numba.njit(cache=True, inline="always")
+def priority(last: float, horizon: float, reuses: float, inserts: float, prior: float, prior_weight: float,
+             pos: int) -> float:
+    """The policy's priority of a block (lower = evicted / demoted first).
+
+    ``last + horizon × (reuses + prior_weight × prior) / (inserts + prior_weight) - pos × 1e-6``:
+    the time of its last reference plus the horizon weighted by the smoothed
+    ``P(reuse | class)`` of its class (module docstring); ``pos`` (its place in its request)
+    breaks ties towards the leaves.  The evaluator's kernel and the live advisor
+    (:mod:`advisor.eviction.live_scoring`) both call this function.
+
+    Args:
+        last: last reference, in clock units (ticks in the evaluator, ns live).
+        horizon: the horizon, same units.
+        reuses / inserts: the class's counts (reuses credited / references).
+        prior / prior_weight: :attr:`PrefixValueSettings.prior_reuse` and ``prior_weight``.
+        pos: the block's position in its request (0 = first).
+    """
+    return last + horizon * (reuses + prior_weight * prior) / (inserts + prior_weight) - pos * 1e-6
+
+
+@numba.njit(cache=True, inline="always")
 def _push(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, k: int, key: float, x: int) -> None:
     i = hsize[k]
     hsize[k] = i + 1
@@ -217,7 +255,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     reu[k, cls_of[k, x]] += 1.0
                     dist_sum[k] += clock - last[x]
                     dist_n[k] += 1.0
-                c = (min(s, max_seen) * n_fe + min(n - 1 - pos, max_from_end)) * 2 + cont
+                c = reuse_class(s, n - 1 - pos, cont, max_seen, max_from_end)
                 ins[k, c] += 1.0
                 seen[k, x] = s + 1
                 cls_of[k, x] = c
@@ -225,7 +263,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 if lookahead > 0 and nu <= i + lookahead:
                     q = BIG - nu
                 else:
-                    q = clock + horizon * (reu[k, c] + prior_w * prior) / (ins[k, c] + prior_w) - pos * 1e-6
+                    q = priority(clock, horizon, reu[k, c], ins[k, c], prior, prior_w, pos)
                 if q > parent_prio:
                     q = parent_prio - 1e-6  # leaves first: never above its parent
                 parent_prio = q
@@ -296,4 +334,4 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
     return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p)
 
 
-__all__ = ["PrefixValueSettings", "simulate"]
+__all__ = ["PrefixValueSettings", "priority", "reuse_class", "simulate"]

@@ -145,8 +145,9 @@ function renderStats(st) {
       numCell("last_seq", s.last_seq),
       numCell("batches", s.batches), numCell("events", s.events),
       el("td", { class: "num", "data-field": "last_seen", "data-value": String(s.last_ts_ns ?? 0),
-        title: s.last_ts_ns ? new Date(Number(BigInt(s.last_ts_ns) / 1000000n)).toISOString() : "never",
-        text: fmtAgo(s.last_ts_ns) }))), "no sources yet", 6);
+        title: s.last_seen || "never",
+        text: s.last_seen ? `${s.last_seen.replace("T", " ").slice(0, 19)} · ${fmtAgo(s.last_ts_ns)}` : "never" }))),
+    "no sources yet", 6);
 }
 
 function renderLocations(perLocation, roles) {

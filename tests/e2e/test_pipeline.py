@@ -47,6 +47,9 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
         g1_blocks=256,
         g2_blocks=512,
         fast_capacity_blocks=32,
+        # the workers offload ~11,400 blocks to slow: it passes its 80 % watermark late in the
+        # run, so its cold blocks go down to S3 (demotion is one tier down: fast -> slow -> S3)
+        slow_capacity_blocks=12_000,
         policy_every=25,
         inner_dim=2,
     )

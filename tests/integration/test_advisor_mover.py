@@ -127,7 +127,7 @@ def test_promotion_of_hot_blocks_from_slow_to_fast(world: World) -> None:
     assert world.svc.run_policies_once() == []  # nothing left to do
 
 
-def test_demotion_of_lru_leaves_to_s3_then_compaction(tmp_path: Path, local_s3: LocalS3) -> None:
+def test_demotion_of_leaves_one_tier_down_then_compaction(tmp_path: Path, local_s3: LocalS3) -> None:
     w = World(tmp_path, local_s3, fast_blocks=12)
     try:
         a, b = [1, 2, 3, 4, 5], [11, 12, 13, 14, 15]
@@ -136,22 +136,22 @@ def test_demotion_of_lru_leaves_to_s3_then_compaction(tmp_path: Path, local_s3: 
         w.events("w0", *chain(a, "g1"), *chain(a, "fast"))
         w.events("w0", *chain(b, "g1"), *chain(b, "fast"))  # B accessed later than A
         # 10 of 12 blocks used (83% > 80%): demote until live <= 60% (7.2 blocks) -> 3 blocks,
-        # A's leaves first
+        # A's leaves first, one tier down: to the slow volume (it has room), not to S3
         results = w.svc.run_policies_once()
         assert [(r.item.kind, r.item.sequence_hash, r.status) for r in results] == [
             (PlanKind.DEMOTE, 5, PlanStatus.DONE), (PlanKind.DEMOTE, 4, PlanStatus.DONE),
             (PlanKind.DEMOTE, 3, PlanStatus.DONE),
         ]
         assert "83.3% > high watermark 80.0%" in results[0].item.reason
-        assert w.where(a + b) == ["fast", "fast", "s3", "s3", "s3"] + ["fast"] * 5
+        assert w.where(a + b) == ["fast", "fast", "slow", "slow", "slow"] + ["fast"] * 5
         assert all(torch.equal(g, data(h)) for g, h in zip(w.worker.get([BlockKey(NS, h) for h in a]), a))
         assert w.advisor_events() == [
-            ("STORE", 5, "s3"), ("REMOVE", 5, "fast"),
-            ("STORE", 4, "s3"), ("REMOVE", 4, "fast"),
-            ("STORE", 3, "s3"), ("REMOVE", 3, "fast"),
+            ("STORE", 5, "slow"), ("REMOVE", 5, "fast"),
+            ("STORE", 4, "slow"), ("REMOVE", 4, "fast"),
+            ("STORE", 3, "slow"), ("REMOVE", 3, "fast"),
         ]
         assert w.svc.index.lookup(a) == {"fast": 2, "w0/g1": 5}
-        assert w.svc.index.blocks_at("s3") == {3, 4, 5}
+        assert w.svc.index.blocks_at("slow") == {3, 4, 5} and w.svc.index.blocks_at("s3") == set()
         # A's segment is now 2/5 live and the 2 free blocks hold its live bytes: the next round
         # compacts it (no location changes, no events)
         seg_a = w.worker.locate([BlockKey(NS, 1)])[0].segment_id

@@ -110,10 +110,11 @@ def test_demotion_moves_lru_leaves_first_until_the_low_watermark() -> None:
     on_fast = placements([1, 2, 3, 10, 11, 77])  # 77: on the volume, unknown to the index
     usage = VolumeUsage(capacity_bytes=7_000, used_bytes=6_000, live_bytes=6_000)  # 85.7% > 80%
     pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": usage}, fast_placements=on_fast)
-    items = plan_demotions(DemotionSettings(high_watermark=0.8, low_watermark=0.3), pin, log.idx)
-    # need 6000 - 2100 = 3900 bytes -> 4 blocks: unknown 77 first, then chain A leaf to root
+    items = plan_demotions(DemotionSettings(high_watermark=0.8, low_watermark=0.3, scoring="lru"), pin, log.idx)
+    # need 6000 - 2100 = 3900 bytes -> 4 blocks: unknown 77 first, then chain A leaf to root;
+    # one tier down: to the slow volume (its usage unknown: not known to be full)
     assert [i.sequence_hash for i in items] == [77, 3, 2, 1]
-    assert all(i.kind is PlanKind.DEMOTE and i.src_volume == "fast" and i.dst_volume == "s3" for i in items)
+    assert all(i.kind is PlanKind.DEMOTE and i.src_volume == "fast" and i.dst_volume == "slow" for i in items)
     assert all(i.namespace == NS for i in items)
     assert "above" not in items[0].reason and "> high watermark 80.0%" in items[0].reason
     # under the high watermark: nothing
@@ -135,8 +136,8 @@ def test_demotion_evacuates_a_sparse_segment_when_compaction_has_no_room() -> No
     # 1 free block cannot hold either segment's live blocks -> evacuate segment 1, leaves first
     pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(13 * BS, 12 * BS, 5 * BS)},
                       fast_placements=on_fast, segments=segs)
-    items = plan_demotions(DemotionSettings(), pin, log.idx, compact_below=0.5)
-    assert [(i.sequence_hash, i.dst_volume) for i in items] == [(3, "s3"), (2, "s3"), (1, "s3")]
+    items = plan_demotions(DemotionSettings(scoring="lru"), pin, log.idx, compact_below=0.5)
+    assert [(i.sequence_hash, i.dst_volume) for i in items] == [(3, "slow"), (2, "slow"), (1, "slow")]
     assert "no room to compact" in items[0].reason and "evacuating segment 1 (37.5% live)" in items[0].reason
     # with 3 free blocks, segment 1 (3 live, 37.5% < 55%) can be compacted: no demotion
     pin.usage["fast"] = VolumeUsage(15 * BS, 12 * BS, 5 * BS)
@@ -221,13 +222,22 @@ def test_demotion_prefix_value_scoring_keeps_leaves_first_and_explains() -> None
     log.apply("w0", *chain_events([1, 2, 3], "fast"))
     log.apply("w0", *chain_events([10, 11], "fast"))
     log.apply("w1", *chain_events([10, 11], "g1"))
+    # evidence on slow: blocks seen twice were seen again (class seen=1 is reused), blocks
+    # seen once mostly were not
+    for c in range(4):
+        hs = [100 + 10 * c, 101 + 10 * c]
+        log.apply("w2", *chain_events(hs, "slow"))
+        for w in ("w3", "w4"):
+            log.apply(w, *chain_events(hs, "g1"))
+    log.apply("w2", *chain_events([500, 501, 502, 503], "slow"))
     on_fast = placements([1, 2, 3, 10, 11])
     usage = VolumeUsage(capacity_bytes=5_000, used_bytes=5_000, live_bytes=5_000)
-    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": usage}, fast_placements=on_fast)
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": usage}, fast_placements=on_fast,
+                      placements={"slow": placements([100, 101, 110, 111, 120, 121, 130, 131, 500, 501, 502, 503], "slow")})
     s = DemotionSettings(high_watermark=0.8, low_watermark=0.3, scoring="prefix_value")
-    items = plan_demotions(s, pin, log.idx)
-    # 3,500 bytes -> 4 blocks; chain A (older, never re-used) leaf to root, then B's leaf
+    items = plan_demotions(s, pin, log.idx, hot_hits=None)
+    # 3,500 bytes -> 4 blocks; chain A (never re-used) leaf to root, then B's leaf
     assert [i.sequence_hash for i in items] == [3, 2, 1, 11]
-    assert all("prefix-value leaf" in i.reason for i in items)
+    assert all("prefix-value leaf" in i.reason and i.dst_volume == "slow" for i in items)
     with pytest.raises(ValidationError):
         DemotionSettings(scoring="fifo")

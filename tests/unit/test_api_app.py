@@ -108,7 +108,8 @@ def test_duplicate_store_batch_counts_once_in_rest_stats(service: AdvisorService
     assert st["blocks_per_location"] == {"w0/g1": 3}
     assert st["index_counters"]["duplicate_stores"] == 3
     assert st["ingest"]["duplicate_batches"] == 1
-    assert st["sources"]["w0"] == {"epoch": 5, "last_seq": 1, "batches": 2, "events": 6, "last_ts_ns": 200}
+    assert st["sources"]["w0"] == {"epoch": 5, "last_seq": 1, "batches": 2, "events": 6, "last_ts_ns": 200,
+                                   "last_seen_s": 2e-07, "last_seen": "1970-01-01T00:00:00.000+00:00"}
     assert st["journal_position"] == 2 and st["batches_applied"] == 2 and st["events_applied"] == 6
     assert st["advisor_events"] == 0
     assert st["moves"]["promotions"] == 0 and st["moves"]["done"] == {"promote": 0, "demote": 0, "compact": 0}
