@@ -54,6 +54,14 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
     echo "services: prometheus missing and not root; run as root: apt-get install -y --no-install-recommends prometheus" >&2
   fi
 fi
+# wrk (Debian): the HTTP load generator bench/api.py prefers (a C client keeps the client's
+# own cost out of the API's figures); the bench falls back to httpx without it.
+if ! command -v wrk >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; } \
+      || echo "services: wrk install failed; bench/api.py will use httpx clients" >&2
+  fi
+fi
 for _ in $(seq 1 50); do answers 4222 && answers 6379 && exit 0; sleep 0.1; done
 echo "services: NATS or Redis did not come up" >&2
 exit 1
