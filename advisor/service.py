@@ -391,7 +391,7 @@ class AdvisorService:
 
         s = self.settings
         self.catalog = _open_file("placement catalog", s.catalog_path, SqliteCatalog, s.catalog_path)
-        self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}")
+        self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}", allowed_roots=s.allowed_volume_roots())
         for vol in s.volumes:
             self.agent.register_volume(vol.to_descriptor())
 

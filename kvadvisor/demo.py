@@ -192,6 +192,35 @@ def _descriptor_json(v: VolumeDescriptor) -> dict[str, Any]:
     return {k: val for k, val in d.items() if val is not None}
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable and writable by the owner only (mode 0600, also
+    when the file existed with a wider mode), so no other user ever sees its content."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def write_advisor_config(config: dict[str, Any], workdir: Path) -> Path:
+    """Write the advisor's JSON settings to ``workdir/advisor.json`` (mode 0600).
+
+    A volume's ``secret_key`` is never written into it: it goes to its own file
+    ``workdir/<volume id>.secret`` (mode 0600), named by the volume's ``secret_key_file``.
+
+    Returns:
+        The path of ``advisor.json``.
+    """
+    cfg = json.loads(json.dumps(config))
+    for v in cfg.get("volumes", []):
+        secret = v.pop("secret_key", None)
+        if secret:
+            v["secret_key_file"] = str(write_private(workdir / f"{v['id']}.secret", str(secret) + "\n"))
+    return write_private(workdir / "advisor.json", json.dumps(cfg, indent=2))
+
+
 @contextmanager
 def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], timeout_s: float = 60.0) -> Iterator[str]:
     """Start the advisor service as its own process; yield its API URL; stop it on exit.
@@ -199,8 +228,7 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
     Raises:
         DemoError: if the process exits or does not print ``ADVISOR READY <url>`` in time.
     """
-    cfg_path = workdir / "advisor.json"
-    cfg_path.write_text(json.dumps(config, indent=2))
+    cfg_path = write_advisor_config(config, workdir)
     log_path = workdir / "advisor.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
