@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
-from advisor.journal import BadPayloadError, SqliteJournal
+from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
@@ -145,7 +145,12 @@ class AdvisorService:
             "snapshot_loaded_position": 0,
             "log_discarded": 0,
             "reserved_source_refused": 0,
+            "journal_failures": 0,
+            "gc_segments_removed": 0,
         }
+        self.journal_error: str | None = None
+        """Why the last journal append failed, while it keeps failing (``/healthz`` is then
+        unhealthy); ``None`` once an append succeeds again."""
         self.rate = RateMeter()
         self.started_at: float | None = None
         self._stop = threading.Event()
@@ -464,6 +469,11 @@ class AdvisorService:
         Returns:
             ``True`` if applied, ``False`` if it was already journaled (duplicate) or
             refused as bad (counted in ``counters``; nothing else changes).
+
+        Raises:
+            JournalError: the journal could not store the batch (disk full, I/O error):
+                nothing is applied, ``journal_failures`` is counted and the service
+                reports unhealthy (:attr:`journal_error`) until an append succeeds.
         """
         if self.journal is None:
             if self.stream_log is not None:
@@ -480,6 +490,13 @@ class AdvisorService:
                 self.metrics.bad_batches.inc()
                 logger.warning("advisor: refused batch %s:%s:%s: %s", batch.source, batch.epoch, batch.seq, exc)
                 return False
+            except JournalError as exc:
+                # not durable, so not applied: the caller keeps the batch and retries
+                self.counters["journal_failures"] += 1
+                self.metrics.journal_failures.inc()
+                self.journal_error = f"journal append failed: {exc}"
+                raise
+            self.journal_error = None
             if pos is None:
                 self.counters["duplicate_batches"] += 1
                 self.metrics.duplicate_batches.inc()
@@ -517,9 +534,25 @@ class AdvisorService:
                     self.counters["reserved_source_refused"] += 1
                     self.metrics.bad_batches.inc()
                     continue
-                self.ingest(batch, verify=False)
+                self._ingest_until_journaled(batch)
             except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
                 logger.exception("advisor: ingest failed")
+
+    def _ingest_until_journaled(self, batch: EventBatch) -> None:
+        """Backpressure: retry one batch while the journal refuses writes (backoff doubling
+        from 0.1 s to 5 s); no later batch is taken from the subscriber meanwhile, so
+        nothing is dropped and the publishers' replay covers what piles up."""
+        delay = 0.1
+        while True:
+            try:
+                self.ingest(batch, verify=False)
+                return
+            except JournalError as exc:
+                logger.error("advisor: %s; retrying batch %s:%s:%s in %.1f s", exc, batch.source, batch.epoch,
+                             batch.seq, delay)
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------------ policies
     def _policy_loop(self) -> None:

@@ -12,7 +12,7 @@ Routes (all JSON unless stated):
 ``GET  /v1/plans?limit=N``             recent executed plan items with reasons
 ``POST /v1/plans/run``                 run one policy round now; its results
 ``GET  /metrics``                      Prometheus text exposition
-``GET  /healthz``                      liveness
+``GET  /healthz``                      health: 200 ok, 503 while journal writes fail
 =====================================  ==================================================
 
 Errors are ``{"error": code, "detail": text}`` with codes ``unknown_block`` (404),
@@ -164,9 +164,10 @@ def create_app(query: AdvisorQuery) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(query.metrics_registry()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", response_model=HealthResponse)
-    def healthz() -> HealthResponse:
-        return HealthResponse.model_validate(query.health())
+    @app.get("/healthz", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    def healthz() -> Response:
+        health = HealthResponse.model_validate(query.health())
+        return JSONResponse(health.model_dump(), status_code=200 if health.status == "ok" else 503)
 
     mount_dashboard(app)
     return app
