@@ -193,6 +193,9 @@ class AdvisorService:
             self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
             if s.reconcile_on_start:
                 self.reconcile()
+            self.collect_garbage()
+            if s.gc_interval_s > 0:
+                self._spawn("kvadvisor-gc", self._gc_loop)
         if self.stream_log is not None:
             self._spawn("kvadvisor-log", self._log_loop)
         if self.snapshots is not None and s.snapshot_every_s > 0:
@@ -639,6 +642,33 @@ class AdvisorService:
             logger.warning("advisor: reconciled %d placement events with the catalog", len(events))
         self.counters["reconciled_events"] += len(events)
         return len(events)
+
+    def collect_garbage(self) -> int:
+        """Remove crash leftovers on every managed volume (``StorageAgent.collect_garbage``:
+        unsealed segments without live blocks older than ``gc_min_age_s``, and segment
+        files or objects the catalog does not know); runs at start and every
+        ``gc_interval_s``.  A volume that fails is logged and skipped.
+
+        Returns:
+            Segments removed (also added to ``counters["gc_segments_removed"]``).
+        """
+        if self.agent is None:
+            return 0
+        removed = 0
+        for vol in self.settings.volumes:
+            try:
+                removed += self.agent.collect_garbage(vol.id, min_age_s=self.settings.gc_min_age_s)
+            except Exception as exc:  # noqa: BLE001 - one volume must not stop the others
+                logger.warning("advisor: garbage collection of %s failed: %s: %s", vol.id, type(exc).__name__, exc)
+        with self.lock:
+            self.counters["gc_segments_removed"] += removed
+        if removed:
+            logger.info("advisor: garbage collection removed %d segments", removed)
+        return removed
+
+    def _gc_loop(self) -> None:
+        while not self._stop.wait(self.settings.gc_interval_s):
+            self.collect_garbage()
 
     # ------------------------------------------------------------------ reads
     def block_info(self, h: int) -> BlockInfo | None:
