@@ -43,6 +43,7 @@ import torch
 from event_plane import EventPublisher, make_publisher
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
+from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
 from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult, fill_synthetic_kv, synthetic_block_bytes
 from storage_backends import (
     LocalS3,
@@ -366,6 +367,10 @@ def run_demo(
         # absolute: advisor.json names its paths from here, and `advisor run` may start anywhere
         workdir = Path(s.workdir).resolve() if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
         workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            stack.enter_context(workdir_lock(workdir, "kvadvisor demo"))
+        except WorkdirLockedError as exc:
+            raise DemoError(str(exc)) from None
         if not s.keep and not s.workdir:
             stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         s3: LocalS3 | None = None
