@@ -29,6 +29,7 @@ from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
+from advisor.run_state import RunStateStore
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.settings import AdvisorSettings
@@ -113,6 +114,7 @@ class AdvisorService:
         self.lock = threading.RLock()
         self._round_lock = threading.Lock()
         self.journal: SqliteJournal | None = None
+        self.run_state: RunStateStore | None = None
         self.catalog: Any = None
         self.agent: Any = None
         self.publisher: Any = None
@@ -178,6 +180,7 @@ class AdvisorService:
             self.journal = _open_file("journal", s.journal_path, SqliteJournal, s.journal_path, synchronous=s.journal_synchronous)
             self._load_snapshot(self.journal.last_position())
             self._replay_journal()
+            self.run_state = _open_file("run state", s.journal_path, RunStateStore, s.journal_path)
         else:
             self._load_snapshot(None)
             self._open_stream_log()
@@ -191,6 +194,8 @@ class AdvisorService:
             from storage_backends.types import BlockKey
 
             self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
+        self._restore_run_state()
+        if self.mover is not None:
             if s.reconcile_on_start:
                 self.reconcile()
             self.collect_garbage()
@@ -450,6 +455,9 @@ class AdvisorService:
             self.agent.close()
         if self.catalog is not None:
             self.catalog.close()
+        if self.run_state is not None:
+            self._save_run_state([])
+            self.run_state.close()
         if self.journal is not None:
             self.journal.close()
 
@@ -606,7 +614,40 @@ class AdvisorService:
                     self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
             self.metrics.policy_rounds.inc()
             self.metrics.record_results(results)
+            self._save_run_state(results)
             return results
+
+    #: counters that describe one start, not the service's history (not restored)
+    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped"})
+
+    def _restore_run_state(self) -> None:
+        """Counters, mover counters and recent plans of the previous runs (:mod:`advisor.run_state`)."""
+        if self.run_state is None:
+            return
+        saved = self.run_state.counters()
+        with self.lock:
+            for name, v in saved.items():
+                if name.startswith("mover."):
+                    _, field_name, kind = name.split(".", 2)
+                    table = getattr(self.mover.counters, field_name, None) if self.mover is not None else None
+                    if isinstance(table, dict) and kind in table:
+                        table[kind] = v
+                elif name not in self._PER_START:
+                    self.counters[name] = v
+            self.plans.extend(self.run_state.plans())
+
+    def _save_run_state(self, results: list[PlanResult]) -> None:
+        if self.run_state is None:
+            return
+        with self.lock:
+            counters = dict(self.counters)
+        if self.mover is not None:
+            for field_name, table in asdict(self.mover.counters).items():
+                counters.update({f"mover.{field_name}.{k}": v for k, v in table.items()})
+        try:
+            self.run_state.save(counters, results)
+        except Exception as exc:  # noqa: BLE001 - the state is also rebuilt at the next round
+            logger.warning("advisor: cannot save the run state: %s: %s", type(exc).__name__, exc)
 
     def reconcile(self) -> int:
         """Publish the events a crash between catalog commit and publish left out.
