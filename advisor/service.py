@@ -30,6 +30,7 @@ from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult
 from advisor.run_state import RunStateStore
+from advisor.volume_backoff import FullVolumeBackoff
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.settings import AdvisorSettings
@@ -121,6 +122,7 @@ class AdvisorService:
         self.subscriber: Any = None
         self.mover: Mover | None = None
         self.planner = Planner(settings.policy.planner)
+        self.full_backoff = FullVolumeBackoff(settings.full_backoff_s, settings.full_backoff_max_s)
         self.api: Any = None
         self.metrics = AdvisorMetrics(self._metrics_snapshot, max_locations=settings.metrics_max_locations,
                                       keep_locations=[v.id for v in settings.volumes])
@@ -601,6 +603,7 @@ class AdvisorService:
             inp = self.policy_input()
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index)
+            proposed, held = self._hold_back_full(proposed)
             plan = self.planner.plan(proposed)
             try:
                 results = self.mover.execute_many(plan.items)
@@ -609,13 +612,36 @@ class AdvisorService:
             with self.lock:
                 self.plans.extend(results)
                 self.counters["policy_rounds"] += 1
-                self.counters["plans_deferred"] += plan.deferred
+                self.counters["plans_deferred"] += plan.deferred + held
+                if held:
+                    self.counters["deferred_volume_full"] = self.counters.get("deferred_volume_full", 0) + held
                 for why, n in plan.deferred_reasons.items():
                     self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
             self.metrics.policy_rounds.inc()
             self.metrics.record_results(results)
+            self._note_full(results)
             self._save_run_state(results)
             return results
+
+    def _hold_back_full(self, proposed: list[Any]) -> tuple[list[Any], int]:
+        """Drop the items writing into a volume in full-volume backoff; return the rest and
+        how many were held back."""
+        keep = [it for it in proposed
+                if not self.full_backoff.waiting(it.dst_volume if it.dst_volume is not None else it.src_volume)]
+        return keep, len(proposed) - len(keep)
+
+    def _note_full(self, results: list[PlanResult]) -> None:
+        """Start or reset the full-volume backoff of each destination from a round's results."""
+        from advisor.plan import PlanStatus
+
+        for r in results:
+            dst = r.item.dst_volume if r.item.dst_volume is not None else r.item.src_volume
+            if r.status is PlanStatus.FAILED and "VolumeFullError" in r.detail:
+                if not self.full_backoff.waiting(dst):
+                    wait = self.full_backoff.failed(dst)
+                    logger.warning("advisor: volume %s is full (%s); no moves into it for %.0f s", dst, r.detail, wait)
+            elif r.status is PlanStatus.DONE:
+                self.full_backoff.succeeded(dst)
 
     #: counters that describe one start, not the service's history (not restored)
     _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped"})

@@ -107,6 +107,11 @@ def demo(
             typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
             raise typer.Exit(130) from None
     _print_report(report)
+    failed = sum(report.failed_moves.values())
+    if failed:
+        typer.echo(f"warning: {failed:,} advisor moves failed ({', '.join(f'{k}={v:,}' for k, v in report.failed_moves.items() if v)}"
+                   f"{f'; {report.deferred_volume_full:,} held back by a full volume' if report.deferred_volume_full else ''}); "
+                   "see GET /v1/plans and the advisor log", err=True)
     if s.requests is not None and report.requests < s.requests:
         console.print(f"note: the trace holds {report.requests:,} requests; all of them were replayed "
                       f"(--requests asked for {s.requests:,})")
@@ -138,6 +143,9 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
         ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
+        ("FAILED promotions / demotions / compactions",
+         " / ".join(f"{r.failed_moves.get(k, 0):,}" for k in ("promote", "demote", "compact"))
+         + (f" ({r.deferred_volume_full:,} held back: volume full)" if r.deferred_volume_full else "")),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
         ("API (while it was up)", r.api_url),
         (f"event streams ({r.transport}; worker order, last: the advisor's)", " ".join(r.event_urls)),

@@ -83,6 +83,8 @@ class DemoReport:
     demotions: int = 0
     compactions: int = 0
     bytes_moved: int = 0
+    failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
+    deferred_volume_full: int = 0
     advisor_events_per_s: float = 0.0
     api_url: str = ""
     event_urls: list[str] = field(default_factory=list)
@@ -469,6 +471,8 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.demotions = int(mv.get("demotions", 0))
     report.compactions = int(mv.get("compactions", 0))
     report.bytes_moved = int(mv.get("bytes_moved", 0))
+    report.failed_moves = {k: int(v) for k, v in mv.get("failed", {}).items()}
+    report.deferred_volume_full = int(st.get("ingest", {}).get("deferred_volume_full", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
     report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))
