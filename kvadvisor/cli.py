@@ -197,6 +197,64 @@ def evaluate(
         json_out.write_text(json.dumps(result.as_dict(), indent=2))
 
 
+@app.command("check")
+def check_cmd(
+    workdir: Annotated[Optional[Path], typer.Option(help="a demo working directory (reads its advisor.json, locks it)")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="an advisor config file (instead of --workdir)")] = None,
+    repair: Annotated[bool, typer.Option(help="make index, catalog and volumes agree (advisor must be stopped)")] = False,
+    deep: Annotated[bool, typer.Option(help="also read every block and compare its checksum")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+) -> None:
+    """Compare the index (a fresh fold of the journal), the catalog and the volumes.
+
+    Exit status: 0 when they agree (after --repair: when the repair left no difference),
+    1 when differences remain, 2 on an error (bad config, directory in use).
+    """
+    from contextlib import nullcontext
+
+    from advisor.settings import SettingsError
+    from kvadvisor.check import check, load_settings
+    from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
+    from storage_backends import StorageError
+
+    _check_output(json_out, "--json")
+    if workdir is not None and not workdir.is_dir():
+        _fail(f"--workdir {workdir} is not a directory")
+    try:
+        settings = load_settings(workdir, config)
+    except (SettingsError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    try:
+        with workdir_lock(workdir, "kvadvisor check") if workdir is not None else nullcontext():
+            report = check(settings, repair=repair, deep=deep)
+            after = check(settings, deep=deep) if repair and report.differences else report
+    except WorkdirLockedError as exc:
+        _fail(str(exc))
+        return
+    except (StorageError, ValueError, RuntimeError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}")
+        return
+    console.print(f"checked {report.blocks_checked:,} catalog placements against a fold of "
+                  f"{report.journal_position:,} journal batches: {len(report.differences):,} differences")
+    for d in report.differences[:50]:
+        console.print(f"  {d.line()}", markup=False, highlight=False)
+    if len(report.differences) > 50:
+        console.print(f"  ... and {len(report.differences) - 50:,} more (see --json)")
+    lost = report.lost_blocks()
+    if lost:
+        console.print(f"lost blocks ({len(lost):,}): " + " ".join(f"{h:#x}" for h in lost[:100]), markup=False)
+    if repair and report.differences:
+        console.print("repaired: " + ", ".join(f"{k}={v:,}" for k, v in report.repaired.items())
+                      + f"; {len(after.differences):,} differences left")
+    if json_out:
+        out = report.as_dict()
+        out["differences_after_repair"] = len(after.differences)
+        json_out.write_text(json.dumps(out, indent=2))
+    if after.differences:
+        raise typer.Exit(1)
+
+
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""
