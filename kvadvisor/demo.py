@@ -121,7 +121,14 @@ def block_bytes(s: DemoSettings) -> int:
 
 
 def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | None, secret: str | None) -> list[VolumeDescriptor]:
-    """The three volumes: ``fast`` and ``slow`` directories, and the ``s3`` bucket."""
+    """The three volumes: ``fast`` and ``slow`` directories, and the ``s3`` bucket under the
+    prefix ``kv/<catalog id>`` of this working directory's catalog, so two demos against one
+    S3 endpoint never share a prefix (a prefix owned by another catalog is refused)."""
+    cat = SqliteCatalog(workdir / "catalog.sqlite")
+    try:
+        prefix = f"kv/{cat.catalog_id()}"
+    finally:
+        cat.close()
     bb = block_bytes(s)
     seg = max(bb * 32, 1 << 20)
     return [
@@ -130,7 +137,7 @@ def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | Non
         VolumeDescriptor(SLOW, VolumeKind.POSIX, MediaClass.HDD, s.slow_capacity_blocks * bb,
                          root=str(workdir / "volumes" / SLOW), segment_bytes=seg),
         VolumeDescriptor(S3, VolumeKind.S3, MediaClass.OBJECT, s.s3_capacity_blocks * bb,
-                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix="kv", segment_bytes=seg,
+                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix=prefix, segment_bytes=seg,
                          access_key=access, secret_key=secret),
     ]
 

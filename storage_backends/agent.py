@@ -279,6 +279,11 @@ class StorageAgent:
             cls = volume_class(desc.kind)
             backend, params = cls.engine_spec(desc)
             vol = cls(desc, self._hub.engine(backend, params))
+            try:
+                vol.bind_catalog(self.catalog.catalog_id())
+            except BaseException:
+                vol.close()
+                raise
             self._volumes[desc.id] = vol
             return vol
 

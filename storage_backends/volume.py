@@ -186,6 +186,16 @@ class Volume(ABC):
         self.engine = engine
         self.counters = VolumeCounters()
 
+    def bind_catalog(self, catalog_id: str | None) -> None:
+        """Called once by the agent before any I/O with the id of its catalog
+        (:meth:`PlacementCatalog.catalog_id`).  Volumes that other deployments may share
+        (S3) claim their place for that catalog and scope their keys with it; local
+        volumes ignore it.
+
+        Raises:
+            VolumeConfigError: the place belongs to another catalog.
+        """
+
     # ------------------------------------------------------------------ class-level
     @classmethod
     @abstractmethod
