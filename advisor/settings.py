@@ -332,7 +332,8 @@ class AdvisorSettings(BaseSettings):
         """Load settings from a JSON object file (environment fills what it leaves out).
 
         Raises:
-            SettingsError: unreadable file, bad JSON, or invalid values (message names them).
+            SettingsError: unreadable file, bad JSON, invalid values (message names them), or a
+                file readable by group or others that holds a secret.
         """
         try:
             data = json.loads(Path(path).read_text())
@@ -340,11 +341,12 @@ class AdvisorSettings(BaseSettings):
             raise SettingsError(f"cannot read advisor config {path}: {exc}") from exc
         if not isinstance(data, dict):
             raise SettingsError(f"advisor config {path} must hold a JSON object, not {type(data).__name__}")
-        _refuse_exposed_secrets(Path(path), data)
         try:
-            return cls(**data)
+            settings = cls(**data)
         except ValidationError as exc:
             raise SettingsError(f"invalid advisor config {path}: {format_validation_error(exc)}") from exc
+        _refuse_exposed_secrets(Path(path), data)
+        return settings
 
 
 def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .keys import validate_volume_id
+from .memory_budget import MemoryBudgetError, check_allocation
 from .types import MediaClass, VolumeConfigError, VolumeDescriptor, VolumeKind
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ def validate_descriptor(
         raise VolumeConfigError(f"volume {desc.id!r}: alignment must be a power of two, got {a!r}")
     if isinstance(desc.segment_bytes, bool) or not isinstance(desc.segment_bytes, int) or desc.segment_bytes <= 0:
         raise VolumeConfigError(f"volume {desc.id!r}: segment_bytes must be a positive int, got {desc.segment_bytes!r}")
+    try:  # a segment is staged whole in host memory when a put cannot write from the caller's tensors
+        check_allocation(f"the staging buffer of volume {desc.id!r}", desc.segment_bytes,
+                         f"segment_bytes={desc.segment_bytes}")
+    except MemoryBudgetError as exc:
+        raise VolumeConfigError(str(exc)) from None
     volume_class(desc.kind).validate(desc)
     if allowed_roots is not None and VolumeKind(desc.kind) is VolumeKind.POSIX:
         check_allowed_root(desc, allowed_roots)
