@@ -132,7 +132,8 @@ class AdvisorSettings(BaseSettings):
         get_timeout_s: subscriber poll timeout of the ingest loop.
         api_enabled / api_host / api_port: the REST API (port 0 = a free port).
         api_factory: ``module:function`` that serves the API for an ``AdvisorQuery``
-            (loaded by name so ``advisor`` does not import ``api``).
+            (loaded by name so ``advisor`` does not import ``api``); the module must be
+            ``api`` or one of its submodules.
         log: the event log folded into the index: ``sqlite`` (embedded: ``journal_path``,
             batches from ``subscribe_urls`` are appended before they are applied) or
             ``jetstream`` (scaled: the ``KVADVISOR_EVENTS`` stream at ``jetstream_url``,
@@ -164,6 +165,14 @@ class AdvisorSettings(BaseSettings):
         nats_tls / nats_tls_ca_file / nats_tls_cert_file / nats_tls_key_file /
             nats_tls_hostname: TLS for those URLs (any file turns it on; cert + key =
             mutual TLS); a URL's own ``tls_*`` values win field by field.
+        volume_roots: directories the posix volumes must lie under (``None``: the
+            directory of ``catalog_path``); see :meth:`allowed_volume_roots`.
+        gc_interval_s / gc_min_age_s: garbage collection of crash leftovers at start and
+            every ``gc_interval_s`` seconds (0: at start only); unsealed segments without
+            live blocks are removed once older than ``gc_min_age_s`` seconds.
+        full_backoff_s / full_backoff_max_s: after a move failed on a full destination,
+            moves into it are held back this long, doubling up to the maximum
+            (:mod:`advisor.volume_backoff`).
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
