@@ -57,6 +57,13 @@ def settings(tmp: Path, fast_root: Path | None = None, fast_blocks: int = 100, *
         snapshot_store="none",
         volume_roots=[str(tmp)],
     )
+    archive = kw.pop("archive", None)  # (endpoint, access key, secret key): an S3 archive volume
+    if archive is not None:
+        endpoint, ak, sk = archive
+        base["volumes"].append({"id": "s3", "kind": "s3", "media": "object", "capacity_bytes": 1 << 30,
+                                "endpoint": endpoint, "bucket": f"faults-{uuid.uuid4().hex[:12]}", "prefix": "kv",
+                                "segment_bytes": 1 << 20, "access_key": ak, "secret_key": sk})
+        base["archive_volume"] = "s3"
     base.update(kw)
     return AdvisorSettings(**base)
 
