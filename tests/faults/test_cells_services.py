@@ -17,23 +17,24 @@ from tests.faults._mounts import small_tmpfs
 from tests.faults._world import NS, Worker, chain, data, settings
 
 
-def test_enospc_on_the_slow_volume_during_offload(tmp_path: Path) -> None:
-    with small_tmpfs(tmp_path / "slowfs", "1m") as slowfs:
-        s = settings(tmp_path)
-        vols = [v.model_copy(update={"root": str(slowfs / "slow")}) if v.id == "slow" else v for v in s.volumes]
+@pytest.mark.parametrize("vol", ["slow", "fast"])
+def test_enospc_on_a_volume_during_offload(tmp_path: Path, vol: str) -> None:
+    with small_tmpfs(tmp_path / "volfs", "1m") as volfs:
+        s = settings(tmp_path, fast_blocks=1000)
+        vols = [v.model_copy(update={"root": str(volfs / vol)}) if v.id == vol else v for v in s.volumes]
         s = s.model_copy(update={"volumes": vols, "volume_roots": [str(tmp_path)]})
         w = Worker(s)
         try:
             with AdvisorService(s) as svc:
                 hashes = list(range(501, 533))  # 2 MiB into a 1 MiB filesystem
                 with pytest.raises(VolumeFullError) as ei:
-                    w.agent.put([(BlockKey(NS, h), data(h)) for h in hashes], "slow")
+                    w.agent.put([(BlockKey(NS, h), data(h)) for h in hashes], vol)
                 stored = [p.key.sequence_hash for p in ei.value.stored]
                 assert len(stored) < len(hashes)
                 if stored:  # a worker acknowledges what landed
-                    w.send(svc, "w0", *chain(stored, "slow"))
+                    w.send(svc, "w0", *chain(stored, vol))
                 index_equals_fold(svc)
-                assert svc.index.blocks_at("slow") == set(stored)
+                assert svc.index.blocks_at(vol) == set(stored)
             acknowledged_read_back(w.agent, stored)
             assert w.agent.exists([BlockKey(NS, h) for h in hashes if h not in stored]) == [False] * (32 - len(stored))
             assert catalog_equals_volumes(s) == []
