@@ -53,3 +53,11 @@ def test_a_volume_whose_segment_does_not_fit_in_memory_is_refused(tmp_path: Path
     finally:
         agent.close()
         agent.catalog.close()
+
+
+def test_the_refusal_names_the_device_and_the_memory_it_has() -> None:
+    from storage_backends.memory_budget import MemoryBudgetError, check_allocation
+
+    with pytest.raises(MemoryBudgetError, match=r"G1 pool needs 2\.00 GiB .*num_blocks=8 .* cuda:0 has 1\.00 GiB"):
+        check_allocation("G1 pool", 2 << 30, "num_blocks=8 x 268435456 bytes per block", "cuda:0", available=1 << 30)
+    check_allocation("G1 pool", 1 << 30, "num_blocks=4", "cuda:0", available=1 << 30)  # exactly fits: allowed
