@@ -3,6 +3,7 @@
 Threads:
     * ``ingest``: ``subscriber.get`` → :meth:`AdvisorService.ingest` (journal, then apply);
     * ``policy``: every ``policy_interval_s``, :meth:`AdvisorService.run_policies_once`;
+    * ``gc``: every ``gc_interval_s``, :meth:`AdvisorService.collect_garbage` (crash leftovers);
     * the API server (uvicorn), loaded by name from ``settings.api_factory``.
 
 One re-entrant *state lock* orders journal appends and index updates, so the journal
@@ -28,11 +29,10 @@ from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
 from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
-from advisor.plan import PlanKind, PlanResult
-from advisor.run_state import RunStateStore
-from advisor.volume_backoff import FullVolumeBackoff
+from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.run_state import RunStateStore
 from advisor.settings import AdvisorSettings
 from advisor.snapshot import (
     RedisSnapshotStore,
@@ -42,6 +42,7 @@ from advisor.snapshot import (
     load_latest,
     make_snapshot,
 )
+from advisor.volume_backoff import FullVolumeBackoff
 from event_plane.codec import CodecError, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
@@ -632,8 +633,6 @@ class AdvisorService:
 
     def _note_full(self, results: list[PlanResult]) -> None:
         """Start or reset the full-volume backoff of each destination from a round's results."""
-        from advisor.plan import PlanStatus
-
         for r in results:
             dst = r.item.dst_volume if r.item.dst_volume is not None else r.item.src_volume
             if r.status is PlanStatus.FAILED and "VolumeFullError" in r.detail:
