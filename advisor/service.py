@@ -29,6 +29,7 @@ from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
 from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.mover import Mover
+from advisor.owner_lock import OwnedError, OwnerLock
 from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
@@ -117,6 +118,7 @@ class AdvisorService:
         self._round_lock = threading.Lock()
         self.journal: SqliteJournal | None = None
         self.run_state: RunStateStore | None = None
+        self._journal_lock: OwnerLock | None = None
         self.catalog: Any = None
         self.agent: Any = None
         self.publisher: Any = None
@@ -168,7 +170,8 @@ class AdvisorService:
         """Open the journal, replay it into the index, register volumes, subscribe, serve.
 
         Raises:
-            AdvisorError: already started, or ``api_factory`` cannot be loaded.
+            AdvisorError: already started, ``api_factory`` cannot be loaded, or another
+                process owns the journal (``<journal_path>.lock``).
             Errors of the parts propagate unchanged (``JournalError``,
             ``VolumeConfigError``, ``EventURLError`` / ``TransportError``, ``ServerError``);
             call :meth:`stop` to release what was opened.
@@ -180,6 +183,7 @@ class AdvisorService:
         self.started_at = time.monotonic()
         self.snapshots = self._open_snapshot_store()
         if s.log == "sqlite":
+            self._journal_lock = self._lock_journal(s.journal_path)
             self.journal = _open_file("journal", s.journal_path, SqliteJournal, s.journal_path, synchronous=s.journal_synchronous)
             self._load_snapshot(self.journal.last_position())
             self._replay_journal()
@@ -218,6 +222,24 @@ class AdvisorService:
             self._spawn("kvadvisor-policy", self._policy_loop)
         if s.api_enabled:
             self.api = self._load_api_factory()(self.query(), s.api_host, s.api_port)
+
+    @staticmethod
+    def _lock_journal(journal_path: str) -> OwnerLock:
+        """Own the journal for this process (``<journal_path>.lock``): two advisors folding
+        and appending one journal would each miss the other's batches.
+
+        Raises:
+            AdvisorError: another process owns it (naming its pid).
+        """
+        from pathlib import Path
+
+        Path(journal_path).parent.mkdir(parents=True, exist_ok=True)
+        lock = OwnerLock(f"{journal_path}.lock", f"journal {journal_path}", "advisor")
+        try:
+            lock.acquire()
+        except (OwnedError, OSError) as exc:
+            raise AdvisorError(str(exc)) from exc
+        return lock
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -463,6 +485,8 @@ class AdvisorService:
             self.run_state.close()
         if self.journal is not None:
             self.journal.close()
+        if self._journal_lock is not None:
+            self._journal_lock.release()
 
     def __enter__(self) -> AdvisorService:
         self.start()

@@ -135,15 +135,30 @@ def check(settings: AdvisorSettings, *, repair: bool = False, deep: bool = False
 
     Raises:
         ValueError: the settings have no catalog or use ``log=jetstream``.
+        OwnedError: ``repair`` while another process (an advisor) owns the journal.
         StorageError / JournalError: a volume, the catalog or the journal cannot be opened.
     """
-    from storage_backends import BlockKey, SqliteCatalog, StorageAgent
-
     if settings.catalog_path is None:
         raise ValueError("the advisor config has no catalog_path: nothing to check")
     if settings.log != "sqlite":
         raise ValueError("kvadvisor check reads the SQLite journal (log=sqlite); this config uses log=jetstream")
     report = CheckReport()
+    owner = None
+    if repair:  # appends to the journal: no advisor may be running on it
+        from advisor.owner_lock import OwnerLock
+
+        owner = OwnerLock(f"{settings.journal_path}.lock", f"journal {settings.journal_path}", "kvadvisor check --repair")
+        owner.acquire()
+    try:
+        return _check(settings, report, repair, deep)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _check(settings: AdvisorSettings, report: CheckReport, repair: bool, deep: bool) -> CheckReport:
+    from storage_backends import BlockKey, SqliteCatalog, StorageAgent
+
     journal = SqliteJournal(settings.journal_path)
     catalog = SqliteCatalog(settings.catalog_path)
     agent = StorageAgent(catalog, name=f"kvadvisor-check-{time.time_ns()}", allowed_roots=settings.allowed_volume_roots())

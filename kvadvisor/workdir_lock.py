@@ -1,26 +1,21 @@
-"""An exclusive lock on a working directory (``<workdir>/.kvadvisor.lock``, ``filelock``).
-
-The lock is an ``flock`` on the file, so the kernel releases it when its owner dies: a
-crashed demo never leaves a stale lock.  The owner's pid and command are written next to it
-(``.kvadvisor.owner``) so that a refused second owner can say who holds it.
+"""An exclusive lock on a working directory (``<workdir>/.kvadvisor.lock``,
+:class:`advisor.owner_lock.OwnerLock`): released by the kernel when its owner dies, so a
+crashed demo never leaves a stale lock; the owner's pid and task are written beside it
+(``.kvadvisor.lock.owner``) for a refused second owner to name.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from filelock import FileLock, Timeout
+from advisor.owner_lock import OwnedError, OwnerLock
 
 LOCK_NAME = ".kvadvisor.lock"
-OWNER_NAME = ".kvadvisor.owner"
 
-
-class WorkdirLockedError(RuntimeError):
-    """Another process owns the working directory."""
+WorkdirLockedError = OwnedError
+"""Another process owns the working directory."""
 
 
 @contextmanager
@@ -34,20 +29,5 @@ def workdir_lock(workdir: Path, what: str) -> Iterator[None]:
     Raises:
         WorkdirLockedError: another process holds the lock (message: its pid and task).
     """
-    lock = FileLock(str(workdir / LOCK_NAME))
-    owner = workdir / OWNER_NAME
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        try:
-            who = owner.read_text().strip()
-        except OSError:
-            who = "unknown"
-        raise WorkdirLockedError(f"working directory {workdir} is in use by another process ({who}); "
-                                 "wait for it to finish or use another directory") from None
-    try:
-        owner.write_text(f"pid {os.getpid()}: {what} ({' '.join(sys.argv[:2])})\n")
+    with OwnerLock(workdir / LOCK_NAME, f"working directory {workdir}", what):
         yield
-    finally:
-        owner.unlink(missing_ok=True)
-        lock.release()

@@ -46,4 +46,40 @@ def test_a_second_demo_on_a_locked_workdir_is_refused(tmp_path: Path) -> None:
         holder.kill()
         holder.wait()
     with workdir_lock(wd, "after the owner died"):  # the kernel released the flock
-        assert "after the owner died" in (wd / ".kvadvisor.owner").read_text()
+        assert "after the owner died" in (wd / ".kvadvisor.lock.owner").read_text()
+
+
+RUN_ADVISOR = r"""
+import sys
+from advisor import AdvisorService, AdvisorSettings
+svc = AdvisorService(AdvisorSettings.from_json_file(sys.argv[1]))
+svc.start()
+print("STARTED", flush=True)
+svc.run_forever()
+"""
+
+
+def test_a_journal_has_one_advisor_and_check_repair_waits_for_it(tmp_path: Path) -> None:
+    from advisor import AdvisorError, AdvisorService
+    from tests.faults._world import settings
+
+    s = settings(tmp_path)
+    cfg = tmp_path / "advisor.json"
+    cfg.write_text(s.model_dump_json())
+    cfg.chmod(0o600)
+    first = subprocess.Popen([sys.executable, "-c", RUN_ADVISOR, str(cfg)], stdout=subprocess.PIPE, text=True,
+                             env=_env())
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "STARTED"
+        second = AdvisorService(s)
+        with pytest.raises(AdvisorError, match=f"journal .* in use by another process \\(pid {first.pid}"):
+            second.start()
+        second.stop()
+        r = subprocess.run([sys.executable, "-c", "from kvadvisor.cli import app; app()", "check", "--config", str(cfg),
+                            "--repair"], capture_output=True, text=True, env=_env(), timeout=300)
+        assert r.returncode == 2 and f"pid {first.pid}" in r.stderr, r.stdout + r.stderr
+    finally:
+        first.kill()
+        first.wait()
+    with AdvisorService(s):  # the lock died with its owner
+        pass
