@@ -90,3 +90,22 @@ def test_two_deployments_racing_for_a_prefix_one_wins(tmp_path: Path, local_s3: 
         for a in agents:
             a.close()
             a.catalog.close()
+
+
+def test_catalog_ids_are_stable_per_catalog_and_differ_between_catalogs(tmp_path: Path, redis_url: str) -> None:
+    from storage_backends import RedisCatalog
+
+    a1, a2 = SqliteCatalog(tmp_path / "a.sqlite"), SqliteCatalog(tmp_path / "a.sqlite")
+    b = SqliteCatalog(tmp_path / "b.sqlite")
+    prefix = f"faults-{uuid.uuid4().hex}"
+    r1, r2, r3 = RedisCatalog(redis_url, prefix), RedisCatalog(redis_url, prefix), RedisCatalog(redis_url, prefix + "x")
+    try:
+        assert a1.catalog_id() == a2.catalog_id() == a1.catalog_id() != b.catalog_id()
+        assert r1.catalog_id() == r2.catalog_id() != r3.catalog_id()
+        assert len({a1.catalog_id(), b.catalog_id(), r1.catalog_id(), r3.catalog_id()}) == 4
+    finally:
+        for c in (a1, a2, b):
+            c.close()
+        for r in (r1, r2, r3):
+            r.destroy()
+            r.close()
