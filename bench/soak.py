@@ -95,7 +95,11 @@ class Soak:
             api_enabled=False, get_timeout_s=0.05, gc_interval_s=30.0,
             policy={"promotion": {"min_hits": 2}},
         )
-        self.pubs = [make_publisher(u, f"worker-{i}", config=PublisherConfig(max_events=64, max_delay_s=0.02))
+        # the workers' ZMQ replay buffers (in this process) hold 1,000 batches each: full
+        # within the first minute, so the memory after it is the advisor's (the default
+        # 10,000 took 5 minutes to fill at 2,000 events/s and read as growth)
+        self.pubs = [make_publisher(u, f"worker-{i}", config=PublisherConfig(max_events=64, max_delay_s=0.02,
+                                                                             replay_buffer=1000))
                      for i, u in enumerate(self.urls)]
         self.svc = AdvisorService(self.settings)
         self.catalog = SqliteCatalog(tmp / "catalog.sqlite")
