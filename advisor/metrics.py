@@ -124,6 +124,10 @@ class AdvisorMetrics:
         self.journal_skipped = Counter(
             "kvadvisor_journal_skipped", "Journal entries skipped at replay (not a valid KVEvent v1 batch)", registry=r
         )
+        self.journal_failures = Counter(
+            "kvadvisor_journal_failures", "Journal appends that failed (disk full, I/O error); the batch is retried",
+            registry=r,
+        )
         self.moves = Counter("kvadvisor_moves", "Plan items executed", ["kind", "status"], registry=r)
         self.bytes_moved = Counter("kvadvisor_bytes_moved", "Bytes written by moves and compactions", ["kind"], registry=r)
         self.policy_rounds = Counter("kvadvisor_policy_rounds", "Policy rounds run", registry=r)

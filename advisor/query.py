@@ -223,11 +223,14 @@ class AdvisorQuery:
         return self._svc.metrics.registry
 
     def health(self) -> dict[str, Any]:
-        """``{"status": "ok", "journal_position": n, "subscribed": bool, "storage": bool}``."""
+        """``{"status": "ok" | "unhealthy", "journal_position": n, "subscribed": bool,
+        "storage": bool, "reason": str | None}``: unhealthy while journal appends fail."""
         with self._svc.lock:
             pos = self._svc.position
+            reason = self._svc.journal_error
         return {
-            "status": "ok",
+            "status": "ok" if reason is None else "unhealthy",
+            "reason": reason,
             "journal_position": pos,
             "subscribed": self._svc.subscriber is not None,
             "storage": self._svc.agent is not None,

@@ -5,6 +5,7 @@ Threads:
     * ``policy``: every ``policy_interval_s``, :meth:`AdvisorService.run_policies_once`;
     * ``expiry``: drops the ``g1``/``g2`` of sources silent for ``source_ttl_s``
       (:meth:`AdvisorService.expire_sources`, :mod:`advisor.source_expiry`);
+    * ``gc``: every ``gc_interval_s``, :meth:`AdvisorService.collect_garbage` (crash leftovers);
     * the API server (uvicorn), loaded by name from ``settings.api_factory``.
 
 One re-entrant *state lock* orders journal appends and index updates, so the journal
@@ -27,14 +28,16 @@ from dataclasses import asdict
 from typing import Any
 
 from advisor.index import PLACEMENT_KEYS, BlockInfo, PrefixIndex
-from advisor.journal import BadPayloadError, SqliteJournal
+from advisor.journal import BadPayloadError, JournalError, SqliteJournal
 from advisor.metrics import AdvisorMetrics
 from advisor.move_guard import MoveGuard
 from advisor.mover import Mover
-from advisor.plan import PlanKind, PlanResult
+from advisor.owner_lock import OwnedError, OwnerLock
+from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.quotas import QuotaGuard
+from advisor.run_state import RunStateStore
 from advisor.settings import AdvisorSettings
 from advisor.source_expiry import due, expiry_batch, private_blocks
 from advisor.snapshot import (
@@ -45,6 +48,7 @@ from advisor.snapshot import (
     load_latest,
     make_snapshot,
 )
+from advisor.volume_backoff import FullVolumeBackoff
 from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, remove, store
 
@@ -118,6 +122,8 @@ class AdvisorService:
         self.lock = threading.RLock()
         self._round_lock = threading.Lock()
         self.journal: SqliteJournal | None = None
+        self.run_state: RunStateStore | None = None
+        self._journal_lock: OwnerLock | None = None
         self.catalog: Any = None
         self.agent: Any = None
         self.publisher: Any = None
@@ -126,6 +132,7 @@ class AdvisorService:
         self.planner = Planner(settings.policy.planner)
         self.move_guard = MoveGuard(settings.policy.planner.min_move_interval_s, self._last_access)
         self._heard: dict[str, float] = {}  # source -> monotonic time of its last batch received
+        self.full_backoff = FullVolumeBackoff(settings.full_backoff_s, settings.full_backoff_max_s)
         self.api: Any = None
         self.metrics = AdvisorMetrics(self._metrics_snapshot, max_locations=settings.metrics_max_locations,
                                       keep_locations=[v.id for v in settings.volumes])
@@ -155,7 +162,12 @@ class AdvisorService:
             "origin_refused": 0,
             "moves_held_back": 0,
             "sources_expired": 0,
+            "journal_failures": 0,
+            "gc_segments_removed": 0,
         }
+        self.journal_error: str | None = None
+        """Why the last journal append failed, while it keeps failing (``/healthz`` is then
+        unhealthy); ``None`` once an append succeeds again."""
         self.origins: Any = None  # event_plane.origins.OriginGuard while subscribed with origin_binding
         self._origin_store: Any = None
         self.counters.update(dict.fromkeys(QuotaGuard.counter_names(), 0))
@@ -172,7 +184,8 @@ class AdvisorService:
         """Open the journal, replay it into the index, register volumes, subscribe, serve.
 
         Raises:
-            AdvisorError: already started, or ``api_factory`` cannot be loaded.
+            AdvisorError: already started, ``api_factory`` cannot be loaded, or another
+                process owns the journal (``<journal_path>.lock``).
             Errors of the parts propagate unchanged (``JournalError``,
             ``VolumeConfigError``, ``EventURLError`` / ``TransportError``, ``ServerError``);
             call :meth:`stop` to release what was opened.
@@ -184,9 +197,11 @@ class AdvisorService:
         self.started_at = time.monotonic()
         self.snapshots = self._open_snapshot_store()
         if s.log == "sqlite":
+            self._journal_lock = self._lock_journal(s.journal_path)
             self.journal = _open_file("journal", s.journal_path, SqliteJournal, s.journal_path, synchronous=s.journal_synchronous)
             self._load_snapshot(self.journal.last_position())
             self._replay_journal()
+            self.run_state = _open_file("run state", s.journal_path, RunStateStore, s.journal_path)
         else:
             self._load_snapshot(None)
             self._open_stream_log()
@@ -200,8 +215,13 @@ class AdvisorService:
             from storage_backends.types import BlockKey
 
             self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
+        self._restore_run_state()
+        if self.mover is not None:
             if s.reconcile_on_start:
                 self.reconcile()
+            self.collect_garbage()
+            if s.gc_interval_s > 0:
+                self._spawn("kvadvisor-gc", self._gc_loop)
         if self.stream_log is not None:
             self._spawn("kvadvisor-log", self._log_loop)
         if self.snapshots is not None and s.snapshot_every_s > 0:
@@ -248,6 +268,23 @@ class AdvisorService:
             return False
         released = self.origins.release(source)
         return self._origin_store.release(source) or released
+    @staticmethod
+    def _lock_journal(journal_path: str) -> OwnerLock:
+        """Own the journal for this process (``<journal_path>.lock``): two advisors folding
+        and appending one journal would each miss the other's batches.
+
+        Raises:
+            AdvisorError: another process owns it (naming its pid).
+        """
+        from pathlib import Path
+
+        Path(journal_path).parent.mkdir(parents=True, exist_ok=True)
+        lock = OwnerLock(f"{journal_path}.lock", f"journal {journal_path}", "advisor")
+        try:
+            lock.acquire()
+        except (OwnedError, OSError) as exc:
+            raise AdvisorError(str(exc)) from exc
+        return lock
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -445,7 +482,7 @@ class AdvisorService:
 
         s = self.settings
         self.catalog = _open_file("placement catalog", s.catalog_path, SqliteCatalog, s.catalog_path)
-        self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}")
+        self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.source}", allowed_roots=s.allowed_volume_roots())
         for vol in s.volumes:
             self.agent.register_volume(vol.to_descriptor())
 
@@ -496,10 +533,15 @@ class AdvisorService:
             self.agent.close()
         if self.catalog is not None:
             self.catalog.close()
+        if self.run_state is not None:
+            self._save_run_state([])
+            self.run_state.close()
         if self.journal is not None:
             self.journal.close()
         if self._origin_store is not None:
             self._origin_store.close()
+        if self._journal_lock is not None:
+            self._journal_lock.release()
 
     def __enter__(self) -> AdvisorService:
         self.start()
@@ -525,6 +567,11 @@ class AdvisorService:
             ``True`` if applied, ``False`` if it was already journaled (duplicate),
             refused as bad or refused whole by a quota (counted in ``counters``; nothing
             else changes).
+
+        Raises:
+            JournalError: the journal could not store the batch (disk full, I/O error):
+                nothing is applied, ``journal_failures`` is counted and the service
+                reports unhealthy (:attr:`journal_error`) until an append succeeds.
         """
         if self.journal is None:
             if self.stream_log is not None:
@@ -548,6 +595,13 @@ class AdvisorService:
                 self.metrics.bad_batches.inc()
                 logger.warning("advisor: refused batch %s:%s:%s: %s", batch.source, batch.epoch, batch.seq, exc)
                 return False
+            except JournalError as exc:
+                # not durable, so not applied: the caller keeps the batch and retries
+                self.counters["journal_failures"] += 1
+                self.metrics.journal_failures.inc()
+                self.journal_error = f"journal append failed: {exc}"
+                raise
+            self.journal_error = None
             if pos is None:
                 self.counters["duplicate_batches"] += 1
                 self.metrics.duplicate_batches.inc()
@@ -611,9 +665,25 @@ class AdvisorService:
                     self.counters["reserved_source_refused"] += 1
                     self.metrics.bad_batches.inc()
                     continue
-                self.ingest(batch, verify=False)
+                self._ingest_until_journaled(batch)
             except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
                 logger.exception("advisor: ingest failed")
+
+    def _ingest_until_journaled(self, batch: EventBatch) -> None:
+        """Backpressure: retry one batch while the journal refuses writes (backoff doubling
+        from 0.1 s to 5 s); no later batch is taken from the subscriber meanwhile, so
+        nothing is dropped and the publishers' replay covers what piles up."""
+        delay = 0.1
+        while True:
+            try:
+                self.ingest(batch, verify=False)
+                return
+            except JournalError as exc:
+                logger.error("advisor: %s; retrying batch %s:%s:%s in %.1f s", exc, batch.source, batch.epoch,
+                             batch.seq, delay)
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------------ policies
     def _policy_loop(self) -> None:
@@ -700,6 +770,7 @@ class AdvisorService:
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index)
             proposed, held = self.move_guard.filter(proposed)
+            proposed, held_full = self._hold_back_full(proposed)
             plan = self.planner.plan(proposed)
             try:
                 results = self.mover.execute_many(plan.items)
@@ -710,12 +781,66 @@ class AdvisorService:
                 self.counters["moves_held_back"] += held
                 self.plans.extend(results)
                 self.counters["policy_rounds"] += 1
-                self.counters["plans_deferred"] += plan.deferred
+                self.counters["plans_deferred"] += plan.deferred + held_full
+                if held_full:
+                    self.counters["deferred_volume_full"] = self.counters.get("deferred_volume_full", 0) + held_full
                 for why, n in plan.deferred_reasons.items():
                     self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
             self.metrics.policy_rounds.inc()
             self.metrics.record_results(results)
+            self._note_full(results)
+            self._save_run_state(results)
             return results
+
+    def _hold_back_full(self, proposed: list[Any]) -> tuple[list[Any], int]:
+        """Drop the items writing into a volume in full-volume backoff; return the rest and
+        how many were held back."""
+        keep = [it for it in proposed
+                if not self.full_backoff.waiting(it.dst_volume if it.dst_volume is not None else it.src_volume)]
+        return keep, len(proposed) - len(keep)
+
+    def _note_full(self, results: list[PlanResult]) -> None:
+        """Start or reset the full-volume backoff of each destination from a round's results."""
+        for r in results:
+            dst = r.item.dst_volume if r.item.dst_volume is not None else r.item.src_volume
+            if r.status is PlanStatus.FAILED and "VolumeFullError" in r.detail:
+                if not self.full_backoff.waiting(dst):
+                    wait = self.full_backoff.failed(dst)
+                    logger.warning("advisor: volume %s is full (%s); no moves into it for %.0f s", dst, r.detail, wait)
+            elif r.status is PlanStatus.DONE:
+                self.full_backoff.succeeded(dst)
+
+    #: counters that describe one start, not the service's history (not restored)
+    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped"})
+
+    def _restore_run_state(self) -> None:
+        """Counters, mover counters and recent plans of the previous runs (:mod:`advisor.run_state`)."""
+        if self.run_state is None:
+            return
+        saved = self.run_state.counters()
+        with self.lock:
+            for name, v in saved.items():
+                if name.startswith("mover."):
+                    _, field_name, kind = name.split(".", 2)
+                    table = getattr(self.mover.counters, field_name, None) if self.mover is not None else None
+                    if isinstance(table, dict) and kind in table:
+                        table[kind] = v
+                elif name not in self._PER_START:
+                    self.counters[name] = v
+            self.plans.extend(self.run_state.plans())
+
+    def _save_run_state(self, results: list[PlanResult]) -> None:
+        if self.run_state is None:
+            return
+        with self.lock:
+            counters = dict(self.counters)
+        if self.mover is not None:
+            for field_name, table in asdict(self.mover.counters).items():
+                counters.update({f"mover.{field_name}.{k}": v for k, v in table.items()})
+        try:
+            self.run_state.save(counters, results)
+        except Exception as exc:  # noqa: BLE001 - the state is also rebuilt at the next round
+            logger.warning("advisor: cannot save the run state: %s: %s", type(exc).__name__, exc)
 
     def reconcile(self) -> int:
         """Publish the events a crash between catalog commit and publish left out.
@@ -751,6 +876,33 @@ class AdvisorService:
             logger.warning("advisor: reconciled %d placement events with the catalog", len(events))
         self.counters["reconciled_events"] += len(events)
         return len(events)
+
+    def collect_garbage(self) -> int:
+        """Remove crash leftovers on every managed volume (``StorageAgent.collect_garbage``:
+        unsealed segments without live blocks older than ``gc_min_age_s``, and segment
+        files or objects the catalog does not know); runs at start and every
+        ``gc_interval_s``.  A volume that fails is logged and skipped.
+
+        Returns:
+            Segments removed (also added to ``counters["gc_segments_removed"]``).
+        """
+        if self.agent is None:
+            return 0
+        removed = 0
+        for vol in self.settings.volumes:
+            try:
+                removed += self.agent.collect_garbage(vol.id, min_age_s=self.settings.gc_min_age_s)
+            except Exception as exc:  # noqa: BLE001 - one volume must not stop the others
+                logger.warning("advisor: garbage collection of %s failed: %s: %s", vol.id, type(exc).__name__, exc)
+        with self.lock:
+            self.counters["gc_segments_removed"] += removed
+        if removed:
+            logger.info("advisor: garbage collection removed %d segments", removed)
+        return removed
+
+    def _gc_loop(self) -> None:
+        while not self._stop.wait(self.settings.gc_interval_s):
+            self.collect_garbage()
 
     # ------------------------------------------------------------------ reads
     def block_info(self, h: int) -> BlockInfo | None:

@@ -9,6 +9,7 @@ over the environment.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,12 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from advisor.policies import PolicySettings
+
+
+_API_FACTORY = re.compile(r"api(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+
+#: fields whose value is a secret: a JSON config holding one must not be readable by others
+_SECRET_FIELDS = ("nats_password", "nats_token")
 
 
 class SettingsError(ValueError):
@@ -48,6 +55,37 @@ class VolumeSettings(BaseModel):
     segment_bytes: int = Field(64 << 20, gt=0)
     access_key: str | None = None
     secret_key: SecretStr | None = None
+    secret_key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> VolumeSettings:
+        if self.secret_key is not None and self.secret_key_file is not None:
+            raise ValueError(f"volume {self.id!r}: give secret_key or secret_key_file, not both")
+        return self
+
+    def secret(self) -> str | None:
+        """The S3 secret key: ``secret_key``, else the first line of ``secret_key_file``.
+
+        Raises:
+            SettingsError: ``secret_key_file`` cannot be read, is empty, or is readable by
+                group or others (mode & 0o077).
+        """
+        if self.secret_key is not None:
+            return self.secret_key.get_secret_value()
+        if self.secret_key_file is None:
+            return None
+        path = Path(self.secret_key_file)
+        try:
+            mode = path.stat().st_mode
+            text = path.read_text().strip()
+        except OSError as exc:
+            raise SettingsError(f"volume {self.id!r}: cannot read secret_key_file {path}: {exc}") from exc
+        if mode & 0o077:
+            raise SettingsError(f"volume {self.id!r}: secret_key_file {path} is readable by group or others "
+                                f"(mode {mode & 0o777:o}); chmod 600 it")
+        if not text:
+            raise SettingsError(f"volume {self.id!r}: secret_key_file {path} is empty")
+        return text.splitlines()[0]
 
     def to_descriptor(self) -> Any:
         """The ``storage_backends.VolumeDescriptor`` for this volume."""
@@ -67,7 +105,7 @@ class VolumeSettings(BaseModel):
             o_direct=self.o_direct,
             segment_bytes=self.segment_bytes,
             access_key=self.access_key,
-            secret_key=self.secret_key.get_secret_value() if self.secret_key is not None else None,
+            secret_key=self.secret(),
         )
 
 
@@ -98,7 +136,8 @@ class AdvisorSettings(BaseSettings):
         get_timeout_s: subscriber poll timeout of the ingest loop.
         api_enabled / api_host / api_port: the REST API (port 0 = a free port).
         api_factory: ``module:function`` that serves the API for an ``AdvisorQuery``
-            (loaded by name so ``advisor`` does not import ``api``).
+            (loaded by name so ``advisor`` does not import ``api``); the module must be
+            ``api`` or one of its submodules.
         log: the event log folded into the index: ``sqlite`` (embedded: ``journal_path``,
             batches from ``subscribe_urls`` are appended before they are applied) or
             ``jetstream`` (scaled: the ``KVADVISOR_EVENTS`` stream at ``jetstream_url``,
@@ -161,6 +200,14 @@ class AdvisorSettings(BaseSettings):
         reported_hits_sources / reported_hits_cap: sources whose ``extra_metadata["hits"]``
             counts (default none: the key is removed from every subscribed event), and
             the most hits one Store of theirs may report (default 8).
+        volume_roots: directories the posix volumes must lie under (``None``: the
+            directory of ``catalog_path``); see :meth:`allowed_volume_roots`.
+        gc_interval_s / gc_min_age_s: garbage collection of crash leftovers at start and
+            every ``gc_interval_s`` seconds (0: at start only); unsealed segments without
+            live blocks are removed once older than ``gc_min_age_s`` seconds.
+        full_backoff_s / full_backoff_max_s: after a move failed on a full destination,
+            moves into it are held back this long, doubling up to the maximum
+            (:mod:`advisor.volume_backoff`).
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -190,6 +237,11 @@ class AdvisorSettings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8080, ge=0, le=65535)
     api_factory: str = "api.server:serve_query"
+    volume_roots: list[str] | None = None
+    gc_interval_s: float = Field(300.0, ge=0.0)
+    gc_min_age_s: float = Field(600.0, ge=0.0)
+    full_backoff_s: float = Field(30.0, ge=0.0)
+    full_backoff_max_s: float = Field(600.0, ge=0.0)
     log: Literal["sqlite", "jetstream"] = "sqlite"
     jetstream_url: str | None = None
     jetstream_namespace: str = Field("default", min_length=1)
@@ -231,6 +283,24 @@ class AdvisorSettings(BaseSettings):
     zmq_curve_secret_file: str | None = None
     origin_binding: bool = True
     origins_path: str | None = None
+
+    @field_validator("api_factory")
+    @classmethod
+    def _api_module(cls, value: str) -> str:
+        """Only a function of the project's own ``api`` package may serve the API: the
+        factory is imported by name, and importing a module runs its code."""
+        if not _API_FACTORY.fullmatch(value):
+            raise ValueError(f"api_factory must be 'api[.module]:function' (a module of the 'api' package), got {value!r}")
+        return value
+
+    def allowed_volume_roots(self) -> list[str] | None:
+        """Directories the posix volumes must lie under: ``volume_roots``, else the
+        directory of ``catalog_path`` (``None`` without a catalog)."""
+        if self.volume_roots is not None:
+            return [str(Path(r).resolve()) for r in self.volume_roots]
+        if self.catalog_path is None:
+            return None
+        return [str(Path(self.catalog_path).resolve().parent)]
 
     @field_validator("jetstream_max_bytes", "jetstream_max_age_s", mode="before")
     @classmethod
@@ -372,7 +442,8 @@ class AdvisorSettings(BaseSettings):
         """Load settings from a JSON object file (environment fills what it leaves out).
 
         Raises:
-            SettingsError: unreadable file, bad JSON, or invalid values (message names them).
+            SettingsError: unreadable file, bad JSON, invalid values (message names them), or a
+                file readable by group or others that holds a secret.
         """
         try:
             data = json.loads(Path(path).read_text())
@@ -381,6 +452,32 @@ class AdvisorSettings(BaseSettings):
         if not isinstance(data, dict):
             raise SettingsError(f"advisor config {path} must hold a JSON object, not {type(data).__name__}")
         try:
-            return cls(**data)
+            settings = cls(**data)
         except ValidationError as exc:
             raise SettingsError(f"invalid advisor config {path}: {format_validation_error(exc)}") from exc
+        _refuse_exposed_secrets(Path(path), data)
+        return settings
+
+
+def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
+    """Refuse a config file that holds a secret (a volume's ``secret_key``, the NATS
+    password or token) and is readable by group or others: the secret is already exposed,
+    so the advisor does not start on it (use ``secret_key_file`` / ``nats_token_file``, or
+    ``chmod 600`` the file).
+
+    Raises:
+        SettingsError: naming the file, its mode and the fields (never their values).
+    """
+    found = [f for f in _SECRET_FIELDS if data.get(f)]
+    vols = data.get("volumes")
+    if isinstance(vols, list):
+        found += [f"volumes[{i}].secret_key" for i, v in enumerate(vols) if isinstance(v, dict) and v.get("secret_key")]
+    if not found:
+        return
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError as exc:
+        raise SettingsError(f"cannot stat advisor config {path}: {exc}") from exc
+    if mode & 0o077:
+        raise SettingsError(f"advisor config {path} holds secrets ({', '.join(found)}) and is readable by group or "
+                            f"others (mode {mode:o}): chmod 600 it, or move them to secret_key_file / nats_token_file")

@@ -13,7 +13,8 @@ Routes (all JSON unless stated; scopes in brackets when tokens are configured, :
 ``GET  /v1/plans?limit=N&cursor=C``    recent executed plan items with reasons, paged [read]
 ``POST /v1/plans/run``                 run one policy round now; its results [admin]
 ``GET  /metrics``                      Prometheus text exposition [read]
-``GET  /healthz``, ``GET /health``     liveness (open)
+``GET  /healthz``, ``GET /health``     health (open): ``/healthz`` 200 ok, 503 while journal
+                                       writes fail or a partition is taken over
 indexer routes                         :mod:`api.indexer` (``/register``, ``/query``...)
 =====================================  ==================================================
 
@@ -372,9 +373,10 @@ def create_app(
         return Response(generate_latest(query.metrics_registry()) + generate_latest(api_metrics),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", response_model=HealthResponse)
-    def healthz() -> HealthResponse:
-        return HealthResponse.model_validate(query.health())
+    @app.get("/healthz", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    def healthz() -> Response:
+        health = HealthResponse.model_validate(query.health())
+        return JSONResponse(health.model_dump(), status_code=200 if health.status == "ok" else 503)
 
     @app.get("/health", response_model=HealthResponse)
     def health() -> HealthResponse:

@@ -408,6 +408,7 @@ class HealthResponse(BaseModel):
     journal_position: int
     subscribed: bool
     storage: bool
+    reason: str | None = None
 
 
 def plan_response(res: Any) -> PlanResponse:

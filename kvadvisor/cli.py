@@ -120,6 +120,11 @@ def demo(
             typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
             raise typer.Exit(130) from None
     _print_report(report)
+    failed = sum(report.failed_moves.values())
+    if failed:
+        typer.echo(f"warning: {failed:,} advisor moves failed ({', '.join(f'{k}={v:,}' for k, v in report.failed_moves.items() if v)}"
+                   f"{f'; {report.deferred_volume_full:,} held back by a full volume' if report.deferred_volume_full else ''}); "
+                   "see GET /v1/plans and the advisor log", err=True)
     if s.requests is not None and report.requests < s.requests:
         console.print(f"note: the trace holds {report.requests:,} requests; all of them were replayed "
                       f"(--requests asked for {s.requests:,})")
@@ -151,6 +156,9 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
         ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
+        ("FAILED promotions / demotions / compactions",
+         " / ".join(f"{r.failed_moves.get(k, 0):,}" for k in ("promote", "demote", "compact"))
+         + (f" ({r.deferred_volume_full:,} held back: volume full)" if r.deferred_volume_full else "")),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
         ("API (while it was up)", r.api_url),
         (f"event streams ({r.transport}; worker order, last: the advisor's)", " ".join(r.event_urls)),
@@ -307,6 +315,64 @@ def worker_sim(
     except (OSError, ValueError, RuntimeError) as exc:
         _fail(f"worker-sim: {exc}")
     typer.echo(f"worker {settings.source}: {n} requests served")
+
+
+@app.command("check")
+def check_cmd(
+    workdir: Annotated[Optional[Path], typer.Option(help="a demo working directory (reads its advisor.json, locks it)")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="an advisor config file (instead of --workdir)")] = None,
+    repair: Annotated[bool, typer.Option(help="make index, catalog and volumes agree (advisor must be stopped)")] = False,
+    deep: Annotated[bool, typer.Option(help="also read every block and compare its checksum")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+) -> None:
+    """Compare the index (a fresh fold of the journal), the catalog and the volumes.
+
+    Exit status: 0 when they agree (after --repair: when the repair left no difference),
+    1 when differences remain, 2 on an error (bad config, directory in use).
+    """
+    from contextlib import nullcontext
+
+    from advisor.settings import SettingsError
+    from kvadvisor.check import check, load_settings
+    from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
+    from storage_backends import StorageError
+
+    _check_output(json_out, "--json")
+    if workdir is not None and not workdir.is_dir():
+        _fail(f"--workdir {workdir} is not a directory")
+    try:
+        settings = load_settings(workdir, config)
+    except (SettingsError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    try:
+        with workdir_lock(workdir, "kvadvisor check") if workdir is not None else nullcontext():
+            report = check(settings, repair=repair, deep=deep)
+            after = check(settings, deep=deep) if repair and report.differences else report
+    except WorkdirLockedError as exc:
+        _fail(str(exc))
+        return
+    except (StorageError, ValueError, RuntimeError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}")
+        return
+    console.print(f"checked {report.blocks_checked:,} catalog placements against a fold of "
+                  f"{report.journal_position:,} journal batches: {len(report.differences):,} differences")
+    for d in report.differences[:50]:
+        console.print(f"  {d.line()}", markup=False, highlight=False)
+    if len(report.differences) > 50:
+        console.print(f"  ... and {len(report.differences) - 50:,} more (see --json)")
+    lost = report.lost_blocks()
+    if lost:
+        console.print(f"lost blocks ({len(lost):,}): " + " ".join(f"{h:#x}" for h in lost[:100]), markup=False)
+    if repair and report.differences:
+        console.print("repaired: " + ", ".join(f"{k}={v:,}" for k, v in report.repaired.items())
+                      + f"; {len(after.differences):,} differences left")
+    if json_out:
+        out = report.as_dict()
+        out["differences_after_repair"] = len(after.differences)
+        json_out.write_text(json.dumps(out, indent=2))
+    if after.differences:
+        raise typer.Exit(1)
 
 
 @advisor_app.command("run")

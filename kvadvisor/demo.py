@@ -43,6 +43,7 @@ import torch
 from event_plane import EventPublisher, make_publisher
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
+from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
 from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult, fill_synthetic_kv, synthetic_block_bytes
 from storage_backends import (
     LocalS3,
@@ -82,6 +83,8 @@ class DemoReport:
     demotions: int = 0
     compactions: int = 0
     bytes_moved: int = 0
+    failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
+    deferred_volume_full: int = 0
     advisor_events_per_s: float = 0.0
     api_url: str = ""
     event_urls: list[str] = field(default_factory=list)
@@ -118,7 +121,14 @@ def block_bytes(s: DemoSettings) -> int:
 
 
 def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | None, secret: str | None) -> list[VolumeDescriptor]:
-    """The three volumes: ``fast`` and ``slow`` directories, and the ``s3`` bucket."""
+    """The three volumes: ``fast`` and ``slow`` directories, and the ``s3`` bucket under the
+    prefix ``kv/<catalog id>`` of this working directory's catalog, so two demos against one
+    S3 endpoint never share a prefix (a prefix owned by another catalog is refused)."""
+    cat = SqliteCatalog(workdir / "catalog.sqlite")
+    try:
+        prefix = f"kv/{cat.catalog_id()}"
+    finally:
+        cat.close()
     bb = block_bytes(s)
     seg = max(bb * 32, 1 << 20)
     return [
@@ -127,7 +137,7 @@ def _volumes(s: DemoSettings, workdir: Path, s3_endpoint: str, access: str | Non
         VolumeDescriptor(SLOW, VolumeKind.POSIX, MediaClass.HDD, s.slow_capacity_blocks * bb,
                          root=str(workdir / "volumes" / SLOW), segment_bytes=seg),
         VolumeDescriptor(S3, VolumeKind.S3, MediaClass.OBJECT, s.s3_capacity_blocks * bb,
-                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix="kv", segment_bytes=seg,
+                         endpoint=s3_endpoint, bucket=s.s3_bucket, prefix=prefix, segment_bytes=seg,
                          access_key=access, secret_key=secret),
     ]
 
@@ -201,6 +211,35 @@ def _descriptor_json(v: VolumeDescriptor) -> dict[str, Any]:
     return {k: val for k, val in d.items() if val is not None}
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` readable and writable by the owner only (mode 0600, also
+    when the file existed with a wider mode), so no other user ever sees its content."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def write_advisor_config(config: dict[str, Any], workdir: Path, name: str = "advisor.json") -> Path:
+    """Write the advisor's JSON settings to ``workdir/<name>`` (mode 0600).
+
+    A volume's ``secret_key`` is never written into it: it goes to its own file
+    ``workdir/<volume id>.secret`` (mode 0600), named by the volume's ``secret_key_file``.
+
+    Returns:
+        The path of the file written.
+    """
+    cfg = json.loads(json.dumps(config))
+    for v in cfg.get("volumes", []):
+        secret = v.pop("secret_key", None)
+        if secret:
+            v["secret_key_file"] = str(write_private(workdir / f"{v['id']}.secret", str(secret) + "\n"))
+    return write_private(workdir / name, json.dumps(cfg, indent=2))
+
+
 @contextmanager
 def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], timeout_s: float = 60.0) -> Iterator[str]:
     """Start the advisor service as its own process; yield its API URL; stop it on exit.
@@ -208,10 +247,9 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
     Raises:
         DemoError: if the process exits or does not print ``ADVISOR READY <url>`` in time.
     """
-    cfg_path = workdir / "advisor.json"
-    cfg_path.write_text(json.dumps(config, indent=2))
-    run_path = workdir / "advisor.demo-run.json"  # what this process runs: advisor.json + overrides
-    run_path.write_text(json.dumps({**config, **DEMO_RUN_OVERRIDES}, indent=2))
+    cfg_path = write_advisor_config(config, workdir)
+    # what this process runs: advisor.json + the demo's overrides (timer off: the replay drives rounds)
+    run_path = write_advisor_config({**config, **DEMO_RUN_OVERRIDES}, workdir, "advisor.demo-run.json")
     log_path = workdir / "advisor.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
@@ -370,6 +408,10 @@ def run_demo(
         # absolute: advisor.json names its paths from here, and `advisor run` may start anywhere
         workdir = Path(s.workdir).resolve() if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
         workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            stack.enter_context(workdir_lock(workdir, "kvadvisor demo"))
+        except WorkdirLockedError as exc:
+            raise DemoError(str(exc)) from None
         if not s.keep and not s.workdir:
             stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         s3: LocalS3 | None = None
@@ -468,6 +510,8 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.demotions = int(mv.get("demotions", 0))
     report.compactions = int(mv.get("compactions", 0))
     report.bytes_moved = int(mv.get("bytes_moved", 0))
+    report.failed_moves = {k: int(v) for k, v in mv.get("failed", {}).items()}
+    report.deferred_volume_full = int(st.get("ingest", {}).get("deferred_volume_full", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
     report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))

@@ -31,7 +31,9 @@ from typing import Literal
 
 import torch
 
-from .errors import LayoutConfigError
+from storage_backends.memory_budget import MemoryBudgetError, check_allocation
+
+from .errors import CapacityConfigError, LayoutConfigError
 
 LayoutKind = Literal["FullyContiguous", "LayerSeparated"]
 
@@ -232,6 +234,11 @@ class BlockLayout(ABC):
         device: torch device of the tensor.
         memory_kind: :class:`MemoryKind` of the tensor.
         storage: the single ``uint8`` tensor backing every block.
+        purpose: what the layout is (``"g1"``, ``"g2"``), named when its size is refused.
+
+    Raises:
+        CapacityConfigError: ``num_blocks`` x block bytes exceed the memory ``device`` has
+            available (checked before allocating, :mod:`storage_backends.memory_budget`).
     """
 
     config: LayoutConfig
@@ -239,6 +246,7 @@ class BlockLayout(ABC):
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     memory_kind: MemoryKind = MemoryKind.SYSTEM
     storage: torch.Tensor = field(init=False, repr=False)
+    purpose: str = field(default="", compare=False)
 
     kind: str = field(init=False, default="")
 
@@ -248,13 +256,18 @@ class BlockLayout(ABC):
         pin = self.memory_kind is MemoryKind.PINNED
         if self.memory_kind is MemoryKind.DEVICE and self.device.type != "cuda":
             raise LayoutConfigError("MemoryKind.DEVICE needs a CUDA device")
+        try:
+            check_allocation(f"{(self.purpose or 'block').upper()} pool", self.total_bytes,
+                             f"num_blocks={self.num_blocks} x {self.config.block_bytes} bytes per block", self.device)
+        except MemoryBudgetError as exc:
+            raise CapacityConfigError(str(exc)) from None
         self.storage = torch.zeros(self.total_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
 
     @classmethod
     def for_tier(cls, config: LayoutConfig, num_blocks: int, tier: Literal["g1", "g2"]) -> BlockLayout:
         """Allocate on the tier's default device (see :func:`default_device`)."""
         device, kind = default_device(tier)
-        return cls(config, num_blocks, device, kind)
+        return cls(config, num_blocks, device, kind, purpose=tier)
 
     @property
     def block_bytes(self) -> int:
@@ -405,6 +418,8 @@ def make_layout(
 
     Raises:
         LayoutConfigError: unknown ``kind`` or invalid geometry.
+        CapacityConfigError: the pool is larger than the memory its device has available
+            (checked before allocating; names the tier, the bytes and ``num_blocks``).
     """
     classes: dict[str, type[BlockLayout]] = {"FullyContiguous": FullyContiguous, "LayerSeparated": LayerSeparated}
     if kind not in classes:
@@ -413,7 +428,7 @@ def make_layout(
         d, m = default_device(tier)
         device = device or d
         memory_kind = memory_kind or m
-    return classes[kind](config, num_blocks, device, memory_kind)
+    return classes[kind](config, num_blocks, device, memory_kind, purpose=tier)
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -49,10 +49,11 @@ from typing import Any, Protocol
 import torch
 
 from event_plane.schema import EventType, KVEvent
+from storage_backends.memory_budget import MemoryBudgetError, check_allocation
 from storage_backends.types import BlockKey, BlockNotFoundError, Placement
 
 from .block import BlockMeta, ImmutableBlock, MutableBlock, PinnedBlocks, WeakBlock
-from .errors import KvbmError
+from .errors import CapacityConfigError, KvbmError
 from .layout import BlockLayout, FullyContiguous, copy_blocks
 from .metrics import RuntimeMetrics
 from .pool import BlockPool, EventSink
@@ -485,6 +486,11 @@ class TransferManager:
             raise ValueError("store and g3_volume must be given together")
         if max_batch_blocks <= 0 or bounce_blocks <= 0:
             raise ValueError(f"max_batch_blocks ({max_batch_blocks}) and bounce_blocks ({bounce_blocks}) must be > 0")
+        try:  # allocated on first use: refuse its size now, not in the middle of a transfer
+            check_allocation("G3 -> G1 bounce buffer", bounce_blocks * g2.block_bytes,
+                             f"bounce_blocks={bounce_blocks} x {g2.block_bytes} bytes per block")
+        except MemoryBudgetError as exc:
+            raise CapacityConfigError(str(exc)) from None
         self.g2 = g2
         self.publisher = publisher
         # events off (``null://``, like the pools): Store(volume) events are only counted

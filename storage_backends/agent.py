@@ -279,6 +279,11 @@ class StorageAgent:
             cls = volume_class(desc.kind)
             backend, params = cls.engine_spec(desc)
             vol = cls(desc, self._hub.engine(backend, params))
+            try:
+                vol.bind_catalog(self.catalog.catalog_id())
+            except BaseException:
+                vol.close()
+                raise
             self._volumes[desc.id] = vol
             return vol
 
@@ -1408,10 +1413,29 @@ class StorageAgent:
         moves (compare-and-set per block), and the old segment is dropped only when no
         entry points into it.
 
+        Only a sealed segment is compacted: an unsealed one may still receive the blocks
+        of an in-flight put or copy (of any process sharing the catalog), which dropping
+        it would destroy.
+
         Returns:
             blocks moved (blocks deleted or moved concurrently are skipped).
+
+            A segment the catalog does not know (dropped meanwhile) gives 0.
+
+        Raises:
+            InvalidRequestError: unknown volume, or a segment not sealed yet (nothing is
+                changed).
         """
         vol = self._vol(volume_id)
+        seg = self.catalog.segment(volume_id, segment_id)
+        if seg is None:
+            return 0
+        with self._lock:
+            pending = (volume_id, segment_id) in self._pending
+        if not seg.sealed or pending:
+            raise InvalidRequestError(
+                f"cannot compact segment {segment_id} of {volume_id!r}: it is not sealed "
+                "(a put or copy may still commit blocks into it)")
         live = list(self.catalog.iter_segment(volume_id, segment_id))
         moved = 0
         if live:

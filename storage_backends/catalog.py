@@ -146,5 +146,12 @@ class PlacementCatalog(ABC):
         """Every recorded volume id -> spec."""
 
     @abstractmethod
+    def catalog_id(self) -> str | None:
+        """A random id given to the catalog when it was created (the same for every
+        process that opens it); volumes that may be shared with other catalogs (S3)
+        scope their object keys with it and refuse a prefix another catalog owns.
+        ``None``: this catalog has no id (its objects are not scoped)."""
+        return None
+
     def close(self) -> None:
         """Release the connection (idempotent)."""

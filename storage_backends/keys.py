@@ -82,19 +82,29 @@ def normalize_prefix(prefix: str) -> str:
     return p
 
 
-def segment_object_key(prefix: str, volume_id: str, segment_id: int) -> str:
-    """S3 object key of a segment: ``<prefix>/<encoded volume id>/seg-<id>``.
+def segment_object_key(prefix: str, volume_id: str, segment_id: int, scope: str = "") -> str:
+    """S3 object key of a segment: ``<prefix>/<encoded volume id>/seg-<id>``, or with a
+    ``scope`` (the owning catalog's id) ``<prefix>/<encoded volume id>/<scope>/seg-<id>``.
 
     Raises:
         VolumeConfigError: if the key would exceed 1024 UTF-8 bytes.
     """
     p = normalize_prefix(prefix)
-    key = f"{encode_component(volume_id)}/seg-{segment_id:012d}"
+    vol = encode_component(volume_id)
+    key = f"{vol}/{encode_component(scope)}/seg-{segment_id:012d}" if scope else f"{vol}/seg-{segment_id:012d}"
     if p:
         key = f"{p}/{key}"
     if len(key.encode("utf-8")) > MAX_OBJECT_KEY_BYTES:
         raise VolumeConfigError(f"object key for volume {volume_id!r} exceeds {MAX_OBJECT_KEY_BYTES} bytes")
     return key
+
+
+def owner_object_key(prefix: str, volume_id: str) -> str:
+    """S3 object key of a volume's owner marker: ``<prefix>/<encoded volume id>/owner``
+    (its body is the id of the catalog that owns the volume's prefix)."""
+    p = normalize_prefix(prefix)
+    key = f"{encode_component(volume_id)}/owner"
+    return f"{p}/{key}" if p else key
 
 
 def segment_file_name(segment_id: int) -> str:

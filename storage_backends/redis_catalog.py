@@ -300,6 +300,14 @@ class RedisCatalog(PlacementCatalog):
         }
         self._call(lambda c: c.ping())
 
+    def catalog_id(self) -> str:
+        """See :meth:`PlacementCatalog.catalog_id` (key ``<prefix>:catalog_id``, set once)."""
+        import uuid
+
+        key = self._b + "catalog_id"
+        self._call(lambda c: c.set(key, uuid.uuid4().hex, nx=True))
+        return str(self._call(lambda c: c.get(key)))
+
     # ------------------------------------------------------------------ plumbing
     @property
     def client(self) -> Any:

@@ -1,6 +1,6 @@
 """S3 volume: one object per segment, written and read through NIXL OBJ.
 
-Object key: ``<prefix>/<encoded volume id>/seg-<id>`` (``keys.segment_object_key``,
+Object key: ``<prefix>/<encoded volume id>/<catalog id>/seg-<id>`` (``keys.segment_object_key``,
 injective, <= 1024 bytes).  The data path is NIXL OBJ (a WRITE of one descriptor creates
 the object, and the segments of one put go as one WRITE of several descriptors: PUTs run
 concurrently; READs are ranged GETs, several per transfer).  boto3 is used only for
@@ -23,7 +23,7 @@ import torch
 from tenacity import RetryCallState, retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from .gcpause import gc_pause_yield
-from .keys import MAX_OBJECT_KEY_BYTES, normalize_prefix, parse_segment_name, segment_object_key
+from .keys import MAX_OBJECT_KEY_BYTES, normalize_prefix, owner_object_key, parse_segment_name, segment_object_key
 from .nixl_engine import NixlEngine
 from .types import InvalidRequestError, TransferError, VolumeConfigError, VolumeDescriptor, VolumeKind
 from .volume import Volume
@@ -113,7 +113,45 @@ class S3Volume(Volume):
             config=Config(retries={"total_max_attempts": 1, "mode": "standard"}, s3={"addressing_style": "path"}),  # tenacity retries
         )
         self._lock = threading.Lock()
+        self.scope = ""
+        """The owning catalog's id once :meth:`bind_catalog` ran (part of every segment key)."""
         self._ensure_bucket()
+
+    def bind_catalog(self, catalog_id: str | None) -> None:
+        """Claim ``<prefix>/<volume>/`` for ``catalog_id`` and scope the segment keys with it.
+
+        The claim is an owner object (``<prefix>/<volume>/owner``, body: the catalog id)
+        written with a conditional PUT (``If-None-Match: *``), so of two deployments that
+        race for one bucket and prefix exactly one wins; the other, and any later one with
+        another catalog, is refused.  Segment keys then read
+        ``<prefix>/<volume>/<catalog id>/seg-<id>``.
+
+        Raises:
+            VolumeConfigError: the prefix is owned by another catalog, or the claim failed.
+        """
+        if not catalog_id:
+            return
+        from botocore.exceptions import ClientError
+
+        key = owner_object_key(self.desc.prefix, self.desc.id)
+        bucket = self.desc.bucket
+        try:
+            self._retry(lambda: self.client.put_object(Bucket=bucket, Key=key, Body=catalog_id.encode(), IfNoneMatch="*"))
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code not in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise VolumeConfigError(f"s3 volume {self.desc.id!r}: cannot claim s3://{bucket}/{key}: {exc}") from exc
+        except Exception as exc:
+            raise VolumeConfigError(f"s3 volume {self.desc.id!r}: cannot claim s3://{bucket}/{key}: {exc}") from exc
+        try:  # read back: also where a store ignores If-None-Match, the first writer's id wins
+            owner = self._retry(lambda: self.client.get_object(Bucket=bucket, Key=key)["Body"].read()).decode(errors="replace")
+        except Exception as exc:
+            raise VolumeConfigError(f"s3 volume {self.desc.id!r}: cannot read s3://{bucket}/{key}: {exc}") from exc
+        if owner != catalog_id:
+            raise VolumeConfigError(
+                f"s3 volume {self.desc.id!r}: s3://{bucket}/{key.rsplit('/', 1)[0]}/ is owned by catalog {owner!r}, "
+                f"not this catalog ({catalog_id!r}): another deployment writes there; use another bucket or prefix")
+        self.scope = catalog_id
 
     #: total tries of one S3 call or NIXL OBJ transfer (backoff between them)
     attempts: int = 4
@@ -144,7 +182,7 @@ class S3Volume(Volume):
                 f"s3 volume {desc.id!r}: bucket {desc.bucket!r} is not a valid S3 bucket name "
                 "(3-63 lowercase letters, digits, '.', '-')"
             )
-        key = segment_object_key(desc.prefix, desc.id, 10**15)
+        key = segment_object_key(desc.prefix, desc.id, 10**15, "f" * 32)  # with a catalog id as scope
         if len(key.encode("utf-8")) > MAX_OBJECT_KEY_BYTES:  # pragma: no cover - checked inside
             raise VolumeConfigError(f"s3 volume {desc.id!r}: object keys would exceed 1024 bytes")
 
@@ -214,7 +252,7 @@ class S3Volume(Volume):
 
     def key(self, segment_id: int) -> str:
         """Object key of a segment."""
-        return segment_object_key(self.prefix, self.desc.id, segment_id)
+        return segment_object_key(self.prefix, self.desc.id, segment_id, self.scope)
 
     # ------------------------------------------------------------------ write
     def write_segment(self, segment_id: int, buffer: torch.Tensor, size: int) -> None:

@@ -13,6 +13,7 @@ import logging
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,7 @@ CREATE TABLE IF NOT EXISTS segments (
 );
 CREATE INDEX IF NOT EXISTS segments_by_volume ON segments (volume, id);
 CREATE TABLE IF NOT EXISTS volumes (id TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine (
     ns TEXT NOT NULL, seq INTEGER NOT NULL, volume TEXT NOT NULL, segment INTEGER NOT NULL,
     off INTEGER NOT NULL, len INTEGER NOT NULL, checksum INTEGER NOT NULL,
@@ -557,6 +559,13 @@ class SqliteCatalog(PlacementCatalog):
                               (segment_id, volume_id)).rowcount > 0
 
     # ------------------------------------------------------------------ volumes
+    def catalog_id(self) -> str:
+        """See :meth:`PlacementCatalog.catalog_id` (row ``catalog_id`` of table ``meta``,
+        created by the first caller)."""
+        with self._write() as db:
+            db.execute("INSERT OR IGNORE INTO meta (k, v) VALUES ('catalog_id', ?)", (uuid.uuid4().hex,))
+            return str(db.execute("SELECT v FROM meta WHERE k = 'catalog_id'").fetchone()[0])
+
     def record_volume(self, volume_id: str, spec: str) -> str:
         """See :meth:`PlacementCatalog.record_volume`."""
         with self._write() as db:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .keys import validate_volume_id
+from .memory_budget import MemoryBudgetError, check_allocation
 from .types import MediaClass, VolumeConfigError, VolumeDescriptor, VolumeKind
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ def validate_descriptor(
         raise VolumeConfigError(f"volume {desc.id!r}: alignment must be a power of two, got {a!r}")
     if isinstance(desc.segment_bytes, bool) or not isinstance(desc.segment_bytes, int) or desc.segment_bytes <= 0:
         raise VolumeConfigError(f"volume {desc.id!r}: segment_bytes must be a positive int, got {desc.segment_bytes!r}")
+    try:  # a segment is staged whole in host memory when a put cannot write from the caller's tensors
+        check_allocation(f"the staging buffer of volume {desc.id!r}", desc.segment_bytes,
+                         f"segment_bytes={desc.segment_bytes}")
+    except MemoryBudgetError as exc:
+        raise VolumeConfigError(str(exc)) from None
     volume_class(desc.kind).validate(desc)
     if allowed_roots is not None and VolumeKind(desc.kind) is VolumeKind.POSIX:
         check_allowed_root(desc, allowed_roots)
@@ -185,6 +191,16 @@ class Volume(ABC):
         self.desc = desc
         self.engine = engine
         self.counters = VolumeCounters()
+
+    def bind_catalog(self, catalog_id: str | None) -> None:
+        """Called once by the agent before any I/O with the id of its catalog
+        (:meth:`PlacementCatalog.catalog_id`).  Volumes that other deployments may share
+        (S3) claim their place for that catalog and scope their keys with it; local
+        volumes ignore it.
+
+        Raises:
+            VolumeConfigError: the place belongs to another catalog.
+        """
 
     # ------------------------------------------------------------------ class-level
     @classmethod

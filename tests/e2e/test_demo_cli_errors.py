@@ -53,7 +53,8 @@ def test_a_kept_workdir_with_blocks_on_the_demos_own_s3_is_refused_and_left_as_i
     with pytest.raises(DemoError, match=r"1 block\(s\) on the 's3' volume .* --s3-endpoint"):
         run_demo(DemoSettings(requests=5, workdir=workdir))
     assert (workdir / "catalog.sqlite").read_bytes() == before
-    assert sorted(p.name for p in workdir.iterdir()) == ["catalog.sqlite"]
+    # the working directory's lock file (kvadvisor/workdir_lock.py) is the only thing added
+    assert sorted(p.name for p in workdir.iterdir()) == [".kvadvisor.lock", "catalog.sqlite"]
 
 
 def test_the_byte_check_counts_an_unreadable_copy_instead_of_stopping(tmp_path: Path) -> None:

@@ -195,6 +195,7 @@ def test_kill9_at_random_points_loses_nothing(tmp_path: Path, local_s3: LocalS3)
     }
     cfg = tmp_path / "advisor.json"
     cfg.write_text(json.dumps(conf))
+    cfg.chmod(0o600)  # it holds the S3 secret: a config readable by others is refused
     log = tmp_path / "advisor.stderr"
     catalog = SqliteCatalog(tmp_path / "catalog.sqlite")
     agent = StorageAgent(catalog, name=f"crash-worker-{uuid.uuid4().hex[:6]}")

@@ -55,7 +55,8 @@ def block(h: int, n: int = 256 << 10) -> torch.Tensor:
 def bucket_keys(s3: LocalS3, bucket: str) -> list[str]:
     c = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1",
                      aws_access_key_id=s3.access_key, aws_secret_access_key=s3.secret_key)
-    return sorted(o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", []))
+    return sorted(o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])
+                  if not o["Key"].endswith("/owner"))  # the volume's owner marker aside
 
 
 def is_put_of(seg_suffix: str) -> Callable[[str, str], bool]:

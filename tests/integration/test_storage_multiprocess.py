@@ -154,7 +154,9 @@ def _crasher(db: tuple[str, str, str], root: str, ack_path: str, base: int, kill
             agent.delete([BlockKey(NS, hashes[0])])  # holes for compaction
             ack.write(f"-{hashes[0]}\n")
             ack.flush()
-            for seg in agent.segments("shared")[:2]:
+            # sealed ones only: compact() refuses a segment a put may still commit into
+            # (here: the leftover of a put an earlier crasher was killed in)
+            for seg in [sg for sg in agent.segments("shared") if sg.sealed][:2]:
                 agent.compact("shared", seg.segment_id)
 
 

@@ -50,7 +50,9 @@ def s3client(s3: LocalS3):  # type: ignore[no-untyped-def]
 
 
 def objects(s3: LocalS3, bucket: str) -> list[str]:
-    return sorted(o["Key"] for o in s3client(s3).list_objects_v2(Bucket=bucket).get("Contents", []))
+    """The bucket's segment objects (the volume's owner marker aside)."""
+    return sorted(o["Key"] for o in s3client(s3).list_objects_v2(Bucket=bucket).get("Contents", [])
+                  if not o["Key"].endswith("/owner"))
 
 
 @pytest.fixture
@@ -70,7 +72,7 @@ def test_round_trip_many_blocks_through_s3(agent: StorageAgent, local_s3: LocalS
     ps = agent.put(items, "cold")
     bucket = agent.volume("cold").bucket
     assert bucket is not None
-    assert objects(local_s3, bucket) == [f"kv/cold/seg-{ps[0].segment_id:012d}"]  # one object, bucket created
+    assert objects(local_s3, bucket) == [f"kv/cold/{agent.catalog.catalog_id()}/seg-{ps[0].segment_id:012d}"]  # one object, bucket created
     wanted = [k for k, _ in items][::-3]
     got = agent.get(wanted)
     assert all(torch.equal(g, block(k.sequence_hash, sizes[k.sequence_hash % len(sizes)])) for g, k in zip(got, wanted))
@@ -167,7 +169,7 @@ def test_corrupted_object_is_detected(agent: StorageAgent, local_s3: LocalS3) ->
     keys = [BlockKey(NS, 400 + i) for i in range(3)]
     ps = agent.put([(k, block(k.sequence_hash, 2048)) for k in keys], "cold")
     desc = agent.volume("cold")
-    key = f"kv/cold/seg-{ps[0].segment_id:012d}"
+    key = f"kv/cold/{agent.catalog.catalog_id()}/seg-{ps[0].segment_id:012d}"
     c = s3client(local_s3)
     body = bytearray(c.get_object(Bucket=desc.bucket, Key=key)["Body"].read())
     body[ps[2].offset + 5] ^= 0x80
@@ -181,7 +183,7 @@ def test_corrupted_object_is_detected(agent: StorageAgent, local_s3: LocalS3) ->
     assert torch.equal(agent.get([keys[0]])[0], block(keys[0].sequence_hash, 2048))
     keys2 = [BlockKey(NS, 410 + i) for i in range(3)]
     ps = agent.put([(k, block(k.sequence_hash, 2048)) for k in keys2], "cold")
-    key = f"kv/cold/seg-{ps[0].segment_id:012d}"
+    key = f"kv/cold/{agent.catalog.catalog_id()}/seg-{ps[0].segment_id:012d}"
     body = bytearray(c.get_object(Bucket=desc.bucket, Key=key)["Body"].read())
     body[ps[1].offset + 7] ^= 0x01
     c.put_object(Bucket=desc.bucket, Key=key, Body=bytes(body))
@@ -224,7 +226,7 @@ def test_lost_object_is_quarantined_and_the_block_stored_again(agent: StorageAge
     agent.put(keep, "cold")
     ps = agent.put(gone, "cold")
     bucket = agent.volume("cold").bucket
-    s3client(local_s3).delete_object(Bucket=bucket, Key=f"kv/cold/seg-{ps[0].segment_id:012d}")
+    s3client(local_s3).delete_object(Bucket=bucket, Key=f"kv/cold/{agent.catalog.catalog_id()}/seg-{ps[0].segment_id:012d}")
     keys = [k for k, _ in keep + gone]
     with pytest.raises(SegmentMissingError, match="2 block"):
         agent.get(keys)
@@ -249,7 +251,7 @@ def test_truncated_object_quarantines_the_blocks_past_its_end(
     ps = agent.put(items, "cold")
     assert len({p.segment_id for p in ps}) == 1
     bucket = agent.volume("cold").bucket
-    key = f"kv/cold/seg-{ps[0].segment_id:012d}"
+    key = f"kv/cold/{agent.catalog.catalog_id()}/seg-{ps[0].segment_id:012d}"
     c = s3client(local_s3)
     body = c.get_object(Bucket=bucket, Key=key)["Body"].read()
     c.put_object(Bucket=bucket, Key=key, Body=body[:3500])  # block 0 whole, 1 cut, 2 gone

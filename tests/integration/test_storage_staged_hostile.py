@@ -86,7 +86,7 @@ def corrupt(s3: LocalS3, agent: StorageAgent, key: BlockKey, at: int = 5) -> Non
     p = agent.locate([key])[0]
     assert p is not None
     c, bucket = client(s3), agent.volume("cold").bucket
-    obj = f"kv/cold/seg-{p.segment_id:012d}"
+    obj = f"kv/cold/{agent.catalog.catalog_id()}/seg-{p.segment_id:012d}"
     body = bytearray(c.get_object(Bucket=bucket, Key=obj)["Body"].read())
     body[p.offset + at] ^= 0x40
     c.put_object(Bucket=bucket, Key=obj, Body=bytes(body))
@@ -293,7 +293,7 @@ def test_truncated_and_missing_objects_with_new_tensors(agent: StorageAgent, loc
     pa, pb = agent.locate([a[0][0]])[0], agent.locate([b[0][0]])[0]
     assert pa is not None and pb is not None and pa.segment_id != pb.segment_id
     c, bucket = client(local_s3), agent.volume("cold").bucket
-    obj = f"kv/cold/seg-{pa.segment_id:012d}"
+    obj = f"kv/cold/{agent.catalog.catalog_id()}/seg-{pa.segment_id:012d}"
     body = c.get_object(Bucket=bucket, Key=obj)["Body"].read()
     cut = agent.locate([a[4][0]])[0]
     assert cut is not None
@@ -302,7 +302,7 @@ def test_truncated_and_missing_objects_with_new_tensors(agent: StorageAgent, loc
         agent.get([k for k, _ in a])
     assert agent.exists([k for k, _ in a]) == [True] * 4 + [False] * 2
     assert wrong(agent.get([k for k, _ in a[:4]]), a[:4]) == []
-    c.delete_object(Bucket=bucket, Key=f"kv/cold/seg-{pb.segment_id:012d}")
+    c.delete_object(Bucket=bucket, Key=f"kv/cold/{agent.catalog.catalog_id()}/seg-{pb.segment_id:012d}")
     with pytest.raises(SegmentMissingError):
         agent.get([k for k, _ in a[:4] + b])
     assert agent.exists([k for k, _ in b]) == [False] * 4

@@ -24,6 +24,7 @@ def test_json_file_and_environment(tmp_path, monkeypatch) -> None:  # noqa: ANN0
     cfg.write_text(json.dumps({"catalog_path": "c.sqlite", "volumes": VOLS, "fast_volume": "fast",
                                "archive_volume": "s3", "api_port": 8123, "extra_namespaces": ["b", "a", "b"],
                                "namespace": "a"}))
+    cfg.chmod(0o600)  # it holds a secret: a file readable by others is refused (tests/faults)
     s = AdvisorSettings.from_json_file(cfg)
     assert s.api_port == 8123  # the file wins over the environment
     assert s.policy.demotion.high_watermark == 0.9  # the environment fills the rest

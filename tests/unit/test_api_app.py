@@ -135,7 +135,7 @@ def test_metrics_volumes_plans_health(service: AdvisorService, client: TestClien
     assert client.get("/v1/plans").json() == {"plans": [], "summary": {}, "next_cursor": None}
     assert client.post("/v1/plans/run").json() == {"plans": [], "summary": {}, "next_cursor": None}  # no storage
     h = client.get("/healthz").json()
-    assert h == {"status": "ok", "journal_position": 1, "subscribed": False, "storage": False}
+    assert h == {"status": "ok", "journal_position": 1, "subscribed": False, "storage": False, "reason": None}
 
 
 def test_real_uvicorn_socket(service: AdvisorService) -> None:

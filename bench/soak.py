@@ -1,0 +1,243 @@
+"""Soak: a sustained event load with lookups and moves, for N minutes (docs/reliability.md).
+
+One advisor service (SQLite journal, placement catalog, a ``fast`` and a ``slow`` POSIX
+volume, policy rounds every 2 s, garbage collection on its timer) ingests the events of
+two worker threads over ZMQ.  Each worker serves "requests": a chain of blocks of one of
+``--prefixes`` conversations (Zipf-like popularity), stores new blocks on ``slow``
+(acknowledged once the put returned and the Store was published), and keeps a bounded G1
+(Remove events for what it evicts), so the index holds a bounded working set and memory must
+stay flat.  A lookup thread asks the advisor for the longest cached prefix of random chains.
+
+Every ``--interval-s`` a row: RSS of the process, lookup p50/p99 over the interval, events
+applied, moves done and failed, and blocks lost (acknowledged blocks the catalog no longer
+holds).  At the end every acknowledged block is read back and compared byte for byte.
+
+The summary compares the end with the first minute (the reference): memory growth after the
+first minute (goal: under 5 %), lookup p99 end / first minute (goal: at most 2x), and
+losses (goal: 0).
+
+Run: ``python bench/soak.py --minutes 10 [--rate 2000] [--json soak.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from advisor import AdvisorService, AdvisorSettings  # noqa: E402
+from event_plane import PublisherConfig, make_publisher  # noqa: E402
+from event_plane.schema import remove, store  # noqa: E402
+from storage_backends import BlockKey, SqliteCatalog, StorageAgent, free_port  # noqa: E402
+
+NS = "soak"
+BLK = 16 << 10
+CHAIN = 8
+G1_BLOCKS = 256
+
+
+def block(h: int) -> torch.Tensor:
+    """Block ``h``'s bytes (deterministic, so they can be checked at the end)."""
+    return torch.full((BLK,), h % 251, dtype=torch.uint8)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (``VmRSS``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass
+class Row:
+    """One interval of the soak."""
+
+    t_s: float
+    rss_mib: float
+    lookup_p50_us: float
+    lookup_p99_us: float
+    lookups: int
+    events_applied: int
+    moves_done: int
+    moves_failed: int
+    lost: int
+
+
+class Soak:
+    def __init__(self, tmp: Path, rate: int, prefixes: int) -> None:
+        self.rate = rate
+        self.prefixes = prefixes
+        self.urls = []
+        for _ in range(2):
+            port, rep = free_port(), free_port()
+            self.urls.append(f"zmq://127.0.0.1:{port}?replay={rep}")
+        self.settings = AdvisorSettings(
+            journal_path=str(tmp / "journal.sqlite"), catalog_path=str(tmp / "catalog.sqlite"), namespace=NS,
+            volumes=[
+                {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 2048 * BLK,
+                 "root": str(tmp / "fast"), "segment_bytes": 64 * BLK},
+                {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 34,
+                 "root": str(tmp / "slow"), "segment_bytes": 64 * BLK},
+            ],
+            fast_volume="fast", slow_volumes=["slow"], subscribe_urls=self.urls, policy_interval_s=2.0,
+            api_enabled=False, get_timeout_s=0.05, gc_interval_s=30.0,
+            policy={"promotion": {"min_hits": 2}},
+        )
+        # the workers' ZMQ replay buffers (in this process) hold 1,000 batches each: full
+        # within the first minute, so the memory after it is the advisor's (the default
+        # 10,000 took 5 minutes to fill at 2,000 events/s and read as growth)
+        self.pubs = [make_publisher(u, f"worker-{i}", config=PublisherConfig(max_events=64, max_delay_s=0.02,
+                                                                             replay_buffer=1000))
+                     for i, u in enumerate(self.urls)]
+        self.svc = AdvisorService(self.settings)
+        self.catalog = SqliteCatalog(tmp / "catalog.sqlite")
+        self.agent = StorageAgent(self.catalog, name="soak-workers")
+        for v in self.settings.volumes:
+            self.agent.register_volume(v.to_descriptor())
+        self.acked: set[int] = set()
+        self.acked_lock = threading.Lock()
+        self.lat: deque[float] = deque()
+        self.stop = threading.Event()
+
+    def chain(self, rng: random.Random) -> list[int]:
+        p = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
+        return [(p << 16) | i | (1 << 40) for i in range(CHAIN)]
+
+    def worker(self, i: int) -> None:
+        rng = random.Random(i)
+        pub = self.pubs[i]
+        g1: deque[int] = deque()
+        in_g1: set[int] = set()
+        per_s = self.rate / 2
+        t0, sent = time.monotonic(), 0
+        while not self.stop.is_set():
+            hs = self.chain(rng)
+            with self.acked_lock:
+                new = [h for h in hs if h not in self.acked]
+            if new:
+                self.agent.put([(BlockKey(NS, h), block(h)) for h in new], "slow")
+            events, parent = [], None
+            for h in hs:
+                if h not in in_g1:
+                    events.append(store(h, hs[0], parent, BLK, "g1"))
+                    g1.append(h)
+                    in_g1.add(h)
+                if h in new:
+                    events.append(store(h, hs[0], parent, BLK, "slow"))
+                parent = h
+            while len(g1) > G1_BLOCKS:
+                old = g1.popleft()
+                in_g1.discard(old)
+                events.append(remove(old, old, None, BLK, "g1"))
+            pub.publish(events)
+            with self.acked_lock:
+                self.acked.update(new)
+            sent += len(events)
+            ahead = sent / per_s - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def lookups(self) -> None:
+        rng = random.Random(99)
+        q = self.svc.query()
+        while not self.stop.is_set():
+            hs = self.chain(rng)
+            t = time.perf_counter()
+            q.lookup(hs)
+            self.lat.append(time.perf_counter() - t)
+            time.sleep(0.001)
+
+    def lost(self) -> int:
+        with self.acked_lock:
+            keys = [BlockKey(NS, h) for h in self.acked]
+        return sum(p is None for p in self.agent.locate(keys))
+
+    def row(self, t0: float) -> Row:
+        lat = sorted(self.lat)
+        self.lat.clear()
+        pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6) if lat else (lambda q: 0.0)
+        st = self.svc.query().stats()
+        return Row(round(time.monotonic() - t0, 1), rss_bytes() / (1 << 20), pct(0.50), pct(0.99), len(lat),
+                   st["events_applied"], sum(st["moves"]["done"].values()), sum(st["moves"]["failed"].values()),
+                   self.lost())
+
+    def read_back(self) -> tuple[int, int]:
+        with self.acked_lock:
+            hs = sorted(self.acked)
+        ok = 0
+        for i in range(0, len(hs), 256):
+            got = self.agent.get([BlockKey(NS, h) for h in hs[i:i + 256]])
+            ok += sum(torch.equal(g, block(h)) for g, h in zip(got, hs[i:i + 256]))
+        return len(hs), ok
+
+    def close(self) -> None:
+        for p in self.pubs:
+            p.close()
+        self.svc.stop()
+        self.agent.close()
+        self.catalog.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--rate", type=int, default=2000, help="events per second, both workers together")
+    ap.add_argument("--prefixes", type=int, default=2000, help="conversations (Zipf-like popularity)")
+    ap.add_argument("--interval-s", type=float, default=30.0)
+    ap.add_argument("--json", type=Path, help="also write the rows and the summary as JSON")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvadvisor-soak-") as tmp:
+        soak = Soak(Path(tmp), a.rate, a.prefixes)
+        soak.svc.start()
+        threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True) for i in range(2)]
+        threads.append(threading.Thread(target=soak.lookups, daemon=True))
+        for t in threads:
+            t.start()
+        rows: list[Row] = []
+        t0 = time.monotonic()
+        end = t0 + a.minutes * 60
+        print(f"{'t_s':>7} {'rss_MiB':>8} {'p50_us':>8} {'p99_us':>8} {'lookups':>8} {'events':>10} "
+              f"{'moves':>6} {'failed':>6} {'lost':>5}", flush=True)
+        while time.monotonic() < end:
+            time.sleep(min(a.interval_s, max(0.0, end - time.monotonic())))
+            r = soak.row(t0)
+            rows.append(r)
+            print(f"{r.t_s:7.1f} {r.rss_mib:8.1f} {r.lookup_p50_us:8.1f} {r.lookup_p99_us:8.1f} {r.lookups:8d} "
+                  f"{r.events_applied:10d} {r.moves_done:6d} {r.moves_failed:6d} {r.lost:5d}", flush=True)
+        soak.stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        checked, exact = soak.read_back()
+        soak.close()
+    first = [r for r in rows if r.t_s <= 60.0] or rows[:1]
+    ref = first[-1]
+    last = rows[-1]
+    growth = (last.rss_mib - ref.rss_mib) / ref.rss_mib if ref.rss_mib else 0.0
+    p99_first = max(r.lookup_p99_us for r in first)
+    ratio = last.lookup_p99_us / p99_first if p99_first else 0.0
+    summary = {"minutes": a.minutes, "rate": a.rate, "memory_growth_after_first_minute": growth,
+               "lookup_p99_end_over_first_minute": ratio, "blocks_checked": checked, "blocks_exact": exact,
+               "lost": last.lost + (checked - exact), "events_applied": last.events_applied,
+               "moves_done": last.moves_done, "moves_failed": last.moves_failed}
+    print(f"memory growth after the first minute: {growth * 100:+.1f} % (goal < 5 %)")
+    print(f"lookup p99, end / first minute: {ratio:.2f}x (goal <= 2x)")
+    print(f"acknowledged blocks read back byte-exact: {exact:,}/{checked:,}; lost: {summary['lost']}")
+    if a.json:
+        a.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary}, indent=2))
+    return 0 if summary["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

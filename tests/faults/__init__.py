@@ -1,0 +1,1 @@
+"""Reliability findings and fault cells: each test runs real processes and services on loopback."""
