@@ -43,7 +43,7 @@ class S3FaultProxy:
         log: ``(monotonic time, method, path, action)`` of every request.
     """
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, port: int = 0) -> None:
         self.upstream_port = upstream_port
         self.lock = threading.Lock()
         self.rule: Rule = lambda m, p, n: None
@@ -131,10 +131,22 @@ class S3FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._handler = Handler
+        self._serve(port)
+
+    def _serve(self, port: int) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        """The endpoint dies: the listening socket closes (connections are refused) until :meth:`up`."""
+        self.close()
+
+    def up(self) -> None:
+        """The endpoint comes back on the same port (the objects behind it are still there)."""
+        self._serve(int(self.endpoint.rsplit(":", 1)[1]))
 
     def set_rule(self, rule: Rule) -> None:
         """Answer from now on as ``rule`` says (request counts and records start again)."""

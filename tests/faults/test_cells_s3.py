@@ -17,7 +17,8 @@ HASHES = list(range(401, 419))  # 18 blocks on a 20-block fast volume: above the
 
 
 def _run(tmp: Path, local_s3: LocalS3, proxy: S3FaultProxy, status: int, n: int) -> tuple[list, object, Worker]:
-    s = settings(tmp, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key))
+    s = settings(tmp, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key),
+                 slow_volumes=[])  # fast demotes straight to the archive (no slow tier in between)
     w = Worker(s)
     svc = AdvisorService(s)
     svc.start()
@@ -64,7 +65,8 @@ def test_s3_403_during_demotion_fails_and_loses_nothing(tmp_path: Path, local_s3
 
 
 def test_slow_s3_during_demotion(tmp_path: Path, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
-    s = settings(tmp_path, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key))
+    s = settings(tmp_path, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key),
+                 slow_volumes=[])  # fast demotes straight to the archive (no slow tier in between)
     w = Worker(s)
     try:
         with AdvisorService(s) as svc:
@@ -85,7 +87,7 @@ def test_slow_s3_during_demotion(tmp_path: Path, local_s3: LocalS3, proxy: S3Fau
 def test_dropping_s3_during_promotion_from_the_archive(tmp_path: Path, local_s3: LocalS3, proxy: S3FaultProxy,
                                                        how: str) -> None:
     s = settings(tmp_path, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key),
-                 policy={"promotion": {"min_hits": 2, "from_archive": True}})
+                 policy={"promotion": {"min_hits": 2, "from_archive": True}})  # archive -> slow, one tier up
     w = Worker(s)
     hs = HASHES[:6]
     try:
@@ -98,9 +100,40 @@ def test_dropping_s3_during_promotion_from_the_archive(tmp_path: Path, local_s3:
             res = svc.run_policies_once()
             assert [a for _, m, _, a in proxy.log if m == "GET"][0] == (how, 0)  # the fault was served
             assert res and all(r.item.kind is PlanKind.PROMOTE and r.status is PlanStatus.DONE for r in res)
-            assert w.where(hs) == ["fast"] * len(hs)
+            assert w.where(hs) == ["slow"] * len(hs)
             index_equals_fold(svc)
         acknowledged_read_back(w.agent, hs)
+        assert catalog_equals_volumes(s) == []
+    finally:
+        w.close()
+
+
+def test_s3_endpoint_killed_mid_run_and_restarted(tmp_path: Path, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
+    """The archive's endpoint goes away (connections refused) during a round of demotions and
+    comes back on the same address with its objects: the round's moves fail and lose nothing,
+    and the next round demotes by itself."""
+    s = settings(tmp_path, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key),
+                 slow_volumes=[])  # fast demotes straight to the archive (no slow tier in between)
+    w = Worker(s)
+    try:
+        with AdvisorService(s) as svc:
+            w.put(HASHES, "fast")
+            w.send(svc, "w0", *chain(HASHES, "fast"))
+            proxy.down()
+            try:
+                res = svc.run_policies_once()
+            finally:
+                proxy.up()
+            assert res and all(r.item.kind is PlanKind.DEMOTE and r.status is PlanStatus.FAILED for r in res)
+            assert w.where(HASHES) == ["fast"] * len(HASHES)
+            index_equals_fold(svc)
+            acknowledged_read_back(w.agent, HASHES)
+            again = svc.run_policies_once()  # the endpoint is back: no manual step
+            assert again and all(r.status is PlanStatus.DONE for r in again)
+            moved = [r.item.sequence_hash for r in again]
+            assert w.where(moved) == ["s3"] * len(moved)
+            index_equals_fold(svc)
+        acknowledged_read_back(w.agent, HASHES)
         assert catalog_equals_volumes(s) == []
     finally:
         w.close()
