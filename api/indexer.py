@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
@@ -67,6 +67,7 @@ class RegisterRequest(BaseModel):
     dp_rank: StrictInt = Field(0, ge=0, le=1 << 16)
     replay_endpoint: StrictStr | None = Field(None, max_length=300,
                                               description="the worker's ZMQ replay ROUTER endpoint (ours)")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="the worker's KV-event format")
 
     _check_endpoint = field_validator("endpoint", "replay_endpoint")(classmethod(lambda cls, v: _endpoint(v)))
 
@@ -254,7 +255,7 @@ def indexer_router(
     @r.post("/register", response_model=RegisterResponse, dependencies=ad, responses=CONFLICT_RESPONSES)
     def register(req: RegisterRequest) -> RegisterResponse:
         registry.register(Registration(req.instance_id, req.dp_rank, req.model_name, req.tenant_id, req.endpoint,
-                                       req.replay_endpoint, req.block_size))
+                                       req.replay_endpoint, req.block_size, req.engine))
         return RegisterResponse(status="registered", instance_id=req.instance_id, dp_rank=req.dp_rank,
                                 model_name=req.model_name, tenant_id=req.tenant_id)
 

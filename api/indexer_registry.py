@@ -3,9 +3,10 @@
 
 One :class:`~api.worker_index.WorkerIndex` per ``(model_name, tenant_id)``; its block size is
 fixed by the first registration of the pair. Each registration ``(instance_id, dp_rank,
-model_name, tenant_id)`` subscribes to the worker's vLLM-format ZMQ publisher through the
-event plane's vLLM adapter (:mod:`event_plane.adapters.vllm`, gap recovery through the
-replay endpoint when one is given) and applies its events, in seq order, to that index:
+model_name, tenant_id)`` subscribes to the worker's vLLM- or SGLang-format ZMQ publisher
+(``engine``) through the event plane's adapters (:mod:`event_plane.adapters.vllm`,
+:mod:`event_plane.adapters.sglang`; gap recovery through the replay endpoint when one is
+given) and applies its events, in seq order, to that index:
 a ``BlockStored`` needs its ``token_ids`` (one full block each) to key the blocks by
 tokens (:mod:`api.token_hashes`); media map to tiers ``g1`` (GPU), ``g2`` (CPU,
 CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).
@@ -24,6 +25,7 @@ from api.errors import ApiError
 from api.token_hashes import TokenIdError, local_block_hashes
 from api.worker_index import WorkerIndex
 from event_plane.adapters.peer import PeerConverter, PeerFormatError, PeerSubscriber
+from event_plane.adapters.sglang import SGLANG_FIELDS, sglang_config
 from event_plane.adapters.vllm import VLLM_FIELDS, vllm_config
 from event_plane.schema import EventBatch, EventType, KVEvent
 
@@ -45,6 +47,7 @@ class Registration:
         endpoint: its ZMQ PUB endpoint (``tcp://HOST:PORT``).
         replay_endpoint: its ZMQ replay ROUTER endpoint, or ``None``.
         block_size: tokens per block.
+        engine: the worker's KV-event format, ``"vllm"`` or ``"sglang"``.
     """
 
     instance_id: int
@@ -54,16 +57,18 @@ class Registration:
     endpoint: str
     replay_endpoint: str | None
     block_size: int
+    engine: str = "vllm"
 
 
 class _TokenConverter(PeerConverter):
-    """vLLM converter that also keys each stored block by its tokens' local hash
+    """vLLM or SGLang converter that also keys each stored block by its tokens' local hash
     (``extra_metadata = {"tokens_hash": h}``); a Store without one full block of token
-    ids per hash, or of another block size, is malformed (skipped and counted)."""
+    ids per hash, or of another block size, is malformed (skipped and counted).  SGLang's
+    ``BlockStored`` carries no LoRA name, so its blocks hash without one."""
 
-    def __init__(self, source: str, block_size: int) -> None:
-        super().__init__(vllm_config(source, disk_volume="g3", external_volume="g4", cleared_locations=("g1",)),
-                         VLLM_FIELDS)
+    def __init__(self, source: str, block_size: int, engine: str = "vllm") -> None:
+        make, fields = (sglang_config, SGLANG_FIELDS) if engine == "sglang" else (vllm_config, VLLM_FIELDS)
+        super().__init__(make(source, disk_volume="g3", external_volume="g4", cleared_locations=("g1",)), fields)
         self.block_size = block_size
 
     def convert_event(self, ev: object, dp_rank: int | None = None) -> list[KVEvent]:
@@ -89,7 +94,7 @@ class _IndexingSubscriber(PeerSubscriber):
 
     def __init__(self, reg: Registration, index: WorkerIndex, context: zmq.Context | None) -> None:
         source = f"{reg.instance_id}/{reg.dp_rank}"
-        super().__init__(reg.endpoint, reg.replay_endpoint, _TokenConverter(source, reg.block_size),
+        super().__init__(reg.endpoint, reg.replay_endpoint, _TokenConverter(source, reg.block_size, reg.engine),
                          context=context, queue_capacity=16)
         self._worker = (reg.instance_id, reg.dp_rank)
         self._index = index

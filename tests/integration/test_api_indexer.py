@@ -155,3 +155,34 @@ def test_indexer_input_errors(server: httpx.Client) -> None:
         assert set(r.json()) == {"error", "detail"}
     r = c.post("/unregister", json={"instance_id": 5, "model_name": MODEL})
     assert r.status_code == 404 and r.json()["error"] == "unknown_worker"
+
+
+def test_an_sglang_worker_beside_a_vllm_worker(server: httpx.Client) -> None:
+    """``engine: "sglang"`` subscribes with the SGLang adapter (array-form events, its own
+    field order, no LoRA name); its blocks are keyed by the same token hashes, so one query
+    scores a vLLM and an SGLang worker of the model side by side."""
+    c = server
+    pv, rv = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    ps, rs = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    vllm = PeerEmitter(pv, rv, flavor="vllm", form="map")
+    sgl = PeerEmitter(ps, rs, flavor="sglang", form="array")
+    try:
+        for inst, pub, rep, engine in ((11, pv, rv, "vllm"), (12, ps, rs, "sglang")):
+            r = c.post("/register", json={"instance_id": inst, "endpoint": pub, "replay_endpoint": rep,
+                                          "model_name": MODEL, "block_size": BS, "engine": engine})
+            assert r.status_code == 200, r.text
+        r = c.post("/register", json={"instance_id": 13, "endpoint": ps, "model_name": MODEL, "block_size": BS,
+                                      "engine": "trtllm"})
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request"
+        time.sleep(0.3)
+        vllm.send([_store(vllm, [501, 502], None, 0)])
+        sgl.send([_store(sgl, [601, 602, 603], None, 0)])
+        q = {"token_ids": TOKENS, "model_name": MODEL}
+        got = _wait(c, q, {"scores": {"11": {"0": 2 * BS}, "12": {"0": 3 * BS}}})
+        assert got["scores"] == {"11": {"0": 2 * BS}, "12": {"0": 3 * BS}}
+        sgl.send([sgl.removed([603])])
+        got = _wait(c, q, {"scores": {"11": {"0": 2 * BS}, "12": {"0": 2 * BS}}})
+        assert got["scores"]["12"] == {"0": 2 * BS}
+    finally:
+        vllm.close()
+        sgl.close()
