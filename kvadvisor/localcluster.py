@@ -98,9 +98,13 @@ class NatsCluster:
     def start(self, timeout_s: float = 30.0) -> NatsCluster:
         """Start every node and wait for the JetStream meta leader."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for i in range(self.nodes):
-            self.start_node(i)
-        self.wait_ready(timeout_s)
+        try:
+            for i in range(self.nodes):
+                self.start_node(i)
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # a failed start leaves no server behind
+            raise
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
