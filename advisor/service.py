@@ -172,6 +172,7 @@ class AdvisorService:
         self._origin_store: Any = None
         self.counters.update(dict.fromkeys(QuotaGuard.counter_names(), 0))
         self.quotas = QuotaGuard(settings.quota_limits())
+        self._quota_seen: dict[str, int] = {}  # the guard's counts already added to self.counters
         self.rate = RateMeter()
         self.started_at: float | None = None
         self._stop = threading.Event()
@@ -626,13 +627,16 @@ class AdvisorService:
         got = q.admit(batch, self.index, rate=rate)
         if q.changes == v0:
             return got.batch
-        before = {k: self.counters.get(k, 0) for k in QuotaGuard.counter_names()}
+        # deltas of the guard's own counts (they start at 0 in each process, while
+        # self.counters may come back from the run state of an earlier one)
+        before = self._quota_seen
         m = self.metrics
         for key, n in q.as_dict().items():
-            d = n - before[key]
+            d = n - before.get(key, 0)
             if not d:
                 continue
-            self.counters[key] = n
+            before[key] = n
+            self.counters[key] = self.counters.get(key, 0) + d
             if key.startswith("quota_refused_batches_"):
                 m.quota_refused_batches.labels(reason=key[len("quota_refused_batches_"):]).inc(d)
             elif key.startswith("quota_refused_events_"):
