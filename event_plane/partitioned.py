@@ -28,7 +28,19 @@ from event_plane.partition import TRUNK, ChainRouter, PartitionScheme
 from event_plane.publisher import EventPublisher
 from event_plane.schema import EventType, KVEvent
 
-__all__ = ["PartitionedPublisher", "partition_namespace", "partition_url"]
+__all__ = ["PartitionedPublisher", "close_all", "partition_namespace", "partition_url"]
+
+
+def close_all(publishers: Sequence[Any]) -> None:
+    """Close every publisher of ``publishers``; the first error is raised once all are closed."""
+    first: BaseException | None = None
+    for p in publishers:
+        try:
+            p.close()
+        except BaseException as exc:  # noqa: BLE001 - close the others first
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def partition_namespace(namespace: str, partition: int) -> str:
@@ -113,14 +125,7 @@ class PartitionedPublisher:
 
     def close(self) -> None:
         """Flush and close every inner publisher (the first error is raised after all are closed)."""
-        first: BaseException | None = None
-        for p in self.publishers:
-            try:
-                p.close()
-            except BaseException as exc:  # noqa: BLE001 - close the others first
-                first = first or exc
-        if first is not None:
-            raise first
+        close_all(self.publishers)
 
     def stats(self) -> list[Any]:
         """Each partition publisher's ``stats()``, in partition order."""

@@ -28,7 +28,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from event_plane.partition import PartitionScheme
-from event_plane.partitioned import PartitionedPublisher, partition_url
+from event_plane.partitioned import PartitionedPublisher, close_all, partition_url
 from event_plane.schema import KVEvent
 from event_plane.urls import make_publisher
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
@@ -92,14 +92,7 @@ class TeePublisher:
 
     def close(self) -> None:
         """Close every inner publisher (the first error is raised after all are closed)."""
-        first: BaseException | None = None
-        for p in self.publishers:
-            try:
-                p.close()
-            except BaseException as exc:  # noqa: BLE001 - close the others first
-                first = first or exc
-        if first is not None:
-            raise first
+        close_all(self.publishers)
 
 
 def _jetstream_url(server: str, namespace: str, replicas: int) -> str:
