@@ -411,8 +411,14 @@ class ZmqPublisher(EventPublisher):
             for _ in range(_REPLAY_CHUNK):
                 if job.pos == len(job.hits) or (job.sent_bytes and job.sent_bytes + len(job.hits[job.pos][1])
                                                 > cfg.replay_max_bytes):
+                    end = "served" if job.pos == len(job.hits) else "truncated"
+                    # counted before the end marker leaves: a client that has read the marker
+                    # then finds the answer in replay_stats(), never a count behind it
+                    count[end] += 1
                     if self._send_end(router, job.envelope):
-                        done = "served" if job.pos == len(job.hits) else "truncated"
+                        done = end
+                    else:
+                        count[end] -= 1
                     break
                 seq, payload = job.hits[job.pos]
                 try:
@@ -434,7 +440,8 @@ class ZmqPublisher(EventPublisher):
                 logger.warning("replay server of %s: abandoned an answer after %d batches (client not reading "
                                "for %.3g s)", self.source, job.pos, cfg.replay_stall_s)
             if done is not None:
-                count[done] += 1
+                if done not in ("served", "truncated"):  # those two are counted above
+                    count[done] += 1
                 self._stalled_since_recycle += done == "stalled"
                 del jobs[identity]
         return moved
