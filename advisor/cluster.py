@@ -57,7 +57,7 @@ from advisor.snapshot import RedisSnapshotStore, encode_index, load_latest, make
 from event_plane.config import StreamLimits
 from event_plane.nats_auth import redact_url
 from event_plane.nats_transport import connect_nats
-from event_plane.partition import PartitionScheme, combine_lookups, partitioned_lookup
+from event_plane.partition import PartitionScheme, combine_lookups
 from event_plane.partitioned import partition_namespace
 
 __all__ = ["ClusterClient", "ClusterNode", "ClusterSettings", "PartitionUnavailable", "query_subject"]
@@ -236,9 +236,9 @@ class _Replica:
             if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):
                 return {"position": self.position, "hashes": sorted(self.index.blocks_at(request["location"]))}
             if request.get("op") == "locations":
-                return {"position": self.position,
-                        "locations": dict(self.index.stats()["blocks_per_location"]),
-                        "orphans": int(self.index.stats()["orphans_pending"])}
+                st = self.index.stats()
+                return {"position": self.position, "locations": dict(st["blocks_per_location"]),
+                        "orphans": int(st["orphans_pending"])}
             if request.get("op") == "block" and isinstance(request.get("hash"), int):
                 info = self.index.block(request["hash"])
                 if info is None:
@@ -477,7 +477,8 @@ class ClusterClient:
 
     def lookup_full(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
         """``(per location, any location)``: :meth:`lookup`'s answer and the number of
-        leading blocks held at some location (locations may differ per block).
+        leading blocks held at some location (locations may differ per block);
+        :attr:`positions` then holds the stream sequence each asked partition answered at.
 
         Raises:
             PartitionUnavailable: a partition the answer needs has no owner serving now.
@@ -486,9 +487,11 @@ class ClusterClient:
         trunk_owner = next((pc.partition for pc in pieces if pc.partition >= 0), 0)
         answers, done, any_n = [], [], 0
         any_alive = True
+        self.positions = {}
         for pc in pieces:
             owner = trunk_owner if pc.partition < 0 else pc.partition
             body = self._request(owner, list(hashes[pc.start:pc.end]))
+            self.positions[owner] = int(body["position"])
             locs = {str(k): int(v) for k, v in body["locations"].items()}
             answers.append(locs)
             done.append(pc)
@@ -507,14 +510,7 @@ class ClusterClient:
         Raises:
             PartitionUnavailable: a partition the answer needs has no owner serving now.
         """
-        self.positions = {}
-
-        def one(p: int, piece: Sequence[int]) -> dict[str, int]:
-            locs, pos = self.ask(p, piece)
-            self.positions[p] = pos
-            return locs
-
-        return partitioned_lookup(self.scheme, hashes, one)
+        return self.lookup_full(hashes)[0]
 
     def close(self) -> None:
         """Disconnect."""
