@@ -179,6 +179,9 @@ class _Replica:
             self.ready.set()
             self.ready_at = time.time()
         self.stop_flag = threading.Event()
+        self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
+        self.fenced = False  # a newer owner raised the fence: no more moves
+        self.repaired = False  # the mover compared the catalog with this index
         self.applied = 0
         self.errors = 0
         self.read = 0
@@ -275,8 +278,10 @@ class ClusterNode:
     the stream or Redis cannot be used.
     """
 
-    def __init__(self, settings: ClusterSettings) -> None:
+    def __init__(self, settings: ClusterSettings, storage: Any = None) -> None:
         self.settings = settings
+        self.storage = storage  # advisor.cluster_mover.ClusterStorageSettings, or None: no mover
+        self.mover: Any = None
         self.replicas: dict[int, _Replica] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -286,6 +291,7 @@ class ClusterNode:
         self._subs: dict[int, Any] = {}
         self._stop = threading.Event()
         self._snapshotter: threading.Thread | None = None
+        self._policy: threading.Thread | None = None
         self.keeper: LeaseKeeper | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -293,18 +299,29 @@ class ClusterNode:
         """Connect, join the lease table and start serving the partitions it gets."""
         s = self.settings
         self._thread.start()
+        if self.storage is not None:
+            from advisor.cluster_mover import ClusterMover
+
+            self.mover = ClusterMover(self, self.storage)
         self._nc = self._call(connect_nats(s.nats_url, 5.0, dict(s.connect_options)), 15)
         self.keeper = LeaseKeeper(s.nats_url, s.advisor_id, s.lease_settings(), on_acquire=self._acquire,
                                   on_release=self._release, connect_options=dict(s.connect_options))
         self.keeper.start()
         self._snapshotter = threading.Thread(target=self._snapshot_loop, name="snapshots", daemon=True)
         self._snapshotter.start()
+        if self.mover is not None:
+            self._policy = threading.Thread(target=self._policy_loop, name="policy", daemon=True)
+            self._policy.start()
         logger.info("cluster advisor %s up at %s", s.advisor_id, redact_url(s.nats_url))
         return self
 
     def stop(self) -> None:
         """Hand every partition over (final snapshots), leave, and disconnect."""
         self._stop.set()
+        if self._policy is not None:  # no move after the leases go: the round in progress ends first
+            self._policy.join(120)
+        if self.mover is not None:
+            self.mover.close()
         if self.keeper is not None:
             self.keeper.stop()
         with self._lock:
@@ -319,6 +336,11 @@ class ClusterNode:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
+    def serving(self) -> dict[int, _Replica]:
+        """The replicas this advisor serves now (rebuilt), by partition."""
+        with self._lock:
+            return {p: r for p, r in self.replicas.items() if r.ready.is_set()}
+
     def owned(self) -> frozenset[int]:
         """Partitions this advisor serves now."""
         with self._lock:
@@ -332,8 +354,12 @@ class ClusterNode:
         for p, r in sorted(reps.items()):
             with r.lock:
                 parts[p] = {"position": r.position, "blocks": len(r.index.hashes()), "applied": r.applied,
-                            "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set()}
-        return {"advisor": self.settings.advisor_id, "partitions": parts}
+                            "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set(),
+                            "fenced": r.fenced}
+        out: dict[str, Any] = {"advisor": self.settings.advisor_id, "partitions": parts}
+        if self.mover is not None:
+            out["mover"] = self.mover.status()
+        return out
 
     # ------------------------------------------------------------------ leases
     def _acquire(self, p: int) -> None:
@@ -342,6 +368,16 @@ class ClusterNode:
         except Exception as exc:  # noqa: BLE001 - without a replica the lease is useless
             logger.error("advisor %s: cannot serve partition %d: %s", self.settings.advisor_id, p, exc)
             return
+        if self.mover is not None:
+            token = self.keeper.token(p) if self.keeper is not None else None
+            try:
+                if token is None:
+                    raise RuntimeError("the lease is gone already")
+                self.mover.take(rep, token)
+            except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves
+                rep.fenced = True
+                logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves: %s",
+                             self.settings.advisor_id, p, exc)
         with self._lock:
             self.replicas[p] = rep
         self._subs[p] = self._call(self._nc.subscribe(query_subject(self.settings.namespace, p),
@@ -375,6 +411,25 @@ class ClusterNode:
                 body = {"unavailable": f"bad request: {type(exc).__name__}"}
             await msg.respond(_enc.encode(body))
         return answer
+
+    def _policy_loop(self) -> None:
+        """Repairs of newly taken partitions at once, policy rounds every ``policy_interval_s``."""
+        interval = self.storage.policy_interval_s
+        last = time.monotonic()
+        while not self._stop.wait(0.5):
+            due = interval > 0 and time.monotonic() - last >= interval
+            pending = any(not r.repaired and not r.fenced for r in self.serving().values())
+            if not (due or pending):
+                continue
+            try:
+                if due:
+                    last = time.monotonic()
+                    self.mover.run_round()
+                else:
+                    self.mover.run_repairs()
+            except Exception as exc:  # noqa: BLE001 - retried next round
+                logger.warning("advisor %s: policy round failed: %s: %s", self.settings.advisor_id,
+                               type(exc).__name__, exc)
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.settings.snapshot_interval_s):
@@ -537,6 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import os
     import signal
+    import sys
 
     ap = argparse.ArgumentParser(prog="python -m advisor.cluster", description="one advisor of a scaled cluster")
     ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
@@ -552,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=2.0)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--snapshot-interval", type=float, default=30.0)
+    ap.add_argument("--storage", default=None,
+                    help="JSON storage settings (advisor.cluster_mover.ClusterStorageSettings): run the mover "
+                         "(policy rounds on the owned partitions, fenced commits in the Redis catalog)")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="serve Prometheus /metrics on this port (advisor.cluster_metrics); off when not given")
     ap.add_argument("--metrics-host", default="127.0.0.1",
@@ -560,10 +619,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.redis:
         ap.error("--redis or KVADVISOR_CLUSTER_REDIS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    storage = None
+    if a.storage:
+        from advisor.cluster_mover import ClusterStorageSettings
+        from advisor.settings import SettingsError
+
+        try:
+            storage = ClusterStorageSettings.load(a.storage)
+        except SettingsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     node = ClusterNode(ClusterSettings(
         nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
         scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
-        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval)).start()
+        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval), storage).start()
     metrics_url = None
     if a.metrics_port is not None:
         from advisor.cluster_metrics import serve_cluster_metrics
@@ -577,6 +646,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"advisor {a.id} metrics at {metrics_url}", flush=True)
     done.wait()
     node.stop()
+    if node.mover is not None:  # what this advisor's mover did, for operators and drills
+        import json
+
+        print(f"advisor {a.id} stopped: mover {json.dumps(node.mover.status()['counters'], sort_keys=True)}",
+              flush=True)
     return 0
 
 

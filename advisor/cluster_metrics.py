@@ -11,7 +11,16 @@ private ``CollectorRegistry``), so they never drift from what the advisor serves
 ``kvadvisor_cluster_batches_applied_total``      counter batches folded per held partition
 ``kvadvisor_cluster_batches_refused_total``      counter batches refused per held partition
 ``kvadvisor_cluster_lookups_total``              counter lookups answered per held partition
+``kvadvisor_cluster_mover_results_total``        counter plan items executed by this advisor's
+                                                         mover, label ``result`` (``done``,
+                                                         ``skipped``, ``failed``, ``compacted``)
+``kvadvisor_cluster_mover_fenced_total``         counter rounds cut short because a newer lease
+                                                         holder raised a partition's fence
+``kvadvisor_cluster_mover_repairs_total``        counter index entries repaired from the catalog
+                                                         after taking a partition
 =============================================== ======= =======================================
+
+The ``mover`` series exist only for an advisor started with ``--storage``.
 
 Every series carries ``advisor`` (this advisor's id); ``partition`` takes at most the
 partition count's values (``0 .. partitions-1``), so the series are bounded.  Per-partition
@@ -67,6 +76,20 @@ class ClusterCollector(Collector):
             refused.add_metric(lab, st["errors"])
             lookups.add_metric(lab, st.get("lookups", 0))
         yield from (position, blocks, applied, refused, lookups)
+        if node.mover is not None:
+            c = node.mover.status()["counters"]
+            results = CounterMetricFamily("kvadvisor_cluster_mover_results", "Plan items executed by the mover",
+                                          labels=["advisor", "result"])
+            for name, key in (("done", "moves_done"), ("skipped", "moves_skipped"), ("failed", "moves_failed"),
+                              ("compacted", "compactions")):
+                results.add_metric([adv, name], c.get(key, 0))
+            fenced = CounterMetricFamily("kvadvisor_cluster_mover_fenced", "Rounds cut short by a newer lease holder",
+                                         labels=["advisor"])
+            fenced.add_metric([adv], c.get("fenced", 0))
+            repairs = CounterMetricFamily("kvadvisor_cluster_mover_repairs", "Index entries repaired from the catalog",
+                                          labels=["advisor"])
+            repairs.add_metric([adv], c.get("repair_events", 0))
+            yield from (results, fenced, repairs)
 
 
 def cluster_registry(node: ClusterNode) -> CollectorRegistry:

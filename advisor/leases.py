@@ -110,6 +110,7 @@ class _Lease:
     revision: int
     renewed_at: float  # monotonic, taken before the request that produced ``revision``
     acquired_at: float
+    token: int = 0  # the revision the lease was created at (a fencing token: only grows)
 
 
 @dataclass
@@ -172,6 +173,14 @@ class LeaseKeeper:
         limit = self.settings.ttl_s * self.settings.safety
         with self._lock:
             return frozenset(p for p, lease in self._leases.items() if now - lease.renewed_at < limit)
+
+    def token(self, partition: int) -> int | None:
+        """The fencing token of this advisor's lease on ``partition``: the bucket revision
+        at which the lease was created (revisions only grow, so a later owner's token is
+        higher), or ``None`` when it does not hold the lease."""
+        with self._lock:
+            lease = self._leases.get(partition)
+            return lease.token if lease is not None else None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Release every lease (``on_release(p, "stop")`` first), leave, and disconnect."""
@@ -317,7 +326,7 @@ class LeaseKeeper:
         except (KeyWrongLastSequenceError, APIError):
             return  # someone else took it first
         with self._lock:
-            self._leases[p] = _Lease(rev, t0, t0)
+            self._leases[p] = _Lease(rev, t0, t0, rev)
         self.counters["acquired"] += 1
         logger.info("lease keeper %s: acquired partition %d", self.advisor_id, p)
         if self.on_acquire is not None:

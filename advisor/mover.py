@@ -41,8 +41,8 @@ class MoverAgent(Protocol):
 
     def locate(self, keys: Sequence[Any]) -> list[Any]: ...
     def copy_many(self, placements: Sequence[Any], dst_volume: str) -> list[Any]: ...
-    def commit_move(self, old: Any, new: Any) -> Any: ...
-    def compact(self, volume_id: str, segment_id: int) -> int: ...
+    def commit_move(self, old: Any, new: Any, fence: Any = None) -> Any: ...
+    def compact(self, volume_id: str, segment_id: int, fence: Any = None) -> int: ...
 
 
 class MoverPublisher(Protocol):
@@ -75,6 +75,14 @@ class Mover:
             called without holding any publisher lock.
         key_factory: builds a block key from ``(namespace, sequence_hash)``
             (``storage_backends.BlockKey``).
+        fence: the fencing token every catalog commit carries (scaled mode: the
+            partition lease, ``storage_backends.Fence``); ``None`` commits unfenced.
+            Once a commit is fenced off, the rest of the batch is skipped.
+        metadata: extra metadata put on every Store a move publishes (scaled mode: the
+            mover's advisor id and fencing token).
+        publish_to: ``publish_to(sequence_hash)`` -> the publishers a move of that block
+            is announced on (scaled mode: its partition's, or every partition's for a
+            trunk block); ``None`` = ``[publisher]``.
     """
 
     def __init__(
@@ -84,6 +92,10 @@ class Mover:
         namespaces: Sequence[str],
         block_info: Callable[[int], BlockInfo | None],
         key_factory: Callable[[str, int], Any],
+        *,
+        fence: Any = None,
+        metadata: dict[str, Any] | None = None,
+        publish_to: Callable[[int], Sequence[MoverPublisher]] | None = None,
     ) -> None:
         if not namespaces:
             raise ValueError("the mover needs at least one namespace")
@@ -92,7 +104,11 @@ class Mover:
         self.namespaces = list(namespaces)
         self.block_info = block_info
         self.key_factory = key_factory
+        self.fence = fence
+        self.metadata = dict(metadata or {})
+        self.publish_to = publish_to
         self.counters = MoverCounters()
+        self.fenced = False
 
     def execute(self, item: PlanItem) -> PlanResult:
         """Carry out one item (see :meth:`execute_many`)."""
@@ -157,18 +173,30 @@ class Mover:
             self.counters.failed[kind] += 1
 
     def _compact(self, item: PlanItem) -> PlanResult:
+        from storage_backends.types import FencedError  # storage is optional for the index
+
         if item.segment_id is None:
             return PlanResult(item, PlanStatus.FAILED, "compaction item without a segment id")
-        moved = self.agent.compact(item.src_volume, item.segment_id)
+        if self.fenced:
+            return PlanResult(item, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
+        try:
+            moved = (self.agent.compact(item.src_volume, item.segment_id, fence=self.fence) if self.fence is not None
+                     else self.agent.compact(item.src_volume, item.segment_id))
+        except FencedError as exc:
+            self.fenced = True
+            return PlanResult(item, PlanStatus.SKIPPED, f"fenced off: {exc}")
         return PlanResult(
             item, PlanStatus.DONE, f"rewrote {moved} live blocks of segment {item.segment_id}",
             bytes_moved=item.bytes if moved else 0, blocks_moved=moved,
         )
 
     def _move_group(self, group: list[PlanItem]) -> list[PlanResult]:
-        from storage_backends.types import VersionConflictError  # storage is optional for the index
+        from storage_backends.types import FencedError, VersionConflictError  # storage is optional for the index
 
         src, dst = group[0].src_volume, group[0].dst_volume
+        if self.fenced:
+            return [PlanResult(it, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
+                    for it in group]
         out: list[PlanResult | None] = [None] * len(group)
         todo: list[tuple[int, Any]] = []  # (index in group, old placement)
         keys: list[Any] = []
@@ -195,11 +223,21 @@ class Mover:
         if todo:
             assert dst is not None
             news = self.agent.copy_many([old for _, old in todo], dst)  # verified, not committed
-            published = False
+            used: dict[int, MoverPublisher] = {}  # publishers to flush
             for (n, old), new in zip(todo, news):
                 it = group[n]
+                if self.fenced:
+                    self._discard(new)
+                    out[n] = PlanResult(it, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
+                    continue
                 try:
-                    committed = self.agent.commit_move(old, new)
+                    committed = (self.agent.commit_move(old, new, fence=self.fence) if self.fence is not None
+                                 else self.agent.commit_move(old, new))
+                except FencedError as exc:  # the agent released the copy
+                    self.fenced = True
+                    logger.warning("mover: fenced off (%s); the rest of this round is skipped", exc)
+                    out[n] = PlanResult(it, PlanStatus.SKIPPED, f"fenced off: {exc}")
+                    continue
                 except VersionConflictError as exc:
                     out[n] = PlanResult(it, PlanStatus.SKIPPED, f"concurrent catalog update won: {exc}")
                     continue
@@ -212,14 +250,21 @@ class Mover:
                 parent = info.parent if info is not None else None
                 prefix = info.prefix_hash if info is not None else h
                 size = committed.length
-                self.publisher.publish([store(h, prefix, parent, size, dst, {MOVE_KEY: src, "reason": it.kind.value})])
-                self.publisher.publish([remove(h, prefix, parent, size, src)])
-                published = True
+                meta = {MOVE_KEY: src, "reason": it.kind.value, **self.metadata}
+                if self.metadata:
+                    meta["catalog_version"] = committed.version
+                for pub in self._publishers(h):
+                    pub.publish([store(h, prefix, parent, size, dst, meta)])
+                    pub.publish([remove(h, prefix, parent, size, src)])
+                    used[id(pub)] = pub
                 out[n] = PlanResult(it, PlanStatus.DONE, f"{src} -> {dst} (catalog version {committed.version})",
                                     bytes_moved=size, blocks_moved=1)
-            if published:
-                self.publisher.flush()
+            for pub in used.values():
+                pub.flush()
         return [r for r in out if r is not None]
+
+    def _publishers(self, h: int) -> Sequence[MoverPublisher]:
+        return self.publish_to(h) if self.publish_to is not None else [self.publisher]
 
     def _discard(self, new: Any) -> None:
         discard = getattr(self.agent, "discard", None)

@@ -289,6 +289,9 @@ def worker_sim(
     requests: Annotated[Optional[int], typer.Option(help="requests to replay (default: the whole trace)")] = None,
     loop: Annotated[Optional[bool], typer.Option("--loop/--once", help="start the trace again at its end")] = None,
     workdir: Annotated[Optional[Path], typer.Option(help="G3 volume and its catalog")] = None,
+    storage: Annotated[Optional[Path], typer.Option(
+        help="the cluster advisors' --storage file: G3 = its first slow volume in the shared Redis catalog "
+             "(Redis URL from $KVADVISOR_CLUSTER_REDIS_URL)")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="kvbm_* /metrics port (default 6880)")] = None,
     metrics_host: Annotated[Optional[str], typer.Option(help="address of /metrics (default 127.0.0.1)")] = None,
 ) -> None:
@@ -300,7 +303,7 @@ def worker_sim(
     from kvadvisor.worker_sim import WorkerSimSettings, run_worker_sim
 
     given = {"nats_url": nats, "namespace": namespace, "source": source, "partitions": partitions,
-             "replicas": replicas, "requests": requests, "loop": loop, "workdir": workdir,
+             "replicas": replicas, "requests": requests, "loop": loop, "workdir": workdir, "storage": storage,
              "metrics_port": metrics_port, "metrics_host": metrics_host}
     try:
         settings = WorkerSimSettings(**{k: v for k, v in given.items() if v is not None})

@@ -1,12 +1,15 @@
 """``kvadvisor demo --scaled``: replay a trace through the topology ``kvadvisor up`` started.
 
-Workers (``kvbm_runtime.BlockManager`` with G1/G2 pools and a ``slow`` POSIX volume plus the
-``s3`` volume of the topology's S3 endpoint, placement catalog in Redis) publish through
+Workers (``kvbm_runtime.BlockManager`` with G1/G2 pools, G3 on the topology's ``slow`` POSIX
+volume, the ``fast`` and ``s3`` volumes readable, placement catalog in Redis: the volumes of
+the advisors' ``storage.json``) publish through
 :class:`event_plane.partitioned.PartitionedPublisher` to the NATS JetStream cluster; the
-cluster advisors fold each partition; the demo then checks, as the embedded demo does, that
-the index (the union of every partition, asked through :class:`advisor.cluster.ClusterClient`)
-equals what each worker holds in G1/G2 and what the catalog places on each volume, and reads
-every stored block back byte for byte.
+cluster advisors fold each partition and move blocks between the volumes; the demo then
+checks, as the embedded demo does, that the index (the union of every partition, asked
+through :class:`advisor.cluster.ClusterClient`) equals what each worker holds in G1/G2 and
+what the catalog places on each volume (once the movers' announcements are folded: it asks
+again, up to ``settle_s``, while they differ), and reads every stored block back byte for
+byte.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from advisor.cluster import ClusterClient, PartitionUnavailable
+from advisor.cluster_mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.urls import make_publisher
-from kvadvisor.demo import S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config
+from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
 from kvadvisor.up import ClusterUp, load
@@ -65,8 +69,26 @@ def _wait_caught_up(client: ClusterClient, pubs: list[PartitionedPublisher], tim
     raise DemoError(f"the cluster did not catch up within {timeout_s} s: {behind}")
 
 
+def _volumes_agree(client: ClusterClient, agent: StorageAgent, volumes: tuple[str, ...],
+                   settle_s: float) -> dict[str, Any]:
+    """Per volume, the blocks the index places there against those the catalog does:
+    ``{volume: {"index", "held", "equal"}}``.  While the movers' announcements are still on
+    their way the two differ; they are asked again (every 0.5 s, up to ``settle_s``) until
+    every volume agrees, and the last answer is returned."""
+    end = time.monotonic() + settle_s
+    while True:
+        out: dict[str, Any] = {}
+        for v in volumes:
+            held = {p.key.sequence_hash for p in agent.catalog.iter_volume(v)}
+            idx = client.blocks_at(v)
+            out[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
+        if all(x["equal"] for x in out.values()) or time.monotonic() >= end:
+            return out
+        time.sleep(0.5)
+
+
 def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
-                    progress: Callable[[int, int], None] | None = None) -> DemoReport:
+                    progress: Callable[[int, int], None] | None = None, settle_s: float = 60.0) -> DemoReport:
     """Replay ``s.requests`` requests through the running scaled topology.
 
     Raises:
@@ -82,14 +104,23 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
     workdir = Path(state.root) / f"demo-{run}"
     scheme = PartitionScheme(state.partitions)
     s = s.model_copy(update={"s3_bucket": state.s3_bucket})
+    shared = ClusterStorageSettings.load(state.storage) if state.storage else None
+    volumes = (FAST, SLOW, S3) if shared is not None else (SLOW, S3)
     with ExitStack() as stack:
-        agent = StorageAgent(RedisCatalog(state.redis_url, prefix=f"kvadvisor:{state.namespace}:catalog:{run}"),
-                             name="demo-workers")
-        stack.callback(agent.close)
-        for v in _volumes(s, workdir, state.s3_endpoint, state.s3_access_key, state.s3_secret_key):
-            if v.id in (SLOW, S3):
-                # each run its own object prefix: runs sharing the topology's bucket never overwrite
-                agent.register_volume(dataclasses.replace(v, prefix=f"kv-{run}") if v.id == S3 else v)
+        if shared is not None:  # the advisors' catalog and volumes: their movers manage these blocks
+            agent = StorageAgent(RedisCatalog(state.redis_url, prefix=shared.catalog_prefix), name="demo-workers",
+                                 allowed_roots=shared.volume_roots)
+            stack.callback(agent.close)
+            for vs in shared.volumes:
+                agent.register_volume(vs.to_descriptor())
+        else:
+            agent = StorageAgent(RedisCatalog(state.redis_url, prefix=f"kvadvisor:{state.namespace}:catalog:{run}"),
+                                 name="demo-workers")
+            stack.callback(agent.close)
+            for v in _volumes(s, workdir, state.s3_endpoint, state.s3_access_key, state.s3_secret_key):
+                if v.id in (SLOW, S3):
+                    # each run its own object prefix: runs sharing the topology's bucket never overwrite
+                    agent.register_volume(dataclasses.replace(v, prefix=f"kv-{run}") if v.id == S3 else v)
         url = (f"jetstream://{state.nats_urls[0].split('://', 1)[1]}?namespace={state.namespace}"
                f"&replicas={state.replicas}")
         rcfg = runtime_config(s)
@@ -135,10 +166,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
                 held = mgr.resident(tier)
                 idx = client.blocks_at(f"{src}/{tier}")
                 verified[f"{src}/{tier}"] = {"index": len(idx), "held": len(held), "equal": idx == held}
-        for v in (SLOW, S3):
-            held = {p.key.sequence_hash for p in agent.catalog.iter_volume(v)}
-            idx = client.blocks_at(v)
-            verified[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
+        verified.update(_volumes_agree(client, agent, volumes, settle_s))
         checked, ok, failures = read_back(agent, s)
         verified["bytes_checked"], verified["bytes_ok"] = checked, ok
         if failures:

@@ -7,7 +7,10 @@ describes the same topology in containers):
 * ``redis-server`` (snapshots and the placement catalog), with a random password;
 * an S3 endpoint (``moto_server``) with a bucket of its own;
 * ``advisors`` cluster advisors (``python -m advisor.cluster``) sharing ``partitions``
-  partitions of the index through leases;
+  partitions of the index through leases, each moving the blocks of its partitions between
+  the topology's volumes (``<dir>/storage.json``: ``fast`` and ``slow`` POSIX volumes under
+  ``<dir>/volumes`` and the ``s3`` volume on the S3 endpoint, placement catalog in Redis;
+  :mod:`advisor.cluster_mover`);
 * the cluster's REST API (``python -m advisor.cluster_api``) on a loopback port.
 
 Every process runs in its own session, so it outlives the command; ``up`` returns once all
@@ -53,6 +56,8 @@ class ClusterUp:
         replicas: JetStream replicas (3 on a 3-node cluster).
         advisors: advisor ids; pids: every process started, by name.
         api_url: the cluster's REST API.
+        storage: the advisors' storage settings file (``--storage``), which the workers of
+            ``kvadvisor demo --scaled`` use too; ``""`` when the advisors move nothing.
     """
 
     root: str
@@ -68,6 +73,7 @@ class ClusterUp:
     advisors: list[str]
     pids: dict[str, int] = field(default_factory=dict)
     api_url: str = ""
+    storage: str = ""
 
     @property
     def nats_url(self) -> str:
@@ -149,6 +155,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access, aws_secret_access_key=secret,
                      region_name="us-east-1").create_bucket(Bucket=bucket)
 
+        storage = _write_storage(root, namespace, endpoint, bucket, access, secret)
         ids = [f"advisor-{i}" for i in range(advisors)]
         # the Redis URL (with its password) goes through the environment, never argv (ps shows argv)
         env = dict(os.environ, NIXL_LOG_LEVEL="WARN", KVADVISOR_CLUSTER_REDIS_URL=redis_url)
@@ -158,7 +165,8 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
             started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster", "--nats", nats.url,
                                     "--id", a, "--namespace", namespace, "--partitions", str(partitions),
                                     "--replicas", str(3 if nodes >= 3 else 1), "--lease-ttl", "6",
-                                    "--heartbeat", "1", "--snapshot-interval", "10"], logs, env)
+                                    "--heartbeat", "1", "--snapshot-interval", "10", "--storage", str(storage)],
+                                logs, env)
         api_port = free_port()
         started["api"] = _spawn("api", [sys.executable, "-m", "advisor.cluster_api", "--nats", nats.url,
                                         "--namespace", namespace, "--partitions", str(partitions),
@@ -166,7 +174,8 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         state = ClusterUp(root=str(root), nats_urls=nats.urls, redis_url=redis_url, s3_endpoint=endpoint,
                           s3_access_key=access, s3_secret_key=secret, s3_bucket=bucket, namespace=namespace,
                           partitions=partitions, replicas=3 if nodes >= 3 else 1, advisors=ids,
-                          pids={k: p.pid for k, p in started.items()}, api_url=f"http://127.0.0.1:{api_port}")
+                          pids={k: p.pid for k, p in started.items()}, api_url=f"http://127.0.0.1:{api_port}",
+                          storage=str(storage))
         _wait_port(api_port, started["api"], "the cluster API")
         _wait_owned(state, started, timeout_s)
         path = root / STATE_FILE
@@ -179,6 +188,37 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
             if proc.poll() is None:
                 proc.kill()
         raise
+
+
+def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, access: str, secret: str) -> Path:
+    """Write ``<root>/storage.json`` (the advisors' and the demo workers' volumes and policy)
+    and the S3 secret key file it names (both mode 0600); returns the settings file."""
+    vols = root / "volumes"
+    for v in ("fast", "slow"):
+        (vols / v).mkdir(parents=True, exist_ok=True)
+    key = root / "s3.secret"
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    conf = {
+        "catalog_prefix": f"kvadvisor:{namespace}:catalog",
+        "volumes": [
+            {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 16 << 20, "root": str(vols / "fast"),
+             "segment_bytes": 4 << 20},
+            {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 4 << 30, "root": str(vols / "slow"),
+             "segment_bytes": 8 << 20},
+            {"id": "s3", "kind": "s3", "media": "object", "capacity_bytes": 1 << 40, "endpoint": endpoint,
+             "bucket": bucket, "prefix": "kv", "access_key": access, "secret_key_file": str(key)},
+        ],
+        "fast_volume": "fast", "slow_volumes": ["slow"], "archive_volume": "s3",
+        "volume_roots": [str(vols)],
+        "policy_interval_s": 5.0,
+    }
+    path = root / "storage.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(conf, f, indent=2)
+    return path
 
 
 def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:

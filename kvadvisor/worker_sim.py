@@ -60,12 +60,52 @@ class WorkerSimSettings(BaseSettings):
     loop: bool = Field(False, description="start the trace again at its end (until stopped)")
     interval_s: float = Field(0.05, ge=0.0, description="pause between requests")
     workdir: Path = Field(Path("kvadvisor-worker-sim"), description="G3 volume and its catalog")
+    storage: Path | None = Field(None, description=(
+        "the cluster advisors' storage settings (advisor.cluster_mover.ClusterStorageSettings, their "
+        "--storage): G3 is then the first slow volume of that file, in the shared Redis catalog, so the "
+        "advisors' movers manage what this worker offloads; default: a private POSIX volume under workdir"))
+    redis_url: str | None = Field(None, description=(
+        "Redis of the shared catalog (with storage); default: $KVADVISOR_CLUSTER_REDIS_URL, which keeps "
+        "a password off the command line"))
     g1_blocks: int = Field(256, ge=1, description="G1 blocks (a longer request is skipped, logged)")
     g2_blocks: int = Field(1024, ge=1)
     g3_capacity_blocks: int = Field(100_000, ge=1)
     page_size: int = Field(512, ge=1, description="tokens per block (the trace's block size)")
     metrics_port: int | None = Field(6880, ge=0, le=65535, description="kvbm_* /metrics port; None: off")
     metrics_host: str = Field("127.0.0.1", description="address of /metrics (no authentication)")
+
+
+def _shared_storage(s: WorkerSimSettings) -> tuple[Any, str]:
+    """``(StorageAgent on the shared Redis catalog with the cluster's volumes, G3 volume id)``.
+
+    Raises:
+        ValueError: no Redis URL, or a storage file without a slow volume.
+        SettingsError: the storage file does not validate.
+        StorageError: the catalog or a volume cannot be opened.
+    """
+    import os
+
+    from advisor.cluster_mover import ClusterStorageSettings
+    from storage_backends import RedisCatalog, StorageAgent
+
+    assert s.storage is not None
+    st = ClusterStorageSettings.load(s.storage)
+    redis_url = s.redis_url or os.environ.get("KVADVISOR_CLUSTER_REDIS_URL")
+    if not redis_url:
+        raise ValueError("a shared storage file needs redis_url or $KVADVISOR_CLUSTER_REDIS_URL")
+    if not st.slow_volumes:
+        raise ValueError(f"{s.storage}: no slow volume to offload G3 blocks to")
+    agent = StorageAgent(RedisCatalog(redis_url, prefix=st.catalog_prefix), name=s.source,
+                         allowed_roots=[str(Path(r).resolve()) for r in st.volume_roots]
+                         if st.volume_roots is not None else None)
+    try:
+        for v in st.volumes:
+            if v.id in st.slow_volumes[:1]:
+                agent.register_volume(v.to_descriptor())
+    except BaseException:
+        agent.close()
+        raise
+    return agent, st.slow_volumes[0]
 
 
 class TeePublisher:
@@ -148,12 +188,16 @@ def run_worker_sim(s: WorkerSimSettings, stop: threading.Event | None = None,
         parts = PartitionedPublisher(scheme, lambda k: make_publisher(partition_url(url, k), s.source, epoch=epoch))
         stack.callback(parts.close)
         tee = TeePublisher([parts, whole])
-        agent = StorageAgent(SqliteCatalog(str(workdir / "catalog.sqlite")), name=s.source)
+        if s.storage is not None:
+            agent, g3 = _shared_storage(s)
+        else:
+            g3 = G3_VOLUME
+            agent = StorageAgent(SqliteCatalog(str(workdir / "catalog.sqlite")), name=s.source)
+            agent.register_volume(VolumeDescriptor(G3_VOLUME, VolumeKind.POSIX, MediaClass.NVME,
+                                                   s.g3_capacity_blocks * block_bytes, root=str(workdir / "volume"),
+                                                   segment_bytes=max(block_bytes * 32, 1 << 20)))
         stack.callback(agent.close)
-        agent.register_volume(VolumeDescriptor(G3_VOLUME, VolumeKind.POSIX, MediaClass.NVME,
-                                               s.g3_capacity_blocks * block_bytes, root=str(workdir / "volume"),
-                                               segment_bytes=max(block_bytes * 32, 1 << 20)))
-        mgr = BlockManager(cfg, tee, store=agent, g3_volume=G3_VOLUME)
+        mgr = BlockManager(cfg, tee, store=agent, g3_volume=g3)
         stack.callback(mgr.close)
         metrics_url = mgr.metrics.serve_http(s.metrics_port, s.metrics_host) if s.metrics_port is not None else None
         if on_ready:

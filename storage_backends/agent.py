@@ -62,6 +62,8 @@ from .types import (
     BlockKey,
     BlockNotFoundError,
     ChecksumMismatchError,
+    Fence,
+    FencedError,
     InvalidRequestError,
     Placement,
     SegmentInfo,
@@ -1352,19 +1354,24 @@ class StorageAgent:
         version = {p.key: p.version for p in src}
         return [replace(p, version=version[p.key]) for p in out]
 
-    def commit_move(self, old: Placement, new: Placement) -> Placement:
+    def commit_move(self, old: Placement, new: Placement, fence: Fence | None = None) -> Placement:
         """Point the catalog at ``new`` if it still points at ``old`` (compare-and-set).
+
+        ``fence``: the writer's fencing token (:class:`~storage_backends.types.Fence`), checked
+        and raised in the same atomic catalog step (scaled mode: the partition lease).
 
         Returns:
             the committed placement (version ``old.version + 1``).  The old bytes become
             dead space; the old segment is deleted when no live block remains in it.
 
         Raises:
+            FencedError: a newer lease holder raised the fence; nothing changed and the new
+                copy's space is released.
             VersionConflictError: the block changed or was deleted since ``old`` was read;
                 the new copy's space is released.
         """
         try:
-            committed = self.catalog.compare_and_set(old, new)
+            committed = self.catalog.compare_and_set(old, new, fence)
         except VersionConflictError:
             self.counters.move_conflicts += 1
             self._settle(new, committed=False)
@@ -1406,7 +1413,7 @@ class StorageAgent:
         if vol is not None:
             vol.delete_segment(segment_id)
 
-    def compact(self, volume_id: str, segment_id: int) -> int:
+    def compact(self, volume_id: str, segment_id: int, fence: Fence | None = None) -> int:
         """Rewrite the live blocks of a segment into a new one and drop the old one.
 
         Crash-safe: the new segment is written and verified before any catalog entry
@@ -1422,9 +1429,14 @@ class StorageAgent:
 
             A segment the catalog does not know (dropped meanwhile) gives 0.
 
+        ``fence``: the writer's fencing token; once a newer holder has raised it, the
+        remaining blocks are left in place and :class:`FencedError` is raised (the segment
+        is kept).
+
         Raises:
             InvalidRequestError: unknown volume, or a segment not sealed yet (nothing is
                 changed).
+            FencedError: see ``fence``.
         """
         vol = self._vol(volume_id)
         seg = self.catalog.segment(volume_id, segment_id)
@@ -1440,10 +1452,14 @@ class StorageAgent:
         moved = 0
         if live:
             news = self.copy_many(live, volume_id)
-            for old, new in zip(live, news):
+            for i, (old, new) in enumerate(zip(live, news)):
                 try:
-                    self.commit_move(old, new)
+                    self.commit_move(old, new, fence)
                     moved += 1
+                except FencedError:
+                    for rest in news[i + 1:]:
+                        self.discard(rest)
+                    raise
                 except VersionConflictError:
                     pass
         try:

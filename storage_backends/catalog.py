@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
-from .types import BlockKey, Placement, SegmentInfo
+from .types import BlockKey, Fence, Placement, SegmentInfo
 
 
 class PlacementCatalog(ABC):
@@ -49,16 +49,29 @@ class PlacementCatalog(ABC):
         """
 
     @abstractmethod
-    def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
+    def compare_and_set(self, expected: Placement, new: Placement, fence: Fence | None = None) -> Placement:
         """Replace ``expected`` by ``new`` if the stored entry is still ``expected``.
 
         The stored entry must have ``expected.version`` and ``expected``'s volume and
         segment.  ``new`` is stored with version ``expected.version + 1`` and returned.
+        With a ``fence`` (:class:`~storage_backends.types.Fence`), the change is made only
+        if no higher token was seen for ``fence.name``, and the stored token is raised to
+        ``fence.token``, in the same atomic step.
 
         Raises:
+            FencedError: a higher token was seen for ``fence.name`` (nothing changed).
             VersionConflictError: the key is gone or changed since ``expected`` was read.
             InvalidRequestError: ``new`` is for another key.
             StorageError: ``new``'s segment is not recorded.
+        """
+
+    @abstractmethod
+    def raise_fence(self, fence: Fence) -> int:
+        """Raise the stored token of ``fence.name`` to ``fence.token`` (never lowers it).
+
+        Returns:
+            the stored token afterwards: ``fence.token`` when the caller holds the newest
+            lease, a higher value when a newer holder has raised it already.
         """
 
     @abstractmethod

@@ -17,6 +17,7 @@ Cluster slot, which multi-key scripts need):
 ``B vused:<volume>``         string  sum of the sizes of a volume's segments
 ``B vol``                    hash    volume id -> descriptor spec
 ``B quarantine``             list    JSON records of quarantined placements
+``B fence:<name>``           string  highest fencing token seen for ``name`` (``Fence``)
 ===========================  ======  ==================================================
 
 A block id is ``<sequence hash as 16 hex digits><namespace>`` (fixed-width head, so it is
@@ -39,6 +40,8 @@ from .catalog import PlacementCatalog
 from .keys import validate_block_key, validate_block_keys, validate_volume_id
 from .types import (
     BlockKey,
+    Fence,
+    FencedError,
     InvalidRequestError,
     Placement,
     SegmentInfo,
@@ -114,9 +117,15 @@ end
 return out
 """
 
-# ARGV: B, kid, exp_ver, exp_vol, exp_seg, vol, seg, off, len, ck
+# ARGV: B, kid, exp_ver, exp_vol, exp_seg, vol, seg, off, len, ck, fence name ('' = none), token
 _CAS = _LUA_LIB + r"""
 local kid = ARGV[2]
+if ARGV[11] ~= '' then
+  local fk = B .. 'fence:' .. ARGV[11]
+  local cur_tok = tonumber(redis.call('GET', fk) or '-1')
+  if cur_tok > tonumber(ARGV[12]) then return {'FENCED', string.format('%d', cur_tok)} end
+  if cur_tok < tonumber(ARGV[12]) then redis.call('SET', fk, ARGV[12]) end
+end
 local cur = redis.call('HGET', B .. 'pl', kid)
 if not cur then return {'GONE', ''} end
 local f = split(cur)
@@ -128,6 +137,14 @@ unlink(kid, f)
 redis.call('HSET', B .. 'pl', kid, rec)
 link(kid, ARGV[7], ARGV[8], tonumber(ARGV[9]))
 return {'OK', rec}
+"""
+
+# ARGV: B, fence name, token.  Returns the stored token after raising it (never lowered).
+_FENCE = r"""
+local fk = ARGV[1] .. 'fence:' .. ARGV[2]
+local cur_tok = tonumber(redis.call('GET', fk) or '-1')
+if cur_tok < tonumber(ARGV[3]) then redis.call('SET', fk, ARGV[3]); return ARGV[3] end
+return string.format('%d', cur_tok)
 """
 
 # ARGV: B, expected_version ('' = any), kid...   Returns per kid the removed record or ''
@@ -293,7 +310,7 @@ class RedisCatalog(PlacementCatalog):
         self._scripts = {
             name: self._client.register_script(src)
             for name, src in (
-                ("insert", _INSERT), ("cas", _CAS), ("delete", _DELETE), ("quarantine", _QUARANTINE),
+                ("insert", _INSERT), ("cas", _CAS), ("fence", _FENCE), ("delete", _DELETE), ("quarantine", _QUARANTINE),
                 ("new_segment", _NEW_SEGMENT), ("seal", _SEAL), ("drop", _DROP_SEGMENT),
                 ("segments", _SEGMENTS), ("iter", _ITER), ("forget", _FORGET),
             )
@@ -355,15 +372,24 @@ class RedisCatalog(PlacementCatalog):
         got = self._run("insert", *args)
         return [p if r == "" else _placement(p.key, r) for p, r in zip(placements, got)]
 
-    def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
-        """See :meth:`PlacementCatalog.compare_and_set` (one script: atomic)."""
+    def raise_fence(self, fence: Fence) -> int:
+        """See :meth:`PlacementCatalog.raise_fence` (key ``<prefix>:fence:<name>``, one script)."""
+        return int(self._run("fence", fence.name, fence.token))
+
+    def compare_and_set(self, expected: Placement, new: Placement, fence: Fence | None = None) -> Placement:
+        """See :meth:`PlacementCatalog.compare_and_set` (one script: atomic, fence included)."""
         validate_block_key(expected.key)
         if new.key != expected.key:
             raise InvalidRequestError(f"compare_and_set of {expected.key} with a placement of {new.key}")
         status, rec = self._run(
             "cas", _kid(expected.key), expected.version, expected.volume_id, expected.segment_id,
             new.volume_id, new.segment_id, new.offset, new.length, new.checksum,
+            fence.name if fence is not None else "", fence.token if fence is not None else 0,
         )
+        if status == "FENCED":
+            assert fence is not None
+            raise FencedError(f"fence {fence.name!r} is at token {rec}, above this writer's {fence.token}: "
+                              "a newer lease holder acts on it")
         if status == "GONE":
             raise VersionConflictError(f"{expected.key} was deleted (expected version {expected.version})")
         if status == "CONFLICT":

@@ -24,6 +24,8 @@ from .catalog import PlacementCatalog
 from .keys import i64_to_u64, u64_to_i64, validate_block_key, validate_block_keys
 from .types import (
     BlockKey,
+    Fence,
+    FencedError,
     InvalidRequestError,
     Placement,
     SegmentInfo,
@@ -51,6 +53,7 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE INDEX IF NOT EXISTS segments_by_volume ON segments (volume, id);
 CREATE TABLE IF NOT EXISTS volumes (id TEXT PRIMARY KEY, spec TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS fences (name TEXT PRIMARY KEY, token INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS quarantine (
     ns TEXT NOT NULL, seq INTEGER NOT NULL, volume TEXT NOT NULL, segment INTEGER NOT NULL,
     off INTEGER NOT NULL, len INTEGER NOT NULL, checksum INTEGER NOT NULL,
@@ -395,12 +398,31 @@ class SqliteCatalog(PlacementCatalog):
             self._cache_fill(out)  # every winner is the key's current placement
         return out
 
-    def compare_and_set(self, expected: Placement, new: Placement) -> Placement:
+    @staticmethod
+    def _fence(db: sqlite3.Connection, fence: Fence) -> int:
+        """Raise ``fence`` inside a write transaction; returns the stored token."""
+        row = db.execute("SELECT token FROM fences WHERE name=?", (fence.name,)).fetchone()
+        if row is not None and int(row[0]) >= fence.token:
+            return int(row[0])
+        db.execute("INSERT OR REPLACE INTO fences (name, token) VALUES (?, ?)", (fence.name, fence.token))
+        return fence.token
+
+    def raise_fence(self, fence: Fence) -> int:
+        """See :meth:`PlacementCatalog.raise_fence`."""
+        with self._write() as db:
+            return self._fence(db, fence)
+
+    def compare_and_set(self, expected: Placement, new: Placement, fence: Fence | None = None) -> Placement:
         """See :meth:`PlacementCatalog.compare_and_set`."""
         validate_block_key(expected.key)
         if new.key != expected.key:
             raise InvalidRequestError(f"compare_and_set of {expected.key} with a placement of {new.key}")
         with self._write() as db:
+            if fence is not None:
+                stored = self._fence(db, fence)
+                if stored > fence.token:
+                    raise FencedError(f"fence {fence.name!r} is at token {stored}, above this writer's "
+                                      f"{fence.token}: a newer lease holder acts on it")
             cur = self._select(db, expected.key)
             if cur is None:
                 raise VersionConflictError(f"{expected.key} was deleted (expected version {expected.version})")

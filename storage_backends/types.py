@@ -88,6 +88,40 @@ class VersionConflictError(StorageError):
     """A compare-and-set on the catalog lost against a concurrent update."""
 
 
+class FencedError(VersionConflictError):
+    """A writer with a newer fencing token has acted on the same fence: this writer's
+    lease is stale, and the catalog refused its change (nothing was changed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A fencing token for catalog writes made under a lease.
+
+    The catalog keeps, per fence ``name``, the highest ``token`` it has seen; a fenced
+    write with a lower token is refused (:class:`FencedError`), a write with an equal or
+    higher one raises the stored token first, in the same atomic step.  A new lease holder
+    raises the fence (``PlacementCatalog.raise_fence``) before its first write, so a former
+    holder that has not noticed it lost the lease (a paused process, a network partition)
+    can no longer change anything.  The scheme is the fencing token of M. Kleppmann, "How
+    to do distributed locking" (2016); scaled mode uses the JetStream KV revision at which
+    an advisor created its partition lease (revisions only grow), docs/design.md §8.
+
+    Attributes:
+        name: what the token fences (``"<namespace>.p<partition>"`` in scaled mode);
+            printable, at most 200 characters.
+        token: non-negative integer below 2**53 (exact in Redis' Lua numbers).
+    """
+
+    name: str
+    token: int
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 200 or not self.name.isprintable():
+            raise InvalidRequestError(f"fence name must be 1-200 printable characters, got {self.name!r}")
+        if not isinstance(self.token, int) or not 0 <= self.token < 1 << 53:
+            raise InvalidRequestError(f"fence token must be an integer in [0, 2**53), got {self.token!r}")
+
+
 class InvalidRequestError(StorageError, ValueError):
     """A call's arguments are malformed (bad block key, wrong ``out`` size, unknown volume...)."""
 

@@ -89,7 +89,7 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         assert 503 in codes and 200 in codes, codes
-        assert "6/6 locations" in out  # g1 and g2 of both workers, slow and s3: index == held
+        assert "7/7 locations" in out  # g1 and g2 of both workers, fast, slow and s3: index == held
         line = next(ln for ln in out.splitlines() if "read back byte-exact" in ln)
         ok, checked = (int(x.replace(",", "")) for x in line.split("│")[2].strip().split("/"))
         assert checked > 0 and ok == checked

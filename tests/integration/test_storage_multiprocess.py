@@ -132,10 +132,10 @@ def _crasher(db: tuple[str, str, str], root: str, ack_path: str, base: int, kill
         commit = agent.commit_move
         moved = [0]
 
-        def commit_then_die(old, new):  # type: ignore[no-untyped-def]
+        def commit_then_die(old, new, fence=None):  # type: ignore[no-untyped-def]
             if batches >= 3 and kill_at == "compact-copy":
                 die()
-            out = commit(old, new)
+            out = commit(old, new, fence)
             moved[0] += 1
             if batches >= 3 and moved[0] >= 1:
                 die()

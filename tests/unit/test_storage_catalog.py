@@ -17,6 +17,8 @@ import pytest
 
 from storage_backends import (
     BlockKey,
+    Fence,
+    FencedError,
     InvalidRequestError,
     Placement,
     PlacementCatalog,
@@ -114,6 +116,34 @@ def test_compare_and_set_bumps_version_and_detects_conflicts(cat: PlacementCatal
     cat.delete(k)
     with pytest.raises(VersionConflictError, match="deleted"):
         cat.compare_and_set(new, _p(k, s3, version=1))
+
+
+def test_fenced_compare_and_set_refuses_a_stale_lease_holder(cat: PlacementCatalog) -> None:
+    """A fence only rises; a writer whose token is below it changes nothing, one at or
+    above it commits (and raises it in the same step)."""
+    s1, s2, s3, s4 = (cat.new_segment("v", 100) for _ in range(4))
+    k = BlockKey("ns", 11)
+    (old,) = cat.insert_if_absent([_p(k, s1)])
+    assert cat.raise_fence(Fence("ns.p3", 5)) == 5
+    assert cat.raise_fence(Fence("ns.p3", 4)) == 5  # never lowered
+    with pytest.raises(FencedError, match="token 5"):
+        cat.compare_and_set(old, _p(k, s2), Fence("ns.p3", 4))
+    assert cat.get(k) == old  # nothing changed
+    moved = cat.compare_and_set(old, _p(k, s2), Fence("ns.p3", 5))
+    assert (moved.segment_id, moved.version) == (s2, 1)
+    # a commit with a newer token raises the fence: the token-5 holder is fenced off now
+    moved = cat.compare_and_set(moved, _p(k, s3), Fence("ns.p3", 9))
+    assert cat.raise_fence(Fence("ns.p3", 0)) == 9
+    with pytest.raises(FencedError):
+        cat.compare_and_set(moved, _p(k, s4), Fence("ns.p3", 5))
+    assert cat.get(k) == moved
+    # fences are independent by name, and an unfenced write is not checked
+    assert cat.compare_and_set(moved, _p(k, s4), Fence("ns.p4", 1)).segment_id == s4
+    assert cat.raise_fence(Fence("ns.p4", 0)) == 1
+    with pytest.raises(InvalidRequestError):
+        Fence("", 1)
+    with pytest.raises(InvalidRequestError):
+        Fence("x", -1)
 
 
 def test_delete_with_expected_version(cat: PlacementCatalog) -> None:
