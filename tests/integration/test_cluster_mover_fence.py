@@ -10,6 +10,8 @@ published.  The newer owner's mover then moves the same blocks.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,3 +132,9 @@ def test_storage_settings_errors_name_the_field(tmp_path: Path) -> None:
         ClusterStorageSettings.load(bad)
     with pytest.raises(SettingsError, match="missing.json"):
         ClusterStorageSettings.load(tmp_path / "missing.json")
+    # the cluster advisor stops at start, naming the field, before it connects anywhere
+    bad.write_text(json.dumps({"volumes": [], "archive_volume": "nope"}))
+    r = subprocess.run([sys.executable, "-m", "advisor.cluster", "--nats", "nats://127.0.0.1:1", "--redis",
+                        "redis://127.0.0.1:1/0", "--id", "a", "--storage", str(bad)],
+                       capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 2 and "archive_volume 'nope' is not one of the volumes" in r.stderr, r.stderr

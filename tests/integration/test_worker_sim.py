@@ -75,3 +75,43 @@ def test_worker_sim_cli_refuses_bad_settings_in_one_line() -> None:
     assert r.returncode == 2
     assert r.stderr.startswith("error: configuration error:") and "partitions" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_worker_sim_offloads_into_the_cluster_catalog_with_storage(js_url: str, redis_url: str, tmp_path: Path) -> None:
+    """With ``storage`` (the cluster advisors' --storage file) G3 is the file's slow volume in
+    the shared Redis catalog: the blocks the worker announces on it are those the catalog
+    places there, and they read back."""
+    import json
+
+    from advisor.cluster_mover import ClusterStorageSettings
+    from storage_backends import RedisCatalog, StorageAgent
+
+    ns = "w" + uuid.uuid4().hex[:8]
+    prefix = f"kvadvisor:{ns}:catalog"
+    conf = {"catalog_prefix": prefix, "volume_roots": [str(tmp_path / "vols")],
+            "volumes": [{"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30,
+                         "root": str(tmp_path / "vols" / "slow"), "segment_bytes": 1 << 20}],
+            "slow_volumes": ["slow"]}
+    (tmp_path / "vols" / "slow").mkdir(parents=True)
+    storage = tmp_path / "storage.json"
+    storage.write_text(json.dumps(conf))
+    s = WorkerSimSettings(nats_url=js_url, namespace=ns, source="sim-1", partitions=2, requests=120, interval_s=0.0,
+                          workdir=tmp_path / "sim", g1_blocks=64, g2_blocks=64, metrics_port=None,
+                          storage=storage, redis_url=redis_url)
+    assert run_worker_sim(s) > 0
+    whole = _fold(js_url, ns)
+    announced = whole.blocks_at("slow")
+    cat = RedisCatalog(redis_url, prefix=prefix)
+    agent = StorageAgent(cat, name="check")
+    try:
+        for v in ClusterStorageSettings.model_validate(conf).volumes:
+            agent.register_volume(v.to_descriptor())
+        placed = list(cat.iter_volume("slow"))
+        assert announced and {p.key.sequence_hash for p in placed} == announced
+        assert not (tmp_path / "sim" / "catalog.sqlite").exists()  # no private catalog
+        got = agent.get([p.key for p in placed[:50]])
+        assert all(t.numel() * t.element_size() == p.length for t, p in zip(got, placed[:50]))
+    finally:
+        agent.close()
+        cat.destroy()
+        cat.close()

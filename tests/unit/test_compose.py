@@ -49,11 +49,22 @@ def test_compose_has_the_scaled_topology() -> None:
         assert _flag(cmd, "--partitions") == "8" and _flag(cmd, "--metrics-port") == "9100"
         assert "--redis" not in cmd  # the URL with the password comes from the environment
         assert "${REDIS_PASSWORD:?" in svc["environment"]["KVADVISOR_CLUSTER_REDIS_URL"]
-        assert set(svc["depends_on"]) == {*NATS, "redis"}
+        assert set(svc["depends_on"]) == {*NATS, "redis", "minio-init"}
+        assert svc["depends_on"]["minio-init"] == {"condition": "service_completed_successfully"}
         assert "ports" not in svc  # /metrics has no authentication: inside the network only
-    sim = services["worker-sim"]["command"]
+        # the mover: the shared storage settings, the shared volumes, S3 keys from the environment
+        assert _flag(cmd, "--storage") == "/etc/kvadvisor/cluster-storage.json"
+        assert "./config/cluster-storage.json:/etc/kvadvisor/cluster-storage.json:ro" in svc["volumes"]
+        assert "kv-volumes:/var/lib/kvadvisor/volumes" in svc["volumes"]
+        assert "${MINIO_ROOT_PASSWORD:?" in svc["environment"]["AWS_SECRET_ACCESS_KEY"]
+    sim_svc = services["worker-sim"]
+    sim = sim_svc["command"]
     assert sim[0] == "worker-sim" and "--loop" in sim
     assert (_flag(sim, "--nats"), _flag(sim, "--partitions"), _flag(sim, "--replicas")) == (urls, "8", "3")
+    # the worker offloads to the advisors' slow volume, in the same Redis catalog
+    assert _flag(sim, "--storage") == "/etc/kvadvisor/cluster-storage.json"
+    assert "kv-volumes:/var/lib/kvadvisor/volumes" in sim_svc["volumes"]
+    assert "${REDIS_PASSWORD:?" in sim_svc["environment"]["KVADVISOR_CLUSTER_REDIS_URL"]
     api = services["api"]
     assert api["command"] == ["advisor", "run", "--config", "/etc/kvadvisor/advisor.json"]
     assert "./config/advisor.json" in [v.split(":")[0] for v in api["volumes"]]
@@ -154,9 +165,22 @@ def test_compose_advisor_config_is_valid_scaled_mode(monkeypatch: pytest.MonkeyP
     assert s.jetstream_url == "nats://nats-1:4222" and s.stream_limits().replicas == 3
     assert s.publish_url == "jetstream://nats-1:4222?namespace=default&replicas=3"
     assert s.jetstream_namespace == "default"  # the worker's unpartitioned log; the cluster reads default-p<k>
-    assert {v.id: v.kind for v in s.volumes} == {"fast": "posix", "slow": "posix", "s3": "s3"}
-    assert s.volumes[2].endpoint == "http://minio:9000" and s.volumes[2].bucket == "kvadvisor"
+    # queries only: the cluster advisors move the blocks, in the Redis catalog
+    assert (s.catalog_path, s.volumes, s.policy_interval_s) == (None, [], 0)
     assert (s.api_host, s.api_port) == ("0.0.0.0", 8080)
+
+
+def test_compose_cluster_storage_is_the_shared_catalog_and_volumes() -> None:
+    from advisor.cluster_mover import ClusterStorageSettings
+
+    st = ClusterStorageSettings.load(COMPOSE / "config" / "cluster-storage.json")
+    assert st.catalog_prefix == "kvadvisor:default:catalog"
+    assert {v.id: v.kind for v in st.volumes} == {"fast": "posix", "slow": "posix", "s3": "s3"}
+    assert (st.fast_volume, st.slow_volumes, st.archive_volume) == ("fast", ["slow"], "s3")
+    s3 = next(v for v in st.volumes if v.id == "s3")
+    assert (s3.endpoint, s3.bucket, s3.access_key, s3.secret_key) == ("http://minio:9000", "kvadvisor", None, None)
+    assert all(v.root is not None and v.root.startswith("/var/lib/kvadvisor/volumes/")
+               for v in st.volumes if v.kind == "posix")
 
 
 def test_docker_compose_config_accepts_the_file() -> None:
