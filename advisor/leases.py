@@ -29,7 +29,8 @@ intervals on each side's monotonic clock, never wall time).
 **Balance.**  With ``M`` live members and ``P`` partitions each advisor aims at
 ``ceil(P / M)`` partitions: it acquires free ones up to that, and releases its extras (the
 most recently acquired first) when it holds more, so a joining advisor gets partitions and
-a dead one's are taken over after the TTL.
+a dead one's are taken over after the TTL.  A new member takes nothing during its first
+``join_delay_s``: advisors started together split the partitions at once.
 
 Callbacks ``on_acquire(partition)`` and ``on_release(partition, reason)`` run on the
 keeper's thread, one at a time, in order; ``reason`` is ``"rebalance"``, ``"lost"`` (a
@@ -78,6 +79,10 @@ class LeaseSettings:
         bucket: KV bucket name.
         replicas: bucket replicas (1, or 3 on a 3-node cluster).
         connect_timeout_s: bound on the first connect.
+        join_delay_s: seconds after joining before an advisor takes its first partitions
+            (``None``: one ``heartbeat_s``), so advisors started together see each other
+            and split the partitions at once instead of one taking all and handing half
+            over; the idea of Kafka's ``group.initial.rebalance.delay.ms``.
 
     Raises:
         LeaseError: a value out of range.
@@ -90,6 +95,7 @@ class LeaseSettings:
     bucket: str = "KVADVISOR_LEASES"
     replicas: int = 1
     connect_timeout_s: float = 5.0
+    join_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.partitions <= 4096:
@@ -101,6 +107,8 @@ class LeaseSettings:
             raise LeaseError(f"lease settings: safety={self.safety} must be in (0, 1)")
         if self.replicas not in (1, 3, 5):
             raise LeaseError(f"lease settings: replicas={self.replicas} must be 1, 3 or 5")
+        if self.join_delay_s is not None and not 0 <= self.join_delay_s <= self.ttl_s:
+            raise LeaseError(f"lease settings: join_delay_s={self.join_delay_s} must be in [0, ttl_s]")
         if not self.bucket or not set(self.bucket) <= _ID_CHARS:
             raise LeaseError(f"lease settings: bucket {self.bucket!r} must be letters, digits, '_' or '-'")
 
@@ -144,6 +152,7 @@ class LeaseKeeper:
     _crash: bool = field(default=False, init=False, repr=False)
     _ready: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
+    _joined_at: float | None = field(default=None, init=False, repr=False)
     counters: dict[str, int] = field(default_factory=lambda: {
         "acquired": 0, "released": 0, "lost": 0, "renewals": 0, "errors": 0}, init=False)
 
@@ -282,6 +291,8 @@ class LeaseKeeper:
     async def _heartbeat(self, kv: Any) -> None:
         s = self.settings
         await kv.put(f"member.{self.advisor_id}", json.dumps({"since_ns": time.time_ns()}).encode())
+        if self._joined_at is None:
+            self._joined_at = time.monotonic()
         await self._renew(kv)
         members, owners = _parse(await _entries(kv))
         target = math.ceil(s.partitions / max(1, len(members)))
@@ -291,7 +302,7 @@ class LeaseKeeper:
                 extra = sorted(mine, key=lambda p: -self._leases[p].acquired_at)[: len(mine) - target]
             for p in extra:
                 await self._release(kv, p, "rebalance")
-        elif len(mine) < target:
+        elif len(mine) < target and time.monotonic() - self._joined_at >= self._join_delay():
             free = [p for p in range(s.partitions) if p not in owners]
             # start at an offset of our own so joiners do not all race for partition 0
             off = sum(map(ord, self.advisor_id)) % s.partitions
@@ -372,6 +383,10 @@ class LeaseKeeper:
             await kv.delete(f"member.{self.advisor_id}")
         except Exception:  # noqa: BLE001 - the entry expires anyway
             pass
+
+    def _join_delay(self) -> float:
+        d = self.settings.join_delay_s
+        return self.settings.heartbeat_s if d is None else d
 
     def _value(self) -> bytes:
         return json.dumps({"owner": self.advisor_id, "since_ns": time.time_ns()}).encode()

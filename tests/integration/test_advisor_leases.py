@@ -103,6 +103,25 @@ def test_leases_balance_take_over_and_rebalance(js_url: str) -> None:
     assert rec.overlaps == []
 
 
+def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> None:
+    """The second advisor starts right after the first one's start returns: the first takes
+    nothing during its join delay, so both take their half directly and nobody releases
+    a partition it took (without the delay the first takes all 8, then hands 4 over)."""
+    rec = _Recorder()
+    ks = []
+    try:
+        for i in range(2):
+            ks.append(rec.keeper(js_url, f"adv-{i}").start())
+        _wait(lambda: _balanced(ks), 15, "2 advisors to share 8 partitions")
+        assert sorted(len(k.owned()) for k in ks) == [4, 4]
+        assert [e for e in rec.events if e[0] != "acquire"] == []
+        assert sum(k.counters["released"] for k in ks) == 0
+    finally:
+        for k in ks:
+            k.stop()
+    assert rec.overlaps == []
+
+
 _CHILD = textwrap.dedent("""
     import sys, time
     from advisor.leases import LeaseKeeper, LeaseSettings
