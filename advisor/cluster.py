@@ -27,7 +27,8 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
 
 Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashes (one
 piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
-``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events",
+``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events", "moves" (the
+mover's results for this partition since its owner took it, ``ClusterMover.partition_moves``),
 "started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
 rebuild was done), "sources": {source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
 ``{"position", "hashes": [...]}``; ``{"op": "locations"}`` ``{"position", "locations":
@@ -179,6 +180,7 @@ class _Replica:
             self.ready.set()
             self.ready_at = time.time()
         self.stop_flag = threading.Event()
+        self.node_mover: Any = node.mover  # advisor.cluster_mover.ClusterMover, or None
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
         self.repaired = False  # the mover compared the catalog with this index
@@ -232,7 +234,8 @@ class _Replica:
             return {"unavailable": "rebuilding"}
         with self.lock:
             if request.get("op") == "status":
-                return {"position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
+                moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
+                return {"moves": moves, "position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}

@@ -182,6 +182,9 @@ class ClusterMover:
         self.counters: dict[str, int] = {"rounds": 0, "moves_done": 0, "moves_skipped": 0, "moves_failed": 0,
                                          "compactions": 0, "fenced": 0, "repairs": 0, "repair_events": 0}
         self.recent: deque[PlanResult] = deque(maxlen=200)
+        # per partition, since this advisor took it: {"done"|"skipped"|"failed": {kind: n},
+        # "bytes_moved": {kind: bytes}, "events": announcements published}
+        self.by_partition: dict[int, dict[str, dict[str, int]]] = {}
 
     # ------------------------------------------------------------------ partitions
     def fence_name(self, partition: int) -> str:
@@ -193,6 +196,10 @@ class ClusterMover:
         revision).  A replica whose fence is already higher (a newer owner exists) makes
         no moves."""
         from storage_backends import Fence
+
+        kinds = {k.value: 0 for k in PlanKind}
+        self.by_partition[rep.partition] = {"done": dict(kinds), "skipped": dict(kinds), "failed": dict(kinds),
+                                            "bytes_moved": dict(kinds)}
 
         rep.fence = Fence(self.fence_name(rep.partition), token)
         stored = self.catalog.raise_fence(rep.fence)
@@ -354,7 +361,11 @@ class ClusterMover:
                 if mover.fenced:
                     rep.fenced = True
                     self.counters["fenced"] += 1
+                part = self.by_partition.get(p)
                 for r in results:
+                    if part is not None:
+                        part[r.status.value][r.item.kind.value] += 1
+                        part["bytes_moved"][r.item.kind.value] += r.bytes_moved
                     compacted = r.item.kind is PlanKind.COMPACT and r.status is PlanStatus.DONE
                     kind = "compactions" if compacted else f"moves_{r.status.value}"
                     self.counters[kind] += 1
@@ -383,6 +394,13 @@ class ClusterMover:
                 b = rep.index.block(h)
             return b.last_access_ns if b is not None else None
         return last
+
+    def partition_moves(self, partition: int) -> dict[str, dict[str, int]]:
+        """What this advisor's mover did for ``partition`` since it took it:
+        ``{"done"|"skipped"|"failed"|"bytes_moved": {"promote"|"demote"|"compact": n}}``
+        (empty when it holds no such partition)."""
+        got = self.by_partition.get(partition)
+        return {k: dict(v) for k, v in got.items()} if got is not None else {}
 
     def status(self) -> dict[str, Any]:
         """Counters and the last results (``{"counters", "recent": [[kind, status, detail], ...]}``)."""

@@ -82,8 +82,8 @@ class ClusterQuery:
         return []
 
     def stats(self) -> dict[str, Any]:
-        """The shape of :meth:`advisor.query.AdvisorQuery.stats`, summed over partitions, plus
-        ``"cluster": {partition: {"position", "blocks", "applied", "errors", "origin_refused"}}``."""
+        """The shape of :meth:`advisor.query.AdvisorQuery.stats`, summed over partitions (the
+        moves: what each partition's current owner moved since it took the partition)."""
         status = self._client.status()
         per_loc = self.locations()
         sources: dict[str, dict[str, int]] = {}
@@ -93,6 +93,13 @@ class ClusterQuery:
                                                 "last_ts_ns": 0})
                 cur["last_seq"] = max(cur["last_seq"], int(last_seq))
         zero = {"promote": 0, "demote": 0, "compact": 0}
+        moves: dict[str, dict[str, int]] = {k: dict(zero) for k in ("done", "skipped", "failed", "bytes_moved")}
+        for st in status.values():  # the movers' results per partition, since its owner took it
+            for field_name, table in moves.items():
+                for kind, n in st.get("moves", {}).get(field_name, {}).items():
+                    if kind in table:
+                        table[kind] += int(n)
+        done, nbytes = moves["done"], sum(moves["bytes_moved"].values())
         return {
             "blocks": sum(int(st["blocks"]) for st in status.values()),
             "blocks_per_location": per_loc,
@@ -107,9 +114,11 @@ class ClusterQuery:
             "ingest_events_per_busy_s": 0.0,
             "ingest": {"origin_refused": sum(int(st.get("origin_refused", 0)) for st in status.values()),
                        "errors": sum(int(st["errors"]) for st in status.values())},
-            "advisor_events": 0, "promotions": 0, "demotions": 0, "compactions": 0, "bytes_moved": 0,
-            "moves": {"promotions": 0, "demotions": 0, "compactions": 0, "bytes_moved": 0, "done": zero,
-                      "skipped": zero, "failed": zero, "bytes_by_kind": zero, "blocks_by_kind": zero},
+            "advisor_events": 0, "promotions": done["promote"], "demotions": done["demote"],
+            "compactions": done["compact"], "bytes_moved": nbytes,
+            "moves": {"promotions": done["promote"], "demotions": done["demote"], "compactions": done["compact"],
+                      "bytes_moved": nbytes, "done": done, "skipped": moves["skipped"], "failed": moves["failed"],
+                      "bytes_by_kind": moves["bytes_moved"], "blocks_by_kind": zero},
             "subscriber": {},
             "uptime_s": time.monotonic() - self._started,
         }

@@ -69,6 +69,16 @@ def _wait_caught_up(client: ClusterClient, pubs: list[PartitionedPublisher], tim
     raise DemoError(f"the cluster did not catch up within {timeout_s} s: {behind}")
 
 
+def _moves_so_far(client: ClusterClient) -> dict[str, dict[str, int]]:
+    """The movers' results summed over partitions (``ClusterMover.partition_moves``)."""
+    out: dict[str, dict[str, int]] = {"done": {}, "failed": {}, "bytes_moved": {}}
+    for st in client.status().values():
+        for field_name, table in out.items():
+            for kind, n in st.get("moves", {}).get(field_name, {}).items():
+                table[kind] = table.get(kind, 0) + int(n)
+    return out
+
+
 def _volumes_agree(client: ClusterClient, agent: StorageAgent, volumes: tuple[str, ...],
                    settle_s: float) -> dict[str, Any]:
     """Per volume, the blocks the index places there against those the catalog does:
@@ -159,6 +169,11 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         report.event_bytes_per_event = sum(st.event_bytes for st in stats) / ev
         report.payload_bytes_per_event = sum(st.payload_bytes for st in stats) / ev
         report.index_blocks = {f"partition {k}": int(v["blocks"]) for k, v in sorted(status.items())}
+        moved = _moves_so_far(client)  # the cluster advisors' movers, every partition
+        report.promotions, report.demotions, report.compactions = (moved["done"].get(k, 0)
+                                                                   for k in ("promote", "demote", "compact"))
+        report.bytes_moved = sum(moved["bytes_moved"].values())
+        report.failed_moves = {k: moved["failed"].get(k, 0) for k in ("promote", "demote", "compact")}
         verified: dict[str, Any] = {}
         for mgr in managers:
             src = mgr.publisher.source

@@ -75,6 +75,16 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         got = httpx.post(f"{api}/v1/lookup", json={"sequence_hashes": chain}, timeout=30).json()
         assert got["any_location"] == len(chain)  # every block of it is indexed somewhere
         assert httpx.post(f"{api}/v1/plans/run", timeout=30).status_code in (401, 403, 501)
+        # the cluster advisors' movers promote the blocks the workers read back from `slow`
+        # (policy rounds every 5 s); the API sums their results over partitions
+        moved: dict = {}
+        for _ in range(60):
+            moved = httpx.get(f"{api}/v1/stats", timeout=30).json()["moves"]
+            if moved["done"]["promote"] > 0:
+                break
+            time.sleep(0.5)
+        assert moved["done"]["promote"] > 0 and moved["bytes_by_kind"]["promote"] > 0, moved
+        assert sum(moved["failed"].values()) == 0, moved
         # an advisor dies: while its partitions wait for the lease TTL, answers are 503 + Retry-After
         victim = state["pids"]["advisor-0"]
         os.kill(victim, 9)

@@ -30,7 +30,7 @@ def test_two_owners_of_one_partition_each_read_the_whole_log(js_url: str, redis_
             pub.flush()
 
     def settings(name: str) -> SimpleNamespace:
-        return SimpleNamespace(settings=ClusterSettings(nats_url=js_url, redis_url=redis_url, advisor_id=name,
+        return SimpleNamespace(mover=None, settings=ClusterSettings(nats_url=js_url, redis_url=redis_url, advisor_id=name,
                                                         scheme=SCHEME, namespace=ns))
 
     publish(1000, 1200)
