@@ -235,7 +235,7 @@ class _Replica:
         with self.lock:
             if request.get("op") == "status":
                 moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
-                return {"moves": moves, "position": self.position, "blocks": len(self.index.hashes()), "applied": self.applied,
+                return {"moves": moves, "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
@@ -356,7 +356,7 @@ class ClusterNode:
         parts = {}
         for p, r in sorted(reps.items()):
             with r.lock:
-                parts[p] = {"position": r.position, "blocks": len(r.index.hashes()), "applied": r.applied,
+                parts[p] = {"position": r.position, "blocks": len(r.index), "applied": r.applied,
                             "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set(),
                             "fenced": r.fenced}
         out: dict[str, Any] = {"advisor": self.settings.advisor_id, "partitions": parts}
