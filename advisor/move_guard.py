@@ -6,8 +6,10 @@ remembers, per block, when it was last moved and its last access (``last_access_
 index) at that moment.  A later plan item moving the same block is held back while the
 interval has not passed and the block's last access is unchanged (no new event accessed it).
 
-The memory is the advisor process's (monotonic clock); it starts empty after a restart, so
-the interval is at most one interval longer than configured.
+The memory is kept on the advisor's monotonic clock; :meth:`MoveGuard.export` and
+:meth:`MoveGuard.restore` carry it over a restart in wall-clock time (the embedded advisor
+stores it with its run state, :mod:`advisor.run_state`), so a restart does not shorten the
+interval.
 """
 
 from __future__ import annotations
@@ -79,6 +81,36 @@ class MoveGuard:
                 if r.item.kind is PlanKind.COMPACT or h is None or r.status is not PlanStatus.DONE:
                     continue
                 self._moved[h] = (now, self._last_access(h))
+
+    def export(self, wall_now: float | None = None) -> list[tuple[int, float, int | None]]:
+        """The blocks still within the interval: ``(sequence hash, wall-clock seconds of the
+        move, last access ns then)``, for :meth:`restore` after a restart.
+
+        Args:
+            wall_now: wall-clock seconds now (default ``time.time()``).
+        """
+        wall = time.time() if wall_now is None else wall_now
+        now = self._clock()
+        with self._lock:
+            return [(h, wall - (now - when), access) for h, (when, access) in self._moved.items()
+                    if now - when < self.interval_s]
+
+    def restore(self, entries: Sequence[tuple[int, float, int | None]], wall_now: float | None = None) -> int:
+        """Remember the moves of :meth:`export` (of a previous run); returns how many are
+        still within the interval (the others are dropped).  A wall-clock time in the
+        future (a clock step) counts as now."""
+        if self.interval_s <= 0:
+            return 0
+        wall = time.time() if wall_now is None else wall_now
+        now = self._clock()
+        n = 0
+        with self._lock:
+            for h, moved_at, access in entries:
+                age = max(0.0, wall - moved_at)
+                if age < self.interval_s:
+                    self._moved[int(h)] = (now - age, access)
+                    n += 1
+        return n
 
     def __len__(self) -> int:
         return len(self._moved)

@@ -832,6 +832,9 @@ class AdvisorService:
                 elif name not in self._PER_START:
                     self.counters[name] = v
             self.plans.extend(self.run_state.plans())
+        restored = self.move_guard.restore(self.run_state.moves())
+        if restored:
+            logger.info("advisor: the move guard remembers %d blocks moved by the previous run", restored)
 
     def _save_run_state(self, results: list[PlanResult]) -> None:
         if self.run_state is None:
@@ -842,7 +845,7 @@ class AdvisorService:
             for field_name, table in asdict(self.mover.counters).items():
                 counters.update({f"mover.{field_name}.{k}": v for k, v in table.items()})
         try:
-            self.run_state.save(counters, results)
+            self.run_state.save(counters, results, self.move_guard.export())
         except Exception as exc:  # noqa: BLE001 - the state is also rebuilt at the next round
             logger.warning("advisor: cannot save the run state: %s: %s", type(exc).__name__, exc)
 

@@ -2,7 +2,8 @@
 
 `kvadvisor demo --workdir DIR --requests 300` replays a trace (workers, volumes, advisor), and
 leaves DIR/advisor.json.  `kvadvisor advisor run --config DIR/advisor.json` then runs 10 policy
-rounds with no new events.  Checked over those rounds: no block moves twice; at the end no
+rounds with no new events (and, under pressure, 10 more after a restart).  Checked over
+those rounds: no block moves twice; at the end no
 tier (fast, slow) is above its demotion high watermark; and no block hit at least twice sits
 on the archive tier while the slow tier has room.
 """
@@ -113,3 +114,8 @@ def test_ten_rounds_without_new_events_move_no_block_twice_and_respect_the_water
     run = _ten_rounds(tmp_path / "pressure.json", tmp_path, env, "pressure")
     assert sum(run["kinds"].values()) > 0  # the rounds did work
     _check(run, workdir, high)
+    # across a restart too: the move guard's memory is part of the run state
+    again = _ten_rounds(tmp_path / "pressure.json", tmp_path, env, "pressure-restarted")
+    both = {"moves": run["moves"] + again["moves"], "kinds": run["kinds"] + again["kinds"],
+            "volumes": again["volumes"]}
+    _check(both, workdir, high)

@@ -131,3 +131,31 @@ def test_a_full_fast_volume_swaps_its_coldest_leaf_for_a_hotter_block_once() -> 
     s.promotion.max_swaps = 0
     pin.fast_placements = placements([1, 2])
     assert plan_all(s, pin, log.idx) == []
+
+
+def test_move_guard_memory_survives_a_restart_through_the_run_state(tmp_path) -> None:  # noqa: ANN001
+    from advisor.run_state import RunStateStore
+
+    big = (1 << 64) - 5  # a u64 above SQLite's signed range
+    access = {big: 1 << 63, 9: None}
+    now = [1000.0]
+    g = MoveGuard(600.0, access.get, clock=lambda: now[0])
+    g.record([PlanResult(PlanItem(PlanKind.DEMOTE, "r", "fast", "slow", sequence_hash=big), PlanStatus.DONE),
+              PlanResult(PlanItem(PlanKind.DEMOTE, "r", "fast", "slow", sequence_hash=9), PlanStatus.DONE)])
+    now[0] = 1100.0  # 100 s after the moves
+    store = RunStateStore(tmp_path / "journal.sqlite")
+    store.save({}, [], g.export(wall_now=50_000.0))
+    store.close()
+    # a new process: another monotonic clock, 200 s of wall time later
+    store = RunStateStore(tmp_path / "journal.sqlite")
+    saved = store.moves()
+    store.close()
+    assert sorted(saved) == [(9, 49_900.0, None), (big, 49_900.0, 1 << 63)]
+    now2 = [7.0]
+    g2 = MoveGuard(600.0, access.get, clock=lambda: now2[0])
+    assert g2.restore(saved, wall_now=50_200.0) == 2
+    back = PlanItem(PlanKind.PROMOTE, "r", "slow", "fast", sequence_hash=big)
+    assert g2.filter([back]) == ([], 1)  # 300 s since the move: still held
+    now2[0] = 7.0 + 300.0  # 600 s since the move
+    assert g2.filter([back]) == ([back], 0)
+    assert MoveGuard(600.0, access.get).restore(saved, wall_now=49_900.0 + 601.0) == 0  # too old
