@@ -55,6 +55,8 @@ from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
 from advisor.leases import LeaseKeeper, LeaseSettings
 from advisor.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
+from advisor.source_expiry import EXPIRY_SEQ_BASE
+from event_plane.codec import BatchHead, decode_head
 from event_plane.config import StreamLimits
 from event_plane.nats_auth import redact_url
 from event_plane.nats_transport import connect_nats
@@ -101,6 +103,8 @@ class ClusterSettings:
         replicas: JetStream replicas of the events stream and the lease bucket.
         snapshot_interval_s: seconds between snapshots of each owned partition.
         query_timeout_s: how long a client waits for an owner's answer.
+        source_ttl_s: a source silent this long on every partition has its g1/g2 blocks
+            dropped (:mod:`advisor.cluster_expiry`); ``0`` = never.
     """
 
     nats_url: str
@@ -113,6 +117,7 @@ class ClusterSettings:
     replicas: int = 1
     snapshot_interval_s: float = 30.0
     query_timeout_s: float = 2.0
+    source_ttl_s: float = 600.0
     connect_options: dict[str, Any] = field(default_factory=dict)
 
     def lease_settings(self) -> LeaseSettings:
@@ -121,31 +126,15 @@ class ClusterSettings:
                              heartbeat_s=self.heartbeat_s, replicas=self.replicas)
 
 
-class _BatchHead(msgspec.Struct, array_like=True):
-    """The envelope of a wire batch (docs/events.md §2.1), its events left undecoded."""
-
-    version: int
-    source: str
-    epoch: int
-    seq: int
-    ts_ns: int
-    events: msgspec.Raw
-
-
-_head = msgspec.msgpack.Decoder(_BatchHead)
-
-
-def _foreign_source(payload: bytes, subject: str) -> str | None:
+def _foreign_source(head: BatchHead | None, subject: str) -> str | None:
     """Why a batch that came on ``subject`` must be refused, or ``None``.
 
     On NATS a batch's origin is its subject, ``kvadvisor.events.<namespace>.<source>``, and
     nats-server per-user publish permissions bind users to subjects (docs/operations.md,
     "NATS and JetStream"); a batch naming another source than its subject's is a forgery
-    (or a broken publisher) and changes nothing.  Undecodable envelopes are left to the
-    index, which rejects and counts them."""
-    try:
-        head = _head.decode(payload)
-    except msgspec.DecodeError:
+    (or a broken publisher) and changes nothing.  Undecodable envelopes (``head`` is
+    ``None``) are left to the index, which rejects and counts them."""
+    if head is None:
         return None
     token = subject.rsplit(".", 1)[-1]
     if subject and head.source != token:
@@ -180,6 +169,8 @@ class _Replica:
             self.ready.set()
             self.ready_at = time.time()
         self.stop_flag = threading.Event()
+        self.started_mono = time.monotonic()
+        self.heard: dict[str, float] = {}  # source -> monotonic s of its last batch folded here
         self.node_mover: Any = node.mover  # advisor.cluster_mover.ClusterMover, or None
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
@@ -201,7 +192,8 @@ class _Replica:
             subject = self.log.subject_of(seq) or ""
             with self.lock:
                 try:
-                    refused = _foreign_source(payload, subject)
+                    head = decode_head(payload)
+                    refused = _foreign_source(head, subject)
                     if refused:
                         self.origin_refused += 1
                         if self.origin_refused == 1 or self.origin_refused % 1000 == 0:
@@ -210,6 +202,8 @@ class _Replica:
                     else:
                         self.index.apply_payload(payload)
                         self.applied += 1
+                        if head is not None and head.seq < EXPIRY_SEQ_BASE:  # an expiry is no sign of life
+                            self.heard[head.source] = time.monotonic()
                 except Exception as exc:  # noqa: BLE001 - a bad batch is counted, never fatal
                     self.errors += 1
                     logger.warning("partition %d: batch at stream seq %d refused: %s", self.partition, seq, exc)
@@ -295,6 +289,7 @@ class ClusterNode:
         self._stop = threading.Event()
         self._snapshotter: threading.Thread | None = None
         self._policy: threading.Thread | None = None
+        self.expiry: Any = None  # advisor.cluster_expiry.ClusterExpiry when source_ttl_s > 0
         self.keeper: LeaseKeeper | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -315,6 +310,11 @@ class ClusterNode:
         if self.mover is not None:
             self._policy = threading.Thread(target=self._policy_loop, name="policy", daemon=True)
             self._policy.start()
+        if s.source_ttl_s > 0:
+            from advisor.cluster_expiry import ClusterExpiry
+
+            self.expiry = ClusterExpiry(self, s.source_ttl_s, self._call)
+            threading.Thread(target=self._expiry_loop, name="expiry", daemon=True).start()
         logger.info("cluster advisor %s up at %s", s.advisor_id, redact_url(s.nats_url))
         return self
 
@@ -414,6 +414,17 @@ class ClusterNode:
                 body = {"unavailable": f"bad request: {type(exc).__name__}"}
             await msg.respond(_enc.encode(body))
         return answer
+
+    def _expiry_loop(self) -> None:
+        """Dead-source expiry of the served partitions (:mod:`advisor.cluster_expiry`)."""
+        assert self.expiry is not None
+        step = min(max(self.settings.source_ttl_s / 10.0, 0.2), 5.0)
+        while not self._stop.wait(step):
+            try:
+                self.expiry.run_once()
+            except Exception as exc:  # noqa: BLE001 - retried next pass
+                logger.warning("advisor %s: source expiry failed: %s: %s", self.settings.advisor_id,
+                               type(exc).__name__, exc)
 
     def _policy_loop(self) -> None:
         """Repairs of newly taken partitions at once, policy rounds every ``policy_interval_s``."""
@@ -611,6 +622,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=2.0)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--snapshot-interval", type=float, default=30.0)
+    ap.add_argument("--source-ttl", type=float, default=600.0,
+                    help="seconds of silence on every partition after which a source's g1/g2 blocks are dropped "
+                         "(advisor.cluster_expiry); 0: never")
     ap.add_argument("--storage", default=None,
                     help="JSON storage settings (advisor.cluster_mover.ClusterStorageSettings): run the mover "
                          "(policy rounds on the owned partitions, fenced commits in the Redis catalog)")
@@ -635,7 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     node = ClusterNode(ClusterSettings(
         nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
         scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
-        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval), storage).start()
+        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval,
+        source_ttl_s=a.source_ttl), storage).start()
     metrics_url = None
     if a.metrics_port is not None:
         from advisor.cluster_metrics import serve_cluster_metrics

@@ -117,6 +117,30 @@ def decode_event(data: bytes | bytearray | memoryview) -> KVEvent:
     return event
 
 
+class BatchHead(msgspec.Struct, array_like=True):
+    """The envelope of a wire batch (docs/events.md §2.1) with its events left undecoded:
+    what a log reader needs to route or vet a batch without decoding it."""
+
+    version: int
+    source: str
+    epoch: int
+    seq: int
+    ts_ns: int
+    events: msgspec.Raw
+
+
+_head_decoder = msgspec.msgpack.Decoder(BatchHead)
+
+
+def decode_head(data: bytes | bytearray | memoryview) -> BatchHead | None:
+    """The envelope of a wire batch, or ``None`` when it does not decode (the index rejects
+    and counts such a batch; a caller peeking at the envelope just skips it)."""
+    try:
+        return _head_decoder.decode(data)
+    except Exception:  # noqa: BLE001 - msgspec may raise others than DecodeError on hostile input
+        return None
+
+
 def _array_header(n: int) -> bytes:
     """MessagePack array header for ``n`` elements (fixarray / array16 / array32)."""
     if n < 16:

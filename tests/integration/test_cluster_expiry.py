@@ -1,0 +1,104 @@
+"""Dead sources in scaled mode (advisor/cluster_expiry.py), on a real nats-server and Redis.
+
+A worker that stopped has its g1 blocks dropped from every partition once it has been
+silent on all of them for the TTL; its block on a shared volume stays.  A live worker that
+keeps publishing to one partition only keeps its g1 blocks in the partitions it has not
+touched since (silence is judged on the whole stream, not per partition).  The expiry is
+in the log: a fresh fold of each partition gives the same index.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from advisor.cluster import ClusterClient, ClusterNode, ClusterSettings, wait_until
+from advisor.index import PrefixIndex
+from advisor.jslog import JetStreamLog
+from event_plane.config import StreamLimits
+from event_plane.partition import PartitionScheme
+from event_plane.partitioned import PartitionedPublisher, partition_namespace, partition_url
+from event_plane.schema import store
+from event_plane.urls import make_publisher
+
+SCHEME = PartitionScheme(partitions=4, trunk_depth=1, stretch=64)
+TTL = 2.0
+
+
+def _chain_in(partition: int, base: int, n: int) -> list[int]:
+    """A chain of ``n`` blocks whose blocks below the trunk all belong to ``partition``."""
+    while True:
+        chain = [base + i for i in range(n)]
+        if SCHEME.partition_of_head(chain[1]) == partition:
+            return chain
+        base += 1000
+
+
+def _stores(chain: list[int], loc: str) -> list:  # noqa: ANN401 - event list
+    return [store(h, chain[0], chain[i - 1] if i else None, 64, loc) for i, h in enumerate(chain)]
+
+
+def _fold(url: str, ns: str) -> PrefixIndex:
+    log = JetStreamLog(url, ns, start_seq=1, stream=StreamLimits())
+    log.start()
+    idx = PrefixIndex()
+    try:
+        for _ in range(log.pending_at_start):
+            item = log.get(timeout=30)
+            assert item is not None
+            idx.apply_payload(item[1])
+    finally:
+        log.close()
+    return idx
+
+
+def test_a_source_silent_everywhere_is_expired_and_one_alive_elsewhere_is_not(js_url: str, redis_url: str) -> None:
+    ns = "x" + uuid.uuid4().hex[:8]
+    node = ClusterNode(ClusterSettings(nats_url=js_url, redis_url=redis_url, advisor_id="adv-x", scheme=SCHEME,
+                                       namespace=ns, lease_ttl_s=3.0, heartbeat_s=0.5, source_ttl_s=TTL)).start()
+    url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"
+
+    def publisher(name: str) -> PartitionedPublisher:
+        return PartitionedPublisher(SCHEME, lambda k: make_publisher(partition_url(url, k), name, epoch=5))
+
+    client = ClusterClient(js_url, SCHEME, ns, timeout_s=2.0)
+    try:
+        assert wait_until(lambda: len(node.owned()) == SCHEME.partitions, 20)
+        dead_chain = _chain_in(1, 10_000, 6)
+        live_a = _chain_in(1, 50_000, 5)  # the live worker's chain in partition 1, never touched again
+        live_b = _chain_in(2, 90_000, 3)
+        dead, live = publisher("dead"), publisher("live")
+        dead.publish(_stores(dead_chain, "g1") + [store(dead_chain[2], dead_chain[0], dead_chain[1], 64, "slow")])
+        dead.close()
+        live.publish(_stores(live_a, "g1") + _stores(live_b, "g1"))
+        live.flush()
+        assert wait_until(lambda: client.blocks_at("dead/g1") == set(dead_chain), 20)
+        # the live worker keeps publishing, to partition 2 only, past several TTLs
+        end = time.monotonic() + 3 * TTL
+        h = live_b[-1]
+        while time.monotonic() < end:
+            nxt = h + 1
+            live.publish([store(nxt, live_b[0], h, 64, "g1")])
+            live.flush()
+            h = nxt
+            time.sleep(0.3)
+        assert wait_until(lambda: not client.blocks_at("dead/g1"), 4 * TTL), (client.blocks_at("dead/g1"),
+                                                                           node.expiry.counters)
+        assert client.blocks_at("slow") == {dead_chain[2]}  # shared volumes stay
+        held = client.blocks_at("live/g1")
+        assert set(live_a) <= held and set(live_b) <= held  # alive: nothing of it dropped
+        assert node.expiry is not None
+        counters = dict(node.expiry.counters)
+        # the dead worker's root (trunk) was in every partition, its chain in partition 1
+        assert counters["expired"] == SCHEME.partitions, counters
+        assert counters["alive_elsewhere"] >= 1, counters  # partition 1 asked about the live worker
+        live.close()
+    finally:
+        client.close()
+        node.stop()
+    # the expiries are in the log: a fresh fold of every partition agrees
+    for p in range(SCHEME.partitions):
+        idx = _fold(js_url, partition_namespace(ns, p))
+        assert not idx.blocks_at("dead/g1"), p
+        assert idx.blocks_at("live/g1"), p
+    assert _fold(js_url, partition_namespace(ns, 1)).blocks_at("slow") == {dead_chain[2]}
