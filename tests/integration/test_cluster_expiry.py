@@ -13,13 +13,11 @@ import time
 import uuid
 
 from advisor.cluster import ClusterClient, ClusterNode, ClusterSettings, wait_until
-from advisor.index import PrefixIndex
-from advisor.jslog import JetStreamLog
-from event_plane.config import StreamLimits
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_namespace, partition_url
 from event_plane.schema import store
 from event_plane.urls import make_publisher
+from tests.logs import fold_log
 
 SCHEME = PartitionScheme(partitions=4, trunk_depth=1, stretch=64)
 TTL = 2.0
@@ -36,20 +34,6 @@ def _chain_in(partition: int, base: int, n: int) -> list[int]:
 
 def _stores(chain: list[int], loc: str) -> list:  # noqa: ANN401 - event list
     return [store(h, chain[0], chain[i - 1] if i else None, 64, loc) for i, h in enumerate(chain)]
-
-
-def _fold(url: str, ns: str) -> PrefixIndex:
-    log = JetStreamLog(url, ns, start_seq=1, stream=StreamLimits())
-    log.start()
-    idx = PrefixIndex()
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None
-            idx.apply_payload(item[1])
-    finally:
-        log.close()
-    return idx
 
 
 def test_a_source_silent_everywhere_is_expired_and_one_alive_elsewhere_is_not(js_url: str, redis_url: str) -> None:
@@ -98,7 +82,7 @@ def test_a_source_silent_everywhere_is_expired_and_one_alive_elsewhere_is_not(js
         node.stop()
     # the expiries are in the log: a fresh fold of every partition agrees
     for p in range(SCHEME.partitions):
-        idx = _fold(js_url, partition_namespace(ns, p))
+        idx = fold_log(js_url, partition_namespace(ns, p))
         assert not idx.blocks_at("dead/g1"), p
         assert idx.blocks_at("live/g1"), p
-    assert _fold(js_url, partition_namespace(ns, 1)).blocks_at("slow") == {dead_chain[2]}
+    assert fold_log(js_url, partition_namespace(ns, 1)).blocks_at("slow") == {dead_chain[2]}

@@ -52,6 +52,7 @@ from kvadvisor.evaluate import load_trace
 from kvadvisor.localcluster import NatsCluster
 from kvadvisor.trace import bundled_trace
 from storage_backends import BlockKey, LocalS3, RedisCatalog, StorageAgent, VolumeFullError
+from tests.logs import fold_log
 
 M64 = (1 << 64) - 1
 SCHEME = PartitionScheme(partitions=8, trunk_depth=1, stretch=8)
@@ -155,16 +156,7 @@ def _rebuild(url: str, ns: str, p: int) -> PrefixIndex:
     loaded = load_latest(snaps)
     snaps.close()
     idx, pos = (loaded[1], loaded[0].position) if loaded else (PrefixIndex(), 0)
-    log = JetStreamLog(url, partition_namespace(ns, p), start_seq=pos + 1, stream=StreamLimits(replicas=3))
-    log.start()
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None
-            idx.apply_payload(item[1])
-    finally:
-        log.close()
-    return idx
+    return fold_log(url, partition_namespace(ns, p), start_seq=pos + 1, replicas=3, index=idx)
 
 
 @pytest.fixture()

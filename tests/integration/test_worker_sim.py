@@ -13,28 +13,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from advisor.index import PrefixIndex
-from advisor.jslog import JetStreamLog
-from event_plane.config import StreamLimits
 from event_plane.partitioned import partition_namespace
 from kvadvisor.trace import bundled_trace, read_mooncake
 from kvadvisor.worker_sim import WorkerSimSettings, run_worker_sim
+from tests.logs import fold_log
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fold(url: str, ns: str) -> PrefixIndex:
-    log = JetStreamLog(url, ns, start_seq=1, stream=StreamLimits())
-    log.start()
-    idx = PrefixIndex()
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None, f"{ns}: the log ended early"
-            idx.apply_payload(item[1])
-    finally:
-        log.close()
-    return idx
 
 
 def test_worker_sim_publishes_partitioned_and_whole_and_serves_kvbm_metrics(js_url: str, tmp_path: Path) -> None:
@@ -62,8 +46,8 @@ def test_worker_sim_publishes_partitioned_and_whole_and_serves_kvbm_metrics(js_u
     assert scraped["kvbm_offload_blocks_h2d_total"] > 0
     assert scraped["kvbm_matched_tokens_total"] > 0
     assert 0.0 <= scraped["kvbm_host_cache_hit_rate"] <= 1.0
-    whole = _fold(js_url, ns)
-    parts = [_fold(js_url, partition_namespace(ns, k)) for k in range(s.partitions)]
+    whole = fold_log(js_url, ns)
+    parts = [fold_log(js_url, partition_namespace(ns, k)) for k in range(s.partitions)]
     assert set(whole.hashes()) <= hashes and len(whole.hashes()) > 0
     # the partitions together hold exactly what the whole log holds
     assert set().union(*(set(p.hashes()) for p in parts)) == set(whole.hashes())
@@ -99,7 +83,7 @@ def test_worker_sim_offloads_into_the_cluster_catalog_with_storage(js_url: str, 
                           workdir=tmp_path / "sim", g1_blocks=64, g2_blocks=64, metrics_port=None,
                           storage=storage, redis_url=redis_url)
     assert run_worker_sim(s) > 0
-    whole = _fold(js_url, ns)
+    whole = fold_log(js_url, ns)
     announced = whole.blocks_at("slow")
     cat = RedisCatalog(redis_url, prefix=prefix)
     agent = StorageAgent(cat, name="check")

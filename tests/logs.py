@@ -1,0 +1,28 @@
+"""Test helper: fold a JetStream namespace's log into an index, as an advisor rebuilds one."""
+
+from __future__ import annotations
+
+from advisor.index import PrefixIndex
+from advisor.jslog import JetStreamLog
+from event_plane.config import StreamLimits
+
+
+def fold_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1,
+             index: PrefixIndex | None = None) -> PrefixIndex:
+    """Apply every batch of ``namespace`` from stream sequence ``start_seq`` to what the
+    stream holds now, onto ``index`` (a new one by default); returns the index.
+
+    Raises:
+        AssertionError: the log ended before the messages pending at the start were read.
+    """
+    idx = PrefixIndex() if index is None else index
+    log = JetStreamLog(url, namespace, start_seq=start_seq, stream=StreamLimits(replicas=replicas))
+    log.start()
+    try:
+        for _ in range(log.pending_at_start):
+            item = log.get(timeout=30)
+            assert item is not None, f"{namespace}: the log ended early"
+            idx.apply_payload(item[1])
+    finally:
+        log.close()
+    return idx
