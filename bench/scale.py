@@ -69,7 +69,7 @@ def publish(url: str, ns: str, scheme: PartitionScheme, reqs: list[list[int]]) -
         pubs[w].publish(evs)
     for p in pubs:
         p.close()
-    return sum(st.events for p in pubs for st in p.stats())
+    return sum(p.stats().events for p in pubs)
 
 
 def _rss_mb(pid: int) -> float:

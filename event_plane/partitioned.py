@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from event_plane.config import PublisherStats
 from event_plane.errors import EventURLError
 from event_plane.nats_auth import redact_url
 from event_plane.partition import TRUNK, ChainRouter, PartitionScheme
@@ -127,7 +128,23 @@ class PartitionedPublisher:
         """Flush and close every inner publisher (the first error is raised after all are closed)."""
         close_all(self.publishers)
 
-    def stats(self) -> list[Any]:
+    def stats(self) -> PublisherStats:
+        """The partitions' publishers together (``EventPublisher.stats``'s shape, so this
+        publisher stands in for one): counters summed, ``flush_delay_s`` the largest.  A trunk
+        event sent to every partition counts once per partition."""
+        out = PublisherStats()
+        for st in self.partition_stats():
+            out.events += st.events
+            out.batches += st.batches
+            out.payload_bytes += st.payload_bytes
+            out.event_bytes += st.event_bytes
+            out.dropped += st.dropped
+            out.refused += st.refused
+            out.flush_delay_s = max(out.flush_delay_s, st.flush_delay_s)
+            out.event_rate += st.event_rate
+        return out
+
+    def partition_stats(self) -> list[PublisherStats]:
         """Each partition publisher's ``stats()``, in partition order."""
         return [p.stats() for p in self.publishers]
 

@@ -28,7 +28,12 @@ URL                                        meaning
                                            publisher and subscriber: ``max_bytes=N``
                                            (bytes) or ``unlimited``, ``max_age=S``
                                            (seconds) or ``unlimited``, ``discard=old|new``,
-                                           ``strict_stream=1|0`` (:class:`StreamLimits`)
+                                           ``strict_stream=1|0`` (:class:`StreamLimits`);
+                                           publisher only: ``partitions=P`` (with
+                                           ``trunk_depth=K``, default 1, ``stretch=S``,
+                                           default 64) routes each event to its index
+                                           partition's namespace ``NS-p<k>`` (scaled mode,
+                                           :class:`~event_plane.partitioned.PartitionedPublisher`)
 ``vllm+zmq://HOST:PORT?replay=PORT&source=NAME``  subscriber only: an unmodified vLLM's
                                            KV events, converted to KVEvent v1
 ``sglang+zmq://HOST:PORT?replay=PORT&source=NAME``  same for SGLang (more parameters:
@@ -71,7 +76,8 @@ _ALLOWED = {
             "allowed_publishers"},
     "nats": {"namespace"} | NATS_PARAMS,
     "tls": {"namespace"} | NATS_PARAMS,
-    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas"} | NATS_PARAMS,
+    "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas",
+                  "partitions", "trunk_depth", "stretch"} | NATS_PARAMS,
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
                  "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
@@ -313,9 +319,37 @@ def make_publisher(
     connect.update(options)  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
         limits = stream_limits_from_query(query, url, stream)
-        return JetStreamPublisher(source, server, query.get("namespace", "default"), **common,
-                                  stream=limits, **connect)
+        namespace = query.get("namespace", "default")
+        scheme_p = _partition_scheme(query, url)
+        if scheme_p is not None:
+            from event_plane.partitioned import PartitionedPublisher, partition_namespace
+            from event_plane.publisher import new_epoch
+
+            common["epoch"] = new_epoch() if epoch is None else epoch  # one epoch for every partition
+            return PartitionedPublisher(scheme_p, lambda k: JetStreamPublisher(  # type: ignore[return-value]
+                source, server, partition_namespace(namespace, k), **common, stream=limits, **connect))
+        return JetStreamPublisher(source, server, namespace, **common, stream=limits, **connect)
     return NatsPublisher(source, server, query.get("namespace", "default"), **common, **connect)
+
+
+def _partition_scheme(query: dict[str, str], url: str) -> Any:
+    """The :class:`~event_plane.partition.PartitionScheme` a publisher URL's ``partitions``,
+    ``trunk_depth`` and ``stretch`` name, or ``None`` without ``partitions``.
+
+    Raises:
+        EventURLError: a value that is not a positive integer (``trunk_depth`` may be 0).
+    """
+    if "partitions" not in query:
+        if "trunk_depth" in query or "stretch" in query:
+            raise EventURLError(f"trunk_depth / stretch need partitions= in {redact_url(url)!r}")
+        return None
+    from event_plane.partition import PartitionError, PartitionScheme
+
+    try:
+        return PartitionScheme(int(query["partitions"]), int(query.get("trunk_depth", "1")),
+                               int(query.get("stretch", "64")))
+    except (ValueError, PartitionError) as exc:
+        raise EventURLError(f"bad partitions / trunk_depth / stretch in {redact_url(url)!r}: {exc}") from None
 
 
 def _nats_target(url: str, query: dict[str, str], defaults: NatsAuth | None) -> tuple[str, dict[str, Any]]:
@@ -368,6 +402,10 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
         curve = _zmq_subscriber_curve(query, url, _allowed_keys(allowed), zmq_secret)
         return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), curve=curve, **kw)
     namespace = query.get("namespace", "default")
+    if {"partitions", "trunk_depth", "stretch"} & set(query):
+        raise EventURLError(f"partitions / trunk_depth / stretch are publisher parameters (in {redact_url(url)!r}): "
+                            "a partition's log is the namespace NS-p<k>, or read them all with "
+                            "python -m advisor.cluster")
     server, connect = _nats_target(url, query, nats_auth)
     kw = {**connect, **kw}  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":

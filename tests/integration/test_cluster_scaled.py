@@ -288,7 +288,7 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                 pubs[w].close()
                 whole[w].close()
             # nothing was lost on the way in, NATS node kill included
-            assert [s.dropped for w in pubs for s in pubs[w].stats()] == [0] * 2 * SCHEME.partitions
+            assert [s.dropped for w in pubs for s in pubs[w].partition_stats()] == [0] * 2 * SCHEME.partitions
             assert [whole[w].stats().dropped for w in whole] == [0, 0]
             cluster.wait_ready(30)
             time.sleep(2.0)
