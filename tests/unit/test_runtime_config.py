@@ -213,7 +213,9 @@ def test_a_host_pool_above_the_available_memory_is_refused_before_allocating(cle
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 64 << 10  # < 64 MiB more
     msg = str(ei.value)
     assert msg.startswith(f"G2 host pool of {cfg.g2_blocks * 8192 / 2**30:.2f} GiB")
-    assert f"g2_blocks={cfg.g2_blocks}, from DYN_KVBM_CPU_CACHE_GB / cpu_cache_gb={gb:.3f}" in msg
+    # the setting as the config holds it (a float: "90.110" in the environment is 90.11)
+    assert f"g2_blocks={cfg.g2_blocks}, from DYN_KVBM_CPU_CACHE_GB / cpu_cache_gb={cfg.cpu_cache_gb}" in msg
+    assert cfg.cpu_cache_gb == float(f"{gb:.3f}")
     assert "exceeds the available memory" in msg
     # the check itself, against a given amount: G2 alone fits, G1 (on the CPU here) + G2 do not
     small = RuntimeConfig(g1_blocks=4, g2_blocks=8)
