@@ -1,5 +1,5 @@
-"""The default policy's kernel (advisor/eviction/prefix_value.py): leaves first, settings
-validation, determinism, and its relation to LRU on a real slice."""
+"""The default policy's kernel (advisor/eviction/prefix_value.py): leaves first, superseded
+branches, settings validation, determinism, and its relation to LRU on a real slice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from advisor.eviction import lru, prefix_value
 from advisor.eviction.compact import compact
-from advisor.eviction.prefix_value import PrefixValueSettings
+from advisor.eviction.prefix_value import PrefixValueSettings, reuse_class, superseded_class
 from kvadvisor.evaluate import load_trace
 from kvadvisor.trace import bundled_trace
 
@@ -27,6 +27,44 @@ def test_the_last_partial_block_is_the_first_to_go() -> None:
     reqs = [[1, 2, 100 + i] for i in range(30)]
     hits = prefix_value.simulate(compact(reqs), 3).tolist()
     assert hits[0] == 0 and all(h == 2 for h in hits[1:])
+
+
+def test_a_superseded_branch_goes_before_the_branch_that_replaced_it() -> None:
+    # a conversation sends [1 2 3 | 10 11] twice, then continues the known prefix 1 2 3 along
+    # another branch 20 21 (twice). On a tier of 5 blocks the third request leaves 7 blocks:
+    # without supersession 10 11 (referenced twice: the better class) outrank the new 20 21,
+    # which go, and the fourth request hits only the prefix; with it, 10 is superseded
+    # (the branch the previous request through 3 took), goes first with its child 11, and
+    # the fourth request hits all 5 blocks
+    a, b = [1, 2, 3, 10, 11], [1, 2, 3, 20, 21]
+    ct = compact([a, a, b, b])
+    assert prefix_value.simulate(ct, 5).tolist() == [0, 5, 3, 5]
+    assert prefix_value.simulate(ct, 5, settings=PrefixValueSettings(supersede=False)).tolist() == [0, 5, 3, 3]
+
+
+def test_a_new_request_that_shares_only_its_first_block_supersedes_nothing() -> None:
+    # the same shape, but the requests share only their first block (a common root, as the
+    # Mooncake trace's block 0): the second branch is a new request, not a continuation,
+    # so both settings replay it identically
+    off = PrefixValueSettings(supersede=False)
+    a, b = [1, 10, 11, 12, 13], [1, 20, 21, 22, 23]
+    ct = compact([a, a, b, b])
+    assert prefix_value.simulate(ct, 5).tolist() == prefix_value.simulate(ct, 5, settings=off).tolist() == [0, 5, 1, 1]
+    # sharing two blocks makes the second branch a continuation: it supersedes the first
+    a, b = [1, 2, 10, 11, 12], [1, 2, 20, 21, 22]
+    ct = compact([a, a, b, b])
+    assert prefix_value.simulate(ct, 5).tolist() == [0, 5, 2, 5]
+    assert prefix_value.simulate(ct, 5, settings=off).tolist() == [0, 5, 2, 2]
+
+
+def test_superseded_classes_follow_the_regular_ones() -> None:
+    s = PrefixValueSettings()
+    regular = {reuse_class(seen, fe, c, s.max_seen, s.max_from_end)
+               for seen in range(s.max_seen + 2) for fe in range(s.max_from_end + 2) for c in (0, 1)}
+    n = (s.max_seen + 1) * (s.max_from_end + 1) * 2
+    assert regular == set(range(n))
+    assert superseded_class(1, s.max_seen, s.max_from_end) == n
+    assert superseded_class(2, s.max_seen, s.max_from_end) == superseded_class(9, s.max_seen, s.max_from_end) == n + 1
 
 
 def test_settings_are_validated() -> None:
