@@ -25,9 +25,9 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   block referenced once, one for a block referenced more often), learned online like the
   others, and its priority is recomputed from its last reference with that class's
   ``P(reuse)``; evicting it takes its cached descendants (cascade below).  On the Mooncake
-  conversation trace a branch superseded this way is referenced again in about 1 case in
-  700 (0.13 % of 5,337 such branches that had been referenced once), against 28 % for a new
-  block of a new request (docs/BENCHMARKS.md, "Advisor policies").
+  conversation trace a child of ``d`` that had been referenced once is referenced again after
+  such a request in 7 of 5,337 cases (0.13 %), against 28 % for a new block of a new request
+  (docs/BENCHMARKS.md, "Advisor policies").
 * Prefix structure: within a request a block's priority never exceeds its parent's
   (leaves go first, a parent is worth at least its children), and evicting a block evicts
   its cached descendants (a block without its parent can never be hit).
