@@ -113,3 +113,14 @@ def test_a_window_held_open_is_the_former_policy() -> None:
     assert (a == b).all()
     # an adaptive window does change the outcome on the same slice
     assert (prefix_value.simulate(ct, 500) != a).any()
+
+
+def test_a_noise_bound_nothing_passes_keeps_the_window_where_it_started() -> None:
+    # the tier's replay depends on its own window only (the shadows just vote); with a noise
+    # bound no hit-count difference can pass, the window stays at its initial 8 x capacity,
+    # the same replay as a window pinned there; with the default bound it moves
+    ct = compact(load_trace(bundled_trace(), "mooncake", limit=800))
+    frozen = prefix_value.simulate(ct, 500, settings=PrefixValueSettings(adapt_z=1e12))
+    pinned = PrefixValueSettings(initial_window=8.0, min_window=8.0, max_window=8.0 * (1 + 1e-9))
+    assert (frozen == prefix_value.simulate(ct, 500, settings=pinned)).all()
+    assert (prefix_value.simulate(ct, 500) != frozen).any()
