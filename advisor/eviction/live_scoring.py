@@ -15,6 +15,11 @@ come from:
   and 1 otherwise, and ``continuation`` is whether it has a parent;
 * ``pos`` (position in a request) is 0: the callers walk the blocks leaves first
   (:func:`advisor.policies._leaves_first`), which keeps the leaves-first rule.
+
+The kernel's superseded-branch classes
+(:func:`advisor.eviction.prefix_value.superseded_class`) are not used here: the index keeps
+no record of which child the latest request through a block took, so a live block is
+always ranked in its regular class.
 """
 
 from __future__ import annotations
