@@ -182,6 +182,7 @@ class _Replica:
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
         self.repaired = False  # the mover compared the catalog with this index
+        self.suspects: set[tuple[str, int, str]] = set()  # differences the last periodic repair saw
         self.applied = 0
         self.errors = 0
         self.read = 0

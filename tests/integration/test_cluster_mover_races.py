@@ -1,0 +1,295 @@
+"""Races and odd catalog contents against the scaled mover (advisor/cluster_mover.py), on a
+private nats-server (JetStream, lease bucket), Redis (snapshots, placement catalog) and
+POSIX volumes through NIXL; one in-process cluster advisor (:class:`ClusterNode` with
+storage settings) and "workers" that put blocks into the shared catalog and announce them
+through :class:`PartitionedPublisher`, as the worker simulator does.
+
+An interleaving that needs a process to stop at one exact line (a worker's delete landing
+right after the mover's commit, an advisor dying between two partitions' publishes) is
+made by wrapping the mover's storage agent / publisher in the test, never by faking NATS,
+Redis or the volumes.  Checked each time: every partition's index places each block on
+exactly the volumes the catalog does (after at most two policy rounds: the mover's
+anti-entropy repair acts on a difference seen in two consecutive rounds), and every block
+the catalog holds reads back byte for byte.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from advisor.cluster import ClusterNode, ClusterSettings, wait_until
+from advisor.cluster_mover import ClusterStorageSettings
+from event_plane.partition import PartitionScheme
+from event_plane.partitioned import PartitionedPublisher, partition_url
+from event_plane.schema import remove, store
+from event_plane.urls import make_publisher
+from storage_backends import BlockKey, RedisCatalog, StorageAgent
+
+BLK = 16 << 10
+KEY_NS = "m0"
+
+
+def _data(h: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(h & 0x7FFFFFFF)
+    return torch.randint(0, 256, (BLK,), dtype=torch.uint8, generator=g)
+
+
+class Rig:
+    """One test's namespace, catalog, volumes, worker agent/publishers and advisors."""
+
+    def __init__(self, tmp: Path, js_url: str, redis_url: str, partitions: int,
+                 key_namespaces: list[str] | None = None) -> None:
+        self.ns = "r" + uuid.uuid4().hex[:8]
+        self.js_url, self.redis_url = js_url, redis_url
+        self.scheme = PartitionScheme(partitions, 1, 8)
+        for v in ("fast", "slow"):
+            (tmp / v).mkdir(parents=True, exist_ok=True)
+        self.conf = {
+            "catalog_prefix": f"kvadvisor:{self.ns}:catalog",
+            "key_namespaces": key_namespaces or [KEY_NS],
+            "volumes": [
+                {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 4 << 20,
+                 "root": str(tmp / "fast"), "segment_bytes": 256 << 10},
+                {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 16 << 20,
+                 "root": str(tmp / "slow"), "segment_bytes": 256 << 10},
+            ],
+            "fast_volume": "fast", "slow_volumes": ["slow"],
+            "volume_roots": [str(tmp)],
+            # rounds only when the test runs them (ClusterMover.run_round)
+            "policy_interval_s": 3600.0,
+            "policy": {"compaction": {"enabled": False}},
+        }
+        self.storage = ClusterStorageSettings.model_validate(self.conf)
+        self.catalog = RedisCatalog(redis_url, prefix=str(self.conf["catalog_prefix"]))
+        self.agent = StorageAgent(self.catalog, name="workers", allowed_roots=[str(tmp)])
+        for v in self.storage.volumes:
+            self.agent.register_volume(v.to_descriptor())
+        host = js_url.split("//", 1)[1]
+        base = f"jetstream://{host}?namespace={self.ns}"
+        self.pubs: dict[str, PartitionedPublisher] = {}
+        for w in ("w0", "w1"):
+            e = random.getrandbits(63)
+            self.pubs[w] = PartitionedPublisher(self.scheme, lambda k, w=w, e=e: make_publisher(
+                partition_url(base, k), w, epoch=e))
+        self.nodes: list[ClusterNode] = []
+
+    # -------------------------------------------------------------- workers
+    def announce(self, w: str, events: list[Any]) -> None:
+        self.pubs[w].publish(events)
+        self.pubs[w].flush()
+
+    def offload(self, chain: list[int], key_ns: str = KEY_NS, announce_slow: bool = True) -> None:
+        """Both workers compute the chain (w1 reports 2 more hits: hot enough to promote),
+        w0 puts it on ``slow`` and (unless told not to) announces that."""
+        self.announce("w0", [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1") for d, h in enumerate(chain)])
+        self.announce("w1", [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1", {"hits": 2})
+                             for d, h in enumerate(chain)])
+        self.agent.put([(BlockKey(key_ns, h), _data(h)) for h in chain], "slow")
+        if announce_slow:
+            self.announce("w0", [store(h, chain[0], chain[d - 1] if d else None, BLK, "slow")
+                                 for d, h in enumerate(chain)])
+
+    # -------------------------------------------------------------- advisors
+    def start(self, adv: str = "a0") -> ClusterNode:
+        node = ClusterNode(ClusterSettings(
+            nats_url=self.js_url, redis_url=self.redis_url, advisor_id=adv, scheme=self.scheme,
+            namespace=self.ns, lease_ttl_s=3.0, heartbeat_s=0.5, snapshot_interval_s=3600.0), self.storage).start()
+        self.nodes.append(node)
+        assert wait_until(lambda: len(node.serving()) == self.scheme.partitions
+                          and all(r.repaired for r in node.serving().values()), 30), node.status()
+        return node
+
+    def stop(self, node: ClusterNode) -> None:
+        node.stop()
+        self.nodes.remove(node)
+
+    # -------------------------------------------------------------- checks
+    @staticmethod
+    def locations(node: ClusterNode, p: int, h: int) -> set[str] | None:
+        rep = node.serving()[p]
+        with rep.lock:
+            b = rep.index.block(h)
+            return set(b.locations) if b is not None else None
+
+    @staticmethod
+    def hits(node: ClusterNode, p: int, h: int) -> tuple[int, int]:
+        rep = node.serving()[p]
+        with rep.lock:
+            b = rep.index.block(h)
+            assert b is not None
+            return b.hits, b.last_access_ns
+
+    def mismatches(self, node: ClusterNode) -> list[tuple[int, str, int, int]]:
+        """``(partition, volume, index-only, catalog-only)`` for every partition whose index
+        disagrees with the catalog on a volume, over the blocks that index knows."""
+        out = []
+        for p, rep in sorted(node.serving().items()):
+            for v in ("fast", "slow"):
+                held = {pl.key.sequence_hash for pl in self.catalog.iter_volume(v)}
+                with rep.lock:
+                    known = set(rep.index.hashes())
+                    placed = rep.index.blocks_at(v)
+                extra, missing = placed - held, (held & known) - placed
+                if extra or missing:
+                    out.append((p, v, len(extra), len(missing)))
+        return out
+
+    def settle(self, node: ClusterNode, rounds: int = 3) -> list[tuple[int, str, int, int]]:
+        """Policy rounds (each after the log is folded), then the mismatches left."""
+        for _ in range(rounds):
+            time.sleep(0.5)
+            node.mover.run_round()
+        time.sleep(0.8)
+        return self.mismatches(node)
+
+    def read_back(self) -> None:
+        for v in ("fast", "slow"):
+            pls = list(self.catalog.iter_volume(v))
+            got = self.agent.get([pl.key for pl in pls])
+            for pl, t in zip(pls, got):
+                assert torch.equal(t, _data(pl.key.sequence_hash)), f"{pl.key} does not read back"
+
+    def close(self) -> None:
+        for node in list(self.nodes):
+            node.stop()
+        for pub in self.pubs.values():
+            pub.close()
+        self.agent.close()
+        self.catalog.destroy()
+        self.catalog.close()
+        import redis
+
+        r = redis.Redis.from_url(self.redis_url)
+        for key in r.scan_iter(f"kvadvisor:{self.ns}:*"):
+            r.delete(key)
+        r.close()
+
+
+@pytest.fixture
+def rig_factory(tmp_path: Path, js_url: str, redis_url: str) -> Iterator[Any]:
+    made: list[Rig] = []
+
+    def make(partitions: int = 2, key_namespaces: list[str] | None = None) -> Rig:
+        r = Rig(tmp_path / f"rig{len(made)}", js_url, redis_url, partitions, key_namespaces)
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.close()
+
+
+def _chain(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(63) for _ in range(n)]
+
+
+def test_a_worker_delete_landing_after_the_move_commit_leaves_no_resurrected_block(rig_factory: Any) -> None:
+    """Attack 2: the worker deletes a block (catalog delete + Remove at the volume it knows,
+    ``slow``) right after the mover committed its promotion; the mover then announces Store
+    ``fast`` / Remove ``slow``.  The index would place the block on ``fast`` for ever while
+    the catalog has it nowhere, unless the mover repairs the difference."""
+    rig = rig_factory(partitions=2)
+    chain = _chain(4, 1)
+    rig.offload(chain)
+    node = rig.start()
+    victim = chain[2]  # a non-trunk block
+    real_commit = node.mover.agent.commit_move
+    deleted: list[int] = []
+
+    def commit_then_worker_deletes(old: Any, new: Any, fence: Any = None) -> Any:
+        done = real_commit(old, new, fence)
+        if old.key.sequence_hash == victim and not deleted:
+            deleted.append(victim)
+            assert rig.agent.delete([BlockKey(KEY_NS, victim)]) == 1
+            rig.announce("w0", [remove(victim, chain[0], chain[1], BLK, "slow")])
+        return done
+
+    node.mover.agent.commit_move = commit_then_worker_deletes  # type: ignore[method-assign]
+    time.sleep(0.8)  # the Stores are folded
+    results = node.mover.run_round()
+    node.mover.agent.commit_move = real_commit  # type: ignore[method-assign]
+    assert deleted == [victim], [(r.item.kind.value, r.status.value, r.detail) for r in results]
+    assert rig.catalog.get(BlockKey(KEY_NS, victim)) is None
+    assert rig.settle(node) == []
+    home = rig.scheme.owners(chain)[2]
+    assert not ({"fast", "slow"} & (rig.locations(node, home, victim) or set())), "the deleted block came back"
+    rig.read_back()
+
+
+def test_a_trunk_move_announced_in_some_partitions_only_is_repaired_everywhere(rig_factory: Any) -> None:
+    """Attack 5: the mover dies between the publishes of a trunk block's move (its home
+    partition heard Store ``fast`` / Remove ``slow``, the others did not).  A later owner
+    must bring every partition's index to the catalog's placement, not only the home's."""
+    rig = rig_factory(partitions=2)
+    chain = _chain(3, 2)
+    rig.offload(chain)
+    node = rig.start()
+    root = chain[0]  # depth 0: a trunk block, held in both partitions
+    home, other = root % 2, 1 - root % 2
+    time.sleep(0.8)
+    pubs = node.mover._publishers()
+    real = pubs[other].publish
+    pubs[other].publish = lambda events: None  # type: ignore[method-assign]  # the advisor died before these
+    try:
+        node.mover.run_round()
+    finally:
+        pubs[other].publish = real  # type: ignore[method-assign]
+    pl = rig.catalog.get(BlockKey(KEY_NS, root))
+    assert pl is not None and pl.volume_id == "fast"
+    time.sleep(0.8)
+    assert "fast" in (rig.locations(node, home, root) or set())
+    assert "slow" in (rig.locations(node, other, root) or set())  # the partial announcement
+    rig.stop(node)  # its partitions go to the next owner, which repairs on take-over
+    node = rig.start("a1")
+    time.sleep(0.8)
+    assert rig.mismatches(node) == [], "a take-over left a partition's trunk entry stale"
+    for p in (home, other):
+        assert {"fast", "slow"} & (rig.locations(node, p, root) or set()) == {"fast"}, p
+    rig.read_back()
+
+
+def test_a_repair_store_is_not_an_access(rig_factory: Any) -> None:
+    """Attack 3/5: the take-over repair announces a block the catalog holds on ``slow``
+    (the worker died between its put and its Store); that Store is a placement fact, not
+    a reuse: the block's hits and last access must not change (they drive promotion)."""
+    rig = rig_factory(partitions=2)
+    chain = _chain(3, 3)
+    evs = [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1") for d, h in enumerate(chain)]
+    rig.announce("w0", evs)  # one access each
+    h, twin = chain[2], chain[1]  # announced alike, in one batch; only h was put
+    rig.agent.put([(BlockKey(KEY_NS, h), _data(h))], "slow")  # never announced
+    time.sleep(0.5)
+    node = rig.start()
+    p = rig.scheme.owners(chain)[2]
+    assert p == rig.scheme.owners(chain)[1]
+    assert wait_until(lambda: "slow" in (rig.locations(node, p, h) or set()), 10)
+    time.sleep(0.3)
+    assert rig.hits(node, p, h) == rig.hits(node, p, twin), "the repair's Store counted as an access"
+    assert node.mover.counters["repair_events"] >= 1
+
+
+def test_a_block_of_an_unmanaged_namespace_is_never_removed_by_the_repair(rig_factory: Any) -> None:
+    """Attack 4: the catalog holds a block on ``slow`` under a key namespace the advisors do
+    not manage (another model's), and a worker announced it there.  The block is not the
+    mover's to move, but it IS on the volume: a repair must not announce it gone."""
+    rig = rig_factory(partitions=2, key_namespaces=[KEY_NS])
+    chain = _chain(3, 4)
+    rig.offload(chain, key_ns="other-model")
+    node = rig.start()
+    time.sleep(0.8)
+    node.mover.run_round()
+    time.sleep(0.8)
+    for d, h in enumerate(chain):
+        for p in range(2):
+            locs = rig.locations(node, p, h)
+            if locs is not None:
+                assert "slow" in locs, (d, p, locs)
+    assert rig.catalog.get(BlockKey("other-model", chain[1])).volume_id == "slow"
