@@ -9,7 +9,10 @@ and mover as the embedded advisor (``advisor.policies.plan_all``, :class:`~advis
 * **Which blocks.**  A partition's mover acts only on the blocks of that partition: those
   its index holds, a trunk block (depth below the scheme's ``trunk_depth``; every partition
   holds it) only in partition ``sequence_hash % P``.  A block no owned index knows is left
-  alone.  A compaction is done by the owner of partition ``segment_id % P``.
+  alone.  The policies get this rule as ``PolicyInput.movable`` (promotions and swaps pick
+  their candidates from the index, where every partition sees the trunk), and every plan
+  item is checked against it again: otherwise two partitions would move one trunk block,
+  each under its own fence, which then orders nothing between them.  A compaction is done by the owner of partition ``segment_id % P``.
 * **Capacity shares.**  Each partition plans against ``1/P`` of every volume's capacity and
   the bytes its own blocks take there, so P movers together keep the fill watermarks
   without talking to each other.
@@ -370,7 +373,8 @@ class ClusterMover:
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
                     continue
-                inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume)
+                inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
+                                  movable=lambda h, rep=rep: self._mine(rep, h))  # type: ignore[misc]
                 with rep.lock:
                     mine = {v: [pl for pl in pls if self._mine(rep, pl.key.sequence_hash, v)]
                             for v, pls in placements.items()}
@@ -383,6 +387,10 @@ class ClusterMover:
                     inp.placements = {v: mine[v] for v in st.slow_volumes}
                     inp.segments = {v: [sg for sg in segs if sg.segment_id % parts == p] for v, segs in segments.items()}
                     proposed = plan_all(st.policy, inp, rep.index)
+                    # every move is of a block of this partition, from where the index places it
+                    # (the policies' own filter is inp.movable; this keeps any policy honest)
+                    proposed = [it for it in proposed if it.sequence_hash is None
+                                or self._mine(rep, it.sequence_hash, it.src_volume)]
                     trunk = {it.sequence_hash for it in proposed
                              if it.sequence_hash is not None and self._is_trunk(rep, it.sequence_hash)}
                 guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,

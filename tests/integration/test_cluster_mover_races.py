@@ -293,3 +293,33 @@ def test_a_block_of_an_unmanaged_namespace_is_never_removed_by_the_repair(rig_fa
             if locs is not None:
                 assert "slow" in locs, (d, p, locs)
     assert rig.catalog.get(BlockKey("other-model", chain[1])).volume_id == "slow"
+
+
+def test_a_trunk_block_is_moved_by_its_home_partition_only(rig_factory: Any) -> None:
+    """Attack 5 (found by test_cluster_mover_pause.py): a trunk block is in every
+    partition's index, and the promotion policy picks its candidates from the index, so
+    every partition's mover promoted it, each under its own fence: two writers of one block
+    that the fences do not order (a former owner's stale commit of partition B is not
+    refused by partition A's fence).  Only ``sequence_hash % P`` may plan it."""
+    rig = rig_factory(partitions=4)
+    chains = [_chain(3, 10 + i) for i in range(6)]
+    for c in chains:
+        rig.offload(c)
+    node = rig.start()
+    real_commit = node.mover.agent.commit_move
+    fences: dict[int, list[str]] = {}  # block -> the fences its commits carried
+
+    def commit(old: Any, new: Any, fence: Any = None) -> Any:
+        fences.setdefault(old.key.sequence_hash, []).append(fence.name)
+        return real_commit(old, new, fence)
+
+    node.mover.agent.commit_move = commit  # type: ignore[method-assign]
+    time.sleep(0.8)
+    node.mover.run_round()
+    roots = {c[0] for c in chains}
+    assert roots <= fences.keys(), "the hot roots were not promoted"
+    wrong = {h: f for h, f in fences.items() if h in roots and set(f) != {node.mover.fence_name(h % 4)}}
+    assert not wrong, f"trunk blocks moved under another partition's fence: {wrong}"
+    time.sleep(0.8)
+    assert rig.settle(node, rounds=2) == []
+    rig.read_back()
