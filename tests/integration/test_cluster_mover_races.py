@@ -16,6 +16,7 @@ the catalog holds reads back byte for byte.
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -322,4 +323,83 @@ def test_a_trunk_block_is_moved_by_its_home_partition_only(rig_factory: Any) -> 
     assert not wrong, f"trunk blocks moved under another partition's fence: {wrong}"
     time.sleep(0.8)
     assert rig.settle(node, rounds=2) == []
+    rig.read_back()
+
+
+def test_a_take_over_repair_racing_a_worker_delete_leaves_no_stale_entry(rig_factory: Any) -> None:
+    """Attack 3: the take-over repair read the catalog (the block on ``slow``, its Store not
+    folded yet), then the worker deleted the block and announced the Remove, then the
+    repair published its Store: a stale index entry is created.  It must not be left: the
+    owner's rounds repair it (seen in two consecutive rounds)."""
+    rig = rig_factory(partitions=2)
+    chain = _chain(4, 7)
+    node = rig.start()
+    rig.offload(chain, announce_slow=False)  # put, the Store not sent yet
+    time.sleep(0.6)
+    h = chain[2]
+    p = rig.scheme.owners(chain)[2]
+    rep = node.serving()[p]
+    view = node.mover._catalog_view()  # the repair reads the catalog ...
+    assert rig.agent.delete([BlockKey(KEY_NS, h)]) == 1  # ... the worker deletes and says so ...
+    rig.announce("w0", [remove(h, chain[0], chain[1], BLK, "slow")])
+    time.sleep(0.6)
+    with node.mover._lock:
+        assert node.mover.repair(rep, view) >= 1  # ... and the repair announces what it read
+    assert wait_until(lambda: "slow" in (rig.locations(node, p, h) or set()), 5), "no stale entry was made"
+    assert rig.settle(node) == []
+    assert "slow" not in (rig.locations(node, p, h) or set())
+    rig.read_back()
+
+
+def test_an_owner_frozen_mid_round_is_fenced_off_by_the_real_lease_tokens(rig_factory: Any) -> None:
+    """Attack 1, at one exact line: advisor a0 is frozen between a move's copy and its
+    commit (as SIGSTOP would freeze it), its leases expire (its keeper dies without a
+    word), advisor b0 takes both partitions, raising their catalog fences to its JetStream
+    lease revisions; then a0 wakes up and commits.  The catalog refuses it (FencedError),
+    the copy's space is released, nothing is announced, the rest of a0's round is skipped;
+    b0 then moves the same blocks, and the index matches the catalog."""
+    rig = rig_factory(partitions=2)
+    chains = [_chain(3, 20 + i) for i in range(4)]
+    for c in chains:
+        rig.offload(c)
+    a0 = rig.start("a0")
+    time.sleep(0.8)
+    real_commit = a0.mover.agent.commit_move
+    frozen, wake = threading.Event(), threading.Event()
+    first: list[Any] = []
+
+    def freeze_then_commit(old: Any, new: Any, fence: Any = None) -> Any:
+        if not first:
+            first.append((old, fence))
+            frozen.set()
+            wake.wait(60)
+        return real_commit(old, new, fence)
+
+    a0.mover.agent.commit_move = freeze_then_commit  # type: ignore[method-assign]
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.extend(a0.mover.run_round()), daemon=True)
+    t.start()
+    assert frozen.wait(30), "a0 planned no move"
+    old, stale_fence = first[0]
+    assert a0.keeper is not None
+    a0.keeper.crash()  # its leases run out in the bucket; it does not notice (frozen)
+    b0 = rig.start("b0")
+    assert b0.keeper is not None
+    new_tokens = {p: b0.keeper.token(p) for p in range(2)}
+    assert all(tok is not None and tok > stale_fence.token for tok in new_tokens.values()), new_tokens
+    wake.set()
+    t.join(60)
+    assert not t.is_alive()
+    frozen_results = [r for r in out if r.item.sequence_hash == old.key.sequence_hash]
+    assert [r.status.value for r in frozen_results] == ["skipped"], frozen_results
+    assert "fenced off" in frozen_results[0].detail
+    assert a0.mover.counters["fenced"] >= 1
+    assert all(r.status.value != "done" for r in out), [(r.item, r.status, r.detail) for r in out]
+    assert rig.catalog.get(old.key) == old, "a stale owner's commit landed"
+    fast = {s.volume_id: s for s in rig.agent.stats()}["fast"]
+    assert fast.live_bytes == 0, "the fenced copy is still live"
+    time.sleep(0.8)
+    done = [r for r in b0.mover.run_round() if r.status.value == "done"]
+    assert old.key.sequence_hash in {r.item.sequence_hash for r in done}
+    assert rig.settle(b0) == []
     rig.read_back()
