@@ -349,6 +349,12 @@ class ClusterMover:
     def run_round(self) -> list[PlanResult]:
         """One policy round over every partition this advisor serves now (repairs first).
 
+        A move route (source, destination) whose copy failed in one partition is not tried
+        again in the others this round (``Mover.execute_many``'s ``failed_routes``: an S3
+        outage costs one group's client retries per round, ~105 s against 503s, not one
+        per partition); once :meth:`ClusterNode.stop` was asked, no further partition
+        starts (it waits for the round).
+
         Returns:
             the results of the executed items, partition by partition.
         """
@@ -369,7 +375,10 @@ class ClusterMover:
             segments = {v: list(self.agent.segments(v)) for v in managed}
             out: list[PlanResult] = []
             parts = self.scheme.partitions
+            failed_routes: set[tuple[str, str | None]] = set()  # shared by the partitions (Mover.execute_many)
             for p, rep in sorted(reps.items()):
+                if self.node._stop.is_set():  # stop() waits for the round: end it between partitions
+                    break
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
                     continue
@@ -403,7 +412,7 @@ class ClusterMover:
                               metadata={"mover": self.node.settings.advisor_id, "fence": rep.fence.token},
                               publish_to=self._route(rep, trunk))
                 try:
-                    results = mover.execute_many(plan.items)
+                    results = mover.execute_many(plan.items, failed_routes)
                 finally:
                     self.planner.release(len(plan.items))
                 guard.record(results)

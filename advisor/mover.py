@@ -114,16 +114,25 @@ class Mover:
         """Carry out one item (see :meth:`execute_many`)."""
         return self.execute_many([item])[0]
 
-    def execute_many(self, items: Sequence[PlanItem]) -> list[PlanResult]:
+    def execute_many(self, items: Sequence[PlanItem],
+                     failed_routes: set[tuple[str, str | None]] | None = None) -> list[PlanResult]:
         """Carry out items in order; never raises for storage errors (they become FAILED).
 
         Consecutive moves with the same source and destination are copied together
         (``agent.copy_many``: one new segment for the group), then committed and
         published block by block in item order, with one flush per group.
 
+        Once a group failed as a whole (the copy raised: a volume or its endpoint is down,
+        full, refusing), the later moves with the same source and destination are SKIPPED
+        without being tried: an S3 endpoint that does not answer costs one group's
+        retries per round, not one per group.  ``failed_routes`` holds those
+        ``(source, destination)`` pairs; pass one set to several calls to share it (the
+        cluster mover does, across the partitions of a round); ``None``: this call's own.
+
         Returns:
             One :class:`PlanResult` per item, in item order.
         """
+        failed = set() if failed_routes is None else failed_routes
         results: list[PlanResult] = []
         i = 0
         while i < len(items):
@@ -138,12 +147,18 @@ class Mover:
                        and (items[j].src_volume, items[j].dst_volume) == (item.src_volume, item.dst_volume)):
                     j += 1
                 group = list(items[i:j])
-                try:
-                    res = self._move_group(group)
-                except Exception as exc:  # noqa: BLE001 - a failed group must not stop the round
-                    logger.warning("mover: moving %d blocks %s -> %s failed: %s", len(group), item.src_volume,
-                                   item.dst_volume, exc)
-                    res = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}") for it in group]
+                route = (item.src_volume, item.dst_volume)
+                if route in failed:
+                    res = [PlanResult(it, PlanStatus.SKIPPED, f"moves {item.src_volume} -> {item.dst_volume} "
+                                      "failed earlier in this round; not tried again") for it in group]
+                else:
+                    try:
+                        res = self._move_group(group)
+                    except Exception as exc:  # noqa: BLE001 - a failed group must not stop the round
+                        logger.warning("mover: moving %d blocks %s -> %s failed: %s", len(group), item.src_volume,
+                                       item.dst_volume, exc)
+                        res = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}") for it in group]
+                        failed.add(route)
             elapsed = time.monotonic() - t0
             now = time.time_ns()
             for r in res:

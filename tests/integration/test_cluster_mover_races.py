@@ -47,7 +47,8 @@ class Rig:
     """One test's namespace, catalog, volumes, worker agent/publishers and advisors."""
 
     def __init__(self, tmp: Path, js_url: str, redis_url: str, partitions: int,
-                 key_namespaces: list[str] | None = None) -> None:
+                 key_namespaces: list[str] | None = None, archive: dict[str, Any] | None = None,
+                 slow_bytes: int = 16 << 20, demotion: dict[str, Any] | None = None) -> None:
         self.ns = "r" + uuid.uuid4().hex[:8]
         self.js_url, self.redis_url = js_url, redis_url
         self.scheme = PartitionScheme(partitions, 1, 8)
@@ -59,14 +60,16 @@ class Rig:
             "volumes": [
                 {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 4 << 20,
                  "root": str(tmp / "fast"), "segment_bytes": 256 << 10},
-                {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 16 << 20,
+                {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": slow_bytes,
                  "root": str(tmp / "slow"), "segment_bytes": 256 << 10},
+                *([archive] if archive else []),
             ],
             "fast_volume": "fast", "slow_volumes": ["slow"],
+            "archive_volume": archive["id"] if archive else None,
             "volume_roots": [str(tmp)],
             # rounds only when the test runs them (ClusterMover.run_round)
             "policy_interval_s": 3600.0,
-            "policy": {"compaction": {"enabled": False}},
+            "policy": {"compaction": {"enabled": False}, "demotion": demotion or {}},
         }
         self.storage = ClusterStorageSettings.model_validate(self.conf)
         self.catalog = RedisCatalog(redis_url, prefix=str(self.conf["catalog_prefix"]))
@@ -87,12 +90,14 @@ class Rig:
         self.pubs[w].publish(events)
         self.pubs[w].flush()
 
-    def offload(self, chain: list[int], key_ns: str = KEY_NS, announce_slow: bool = True) -> None:
-        """Both workers compute the chain (w1 reports 2 more hits: hot enough to promote),
-        w0 puts it on ``slow`` and (unless told not to) announces that."""
+    def offload(self, chain: list[int], key_ns: str = KEY_NS, announce_slow: bool = True, hot: bool = True) -> None:
+        """Both workers compute the chain (w1 reports 2 more hits: hot enough to promote;
+        ``hot=False``: only w0, cold), w0 puts it on ``slow`` and (unless told not to)
+        announces that."""
         self.announce("w0", [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1") for d, h in enumerate(chain)])
-        self.announce("w1", [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1", {"hits": 2})
-                             for d, h in enumerate(chain)])
+        if hot:
+            self.announce("w1", [store(h, chain[0], chain[d - 1] if d else None, BLK, "g1", {"hits": 2})
+                                 for d, h in enumerate(chain)])
         self.agent.put([(BlockKey(key_ns, h), _data(h)) for h in chain], "slow")
         if announce_slow:
             self.announce("w0", [store(h, chain[0], chain[d - 1] if d else None, BLK, "slow")
@@ -133,7 +138,7 @@ class Rig:
         disagrees with the catalog on a volume, over the blocks that index knows."""
         out = []
         for p, rep in sorted(node.serving().items()):
-            for v in ("fast", "slow"):
+            for v in self.storage.managed_volumes():
                 held = {pl.key.sequence_hash for pl in self.catalog.iter_volume(v)}
                 with rep.lock:
                     known = set(rep.index.hashes())
@@ -152,7 +157,7 @@ class Rig:
         return self.mismatches(node)
 
     def read_back(self) -> None:
-        for v in ("fast", "slow"):
+        for v in self.storage.managed_volumes():
             pls = list(self.catalog.iter_volume(v))
             got = self.agent.get([pl.key for pl in pls])
             for pl, t in zip(pls, got):
@@ -178,8 +183,8 @@ class Rig:
 def rig_factory(tmp_path: Path, js_url: str, redis_url: str) -> Iterator[Any]:
     made: list[Rig] = []
 
-    def make(partitions: int = 2, key_namespaces: list[str] | None = None) -> Rig:
-        r = Rig(tmp_path / f"rig{len(made)}", js_url, redis_url, partitions, key_namespaces)
+    def make(partitions: int = 2, key_namespaces: list[str] | None = None, **kw: Any) -> Rig:
+        r = Rig(tmp_path / f"rig{len(made)}", js_url, redis_url, partitions, key_namespaces, **kw)
         made.append(r)
         return r
     yield make
@@ -402,4 +407,56 @@ def test_an_owner_frozen_mid_round_is_fenced_off_by_the_real_lease_tokens(rig_fa
     done = [r for r in b0.mover.run_round() if r.status.value == "done"]
     assert old.key.sequence_hash in {r.item.sequence_hash for r in done}
     assert rig.settle(b0) == []
+    rig.read_back()
+
+
+def test_s3_down_mid_demotion_fails_the_items_clearly_and_loses_nothing(rig_factory: Any, local_s3: Any,
+                                                                       proxy: Any) -> None:
+    """Attack 4: the archive's S3 endpoint refuses every PUT while a round demotes cold
+    blocks from a full ``slow`` to it, in both partitions.  The first group fails with the
+    S3 error in its detail, the other partition's is not tried again this round (with a
+    503 instead of a 403, each try of a group costs ~105 s of retries in the S3 client: an
+    outage would stall the round that long per group), the round and the advisor go on,
+    the blocks stay on ``slow`` (catalog, index, bytes); once S3 is back, the next round
+    demotes them."""
+    archive = {"id": "archive", "kind": "s3", "media": "object", "capacity_bytes": 1 << 30,
+               "endpoint": proxy.endpoint, "bucket": f"kvadvisor-races-{uuid.uuid4().hex[:8]}", "prefix": "kv",
+               "segment_bytes": 256 << 10, "access_key": local_s3.access_key, "secret_key": local_s3.secret_key}
+    # 512 KiB (32 blocks) of slow per partition, demoted from 30 % (10 blocks): each
+    # partition's ~24 cold blocks are well above
+    rig = rig_factory(partitions=2, archive=archive, slow_bytes=1 << 20,
+                      demotion={"high_watermark": 0.3, "low_watermark": 0.1})
+    chains = [_chain(4, 40 + i) for i in range(12)]
+    for c in chains:
+        rig.offload(c, hot=False)
+    node = rig.start()
+    time.sleep(0.8)
+    before = {pl.key: pl for pl in rig.catalog.iter_volume("slow")}
+    proxy.set_rule(lambda m, p, n: 403 if m == "PUT" else None)
+    t0 = time.monotonic()
+    results = node.mover.run_round()
+    print(f"round with S3 down: {time.monotonic() - t0:.1f} s, {len(proxy.requests)} requests")
+    demotes = [r for r in results if r.item.kind.value == "demote" and r.item.dst_volume == "archive"]
+    assert demotes, [(r.item.kind.value, r.status.value, r.detail) for r in results]
+    failed = [r for r in demotes if r.status.value == "failed"]
+    # the first group tried S3 and failed with its error; the other partition's group was
+    # not tried again in this round (an S3 outage costs one group's retries per round)
+    assert failed and all("Error" in r.detail for r in failed), [(r.status.value, r.detail) for r in demotes]
+    rest = demotes[len(failed):]
+    assert demotes[:len(failed)] == failed
+    assert rest and all(r.status.value == "skipped" and "failed earlier in this round" in r.detail for r in rest), \
+        [(r.status.value, r.detail) for r in rest]
+    assert {pl.key: pl for pl in rig.catalog.iter_volume("slow")} == before
+    assert list(rig.catalog.iter_volume("archive")) == []
+    assert node.mover.counters["moves_failed"] >= len(failed)
+    assert node.mover.counters["moves_skipped"] >= len(rest)
+    time.sleep(0.8)
+    assert rig.mismatches(node) == []
+    rig.read_back()
+    proxy.set_rule(lambda m, p, n: None)
+    t0 = time.monotonic()
+    done = [r for r in node.mover.run_round() if r.status.value == "done" and r.item.dst_volume == "archive"]
+    print(f"round with S3 back: {time.monotonic() - t0:.1f} s")
+    assert done, "no demotion once S3 was back"
+    assert rig.settle(node) == []
     rig.read_back()
