@@ -15,7 +15,10 @@ the catalog holds reads back byte for byte.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -460,3 +463,34 @@ def test_s3_down_mid_demotion_fails_the_items_clearly_and_loses_nothing(rig_fact
     assert done, "no demotion once S3 was back"
     assert rig.settle(node) == []
     rig.read_back()
+
+
+@pytest.mark.parametrize("case", ["bad bucket", "s3 down", "root outside"])
+def test_storage_that_cannot_be_opened_stops_the_advisor_with_one_clear_line(tmp_path: Path, redis_url: str,
+                                                                              case: str) -> None:
+    """Attack 4: settings that validate but name storage that cannot be opened (a bucket
+    name S3 refuses, an S3 endpoint that does not answer, a volume outside
+    ``volume_roots``) stop the cluster advisor at start with ``error: ...`` naming the
+    volume and exit code 2, as a malformed settings file does, not with a traceback."""
+    vols: list[dict[str, Any]] = [{"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 1 << 20,
+                                   "root": str(tmp_path / "fast")}]
+    if case == "root outside":
+        vols[0]["root"] = "/tmp/kvadvisor-outside-" + uuid.uuid4().hex[:6]
+    else:
+        vols.append({"id": "archive", "kind": "s3", "media": "object", "capacity_bytes": 1 << 30,
+                     "endpoint": "http://127.0.0.1:1", "bucket": "b" if case == "bad bucket" else "kv-archive",
+                     "access_key": "k", "secret_key": "SECRET-never-echoed"})
+    conf = {"catalog_prefix": f"kvadvisor:{uuid.uuid4().hex[:8]}:catalog", "volumes": vols, "fast_volume": "fast",
+            "volume_roots": [str(tmp_path)]}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(conf))
+    r = subprocess.run([sys.executable, "-m", "advisor.cluster", "--nats", "nats://127.0.0.1:1", "--redis", redis_url,
+                        "--id", "a", "--storage", str(f)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    expect = {"bad bucket": "not a valid S3 bucket name", "s3 down": "unreachable",
+              "root outside": "allowed"}[case]
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and expect in r.stderr, r.stderr[-2000:]
+    assert "SECRET-never-echoed" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and expect in last, last
