@@ -379,10 +379,11 @@ class ClusterNode:
             return
         if self.mover is not None:
             token = self.keeper.token(p) if self.keeper is not None else None
+            epoch = self.keeper.epoch(p) if self.keeper is not None else None
             try:
                 if token is None:
                     raise RuntimeError("the lease is gone already")
-                self.mover.take(rep, token)
+                self.mover.take(rep, token, epoch or 0)
             except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves
                 rep.fenced = True
                 logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves: %s",

@@ -18,7 +18,9 @@ and mover as the embedded advisor (``advisor.policies.plan_all``, :class:`~advis
   without talking to each other.
 * **Fencing.**  On taking partition ``p`` the advisor raises the catalog fence
   ``<namespace>.p<p>`` to its lease token (the JetStream KV revision of its lease,
-  :meth:`advisor.leases.LeaseKeeper.token`), and every catalog commit it makes for ``p``
+  :meth:`advisor.leases.LeaseKeeper.token`, with the bucket's incarnation as the fence's
+  epoch, so a lease bucket created again does not leave every owner fenced off), and
+  every catalog commit it makes for ``p``
   carries that token (:class:`storage_backends.Fence`, checked in the same Lua script as the
   compare-and-set).  A former owner that has not noticed it lost the lease (paused, cut
   off) is refused by the catalog from then on, so two advisors never both move blocks of
@@ -198,17 +200,18 @@ class ClusterMover:
         """The catalog fence of ``partition``: ``"<namespace>.p<partition>"``."""
         return f"{self.node.settings.namespace}.p{partition}"
 
-    def take(self, rep: _Replica, token: int) -> None:
-        """Fence a newly taken partition: raise its catalog fence to ``token`` (the lease's
-        revision).  A replica whose fence is already higher (a newer owner exists) makes
-        no moves."""
+    def take(self, rep: _Replica, token: int, epoch: int = 0) -> None:
+        """Fence a newly taken partition: raise its catalog fence to ``(epoch, token)`` (the
+        lease bucket's incarnation and the lease's revision).  A replica whose fence is
+        already higher (a newer owner exists) makes no moves."""
         from storage_backends import Fence
 
-        rep.fence = Fence(self.fence_name(rep.partition), token)
+        rep.fence = Fence(self.fence_name(rep.partition), token, epoch)
         stored = self.catalog.raise_fence(rep.fence)
         rep.fenced = stored > token
         if rep.fenced:
-            logger.warning("partition %d: fence at %d above this lease's %d; no moves", rep.partition, stored, token)
+            logger.warning("partition %d: fence at %d above this lease's %d (epoch %d); no moves", rep.partition,
+                           stored, token, epoch)
 
     def _mine(self, rep: _Replica, h: int, volume: str | None = None) -> bool:
         """Whether ``h`` is a block of ``rep``'s partition to act on (module docstring); with

@@ -35,7 +35,7 @@ from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.schema import remove, store
 from event_plane.urls import make_publisher
-from storage_backends import BlockKey, RedisCatalog, StorageAgent
+from storage_backends import BlockKey, Fence, RedisCatalog, StorageAgent
 
 BLK = 16 << 10
 KEY_NS = "m0"
@@ -113,7 +113,7 @@ class Rig:
             namespace=self.ns, lease_ttl_s=3.0, heartbeat_s=0.5, snapshot_interval_s=3600.0), self.storage).start()
         self.nodes.append(node)
         assert wait_until(lambda: len(node.serving()) == self.scheme.partitions
-                          and all(r.repaired for r in node.serving().values()), 30), node.status()
+                          and all(r.repaired or r.fenced for r in node.serving().values()), 30), node.status()
         return node
 
     def stop(self, node: ClusterNode) -> None:
@@ -494,3 +494,51 @@ def test_storage_that_cannot_be_opened_stops_the_advisor_with_one_clear_line(tmp
     assert "SECRET-never-echoed" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and expect in last, last
+
+
+def test_a_recreated_lease_bucket_does_not_fence_off_every_new_owner(rig_factory: Any) -> None:
+    """Attack 5: the JetStream data is lost (a new NATS cluster, the lease bucket deleted),
+    the Redis catalog, the storage's truth, is kept.  The fences in the catalog hold the old
+    bucket's revisions; a new owner's lease revision is small again, and would be refused
+    until the new bucket's revisions pass the old ones, unless the fence's epoch (the
+    bucket's creation time) ranks the new bucket above."""
+    import asyncio
+
+    import nats
+
+    rig = rig_factory(partitions=2)
+    chains = [_chain(3, 60 + i) for i in range(3)]
+    for c in chains:
+        rig.offload(c)
+
+    async def churn_then(delete: bool) -> None:
+        nc = await nats.connect(rig.js_url)
+        js = nc.jetstream()
+        if delete:
+            await js.delete_key_value("KVADVISOR_LEASES")
+        else:  # a bucket that has lived a while: revisions in the hundreds
+            from nats.js.api import KeyValueConfig
+
+            kv = await js.create_key_value(KeyValueConfig(bucket="KVADVISOR_LEASES", history=1, ttl=3.0))
+            for i in range(200):
+                await kv.put("churn", str(i).encode())
+        await nc.close()
+
+    asyncio.run(churn_then(delete=False))
+    a0 = rig.start("a0")
+    assert a0.keeper is not None and min(a0.keeper.token(p) or 0 for p in range(2)) > 200
+    old_epoch = a0.keeper.epoch(0)
+    assert old_epoch, "the server did not report the bucket's creation time"
+    rig.stop(a0)
+    time.sleep(3.5)  # its leases and membership are gone
+    asyncio.run(churn_then(delete=True))  # the lease bucket is lost; the catalog is kept
+    b0 = rig.start("b0")
+    assert b0.keeper is not None and max(b0.keeper.token(p) or 0 for p in range(2)) < 200
+    time.sleep(0.8)
+    done = [r for r in b0.mover.run_round() if r.status.value == "done"]
+    assert done, f"no move: partitions fenced {[r.fenced for r in b0.serving().values()]}"
+    # and the former bucket's owner, were it still running, is fenced off by b0's fences
+    a0_fence = Fence(b0.mover.fence_name(0), 10_000, old_epoch)
+    assert rig.catalog.raise_fence(a0_fence) > a0_fence.token
+    assert rig.settle(b0) == []
+    rig.read_back()
