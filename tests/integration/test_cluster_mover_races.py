@@ -480,13 +480,18 @@ def test_storage_that_cannot_be_opened_stops_the_advisor_with_one_clear_line(tmp
         vols.append({"id": "archive", "kind": "s3", "media": "object", "capacity_bytes": 1 << 30,
                      "endpoint": "http://127.0.0.1:1", "bucket": "b" if case == "bad bucket" else "kv-archive",
                      "access_key": "k", "secret_key": "SECRET-never-echoed"})
-    conf = {"catalog_prefix": f"kvadvisor:{uuid.uuid4().hex[:8]}:catalog", "volumes": vols, "fast_volume": "fast",
-            "volume_roots": [str(tmp_path)]}
+    prefix = f"kvadvisor:start-{uuid.uuid4().hex[:8]}:catalog"
+    conf = {"catalog_prefix": prefix, "volumes": vols, "fast_volume": "fast", "volume_roots": [str(tmp_path)]}
     f = tmp_path / "s.json"
     f.write_text(json.dumps(conf))
-    r = subprocess.run([sys.executable, "-m", "advisor.cluster", "--nats", "nats://127.0.0.1:1", "--redis", redis_url,
-                        "--id", "a", "--storage", str(f)], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[2])
+    try:
+        r = subprocess.run([sys.executable, "-m", "advisor.cluster", "--nats", "nats://127.0.0.1:1", "--redis",
+                            redis_url, "--id", "a", "--storage", str(f)], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[2])
+    finally:
+        cat = RedisCatalog(redis_url, prefix=prefix)
+        cat.destroy()
+        cat.close()
     expect = {"bad bucket": "not a valid S3 bucket name", "s3 down": "unreachable",
               "root outside": "allowed"}[case]
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
