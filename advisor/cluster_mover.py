@@ -413,7 +413,7 @@ class ClusterMover:
                 mover = Mover(self.agent, self._publishers()[p], sorted(nss) or ["default"], self._block_info(rep),
                               self._key_factory(), fence=rep.fence,
                               metadata={"mover": self.node.settings.advisor_id, "fence": rep.fence.token},
-                              publish_to=self._route(rep, trunk))
+                              publish_to=self._route(rep, trunk), abort=self._abort(rep))
                 try:
                     results = mover.execute_many(plan.items, failed_routes)
                 finally:
@@ -430,6 +430,19 @@ class ClusterMover:
                 out.extend(results)
             self.counters["rounds"] += 1
             return out
+
+    def _abort(self, rep: _Replica) -> Any:
+        """``Mover``'s ``abort``: the partition was released (rebalance, stop, lost) or its
+        lease is past its local expiry (a process paused mid-round wakes up): no more moves."""
+        keeper = self.node.keeper
+
+        def why() -> str | None:
+            if rep.stop_flag.is_set():
+                return "partition released: no more moves in this round"
+            if keeper is not None and rep.partition not in keeper.owned():
+                return "partition lease past its local expiry: no more moves in this round"
+            return None
+        return why
 
     @staticmethod
     def _key_factory() -> Any:

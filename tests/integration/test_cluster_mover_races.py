@@ -547,3 +547,36 @@ def test_a_recreated_lease_bucket_does_not_fence_off_every_new_owner(rig_factory
     assert rig.catalog.raise_fence(a0_fence) > a0_fence.token
     assert rig.settle(b0) == []
     rig.read_back()
+
+
+def test_a_partition_released_mid_round_makes_no_more_moves(rig_factory: Any) -> None:
+    """Attack 5: the lease keeper releases a partition (rebalance, loss) while the mover's
+    round is moving its blocks.  The leases promise that a released partition is no longer
+    used once ``on_release`` returned; the round must stop moving its blocks at the next
+    commit (the fence alone only stops it once the next owner raised it)."""
+    rig = rig_factory(partitions=1)
+    chains = [_chain(3, 80 + i) for i in range(4)]
+    for c in chains:
+        rig.offload(c)
+    node = rig.start()
+    real_commit = node.mover.agent.commit_move
+    commits: list[int] = []
+
+    def commit(old: Any, new: Any, fence: Any = None) -> Any:
+        commits.append(old.key.sequence_hash)
+        if len(commits) == 1:
+            node._release(0, "rebalance")  # what the keeper's on_release does
+        return real_commit(old, new, fence)
+
+    node.mover.agent.commit_move = commit  # type: ignore[method-assign]
+    time.sleep(0.8)
+    results = node.mover.run_round()
+    assert len(results) > 2, [(r.item.kind.value, r.status.value) for r in results]
+    assert len(commits) == 1, f"{len(commits)} commits after the partition was released"
+    assert [r.status.value for r in results].count("done") == 1
+    rest = [r for r in results if r.status.value != "done"]
+    assert all(r.status.value == "skipped" and "released" in r.detail for r in rest), \
+        [(r.status.value, r.detail) for r in rest]
+    fast = {s.volume_id: s for s in rig.agent.stats()}["fast"]
+    assert fast.blocks == 1 and fast.live_bytes == BLK, "copies of the skipped moves are still live"
+    rig.read_back()
