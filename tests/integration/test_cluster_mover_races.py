@@ -580,3 +580,36 @@ def test_a_partition_released_mid_round_makes_no_more_moves(rig_factory: Any) ->
     fast = {s.volume_id: s for s in rig.agent.stats()}["fast"]
     assert fast.blocks == 1 and fast.live_bytes == BLK, "copies of the skipped moves are still live"
     rig.read_back()
+
+
+def test_stop_during_a_round_ends_it_after_the_partition_in_progress(rig_factory: Any) -> None:
+    """Attack 5: ``ClusterNode.stop()`` while a round is moving partition 0's blocks.  Stop
+    waits for the round (no move after the leases go), and the round starts no further
+    partition once stop was asked; the advisor then stops, and what it committed is
+    announced (index == catalog after the next owner's take-over)."""
+    rig = rig_factory(partitions=2)
+    chains = [_chain(3, 90 + i) for i in range(6)]
+    for c in chains:
+        rig.offload(c)
+    node = rig.start()
+    real_commit = node.mover.agent.commit_move
+    fences: list[str] = []
+    stopping = threading.Event()
+
+    def commit(old: Any, new: Any, fence: Any = None) -> Any:
+        fences.append(fence.name)
+        if len(fences) == 1:
+            threading.Thread(target=lambda: (stopping.set(), rig.stop(node)), daemon=True).start()
+            assert wait_until(node._stop.is_set, 10)
+        return real_commit(old, new, fence)
+
+    node.mover.agent.commit_move = commit  # type: ignore[method-assign]
+    time.sleep(0.8)
+    node.mover.run_round()
+    assert stopping.is_set()
+    assert wait_until(lambda: node not in rig.nodes, 60), "stop did not finish after the round"
+    assert set(fences) == {node.mover.fence_name(0)}, f"partitions moved after stop was asked: {sorted(set(fences))}"
+    b0 = rig.start("b0")
+    time.sleep(0.8)
+    assert rig.mismatches(b0) == []
+    rig.read_back()
