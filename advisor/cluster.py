@@ -175,6 +175,7 @@ class _Replica:
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
         self.repaired = False  # the mover compared the catalog with this index
+        self.suspects: set[tuple[str, int, str]] = set()  # differences the last periodic repair saw
         self.applied = 0
         self.errors = 0
         self.read = 0
@@ -272,7 +273,10 @@ class ClusterNode:
     """An advisor of a cluster: leases, partition replicas, query answers, snapshots.
 
     Raises (from :meth:`start`): LeaseError, JetStreamLogError, SnapshotError when NATS,
-    the stream or Redis cannot be used.
+    the stream or Redis cannot be used; StorageError (``storage_backends``) when the
+    storage settings name a catalog or volume that cannot be opened (an S3 endpoint that
+    does not answer, a bucket name S3 refuses, a root outside ``volume_roots``): nothing
+    is left open then.
     """
 
     def __init__(self, settings: ClusterSettings, storage: Any = None) -> None:
@@ -300,7 +304,12 @@ class ClusterNode:
         if self.storage is not None:
             from advisor.cluster_mover import ClusterMover
 
-            self.mover = ClusterMover(self, self.storage)
+            try:
+                self.mover = ClusterMover(self, self.storage)
+            except BaseException:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(5)
+                raise
         self._nc = self._call(connect_nats(s.nats_url, 5.0, dict(s.connect_options)), 15)
         self.keeper = LeaseKeeper(s.nats_url, s.advisor_id, s.lease_settings(), on_acquire=self._acquire,
                                   on_release=self._release, connect_options=dict(s.connect_options))
@@ -373,10 +382,11 @@ class ClusterNode:
             return
         if self.mover is not None:
             token = self.keeper.token(p) if self.keeper is not None else None
+            epoch = self.keeper.epoch(p) if self.keeper is not None else None
             try:
                 if token is None:
                     raise RuntimeError("the lease is gone already")
-                self.mover.take(rep, token)
+                self.mover.take(rep, token, epoch or 0)
             except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves
                 rep.fenced = True
                 logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves: %s",
@@ -627,7 +637,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(advisor.cluster_expiry); 0: never")
     ap.add_argument("--storage", default=None,
                     help="JSON storage settings (advisor.cluster_mover.ClusterStorageSettings): run the mover "
-                         "(policy rounds on the owned partitions, fenced commits in the Redis catalog)")
+                         "(policy rounds on the owned partitions, fenced commits in the Redis catalog); a file that "
+                         "does not validate, or names storage that cannot be opened, stops the advisor at start "
+                         "(exit code 2, one 'error:' line)")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="serve Prometheus /metrics on this port (advisor.cluster_metrics); off when not given")
     ap.add_argument("--metrics-host", default="127.0.0.1",
@@ -646,11 +658,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SettingsError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    node = ClusterNode(ClusterSettings(
-        nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
-        scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
-        heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval,
-        source_ttl_s=a.source_ttl), storage).start()
+    from storage_backends import StorageError
+
+    try:
+        node = ClusterNode(ClusterSettings(
+            nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
+            scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
+            heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval,
+            source_ttl_s=a.source_ttl), storage).start()
+    except StorageError as exc:  # storage that validates but cannot be opened: one line, as a bad file
+        print(f"error: cluster storage {a.storage}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     metrics_url = None
     if a.metrics_port is not None:
         from advisor.cluster_metrics import serve_cluster_metrics

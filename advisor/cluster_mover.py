@@ -9,13 +9,18 @@ and mover as the embedded advisor (``advisor.policies.plan_all``, :class:`~advis
 * **Which blocks.**  A partition's mover acts only on the blocks of that partition: those
   its index holds, a trunk block (depth below the scheme's ``trunk_depth``; every partition
   holds it) only in partition ``sequence_hash % P``.  A block no owned index knows is left
-  alone.  A compaction is done by the owner of partition ``segment_id % P``.
+  alone.  The policies get this rule as ``PolicyInput.movable`` (promotions and swaps pick
+  their candidates from the index, where every partition sees the trunk), and every plan
+  item is checked against it again: otherwise two partitions would move one trunk block,
+  each under its own fence, which then orders nothing between them.  A compaction is done by the owner of partition ``segment_id % P``.
 * **Capacity shares.**  Each partition plans against ``1/P`` of every volume's capacity and
   the bytes its own blocks take there, so P movers together keep the fill watermarks
   without talking to each other.
 * **Fencing.**  On taking partition ``p`` the advisor raises the catalog fence
   ``<namespace>.p<p>`` to its lease token (the JetStream KV revision of its lease,
-  :meth:`advisor.leases.LeaseKeeper.token`), and every catalog commit it makes for ``p``
+  :meth:`advisor.leases.LeaseKeeper.token`, with the bucket's incarnation as the fence's
+  epoch, so a lease bucket created again does not leave every owner fenced off), and
+  every catalog commit it makes for ``p``
   carries that token (:class:`storage_backends.Fence`, checked in the same Lua script as the
   compare-and-set).  A former owner that has not noticed it lost the lease (paused, cut
   off) is refused by the catalog from then on, so two advisors never both move blocks of
@@ -25,9 +30,16 @@ and mover as the embedded advisor (``advisor.policies.plan_all``, :class:`~advis
   partition's for a trunk block) under the source ``<advisor id>-mover``, with the
   metadata ``mover`` (advisor id), ``fence`` (token) and ``catalog_version``.
 * **Repair.**  Once a taken partition is rebuilt, its mover compares the catalog with the
-  index for the partition's blocks and publishes what a crash between commit and publish
-  left out (a Store where the catalog holds a block the index does not place there, a
-  Remove for the reverse), as the embedded advisor's ``reconcile`` does at start.
+  index for every block the partition's index knows (trunk blocks included) and publishes,
+  to that partition, what a crash between commit and publish left out (a Store, marked
+  ``reconciled``: never an access, where the catalog holds a block the index does not place
+  there; a Remove where the index places a block on a volume that holds it under no key
+  namespace), as the embedded advisor's ``reconcile`` does at start.  Every policy round
+  then repairs the differences it saw in the previous round as well (anti-entropy): the
+  catalog is the truth for the volumes, and announcements can still go wrong after a
+  take-over (a paused former owner publishing a commit it made before the fence rose, a
+  worker's delete landing between a move's commit and its publish, a trunk move announced
+  in some partitions only); a difference seen once (events in flight) is left alone.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from advisor.index import PrefixIndex
+from advisor.index import PLACEMENT_KEYS, PrefixIndex
 from advisor.move_guard import MoveGuard
 from advisor.mover import Mover
 from advisor.plan import PlanKind, PlanResult, PlanStatus
@@ -53,7 +65,7 @@ from advisor.settings import SettingsError, VolumeSettings
 from event_plane.config import StreamLimits
 from event_plane.nats_transport import JetStreamPublisher
 from event_plane.partitioned import close_all, partition_namespace
-from event_plane.schema import remove, store
+from event_plane.schema import EventType, remove, store
 
 if TYPE_CHECKING:
     from advisor.cluster import ClusterNode, _Replica
@@ -191,21 +203,21 @@ class ClusterMover:
         """The catalog fence of ``partition``: ``"<namespace>.p<partition>"``."""
         return f"{self.node.settings.namespace}.p{partition}"
 
-    def take(self, rep: _Replica, token: int) -> None:
-        """Fence a newly taken partition: raise its catalog fence to ``token`` (the lease's
-        revision).  A replica whose fence is already higher (a newer owner exists) makes
-        no moves."""
+    def take(self, rep: _Replica, token: int, epoch: int = 0) -> None:
+        """Fence a newly taken partition: raise its catalog fence to ``(epoch, token)`` (the
+        lease bucket's incarnation and the lease's revision).  A replica whose fence is
+        already higher (a newer owner exists) makes no moves."""
         from storage_backends import Fence
 
         kinds = {k.value: 0 for k in PlanKind}
         self.by_partition[rep.partition] = {"done": dict(kinds), "skipped": dict(kinds), "failed": dict(kinds),
                                             "bytes_moved": dict(kinds)}
-
-        rep.fence = Fence(self.fence_name(rep.partition), token)
+        rep.fence = Fence(self.fence_name(rep.partition), token, epoch)
         stored = self.catalog.raise_fence(rep.fence)
         rep.fenced = stored > token
         if rep.fenced:
-            logger.warning("partition %d: fence at %d above this lease's %d; no moves", rep.partition, stored, token)
+            logger.warning("partition %d: fence at %d above this lease's %d (epoch %d); no moves", rep.partition,
+                           stored, token, epoch)
 
     def _mine(self, rep: _Replica, h: int, volume: str | None = None) -> bool:
         """Whether ``h`` is a block of ``rep``'s partition to act on (module docstring); with
@@ -239,9 +251,34 @@ class ClusterMover:
         return publish_to
 
     # ------------------------------------------------------------------ repair
-    def repair(self, rep: _Replica) -> int:
-        """Publish the events a crash between commit and publish left out, for the blocks
-        of ``rep``'s partition on the managed volumes (module docstring).
+    def _catalog_view(self) -> dict[str, list[Any]]:
+        """Every placement on each managed volume, whatever its key namespace."""
+        return {vol: list(self.catalog.iter_volume(vol)) for vol in self.storage.managed_volumes()}
+
+    def repair(self, rep: _Replica, view: dict[str, list[Any]] | None = None, confirm: bool = False) -> int:
+        """Bring ``rep``'s index to the catalog on the managed volumes (module docstring).
+
+        Every block the partition's index knows is compared, trunk blocks included whatever
+        their home partition (a trunk move announced in some partitions only, an advisor
+        having died between their publishes, is repaired in each), and the events go to
+        this partition only:
+
+        * a Store (metadata ``reconciled``: a placement fact, never an access) where the
+          catalog holds the block on a volume (under a managed key namespace) and the index
+          does not place it there;
+        * a Remove where the index places the block on a volume and the catalog holds it
+          there under no key namespace at all (a block of an unmanaged namespace is not
+          the mover's to move, but it is on the volume), read again just before.
+
+        ``confirm``: act only on the differences that the previous ``confirm`` call of this
+        replica saw as well (policy rounds run it every round: events still in flight, a
+        worker's Store after its put, a move announced just now, are never "repaired";
+        a difference that stays, a late or lost announcement, a worker's delete landing
+        between a move's commit and its publish, is repaired on the next round).
+
+        Args:
+            view: the catalog's placements per managed volume, read once for a round
+                (``None``: read now).
 
         Returns:
             events published.
@@ -249,44 +286,50 @@ class ClusterMover:
         from storage_backends import BlockKey
 
         st = self.storage
-        stores: list[tuple[int, str]] = []
-        removes: list[tuple[int, str]] = []
-        for vol in st.managed_volumes():
-            found = [p.key for p in self.catalog.iter_volume(vol) if st.manages(p.key.namespace)]
-            held = {k.sequence_hash for k in found}
-            nss = {k.namespace for k in found} | {ns for ns in st.key_namespaces if ns != "*"}
+        view = self._catalog_view() if view is None else view
+        diffs: set[tuple[str, int, str]] = set()
+        lengths: dict[tuple[int, str], int] = {}
+        nss = sorted({p.key.namespace for pls in view.values() for p in pls}
+                     | {ns for ns in st.key_namespaces if ns != "*"})
+        for vol, pls in view.items():
+            managed = {p.key.sequence_hash for p in pls if st.manages(p.key.namespace)}
+            held = {p.key.sequence_hash for p in pls}
+            for p in pls:
+                lengths[(p.key.sequence_hash, vol)] = p.length
             with rep.lock:
-                placed = {h for h in rep.index.blocks_at(vol) if self._mine(rep, h)}
-                stores += [(h, vol) for h in held - placed if self._mine(rep, h)]
+                placed = rep.index.blocks_at(vol)
+                diffs |= {("store", h, vol) for h in managed - placed if rep.index.block(h) is not None}
             gone = sorted(placed - held)
             if gone:  # read again: a put may have landed meanwhile
-                keys = [BlockKey(ns, h) for h in gone for ns in sorted(nss)]
+                keys = [BlockKey(ns, h) for h in gone for ns in nss]
                 now = {p.key.sequence_hash for p in self.catalog.get_many(keys) if p is not None and p.volume_id == vol}
-                removes += [(h, vol) for h in gone if h not in now]
-        n = 0
+                diffs |= {("remove", h, vol) for h in gone if h not in now}
+        todo = sorted(diffs & rep.suspects) if confirm else sorted(diffs)
+        rep.suspects = diffs if confirm else set()
         with rep.lock:
-            trunk = {h for h, _ in stores + removes if self._is_trunk(rep, h)}
-            infos = {h: rep.index.block(h) for h, _ in stores + removes}
-        route = self._route(rep, trunk)
-        used: dict[int, JetStreamPublisher] = {}
-        for (h, vol), make in [(x, store) for x in stores] + [(x, remove) for x in removes]:
+            infos = {h: rep.index.block(h) for _, h, _ in todo}
+        pub = self._publishers()[rep.partition]
+        events = []
+        for kind, h, vol in todo:
             info = infos.get(h)
             if info is None:
                 continue
-            args = (h, info.prefix_hash, info.parent, info.size, vol)
-            ev = make(*args, {"repair": "catalog", "mover": self.node.settings.advisor_id}) if make is store \
-                else make(*args)
-            for pub in route(h):
-                pub.publish([ev])
-                used[id(pub)] = pub
-            n += 1
-        for pub in used.values():
+            if kind == "store":
+                events.append(store(h, info.prefix_hash, info.parent, lengths.get((h, vol), info.size), vol,
+                                    {PLACEMENT_KEYS[1]: True, "repair": "catalog",
+                                     "mover": self.node.settings.advisor_id}))
+            else:
+                events.append(remove(h, info.prefix_hash, info.parent, info.size, vol))
+        if events:
+            pub.publish(events)
             pub.flush()
+        n = len(events)
         self.counters["repairs"] += 1
         self.counters["repair_events"] += n
         if n:
             logger.warning("partition %d: repaired %d index entries from the catalog (%d stores, %d removes)",
-                           rep.partition, n, len(stores), len(removes))
+                           rep.partition, n, sum(e.type == EventType.STORE for e in events),
+                           sum(e.type == EventType.REMOVE for e in events))
         return n
 
     def run_repairs(self) -> int:
@@ -294,17 +337,32 @@ class ClusterMover:
         with self._lock:
             return self._repairs(self.node.serving())
 
-    def _repairs(self, reps: dict[int, _Replica]) -> int:
+    def _repairs(self, reps: dict[int, _Replica], view: dict[str, list[Any]] | None = None,
+                 periodic: bool = False) -> int:
+        """Take-over repairs (at once) of the replicas not repaired yet; with ``periodic``,
+        the confirmed repair (:meth:`repair` ``confirm``) of the others too.  Only
+        partitions this advisor still holds (local lease expiry) and is not fenced off."""
         n = 0
-        for rep in reps.values():
-            if not rep.repaired and not rep.fenced:
-                n += self.repair(rep)
+        owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
+        for p, rep in sorted(reps.items()):
+            if rep.fenced or p not in owned:
+                continue
+            if not rep.repaired:
+                n += self.repair(rep, view)
                 rep.repaired = True
+            elif periodic:
+                n += self.repair(rep, view, confirm=True)
         return n
 
     # ------------------------------------------------------------------ policy rounds
     def run_round(self) -> list[PlanResult]:
         """One policy round over every partition this advisor serves now (repairs first).
+
+        A move route (source, destination) whose copy failed in one partition is not tried
+        again in the others this round (``Mover.execute_many``'s ``failed_routes``: an S3
+        outage costs one group's client retries per round, ~105 s against 503s, not one
+        per partition); once :meth:`ClusterNode.stop` was asked, no further partition
+        starts (it waits for the round).
 
         Returns:
             the results of the executed items, partition by partition.
@@ -313,23 +371,28 @@ class ClusterMover:
             reps = self.node.serving()
             if not reps:
                 return []
-            self._repairs(reps)
-            if self.storage.policy_interval_s <= 0:
-                return []
             st = self.storage
+            view = self._catalog_view()
+            self._repairs(reps, view, periodic=True)
+            if st.policy_interval_s <= 0:
+                return []
             stats = {v.volume_id: v for v in self.agent.stats()}
             managed = st.managed_volumes()
-            placements = {v: [p for p in self.catalog.iter_volume(v) if st.manages(p.key.namespace)] for v in managed}
+            placements = {v: [p for p in view[v] if st.manages(p.key.namespace)] for v in managed}
             nss = {p.key.namespace for pls in placements.values() for p in pls} | \
                 {ns for ns in st.key_namespaces if ns != "*"}
             segments = {v: list(self.agent.segments(v)) for v in managed}
             out: list[PlanResult] = []
             parts = self.scheme.partitions
+            failed_routes: set[tuple[str, str | None]] = set()  # shared by the partitions (Mover.execute_many)
             for p, rep in sorted(reps.items()):
+                if self.node._stop.is_set():  # stop() waits for the round: end it between partitions
+                    break
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
                     continue
-                inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume)
+                inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
+                                  movable=lambda h, rep=rep: self._mine(rep, h))  # type: ignore[misc]
                 with rep.lock:
                     mine = {v: [pl for pl in pls if self._mine(rep, pl.key.sequence_hash, v)]
                             for v, pls in placements.items()}
@@ -342,6 +405,10 @@ class ClusterMover:
                     inp.placements = {v: mine[v] for v in st.slow_volumes}
                     inp.segments = {v: [sg for sg in segs if sg.segment_id % parts == p] for v, segs in segments.items()}
                     proposed = plan_all(st.policy, inp, rep.index)
+                    # every move is of a block of this partition, from where the index places it
+                    # (the policies' own filter is inp.movable; this keeps any policy honest)
+                    proposed = [it for it in proposed if it.sequence_hash is None
+                                or self._mine(rep, it.sequence_hash, it.src_volume)]
                     trunk = {it.sequence_hash for it in proposed
                              if it.sequence_hash is not None and self._is_trunk(rep, it.sequence_hash)}
                 guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,
@@ -352,9 +419,9 @@ class ClusterMover:
                 mover = Mover(self.agent, self._publishers()[p], sorted(nss) or ["default"], self._block_info(rep),
                               self._key_factory(), fence=rep.fence,
                               metadata={"mover": self.node.settings.advisor_id, "fence": rep.fence.token},
-                              publish_to=self._route(rep, trunk))
+                              publish_to=self._route(rep, trunk), abort=self._abort(rep))
                 try:
-                    results = mover.execute_many(plan.items)
+                    results = mover.execute_many(plan.items, failed_routes)
                 finally:
                     self.planner.release(len(plan.items))
                 guard.record(results)
@@ -373,6 +440,19 @@ class ClusterMover:
                 out.extend(results)
             self.counters["rounds"] += 1
             return out
+
+    def _abort(self, rep: _Replica) -> Any:
+        """``Mover``'s ``abort``: the partition was released (rebalance, stop, lost) or its
+        lease is past its local expiry (a process paused mid-round wakes up): no more moves."""
+        keeper = self.node.keeper
+
+        def why() -> str | None:
+            if rep.stop_flag.is_set():
+                return "partition released: no more moves in this round"
+            if keeper is not None and rep.partition not in keeper.owned():
+                return "partition lease past its local expiry: no more moves in this round"
+            return None
+        return why
 
     @staticmethod
     def _key_factory() -> Any:

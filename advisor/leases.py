@@ -119,6 +119,7 @@ class _Lease:
     renewed_at: float  # monotonic, taken before the request that produced ``revision``
     acquired_at: float
     token: int = 0  # the revision the lease was created at (a fencing token: only grows)
+    epoch: int = 0  # the bucket's creation time (µs) when the lease was created: its incarnation
 
 
 @dataclass
@@ -190,6 +191,17 @@ class LeaseKeeper:
         with self._lock:
             lease = self._leases.get(partition)
             return lease.token if lease is not None else None
+
+    def epoch(self, partition: int) -> int | None:
+        """The incarnation of the bucket that issued :meth:`token` (its stream's creation
+        time in microseconds, read when the lease was created; ``0`` when the server does
+        not say), or ``None`` when it does not hold the lease.  A bucket created again
+        (NATS data lost, the bucket deleted) numbers its revisions from 1 again: fences
+        compare ``(epoch, token)`` (``storage_backends.Fence``), so its tokens still rank
+        above the former bucket's."""
+        with self._lock:
+            lease = self._leases.get(partition)
+            return lease.epoch if lease is not None else None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Release every lease (``on_release(p, "stop")`` first), leave, and disconnect."""
@@ -336,8 +348,9 @@ class LeaseKeeper:
             rev = await kv.create(f"part.{p}", self._value())
         except (KeyWrongLastSequenceError, APIError):
             return  # someone else took it first
+        epoch = await _bucket_epoch(kv)
         with self._lock:
-            self._leases[p] = _Lease(rev, t0, t0, rev)
+            self._leases[p] = _Lease(rev, t0, t0, rev, epoch)
         self.counters["acquired"] += 1
         logger.info("lease keeper %s: acquired partition %d", self.advisor_id, p)
         if self.on_acquire is not None:
@@ -390,6 +403,16 @@ class LeaseKeeper:
 
     def _value(self) -> bytes:
         return json.dumps({"owner": self.advisor_id, "since_ns": time.time_ns()}).encode()
+
+
+async def _bucket_epoch(kv: Any) -> int:
+    """The bucket's stream creation time in microseconds (``0`` when not reported)."""
+    try:
+        created = (await kv.status()).stream_info.created
+    except Exception as exc:  # noqa: BLE001 - an epoch of 0 still fences within the bucket
+        logger.warning("lease bucket: cannot read its creation time: %s", exc)
+        return 0
+    return int(created.timestamp() * 1_000_000) if created is not None else 0
 
 
 async def _entries(kv: Any) -> dict[str, bytes]:

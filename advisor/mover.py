@@ -83,6 +83,13 @@ class Mover:
         publish_to: ``publish_to(sequence_hash)`` -> the publishers a move of that block
             is announced on (scaled mode: its partition's, or every partition's for a
             trunk block); ``None`` = ``[publisher]``.
+        abort: ``abort()`` -> why the caller may no longer move these blocks (scaled
+            mode: the partition was released or its lease expired locally), or ``None``;
+            asked before each group, compaction and commit.  Once it answers, the rest of
+            the batch is SKIPPED with that reason and uncommitted copies are released, so
+            a round never outlives the ownership it was planned under by more than the
+            commit in progress (the fence still refuses what a paused process commits
+            after a newer owner raised it).
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class Mover:
         fence: Any = None,
         metadata: dict[str, Any] | None = None,
         publish_to: Callable[[int], Sequence[MoverPublisher]] | None = None,
+        abort: Callable[[], str | None] | None = None,
     ) -> None:
         if not namespaces:
             raise ValueError("the mover needs at least one namespace")
@@ -107,23 +115,42 @@ class Mover:
         self.fence = fence
         self.metadata = dict(metadata or {})
         self.publish_to = publish_to
+        self.abort = abort
         self.counters = MoverCounters()
         self.fenced = False
+        self.aborted: str | None = None
+
+    def _stopped(self) -> str | None:
+        """Why no more item may be carried out (fenced off, or ``abort``'s reason), or ``None``."""
+        if self.fenced:
+            return "fenced off: a newer lease holder acts on this partition"
+        if self.aborted is None and self.abort is not None:
+            self.aborted = self.abort()
+        return self.aborted
 
     def execute(self, item: PlanItem) -> PlanResult:
         """Carry out one item (see :meth:`execute_many`)."""
         return self.execute_many([item])[0]
 
-    def execute_many(self, items: Sequence[PlanItem]) -> list[PlanResult]:
+    def execute_many(self, items: Sequence[PlanItem],
+                     failed_routes: set[tuple[str, str | None]] | None = None) -> list[PlanResult]:
         """Carry out items in order; never raises for storage errors (they become FAILED).
 
         Consecutive moves with the same source and destination are copied together
         (``agent.copy_many``: one new segment for the group), then committed and
         published block by block in item order, with one flush per group.
 
+        Once a group failed as a whole (the copy raised: a volume or its endpoint is down,
+        full, refusing), the later moves with the same source and destination are SKIPPED
+        without being tried: an S3 endpoint that does not answer costs one group's
+        retries per round, not one per group.  ``failed_routes`` holds those
+        ``(source, destination)`` pairs; pass one set to several calls to share it (the
+        cluster mover does, across the partitions of a round); ``None``: this call's own.
+
         Returns:
             One :class:`PlanResult` per item, in item order.
         """
+        failed = set() if failed_routes is None else failed_routes
         results: list[PlanResult] = []
         i = 0
         while i < len(items):
@@ -138,12 +165,18 @@ class Mover:
                        and (items[j].src_volume, items[j].dst_volume) == (item.src_volume, item.dst_volume)):
                     j += 1
                 group = list(items[i:j])
-                try:
-                    res = self._move_group(group)
-                except Exception as exc:  # noqa: BLE001 - a failed group must not stop the round
-                    logger.warning("mover: moving %d blocks %s -> %s failed: %s", len(group), item.src_volume,
-                                   item.dst_volume, exc)
-                    res = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}") for it in group]
+                route = (item.src_volume, item.dst_volume)
+                if route in failed:
+                    res = [PlanResult(it, PlanStatus.SKIPPED, f"moves {item.src_volume} -> {item.dst_volume} "
+                                      "failed earlier in this round; not tried again") for it in group]
+                else:
+                    try:
+                        res = self._move_group(group)
+                    except Exception as exc:  # noqa: BLE001 - a failed group must not stop the round
+                        logger.warning("mover: moving %d blocks %s -> %s failed: %s", len(group), item.src_volume,
+                                       item.dst_volume, exc)
+                        res = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}") for it in group]
+                        failed.add(route)
             elapsed = time.monotonic() - t0
             now = time.time_ns()
             for r in res:
@@ -177,8 +210,9 @@ class Mover:
 
         if item.segment_id is None:
             return PlanResult(item, PlanStatus.FAILED, "compaction item without a segment id")
-        if self.fenced:
-            return PlanResult(item, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
+        why = self._stopped()
+        if why is not None:
+            return PlanResult(item, PlanStatus.SKIPPED, why)
         try:
             moved = (self.agent.compact(item.src_volume, item.segment_id, fence=self.fence) if self.fence is not None
                      else self.agent.compact(item.src_volume, item.segment_id))
@@ -194,9 +228,9 @@ class Mover:
         from storage_backends.types import FencedError, VersionConflictError  # storage is optional for the index
 
         src, dst = group[0].src_volume, group[0].dst_volume
-        if self.fenced:
-            return [PlanResult(it, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
-                    for it in group]
+        why = self._stopped()
+        if why is not None:
+            return [PlanResult(it, PlanStatus.SKIPPED, why) for it in group]
         out: list[PlanResult | None] = [None] * len(group)
         todo: list[tuple[int, Any]] = []  # (index in group, old placement)
         keys: list[Any] = []
@@ -226,9 +260,10 @@ class Mover:
             used: dict[int, MoverPublisher] = {}  # publishers to flush
             for (n, old), new in zip(todo, news):
                 it = group[n]
-                if self.fenced:
+                why = self._stopped()
+                if why is not None:
                     self._discard(new)
-                    out[n] = PlanResult(it, PlanStatus.SKIPPED, "fenced off: a newer lease holder acts on this partition")
+                    out[n] = PlanResult(it, PlanStatus.SKIPPED, why)
                     continue
                 try:
                     committed = (self.agent.commit_move(old, new, fence=self.fence) if self.fence is not None

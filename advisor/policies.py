@@ -170,6 +170,12 @@ class PolicyInput:
         fast_placements: the catalog's placements on the fast volume.
         segments: per volume id, its segments.
         placements: the catalog's placements on each slow volume (demotion to the archive).
+        movable: ``movable(sequence_hash)`` -> whether this planner may move the block
+            (``None``: any).  Promotions and swaps take their candidates from the index,
+            which may hold blocks that another planner moves (scaled mode: a trunk block
+            is in every partition's index, moved by partition ``sequence_hash % P`` only);
+            those are never planned here.  Demotions and compactions work from the
+            placements and segments given, which the caller filters itself.
     """
 
     fast_volume: str | None
@@ -179,6 +185,7 @@ class PolicyInput:
     fast_placements: Sequence[PlacementLike] = ()
     segments: dict[str, Sequence[SegmentLike]] = field(default_factory=dict)
     placements: dict[str, Sequence[PlacementLike]] = field(default_factory=dict)
+    movable: Callable[[int], bool] | None = None
 
 
 def _pct(x: float) -> str:
@@ -303,20 +310,26 @@ def plan_promotions(settings: PromotionSettings, inp: PolicyInput, index: Prefix
         return []
     limit = min(settings.max_fill, high_watermark)
     items: list[PlanItem] = []
+    movable = inp.movable
+
+    def foreign(h: int) -> bool:
+        return movable is not None and not movable(h)
+
     if fast is not None and inp.slow_volumes:
         budget = _fill_budget(inp.usage.get(fast), limit)
-        items += _promote_level(settings, list(inp.slow_volumes), fast, budget, index, score, lambda h: False, limit)
+        items += _promote_level(settings, list(inp.slow_volumes), fast, budget, index, score, foreign, limit)
     if settings.from_archive and inp.archive_volume and inp.slow_volumes:
         slow = inp.slow_volumes[0]
         budget = _fill_budget(inp.usage.get(slow), limit)
 
         def on_faster(h: int) -> bool:
-            return (fast is not None and index.holds(h, fast)) or any(index.holds(h, v) for v in inp.slow_volumes)
+            return ((fast is not None and index.holds(h, fast)) or any(index.holds(h, v) for v in inp.slow_volumes)
+                    or foreign(h))
 
         items += _promote_level(settings, [inp.archive_volume], slow, budget, index, score, on_faster, limit)
     elif settings.from_archive and inp.archive_volume and fast is not None and not inp.slow_volumes:
         budget = _fill_budget(inp.usage.get(fast), limit)
-        items += _promote_level(settings, [inp.archive_volume], fast, budget, index, score, lambda h: False, limit)
+        items += _promote_level(settings, [inp.archive_volume], fast, budget, index, score, foreign, limit)
     return items
 
 
@@ -510,9 +523,10 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
         return []
     cand: list[tuple[float, int, str, int]] = []
     seen: set[int] = set()
+    movable = inp.movable
     for src in inp.slow_volumes:
         for h in index.blocks_at(src):
-            if h in seen or h in busy or index.holds(h, fast):
+            if h in seen or h in busy or index.holds(h, fast) or (movable is not None and not movable(h)):
                 continue
             seen.add(h)
             info = index.block(h)

@@ -585,7 +585,7 @@ class StorageAgent:
                 bytes, any dtype); filled and returned instead of new tensors.
 
         Returns:
-            per key, a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).  New
+            per key (none for no keys), a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).  New
             tensors of blocks a volume reads through a buffer (S3 blocks under 4 MiB) are
             views of one buffer per read when they fill at least half of it (no copy; the
             buffer lives as long as any of them); pass ``out`` to own the memory.
@@ -607,6 +607,8 @@ class StorageAgent:
         keys = list(keys)
         if out is not None and len(out) != len(keys):
             raise InvalidRequestError(f"{len(out)} out tensors for {len(keys)} keys")
+        if not keys:
+            return []
         placements = self.catalog.get_many(keys)
         if not all(placements):  # a Placement is always true
             for k, p in zip(keys, placements):

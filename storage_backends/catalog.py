@@ -55,8 +55,8 @@ class PlacementCatalog(ABC):
         The stored entry must have ``expected.version`` and ``expected``'s volume and
         segment.  ``new`` is stored with version ``expected.version + 1`` and returned.
         With a ``fence`` (:class:`~storage_backends.types.Fence`), the change is made only
-        if no higher token was seen for ``fence.name``, and the stored token is raised to
-        ``fence.token``, in the same atomic step.
+        if no higher ``(epoch, token)`` was seen for ``fence.name``, and the stored one is
+        raised to the fence's, in the same atomic step.
 
         Raises:
             FencedError: a higher token was seen for ``fence.name`` (nothing changed).
@@ -67,11 +67,12 @@ class PlacementCatalog(ABC):
 
     @abstractmethod
     def raise_fence(self, fence: Fence) -> int:
-        """Raise the stored token of ``fence.name`` to ``fence.token`` (never lowers it).
+        """Raise the stored ``(epoch, token)`` of ``fence.name`` to the fence's (never lowers it).
 
         Returns:
             the stored token afterwards: ``fence.token`` when the caller holds the newest
-            lease, a higher value when a newer holder has raised it already.
+            lease, a higher value when a newer holder has raised it already (of the same
+            epoch; ``FENCE_NEWER_EPOCH``, above every token, when the stored epoch is higher).
         """
 
     @abstractmethod

@@ -117,14 +117,30 @@ end
 return out
 """
 
-# ARGV: B, kid, exp_ver, exp_vol, exp_seg, vol, seg, off, len, ck, fence name ('' = none), token
-_CAS = _LUA_LIB + r"""
+# A fence value is "<token>" (epoch 0) or "<epoch>:<token>"; fences compare by (epoch, token).
+_FENCE_LIB = r"""
+local function fence_get(fk)
+  local v = redis.call('GET', fk)
+  if not v then return -1, -1 end
+  local e, t = string.match(v, '^(%d+):(%d+)$')
+  if e then return tonumber(e), tonumber(t) end
+  return 0, tonumber(v)
+end
+local function fence_put(fk, e, t)
+  if e == 0 then redis.call('SET', fk, string.format('%d', t))
+  else redis.call('SET', fk, string.format('%d:%d', e, t)) end
+end
+"""
+
+# ARGV: B, kid, exp_ver, exp_vol, exp_seg, vol, seg, off, len, ck, fence name ('' = none), token, epoch
+_CAS = _LUA_LIB + _FENCE_LIB + r"""
 local kid = ARGV[2]
 if ARGV[11] ~= '' then
   local fk = B .. 'fence:' .. ARGV[11]
-  local cur_tok = tonumber(redis.call('GET', fk) or '-1')
-  if cur_tok > tonumber(ARGV[12]) then return {'FENCED', string.format('%d', cur_tok)} end
-  if cur_tok < tonumber(ARGV[12]) then redis.call('SET', fk, ARGV[12]) end
+  local ce, ct = fence_get(fk)
+  local e, t = tonumber(ARGV[13]), tonumber(ARGV[12])
+  if ce > e or (ce == e and ct > t) then return {'FENCED', string.format('%d:%d', ce, ct)} end
+  if ce < e or ct < t then fence_put(fk, e, t) end
 end
 local cur = redis.call('HGET', B .. 'pl', kid)
 if not cur then return {'GONE', ''} end
@@ -139,12 +155,15 @@ link(kid, ARGV[7], ARGV[8], tonumber(ARGV[9]))
 return {'OK', rec}
 """
 
-# ARGV: B, fence name, token.  Returns the stored token after raising it (never lowered).
-_FENCE = r"""
+# ARGV: B, fence name, token, epoch.  Returns the stored token after raising it (never
+# lowered), or 2**53 when the stored epoch is higher than the caller's.
+_FENCE = _FENCE_LIB + r"""
 local fk = ARGV[1] .. 'fence:' .. ARGV[2]
-local cur_tok = tonumber(redis.call('GET', fk) or '-1')
-if cur_tok < tonumber(ARGV[3]) then redis.call('SET', fk, ARGV[3]); return ARGV[3] end
-return string.format('%d', cur_tok)
+local ce, ct = fence_get(fk)
+local e, t = tonumber(ARGV[4]), tonumber(ARGV[3])
+if ce > e then return '9007199254740992' end
+if ce < e or ct < t then fence_put(fk, e, t); return string.format('%d', t) end
+return string.format('%d', ct)
 """
 
 # ARGV: B, expected_version ('' = any), kid...   Returns per kid the removed record or ''
@@ -374,7 +393,7 @@ class RedisCatalog(PlacementCatalog):
 
     def raise_fence(self, fence: Fence) -> int:
         """See :meth:`PlacementCatalog.raise_fence` (key ``<prefix>:fence:<name>``, one script)."""
-        return int(self._run("fence", fence.name, fence.token))
+        return int(self._run("fence", fence.name, fence.token, fence.epoch))
 
     def compare_and_set(self, expected: Placement, new: Placement, fence: Fence | None = None) -> Placement:
         """See :meth:`PlacementCatalog.compare_and_set` (one script: atomic, fence included)."""
@@ -385,11 +404,13 @@ class RedisCatalog(PlacementCatalog):
             "cas", _kid(expected.key), expected.version, expected.volume_id, expected.segment_id,
             new.volume_id, new.segment_id, new.offset, new.length, new.checksum,
             fence.name if fence is not None else "", fence.token if fence is not None else 0,
+            fence.epoch if fence is not None else 0,
         )
         if status == "FENCED":
             assert fence is not None
-            raise FencedError(f"fence {fence.name!r} is at token {rec}, above this writer's {fence.token}: "
-                              "a newer lease holder acts on it")
+            epoch, _, token = str(rec).partition(":")
+            raise FencedError(f"fence {fence.name!r} is at token {token} (epoch {epoch}), above this writer's "
+                              f"{fence.token} (epoch {fence.epoch}): a newer lease holder acts on it")
         if status == "GONE":
             raise VersionConflictError(f"{expected.key} was deleted (expected version {expected.version})")
         if status == "CONFLICT":

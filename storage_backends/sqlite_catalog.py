@@ -24,6 +24,7 @@ from .catalog import PlacementCatalog
 from .keys import i64_to_u64, u64_to_i64, validate_block_key, validate_block_keys
 from .types import (
     BlockKey,
+    FENCE_NEWER_EPOCH,
     Fence,
     FencedError,
     InvalidRequestError,
@@ -53,7 +54,7 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE INDEX IF NOT EXISTS segments_by_volume ON segments (volume, id);
 CREATE TABLE IF NOT EXISTS volumes (id TEXT PRIMARY KEY, spec TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS fences (name TEXT PRIMARY KEY, token INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS fences (name TEXT PRIMARY KEY, token INTEGER NOT NULL, epoch INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS quarantine (
     ns TEXT NOT NULL, seq INTEGER NOT NULL, volume TEXT NOT NULL, segment INTEGER NOT NULL,
     off INTEGER NOT NULL, len INTEGER NOT NULL, checksum INTEGER NOT NULL,
@@ -176,6 +177,8 @@ class SqliteCatalog(PlacementCatalog):
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
+            if "epoch" not in {r[1] for r in db.execute("PRAGMA table_info(fences)")}:  # a catalog of before epochs
+                db.execute("ALTER TABLE fences ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0")
 
     def _set_wal(self, timeout_s: float) -> None:
         # journal_mode needs a moment without other writers; it is persistent, so only
@@ -400,11 +403,16 @@ class SqliteCatalog(PlacementCatalog):
 
     @staticmethod
     def _fence(db: sqlite3.Connection, fence: Fence) -> int:
-        """Raise ``fence`` inside a write transaction; returns the stored token."""
-        row = db.execute("SELECT token FROM fences WHERE name=?", (fence.name,)).fetchone()
-        if row is not None and int(row[0]) >= fence.token:
-            return int(row[0])
-        db.execute("INSERT OR REPLACE INTO fences (name, token) VALUES (?, ?)", (fence.name, fence.token))
+        """Raise ``fence`` inside a write transaction; returns the stored token
+        (:data:`~storage_backends.types.FENCE_NEWER_EPOCH` when the stored epoch is higher)."""
+        row = db.execute("SELECT epoch, token FROM fences WHERE name=?", (fence.name,)).fetchone()
+        if row is not None:
+            if int(row[0]) > fence.epoch:
+                return FENCE_NEWER_EPOCH
+            if int(row[0]) == fence.epoch and int(row[1]) >= fence.token:
+                return int(row[1])
+        db.execute("INSERT OR REPLACE INTO fences (name, token, epoch) VALUES (?, ?, ?)",
+                   (fence.name, fence.token, fence.epoch))
         return fence.token
 
     def raise_fence(self, fence: Fence) -> int:

@@ -106,20 +106,36 @@ class Fence:
     to do distributed locking" (2016); scaled mode uses the JetStream KV revision at which
     an advisor created its partition lease (revisions only grow), docs/design.md §8.
 
+    Fences compare by ``(epoch, token)``: the epoch names the incarnation of what issues
+    the tokens (scaled mode: the lease bucket's creation time, in microseconds), so the
+    tokens of a lease bucket created again (NATS data lost, the bucket deleted), which
+    start at 1 again, rank above every token of the former bucket instead of being
+    refused until they catch up.
+
     Attributes:
         name: what the token fences (``"<namespace>.p<partition>"`` in scaled mode);
             printable, at most 200 characters.
         token: non-negative integer below 2**53 (exact in Redis' Lua numbers).
+        epoch: non-negative integer below 2**53; ``0`` (the default) for a token source
+            that never starts again.
     """
 
     name: str
     token: int
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 200 or not self.name.isprintable():
             raise InvalidRequestError(f"fence name must be 1-200 printable characters, got {self.name!r}")
         if not isinstance(self.token, int) or not 0 <= self.token < 1 << 53:
             raise InvalidRequestError(f"fence token must be an integer in [0, 2**53), got {self.token!r}")
+        if not isinstance(self.epoch, int) or not 0 <= self.epoch < 1 << 53:
+            raise InvalidRequestError(f"fence epoch must be an integer in [0, 2**53), got {self.epoch!r}")
+
+
+FENCE_NEWER_EPOCH = 1 << 53
+"""What ``PlacementCatalog.raise_fence`` returns when the stored fence has a higher epoch
+than the caller's (above every token)."""
 
 
 class InvalidRequestError(StorageError, ValueError):

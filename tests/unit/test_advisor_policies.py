@@ -188,6 +188,41 @@ def test_planner_rate_limits_and_dedup() -> None:
     assert plan.deferred == 2
 
 
+def test_promotions_and_swaps_plan_only_movable_blocks() -> None:
+    """PolicyInput.movable: a block another planner moves (scaled mode: a trunk block of
+    another partition's, held in every partition's index) is never planned, and takes no
+    promotion budget."""
+    log = Log()
+    log.apply("w0", *chain_events([1, 2, 3], "slow"))
+    for w in ("w1", "w2"):
+        log.apply(w, *chain_events([1, 2, 3], "g1"))
+    full = plan_promotions(PromotionSettings(), inp(fast=VolumeUsage(100_000, 0, 0)), log.idx)
+    assert [i.sequence_hash for i in full] == [1, 2, 3]
+    pin = inp(fast=VolumeUsage(2_500, 0, 0))  # room for two blocks: both go to movable ones
+    pin.movable = lambda h: h != 1
+    items = plan_promotions(PromotionSettings(max_fill=1.0), pin, log.idx)
+    assert [i.sequence_hash for i in items] == [2, 3]
+    # swaps (the case of test_advisor_stable_moves): a full fast volume whose cold leaf would
+    # make room for the hot block 7, which is not ours to move
+    log = Log()
+    log.apply("w0", *chain_events([1], "fast"), *chain_events([2], "fast"))
+    log.apply("w0", *chain_events([7], "slow"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([7], "g1"))
+    st = PolicySettings()
+    st.demotion.scoring = "lru"
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(10 * BS, 7 * BS, 2 * BS)},
+                      fast_placements=placements([1, 2]))
+    assert 7 in {i.sequence_hash for i in plan_all(st, pin, log.idx)}
+    pin.movable = lambda h: h != 7
+    assert 7 not in {i.sequence_hash for i in plan_all(st, pin, log.idx)}
+    pin.usage["fast"] = VolumeUsage(4 * BS, 3 * BS, 2 * BS)  # no room: the cold leaf 1 makes way for 7
+    pin.movable = None
+    assert [(i.sequence_hash, i.reason.startswith("swap")) for i in plan_all(st, pin, log.idx)] == [(1, True)]
+    pin.movable = lambda h: h != 7  # 7 is not ours: no swap for it
+    assert plan_all(st, pin, log.idx) == []
+
+
 def test_plan_all_orders_demote_promote_compact() -> None:
     log = Log()
     log.apply("w0", *chain_events([1], "slow"))

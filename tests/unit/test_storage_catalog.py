@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from storage_backends.types import FENCE_NEWER_EPOCH
 from storage_backends import (
     BlockKey,
     Fence,
@@ -144,6 +145,43 @@ def test_fenced_compare_and_set_refuses_a_stale_lease_holder(cat: PlacementCatal
         Fence("", 1)
     with pytest.raises(InvalidRequestError):
         Fence("x", -1)
+
+
+def test_a_fence_of_a_newer_epoch_outranks_every_token_of_the_former(cat: PlacementCatalog) -> None:
+    """Fences compare by (epoch, token): the tokens of a lease bucket created again start at
+    1, and its epoch (creation time) puts them above the former bucket's, however high;
+    within one epoch the tokens order as before, and an older epoch is refused."""
+    s1, s2, s3 = (cat.new_segment("v", 100) for _ in range(3))
+    k = BlockKey("ns", 12)
+    (old,) = cat.insert_if_absent([_p(k, s1)])
+    assert cat.raise_fence(Fence("ns.p0", 5000)) == 5000  # the former bucket (epoch 0)
+    assert cat.raise_fence(Fence("ns.p0", 3, epoch=1_700_000_000_000_000)) == 3
+    assert cat.raise_fence(Fence("ns.p0", 2, epoch=1_700_000_000_000_000)) == 3
+    assert cat.raise_fence(Fence("ns.p0", 9000)) == FENCE_NEWER_EPOCH  # the former epoch: above its tokens
+    with pytest.raises(FencedError):
+        cat.compare_and_set(old, _p(k, s2), Fence("ns.p0", 9000))
+    moved = cat.compare_and_set(old, _p(k, s2), Fence("ns.p0", 4, epoch=1_700_000_000_000_000))
+    assert moved.segment_id == s2
+    with pytest.raises(FencedError, match="token 4"):
+        cat.compare_and_set(moved, _p(k, s3), Fence("ns.p0", 3, epoch=1_700_000_000_000_000))
+    assert cat.compare_and_set(moved, _p(k, s3), Fence("ns.p0", 1, epoch=1_800_000_000_000_000)).segment_id == s3
+    with pytest.raises(InvalidRequestError):
+        Fence("x", 1, epoch=-1)
+
+
+def test_sqlite_fences_of_a_catalog_without_epochs_read_as_epoch_0(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(str(path))
+    db.execute("CREATE TABLE fences (name TEXT PRIMARY KEY, token INTEGER NOT NULL)")
+    db.execute("INSERT INTO fences VALUES ('ns.p0', 7)")
+    db.commit()
+    db.close()
+    cat = SqliteCatalog(path)
+    try:
+        assert cat.raise_fence(Fence("ns.p0", 3)) == 7
+        assert cat.raise_fence(Fence("ns.p0", 1, epoch=5)) == 1
+    finally:
+        cat.close()
 
 
 def test_delete_with_expected_version(cat: PlacementCatalog) -> None:
