@@ -50,6 +50,8 @@ class JetStreamLog:
             against an existing one (``event_plane.StreamLimits``; ``None`` = defaults).
         keep_subjects: remember each entry's subject until :meth:`subject_of` takes it
             (the origin of a batch: ``kvadvisor.events.<namespace>.<source>``).
+        ack_wait_s: seconds the server waits for an entry's acknowledgement before it
+            delivers the entry again (JetStream ``ack_wait``).
         durable: read through a durable consumer of this name (scaled mode: one per
             partition, so the server tracks what the owner acknowledged) instead of an
             ephemeral one.  The fold state lives in the snapshot, so a start always
@@ -61,6 +63,12 @@ class JetStreamLog:
     When the stream already deleted entries from ``start_seq`` on (its limits), the log
     starts at the stream's first sequence: :attr:`discarded` says how many entries were
     lost (also logged as a warning).
+
+    Entries come out once each, in stream order.  JetStream delivers an entry again when
+    its acknowledgement is lost (a server failing over, a slow network) after ``ack_wait_s``,
+    by then behind newer entries; such a redelivery is acknowledged and dropped
+    (:attr:`redelivered`), since folding an old Store after its Remove would bring a
+    removed block back.
 
     Raises:
         ConfigError: bad namespace or stream limits.
@@ -76,6 +84,7 @@ class JetStreamLog:
         queue_capacity: int = 10_000,
         connect_timeout_s: float = 5.0,
         inactive_threshold_s: float = 60.0,
+        ack_wait_s: float = 30.0,
         stream: StreamLimits | None = None,
         durable: str | None = None,
         keep_subjects: bool = False,
@@ -95,6 +104,9 @@ class JetStreamLog:
         self._connect_timeout_s = connect_timeout_s
         self._connect_options = connect_options
         self._inactive_s = inactive_threshold_s
+        self._ack_wait_s = ack_wait_s
+        self._last_seq = 0  # highest stream sequence handed out
+        self.redelivered = 0  # entries delivered again by the server and dropped
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
         self.subjects: dict[int, str] = {}  # stream seq -> subject, kept only with keep_subjects
         self._closed = threading.Event()
@@ -139,6 +151,7 @@ class JetStreamLog:
             deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.start_seq,
             ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=self._ack_wait_s,
             inactive_threshold=self._inactive_s,
         )
         if self._durable is not None:
@@ -161,7 +174,16 @@ class JetStreamLog:
 
     async def _pull(self, psub: Any) -> None:
         async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
-            item = (int(msg.metadata.sequence.stream), bytes(msg.data))
+            seq = int(msg.metadata.sequence.stream)
+            if seq <= self._last_seq:  # a redelivery (its ack was lost): handed out already
+                self.redelivered += 1
+                if self.redelivered == 1 or self.redelivered % 1000 == 0:
+                    logger.warning("JetStream log: entry %d delivered again after %d; dropped (%d so far)",
+                                   seq, self._last_seq, self.redelivered)
+                await self._ack(msg)
+                continue
+            self._last_seq = seq
+            item = (seq, bytes(msg.data))
             if self._keep_subjects:
                 self.subjects[item[0]] = msg.subject
             while not self._closed.is_set():
@@ -170,7 +192,11 @@ class JetStreamLog:
                     break
                 except queue.Full:
                     await asyncio.sleep(0.005)
-            await msg.ack()
+            await self._ack(msg)
+
+    async def _ack(self, msg: Any) -> None:
+        """Acknowledge one entry (a separate method so a test can lose an acknowledgement)."""
+        await msg.ack()
 
     def last_sequence(self) -> int:
         """The stream's last sequence now (0 when empty)."""

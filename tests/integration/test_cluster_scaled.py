@@ -333,7 +333,7 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
         for p, idx in enumerate(parts):
             for h in idx.hashes():
                 union.add(h)
-                assert h in ref_hashes, (p, h)
+                assert h in ref_hashes, (p, h, idx.block(h), catalog.get(BlockKey(KEY_NS, h)), h in stored)
                 locs = idx.block(h).locations
                 assert {x for x in locs if x not in volumes} == \
                     {x for x in reference.block(h).locations if x not in volumes}, (p, h)
