@@ -192,7 +192,8 @@ class ClusterMover:
         # moves_<status>: plan items by result (a compaction that was not done counts there
         # too); compactions: segments rewritten
         self.counters: dict[str, int] = {"rounds": 0, "moves_done": 0, "moves_skipped": 0, "moves_failed": 0,
-                                         "compactions": 0, "fenced": 0, "repairs": 0, "repair_events": 0}
+                                         "compactions": 0, "fenced": 0, "repairs": 0, "repair_events": 0,
+                                         "announce_failed": 0}
         self.recent: deque[PlanResult] = deque(maxlen=200)
         # per partition, since this advisor took it: {"done"|"skipped"|"failed": {kind: n},
         # "bytes_moved": {kind: bytes}, "events": announcements published}
@@ -425,6 +426,7 @@ class ClusterMover:
                 finally:
                     self.planner.release(len(plan.items))
                 guard.record(results)
+                self.counters["announce_failed"] += mover.announce_failed
                 if mover.fenced:
                     rep.fenced = True
                     self.counters["fenced"] += 1

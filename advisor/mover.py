@@ -117,6 +117,9 @@ class Mover:
         self.publish_to = publish_to
         self.abort = abort
         self.counters = MoverCounters()
+        # moves committed (done) whose Store/Remove could not be published or flushed: the
+        # catalog is right; the index learns it from the next repair or a publisher re-send
+        self.announce_failed = 0
         self.fenced = False
         self.aborted: str | None = None
 
@@ -257,7 +260,7 @@ class Mover:
         if todo:
             assert dst is not None
             news = self.agent.copy_many([old for _, old in todo], dst)  # verified, not committed
-            used: dict[int, MoverPublisher] = {}  # publishers to flush
+            used: dict[int, tuple[MoverPublisher, list[int]]] = {}  # publisher -> (it, items it announced)
             for (n, old), new in zip(todo, news):
                 it = group[n]
                 why = self._stopped()
@@ -288,14 +291,25 @@ class Mover:
                 meta = {MOVE_KEY: src, "reason": it.kind.value, **self.metadata}
                 if self.metadata:
                     meta["catalog_version"] = committed.version
-                for pub in self._publishers(h):
-                    pub.publish([store(h, prefix, parent, size, dst, meta)])
-                    pub.publish([remove(h, prefix, parent, size, src)])
-                    used[id(pub)] = pub
-                out[n] = PlanResult(it, PlanStatus.DONE, f"{src} -> {dst} (catalog version {committed.version})",
-                                    bytes_moved=size, blocks_moved=1)
-            for pub in used.values():
-                pub.flush()
+                detail = f"{src} -> {dst} (catalog version {committed.version})"
+                try:
+                    for pub in self._publishers(h):
+                        pub.publish([store(h, prefix, parent, size, dst, meta)])
+                        pub.publish([remove(h, prefix, parent, size, src)])
+                        used.setdefault(id(pub), (pub, []))[1].append(n)
+                except Exception as exc:  # noqa: BLE001 - committed: the move is done, only its news is late
+                    self.announce_failed += 1
+                    detail += f"; announcing it failed ({type(exc).__name__}: {exc}): the index is repaired " \
+                              "from the catalog"
+                    logger.warning("mover: block %#x moved %s -> %s but not announced: %s", h, src, dst, exc)
+                out[n] = PlanResult(it, PlanStatus.DONE, detail, bytes_moved=size, blocks_moved=1)
+            for pub, members in used.values():
+                try:
+                    pub.flush()
+                except Exception as exc:  # noqa: BLE001 - the moves are committed; the publisher may still deliver
+                    self.announce_failed += len(members)
+                    logger.warning("mover: flushing the announcements of %d moves failed (%s); the index is "
+                                   "repaired from the catalog if they are lost", len(members), exc)
         return [r for r in out if r is not None]
 
     def _publishers(self, h: int) -> Sequence[MoverPublisher]:

@@ -138,3 +138,19 @@ def test_storage_settings_errors_name_the_field(tmp_path: Path) -> None:
                         "redis://127.0.0.1:1/0", "--id", "a", "--storage", str(bad)],
                        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 2 and "archive_volume 'nope' is not one of the volumes" in r.stderr, r.stderr
+
+
+def test_a_committed_move_whose_announcement_fails_stays_done(agent: StorageAgent) -> None:
+    """The catalog changed and the bytes are on the destination: the move is done (not
+    failed), counted as not announced, so the repair puts the index right later."""
+    hs = [0x2000 + i for i in range(3)]
+    agent.put([(BlockKey(NS, h), _data(h)) for h in hs], "slow")
+    pub = make_publisher("null://", "adv-gone-mover")
+    pub.close()  # every publish now raises PublisherClosedError
+    mover = Mover(agent, pub, [NS], lambda h: None, BlockKey, fence=Fence(f"{NS}.p1", 1),
+                  metadata={"mover": "adv-gone", "fence": 1})
+    results = mover.execute_many([PlanItem(PlanKind.PROMOTE, "hot", "slow", "fast", h, NS, bytes=BLK) for h in hs])
+    assert [r.status for r in results] == [PlanStatus.DONE] * len(hs)
+    assert all("announcing it failed" in r.detail for r in results)
+    assert mover.announce_failed == len(hs)
+    assert [p.volume_id for p in agent.locate([BlockKey(NS, h) for h in hs])] == ["fast"] * len(hs)

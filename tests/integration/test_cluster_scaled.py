@@ -292,6 +292,12 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
             assert [whole[w].stats().dropped for w in whole] == [0, 0]
             cluster.wait_ready(30)
             time.sleep(2.0)
+            # the movers go on without new events: give them the rounds to both promote and
+            # demote to the archive (1 s policy interval; bounded)
+            t_end = time.monotonic() + 30
+            while time.monotonic() < t_end and not (any(True for _ in catalog.iter_volume("archive"))
+                                                    and any(True for _ in catalog.iter_volume("fast"))):
+                time.sleep(0.5)
             stop.set()
             asker.join(10)
             assert takeover_s is not None and takeover_s <= 15, f"take-over took {takeover_s} s"
@@ -377,7 +383,10 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
         assert set(final) == {"adv-1", "adv-2"}, final
         for name, counters in final.items():
             announced = sum(1 for by_version in per_block.values() for _tok, who in by_version.values() if who == name)
-            assert counters["moves_done"] == announced, (name, counters, announced)
+            # a move committed while its announcement could not go out (NATS node down) is
+            # done and counted; the index learns it from the repair (checked above)
+            assert counters["moves_done"] - counters["announce_failed"] <= announced <= counters["moves_done"], \
+                (name, counters, announced)
             assert scraped[name] <= counters["moves_done"], (name, scraped[name], counters)
         assert sum(c["moves_done"] for c in final.values()) > 0
         workers_agent.close()
