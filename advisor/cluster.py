@@ -54,6 +54,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
 from advisor.leases import LeaseKeeper, LeaseSettings
+from advisor.partition_fold import PartitionFold
 from advisor.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
 from advisor.source_expiry import EXPIRY_SEQ_BASE
 from event_plane.codec import BatchHead, decode_head
@@ -154,6 +155,7 @@ class _Replica:
         self.snapshots = RedisSnapshotStore(s.redis_url, key_prefix=f"kvadvisor:{s.namespace}:p{partition}")
         loaded = load_latest(self.snapshots)
         self.index = loaded[1] if loaded else PrefixIndex()
+        self.fold = PartitionFold(self.index)  # each batch once (a stream may hold a re-sent one twice)
         self.position = loaded[0].position if loaded else 0
         self.saved_position = self.position
         self.log = JetStreamLog(
@@ -200,8 +202,7 @@ class _Replica:
                         if self.origin_refused == 1 or self.origin_refused % 1000 == 0:
                             logger.warning("partition %d: batch at stream seq %d refused: %s (%d so far)",
                                            self.partition, seq, refused, self.origin_refused)
-                    else:
-                        self.index.apply_payload(payload)
+                    elif self.fold.apply(payload, head):
                         self.applied += 1
                         if head is not None and head.seq < EXPIRY_SEQ_BASE:  # an expiry is no sign of life
                             self.heard[head.source] = time.monotonic()
@@ -230,7 +231,8 @@ class _Replica:
         with self.lock:
             if request.get("op") == "status":
                 moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
-                return {"moves": moves, "position": self.position, "blocks": len(self.index), "applied": self.applied,
+                return {"moves": moves, "duplicates": self.fold.duplicates,
+                        "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
@@ -374,12 +376,14 @@ class ClusterNode:
         return out
 
     # ------------------------------------------------------------------ leases
-    def _acquire(self, p: int) -> None:
+    def _acquire(self, p: int) -> bool:
+        """Serve partition ``p`` (keeper callback); ``False`` hands the lease back."""
         try:
             rep = _Replica(self, p)
-        except Exception as exc:  # noqa: BLE001 - without a replica the lease is useless
-            logger.error("advisor %s: cannot serve partition %d: %s", self.settings.advisor_id, p, exc)
-            return
+        except Exception as exc:  # noqa: BLE001 - without a replica the lease is useless: give it back
+            logger.error("advisor %s: cannot serve partition %d (lease handed back): %s",
+                         self.settings.advisor_id, p, exc)
+            return False
         if self.mover is not None:
             token = self.keeper.token(p) if self.keeper is not None else None
             epoch = self.keeper.epoch(p) if self.keeper is not None else None
@@ -393,8 +397,17 @@ class ClusterNode:
                              self.settings.advisor_id, p, exc)
         with self._lock:
             self.replicas[p] = rep
-        self._subs[p] = self._call(self._nc.subscribe(query_subject(self.settings.namespace, p),
-                                                      cb=self._answerer(p)), 10)
+        try:
+            self._subs[p] = self._call(self._nc.subscribe(query_subject(self.settings.namespace, p),
+                                                          cb=self._answerer(p)), 10)
+        except Exception as exc:  # noqa: BLE001 - nobody could ask it: give the lease back
+            logger.error("advisor %s: cannot answer for partition %d (lease handed back): %s",
+                         self.settings.advisor_id, p, exc)
+            with self._lock:
+                self.replicas.pop(p, None)
+            rep.stop(save=False)
+            return False
+        return True
 
     def _release(self, p: int, reason: str) -> None:
         sub = self._subs.pop(p, None)

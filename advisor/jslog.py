@@ -64,11 +64,15 @@ class JetStreamLog:
     starts at the stream's first sequence: :attr:`discarded` says how many entries were
     lost (also logged as a warning).
 
-    Entries come out once each, in stream order.  JetStream delivers an entry again when
-    its acknowledgement is lost (a server failing over, a slow network) after ``ack_wait_s``,
-    by then behind newer entries; such a redelivery is acknowledged and dropped
-    (:attr:`redelivered`), since folding an old Store after its Remove would bring a
-    removed block back.
+    Entries come out once each, in stream order, none skipped.  JetStream delivers an entry
+    again when its acknowledgement is lost (a server failing over, a slow network) after
+    ``ack_wait_s``, by then behind newer entries; such a redelivery is acknowledged and
+    dropped (:attr:`redelivered`), since folding an old Store after its Remove would bring
+    a removed block back.  Deliveries lost in transit (a fetch answer lost in a fail-over)
+    show as a jump in the consumer's delivery sequence: the log then reads again from the
+    first entry it has not handed out (:attr:`resets`), the way JetStream's ordered
+    consumers recover, instead of going on with the newer entries and getting the lost
+    ones after ``ack_wait_s``, out of order.
 
     Raises:
         ConfigError: bad namespace or stream limits.
@@ -107,6 +111,7 @@ class JetStreamLog:
         self._ack_wait_s = ack_wait_s
         self._last_seq = 0  # highest stream sequence handed out
         self.redelivered = 0  # entries delivered again by the server and dropped
+        self.resets = 0  # times deliveries were lost in transit and the log read again from there
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
         self.subjects: dict[int, str] = {}  # stream seq -> subject, kept only with keep_subjects
         self._closed = threading.Event()
@@ -147,20 +152,7 @@ class JetStreamLog:
         self._nc = await connect_nats(self.url, self._connect_timeout_s, self._connect_options)
         self._js = self._nc.jetstream()
         await ensure_stream(self._js, self.stream_limits, who="advisor JetStream log")
-        config = js_api.ConsumerConfig(
-            deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self.start_seq,
-            ack_policy=js_api.AckPolicy.EXPLICIT,
-            ack_wait=self._ack_wait_s,
-            inactive_threshold=self._inactive_s,
-        )
-        if self._durable is not None:
-            try:
-                await self._js.delete_consumer(STREAM_NAME, self._durable)
-            except NotFoundError:
-                pass
-            config.durable_name = self._durable
-        psub = await self._js.pull_subscribe(self.subject, durable=self._durable, stream=STREAM_NAME, config=config)
+        psub = await self._consumer(self.start_seq)
         self.pending_at_start = int((await psub.consumer_info()).num_pending or 0)
         first = int((await self._js.stream_info(STREAM_NAME)).state.first_seq or 0)
         if first > self.start_seq:
@@ -172,27 +164,73 @@ class JetStreamLog:
             )
         self._task = asyncio.get_running_loop().create_task(self._pull(psub))
 
+    async def _consumer(self, start_seq: int) -> Any:
+        """A pull subscription delivering this namespace from stream sequence ``start_seq``
+        (the durable one is deleted and created again there)."""
+        config = js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            ack_wait=self._ack_wait_s,
+            inactive_threshold=self._inactive_s,
+        )
+        if self._durable is not None:
+            try:
+                await self._js.delete_consumer(STREAM_NAME, self._durable)
+            except NotFoundError:
+                pass
+            config.durable_name = self._durable
+        return await self._js.pull_subscribe(self.subject, durable=self._durable, stream=STREAM_NAME, config=config)
+
     async def _pull(self, psub: Any) -> None:
-        async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
-            seq = int(msg.metadata.sequence.stream)
-            if seq <= self._last_seq:  # a redelivery (its ack was lost): handed out already
-                self.redelivered += 1
-                if self.redelivered == 1 or self.redelivered % 1000 == 0:
-                    logger.warning("JetStream log: entry %d delivered again after %d; dropped (%d so far)",
-                                   seq, self._last_seq, self.redelivered)
+        last_dseq = 0  # the consumer's delivery sequence of the last message taken
+        while not self._closed.is_set():
+            gap = False
+            async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
+                seq, dseq = int(msg.metadata.sequence.stream), int(msg.metadata.sequence.consumer)
+                if last_dseq and dseq != last_dseq + 1 and seq > self._last_seq:
+                    # deliveries were lost in transit (a fetch answer lost in a fail-over): the
+                    # server counts them as delivered and would send them again only after
+                    # ack_wait, behind newer entries.  Read again from the first entry not
+                    # handed out, so entries come out in order and none is skipped.
+                    gap = True
+                    self.resets += 1
+                    logger.warning("JetStream log: deliveries %d..%d lost in transit; reading again from stream "
+                                   "sequence %d", last_dseq + 1, dseq - 1, self._last_seq + 1)
+                    break
+                last_dseq = dseq
+                if seq <= self._last_seq:  # a redelivery (its ack was lost): handed out already
+                    self.redelivered += 1
+                    if self.redelivered == 1 or self.redelivered % 1000 == 0:
+                        logger.warning("JetStream log: entry %d delivered again after %d; dropped (%d so far)",
+                                       seq, self._last_seq, self.redelivered)
+                    await self._ack(msg)
+                    continue
+                self._last_seq = seq
+                item = (seq, bytes(msg.data))
+                if self._keep_subjects:
+                    self.subjects[item[0]] = msg.subject
+                while not self._closed.is_set():
+                    try:
+                        self._queue.put_nowait(item)
+                        break
+                    except queue.Full:
+                        await asyncio.sleep(0.005)
                 await self._ack(msg)
-                continue
-            self._last_seq = seq
-            item = (seq, bytes(msg.data))
-            if self._keep_subjects:
-                self.subjects[item[0]] = msg.subject
+            if not gap:
+                return
             while not self._closed.is_set():
                 try:
-                    self._queue.put_nowait(item)
+                    try:
+                        await psub.unsubscribe()
+                    except Exception:  # noqa: BLE001 - the old subscription may be gone already
+                        pass
+                    psub = await self._consumer(max(self._last_seq + 1, self.start_seq))
+                    last_dseq = 0
                     break
-                except queue.Full:
-                    await asyncio.sleep(0.005)
-            await self._ack(msg)
+                except Exception as exc:  # noqa: BLE001 - a server failing over: try again shortly
+                    logger.warning("JetStream log: cannot read again from %d yet: %s", self._last_seq + 1, exc)
+                    await asyncio.sleep(0.2)
 
     async def _ack(self, msg: Any) -> None:
         """Acknowledge one entry (a separate method so a test can lose an acknowledgement)."""

@@ -34,7 +34,8 @@ a dead one's are taken over after the TTL.  A new member takes nothing during it
 
 Callbacks ``on_acquire(partition)`` and ``on_release(partition, reason)`` run on the
 keeper's thread, one at a time, in order; ``reason`` is ``"rebalance"``, ``"lost"`` (a
-renewal failed or the local expiry passed), or ``"stop"``.
+renewal failed or the local expiry passed), ``"stop"``, or ``"failed"``: ``on_acquire``
+returned ``False`` (it cannot serve the partition), and the lease is handed back at once.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class LeaseKeeper:
     _error: BaseException | None = field(default=None, init=False, repr=False)
     _joined_at: float | None = field(default=None, init=False, repr=False)
     counters: dict[str, int] = field(default_factory=lambda: {
-        "acquired": 0, "released": 0, "lost": 0, "renewals": 0, "errors": 0}, init=False)
+        "acquired": 0, "released": 0, "lost": 0, "renewals": 0, "errors": 0, "refused": 0}, init=False)
 
     def __post_init__(self) -> None:
         if not self.advisor_id or not set(self.advisor_id) <= _ID_CHARS:
@@ -353,8 +354,13 @@ class LeaseKeeper:
             self._leases[p] = _Lease(rev, t0, t0, rev, epoch)
         self.counters["acquired"] += 1
         logger.info("lease keeper %s: acquired partition %d", self.advisor_id, p)
-        if self.on_acquire is not None:
-            self.on_acquire(p)
+        if self.on_acquire is not None and self.on_acquire(p) is False:
+            # the owner could not serve it (e.g. the stream did not answer in time): hand the
+            # lease back at once instead of holding a partition nobody serves; it is taken
+            # again (by anyone) at a later round
+            self.counters["refused"] += 1
+            logger.warning("lease keeper %s: partition %d could not be served; lease released", self.advisor_id, p)
+            await self._release(kv, p, "failed")
 
     async def _release(self, kv: Any, p: int, reason: str) -> None:
         with self._lock:

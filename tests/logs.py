@@ -4,25 +4,28 @@ from __future__ import annotations
 
 from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
+from advisor.partition_fold import PartitionFold
 from event_plane.config import StreamLimits
 
 
 def fold_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1,
              index: PrefixIndex | None = None) -> PrefixIndex:
     """Apply every batch of ``namespace`` from stream sequence ``start_seq`` to what the
-    stream holds now, onto ``index`` (a new one by default); returns the index.
+    stream holds now, onto ``index`` (a new one by default), each batch once
+    (:class:`advisor.partition_fold.PartitionFold`); returns the index.
 
     Raises:
         AssertionError: the log ended before the messages pending at the start were read.
     """
     idx = PrefixIndex() if index is None else index
+    fold = PartitionFold(idx)  # as the advisors fold: each batch once
     log = JetStreamLog(url, namespace, start_seq=start_seq, stream=StreamLimits(replicas=replicas))
     log.start()
     try:
         for _ in range(log.pending_at_start):
             item = log.get(timeout=30)
             assert item is not None, f"{namespace}: the log ended early"
-            idx.apply_payload(item[1])
+            fold.apply(item[1])
     finally:
         log.close()
     return idx

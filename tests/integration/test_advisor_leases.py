@@ -122,6 +122,26 @@ def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> Non
     assert rec.overlaps == []
 
 
+def test_a_partition_its_owner_cannot_serve_is_handed_back_at_once(js_url: str) -> None:
+    """on_acquire returning False (the stream did not answer, say) releases the lease in the
+    same round, so a partition is never held by an advisor that does not serve it."""
+    calls: list[tuple[str, int]] = []
+
+    def acq(p: int) -> bool:
+        calls.append(("acquire", p))
+        return not (p == 0 and calls.count(("acquire", 0)) == 1)  # the first try at 0 fails
+
+    k = LeaseKeeper(js_url, "adv-f", SETTINGS, on_acquire=acq,
+                    on_release=lambda p, why: calls.append((why, p))).start()
+    try:
+        _wait(lambda: k.owned() == frozenset(range(P)), 15, "all partitions served")
+        assert calls.count(("acquire", 0)) == 2 and ("failed", 0) in calls
+        assert calls.index(("failed", 0)) < len(calls) - 1 - calls[::-1].index(("acquire", 0))
+        assert k.counters["refused"] == 1
+    finally:
+        k.stop()
+
+
 _CHILD = textwrap.dedent("""
     import sys, time
     from advisor.leases import LeaseKeeper, LeaseSettings

@@ -43,6 +43,7 @@ import torch
 from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
 from advisor.leases import lease_owners
+from advisor.partition_fold import PartitionFold
 from advisor.snapshot import RedisSnapshotStore, load_latest
 from event_plane.codec import decode_batch
 from event_plane.config import StreamLimits
@@ -95,8 +96,9 @@ def _rebuild(url: str, redis_url: str, ns: str, p: int) -> PrefixIndex:
     loaded = load_latest(snaps)
     snaps.close()
     idx, pos = (loaded[1], loaded[0].position) if loaded else (PrefixIndex(), 0)
+    fold = PartitionFold(idx)  # as the advisors fold: each batch once
     for payload in _log(url, partition_namespace(ns, p), pos + 1):
-        idx.apply_payload(payload)
+        fold.apply(payload)
     return idx
 
 
