@@ -323,21 +323,6 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
             assert takeover_s is not None and takeover_s <= 15, f"take-over took {takeover_s} s"
             assert len(answered) > 50, (len(answered), unavailable[0])
 
-            def _dups(nsx: str) -> int:
-                log = JetStreamLog(cluster.url, nsx, start_seq=1, stream=StreamLimits(replicas=3))
-                log.start()
-                seen, d = set(), 0
-                try:
-                    for _ in range(log.pending_at_start):
-                        _seq, payload = log.get(timeout=30)
-                        b = decode_batch(payload)
-                        key = (b.source, b.epoch, b.seq)
-                        d += key in seen
-                        seen.add(key)
-                finally:
-                    log.close()
-                return d
-            print("DUPS", {x: _dups(x) for x in [f"{ns}-all"] + [partition_namespace(ns, k) for k in range(SCHEME.partitions)]})
             # every answer = that partition's fold at the answer's position
             for p in range(SCHEME.partitions):
                 mine = [(pos, hs) for q, hs, _, pos in answered if q == p]
