@@ -38,6 +38,8 @@ _SAFE_PARAMS = NATS_PARAMS | frozenset({
     "num_layers", "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields",
     # ZMQ CURVE (event_plane.curve): file / directory paths and a public key, no secret itself
     "curve_secret", "curve_clients", "curve_server_key", "allowed_publishers",
+    # the index partitions a publisher routes to (event_plane.partitioned): numbers
+    "partitions", "trunk_depth", "stretch",
 })
 """Query parameters whose values :func:`redact_url` shows; every other value is masked."""
 
