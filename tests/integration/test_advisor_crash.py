@@ -189,8 +189,10 @@ def test_kill9_at_random_points_loses_nothing(tmp_path: Path, local_s3: LocalS3)
         "namespace": NS, "volumes": volumes, "fast_volume": "fast", "slow_volumes": ["slow"],
         "archive_volume": "s3", "subscribe_urls": urls, "api_enabled": False, "policy_interval_s": 0.05,
         "get_timeout_s": 0.05, "snapshot_every_batches": 10, "snapshot_every_s": 0,
-        # min_hits 1: moves start early and keep coming (the stable policy moves a block once)
-        "policy": {"planner": {"max_moves_per_round": 6}, "compaction": {"live_fraction": 0.6},
+        # min_hits 1: moves start early and keep coming (the stable policy moves a block once);
+        # min_move_interval_s 0: a block may move again at once, so moves go on across the
+        # kills (the move guard's memory now survives a restart, which stopped them here)
+        "policy": {"planner": {"max_moves_per_round": 6, "min_move_interval_s": 0}, "compaction": {"live_fraction": 0.6},
                    "promotion": {"min_hits": 1}},
     }
     cfg = tmp_path / "advisor.json"
