@@ -8,6 +8,26 @@ from advisor.partition_fold import PartitionFold
 from event_plane.config import StreamLimits
 
 
+def read_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1) -> list[tuple[int, bytes]]:
+    """Every entry ``(stream sequence, payload)`` of ``namespace`` from ``start_seq`` to what
+    the stream holds now.
+
+    Raises:
+        AssertionError: the log ended before the messages pending at the start were read.
+    """
+    log = JetStreamLog(url, namespace, start_seq=start_seq, stream=StreamLimits(replicas=replicas))
+    log.start()
+    out: list[tuple[int, bytes]] = []
+    try:
+        for _ in range(log.pending_at_start):
+            item = log.get(timeout=30)
+            assert item is not None, f"{namespace}: the log ended early"
+            out.append(item)
+    finally:
+        log.close()
+    return out
+
+
 def fold_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1,
              index: PrefixIndex | None = None) -> PrefixIndex:
     """Apply every batch of ``namespace`` from stream sequence ``start_seq`` to what the
@@ -19,13 +39,6 @@ def fold_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1,
     """
     idx = PrefixIndex() if index is None else index
     fold = PartitionFold(idx)  # as the advisors fold: each batch once
-    log = JetStreamLog(url, namespace, start_seq=start_seq, stream=StreamLimits(replicas=replicas))
-    log.start()
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None, f"{namespace}: the log ended early"
-            fold.apply(item[1])
-    finally:
-        log.close()
+    for _seq, payload in read_log(url, namespace, start_seq=start_seq, replicas=replicas):
+        fold.apply(payload)
     return idx

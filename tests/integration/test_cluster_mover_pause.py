@@ -44,6 +44,7 @@ from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
 from advisor.leases import lease_owners
 from advisor.partition_fold import PartitionFold
+from tests.logs import read_log
 from advisor.snapshot import RedisSnapshotStore, load_latest
 from event_plane.codec import decode_batch
 from event_plane.config import StreamLimits
@@ -78,17 +79,7 @@ def _advisor(url: str, redis_url: str, ns: str, name: str, tmp: Path, storage: P
 
 
 def _log(url: str, ns: str, start: int = 1) -> list[bytes]:
-    log = JetStreamLog(url, ns, start_seq=start, stream=StreamLimits(replicas=1))
-    log.start()
-    out = []
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None, f"{ns}: the log ended early"
-            out.append(item[1])
-    finally:
-        log.close()
-    return out
+    return [payload for _seq, payload in read_log(url, ns, start_seq=start)]
 
 
 def _rebuild(url: str, redis_url: str, ns: str, p: int) -> PrefixIndex:

@@ -53,7 +53,7 @@ from kvadvisor.evaluate import load_trace
 from kvadvisor.localcluster import NatsCluster
 from kvadvisor.trace import bundled_trace
 from storage_backends import BlockKey, LocalS3, RedisCatalog, StorageAgent, VolumeFullError
-from tests.logs import fold_log
+from tests.logs import fold_log, read_log
 
 M64 = (1 << 64) - 1
 SCHEME = PartitionScheme(partitions=8, trunk_depth=1, stretch=8)
@@ -137,36 +137,17 @@ def _fold_partition(url: str, ns: str, upto: list[tuple[int, list[int]]]) -> tup
 
 def _moves(url: str, ns: str) -> list[tuple[int, dict[str, object]]]:
     """Every move announced in one partition's log: ``(sequence hash, Store metadata)``."""
-    log = JetStreamLog(url, ns, start_seq=1, stream=StreamLimits(replicas=3))
-    log.start()
-    out = []
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None
-            for ev in decode_batch(item[1]).events:
-                if ev.extra_metadata and "moved_from" in ev.extra_metadata:
-                    out.append((ev.sequence_hash, dict(ev.extra_metadata)))
-    finally:
-        log.close()
-    return out
+    return [(ev.sequence_hash, dict(ev.extra_metadata)) for _seq, payload in read_log(url, ns, replicas=3)
+            for ev in decode_batch(payload).events if ev.extra_metadata and "moved_from" in ev.extra_metadata]
 
 
 def _trail(url: str, ns: str, h: int) -> list[tuple[int, str, int, str, str]]:
     """The events of block ``h`` in one namespace's log: ``(stream seq, source, batch seq,
     type, location)``, to show in a failure message."""
-    log = JetStreamLog(url, ns, start_seq=1, stream=StreamLimits(replicas=3))
-    log.start()
     out = []
-    try:
-        for _ in range(log.pending_at_start):
-            item = log.get(timeout=30)
-            assert item is not None
-            b = decode_batch(item[1])
-            out += [(item[0], b.source, b.seq, ev.type.name, ev.storage_location) for ev in b.events
-                    if ev.sequence_hash == h]
-    finally:
-        log.close()
+    for seq, payload in read_log(url, ns, replicas=3):
+        b = decode_batch(payload)
+        out += [(seq, b.source, b.seq, ev.type.name, ev.storage_location) for ev in b.events if ev.sequence_hash == h]
     return out
 
 
