@@ -72,7 +72,9 @@ class JetStreamLog:
     show as a jump in the consumer's delivery sequence: the log then reads again from the
     first entry it has not handed out (:attr:`resets`), the way JetStream's ordered
     consumers recover, instead of going on with the newer entries and getting the lost
-    ones after ``ack_wait_s``, out of order.
+    ones after ``ack_wait_s``, out of order.  Every jump counts, a jump onto a redelivery
+    included (a lost acknowledgement and a lost delivery in one fail-over): only the
+    delivery sequence shows that something was missed.
 
     Raises:
         ConfigError: bad namespace or stream limits.
@@ -188,13 +190,18 @@ class JetStreamLog:
             gap = False
             async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
                 seq, dseq = int(msg.metadata.sequence.stream), int(msg.metadata.sequence.consumer)
-                if last_dseq and dseq != last_dseq + 1 and seq > self._last_seq:
+                if last_dseq and dseq != last_dseq + 1:
                     # deliveries were lost in transit (a fetch answer lost in a fail-over): the
                     # server counts them as delivered and would send them again only after
-                    # ack_wait, behind newer entries.  Read again from the first entry not
-                    # handed out, so entries come out in order and none is skipped.
+                    # their own ack_wait, behind newer entries.  Read again from the first
+                    # entry not handed out, so entries come out in order and none is skipped.
+                    # Any jump counts, also one onto a redelivery of an entry handed out
+                    # already: the deliveries missed before it may hold new entries, and the
+                    # next delivery after it would follow on without a jump.
                     gap = True
                     self.resets += 1
+                    if seq <= self._last_seq:
+                        self.redelivered += 1
                     logger.warning("JetStream log: deliveries %d..%d lost in transit; reading again from stream "
                                    "sequence %d", last_dseq + 1, dseq - 1, self._last_seq + 1)
                     break

@@ -12,6 +12,7 @@ from typing import Any
 
 from advisor.index import PrefixIndex
 from advisor.jslog import JetStreamLog
+from event_plane.codec import decode_batch
 from event_plane.schema import remove, store
 from event_plane.urls import make_publisher
 
@@ -112,4 +113,80 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
         log.close()
     assert lost == [seqs[2]]
     assert got == seqs  # none skipped, in order, once each
+    assert log.resets >= 1
+
+
+def test_a_lost_delivery_followed_by_a_redelivery_is_read_again_in_order(js_url: str, monkeypatch: Any) -> None:
+    """A fail-over can lose an acknowledgement and a delivery together.  The next delivery
+    is then the redelivery of the entry whose ack was lost (handed out already), and the
+    deliveries after it follow on without a further jump in delivery sequence: the log must
+    count the jump onto the redelivery as a loss too, or the lost entry is skipped (its own
+    redelivery comes after ack_wait behind a newer entry, and is dropped as old)."""
+    import advisor.jslog as jslog
+
+    ns = "r" + uuid.uuid4().hex[:8]
+    url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"
+
+    def block_of(payload: bytes) -> int:
+        return decode_batch(payload).events[0].sequence_hash
+
+    real = jslog.fetch_forever
+    dropped: list[int] = []
+
+    async def loses_202(psub: Any, *a: Any, **kw: Any) -> Any:
+        async for msg in real(psub, *a, **kw):
+            if block_of(bytes(msg.data)) == 202 and not dropped:
+                dropped.append(int(msg.metadata.sequence.stream))  # sent by the server, never seen here
+                continue
+            yield msg
+
+    monkeypatch.setattr(jslog, "fetch_forever", loses_202)
+    class LosesAckOf200(JetStreamLog):
+        lost = False
+
+        async def _ack(self, msg: Any) -> None:
+            if block_of(bytes(msg.data)) == 200 and not self.lost:
+                self.lost = True
+                return
+            await super()._ack(msg)
+
+    ack_wait = 2.0
+    got: list[int] = []
+    with make_publisher(url, "w0", epoch=5) as pub:
+        pub.publish([store(200, 200, None, 64, "g1")])
+        pub.flush()
+        pub.publish([store(201, 201, None, 64, "g1")])
+        pub.flush()
+        log = LosesAckOf200(js_url, ns, ack_wait_s=ack_wait, batch_size=1, durable=f"d-{ns}")
+        log.start()
+        try:
+            def take(n: int, timeout_s: float) -> None:
+                end = time.monotonic() + timeout_s
+                while len(got) < n and time.monotonic() < end:
+                    item = log.get(timeout=0.1)
+                    if item is not None:
+                        got.append(block_of(item[1]))
+
+            take(2, 10)
+            assert got == [200, 201]
+            time.sleep(ack_wait * 0.4)  # block 202 is delivered well after 200, and lost on the way
+            pub.publish([store(202, 202, None, 64, "g1")])
+            pub.flush()
+            end = time.monotonic() + ack_wait * 3
+            while not dropped and time.monotonic() < end:
+                time.sleep(0.01)
+            assert dropped, "block 202 was never delivered"
+            # block 200's entry comes back first (its ack_wait ends first): a jump onto a redelivery
+            while log.redelivered == 0 and time.monotonic() < end:
+                time.sleep(0.01)
+            assert log.redelivered == 1, "block 200's entry was not delivered again"
+            pub.publish([store(203, 203, None, 64, "g1")])  # delivered before 202's redelivery is due
+            pub.flush()
+            take(4, ack_wait * 2)
+            time.sleep(ack_wait)  # past every ack_wait: nothing more may come out
+            take(5, 0.5)
+        finally:
+            log.close()
+    assert log.lost and log.redelivered >= 1
+    assert got == [200, 201, 202, 203]  # none skipped, in order, once each
     assert log.resets >= 1
