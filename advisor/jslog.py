@@ -52,6 +52,8 @@ class JetStreamLog:
             (the origin of a batch: ``kvadvisor.events.<namespace>.<source>``).
         ack_wait_s: seconds the server waits for an entry's acknowledgement before it
             delivers the entry again (JetStream ``ack_wait``).
+        placement_wait_s: seconds to spend making the consumer again until its server
+            holds a current copy of the stream (``_consumer``).
         durable: read through a durable consumer of this name (scaled mode: one per
             partition, so the server tracks what the owner acknowledged) instead of an
             ephemeral one.  The fold state lives in the snapshot, so a start always
@@ -91,6 +93,7 @@ class JetStreamLog:
         connect_timeout_s: float = 5.0,
         inactive_threshold_s: float = 60.0,
         ack_wait_s: float = 30.0,
+        placement_wait_s: float = 10.0,
         stream: StreamLimits | None = None,
         durable: str | None = None,
         keep_subjects: bool = False,
@@ -114,6 +117,9 @@ class JetStreamLog:
         self._last_seq = 0  # highest stream sequence handed out
         self.redelivered = 0  # entries delivered again by the server and dropped
         self.resets = 0  # times deliveries were lost in transit and the log read again from there
+        self._placement_wait_s = placement_wait_s
+        self.replaced = 0  # consumers made again because their leader was not the stream's
+        self.misplaced = 0  # consumers kept on another server (placement_wait_s ran out)
         self._queue: queue.Queue[tuple[int, bytes]] = queue.Queue(maxsize=queue_capacity)
         self.subjects: dict[int, str] = {}  # stream seq -> subject, kept only with keep_subjects
         self._closed = threading.Event()
@@ -168,7 +174,77 @@ class JetStreamLog:
 
     async def _consumer(self, start_seq: int) -> Any:
         """A pull subscription delivering this namespace from stream sequence ``start_seq``
-        (the durable one is deleted and created again there)."""
+        (the durable one is deleted and created again there), served by a server whose copy
+        of the stream is current.
+
+        A consumer is served from its leader's own copy of the stream.  On a replicated
+        stream that copy may still be catching up (a node just restarted), and nats-server
+        2.9 then hands out what that copy holds and nothing more, without an error: seen
+        here as a reader getting 300 of 3,300 events, every few reads, for seconds after a
+        node restart (``tests/integration/test_jslog_placement.py``).  So the consumer is
+        made again until its leader is the stream's leader (or, durable, a current replica:
+        :meth:`_served_current`), for up to ``placement_wait_s``;
+        after that the log goes on with a warning (counted in :attr:`misplaced`) rather than
+        not at all.  (A stream leader that changes later is a fail-over: the new leader was
+        current when elected.)
+        """
+        deadline = asyncio.get_running_loop().time() + self._placement_wait_s
+        while True:
+            psub = await self._new_consumer(start_seq)
+            if await self._served_current(psub):
+                return psub
+            if asyncio.get_running_loop().time() >= deadline:
+                self.misplaced += 1
+                logger.warning("JetStream log: no consumer on the stream leader within %.1f s; "
+                               "reading from a copy of the stream that may lag", self._placement_wait_s)
+                return psub
+            self.replaced += 1
+            await self._drop_consumer(psub)
+            await asyncio.sleep(0.1)
+
+    async def _served_current(self, psub: Any) -> bool:
+        """Whether ``psub``'s consumer leader is the stream's leader (always true on a single
+        server), or, for a durable consumer, a replica the leader reports current with no
+        lag.  Such a replica may still miss the newest entries (seen here: the last batch),
+        so a reader that must see everything the stream holds now (``pending_at_start``, an
+        ephemeral consumer) takes the leader only."""
+        try:
+            ci = await psub.consumer_info()
+            si = await self._js.stream_info(STREAM_NAME)
+        except Exception:  # noqa: BLE001 - a server failing over: not known to be current
+            return False
+        cluster = si.cluster
+        if cluster is None or not cluster.replicas:
+            return True
+        leader = ci.cluster.leader if ci.cluster is not None else None
+        if leader is None:
+            return False
+        if leader == cluster.leader:
+            return True
+        # a durable consumer (an owner's fold) is made again slowly (a replicated consumer
+        # elects its leader): there a replica reported current with no lag will do, since an
+        # entry it has not applied yet comes later, still in stream order
+        return self._durable is not None and any(
+            r.name == leader and bool(r.current) and not (r.lag or 0) for r in cluster.replicas)
+
+    async def _drop_consumer(self, psub: Any) -> None:
+        """Unsubscribe ``psub`` and delete its consumer (errors ignored: it may be gone)."""
+        try:
+            name = (await psub.consumer_info()).name
+        except Exception:  # noqa: BLE001
+            name = self._durable
+        try:
+            await psub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+        if name:
+            try:
+                await self._js.delete_consumer(STREAM_NAME, name)
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _new_consumer(self, start_seq: int) -> Any:
+        """A pull subscription from ``start_seq`` (the durable one deleted and made again)."""
         config = js_api.ConsumerConfig(
             deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start_seq,

@@ -309,7 +309,13 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                 mine = [(pos, hs) for q, hs, _, pos in answered if q == p]
                 _, truth = _fold_partition(cluster.url, partition_namespace(ns, p), mine)
                 got = [locs for q, _, locs, _ in answered if q == p]
-                assert got == truth, f"partition {p}: an answer differs from the log at its position"
+                for i, (g, t) in enumerate(zip(got, truth)):
+                    if g != t:
+                        pos, hs = mine[i]
+                        why = {"answer": g, "log at its position": t, "position": pos, "piece": [f"{h:#x}" for h in hs],
+                               "first block in the partition log": _trail(cluster.url, partition_namespace(ns, p), hs[0]),
+                               "first block in the whole log": _trail(cluster.url, f"{ns}-all", hs[0])}
+                        raise AssertionError(f"partition {p}: answer {i} differs from the log at its position: {why}")
             for name in advisors:  # the movers' counters as Prometheus sees them
                 text = httpx.get(metrics[name], timeout=5).text
                 scraped[name] = sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
