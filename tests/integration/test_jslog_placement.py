@@ -48,20 +48,19 @@ def test_a_reader_gets_the_whole_stream_right_after_a_node_restart(tmp_path: Pat
     with NatsCluster(tmp_path / "nats", nodes=3) as cluster:
         url0 = f"jetstream://127.0.0.1:{cluster.client_ports[0]}?namespace={ns}&replicas=3"
         with make_publisher(url0, "w0", epoch=1) as pub:
-            want = []
-            for i in range(300):
-                pub.publish([store(1000 + i, 1000 + i, None, 64, "g1")])
-                want.append(1000 + i)
-                if i % 20 == 0:
-                    pub.flush()
-            pub.flush()
+            want: list[int] = []
+
+            def publish(first: int, n: int) -> None:
+                for h in range(first, first + n):
+                    pub.publish([store(h, h, None, 64, "g1")])
+                    want.append(h)
+                    if h % 20 == 0:
+                        pub.flush()
+                pub.flush()
+
+            publish(1000, 300)
             cluster.kill(2)
-            for i in range(3000):
-                pub.publish([store(5000 + i, 5000 + i, None, 64, "g1")])
-                want.append(5000 + i)
-                if i % 20 == 0:
-                    pub.flush()
-            pub.flush()
+            publish(5000, 3000)
             assert pub.stats().dropped == 0
             cluster.start_node(2)
             cluster.wait_ready(30)
