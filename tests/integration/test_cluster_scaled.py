@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -170,8 +171,21 @@ def archive_bucket(local_s3: LocalS3) -> str:
     return bucket
 
 
-def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: LocalS3, archive_bucket: str) -> None:
-    ns = "c" + uuid.uuid4().hex[:8]
+@pytest.fixture()
+def ns() -> Iterator[str]:
+    """The run's namespace; its Redis keys (snapshots, catalog) go afterwards, pass or fail."""
+    import redis
+
+    name = "c" + uuid.uuid4().hex[:8]
+    yield name
+    r = redis.Redis.from_url(REDIS)
+    for pattern in (f"kvadvisor:{name}:*", f"{{kvadvisor:{name}:catalog}}:*"):
+        for key in r.scan_iter(pattern):
+            r.delete(key)
+    r.close()
+
+
+def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: LocalS3, archive_bucket: str, ns: str) -> None:
     requests = load_trace(bundled_trace())[:2000]
     vols = tmp_path / "volumes"
     for v in ("fast", "slow"):
@@ -402,10 +416,3 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
             assert scraped[name] <= counters["moves_done"], (name, scraped[name], counters)
         assert sum(c["moves_done"] for c in final.values()) > 0
         workers_agent.close()
-        import redis
-
-        r = redis.Redis.from_url(REDIS)
-        for key in r.scan_iter(f"kvadvisor:{ns}:*"):
-            r.delete(key)
-        for key in r.scan_iter(f"{{kvadvisor:{ns}:catalog}}:*"):
-            r.delete(key)
