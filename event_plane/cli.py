@@ -12,6 +12,10 @@
   the KVEvent v1 encoding), gaps, replayed, unrecovered, drops, decode errors, restarts.
   When no batch arrived and the endpoint never answered, it prints no report: a message on
   stderr and exit status 1 (zeros would read as an idle stream).
+* ``relay SRC DST``: publish every batch read from SRC again to the publisher URL DST, one
+  publisher per source (a vLLM or SGLang engine's ZMQ events into a partitioned JetStream
+  cluster: ``vllm+zmq://…`` to ``jetstream://…?namespace=NS&partitions=P``); ends with one
+  JSON line of counts.
 * ``keygen DIR [--name NAME]``: write a new CURVE keypair, ``DIR/NAME.key`` (public, give
   it to the other side) and ``DIR/NAME.key_secret`` (mode 0600, keep it), in the ZeroMQ
   certificate format (:func:`event_plane.curve.keygen`); prints the public key's path and
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -35,9 +40,9 @@ from event_plane.codec import encode_batch
 from event_plane.errors import ConfigError, EventPlaneError
 from event_plane.nats_auth import redact_url
 from event_plane.schema import EventBatch, EventType, KVEvent
-from event_plane.urls import subscribe
+from event_plane.urls import make_publisher, subscribe
 
-events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats); CURVE keys (keygen).")
+events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats), relay them (relay); CURVE keys (keygen).")
 
 _TYPE_NAMES = {EventType.STORE: "store", EventType.REMOVE: "remove", EventType.CLEARED: "cleared"}
 
@@ -100,6 +105,16 @@ def _open(url: str, **kw: Any) -> Any:
     return sub
 
 
+def _read_until(sub: Any, deadline: float | None) -> Iterator[EventBatch | None]:
+    """``sub``'s batches as they come, ``None`` after each 0.2 s without one, until the
+    monotonic ``deadline`` (``None``: until the caller stops)."""
+    while True:
+        wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+        if wait <= 0:
+            return
+        yield sub.get(timeout=wait)
+
+
 @events_app.command()
 def tail(
     url: Annotated[str, typer.Argument(help="event URL, e.g. zmq://127.0.0.1:5557?replay=5558")],
@@ -117,11 +132,7 @@ def tail(
     warned = False
     deadline = None if duration is None else t0 + duration
     try:
-        while count is None or printed < count:
-            wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
-            if wait <= 0:
-                break
-            batch = sub.get(timeout=wait)
+        for batch in _read_until(sub, deadline):
             if batch is None:
                 if not warned and not sub.answered and time.monotonic() - t0 >= connect_timeout:
                     typer.echo(_nothing_answered("tail", url, connect_timeout) + "; still waiting", err=True)
@@ -134,6 +145,8 @@ def tail(
                 printed += 1
                 if count is not None and printed >= count:
                     break
+            if count is not None and printed >= count:
+                break
     except KeyboardInterrupt:
         pass
     finally:
@@ -190,6 +203,65 @@ def stats(
         "restarts": st.restarts,
     }
     typer.echo(json.dumps(report))
+
+
+@events_app.command()
+def relay(
+    src: Annotated[str, typer.Argument(help="event URL to read, e.g. 'vllm+zmq://127.0.0.1:5557?replay=5558&source=pod-a'")],
+    dst: Annotated[str, typer.Argument(help="publisher URL, e.g. 'jetstream://127.0.0.1:4222?namespace=NS&partitions=8'")],
+    duration: Annotated[Optional[float], typer.Option("--duration", "-d", min=0.001, help="stop after S seconds")] = None,
+    count: Annotated[Optional[int], typer.Option("--count", "-n", min=1, help="stop after N events")] = None,
+) -> None:
+    """Publish every batch read from SRC again to DST, one publisher per source.
+
+    This is how a vLLM or SGLang engine's own ZMQ KV events reach a scaled cluster: the
+    adapter URL (``vllm+zmq://``, ``sglang+zmq://``) turns them into KVEvent v1 batches, and
+    a ``partitions=P`` publisher URL routes each event to its partition's namespace
+    (docs/scaling.md).  A source's new epoch (an engine restart) gets a new publisher with
+    that epoch.  Ends with one JSON line: batches, events, sources, the source side's
+    unrecovered gaps and the publishers' dropped events.
+    """
+    sub = _open(src)
+    pubs: dict[str, Any] = {}
+    epochs: dict[str, int] = {}
+    batches = events = dropped = 0
+    deadline = None if duration is None else time.monotonic() + duration
+    idle = False
+    try:
+        for batch in _read_until(sub, deadline):
+            if batch is None:
+                if not idle:  # nothing new: send what is buffered
+                    for pub in pubs.values():
+                        pub.flush()
+                    idle = True
+                continue
+            idle = False
+            pub = pubs.get(batch.source)
+            if pub is not None and epochs[batch.source] != batch.epoch:
+                dropped += pub.stats().dropped
+                pub.close()
+                pub = None
+            if pub is None:
+                try:
+                    pub = make_publisher(dst, batch.source, epoch=batch.epoch)
+                except EventPlaneError as exc:
+                    typer.echo(f"error: {exc}", err=True)
+                    raise typer.Exit(2) from exc
+                pubs[batch.source], epochs[batch.source] = pub, batch.epoch
+            pub.publish(list(batch.events))
+            batches += 1
+            events += len(batch.events)
+            if count is not None and events >= count:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for pub in pubs.values():
+            pub.close()
+            dropped += pub.stats().dropped
+        sub.close()
+    typer.echo(json.dumps({"src": redact_url(src), "dst": redact_url(dst), "batches": batches, "events": events,
+                           "sources": len(pubs), "unrecovered": sub.stats().unrecovered, "dropped": dropped}))
 
 
 @events_app.command()
