@@ -1,0 +1,190 @@
+"""How much a trace's signals predict block reuse: the policy's classes against every signal.
+
+    pip install -e '.[bench]'        # scikit-learn, for the gradient-boosted reference
+    taskset -c 0 python bench/reuse_signals.py                       # Mooncake conversation trace
+    taskset -c 0 python bench/reuse_signals.py --trace other.jsonl --train 0.5 --tail 2048
+
+The default policy (``advisor.eviction.prefix_value``) ranks a block by ``P(reuse | class)``,
+class = (times referenced before capped at 4, last block of its request or not, request
+continued a known prefix or not).  Its gap to Belady on a trace is a prediction gap (docs/
+BENCHMARKS.md, "Toward 30 % on Mooncake"): this script measures how much better any
+predictor built from the signals an online advisor has could do.  For every block
+reference it computes, from the requests up to it only:
+
+* the class above, and the first new block after a continued prefix;
+* position in the request, from its end, after the known prefix; request length and new
+  blocks; the conversation's turn number (1 + the turn of the request whose block ends the
+  known prefix); log2 of the gap to that request, in requests and (Mooncake ``timestamp``)
+  in ms; log2 of input and output length (Mooncake fields); log2 of the time since the
+  block's last reference, in references.
+
+The label is whether the block is referenced again later in the trace.  Both predictors
+are fitted on the first ``--train`` share of the requests and scored on the rest, less
+the last ``--tail`` requests (whose later references fall beyond the trace's end):
+
+* ours: the class table (the share of each class's training references reused, which is
+  what the policy's online estimate converges to);
+* reference: scikit-learn's ``HistGradientBoostingClassifier`` on every signal above (by
+  default 100 rounds of 7-leaf trees with >= 2,000 references a leaf: of the sizes tried,
+  the one that scored best held out; larger trees memorise the training requests).
+
+Printed: ROC AUC of each on the held-out references (all of them, then those of new blocks
+of requests that continue nothing, the largest group), the ratio, and the reference's AUC
+on its own training set (the gap between the two shows how far an in-sample fit memorises
+the file).  Units: AUC in [0, 1], 0.5 = no information.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+FEATURES = ("seen", "from_end", "pos", "pos_after_known", "continued", "first_new", "turn",
+            "log2_gap_requests", "log2_gap_ms", "log2_input_length", "log2_output_length",
+            "new_blocks", "request_blocks", "log2_age_refs")
+
+
+def _log2(x: float) -> float:
+    return math.log2(x) if x > 0 else -1.0
+
+
+def signals(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-reference signals of a Mooncake-format jsonl trace.
+
+    Args:
+        path: one JSON object per line with ``hash_ids`` (block ids in prefix order) and,
+            when present, ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens).
+        limit: read at most this many requests.
+
+    Returns:
+        ``(X, y, req)``: float64 ``[refs, len(FEATURES)]``, int8 ``[refs]`` (1 = the block
+        is referenced again later) and int64 ``[refs]`` (the reference's request index).
+
+    Raises:
+        ValueError: a line is not JSON or has no ``hash_ids`` list (the message names it).
+    """
+    rows: list[list[float]] = []
+    req: list[int] = []
+    seen: dict[int, int] = {}
+    last_ref: dict[int, int] = {}
+    last_req: dict[int, int] = {}
+    turn_of: dict[int, int] = {}
+    ts_of: dict[int, float] = {}
+    open_ref: dict[int, int] = {}
+    y: list[int] = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            try:
+                r = json.loads(line)
+                h = [int(b) for b in r["hash_ids"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{i + 1}: not a trace record ({exc})") from exc
+            n = len(h)
+            k = 0
+            while k < n and h[k] in last_req:
+                k += 1
+            cont = k > 1
+            turn = turn_of[h[k - 1]] + 1 if cont else 0
+            ts = float(r.get("timestamp", 0))
+            gap = i - last_req[h[k - 1]] if cont else 0
+            gap_ms = ts - ts_of[h[k - 1]] if cont else 0.0
+            lin, lout = float(r.get("input_length", 0)), float(r.get("output_length", 0))
+            for j, b in enumerate(h):
+                ref = len(y)
+                if b in open_ref:
+                    y[open_ref[b]] = 1
+                age = ref - last_ref[b] if b in last_ref else 0
+                rows.append([min(seen.get(b, 0), 8), min(n - 1 - j, 64), min(j, 256), j - k, float(cont),
+                             float(cont and j == k), min(turn, 16), _log2(gap), _log2(gap_ms), _log2(lin),
+                             _log2(lout + 1), n - k, n, _log2(age)])
+                y.append(0)
+                req.append(i)
+                open_ref[b] = ref
+                last_ref[b] = ref
+                seen[b] = seen.get(b, 0) + 1
+            for b in h:
+                last_req[b] = i
+                turn_of[b] = turn
+                ts_of[b] = ts
+    return np.asarray(rows, dtype=np.float64), np.asarray(y, dtype=np.int8), np.asarray(req, dtype=np.int64)
+
+
+def class_table_scores(X: np.ndarray, y: np.ndarray, train: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """The policy's class predictor: each test reference gets its class's training reuse share.
+
+    Class = (min(seen, 4), last block or not, continued), as
+    :func:`advisor.eviction.prefix_value.reuse_class` with the default caps.  A class absent
+    from the training references gets the overall share.
+    """
+    cls = np.minimum(X[:, 0], 4) * 4 + np.minimum(X[:, 1], 1) * 2 + X[:, 4]
+    cls = cls.astype(np.int64)
+    n_cls = int(cls.max()) + 1
+    reused = np.bincount(cls[train], weights=y[train].astype(np.float64), minlength=n_cls)
+    total = np.bincount(cls[train], minlength=n_cls).astype(np.float64)
+    share = np.where(total > 0, reused / np.maximum(total, 1.0), y[train].mean())
+    return share[cls[test]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = Path(os.environ.get("KVADVISOR_TRACES", "../shared/traces")) / "conversation_trace.jsonl"
+    ap.add_argument("--trace", type=Path, default=default, help="Mooncake-format jsonl trace")
+    ap.add_argument("--limit", type=int, default=None, help="read at most this many requests")
+    ap.add_argument("--train", type=float, default=0.5, help="share of the requests to fit on (0-1)")
+    ap.add_argument("--tail", type=int, default=2048, help="requests at the end left out of the test set")
+    ap.add_argument("--trees", type=int, default=100, help="boosting rounds of the reference")
+    ap.add_argument("--leaves", type=int, default=7, help="leaves per tree of the reference")
+    ap.add_argument("--min-leaf", type=int, default=2000,
+                    help="references per leaf at least (the regularisation; the best held-out of those tried)")
+    args = ap.parse_args()
+    try:
+        from sklearn.ensemble import HistGradientBoostingClassifier
+        from sklearn.metrics import roc_auc_score
+    except ImportError:
+        print("needs scikit-learn: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
+    if not 0.0 < args.train < 1.0:
+        ap.error("--train must be in (0, 1)")
+    t0 = time.perf_counter()
+    X, y, req = signals(args.trace, args.limit)
+    n_req = int(req[-1]) + 1 if req.size else 0
+    cut = int(n_req * args.train)
+    train = req < cut
+    test = (req >= cut) & (req < n_req - args.tail)
+    if not test.any() or y[train].min() == y[train].max():
+        print("trace too short for this split", file=sys.stderr)
+        return 2
+    fresh = test & (X[:, 0] == 0) & (X[:, 1] > 0) & (X[:, 4] == 0)
+    ours = class_table_scores(X, y, train, test)
+    model = HistGradientBoostingClassifier(max_iter=args.trees, max_leaf_nodes=args.leaves,
+                                           min_samples_leaf=args.min_leaf, random_state=0)
+    model.fit(X[train], y[train])
+    ref = model.predict_proba(X[test])[:, 1]
+    ref_in = model.predict_proba(X[train])[:, 1]
+    fresh_in_test = fresh[test]
+    print(f"trace {args.trace.name}: {n_req} requests, {len(y)} block references, train = first {cut} requests,"
+          f" test = {int(test.sum())} references ({float(y[test].mean()):.3f} reused), {time.perf_counter() - t0:.1f} s")
+    print(f"{'held-out ROC AUC':<44} {'ours (classes)':>15} {'reference (all)':>16} {'ratio':>7}")
+    a_ours, a_ref = roc_auc_score(y[test], ours), roc_auc_score(y[test], ref)
+    print(f"{'every reference':<44} {a_ours:>15.4f} {a_ref:>16.4f} {a_ours / a_ref:>7.3f}")
+    if fresh_in_test.any() and 0 < y[test][fresh_in_test].mean() < 1:
+        f_ours = roc_auc_score(y[test][fresh_in_test], ours[fresh_in_test])
+        f_ref = roc_auc_score(y[test][fresh_in_test], ref[fresh_in_test])
+        print(f"{'new blocks of requests continuing nothing':<44} {f_ours:>15.4f} {f_ref:>16.4f} "
+              f"{(f_ours / f_ref if f_ref else float('nan')):>7.3f}")
+    print(f"reference on its own training set (in-sample): {roc_auc_score(y[train], ref_in):.4f}")
+    print("signals:", ", ".join(FEATURES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
