@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 FEATURES = ("seen", "from_end", "pos", "pos_after_known", "continued", "first_new", "turn",
             "log2_gap_requests", "log2_gap_ms", "log2_input_length", "log2_output_length",
             "new_blocks", "request_blocks", "log2_age_refs")
@@ -77,7 +79,6 @@ def signals(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarra
     last_req: dict[int, int] = {}
     turn_of: dict[int, int] = {}
     ts_of: dict[int, float] = {}
-    open_ref: dict[int, int] = {}
     y: list[int] = []
     with open(path) as f:
         for i, line in enumerate(f):
@@ -100,15 +101,15 @@ def signals(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarra
             lin, lout = float(r.get("input_length", 0)), float(r.get("output_length", 0))
             for j, b in enumerate(h):
                 ref = len(y)
-                if b in open_ref:
-                    y[open_ref[b]] = 1
-                age = ref - last_ref[b] if b in last_ref else 0
+                prev = last_ref.get(b)
+                if prev is not None:
+                    y[prev] = 1  # its previous reference was followed by a reuse
+                age = ref - prev if prev is not None else 0
                 rows.append([min(seen.get(b, 0), 8), min(n - 1 - j, 64), min(j, 256), j - k, float(cont),
                              float(cont and j == k), min(turn, 16), _log2(gap), _log2(gap_ms), _log2(lin),
                              _log2(lout + 1), n - k, n, _log2(age)])
                 y.append(0)
                 req.append(i)
-                open_ref[b] = ref
                 last_ref[b] = ref
                 seen[b] = seen.get(b, 0) + 1
             for b in h:
@@ -121,12 +122,17 @@ def signals(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarra
 def class_table_scores(X: np.ndarray, y: np.ndarray, train: np.ndarray, test: np.ndarray) -> np.ndarray:
     """The policy's class predictor: each test reference gets its class's training reuse share.
 
-    Class = (min(seen, 4), last block or not, continued), as
-    :func:`advisor.eviction.prefix_value.reuse_class` with the default caps.  A class absent
-    from the training references gets the overall share.
+    The class is the policy's own, :func:`advisor.eviction.prefix_value.reuse_class` with
+    the default :class:`~advisor.eviction.prefix_value.PrefixValueSettings` caps (times seen
+    before, blocks from the request's end, continued).  A class absent from the training
+    references gets the overall share.
     """
-    cls = np.minimum(X[:, 0], 4) * 4 + np.minimum(X[:, 1], 1) * 2 + X[:, 4]
-    cls = cls.astype(np.int64)
+    from advisor.eviction.prefix_value import PrefixValueSettings, reuse_class
+
+    s = PrefixValueSettings()
+    cols = X[:, [FEATURES.index("seen"), FEATURES.index("from_end"), FEATURES.index("continued")]].astype(np.int64)
+    cls = np.fromiter((reuse_class(a, b, c, s.max_seen, s.max_from_end) for a, b, c in cols.tolist()),
+                      dtype=np.int64, count=cols.shape[0])
     n_cls = int(cls.max()) + 1
     reused = np.bincount(cls[train], weights=y[train].astype(np.float64), minlength=n_cls)
     total = np.bincount(cls[train], minlength=n_cls).astype(np.float64)

@@ -39,6 +39,7 @@ import typer
 from event_plane.codec import encode_batch
 from event_plane.errors import ConfigError, EventPlaneError
 from event_plane.nats_auth import redact_url
+from event_plane.partitioned import close_all
 from event_plane.schema import EventBatch, EventType, KVEvent
 from event_plane.urls import make_publisher, subscribe
 
@@ -238,8 +239,8 @@ def relay(
             idle = False
             pub = pubs.get(batch.source)
             if pub is not None and epochs[batch.source] != batch.epoch:
+                pub.close()  # what close still sends or drops is in the stats read after it
                 dropped += pub.stats().dropped
-                pub.close()
                 pub = None
             if pub is None:
                 try:
@@ -256,10 +257,11 @@ def relay(
     except KeyboardInterrupt:
         pass
     finally:
-        for pub in pubs.values():
-            pub.close()
-            dropped += pub.stats().dropped
-        sub.close()
+        try:
+            close_all(list(pubs.values()))  # every publisher closed even if one raises
+        finally:
+            sub.close()
+    dropped += sum(pub.stats().dropped for pub in pubs.values())
     typer.echo(json.dumps({"src": redact_url(src), "dst": redact_url(dst), "batches": batches, "events": events,
                            "sources": len(pubs), "unrecovered": sub.stats().unrecovered, "dropped": dropped}))
 
