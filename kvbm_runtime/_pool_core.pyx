@@ -334,9 +334,14 @@ cdef class MutableBlock(_Handle):
         Raises:
             ConsumedHandleError: this handle was consumed.
         """
-        cdef Block block = self._get()
-        self._live = False
-        self._pool._reset_block(block)
+        cdef Block block
+        pool = self._pool
+        if pool is None:
+            self._get()  # an instance made through __new__: raises
+        with pool._lock:  # consumed under the lock (see ImmutableBlock.release)
+            block = self._get()
+            self._live = False
+            pool._reset_block(block)
 
     def __repr__(self):
         state = "consumed" if not self._live or self._block is None else self._block.state.value
@@ -382,18 +387,25 @@ cdef class ImmutableBlock(_Handle):
         Raises:
             ConsumedHandleError: this handle was consumed.
         """
-        cdef Block block = self._get()
-        self._live = False
+        cdef Block block
         pool = self._pool
-        if type(pool._inactive) is InactiveSet:  # a pool on this core: no Python frame
-            lock = pool._lock
-            lock.acquire()
-            try:
+        if pool is None:
+            self._get()  # an instance made through __new__: raises
+        # The handle is checked and consumed under the pool's lock: a batch that fails part
+        # way (release_blocks, downgrade_many, register_blocks) makes its handles live again
+        # under that lock, so a release outside it could see such a handle consumed, raise,
+        # and leave it live with its reference never given back.
+        lock = pool._lock
+        lock.acquire()
+        try:
+            block = self._get()
+            self._live = False
+            if type(pool._inactive) is InactiveSet:  # a pool on this core: no Python frame
                 _release_one(pool, block)
-            finally:
-                lock.release()
-        else:
-            pool._release(block)
+            else:
+                pool._release(block)
+        finally:
+            lock.release()
 
     def __enter__(self):
         return self

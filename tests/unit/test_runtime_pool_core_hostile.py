@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tracemalloc
 import weakref
 
@@ -1319,6 +1320,39 @@ def test_threads_racing_to_release_the_same_handles(cls: type[BlockPool]) -> Non
             pool.evict()
     finally:
         sys.setswitchinterval(old)
+
+
+@pytest.mark.parametrize("cls", [BlockPool, RefPool])
+def test_a_release_during_a_failed_batchs_undo_waits_and_gives_the_reference_back(cls: type[BlockPool]) -> None:
+    """A batch release that fails part-way makes its handles live again (under the pool's
+    lock); a ``release()`` of one of them in that window must wait for the undo and then
+    give its reference back, not see it consumed, raise, and leave it live for ever."""
+    in_window = threading.Event()
+
+    class SlowUndo(cls):  # type: ignore[valid-type, misc]
+        def _unrelease(self, done: list) -> None:
+            in_window.set()
+            time.sleep(0.3)  # the lock is held: a release racing it shows the in-between state
+            super()._unrelease(done)
+
+    pool = new_pool(4, SlowUndo)
+    (h,) = pool.register_blocks(pool.allocate_complete([meta(1)]))
+    dead = h.clone()
+    dead.release()
+    batch_error: list = []
+    t = threading.Thread(target=lambda: batch_error.append(pytest.raises(ConsumedHandleError, pool.release_blocks, [h, dead])))
+    t.start()
+    assert in_window.wait(10)
+    h.release()  # consumed by the failed batch only for a moment: this release counts
+    t.join(10)
+    assert batch_error, "the batch with a consumed handle did not raise"
+    with pytest.raises(ConsumedHandleError):
+        h.release()
+    block = next(b for b in pool._blocks if b.state is BlockState.REGISTERED)
+    assert block.ref_count == 0
+    del h, dead
+    gc.collect()
+    check_invariants(pool, quiescent=True)
 
 
 def test_many_pools_created_and_dropped_give_their_memory_back() -> None:
