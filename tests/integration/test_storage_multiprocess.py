@@ -14,6 +14,7 @@ import torch
 
 from storage_backends import (
     BlockKey,
+    BlockNotFoundError,
     LocalS3,
     MediaClass,
     PlacementCatalog,
@@ -128,6 +129,9 @@ def _crasher(db: tuple[str, str, str], root: str, ack_path: str, base: int, kill
     if kill_at == "put":
         insert = cat.insert_if_absent
         cat.insert_if_absent = lambda ps: die() if batches >= 3 else insert(ps)  # type: ignore[method-assign]
+    elif kill_at == "delete":  # the delete took effect; its "-" line is never written
+        delete = agent.delete
+        agent.delete = lambda ks: (delete(ks), die() if batches >= 3 else None)  # type: ignore[method-assign]
     elif kill_at in ("compact-copy", "compact-commit"):
         commit = agent.commit_move
         moved = [0]
@@ -151,6 +155,10 @@ def _crasher(db: tuple[str, str, str], root: str, ack_path: str, base: int, kill
             ack.write(" ".join(map(str, hashes)) + "\n")  # acknowledged only after put returned
             ack.flush()
             batches += 1
+            # a kill between the delete and its "-" line leaves the block deleted but
+            # acknowledged: "?" first says its fate is open until "-" settles it
+            ack.write(f"?{hashes[0]}\n")
+            ack.flush()
             agent.delete([BlockKey(NS, hashes[0])])  # holes for compaction
             ack.write(f"-{hashes[0]}\n")
             ack.flush()
@@ -169,7 +177,7 @@ def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(
     db = (("sqlite", str(tmp_path / "catalog.sqlite"), "") if catalog == "sqlite"
           else ("redis", request.getfixturevalue("redis_url"), f"kvadvisor-test:{uuid.uuid4().hex}"))
     try:
-        modes = ["put", "compact-copy", "compact-commit", "timed"] if catalog == "sqlite" else ["compact-commit", "timed"]
+        modes = ["put", "delete", "compact-copy", "compact-commit", "timed"] if catalog == "sqlite" else ["compact-commit", "timed"]
         _kill_and_recover(db, root, str(tmp_path), modes)
     finally:
         if catalog == "redis":
@@ -180,17 +188,29 @@ def test_kill_9_during_puts_and_compaction_loses_no_acknowledged_block(
 
 
 def _acknowledged(paths: list[str]) -> set[int]:
+    """Blocks that must be readable: acknowledged by a put, with no delete started."""
+    return _ack_state(paths)[0]
+
+
+def _ack_state(paths: list[str]) -> tuple[set[int], set[int]]:
+    """(live, in doubt): in doubt are blocks whose delete started ("?") and never
+    returned ("-") before the kill; each may be there or gone, never wrong."""
     live: set[int] = set()
+    doubt: set[int] = set()
     for path in paths:
         with open(path) as f:
             for line in f:
                 if not line.endswith("\n"):
                     continue  # torn last line: that batch's ack never completed
-                if line.startswith("-"):
+                if line.startswith("?"):
                     live.discard(int(line[1:]))
+                    doubt.add(int(line[1:]))
+                elif line.startswith("-"):
+                    live.discard(int(line[1:]))
+                    doubt.discard(int(line[1:]))
                 else:
                     live.update(int(x) for x in line.split())
-    return live
+    return live, doubt
 
 
 def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: list[str]) -> None:
@@ -213,7 +233,8 @@ def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: 
         p.join(timeout=60)
         assert p.exitcode == -signal.SIGKILL, (mode, p.exitcode)
 
-        live = _acknowledged(acks)
+        live, doubt = _ack_state(acks)
+        assert len(doubt) <= run + 1  # at most one delete cut short per kill
         assert len(_acknowledged([ack_path])) >= 7 * 3 - 1
         cat = _open_catalog(db)
         agent = StorageAgent(cat, name="mp-recover")
@@ -222,6 +243,12 @@ def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: 
             keys = [BlockKey(NS, h) for h in sorted(live)]
             got = agent.get(keys)
             assert all(torch.equal(g, block(k.sequence_hash)) for g, k in zip(got, keys))
+            for h in doubt:  # a delete cut short: the block is there whole or not at all
+                try:
+                    (g,) = agent.get([BlockKey(NS, h)])
+                except BlockNotFoundError:
+                    continue
+                assert torch.equal(g, block(h)), h
             agent.collect_garbage("shared", min_age_s=0)
             vol = agent._vol("shared")  # type: ignore[attr-defined]
             assert set(vol.list_segments()) == {s.segment_id for s in agent.segments("shared")}
