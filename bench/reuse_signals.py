@@ -32,6 +32,20 @@ Printed: ROC AUC of each on the held-out references (all of them, then those of 
 of requests that continue nothing, the largest group), the ratio, and the reference's AUC
 on its own training set (the gap between the two shows how far an in-sample fit memorises
 the file).  Units: AUC in [0, 1], 0.5 = no information.
+
+``--replay 1000,5859,10000,30000`` then asks what a better predictor would be worth in hits.
+The policy replays the whole trace at each capacity; the held-out requests' hit rate is
+scored, with LRU's and Belady's on the same requests, as the share of the LRU→Belady gap
+closed:
+
+* ours: the policy as it ships (its online class estimate);
+* reference: the same rule and state, each held-out reference ranked by the boosted model's
+  ``P(reuse)`` instead (``prefix_value.simulate(reuse_override=...)``), fitted on the
+  training requests with the label "referenced again" and with "referenced again within
+  m × capacity / mean request length requests" for m = 1, 2, 4, 8, the best per capacity
+  (chosen on the held-out hits: an optimistic bound, fitted offline, not an online policy);
+* oracle: the held-out references ranked by their label itself (1 = referenced again),
+  what knowing the future of every block would give the same rule.
 """
 
 from __future__ import annotations
@@ -140,6 +154,68 @@ def class_table_scores(X: np.ndarray, y: np.ndarray, train: np.ndarray, test: np
     return share[cls[test]]
 
 
+def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut: int, tail: int,
+           capacities: list[int], model_args: dict[str, int]) -> list[tuple[int, float, float, float, float, str, float]]:
+    """Held-out gap closed by the policy and by the policy ranked with the boosted model.
+
+    Args:
+        trace_path: the Mooncake-format trace ``X, y, req`` were computed from.
+        X, y, req: :func:`signals` of that trace (one row per block reference, in order).
+        cut: first held-out request; the scored requests are ``cut .. requests - tail``.
+        tail: requests at the end left out of the score.
+        capacities: fast-tier capacities in blocks.
+        model_args: ``HistGradientBoostingClassifier`` arguments.
+
+    Returns:
+        Per capacity ``(capacity, lru, belady, ours, reference, label, oracle)``: LRU's and
+        Belady's hit rates on the scored requests, then the share of the
+        LRU→Belady gap closed on the scored requests (1.0 = Belady) by the policy, by the
+        policy ranked with the model (its best label named) and with the labels themselves.
+
+    Raises:
+        ValueError: the trace has not one reference per row of ``X``.
+    """
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    from advisor.eviction import belady, lru, prefix_value
+    from advisor.eviction.compact import compact
+    from kvadvisor.evaluate import load_mooncake
+
+    trace = compact(load_mooncake(trace_path))
+    if trace.refs != len(y):
+        raise ValueError(f"{trace_path}: {trace.refs} references, but {len(y)} rows of signals")
+    n_req = trace.requests
+    train, test = req < cut, req >= cut
+    lens = np.diff(trace.offsets)
+    scored = slice(cut, n_req - tail)
+    total = float(lens[scored].sum())
+    distance = trace.next_use() - req  # requests to the next reference (n_req - req = never)
+    out = []
+    for cap in capacities:
+        rate = lambda hits: float(hits[scored].sum()) / total  # noqa: E731
+        h_lru, h_opt = rate(lru.simulate(trace, cap)), rate(belady.simulate(trace, cap))
+        gap = lambda h: (h - h_lru) / (h_opt - h_lru) if h_opt > h_lru else float("nan")  # noqa: E731
+        ours = gap(rate(prefix_value.simulate(trace, cap)))
+        best, best_label = -np.inf, ""
+        for m in (None, 1, 2, 4, 8):
+            horizon = np.inf if m is None else m * cap / lens.mean()
+            if m is not None and horizon > cut / 2:
+                continue  # too few training references with a known outcome
+            label = (distance <= horizon).astype(np.int8) if m is not None else y
+            fit = train & (req < cut - horizon) if m is not None else train  # outcome known at the cut
+            model = HistGradientBoostingClassifier(**model_args).fit(X[fit], label[fit])
+            p = np.full(trace.refs, -1.0)
+            p[test] = model.predict_proba(X[test])[:, 1]
+            g = gap(rate(prefix_value.simulate(trace, cap, reuse_override=p)))
+            if g > best:
+                best, best_label = g, "ever" if m is None else f"within {m}x"
+        p = np.full(trace.refs, -1.0)
+        p[test] = y[test]
+        oracle = gap(rate(prefix_value.simulate(trace, cap, reuse_override=p)))
+        out.append((cap, h_lru, h_opt, ours, float(best), best_label, oracle))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(os.environ.get("KVADVISOR_TRACES", "../shared/traces")) / "conversation_trace.jsonl"
@@ -151,6 +227,8 @@ def main() -> int:
     ap.add_argument("--leaves", type=int, default=7, help="leaves per tree of the reference")
     ap.add_argument("--min-leaf", type=int, default=2000,
                     help="references per leaf at least (the regularisation; the best held-out of those tried)")
+    ap.add_argument("--replay", default="",
+                    help="capacities (blocks, comma-separated): also replay the policy with the model's P(reuse)")
     args = ap.parse_args()
     try:
         from sklearn.ensemble import HistGradientBoostingClassifier
@@ -171,8 +249,9 @@ def main() -> int:
         return 2
     fresh = test & (X[:, 0] == 0) & (X[:, 1] > 0) & (X[:, 4] == 0)
     ours = class_table_scores(X, y, train, test)
-    model = HistGradientBoostingClassifier(max_iter=args.trees, max_leaf_nodes=args.leaves,
-                                           min_samples_leaf=args.min_leaf, random_state=0)
+    model_args = {"max_iter": args.trees, "max_leaf_nodes": args.leaves, "min_samples_leaf": args.min_leaf,
+                  "random_state": 0}
+    model = HistGradientBoostingClassifier(**model_args)
     model.fit(X[train], y[train])
     ref = model.predict_proba(X[test])[:, 1]
     ref_in = model.predict_proba(X[train])[:, 1]
@@ -189,6 +268,16 @@ def main() -> int:
               f"{(f_ours / f_ref if f_ref else float('nan')):>7.3f}")
     print(f"reference on its own training set (in-sample): {roc_auc_score(y[train], ref_in):.4f}")
     print("signals:", ", ".join(FEATURES))
+    if args.replay:
+        caps = [int(c) for c in args.replay.split(",")]
+        print(f"held-out gap closed (LRU -> Belady) on requests {cut}..{n_req - args.tail}:")
+        print(f"{'capacity':>9} {'LRU':>7} {'Belady':>7} {'ours (online classes)':>22} {'reference (boosted P)':>22} {'ratio':>7}"
+              f" {'oracle':>7}  label")
+        rows = replay(args.trace, X, y, req, cut, args.tail, caps, model_args)
+        for cap, h_lru, h_opt, ours_g, ref_g, label, orc in rows:
+            print(f"{cap:>9} {h_lru:>7.4f} {h_opt:>7.4f} {ours_g:>22.1%} {ref_g:>22.1%} {ours_g / ref_g:>7.3f} {orc:>7.1%}  {label}")
+        mean_o, mean_r = np.mean([r[3] for r in rows]), np.mean([r[4] for r in rows])
+        print(f"{'mean':>9} {'':>7} {'':>7} {mean_o:>22.1%} {mean_r:>22.1%} {mean_o / mean_r:>7.3f}")
     return 0
 
 

@@ -225,7 +225,8 @@ def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndar
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
-         next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray) -> np.ndarray:
+         next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray,
+         reuse_override: np.ndarray) -> np.ndarray:
     horizon_mult, initial_horizon = params[0], params[1]
     max_seen, max_from_end = int(params[2]), int(params[3])
     prior, prior_w = params[4], params[5]
@@ -265,6 +266,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     # censored estimate: the class of every reference, whether it was followed by a reuse,
     # each instance's misses per class, and the first reference whose outcome is still open
     n_refs = flat.shape[0]
+    override = reuse_override.shape[0] > 0
     censor = censor_after > 0
     ref_cls = np.zeros((N_INST, n_refs if censor else 0), dtype=np.int16)
     ref_reused = np.zeros((N_INST, n_refs if censor else 0), dtype=np.bool_)
@@ -344,8 +346,11 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 if lookahead > 0 and nu <= i + lookahead:
                     q = BIG - nu
                 else:
-                    known_n = reu[k, c] + misses[k, c] if censor else ins[k, c]
-                    q = priority(clock, horizon, reu[k, c], known_n, prior, prior_w, pos)
+                    if override and reuse_override[jj] >= 0.0:  # P(reuse) given for this reference
+                        q = priority(clock, horizon, reuse_override[jj], 1.0, 0.0, 0.0, pos)
+                    else:
+                        known_n = reu[k, c] + misses[k, c] if censor else ins[k, c]
+                        q = priority(clock, horizon, reu[k, c], known_n, prior, prior_w, pos)
                 if q > parent_prio:
                     q = parent_prio - 1e-6  # leaves first: never above its parent
                 parent_prio = q
@@ -412,7 +417,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
 
 
 def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
-             settings: PrefixValueSettings | None = None, promote: bool = True) -> np.ndarray:
+             settings: PrefixValueSettings | None = None, promote: bool = True,
+             reuse_override: np.ndarray | None = None) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under the default policy.
 
     Args:
@@ -422,19 +428,32 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
         settings: policy settings (default: :class:`PrefixValueSettings`).
         promote: with a lookahead, also promote a visible request's known blocks (else the
             hints only keep cached blocks from eviction).
+        reuse_override: optional float64 ``[refs]``, a ``P(reuse)`` in [0, 1] per block
+            reference to rank it by in place of its class's estimate (negative = use the
+            estimate).  Not for serving: it measures what a better predictor would give the
+            same rule (``bench/reuse_signals.py --replay``).  The class counts, the window
+            tuner and superseded branches run as without it.
 
     Memory: besides O(blocks) state, the censored estimate (``censor_after`` > 0) keeps a
     class (int16) and a reused bit per reference for each of the 3 instances, 9 bytes per
     reference.
 
     Raises:
-        ValueError: ``capacity`` < 1 or ``lookahead`` < 0.
+        ValueError: ``capacity`` < 1 or ``lookahead`` < 0, or ``reuse_override`` is not
+            one value per reference or holds a value above 1 or a NaN.
     """
     if capacity < 1 or lookahead < 0:
         raise ValueError(f"need capacity >= 1 and lookahead >= 0, got {capacity}, {lookahead}")
     p = (settings or PrefixValueSettings()).as_array()
     nu = trace.next_use() if lookahead > 0 else np.zeros(trace.refs, dtype=np.int64)
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p)
+    if reuse_override is None:
+        over = np.empty(0, dtype=np.float64)
+    else:
+        over = np.ascontiguousarray(reuse_override, dtype=np.float64)
+        if over.shape != (trace.refs,) or np.isnan(over).any() or (over > 1.0).any():
+            raise ValueError(f"reuse_override must be {trace.refs} values <= 1 (negative = the estimate), "
+                             f"got shape {over.shape}")
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over)
 
 
 __all__ = ["PrefixValueSettings", "priority", "reuse_class", "simulate", "superseded_class"]

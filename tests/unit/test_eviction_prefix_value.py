@@ -4,6 +4,7 @@ and S3-FIFO on a real slice."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from advisor.eviction import lru, prefix_value, s3fifo
@@ -124,3 +125,22 @@ def test_a_noise_bound_nothing_passes_keeps_the_window_where_it_started() -> Non
     pinned = PrefixValueSettings(initial_window=8.0, min_window=8.0, max_window=8.0 * (1 + 1e-9))
     assert (frozen == prefix_value.simulate(ct, 500, settings=pinned)).all()
     assert (prefix_value.simulate(ct, 500) != frozen).any()
+
+
+def test_a_reuse_override_ranks_by_the_given_probability() -> None:
+    # two fresh requests on a tier of 2: by its own estimate (one class, same P) the policy
+    # keeps the more recent [3 4] and the repeat of [1 2] misses; told that [1 2] will be
+    # reused (P = 1) and [3 4] not (P = 0), it keeps [1 2] and the repeat hits both
+    reqs = [[1, 2], [3, 4], [1, 2]]
+    trace = compact(reqs)
+    assert prefix_value.simulate(trace, 2).tolist() == [0, 0, 0]
+    told = np.array([1.0, 1.0, 0.0, 0.0, -1.0, -1.0])
+    assert prefix_value.simulate(trace, 2, reuse_override=told).tolist() == [0, 0, 2]
+    # negative everywhere = the policy's own estimate, on a real slice too
+    real = compact(load_trace(bundled_trace(), limit=400))
+    assert (prefix_value.simulate(real, 300, reuse_override=np.full(real.refs, -1.0))
+            == prefix_value.simulate(real, 300)).all()
+    with pytest.raises(ValueError, match="reuse_override"):
+        prefix_value.simulate(trace, 2, reuse_override=np.zeros(5))
+    with pytest.raises(ValueError, match="reuse_override"):
+        prefix_value.simulate(trace, 2, reuse_override=np.array([1.5, 0, 0, 0, 0, 0]))
