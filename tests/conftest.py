@@ -6,6 +6,7 @@ answer; otherwise a private server is started on a free port for the session.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -25,6 +26,23 @@ from storage_backends.local_s3 import LocalS3, free_port, start_local_s3
 
 logging.getLogger("nixl").setLevel(logging.WARNING)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+@pytest.fixture
+def young_heap() -> Iterator[None]:
+    """Freeze every object that exists before the test (``gc.freeze``), so the test's own
+    ``gc.collect()`` calls scan only what it made (its cycles are still collected).
+
+    In a full-suite process the heap holds torch, hypothesis and a thousand tests' leftovers:
+    a pool test that collects after each step took 4-5x longer there than alone (48 s
+    against 9 s).  Objects made before the test are never collected while it runs.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _answers(host: str, port: int) -> bool:

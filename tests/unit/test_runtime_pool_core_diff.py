@@ -21,6 +21,9 @@ from kvbm_runtime import _pool_core
 from kvbm_runtime.block import Block, WeakBlock
 from kvbm_runtime.layout import MemoryKind
 
+# these tests gc.collect() after steps: only the test's own objects are scanned (conftest)
+pytestmark = pytest.mark.usefixtures("young_heap")
+
 CFG = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
 SALT = 0x5EED
 

@@ -35,6 +35,9 @@ from kvbm_runtime.block import BlockState, ImmutableBlock, MutableBlock, WeakBlo
 from kvbm_runtime.errors import BlockStateError, ConsumedHandleError, PoolExhaustedError
 from kvbm_runtime.layout import MemoryKind
 
+# these tests gc.collect() after steps: only the test's own objects are scanned (conftest)
+pytestmark = pytest.mark.usefixtures("young_heap")
+
 CFG = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
 SALT = 0x5EED
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1203,6 +1206,7 @@ def test_raw_and_subclassed_base_handles_in_cycles_do_not_crash() -> None:
         """
         import gc
         from kvbm_runtime import _pool_core as c
+        gc.freeze()  # collect only what the loop makes (torch's heap made each collect slow)
         p = new_pool(8)
         Sub = type("Sub", (c._Handle,), {})
         for i in range(200):
@@ -1499,6 +1503,7 @@ def test_collected_cycle_with_pool_inactive_set_and_many_handles_does_not_crash(
     proc = run_child(
         """
         import gc, weakref
+        gc.freeze()  # collect only what the loop makes (torch's heap made each collect slow)
         class Sink:
             def publish(self, events):
                 pass
