@@ -5,6 +5,7 @@ partitions to the others."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,7 @@ class _Recorder:
         self.overlaps: list[tuple[int, str, str]] = []
         self.events: list[tuple[str, str, int]] = []
 
-    def keeper(self, url: str, name: str) -> LeaseKeeper:
+    def keeper(self, url: str, name: str, settings: LeaseSettings = SETTINGS) -> LeaseKeeper:
         def acq(p: int) -> None:
             with self.lock:
                 if p in self.holder:
@@ -53,7 +54,7 @@ class _Recorder:
                     del self.holder[p]
                 self.events.append((reason, name, p))
 
-        return LeaseKeeper(url, name, SETTINGS, on_acquire=acq, on_release=rel)
+        return LeaseKeeper(url, name, settings, on_acquire=acq, on_release=rel)
 
 
 def _balanced(keepers: list[LeaseKeeper]) -> bool:
@@ -106,12 +107,22 @@ def test_leases_balance_take_over_and_rebalance(js_url: str) -> None:
 def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> None:
     """The second advisor starts right after the first one's start returns: the first takes
     nothing during its join delay, so both take their half directly and nobody releases
-    a partition it took (without the delay the first takes all 8, then hands 4 over)."""
+    a partition it took (without the delay the first takes all 8, then hands 4 over).
+
+    The delay here is 2 s, not the default heartbeat (0.5 s): on a loaded machine the
+    second start (connect, bind the bucket) took longer than 0.5 s, so it did not start
+    "together" and the first took all 8 (seen in a full-suite run)."""
+    settings = dataclasses.replace(SETTINGS, join_delay_s=2.0)
     rec = _Recorder()
     ks = []
     try:
+        t0 = time.monotonic()
         for i in range(2):
-            ks.append(rec.keeper(js_url, f"adv-{i}").start())
+            ks.append(rec.keeper(js_url, f"adv-{i}", settings).start())
+            if i == 0:
+                t0 = time.monotonic()
+        started_apart_s = time.monotonic() - t0
+        assert started_apart_s < 2.0, f"the second start took {started_apart_s:.2f} s: not started together"
         _wait(lambda: _balanced(ks), 15, "2 advisors to share 8 partitions")
         assert sorted(len(k.owned()) for k in ks) == [4, 4]
         assert [e for e in rec.events if e[0] != "acquire"] == []
