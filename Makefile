@@ -13,7 +13,7 @@ FUZZ_TIME ?= 600
 FUZZ_TARGETS ?= codec adapters journal
 FUZZ_OUT ?= .fuzz
 
-.PHONY: install demo test fuzz bench lint clean services
+.PHONY: install demo test fuzz bench clean services
 
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
