@@ -41,8 +41,9 @@ closed:
 * ours: the policy as it ships (its online class estimate);
 * reference: the same rule and state, each held-out reference ranked by the boosted model's
   ``P(reuse)`` instead (``prefix_value.simulate(reuse_override=...)``), fitted on the
-  training requests with the label "referenced again" and with "referenced again within
-  m × capacity / mean request length requests" for m = 1, 2, 4, 8, the best per capacity
+  training requests with the label "referenced again before the cut" and with "referenced
+  again within m × capacity / mean request length requests" for m = 1, 2, 4, 8 (only the
+  references whose outcome is known at the cut), the best per capacity
   (chosen on the held-out hits: an optimistic bound, fitted offline, not an online policy);
 * oracle: the held-out references ranked by their label itself (1 = referenced again),
   what knowing the future of every block would give the same rule.
@@ -155,7 +156,8 @@ def class_table_scores(X: np.ndarray, y: np.ndarray, train: np.ndarray, test: np
 
 
 def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut: int, tail: int,
-           capacities: list[int], model_args: dict[str, int]) -> list[tuple[int, float, float, float, float, str, float]]:
+           capacities: list[int], model_args: dict[str, int],
+           limit: int | None = None) -> list[tuple[int, float, float, float, float, str, float]]:
     """Held-out gap closed by the policy and by the policy ranked with the boosted model.
 
     Args:
@@ -165,6 +167,7 @@ def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut:
         tail: requests at the end left out of the score.
         capacities: fast-tier capacities in blocks.
         model_args: ``HistGradientBoostingClassifier`` arguments.
+        limit: the ``limit`` the signals were read with (requests).
 
     Returns:
         Per capacity ``(capacity, lru, belady, ours, reference, label, oracle)``: LRU's and
@@ -181,7 +184,7 @@ def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut:
     from advisor.eviction.compact import compact
     from kvadvisor.evaluate import load_mooncake
 
-    trace = compact(load_mooncake(trace_path))
+    trace = compact(load_mooncake(trace_path, limit))
     if trace.refs != len(y):
         raise ValueError(f"{trace_path}: {trace.refs} references, but {len(y)} rows of signals")
     n_req = trace.requests
@@ -190,6 +193,7 @@ def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut:
     scored = slice(cut, n_req - tail)
     total = float(lens[scored].sum())
     distance = trace.next_use() - req  # requests to the next reference (n_req - req = never)
+    mean_len = float(lens[:cut].mean())  # of the training requests
     out = []
     for cap in capacities:
         rate = lambda hits: float(hits[scored].sum()) / total  # noqa: E731
@@ -198,11 +202,13 @@ def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut:
         ours = gap(rate(prefix_value.simulate(trace, cap)))
         best, best_label = -np.inf, ""
         for m in (None, 1, 2, 4, 8):
-            horizon = np.inf if m is None else m * cap / lens.mean()
-            if m is not None and horizon > cut / 2:
-                continue  # too few training references with a known outcome
-            label = (distance <= horizon).astype(np.int8) if m is not None else y
-            fit = train & (req < cut - horizon) if m is not None else train  # outcome known at the cut
+            if m is None:  # "referenced again", as far as the training requests show it
+                label, fit = (req + distance < cut).astype(np.int8), train
+            else:  # "within the horizon", on the references whose outcome is known at the cut
+                horizon = m * cap / mean_len
+                if horizon > cut / 2:
+                    continue  # too few training references with a known outcome
+                label, fit = (distance <= horizon).astype(np.int8), train & (req < cut - horizon)
             model = HistGradientBoostingClassifier(**model_args).fit(X[fit], label[fit])
             p = np.full(trace.refs, -1.0)
             p[test] = model.predict_proba(X[test])[:, 1]
@@ -273,7 +279,7 @@ def main() -> int:
         print(f"held-out gap closed (LRU -> Belady) on requests {cut}..{n_req - args.tail}:")
         print(f"{'capacity':>9} {'LRU':>7} {'Belady':>7} {'ours (online classes)':>22} {'reference (boosted P)':>22} {'ratio':>7}"
               f" {'oracle':>7}  label")
-        rows = replay(args.trace, X, y, req, cut, args.tail, caps, model_args)
+        rows = replay(args.trace, X, y, req, cut, args.tail, caps, model_args, args.limit)
         for cap, h_lru, h_opt, ours_g, ref_g, label, orc in rows:
             print(f"{cap:>9} {h_lru:>7.4f} {h_opt:>7.4f} {ours_g:>22.1%} {ref_g:>22.1%} {ours_g / ref_g:>7.3f} {orc:>7.1%}  {label}")
         mean_o, mean_r = np.mean([r[3] for r in rows]), np.mean([r[4] for r in rows])

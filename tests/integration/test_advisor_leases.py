@@ -116,13 +116,12 @@ def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> Non
     rec = _Recorder()
     ks = []
     try:
-        t0 = time.monotonic()
         for i in range(2):
             ks.append(rec.keeper(js_url, f"adv-{i}", settings).start())
-            if i == 0:
-                t0 = time.monotonic()
-        started_apart_s = time.monotonic() - t0
-        assert started_apart_s < 2.0, f"the second start took {started_apart_s:.2f} s: not started together"
+        joined_at = ks[0]._joined_at  # the first one's join delay runs from its first heartbeat
+        assert joined_at is not None
+        apart_s = time.monotonic() - joined_at
+        assert apart_s < settings.join_delay_s, f"the second joined {apart_s:.2f} s after the first: not together"
         _wait(lambda: _balanced(ks), 15, "2 advisors to share 8 partitions")
         assert sorted(len(k.owned()) for k in ks) == [4, 4]
         assert [e for e in rec.events if e[0] != "acquire"] == []
@@ -131,6 +130,12 @@ def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> Non
         for k in ks:
             k.stop()
     assert rec.overlaps == []
+
+
+def test_the_join_delay_is_one_heartbeat_unless_set() -> None:
+    assert LeaseKeeper("nats://127.0.0.1:1", "a", LeaseSettings(partitions=4, heartbeat_s=0.7))._join_delay() == 0.7
+    assert LeaseKeeper("nats://127.0.0.1:1", "a", LeaseSettings(partitions=4, heartbeat_s=0.7, join_delay_s=1.5))._join_delay() == 1.5
+    assert LeaseKeeper("nats://127.0.0.1:1", "a", LeaseSettings(partitions=4, heartbeat_s=0.7, join_delay_s=0))._join_delay() == 0
 
 
 def test_a_partition_its_owner_cannot_serve_is_handed_back_at_once(js_url: str) -> None:

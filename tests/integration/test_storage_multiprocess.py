@@ -243,6 +243,10 @@ def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: 
             keys = [BlockKey(NS, h) for h in sorted(live)]
             got = agent.get(keys)
             assert all(torch.equal(g, block(k.sequence_hash)) for g, k in zip(got, keys))
+            if mode == "delete":  # killed after the delete returned: the block must be gone
+                (gone,) = _ack_state([ack_path])[1]
+                with pytest.raises(BlockNotFoundError):
+                    agent.get([BlockKey(NS, gone)])
             for h in doubt:  # a delete cut short: the block is there whole or not at all
                 try:
                     (g,) = agent.get([BlockKey(NS, h)])
