@@ -226,7 +226,7 @@ def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndar
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
          next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray,
-         reuse_override: np.ndarray) -> np.ndarray:
+         reuse_override: np.ndarray | None) -> np.ndarray:
     horizon_mult, initial_horizon = params[0], params[1]
     max_seen, max_from_end = int(params[2]), int(params[3])
     prior, prior_w = params[4], params[5]
@@ -266,7 +266,6 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     # censored estimate: the class of every reference, whether it was followed by a reuse,
     # each instance's misses per class, and the first reference whose outcome is still open
     n_refs = flat.shape[0]
-    override = reuse_override.shape[0] > 0
     censor = censor_after > 0
     ref_cls = np.zeros((N_INST, n_refs if censor else 0), dtype=np.int16)
     ref_reused = np.zeros((N_INST, n_refs if censor else 0), dtype=np.bool_)
@@ -346,11 +345,11 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 if lookahead > 0 and nu <= i + lookahead:
                     q = BIG - nu
                 else:
-                    if override and reuse_override[jj] >= 0.0:  # P(reuse) given for this reference
-                        q = priority(clock, horizon, reuse_override[jj], 1.0, 0.0, 0.0, pos)
-                    else:
-                        known_n = reu[k, c] + misses[k, c] if censor else ins[k, c]
-                        q = priority(clock, horizon, reu[k, c], known_n, prior, prior_w, pos)
+                    known_n = reu[k, c] + misses[k, c] if censor else ins[k, c]
+                    q = priority(clock, horizon, reu[k, c], known_n, prior, prior_w, pos)
+                    if reuse_override is not None:  # pruned at compile time when None
+                        if reuse_override[jj] >= 0.0:  # P(reuse) given for this reference
+                            q = priority(clock, horizon, reuse_override[jj], 1.0, 0.0, 0.0, pos)
                 if q > parent_prio:
                     q = parent_prio - 1e-6  # leaves first: never above its parent
                 parent_prio = q
@@ -446,9 +445,8 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
         raise ValueError(f"need capacity >= 1 and lookahead >= 0, got {capacity}, {lookahead}")
     p = (settings or PrefixValueSettings()).as_array()
     nu = trace.next_use() if lookahead > 0 else np.zeros(trace.refs, dtype=np.int64)
-    if reuse_override is None:
-        over = np.empty(0, dtype=np.float64)
-    else:
+    over = None
+    if reuse_override is not None:
         over = np.ascontiguousarray(reuse_override, dtype=np.float64)
         if over.shape != (trace.refs,) or np.isnan(over).any() or (over > 1.0).any():
             raise ValueError(f"reuse_override must be {trace.refs} values <= 1 (negative = the estimate), "
