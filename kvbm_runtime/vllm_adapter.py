@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 from .config import RuntimeConfig
 from .connector import ConnectorError, KvbmConnectorWorker
 from .handshake import WorkerEndpoint, endpoint_path, join_workers
-from .leader import KvbmLeader, StepRequest
+from .leader import KvbmLeader, StepRequest, shared_lookup
 from .manager import BlockManager
 from .residency import ReportingSink, ResidencyReport
 
@@ -369,7 +370,20 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.leader_worker_init_timeout_secs,
             {"page_size": cfg.page_size, "namespace": probe.namespace},
         )
-        self._leader = KvbmLeader(cfg.page_size, probe.salt, world)
+        shared = self._shared_lookup(probe.namespace, cfg) if self._settings.storage_config is not None else None
+        self._leader = KvbmLeader(cfg.page_size, probe.salt, world, shared)
+
+    def _shared_lookup(self, namespace: str, cfg: RuntimeConfig) -> Callable[[Sequence[int]], list[bool]]:
+        """Per block, whether every rank's copy is in the shared placement catalog (the
+        scheduler side opens the catalog, never a volume): blocks other engines stored or
+        the advisor moved are matched, and loaded from wherever they are at read time."""
+        try:
+            catalog = DeploymentStorage.load(self._settings.storage_config).open_catalog(self._settings.catalog_url)  # type: ignore[arg-type]
+        except SettingsError as exc:
+            raise ConnectorError(f"kv_connector_extra_config \"storage_config\": {exc}") from exc
+        self._catalog = catalog
+        spaces = [namespace + cfg.model_copy(update={"tp_rank": r}).namespace_suffix() for r in range(cfg.tp_size)]
+        return shared_lookup(catalog, spaces)
 
     def _open_deployment(self, path: str) -> tuple[StorageAgent, str]:
         """Storage agent over every volume of the advisors' file and their catalog;
