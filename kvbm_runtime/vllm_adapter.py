@@ -37,8 +37,15 @@ a volume are asynchronous (``load_async``: vLLM schedules other requests meanwhi
 failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
 ``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
 
+Shared volumes.  With ``storage_config`` (the advisors' own storage file, see
+:class:`ConnectorSettings`) every volume of the deployment is registered and the placement
+catalog is the advisors': blocks are read from wherever the catalog places them at read
+time, new ones land on the landing volume, and the scheduler side matches prompts on the
+catalog past what its own workers hold (blocks other engines stored).
+
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
-``source``, ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
+``source``, ``storage_config``, ``catalog_url``, ``landing_volume``,
+``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
 config (vLLM logs it): S3 credentials come from the AWS environment / credential chain.
