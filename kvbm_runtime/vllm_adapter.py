@@ -90,7 +90,9 @@ from .leader import KvbmLeader, StepRequest, shared_lookup
 from .manager import BlockManager
 from .residency import ReportingSink, ResidencyReport
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
+"""Under vLLM's ``vllm`` logger, so these lines (the storage namespace at start, above
+all) show in ``vllm serve``'s output with vLLM's own format and level (``VLLM_LOGGING_LEVEL``)."""
 
 DISK_VOLUME = "kvbm-disk"
 """Volume id of the G3 volume made from ``DYN_KVBM_DISK_CACHE_GB``."""
