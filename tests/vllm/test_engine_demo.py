@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = "from kvadvisor.cli import app; app()"
