@@ -62,6 +62,7 @@ from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, PolicySettings, VolumeUsage, plan_all
 from advisor.settings import SettingsError, VolumeSettings
+from storage_backends.deployment import check_volume_roles
 from event_plane.config import StreamLimits
 from event_plane.nats_transport import JetStreamPublisher
 from event_plane.partitioned import close_all, partition_namespace
@@ -103,13 +104,7 @@ class ClusterStorageSettings(BaseModel):
 
     @model_validator(mode="after")
     def _roles_name_volumes(self) -> ClusterStorageSettings:
-        ids = [v.id for v in self.volumes]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"volume ids must be unique, got {ids}")
-        for role, vol in (("fast_volume", self.fast_volume), ("archive_volume", self.archive_volume),
-                          *(("slow_volumes", v) for v in self.slow_volumes)):
-            if vol is not None and vol not in ids:
-                raise ValueError(f"{role} {vol!r} is not one of the volumes {ids}")
+        check_volume_roles([v.id for v in self.volumes], self.fast_volume, self.slow_volumes, self.archive_volume)
         return self
 
     @classmethod

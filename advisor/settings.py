@@ -13,20 +13,19 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from advisor.policies import PolicySettings
+from storage_backends.deployment import SettingsError, VolumeSettings, check_secret_file_mode
+
+__all__ = ["AdvisorSettings", "SettingsError", "VolumeSettings", "format_validation_error"]
 
 
 _API_FACTORY = re.compile(r"api(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 #: fields whose value is a secret: a JSON config holding one must not be readable by others
 _SECRET_FIELDS = ("nats_password", "nats_token")
-
-
-class SettingsError(ValueError):
-    """The advisor configuration is invalid or unreadable (message names the field)."""
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -36,77 +35,6 @@ def format_validation_error(exc: ValidationError) -> str:
         loc = ".".join(str(x) for x in e.get("loc", ()))
         parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
     return "; ".join(parts)
-
-
-class VolumeSettings(BaseModel):
-    """One storage volume, as in ``storage_backends.VolumeDescriptor`` (bytes for sizes)."""
-
-    id: str = Field(min_length=1, max_length=255)
-    kind: Literal["posix", "s3"]
-    media: Literal["nvme", "ssd", "hdd", "object"]
-    capacity_bytes: int = Field(gt=0)
-    root: str | None = None
-    endpoint: str | None = None
-    bucket: str | None = None
-    prefix: str = ""
-    region: str = "us-east-1"
-    alignment: int = Field(4096, gt=0)
-    o_direct: bool = False
-    segment_bytes: int = Field(64 << 20, gt=0)
-    access_key: str | None = None
-    secret_key: SecretStr | None = None
-    secret_key_file: str | None = None
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> VolumeSettings:
-        if self.secret_key is not None and self.secret_key_file is not None:
-            raise ValueError(f"volume {self.id!r}: give secret_key or secret_key_file, not both")
-        return self
-
-    def secret(self) -> str | None:
-        """The S3 secret key: ``secret_key``, else the first line of ``secret_key_file``.
-
-        Raises:
-            SettingsError: ``secret_key_file`` cannot be read, is empty, or is readable by
-                group or others (mode & 0o077).
-        """
-        if self.secret_key is not None:
-            return self.secret_key.get_secret_value()
-        if self.secret_key_file is None:
-            return None
-        path = Path(self.secret_key_file)
-        try:
-            mode = path.stat().st_mode
-            text = path.read_text().strip()
-        except OSError as exc:
-            raise SettingsError(f"volume {self.id!r}: cannot read secret_key_file {path}: {exc}") from exc
-        if mode & 0o077:
-            raise SettingsError(f"volume {self.id!r}: secret_key_file {path} is readable by group or others "
-                                f"(mode {mode & 0o777:o}); chmod 600 it")
-        if not text:
-            raise SettingsError(f"volume {self.id!r}: secret_key_file {path} is empty")
-        return text.splitlines()[0]
-
-    def to_descriptor(self) -> Any:
-        """The ``storage_backends.VolumeDescriptor`` for this volume."""
-        from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
-
-        return VolumeDescriptor(
-            id=self.id,
-            kind=VolumeKind(self.kind),
-            media=MediaClass(self.media),
-            capacity_bytes=self.capacity_bytes,
-            root=self.root,
-            endpoint=self.endpoint,
-            bucket=self.bucket,
-            prefix=self.prefix,
-            region=self.region,
-            alignment=self.alignment,
-            o_direct=self.o_direct,
-            segment_bytes=self.segment_bytes,
-            access_key=self.access_key,
-            secret_key=self.secret(),
-        )
 
 
 class AdvisorSettings(BaseSettings):
@@ -472,12 +400,4 @@ def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
     vols = data.get("volumes")
     if isinstance(vols, list):
         found += [f"volumes[{i}].secret_key" for i, v in enumerate(vols) if isinstance(v, dict) and v.get("secret_key")]
-    if not found:
-        return
-    try:
-        mode = path.stat().st_mode & 0o777
-    except OSError as exc:
-        raise SettingsError(f"cannot stat advisor config {path}: {exc}") from exc
-    if mode & 0o077:
-        raise SettingsError(f"advisor config {path} holds secrets ({', '.join(found)}) and is readable by group or "
-                            f"others (mode {mode:o}): chmod 600 it, or move them to secret_key_file / nats_token_file")
+    check_secret_file_mode(path, found, "advisor config")

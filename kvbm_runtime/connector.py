@@ -471,7 +471,12 @@ class KvbmConnectorWorker:
             return
         if isinstance(res, StorageOnboardResult) and res.failed_index is not None:
             bad = job.blocks[res.failed_index]
-            self._fail(job.blocks[res.failed_index :], job.tier, lost=[bad], error=repr(res.error))
+            # the copies the read quarantined: Remove(<volume>) for each, published and in
+            # this step's residency report in order with the other changes
+            gone = self.manager.publish_dropped(res.dropped, {b.sequence_hash: b.meta() for b in job.blocks})
+            dropped = {ev.sequence_hash for ev in gone}
+            lost = [] if bad.sequence_hash in dropped else [bad]
+            self._fail(job.blocks[res.failed_index :], job.tier, lost=lost, error=repr(res.error))
 
     def _fail(self, blocks: list[BlockTransfer], tier: str, *, lost: list[BlockTransfer], error: str) -> None:
         self._load_errors.update(b.engine_block_id for b in blocks)

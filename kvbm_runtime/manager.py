@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from event_plane.schema import EventType, KVEvent
 from storage_backends.types import BlockKey, MediaClass, Placement, VolumeDescriptor
 
 from .block import BlockMeta, ImmutableBlock, MutableBlock
@@ -342,6 +343,7 @@ class BlockManager:
                     cause = got3.error
                     assert cause is not None
                     logger.warning("onboard read of block %d (%#x) failed: %r", valid, metas[valid].sequence_hash, cause)
+                    self.publish_dropped(got3.dropped, {metas[i].sequence_hash: metas[i] for i in storage_pos})
                     result.errors.append(
                         ServeError(valid, metas[valid].sequence_hash, "onboard", type(cause).__name__, str(cause))
                     )
@@ -399,6 +401,25 @@ class BlockManager:
         # 4. write-through offload G1 → G2 → G3 (the producing step is over)
         result.offloaded_bytes = self._offload(metas, g1_handles, result)
         self._account(result, looked_up=n - result.hits_g1)
+
+    def publish_dropped(self, dropped: Sequence[Placement], metas: Mapping[int, BlockMeta]) -> list[KVEvent]:
+        """Publish one Remove(<volume>) per copy a failed read quarantined (``dropped``,
+        :attr:`StorageOnboardResult.dropped`), so the advisor and any router stop placing
+        the block there; ``metas`` gives the identity of the blocks read, by sequence hash
+        (copies of other blocks or namespaces are skipped).  Flushes the publisher.
+
+        Returns:
+            The events published (in ``dropped`` order).
+        """
+        events = [
+            KVEvent(EventType.REMOVE, m.sequence_hash, m.prefix_hash, m.parent_hash, self.block_bytes, p.volume_id)
+            for p in dropped
+            if p.key.namespace == self.namespace and (m := metas.get(p.key.sequence_hash)) is not None
+        ]
+        if events:
+            self.publisher.publish(events)
+            self.publisher.flush()
+        return events
 
     def lookup(self, tokens: np.ndarray | Sequence[int]) -> int:
         """Leading full blocks of ``tokens`` held in G1, G2 or storage (no side effects:

@@ -38,6 +38,17 @@ HOST = "g2"
 """Tier name of the worker's host pool."""
 
 
+STORED = "store"
+"""Operation of a :class:`ResidencyReport` change: the blocks are now held at the tier."""
+
+REMOVED = "remove"
+"""Operation of a :class:`ResidencyReport` change: the blocks are no longer held there."""
+
+Change = tuple[str, str, list[int]]
+"""``(operation, tier, sequence hashes)``: :data:`STORED` or :data:`REMOVED`, ``"g2"`` or
+``"storage"``, the blocks in the order the worker saw them."""
+
+
 @dataclass(slots=True)
 class ResidencyReport:
     """Residency changes one worker rank made since its previous report (plain data: it
@@ -45,21 +56,21 @@ class ResidencyReport:
 
     Attributes:
         rank: the reporting rank (tensor-parallel rank; 0 for one worker).
-        stored: ``(tier, sequence hashes)`` now held, in the order they happened.
-        removed: ``(tier, sequence hashes)`` no longer held (evicted, or a load found
-            them missing or corrupt).
+        changes: Store / Remove runs (:data:`Change`) in the order they happened: a
+            step that evicts block X from G2 and then saves X again reports
+            ``[(REMOVED, "g2", [X]), (STORED, "g2", [X])]``, and X ends up held.  A
+            Remove also stands for a load that found the block missing or corrupt.
         load_failures: blocks whose load failed on this rank since its previous report.
         others: reports of other ranks merged into this one (:meth:`merge`).
     """
 
     rank: int = 0
-    stored: list[tuple[str, list[int]]] = field(default_factory=list)
-    removed: list[tuple[str, list[int]]] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)
     load_failures: int = 0
     others: list[ResidencyReport] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.load_failures or self.others)
+        return bool(self.changes or self.load_failures or self.others)
 
     def merge(self, other: ResidencyReport) -> ResidencyReport:
         """Append ``other`` (another rank's report of the same step); returns ``self``."""
@@ -68,7 +79,7 @@ class ResidencyReport:
 
     def flatten(self) -> list[ResidencyReport]:
         """This report and every merged one, each without ``others``."""
-        out = [ResidencyReport(self.rank, self.stored, self.removed, self.load_failures)]
+        out = [ResidencyReport(self.rank, self.changes, self.load_failures)]
         for o in self.others:
             out.extend(o.flatten())
         return out
@@ -93,28 +104,31 @@ class ResidencyDirectory:
         self._lock = threading.Lock()
 
     def apply(self, report: ResidencyReport) -> None:
-        """Fold one (possibly merged) report in.
+        """Fold one (possibly merged) report in, each rank's changes in the order they
+        happened (a Remove then a Store of one block leaves it held).
 
         Raises:
-            ValueError: a rank outside ``[0, world_size)`` or an unknown tier.
+            ValueError: a rank outside ``[0, world_size)``, an unknown tier or operation.
         """
         with self._lock:
             for r in report.flatten():
                 if not 0 <= r.rank < self.world_size:
                     raise ValueError(f"report from rank {r.rank}, world size is {self.world_size}")
                 bit = 1 << r.rank
-                for tier, hashes in r.stored:
+                for op, tier, hashes in r.changes:
                     ranks = self._tier(tier)
-                    for h in hashes:
-                        ranks[h] = ranks.get(h, 0) | bit
-                for tier, hashes in r.removed:
-                    ranks = self._tier(tier)
-                    for h in hashes:
-                        left = ranks.get(h, 0) & ~bit
-                        if left:
-                            ranks[h] = left
-                        else:
-                            ranks.pop(h, None)
+                    if op == STORED:
+                        for h in hashes:
+                            ranks[h] = ranks.get(h, 0) | bit
+                    elif op == REMOVED:
+                        for h in hashes:
+                            left = ranks.get(h, 0) & ~bit
+                            if left:
+                                ranks[h] = left
+                            else:
+                                ranks.pop(h, None)
+                    else:
+                        raise ValueError(f"unknown residency operation {op!r} (expected {STORED!r} or {REMOVED!r})")
 
     def _tier(self, tier: str) -> dict[int, int]:
         try:
@@ -176,9 +190,16 @@ class ReportingSink:
         self.rank = rank
         self.source = getattr(publisher, "source", "worker")
         self._lock = threading.Lock()
-        self._stored: list[tuple[str, list[int]]] = []
-        self._removed: list[tuple[str, list[int]]] = []
+        self._changes: list[Change] = []
         self._failures = 0
+
+    def _record(self, op: str, tier: str, sequence_hash: int) -> None:
+        """Append one change (lock held), extending the last run when it has the same
+        operation and tier."""
+        if self._changes and self._changes[-1][0] == op and self._changes[-1][1] == tier:
+            self._changes[-1][2].append(sequence_hash)
+        else:
+            self._changes.append((op, tier, [sequence_hash]))
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Record the residency changes of ``events`` and forward them, in order."""
@@ -187,21 +208,16 @@ class ReportingSink:
                 loc = ev.storage_location
                 if loc == "g1" or ev.type == EventType.CLEARED:
                     continue
-                tier = HOST if loc == HOST else STORAGE
-                out = self._stored if ev.type == EventType.STORE else self._removed
-                if out and out[-1][0] == tier:
-                    out[-1][1].append(ev.sequence_hash)
-                else:
-                    out.append((tier, [ev.sequence_hash]))
+                self._record(STORED if ev.type == EventType.STORE else REMOVED, HOST if loc == HOST else STORAGE,
+                             ev.sequence_hash)
         self.publisher.publish(events)
 
     def lost(self, tier: str, hashes: Iterable[int], failures: int = 0) -> None:
-        """Record blocks found missing or corrupt at ``tier`` (a failed load), and count
-        ``failures`` failed block loads."""
-        hashes = list(hashes)
+        """Record blocks found missing at ``tier`` (a failed load) whose Remove was
+        published already (a G2 eviction), and count ``failures`` failed block loads."""
         with self._lock:
-            if hashes:
-                self._removed.append((tier, hashes))
+            for h in hashes:
+                self._record(REMOVED, tier, h)
             self._failures += failures
 
     def flush(self) -> None:
@@ -211,8 +227,8 @@ class ReportingSink:
     def take_report(self) -> ResidencyReport | None:
         """The changes recorded since the last call, or ``None`` when there are none."""
         with self._lock:
-            if not (self._stored or self._removed or self._failures):
+            if not (self._changes or self._failures):
                 return None
-            report = ResidencyReport(self.rank, self._stored, self._removed, self._failures)
-            self._stored, self._removed, self._failures = [], [], 0
+            report = ResidencyReport(self.rank, self._changes, self._failures)
+            self._changes, self._failures = [], 0
         return report

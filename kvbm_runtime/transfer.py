@@ -323,11 +323,16 @@ class StorageOnboardResult:
         failed_index: index of the first item that could not be read, else ``None``.
         error: its exception (for a checksum mismatch or a lost segment, that error, not
             the "not found" that a retry of the quarantined copy gives).
+        dropped: copies the failed read quarantined (:attr:`StorageError.dropped` of
+            every error met, the failed item's and any other's of its batch): the catalog
+            no longer holds them, so their Removes are owed
+            (:meth:`kvbm_runtime.manager.BlockManager.publish_dropped`).
     """
 
     loaded: int
     failed_index: int | None = None
     error: BaseException | None = None
+    dropped: list[Placement] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- internals
@@ -917,10 +922,12 @@ class TransferManager:
             try:
                 self.store.get(ks, out=outs)
             except Exception as batch_exc:  # noqa: BLE001 - find the first failing block
+                dropped = list(getattr(batch_exc, "dropped", ()))
                 for k, (key, out) in enumerate(zip(ks, outs, strict=True)):
                     try:
                         self.store.get([key], out=[out])
                     except Exception as exc:  # noqa: BLE001 - reading stops here (C17)
+                        dropped.extend(getattr(exc, "dropped", ()))
                         # the failed batch may have quarantined the copy (checksum
                         # mismatch, or its segment is gone): then the batch error is the
                         # cause, "not found" only its consequence.  The quarantine is what
@@ -931,7 +938,8 @@ class TransferManager:
                             else exc
                         )
                         self._land(layout, dst_ids[start : start + k], direct[start : start + k], outs[:k])
-                        return StorageOnboardResult(loaded=loaded + k, failed_index=start + k, error=cause)
+                        return StorageOnboardResult(loaded=loaded + k, failed_index=start + k, error=cause,
+                                                    dropped=dropped)
             self._land(layout, dst_ids[start : start + len(ks)], direct[start : start + len(ks)], outs)
             loaded += len(ks)
         return StorageOnboardResult(loaded=loaded)

@@ -71,7 +71,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from event_plane import make_publisher
 from event_plane.adapters.peer import hash_to_u64
-from storage_backends import SqliteCatalog, StorageAgent
+from storage_backends import PlacementCatalog, SqliteCatalog, StorageAgent
+from storage_backends.deployment import DeploymentStorage, SettingsError
 from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 
 from .config import RuntimeConfig
@@ -121,6 +122,18 @@ class ConnectorSettings(BaseModel):
             ``zmq://host:port?replay=port``, ``nats://...``); rank r > 0 of a ``zmq://``
             URL adds r to both ports.
         source: event source name of rank 0 (rank r appends ``-r``).
+        storage_config: the advisors' storage declaration, read with
+            :class:`storage_backends.deployment.DeploymentStorage`: the embedded advisor's
+            JSON config (SQLite catalog at its ``catalog_path``) or the cluster advisors'
+            ``--storage`` file (Redis catalog under its ``catalog_prefix``).  Every volume
+            it declares is registered, so a block is read wherever the advisor moved it.
+            Excludes ``volume``, ``storage_catalog`` and ``disk_cache_dir``.
+        catalog_url: with ``storage_config``: the catalog instead of the file's (a
+            SQLite path, or ``redis://HOST:PORT/DB`` without a password; a Redis
+            catalog's default is ``$KVADVISOR_CLUSTER_REDIS_URL``, which may carry it).
+        landing_volume: with ``storage_config``: the volume new blocks are written to
+            (default: the file's ``fast_volume``, else ``fast``); promotion, demotion and
+            compaction are the advisor's.
         storage_catalog: SQLite placement catalog of the volume (default:
             ``catalog.sqlite`` in a POSIX volume's root; required for S3).
         volume: the offload volume (:class:`VolumeConfig`); without it, a G3 POSIX
@@ -135,6 +148,9 @@ class ConnectorSettings(BaseModel):
 
     events_url: str = "null://"
     source: str | None = None
+    storage_config: str | None = None
+    catalog_url: str | None = None
+    landing_volume: str | None = None
     storage_catalog: str | None = None
     volume: VolumeConfig | None = None
     disk_cache_dir: str | None = None
@@ -156,11 +172,40 @@ class ConnectorSettings(BaseModel):
             settings = cls(**data)
         except ValidationError as exc:
             raise ConnectorError(f"invalid kv_connector_extra_config: {exc}") from exc
+        settings._check_storage_keys()
         runtime = dict(settings.model_extra or {})
         unknown = sorted(set(runtime) - set(RuntimeConfig.model_fields))
         if unknown:
             raise ConnectorError(f"unknown kv_connector_extra_config keys {unknown}")
         return settings, runtime
+
+
+    def _check_storage_keys(self) -> None:
+        """One declaration of the volumes: ``storage_config`` excludes the single-volume
+        keys; ``catalog_url`` / ``landing_volume`` need it; a catalog URL carries no
+        password (vLLM logs this config).
+
+        Raises:
+            ConnectorError: naming the keys.
+        """
+        if self.storage_config is None:
+            given = [k for k in ("catalog_url", "landing_volume") if getattr(self, k) is not None]
+            if given:
+                raise ConnectorError(f"kv_connector_extra_config {given} need \"storage_config\" (the advisors' storage file)")
+            return
+        clash = [k for k in ("volume", "storage_catalog", "disk_cache_dir") if getattr(self, k) is not None]
+        if clash:
+            raise ConnectorError(
+                f"kv_connector_extra_config: \"storage_config\" declares the volumes and the catalog; drop {clash}"
+            )
+        if self.catalog_url is not None:
+            from urllib.parse import urlsplit
+
+            if "://" in self.catalog_url and urlsplit(self.catalog_url).password:
+                raise ConnectorError(
+                    "kv_connector_extra_config \"catalog_url\" must not carry a password (vLLM logs it): "
+                    "put the URL in $KVADVISOR_CLUSTER_REDIS_URL and leave catalog_url out"
+                )
 
 
 class KvbmVllmMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -257,6 +302,16 @@ def _tp_rank() -> int:
         return 0
 
 
+def _redacted(url: str) -> str:
+    """``url`` without a password (``scheme://user:***@host``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
 def _rank_url(url: str, rank: int) -> str:
     """``zmq://h:p?replay=q`` of rank r: ports p + r and q + r (other URLs unchanged)."""
     if rank == 0 or not url.startswith("zmq://"):
@@ -287,7 +342,8 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: KvbmConnectorWorker | None = None
         self._manager: BlockManager | None = None
         self._agent: StorageAgent | None = None
-        self._catalog: SqliteCatalog | None = None
+        self._catalog: PlacementCatalog | None = None
+        self._deployment: DeploymentStorage | None = None
         self._publisher: Any = None
         self._endpoint: WorkerEndpoint | None = None
         self._requests: dict[str, Any] = {}
@@ -315,8 +371,44 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._leader = KvbmLeader(cfg.page_size, probe.salt, world)
 
+    def _open_deployment(self, path: str) -> tuple[StorageAgent, str]:
+        """Storage agent over every volume of the advisors' file and their catalog;
+        returns it and the landing volume.
+
+        Raises:
+            ConnectorError: the file is invalid, or the landing volume is not declared.
+            StorageError: a volume or the catalog cannot be opened.
+        """
+        s = self._settings
+        try:
+            dep = DeploymentStorage.load(path)
+            descriptors = dep.descriptors()
+        except SettingsError as exc:
+            raise ConnectorError(f"kv_connector_extra_config \"storage_config\": {exc}") from exc
+        ids = [d.id for d in descriptors]
+        landing = s.landing_volume or dep.fast_volume or "fast"
+        if landing not in ids:
+            raise ConnectorError(f"landing volume {landing!r} is not declared in {path} (volumes: {ids})")
+        try:
+            catalog = dep.open_catalog(s.catalog_url)
+        except SettingsError as exc:
+            raise ConnectorError(f"kv_connector_extra_config \"storage_config\": {exc}") from exc
+        self._catalog = catalog
+        self._deployment = dep
+        agent = StorageAgent(catalog, name=f"kvbm-{self._engine_id[:8]}-{self._config.tp_rank}",
+                             allowed_roots=dep.volume_roots)
+        try:
+            for desc in descriptors:
+                agent.register_volume(desc)
+        except BaseException:
+            agent.close()
+            raise
+        return agent, landing
+
     def _open_storage(self, cfg: RuntimeConfig) -> tuple[StorageAgent | None, str | None]:
         s = self._settings
+        if s.storage_config is not None:
+            return self._open_deployment(s.storage_config)
         vol: VolumeDescriptor | None = None
         if s.volume is not None:
             vol = s.volume.descriptor()
@@ -462,6 +554,30 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "KVBM worker rank %d: %d G1 blocks of %d B, G2 %d blocks, volume %s%s", rank, num_blocks,
             self._manager.block_bytes, cfg.g2_blocks, volume, " (disk-only)" if disk_only else "",
         )
+        self._announce_namespace(rank)
+
+    def _announce_namespace(self, rank: int) -> None:
+        """Log the storage key namespace and the model fingerprint it comes from (an
+        advisor moves only the blocks of the namespaces it is configured for), and warn
+        when the advisors' file of ``storage_config`` does not manage it."""
+        m = self._manager
+        assert m is not None
+        fp = m.fingerprint
+        volumes = [v.id for v in self._agent.volumes()] if self._agent is not None else []
+        logger.info(
+            "KVBM storage namespace %s (model %s revision %r, dtype %s, layout %s, block size %d; events %s, "
+            "source %s; volumes %s, landing %s): set the advisor's namespace to it",
+            m.namespace, fp.name, fp.revision, fp.dtype, fp.layout, fp.block_size,
+            _redacted(self._settings.events_url), self._publisher.source if self._publisher is not None else "-",
+            volumes, m.g3_volume,
+        )
+        dep = self._deployment
+        if dep is not None and rank == 0 and not dep.manages(m.namespace):
+            logger.warning(
+                "the advisors of %s manage namespaces %s, not this engine's %s: they will not move its blocks "
+                "(set their namespace, or add it to extra_namespaces / key_namespaces)",
+                dep.path, list(dep.namespaces or ()), m.namespace,
+            )
 
     def bind_connector_metadata(self, connector_metadata: KvbmVllmMetadata) -> None:
         """Bind the step's metadata (worker side)."""

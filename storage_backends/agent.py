@@ -603,6 +603,10 @@ class StorageAgent:
             TransferError: a read failed on its own at the block's current placement
                 (``out`` contents undefined, as above).
             InvalidRequestError: bad key or ``out``.
+
+        Every error raised after reading began lists in ``dropped``
+        (:attr:`StorageError.dropped`) the placements the call quarantined, so the caller
+        can announce their removal.
         """
         keys = list(keys)
         if out is not None and len(out) != len(keys):
@@ -672,6 +676,7 @@ class StorageAgent:
         truncated: list[int] = []
         broken: list[tuple[int, TransferError]] = []
         rechecked: set[int] = set()  # failed their checksum once, read again on their own
+        dropped: list[Placement] = []  # quarantined by this call (StorageError.dropped)
         for attempt in range(_READ_RETRIES + 1):
             if attempt:
                 self.counters.read_retries += 1
@@ -713,50 +718,71 @@ class StorageAgent:
             if not failed and not bad:
                 todo = []
                 break
-            todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated,
-                                rechecked if attempt < _READ_RETRIES else None)
+            try:
+                todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated,
+                                    rechecked if attempt < _READ_RETRIES else None, dropped)
+            except StorageError as exc:  # a key deleted meanwhile, a volume that cannot be asked
+                exc.dropped = tuple(dropped)
+                raise
             if not todo:
                 break
         if todo:  # still moving after every retry
             err = TransferError(f"{len(todo)} block(s) kept moving while being read ({_READ_RETRIES} retries)")
             broken.extend((i, err) for i in todo)
+        failure = self._read_failure(cur, mismatched, truncated, lost, broken)
+        if failure is not None:
+            failure.dropped = tuple(dropped)
+            raise failure
+        assert not any(map(operator.is_, results, itertools.repeat(None)))
+        return results  # type: ignore[return-value]
+
+
+    @staticmethod
+    def _read_failure(
+        cur: list[Placement], mismatched: list[int], truncated: list[int], lost: list[int],
+        broken: list[tuple[int, TransferError]],
+    ) -> StorageError | None:
+        """The error a read ends with (see :meth:`_read_verified`), ``None`` when every
+        block was read."""
         if mismatched:
             p = cur[mismatched[0]]
-            raise ChecksumMismatchError(
+            return ChecksumMismatchError(
                 f"{len(mismatched)} block(s) failed verification, first {p.key} on {p.volume_id!r} "
                 f"segment {p.segment_id} offset {p.offset}: copy quarantined"
             )
         if truncated:
             p = cur[truncated[0]]
-            raise SegmentTruncatedError(
+            return SegmentTruncatedError(
                 f"{len(lost)} block(s) live in segments that are gone or cut short, first truncated: {p.key} "
                 f"on {p.volume_id!r} segment {p.segment_id} at {p.offset}+{p.length}, past the segment's end: "
                 "entries quarantined"
             )
         if lost:
             p = cur[lost[0]]
-            raise SegmentMissingError(
+            return SegmentMissingError(
                 f"{len(lost)} block(s) live in segments that are gone, first {p.key} on {p.volume_id!r} "
                 f"segment {p.segment_id}: entries quarantined"
             )
         if broken:
             if len(broken) == 1:
-                raise broken[0][1]
-            raise TransferError(f"{len(broken)} block(s) failed to read, first: {broken[0][1]}") from broken[0][1]
-        assert not any(map(operator.is_, results, itertools.repeat(None)))
-        return results  # type: ignore[return-value]
+                return broken[0][1]
+            err = TransferError(f"{len(broken)} block(s) failed to read, first: {broken[0][1]}")
+            err.__cause__ = broken[0][1]
+            return err
+        return None
 
     def _triage(
         self, cur: list[Placement], failed: list[tuple[int, TransferError]], bad: list[int], alone: set[int],
         mismatched: list[int], lost: list[int], broken: list[tuple[int, TransferError]],
         truncated: list[int] | None = None, rechecked: set[int] | None = None,
+        quarantined: list[Placement] | None = None,
     ) -> list[int]:
         """Sort the failures of one read round (see :meth:`_read_verified`): updates
         ``cur``, ``alone`` and the outcome lists (``truncated``: the part of ``lost``
         whose segment is there but too short; ``rechecked``: the blocks whose checksum
         failed once and that were read again, on their own: a block is quarantined for a
         mismatch only when it fails a second read, when ``rechecked`` is given); returns
-        the indexes to read again."""
+        the indexes to read again; ``quarantined`` receives every placement it quarantined."""
         if truncated is None:
             truncated = []
         retry_idx = [i for i, _ in failed] + bad
@@ -807,6 +833,8 @@ class StorageAgent:
                 self.counters.checksum_mismatches += 1
                 if self.catalog.quarantine(cur[i], "checksum mismatch on read"):
                     self.counters.quarantined += 1
+                    if quarantined is not None:
+                        quarantined.append(cur[i])
                 mismatched.append(i)
         suspects = [i for i in wrong if lost_at(cur[i]) is not None]
         suspects += [i for i, _ in stuck if lost_at(cur[i]) is not None]
@@ -821,6 +849,8 @@ class StorageAgent:
                     if self.catalog.quarantine(f, why):
                         self.counters.segments_missing += 1
                         self.counters.quarantined += 1
+                        if quarantined is not None:
+                            quarantined.append(f)
                         lost.append(i)
                         dropped.add((f.volume_id, f.segment_id))
                         if sizes[(f.volume_id, f.segment_id)] is not None:

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 
 
 class StorageError(RuntimeError):
-    """Base class of every error the storage layer raises on purpose."""
+    """Base class of every error the storage layer raises on purpose.
+
+    Attributes:
+        dropped: when raised by ``StorageAgent.get``: the placements that call quarantined
+            (bytes wrong, segment gone or cut short): their catalog entries are gone, so
+            whoever announced those copies announces their removal (a Remove event at the
+            placement's volume).  Empty elsewhere.
+    """
+
+    dropped: tuple[Placement, ...] = ()
 
 
 class VolumeConfigError(StorageError, ValueError):

@@ -20,7 +20,7 @@ from kvbm_runtime import BlockManager, RuntimeConfig  # noqa: E402
 from kvbm_runtime.connector import ConnectorError, KvbmConnectorWorker  # noqa: E402
 from kvbm_runtime.handshake import WorkerEndpoint, WorkerJoinError, endpoint_path, join_workers  # noqa: E402
 from kvbm_runtime.leader import KvbmLeader, StepRequest  # noqa: E402
-from kvbm_runtime.residency import HOST, STORAGE, ReportingSink, ResidencyDirectory, ResidencyReport  # noqa: E402
+from kvbm_runtime.residency import HOST, REMOVED, STORAGE, STORED, ReportingSink, ResidencyDirectory, ResidencyReport  # noqa: E402
 from conftest import posix_agent  # noqa: E402
 
 PAGE, LAYERS, INNER, BLOCKS = 4, 2, 8, 16
@@ -166,6 +166,65 @@ def test_failed_storage_load_reports_blocks_and_forgets_the_lost_one(tmp_path: P
         rig.close()
 
 
+def test_failed_storage_load_publishes_a_remove_for_every_dropped_copy(tmp_path: Path) -> None:
+    """A load whose read quarantines copies (checksum mismatch) announces Remove(<volume>)
+    for each of them, to the advisor (events) and to the leader (the step's report): no
+    index keeps placing the block on the volume, and the next save stores it again."""
+    rig = Rig(tmp_path, store=True, g2_blocks=2)
+    try:
+        hashes = [311, 312]
+        rig.step([StepRequest("a", hashes, [0, 1], 0, 9)])
+        rig.leader.finished("a")
+        rig.settle()
+        rig.step([], finished={"a"})
+        rig.step([StepRequest("b", [411, 412], [2, 3], 0, 9)])  # evicts a's G2 copies
+        rig.leader.finished("b")
+        rig.settle()
+        rig.step([], finished={"b"})
+        for p in (tmp_path / "fast").rglob("*"):
+            if p.is_file() and p.name != "catalog.sqlite":
+                data = bytearray(p.read_bytes())
+                for i in range(0, len(data), 64):
+                    data[i] ^= 0xFF
+                p.write_bytes(data)
+        rig.events.clear()
+        assert rig.leader.match("c", hashes, 9, 0) == (8, True)
+        rig.leader.plan_load("c", [5, 6, 7], 8)
+        recving = None
+        deadline = time.monotonic() + 10
+        while not recving and time.monotonic() < deadline:
+            _, recving, _ = rig.step([])
+        rig.manager.flush()
+        # both copies were quarantined by the read (the second in the same failed batch)
+        assert sorted(e for e in rig.events if e[0] == "REMOVE") == [("REMOVE", "fast", 311), ("REMOVE", "fast", 312)]
+        assert rig.agent is not None and rig.agent.exists([rig.manager.block_key(h) for h in hashes]) == [False, False]
+        assert rig.leader.directory.match(hashes) == []
+    finally:
+        rig.close()
+
+
+def test_a_remove_then_a_store_leaves_the_block_held() -> None:
+    """Events are folded in the order they happened: G2 evicts X, then the same step saves
+    X again (Remove X, Store X): the scheduler side must see X held, not gone."""
+    from event_plane.schema import EventType, KVEvent
+
+    sink = ReportingSink(NullPublisher("w0"))
+    x, y = 0xAB, 0xCD
+    sink.publish([KVEvent(EventType.STORE, x, x, None, 64, HOST), KVEvent(EventType.STORE, y, y, None, 64, "fast")])
+    sink.publish([KVEvent(EventType.REMOVE, x, x, None, 64, HOST), KVEvent(EventType.REMOVE, y, y, None, 64, "fast")])
+    sink.publish([KVEvent(EventType.STORE, x, x, None, 64, HOST)])
+    report = sink.take_report()
+    assert report is not None
+    d = ResidencyDirectory()
+    d.apply(pickle.loads(pickle.dumps(report)))  # as it crosses from the worker to the scheduler
+    assert d.tier_of(x) == HOST
+    assert d.tier_of(y) is None
+    # and across reports: stored in one step, removed in the next
+    sink.publish([KVEvent(EventType.REMOVE, x, x, None, 64, HOST)])
+    d.apply(sink.take_report())  # type: ignore[arg-type]
+    assert d.tier_of(x) is None
+
+
 def test_disk_only_saves_go_straight_to_the_volume(tmp_path: Path) -> None:
     rig = Rig(tmp_path, store=True, disk_only=True)
     try:
@@ -198,12 +257,12 @@ def test_disk_only_needs_a_volume(tmp_path: Path) -> None:
 
 def test_directory_needs_every_rank_and_reports_merge() -> None:
     d = ResidencyDirectory(world_size=2)
-    r0 = ResidencyReport(0, stored=[(HOST, [1, 2])])
+    r0 = ResidencyReport(0, [(STORED, HOST, [1, 2])])
     d.apply(r0)
     assert d.match([1, 2]) == []  # rank 1 has not stored them
-    d.apply(ResidencyReport(1, stored=[(HOST, [1])]).merge(ResidencyReport(0, stored=[(STORAGE, [2])])))
+    d.apply(ResidencyReport(1, [(STORED, HOST, [1])]).merge(ResidencyReport(0, [(STORED, STORAGE, [2])])))
     assert d.match([1, 2]) == [HOST]
-    d.apply(ResidencyReport(1, stored=[(STORAGE, [2])], removed=[(HOST, [1])]))
+    d.apply(ResidencyReport(1, [(STORED, STORAGE, [2]), (REMOVED, HOST, [1])]))
     assert d.match([1, 2]) == []
     with pytest.raises(ValueError, match="rank 2"):
         d.apply(ResidencyReport(2))
@@ -211,7 +270,7 @@ def test_directory_needs_every_rank_and_reports_merge() -> None:
 
 def test_leader_refuses_misaligned_and_overlong_requests() -> None:
     leader = KvbmLeader(PAGE)
-    leader.apply_report(ResidencyReport(0, stored=[(HOST, [1, 2])]))
+    leader.apply_report(ResidencyReport(0, [(STORED, HOST, [1, 2])]))
     with pytest.raises(ConnectorError):
         leader.match("x", [1, 2], 9, 3)
     assert leader.match("x", [1, 2], 9, 0) == (8, False)

@@ -254,3 +254,48 @@ def test_blocks_on_an_object_volume_count_as_g4_hits(agent: StorageAgent, local_
     assert (r.hits_g3, r.hits_g4, r.computed, r.stored_g3) == (0, 3, 0, 0)
     for h in hs:
         assert torch.equal(reader.read_block("g1", h), expected(reader, h))
+
+
+def _removes(events: list[tuple[str, int, int | None, str]], loc: str) -> list[tuple[int, int | None]]:
+    return [(h, p) for t, h, p, l in events if t == "REMOVE" and l == loc]
+
+
+def test_a_failed_read_publishes_a_remove_for_every_copy_it_dropped(agent: StorageAgent, tmp_path: Path) -> None:
+    """The catalog entries a failed onboarding read quarantines are announced (Remove at
+    the volume, with the block's identity), before the recomputed blocks are stored again:
+    an index fed by these events never keeps placing a block on a volume that lost it."""
+    writer = manager(agent, Capture("writer"))
+    tokens = list(range(600, 616))
+    hs = writer.serve(tokens, fill_synthetic_kv).sequence_hashes
+    placements = agent.locate([writer.block_key(h) for h in hs])
+    seg = _segment_file(tmp_path / "fast")
+    with open(seg, "r+b") as f:  # blocks 1 and 3 go bad: reading stops at 1, 3 is dropped too
+        for p in (placements[1], placements[3]):
+            assert p is not None
+            f.seek(p.offset + 7)
+            byte = f.read(1)
+            f.seek(p.offset + 7)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    cap = Capture("reader")
+    reader = manager(agent, cap)
+    r = reader.serve(tokens, fill_synthetic_kv)
+    assert (r.hits_g3, r.computed) == (1, 3)
+    ev = cap.events()
+    dropped = [(hs[1], hs[0]), (hs[3], hs[2])]
+    assert sorted(_removes(ev, "fast")) == sorted(dropped)
+    # each Remove comes before the recomputed block's new Store at the volume
+    order = [(t, h) for t, h, _, l in ev if l == "fast"]
+    for h, _ in dropped:
+        assert order.index(("REMOVE", h)) < order.index(("STORE", h))
+    # the held ones are not announced gone
+    assert not any(h in (hs[0], hs[2]) for h, _ in _removes(ev, "fast"))
+
+
+def test_a_lost_segment_publishes_removes_for_all_its_blocks(agent: StorageAgent, tmp_path: Path) -> None:
+    writer = manager(agent, Capture("writer"))
+    tokens = list(range(700, 712))
+    hs = writer.serve(tokens, fill_synthetic_kv).sequence_hashes
+    _segment_file(tmp_path / "fast").unlink()
+    cap = Capture("reader")
+    manager(agent, cap).serve(tokens, fill_synthetic_kv)
+    assert sorted(_removes(cap.events(), "fast")) == sorted(chain_pairs(hs))
