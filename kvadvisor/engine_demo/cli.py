@@ -29,7 +29,7 @@ def engine_demo(*, requests: int | None, engines: int, trace: Path | None, block
 
     from .engines import EngineError
 
-    console = console or Console()
+    console = console or Console(width=max(Console().width, 140))
     try:
         s = EngineDemoSettings(requests=requests or DEFAULT_REQUESTS, engines=engines, trace=trace,
                                block_tokens=block_tokens, time_scale=time_scale, router=router,  # type: ignore[arg-type]

@@ -77,7 +77,7 @@ class EngineDemoSettings(BaseModel):
     g1_blocks: int = Field(128, ge=2)
     g2_blocks: int = Field(256, ge=1)
     fast_capacity_blocks: int = Field(1024, ge=1)
-    policy_interval_s: float = Field(5.0, gt=0)
+    policy_interval_s: float = Field(2.0, gt=0)
     sample: int = Field(8, ge=0, description="requests checked token-identical against an engine without the connector")
     layers: int = Field(2, ge=1)
     hidden: int = Field(128, ge=32)
@@ -379,6 +379,8 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         if s.moves and s.mode == "volumes":
             with _PolicyRounds(client, s.policy_interval_s) as rounds:
                 results, router = asyncio.run(run_replay())
+            _settle(client)
+            rounds.once()  # the replay's last blocks too
         else:
             rounds = None
             results, router = asyncio.run(run_replay())
