@@ -136,7 +136,15 @@ def main() -> int:
         checked = sum(1 for res in r.results if res.error is None and res.index in ref)
         c = r.vllm_cached_by_source
         mv = r.moves
-        rows[k] = {"ttft": r.ttft_s, "saved": r.prefill_saved, "prompt": r.prompt_tokens, "same": same, "checked": checked,
+        win = [res for res in r.results if res.error is None and res.index >= args.warmup]
+        hit = [res.ttft_s for res in win if res.cached_tokens > 0]
+        miss = [res.ttft_s for res in win if res.cached_tokens == 0]
+        rows[k] = {"ttft_hit_mean": sum(hit) / len(hit) if hit else None, "hits": len(hit),
+                   "ttft_miss_mean": sum(miss) / len(miss) if miss else None,
+                   "requests": [(res.index, res.engine, res.prompt_tokens, res.cached_tokens, round(res.ttft_s, 4))
+                                for res in r.results if res.error is None],
+                   "kvbm": r.kvbm, "wall_s": r.wall_s, "replay_s": r.replay_s,
+                   "ttft": r.ttft_s, "saved": r.prefill_saved, "prompt": r.prompt_tokens, "same": same, "checked": checked,
                    "failed": r.failed, "cached_by_source": c, "moves": mv, "router": r.router_choices}
         print(f"| ({k}) {LABELS[k]} | {r.ttft_s['mean'] * 1000:.0f} ms | {r.ttft_s['p50'] * 1000:.0f} | "
               f"{r.ttft_s['p90'] * 1000:.0f} | {r.ttft_s['p99'] * 1000:.0f} | {r.prefill_saved:,} "
