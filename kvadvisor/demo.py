@@ -384,7 +384,8 @@ def _env() -> dict[str, str]:
 def open_workdir(stack: ExitStack, workdir: Path | None, keep: bool, prefix: str, holder: str) -> Path:
     """The demo's working directory, locked for ``stack``'s life: ``workdir`` (made
     absolute: advisor.json names its paths from here, and ``advisor run`` may start
-    anywhere), or a new temporary one removed on exit unless ``keep``.
+    anywhere), or a new temporary one removed on exit unless ``keep`` or the run fails (its
+    logs say why; the path is printed on stderr).
 
     Raises:
         DemoError: another process holds the directory's lock.
@@ -396,7 +397,13 @@ def open_workdir(stack: ExitStack, workdir: Path | None, keep: bool, prefix: str
     except WorkdirLockedError as exc:
         raise DemoError(str(exc)) from None
     if not keep and not workdir:
-        stack.callback(shutil.rmtree, path, ignore_errors=True)
+        def remove_unless_failed(exc_type: type[BaseException] | None, *_: object) -> None:
+            if exc_type is None or exc_type is KeyboardInterrupt:
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # the logs say why
+                print(f"kept the work directory of the failed run: {path}", file=sys.stderr)
+
+        stack.push(remove_unless_failed)
     return path
 
 

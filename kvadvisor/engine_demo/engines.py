@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,8 +49,8 @@ class EngineSpec:
         block_bytes: KV bytes of one block (sizes ``--kv-cache-memory-bytes``).
         connector: ``kv_connector_extra_config`` of the kvbm connector; ``None`` starts
             vLLM without any connector.
-        kv_events_port: vLLM's KV events on ``tcp://127.0.0.1:PORT`` (replay on PORT + 1);
-            ``None``: no events.
+        kv_events_port: vLLM's KV events on ``tcp://127.0.0.1:PORT``; ``None``: no events.
+        kv_replay_port: their replay socket (``ROUTER``), ``tcp://127.0.0.1:PORT``.
         env: extra environment of the engine's processes (``DYN_KVBM_*``, AWS credentials).
         log_path: stdout and stderr of the process.
     """
@@ -64,6 +65,7 @@ class EngineSpec:
     block_bytes: int = 32 << 10
     connector: Mapping[str, Any] | None = None
     kv_events_port: int | None = None
+    kv_replay_port: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -106,7 +108,7 @@ def serve_argv(spec: EngineSpec) -> list[str]:
         argv += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
             "endpoint": f"tcp://127.0.0.1:{spec.kv_events_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{spec.kv_events_port + 1}",
+            **({"replay_endpoint": f"tcp://127.0.0.1:{spec.kv_replay_port}"} if spec.kv_replay_port else {}),
         })]
     return argv
 
@@ -144,11 +146,19 @@ class EngineProcess:
                 time.sleep(0.5)
 
     def log_tail(self, chars: int = 1500) -> str:
-        """The end of the engine's log."""
+        """The error lines of the engine's log (``...Error: ...``, at most 8 distinct ones,
+        the root cause usually first), then its end."""
         try:
-            return self.spec.log_path.read_text(errors="replace")[-chars:]
+            text = self.spec.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        errors: list[str] = []
+        for line in text.splitlines():
+            m = re.search(r"\b[A-Za-z_.]*(Error|Exception): .*", line)
+            if m and m.group(0) not in errors:
+                errors.append(m.group(0))
+        head = "\n".join(errors[:8])
+        return (f"errors in the log:\n{head}\n" if head else "") + "end of the log:\n" + text[-chars:]
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus counters (``GET /metrics``), summed per name and ``source``

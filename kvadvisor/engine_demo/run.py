@@ -300,10 +300,10 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         stack.callback(s3.stop)
         catalog = workdir / "catalog.sqlite"
         volumes = _volumes(workdir, s, block_bytes, s3.endpoint, s3.access_key, s3.secret_key)
-        kv_ports = [free_port() for _ in range(s.engines)]
+        kv_ports = [(free_port(), free_port()) for _ in range(s.engines)]  # (events, replay)
         conn_urls = [f"zmq://127.0.0.1:{free_port()}?replay={free_port()}" for _ in range(s.engines)]
-        subs = [f"vllm+zmq://127.0.0.1:{p}?replay={p + 1}&source=vllm-{i}&topic=kv&model={model}"
-                for i, p in enumerate(kv_ports)]
+        subs = [f"vllm+zmq://127.0.0.1:{p}?replay={q}&source=vllm-{i}&topic=kv&model={model}"
+                for i, (p, q) in enumerate(kv_ports)]
         if s.mode != "vllm":
             subs += conn_urls
         adv_pub = f"zmq://127.0.0.1:{free_port()}?replay={free_port()}"
@@ -320,9 +320,9 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         api_url = stack.enter_context(advisor_process(adv_cfg, workdir, env))
         client = AdvisorClient(api_url)
         stack.callback(client.close)
-        for i, p in enumerate(kv_ports):
+        for i, (p, q) in enumerate(kv_ports):
             r = client.http.post("/register", json={
-                "instance_id": i, "endpoint": f"tcp://127.0.0.1:{p}", "replay_endpoint": f"tcp://127.0.0.1:{p + 1}",
+                "instance_id": i, "endpoint": f"tcp://127.0.0.1:{p}", "replay_endpoint": f"tcp://127.0.0.1:{q}",
                 "model_name": model, "block_size": PAGE})
             r.raise_for_status()
         if on_ready:
@@ -337,7 +337,7 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
                        "DYN_KVBM_METRICS": "true", "DYN_KVBM_METRICS_PORT": str(kvbm_ports[i])}
             specs.append(EngineSpec(f"engine-{i}", model_dir, free_port(), s.g1_blocks, workdir / f"engine-{i}.log",
                                     max_model_len=s.max_model_len, block_bytes=block_bytes, connector=extra,
-                                    kv_events_port=kv_ports[i], env=eng_env))
+                                    kv_events_port=kv_ports[i][0], kv_replay_port=kv_ports[i][1], env=eng_env))
         if s.sample:
             specs.append(EngineSpec("reference", model_dir, free_port(), s.g1_blocks, workdir / "reference.log",
                                     max_model_len=s.max_model_len, block_bytes=block_bytes))
