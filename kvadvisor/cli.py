@@ -52,10 +52,26 @@ def demo(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
     scaled: Annotated[bool, typer.Option("--scaled", help="replay through the topology `kvadvisor up` started")] = False,
     cluster_dir: Annotated[Path, typer.Option("--dir", help="--scaled: the directory given to `kvadvisor up`")] = Path("runs/cluster"),
+    engine: Annotated[str, typer.Option(help="sim: simulated workers; vllm: real vLLM engines (`vllm serve`) with the connector")] = "sim",
+    engines: Annotated[int, typer.Option(help="--engine vllm: engines to start")] = 2,
+    block_tokens: Annotated[int, typer.Option(help="--engine vllm: tokens per trace block (the trace's are 512)")] = 32,
+    time_scale: Annotated[float, typer.Option(help="--engine vllm: the trace's time is divided by this")] = 10.0,
+    router: Annotated[str, typer.Option(help="--engine vllm: kv (overlap from POST /query weighed against load) | round-robin")] = "kv",
+    sample: Annotated[int, typer.Option(help="--engine vllm: requests checked against an engine without the connector")] = 8,
 ) -> None:
     """Replay a real trace through workers, event plane, advisor, volumes and the REST API
-    (``--scaled``: through the NATS cluster, Redis, S3 and cluster advisors of ``kvadvisor up``)."""
+    (``--scaled``: through the NATS cluster, Redis, S3 and cluster advisors of ``kvadvisor up``;
+    ``--engine vllm``: through real vLLM engines, default the first 100 requests)."""
     import signal
+
+    if engine == "vllm":
+        from kvadvisor.engine_demo.cli import engine_demo
+
+        engine_demo(requests=requests, engines=engines, trace=trace, block_tokens=block_tokens, time_scale=time_scale,
+                    router=router, sample=sample, workdir=workdir, json_out=json_out, fail=_fail)
+        return
+    if engine != "sim":
+        _fail(f"--engine must be sim or vllm, got {engine!r}")
 
     from kvadvisor.demo import DemoError, run_demo
     from kvadvisor.settings import DemoSettings

@@ -381,6 +381,32 @@ def _env() -> dict[str, str]:
     return env
 
 
+def open_workdir(stack: ExitStack, workdir: Path | None, keep: bool, prefix: str, holder: str) -> Path:
+    """The demo's working directory, locked for ``stack``'s life: ``workdir`` (made
+    absolute: advisor.json names its paths from here, and ``advisor run`` may start
+    anywhere), or a new temporary one removed on exit unless ``keep`` or the run fails (its
+    logs say why; the path is printed on stderr).
+
+    Raises:
+        DemoError: another process holds the directory's lock.
+    """
+    path = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        stack.enter_context(workdir_lock(path, holder))
+    except WorkdirLockedError as exc:
+        raise DemoError(str(exc)) from None
+    if not keep and not workdir:
+        def remove_unless_failed(exc_type: type[BaseException] | None, *_: object) -> None:
+            if exc_type is None or exc_type is KeyboardInterrupt:
+                shutil.rmtree(path, ignore_errors=True)
+            else:  # the logs say why
+                print(f"kept the work directory of the failed run: {path}", file=sys.stderr)
+
+        stack.push(remove_unless_failed)
+    return path
+
+
 def run_demo(
     s: DemoSettings,
     progress: Callable[[int, int], None] | None = None,
@@ -405,15 +431,7 @@ def run_demo(
     env = _env()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
-        # absolute: advisor.json names its paths from here, and `advisor run` may start anywhere
-        workdir = Path(s.workdir).resolve() if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            stack.enter_context(workdir_lock(workdir, "kvadvisor demo"))
-        except WorkdirLockedError as exc:
-            raise DemoError(str(exc)) from None
-        if not s.keep and not s.workdir:
-            stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        workdir = open_workdir(stack, s.workdir, s.keep, "kvadvisor-demo-", "kvadvisor demo")
         s3: LocalS3 | None = None
         endpoint = s.s3_endpoint
         access, secret = s.s3_access_key, s.s3_secret_key
@@ -505,18 +523,31 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.batches = sum(p.stats().batches for p in publishers)
     report.event_bytes_per_event = eb / ev if ev else 0.0
     report.payload_bytes_per_event = pb / ev if ev else 0.0
-    mv = st.get("moves", {})
-    report.promotions = int(mv.get("promotions", 0))
-    report.demotions = int(mv.get("demotions", 0))
-    report.compactions = int(mv.get("compactions", 0))
-    report.bytes_moved = int(mv.get("bytes_moved", 0))
-    report.failed_moves = {k: int(v) for k, v in mv.get("failed", {}).items()}
+    mv = advisor_moves(st)
+    report.promotions = mv["promotions"]
+    report.demotions = mv["demotions"]
+    report.compactions = mv["compactions"]
+    report.bytes_moved = mv["bytes_moved"]
+    report.failed_moves = mv["failed"]
     report.deferred_volume_full = int(st.get("ingest", {}).get("deferred_volume_full", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
     report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))
     report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
     report.volumes = client.volumes()
+
+
+def advisor_moves(st: dict[str, Any]) -> dict[str, Any]:
+    """The advisor's moves from its ``GET /v1/stats`` body: ``promotions``, ``demotions``,
+    ``compactions``, ``bytes_moved`` (counts, bytes) and ``failed`` (per kind)."""
+    mv = st.get("moves", {})
+    return {
+        "promotions": int(mv.get("promotions", 0)),
+        "demotions": int(mv.get("demotions", 0)),
+        "compactions": int(mv.get("compactions", 0)),
+        "bytes_moved": int(mv.get("bytes_moved", 0)),
+        "failed": {k: int(v) for k, v in mv.get("failed", {}).items()},
+    }
 
 
 def _refuse_stale_s3_workdir(workdir: Path) -> None:

@@ -1,0 +1,1 @@
+"""``kvadvisor demo --engine vllm``: the loop with real vLLM engines (:mod:`.run`)."""
