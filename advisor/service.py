@@ -256,7 +256,9 @@ class AdvisorService:
             self.counters["origin_refused"] += 1
             self.metrics.origin_refused.labels(transport).inc()
 
-        self.origins = OriginGuard(self._origin_store.load(), on_bind=self._origin_store.bind, on_refuse=refused)
+        # deferred: a source is bound only once a batch of it passes the quotas (ingest)
+        self.origins = OriginGuard(self._origin_store.load(), on_bind=self._origin_store.bind, on_refuse=refused,
+                                   deferred=True)
 
     def release_origin(self, source: str) -> bool:
         """Release ``source``'s origin binding (an operator retired the source or moved it to
@@ -583,7 +585,17 @@ class AdvisorService:
         with self.lock:
             t0 = time.perf_counter()
             if batch.source != self.settings.source:
-                admitted = self._admit(batch)
+                origins = self.origins
+                bindings = None
+                if origins is not None and origins.origin_of(batch.source) is None:
+                    bindings = origins.count()
+                admitted = self._admit(batch, bindings=bindings)
+                if origins is not None:
+                    if admitted is None:
+                        origins.discard(batch.source)  # no binding for a refused batch
+                        return False
+                    if not origins.commit(batch.source):
+                        return False
                 if admitted is None:
                     return False
                 if admitted is not batch:
@@ -618,13 +630,14 @@ class AdvisorService:
         self._maybe_snapshot()
         return True
 
-    def _admit(self, batch: EventBatch, *, rate: bool = True) -> EventBatch | None:
+    def _admit(self, batch: EventBatch, *, rate: bool = True, bindings: int | None = None) -> EventBatch | None:
         """The quota decision for ``batch`` (call under the state lock): ``None`` when
         refused whole, else the batch to journal / apply; counters and metrics are updated.
-        ``rate=False`` skips the per-source rate limit (stream fold)."""
+        ``rate=False`` skips the per-source rate limit (stream fold); ``bindings``: origin
+        bindings held when the source is not bound yet (:meth:`QuotaGuard.admit`)."""
         q = self.quotas
         v0 = q.changes
-        got = q.admit(batch, self.index, rate=rate)
+        got = q.admit(batch, self.index, rate=rate, bindings=bindings)
         if q.changes == v0:
             return got.batch
         # deltas of the guard's own counts (they start at 0 in each process, while
@@ -643,7 +656,7 @@ class AdvisorService:
                 m.quota_refused_events.labels(reason=key[len("quota_refused_events_"):]).inc(d)
             elif key == "reported_hits_capped":
                 m.reported_hits_capped.inc(d)
-            else:
+            elif key == "reported_hits_untrusted":
                 m.reported_hits_untrusted.inc(d)
         return got.batch
 

@@ -197,6 +197,12 @@ class AdvisorSettings(BaseSettings):
             bytes per event (4 KiB) and per batch (1 MiB), and each source's token bucket:
             events/s (200,000) and size in events (1,048,576, at least
             ``quota_max_batch_events``). What goes over is refused alone and counted.
+        quota_max_source_blocks / quota_max_blocks / quota_max_bindings: state quotas
+            (``advisor/quotas.py``): blocks one source may hold in its ``g1``/``g2``
+            (default 2^20, twice what a worker with 1 TiB of G2 + G3 at 2 MiB blocks
+            holds), blocks the index may hold (2^24, about 1.5 GiB of index), and source →
+            origin bindings (20,000). A Store over a block quota is refused alone; a batch
+            of a source not yet bound is refused whole while that many bindings are held.
         reported_hits_sources / reported_hits_cap: sources whose ``extra_metadata["hits"]``
             counts (default none: the key is removed from every subscribed event), and
             the most hits one Store of theirs may report (default 8).
@@ -266,6 +272,9 @@ class AdvisorSettings(BaseSettings):
     quota_max_batch_metadata_bytes: int = Field(1 << 20, ge=1)
     quota_source_rate: float = Field(200_000.0, gt=0.0, allow_inf_nan=False)
     quota_source_burst: int = Field(1 << 20, ge=1)
+    quota_max_source_blocks: int = Field(1 << 20, ge=1)
+    quota_max_blocks: int = Field(1 << 24, ge=1)
+    quota_max_bindings: int = Field(20_000, ge=1)
     reported_hits_sources: list[str] = Field(default_factory=list)
     reported_hits_cap: int = Field(8, ge=0)
     nats_user: str | None = None
@@ -415,6 +424,9 @@ class AdvisorSettings(BaseSettings):
             source_burst=self.quota_source_burst,
             reported_hits_cap=self.reported_hits_cap,
             reported_hits_sources=frozenset(self.reported_hits_sources),
+            max_source_blocks=self.quota_max_source_blocks,
+            max_blocks=self.quota_max_blocks,
+            max_bindings=self.quota_max_bindings,
         )
 
     @property
