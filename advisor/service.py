@@ -234,6 +234,9 @@ class AdvisorService:
                 self._open_origins()
             self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits(), nats_auth=s.nats_auth(),
                                         origins=self.origins, **s.zmq_auth())
+            # a message larger than any batch the quotas admit is dropped unread, and a batch
+            # declaring too many events is refused before its events are decoded
+            self.subscriber.limit_batches(s.quota_max_batch_events, s.max_message_bytes())
             self.subscriber.start()
             self._spawn("kvadvisor-ingest", self._ingest_loop)
         if self.mover is not None and s.policy_interval_s > 0:

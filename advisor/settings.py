@@ -429,6 +429,14 @@ class AdvisorSettings(BaseSettings):
             max_bindings=self.quota_max_bindings,
         )
 
+    def max_message_bytes(self) -> int:
+        """The most bytes a batch that passes the batch quotas takes on the wire
+        (:func:`event_plane.codec.max_batch_bytes` of ``quota_max_batch_events`` and
+        ``quota_max_batch_metadata_bytes``): the size limit of every subscribed socket."""
+        from event_plane.codec import max_batch_bytes
+
+        return max_batch_bytes(self.quota_max_batch_events, self.quota_max_batch_metadata_bytes)
+
     @property
     def origins_file(self) -> str:
         """SQLite file of the source → origin bindings: ``origins_path`` or ``<journal_path>.origins``."""

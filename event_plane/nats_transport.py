@@ -550,9 +550,14 @@ class NatsSubscriber(Subscriber):
     def _on_payload(self, data: bytes, subject: str) -> EventBatch | None:
         """Decode one message that came on ``subject`` (its origin,
         :func:`event_plane.origins.nats_origin`) and hand it to ordering; ``None`` if it
-        does not decode or its source is bound to another subject."""
+        does not decode, is over the size limits (:meth:`Subscriber.limit_batches`; the
+        server's ``max_payload`` bounds what reaches us at all) or its source is bound to
+        another subject."""
+        if self._max_bytes is not None and len(data) > self._max_bytes:
+            self._stats.decode_errors += 1
+            return None
         try:
-            batch = decode_batch(data)
+            batch = decode_batch(data, self._max_events)
         except CodecError:
             self._stats.decode_errors += 1
             return None

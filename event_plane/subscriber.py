@@ -88,6 +88,17 @@ class Subscriber(abc.ABC):
         cls.start = marked_start  # type: ignore[method-assign]
 
     _origins: OriginGuard | None = None
+    _max_events: int | None = None
+    _max_bytes: int | None = None
+
+    def limit_batches(self, max_events: int | None, max_bytes: int | None) -> None:
+        """Refuse a message over ``max_bytes`` bytes (ZMQ: ``MAXMSGSIZE`` on every socket
+        that receives, so libzmq drops it and the connection before it is read; NATS: before
+        decoding) and a batch declaring more than ``max_events`` events (from its header,
+        before any event object is built); both count as decode errors. Call before
+        :meth:`start`; ``None`` lifts a limit."""
+        self._max_events = max_events
+        self._max_bytes = max_bytes
 
     def guard_origins(self, guard: OriginGuard | None) -> None:
         """Check every received batch against ``guard`` before ordering (call before
@@ -244,6 +255,11 @@ class MultiSubscriber(Subscriber):
         super().guard_origins(guard)
         for child in self._children:
             child.guard_origins(guard)
+
+    def limit_batches(self, max_events: int | None, max_bytes: int | None) -> None:
+        super().limit_batches(max_events, max_bytes)
+        for child in self._children:
+            child.limit_batches(max_events, max_bytes)
 
     def start(self) -> None:
         for child in self._children:
