@@ -164,7 +164,9 @@ class AdvisorService:
             "sources_expired": 0,
             "journal_failures": 0,
             "gc_segments_removed": 0,
+            "ingest_restarts": 0,
         }
+        self._ingest_thread: threading.Thread | None = None
         self.journal_error: str | None = None
         """Why the last journal append failed, while it keeps failing (``/healthz`` is then
         unhealthy); ``None`` once an append succeeds again."""
@@ -238,7 +240,8 @@ class AdvisorService:
             # declaring too many events is refused before its events are decoded
             self.subscriber.limit_batches(s.quota_max_batch_events, s.max_message_bytes())
             self.subscriber.start()
-            self._spawn("kvadvisor-ingest", self._ingest_loop)
+            self._ingest_thread = self._spawn("kvadvisor-ingest", self._ingest_loop)
+            self._spawn("kvadvisor-watchdog", self._watchdog_loop)
         if self.mover is not None and s.policy_interval_s > 0:
             self._spawn("kvadvisor-policy", self._policy_loop)
         if self.journal is not None and s.source_ttl_s > 0:
@@ -292,10 +295,34 @@ class AdvisorService:
             raise AdvisorError(str(exc)) from exc
         return lock
 
-    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+    def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         self._threads.append(t)
+        return t
+
+    def ingest_problem(self) -> str | None:
+        """Why subscribed batches are not being ingested now (``/healthz`` is then
+        unhealthy), or ``None``: the ingest thread stopped, or the subscriber's receive
+        loop fails (e.g. out of file descriptors) or stopped."""
+        if self.subscriber is None or self._stop.is_set():
+            return None
+        t = self._ingest_thread
+        if t is not None and not t.is_alive():
+            return "the ingest thread stopped"
+        if not self.subscriber.alive:
+            return f"the subscriber does not receive: {self.subscriber.failing or 'stopped'}"
+        return None
+
+    def _watchdog_loop(self) -> None:
+        """Every second: restart a stopped ingest thread (counted ``ingest_restarts``). A
+        subscriber whose receive loop fails retries by itself; health reports it meanwhile."""
+        while not self._stop.wait(1.0):
+            t = self._ingest_thread
+            if t is not None and not t.is_alive() and not self._stop.is_set():
+                self.counters["ingest_restarts"] += 1
+                logger.error("advisor: the ingest thread stopped; starting it again")
+                self._ingest_thread = self._spawn("kvadvisor-ingest", self._ingest_loop)
 
     # ------------------------------------------------------------------ snapshots + log
     def _open_snapshot_store(self) -> SnapshotStore | None:

@@ -67,6 +67,7 @@ from api.models import (
     plan_response,
 )
 from api.paging import MAX_PAGE, page, parse_cursor
+from api.register_policy import EndpointPolicy
 from kvbm_runtime.hashing import ModelFingerprint, TokenIdError, salt_hash, sequence_hashes
 
 if TYPE_CHECKING:
@@ -152,7 +153,11 @@ def create_app(
     app = FastAPI(title="kvadvisor", version="0.1.0", description="KV-cache block index, volumes and advisor plans",
                   responses=ERROR_RESPONSES)
     app.state.security = ApiSecurity(settings, bind_host)
-    app.state.indexer_registry = registry if registry is not None else IndexerRegistry()
+    if registry is None:
+        closed = not getattr(query, "plain_zmq_allowed", lambda: True)()
+        policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
+        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy)
+    app.state.indexer_registry = registry
     app.add_middleware(GuardMiddleware, security=app.state.security)
     read, admin = [Depends(require_read)], [Depends(require_admin)]
     tiers = _Tiers(query)

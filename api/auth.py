@@ -53,6 +53,13 @@ class ApiSecuritySettings(BaseSettings):
         allowed_hosts: extra ``Host`` names accepted (besides loopback and the bound host).
         allowed_origins: origins allowed cross-origin (CORS); empty = CORS off.
         max_body_bytes: largest request body, bytes.
+        register_networks: networks ``POST /register`` endpoints must lie in (CIDR; default
+            loopback only; :mod:`api.register_policy`).
+        register_resolve_names: resolve host names of registered endpoints (default off:
+            only IP addresses are taken).
+        max_registrations: registrations held at once (lowered to the file-descriptor
+            budget, :class:`api.indexer_registry.IndexerRegistry`).
+        max_indexes: ``(model, tenant)`` indexes of the indexer routes.
 
     Raises:
         pydantic.ValidationError: a token shorter than 16 characters or with whitespace.
@@ -66,6 +73,19 @@ class ApiSecuritySettings(BaseSettings):
     allowed_hosts: list[str] = Field(default_factory=list)
     allowed_origins: list[str] = Field(default_factory=list)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1 << 30)
+    register_networks: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    register_resolve_names: bool = False
+    max_registrations: int = Field(256, ge=1, le=4096)
+    max_indexes: int = Field(64, ge=1, le=4096)
+
+    @field_validator("register_networks")
+    @classmethod
+    def _networks(cls, nets: list[str]) -> list[str]:
+        import ipaddress
+
+        for n in nets:
+            ipaddress.ip_network(n, strict=False)  # ValueError names the bad one
+        return nets
 
     @field_validator("read_tokens", "admin_tokens")
     @classmethod

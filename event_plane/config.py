@@ -202,6 +202,8 @@ class SubscriberStats:
             allowed held back behind its recovery (ZMQ ``max_parked``).
         reconnects: ZMQ: connections to a publisher made again after it dropped (among
             them, a message over the size limit, which libzmq answers by disconnecting).
+        receive_errors: unexpected errors of the transport's receive loop (out of sockets
+            or file descriptors...); the loop pauses and goes on.
     """
 
     batches: int = 0
@@ -218,6 +220,7 @@ class SubscriberStats:
     recoveries_refused: int = 0
     parked_dropped: int = 0
     reconnects: int = 0
+    receive_errors: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

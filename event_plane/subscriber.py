@@ -88,6 +88,9 @@ class Subscriber(abc.ABC):
         cls.start = marked_start  # type: ignore[method-assign]
 
     _origins: OriginGuard | None = None
+    failing: str | None = None
+    """Why the transport's receive loop failed last, while it keeps failing (``None`` once
+    it runs again); the loop pauses and retries."""
     _max_events: int | None = None
     _max_bytes: int | None = None
 
@@ -132,6 +135,12 @@ class Subscriber(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop receiving and release sockets. Idempotent; batches already queued stay readable."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the transport still receives: its thread runs (or it needs none) and its
+        receive loop is not failing. ``False`` after :meth:`close`."""
+        return not self._closed.is_set() and self.failing is None
 
     @property
     def answered(self) -> bool:
@@ -273,6 +282,14 @@ class MultiSubscriber(Subscriber):
     @property
     def answered(self) -> bool:
         return any(child.answered for child in self._children)
+
+    @property
+    def alive(self) -> bool:
+        return all(child.alive for child in self._children)
+
+    @property
+    def failing(self) -> str | None:  # type: ignore[override]
+        return next((c.failing for c in self._children if c.failing is not None), None)
 
     def stats(self) -> SubscriberStats:
         total = SubscriberStats()

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 50
 _END = object()  # end-of-replay marker returned by ZmqSubscriber._parse_reply
 _PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
+_RETRY_S = 0.5  # pause of the receive loop after an unexpected error
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 """``MAXMSGSIZE`` of a subscriber's sockets without :meth:`Subscriber.limit_batches` (the
 advisor sets one derived from its quotas, :func:`event_plane.codec.max_batch_bytes`)."""
@@ -559,6 +560,11 @@ class ZmqSubscriber(Subscriber):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        t = self._thread
+        return super().alive and (t is None or t.is_alive())
+
     def _run(self) -> None:
         subs: list[zmq.Socket] = []
         try:
@@ -595,34 +601,43 @@ class ZmqSubscriber(Subscriber):
         try:
             last_seen = time.monotonic()
             while not self._closed.is_set():
-                ready = poller.poll(self._poll_ms())
-                for sock, _ in ready:
-                    if sock in monitors:
-                        self._reconnect(sock, subs[monitors[sock]], monitors[sock])
-                        continue
-                    rec = self._by_dealer(sock)
-                    if rec is None and sock not in index:
-                        continue  # a recovery socket closed earlier in this round
-                    for _ in range(1000):  # drain, but keep polling the others fairly
-                        if rec is not None and self._recovering.get(rec.source) is not rec:
-                            break  # finished while draining (its dealer is closed)
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if rec is None:
-                            self._on_message(index[sock], frames)
-                        else:
-                            self._on_recovery_reply(rec, frames)
-                self._expire_recoveries()
-                now = time.monotonic()
-                if ready:
-                    last_seen = now
-                elif self._idle_probe_s and now - last_seen >= self._idle_probe_s:
-                    # Quiet line: a lost *last* batch is revealed by no later one, so ask
-                    # the replay sockets for anything past what was delivered.
-                    self._catch_up_all(self._probe_starts())
-                    last_seen = time.monotonic()
+                try:
+                    ready = poller.poll(self._poll_ms())
+                    for sock, _ in ready:
+                        if sock in monitors:
+                            self._reconnect(sock, subs[monitors[sock]], monitors[sock])
+                            continue
+                        rec = self._by_dealer(sock)
+                        if rec is None and sock not in index:
+                            continue  # a recovery socket closed earlier in this round
+                        for _ in range(1000):  # drain, but keep polling the others fairly
+                            if rec is not None and self._recovering.get(rec.source) is not rec:
+                                break  # finished while draining (its dealer is closed)
+                            try:
+                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if rec is None:
+                                self._on_message(index[sock], frames)
+                            else:
+                                self._on_recovery_reply(rec, frames)
+                    self._expire_recoveries()
+                    now = time.monotonic()
+                    if ready:
+                        last_seen = now
+                    elif self._idle_probe_s and now - last_seen >= self._idle_probe_s:
+                        # Quiet line: a lost *last* batch is revealed by no later one, so ask
+                        # the replay sockets for anything past what was delivered.
+                        self._catch_up_all(self._probe_starts())
+                        last_seen = time.monotonic()
+                    self.failing = None
+                except Exception as exc:  # noqa: BLE001 - the receiver thread must outlive any one error
+                    # (out of sockets or file descriptors, a broken recovery socket...): log,
+                    # report it (health) and go on after a pause
+                    self.failing = f"{type(exc).__name__}: {exc}"
+                    self._stats.receive_errors += 1
+                    logger.exception("ZMQ subscriber: receive loop failed; retrying in %.1f s", _RETRY_S)
+                    self._closed.wait(_RETRY_S)
         finally:
             for mon, i in monitors.items():
                 subs[i].disable_monitor()
