@@ -165,6 +165,7 @@ class AdvisorService:
             "journal_failures": 0,
             "gc_segments_removed": 0,
             "ingest_restarts": 0,
+            "snapshots_skipped": 0,
         }
         self._ingest_thread: threading.Thread | None = None
         self.journal_error: str | None = None
@@ -337,7 +338,10 @@ class AdvisorService:
         """Start from the newest usable snapshot the log still covers (if any)."""
         if self.snapshots is None:
             return
-        found = load_latest(self.snapshots, max_position)
+        def skipped(_position: int, _why: str) -> None:
+            self.counters["snapshots_skipped"] += 1
+
+        found = load_latest(self.snapshots, max_position, on_skip=skipped)
         if found is None:
             return
         snap, index = found
@@ -858,7 +862,7 @@ class AdvisorService:
                 self.full_backoff.succeeded(dst)
 
     #: counters that describe one start, not the service's history (not restored)
-    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped"})
+    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped", "snapshots_skipped"})
 
     def _restore_run_state(self) -> None:
         """Counters, mover counters and recent plans of the previous runs (:mod:`advisor.run_state`)."""

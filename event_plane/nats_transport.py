@@ -561,6 +561,15 @@ class NatsSubscriber(Subscriber):
         except CodecError:
             self._stats.decode_errors += 1
             return None
+        if subject.rpartition(".")[2] != batch.source:
+            # the subject is the origin (users are bound to subjects by the server's
+            # permissions): a batch naming another source than its subject's last token
+            # would squat that source's name, whoever binds it first
+            if self._origins is not None:
+                self._origins.refuse(batch.source, nats_origin(subject))
+            else:
+                self._stats.decode_errors += 1
+            return None
         if not self._origin_admits(batch, nats_origin(subject)):
             return None
         self._tracker.accept(batch, None)

@@ -127,11 +127,18 @@ class OriginGuard:
                         return False
                 self._bound[source] = origin
                 return True
+        return self.refuse(source, origin, bound)
+
+    def refuse(self, source: str, origin: str, bound: str | None = None) -> bool:
+        """Count and report a refused batch of ``source`` from ``origin`` (``bound``: the
+        origin it is bound to, if that is why). Returns ``False``."""
+        with self._lock:
             self.refused += 1
             n = self.refused
         if n == 1 or n % _LOG_EVERY == 0:
             logger.warning("refused a batch of %r from %s: the source is bound to %s (%d refused so far; "
-                           "an operator releases a retired or moved source)", source, origin, bound, n)
+                           "an operator releases a retired or moved source)", source[:64], origin[:200],
+                           bound or "its own subject", n)
         if self._on_refuse is not None:
             try:
                 self._on_refuse(transport_of(origin), origin)
