@@ -212,6 +212,10 @@ ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Call
                    Awaitable[None]]
 
 
+_SINGLE_HEADERS = ("host", "origin", "content-length", "authorization")
+"""Headers a request may carry once (a repeated one is refused, 400)."""
+
+
 class GuardMiddleware:
     """Pure ASGI middleware: Host and Origin checks, body limit, CORS for allowed origins.
 
@@ -229,7 +233,15 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        raw = scope.get("headers", ())
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+        if len(headers) != len(raw):
+            names = [k.decode("latin-1").lower() for k, _ in raw]
+            if any(names.count(n) > 1 for n in _SINGLE_HEADERS):
+                # which one would count (first or last) differs between proxies and us
+                await _reject(send, 400, "duplicate_header", "Host, Origin, Content-Length and Authorization "
+                              "may appear once")
+                return
         host = headers.get("host", "")
         if not self.security.host_allowed(host):
             await _reject(send, 403, "host_refused", "the Host header names no host this API serves")
