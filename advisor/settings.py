@@ -479,6 +479,22 @@ class AdvisorSettings(BaseSettings):
         return settings
 
 
+def _url_password(url: str) -> bool:
+    """Whether ``url`` carries a password or token: ``user:pass@`` (or ``:pass@``), or a
+    ``token=`` / ``password=`` query parameter (every host of a comma-separated list)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    netloc = parts.netloc
+    if any(":" in host.rpartition("@")[0] for host in netloc.split(",") if "@" in host):
+        return True
+    query = parse_qs(parts.query)
+    return any(query.get(k) for k in ("token", "password"))
+
+
 def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
     """Refuse a config file that holds a secret (a volume's ``secret_key``, the NATS
     password or token) and is readable by group or others: the secret is already exposed,
@@ -489,6 +505,9 @@ def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
         SettingsError: naming the file, its mode and the fields (never their values).
     """
     found = [f for f in _SECRET_FIELDS if data.get(f)]
+    urls = [("subscribe_urls", u) for u in data.get("subscribe_urls") or [] if isinstance(u, str)]
+    urls += [(f, data[f]) for f in ("publish_url", "jetstream_url", "redis_url") if isinstance(data.get(f), str)]
+    found += sorted({f for f, u in urls if _url_password(u)})
     vols = data.get("volumes")
     if isinstance(vols, list):
         found += [f"volumes[{i}].secret_key" for i, v in enumerate(vols) if isinstance(v, dict) and v.get("secret_key")]
