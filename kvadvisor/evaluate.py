@@ -11,7 +11,9 @@ trace so that every policy replays a 15-million-reference trace in seconds):
       (leaf-first LRU), each cited from its paper in its module;
     * ``belady``: evict the block whose next use (request index) is farthest, ties by
       smaller id first (offline reference);
-    * ``prefix_value``: the default policy (:mod:`advisor.eviction.prefix_value`); with a
+    * ``adaptive``: the default policy (:mod:`advisor.eviction.experts`), which follows
+      online the best of the baselines and ``prefix_value``;
+    * ``prefix_value`` (:mod:`advisor.eviction.prefix_value`), one of its experts; with a
       lookahead of K requests it also sees the next K requests (docs/BENCHMARKS.md).
 
 Trace formats:
@@ -32,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from advisor.eviction import experts
 from advisor.eviction.compact import CompactTrace, compact
 from advisor.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
@@ -256,11 +261,18 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
     for cap in capacities:
         res = CapacityResult(cap, baselines=base)
         runs = [(p, 0) for p in (*base, BELADY)] + [(p, k) for p in policies for k in lookaheads]
+        done: dict[str, np.ndarray] = {}  # hits per request at lookahead 0: the default policy's experts reuse them
         for p, k in runs:
             col = column(p, k)
             if progress:
                 progress(col, cap)
-            res.hit_rate[col] = float(POLICIES[p](ct, cap, k, promote).sum()) / refs if refs else 0.0
+            if p == DEFAULT_POLICY and k == 0:
+                hits = experts.simulate(ct, cap, known=done)
+            else:
+                hits = POLICIES[p](ct, cap, k, promote)
+            if k == 0:
+                done[p] = hits
+            res.hit_rate[col] = float(hits.sum()) / refs if refs else 0.0
         results.append(res)
     distinct = int(ct.n_blocks)
     return Evaluation(trace, ct.requests, refs, distinct, cols, results, time.perf_counter() - t0, base)

@@ -57,6 +57,7 @@ import numba
 import numpy as np
 
 from advisor.eviction.compact import CompactTrace
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 BIG = 1.0e18
 N_INST = 3  # 0 = the real tier, 1 = shadow with window / step, 2 = shadow with window × step
@@ -226,7 +227,7 @@ def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndar
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
          next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray,
-         reuse_override: np.ndarray | None) -> np.ndarray:
+         reuse_override: np.ndarray | None, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
     horizon_mult, initial_horizon = params[0], params[1]
     max_seen, max_from_end = int(params[2]), int(params[3])
     prior, prior_w = params[4], params[5]
@@ -277,9 +278,14 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     windows = np.array([window, window / step, window * step])
     clock = 0
     next_adapt = int(adapt_every * capacity)
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
         n = b - a
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if not np.isnan(prio[0, x]):
+                    log_eviction(snl, i, 0, x)
         for k in range(N_INST):
             j = a
             while j < b and not np.isnan(prio[k, flat[j]]):
@@ -380,6 +386,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     continue  # stale entry
                 prio[k, v] = np.nan
                 size[k] -= 1
+                if k == 0 and want_ev[i]:
+                    log_eviction(evl, i, n, v)
                 top = 0
                 c2 = first_child[v]
                 while c2 >= 0:
@@ -392,6 +400,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     if not np.isnan(prio[k, u]):
                         prio[k, u] = np.nan
                         size[k] -= 1
+                        if k == 0 and want_ev[i]:
+                            log_eviction(evl, i, n, u)
                         c2 = first_child[u]
                         while c2 >= 0:
                             stack[top] = c2
@@ -412,7 +422,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             windows[0], windows[1], windows[2] = window, max(window / step, min_window), min(window * step, max_window)
             if moved or adapt_z == 0.0:
                 shadow_hits[:] = 0.0
-    return hits
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
@@ -451,7 +461,18 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
         if over.shape != (trace.refs,) or np.isnan(over).any() or (over > 1.0).any():
             raise ValueError(f"reuse_override must be {trace.refs} values <= 1 (negative = the estimate), "
                              f"got shape {over.shape}")
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over,
+                *no_logging(trace.requests))[0]
 
 
-__all__ = ["PrefixValueSettings", "priority", "reuse_class", "simulate", "superseded_class"]
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the default settings, no lookahead, and the logs of
+    :mod:`advisor.eviction.evlog` (evictions at position ``len(request)``: this policy evicts
+    after the whole request)."""
+    p = PrefixValueSettings().as_array()
+    nu = np.zeros(trace.refs, dtype=np.int64)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, 0, True, p, None,
+                want_ev, want_snap)
+
+
+__all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "superseded_class"]
