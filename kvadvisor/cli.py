@@ -218,10 +218,13 @@ def down(
 
 @app.command()
 def evaluate(
-    trace: Annotated[Path, typer.Option(help="Mooncake jsonl, or a WEKA trace_NNNN.json[.gz] file / directory")],
-    capacity: Annotated[str, typer.Option(help="fast-tier capacities in blocks, comma-separated")],
+    trace: Annotated[Optional[Path], typer.Option(help="Mooncake jsonl, or a WEKA trace_NNNN.json[.gz] file / directory")] = None,
+    capacity: Annotated[Optional[str], typer.Option(help="fast-tier capacities in blocks, comma-separated")] = None,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="evaluate the seeded synthetic robustness suite "
+                                            "(docs/traces.md) at its own capacities, instead of --trace")] = False,
+    seed: Annotated[int, typer.Option(help="--synthetic: seed of the generated traces")] = 0,
     format: Annotated[Optional[str], typer.Option("--format", help="mooncake | weka (default: from the name)")] = None,
-    policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated")] = "prefix_value",
+    policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated (adaptive = the default policy)")] = "adaptive",
     baselines: Annotated[str, typer.Option(help="online baselines, comma-separated (LRU always runs)")] = ",".join(
         ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru")),
     lookahead: Annotated[str, typer.Option(help="upcoming requests our policies see, comma-separated (e.g. 0,1,4,16)")] = "0",
@@ -233,7 +236,7 @@ def evaluate(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the results as JSON")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="also print the table as markdown")] = False,
 ) -> None:
-    """Replay a trace: fast-tier hit rate of the baselines, Belady and our policies per capacity."""
+    """Replay a trace (or the synthetic suite): fast-tier hit rate of the baselines, Belady and our policies per capacity."""
     from kvadvisor import evaluate as ev_mod
     from kvadvisor.trace import TraceFormatError
 
@@ -241,6 +244,25 @@ def evaluate(
     _check_output(json_out, "--json")
     if limit is not None and limit < 1:
         _fail("--limit must be at least 1")
+    if synthetic:
+        if trace is not None or capacity is not None:
+            _fail("--synthetic replays generated traces at their own capacities: drop --trace and --capacity")
+        try:
+            evs = ev_mod.evaluate_synthetic(seed, [p.strip() for p in policies.split(",") if p.strip()],
+                                            [p.strip() for p in baselines.split(",") if p.strip()])
+        except ev_mod.EvaluateError as exc:
+            _fail(str(exc))
+            return
+        for ev in evs:
+            console.print(ev_mod.render_table(ev))
+        console.print(ev_mod.summary_markdown(evs), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"replayed in {sum(ev.seconds for ev in evs):.1f} s")
+        if json_out:
+            json_out.write_text(json.dumps([ev.as_dict() for ev in evs], indent=2))
+        return
+    if trace is None or capacity is None:
+        _fail("pass --trace and --capacity (or --synthetic)")
+        return
     try:
         caps = ev_mod.parse_capacities(capacity)
         ks = ev_mod.parse_lookaheads(lookahead)

@@ -22,12 +22,15 @@ a switch (below), which needs each expert's full state anyway, and with it the e
 counts come for free; (3) at the smallest capacities (1,000 blocks × R = 0.01 is 10
 blocks) a miniature cache's hit-count noise is larger than the 0.002 tolerance asked.
 
-**Switching rule (follow the leader with a noise-bounded hysteresis).**  After request i
-each expert's score is its hit count decayed with a half-life of ``half_life × capacity``
-block references: ``S_e ← S_e · 2^(−n_i / H) + h_e(i)``.  The leader changes to
-``b = argmax S`` only when ``S_b − S_lead > z · sqrt(S_b + S_lead + 1)`` (a Poisson
-noise bound: two experts whose hit counts differ by less than z standard deviations are
-not told apart).  The leader for request i+1 is decided from requests ≤ i only (online).
+**Switching rule (follow the leader with a paired noise bound).**  After request i each
+expert's score is its hit count decayed with a half-life of ``H = half_life × capacity``
+block references: ``S_e ← S_e · 2^(−n_i / H) + h_e(i)``, and for each pair the decayed sum
+of squared per-request differences ``V_ef ← V_ef · 2^(−n_i / H) + (h_e(i) − h_f(i))²``.
+The leader changes to ``b = argmax S`` only when ``S_b − S_lead > z · sqrt(V_b,lead + 1)``:
+the lead must exceed z standard deviations of the two experts' *difference* (a paired
+test; two experts that hit on the same requests differ only where they disagree, so this is
+far more sensitive than a bound on each count's own noise, and it never switches between
+experts that make the same decisions).  The leader for request i+1 is decided from requests ≤ i only (online).
 The first leader is ``prefix_value``.
 
 **Following without losing contents (mirroring).**  The real tier R holds blocks; the
@@ -84,10 +87,10 @@ class SelectorSettings:
     Attributes:
         half_life: half-life of the scores, in multiples of the capacity (block refs);
             ``inf`` = cumulative counts.
-        z: hysteresis in standard deviations of the two scores' Poisson noise.
+        z: hysteresis in standard deviations of the two scores' difference.
     """
 
-    half_life: float = 4.0
+    half_life: float = 16.0
     z: float = 2.0
 
     def __post_init__(self) -> None:
@@ -119,6 +122,7 @@ class SelectorRun:
 def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float) -> np.ndarray:
     n_exp, n_req = hits.shape
     score = np.zeros(n_exp)
+    var = np.zeros((n_exp, n_exp))  # decayed sum of squared per-request differences, per pair
     lead = 0
     leader = np.zeros(n_req, dtype=np.int8)
     for i in range(n_req):
@@ -126,11 +130,15 @@ def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: f
         decay = 0.5 ** (lengths[i] / half_life_refs) if half_life_refs < np.inf else 1.0
         for e in range(n_exp):
             score[e] = score[e] * decay + hits[e, i]
+            for f in range(e + 1, n_exp):
+                d = float(hits[e, i] - hits[f, i])
+                var[e, f] = var[e, f] * decay + d * d
+                var[f, e] = var[e, f]
         best = lead
         for e in range(n_exp):
             if score[e] > score[best]:
                 best = e
-        if best != lead and score[best] - score[lead] > z * np.sqrt(score[best] + score[lead] + 1.0):
+        if best != lead and score[best] - score[lead] > z * np.sqrt(var[best, lead] + 1.0):
             lead = best
     return leader
 

@@ -142,7 +142,7 @@ def test_cli_evaluate_prints_table_and_plot(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "r.json").read_text())
     assert [r["capacity"] for r in data["results"]] == [300, 1000]
     assert set(data["results"][0]["hit_rate"]) == {"lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru",
-                                                   "belady", "prefix_value", "prefix_value@4"}
+                                                   "belady", "adaptive", "adaptive@4"}
     assert data["results"][0]["best_baseline"] in data["baselines"]
     bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "0"])
     assert bad.exit_code == 2
