@@ -85,7 +85,14 @@ def _weka_flatten(reqs: Iterable[dict[str, Any]], t0: float, out: list[tuple[flo
 
 
 def load_weka(path: str | Path, stagger_s: float = 60.0, limit: int | None = None) -> list[list[int]]:
-    """Block id lists of WEKA conversation files, merged by absolute time.
+    """Block id lists of WEKA conversation files, merged by absolute time (see
+    :func:`load_weka_timed`, which also gives the times)."""
+    return [ids for _, _, ids in load_weka_timed(path, stagger_s, limit)]
+
+
+def load_weka_timed(path: str | Path, stagger_s: float = 60.0,
+                    limit: int | None = None) -> list[tuple[float, int, list[int]]]:
+    """``(time s, order, block ids)`` of WEKA conversation files' requests, merged by time.
 
     Args:
         path: one ``trace_NNNN.json[.gz]`` file or a directory of them.
@@ -111,8 +118,7 @@ def load_weka(path: str | Path, stagger_s: float = 60.0, limit: int | None = Non
         _weka_flatten(reqs, k * stagger_s, flat, tag, str(f))
         timed.extend((t, len(timed) + i, ids) for i, (t, ids) in enumerate(flat))
     timed.sort(key=lambda x: (x[0], x[1]))
-    out = [ids for _, _, ids in timed]
-    return out[:limit] if limit is not None else out
+    return timed[:limit] if limit is not None else timed
 
 
 def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
@@ -125,6 +131,23 @@ def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | No
         return load_mooncake(p, limit)
     if fmt == "weka":
         return load_weka(p, stagger_s, limit)
+    raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
+
+
+def load_trace_times(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
+                     stagger_s: float = 60.0) -> list[float]:
+    """Arrival time (seconds from the trace's start) of each request of :func:`load_trace`.
+
+    Raises:
+        EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
+    """
+    p = Path(path)
+    if fmt is None:
+        fmt = "mooncake" if p.suffix == ".jsonl" else "weka"
+    if fmt == "mooncake":
+        return [r.timestamp_ms / 1e3 for r in read_mooncake(p, limit)]
+    if fmt == "weka":
+        return [t for t, _, _ in load_weka_timed(p, stagger_s, limit)]
     raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
 
 
@@ -435,6 +458,7 @@ def parse_lookaheads(text: str) -> list[int]:
 
 __all__ = [
     "CapacityResult", "EvaluateError", "Evaluation", "column", "evaluate", "load_mooncake", "load_trace",
-    "load_weka", "markdown_table", "next_uses", "parse_capacities", "parse_lookaheads", "plot", "render_table",
+    "load_trace_times", "load_weka", "load_weka_timed", "markdown_table", "next_uses", "parse_capacities",
+    "parse_lookaheads", "plot", "render_table",
     "simulate_belady", "simulate_lru", "simulate_prefix_value", "evaluate_synthetic", "summary_markdown",
 ]

@@ -227,7 +227,8 @@ def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndar
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
          next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray,
-         reuse_override: np.ndarray | None, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+         reuse_override: np.ndarray | None, want_ev: np.ndarray, want_snap: np.ndarray,
+         promoted: np.ndarray) -> tuple:
     horizon_mult, initial_horizon = params[0], params[1]
     max_seen, max_from_end = int(params[2]), int(params[3])
     prior, prior_w = params[4], params[5]
@@ -302,6 +303,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                         if not promote or not ever[x]:
                             break  # never seen: nothing to promote from a lower tier
                         size[k] += 1
+                        if k == 0 and promoted.shape[0] > 0:
+                            promoted[jj] = True
                     elif prio[k, x] >= BIG:
                         continue
                     prio[k, x] = BIG - w
@@ -462,7 +465,24 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
             raise ValueError(f"reuse_override must be {trace.refs} values <= 1 (negative = the estimate), "
                              f"got shape {over.shape}")
     return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over,
-                *no_logging(trace.requests))[0]
+                *no_logging(trace.requests), np.zeros(0, dtype=np.bool_))[0]
+
+
+def simulate_promotions(trace: CompactTrace, capacity: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(hits per request, promoted)`` with a lookahead of ``lookahead`` requests and the
+    default settings: ``promoted`` (bool ``[refs]``) marks each reference whose block the
+    policy promoted from a lower tier, ahead of that request, when the request became
+    visible (the time model, :mod:`kvadvisor.timemodel`, schedules those transfers).
+
+    Raises:
+        ValueError: ``capacity`` < 1 or ``lookahead`` < 1.
+    """
+    if capacity < 1 or lookahead < 1:
+        raise ValueError(f"need capacity >= 1 and lookahead >= 1, got {capacity}, {lookahead}")
+    prom = np.zeros(trace.refs, dtype=np.bool_)
+    hits = _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, trace.next_use(), lookahead,
+                True, PrefixValueSettings().as_array(), None, *no_logging(trace.requests), prom)[0]
+    return hits, prom
 
 
 def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
@@ -472,7 +492,8 @@ def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: n
     p = PrefixValueSettings().as_array()
     nu = np.zeros(trace.refs, dtype=np.int64)
     return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, 0, True, p, None,
-                want_ev, want_snap)
+                want_ev, want_snap, np.zeros(0, dtype=np.bool_))
 
 
-__all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "superseded_class"]
+__all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "simulate_promotions",
+           "superseded_class"]
