@@ -9,8 +9,9 @@ default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs 
 references on the same requests at the first capacity, as speed ratios: the evaluator's
 former pure-Python LRU (an ``OrderedDict``, reproduced below) against the compiled LRU, and
 the former pure-Python prefix-value replay (``advisor.prefix_policy.PrefixValueCache``, what
-made the former evaluator take 284 s) against the compiled default policy (which replays
-three instances: the tier and its two shadows), on the first ``--reference-requests``.  ``--split`` prints the honest protocol's two tables: hit rates on
+made the former evaluator take 284 s) against the compiled prefix_value policy (which replays
+three instances: the tier and its two shadows), on the first ``--reference-requests``.
+``--split`` prints the honest protocol's two tables: hit rates on
 the first half of the requests (where settings may be chosen) and on the second half (the
 held-out report), every policy replaying the whole trace in order and counting only its
 half (warm start).  The default policy's settings (:class:`advisor.eviction.experts.

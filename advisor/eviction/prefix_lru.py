@@ -20,8 +20,8 @@ from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 
 @numba.njit(cache=True)
-def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray, want_ev: np.ndarray,
-         want_snap: np.ndarray) -> tuple:
+def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
+         want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
     n_req = offsets.shape[0] - 1
     cached = np.zeros(n_blocks, dtype=np.bool_)
     children = np.zeros(n_blocks, dtype=np.int32)  # cached children
