@@ -196,6 +196,8 @@ class CapacityResult:
     capacity: int
     hit_rate: dict[str, float] = field(default_factory=dict)
     baselines: tuple[str, ...] = BASELINES
+    switches: dict[str, int] = field(default_factory=dict)
+    """Leader changes of the default policy's selector (:mod:`advisor.eviction.experts`), by column."""
     infinite: float = 1.0
     """Hit rate of an infinite tier (every block referenced before is a hit): the ceiling
     of a policy that sees the next requests and promotes their blocks ahead of use."""
@@ -246,7 +248,7 @@ class Evaluation:
             "results": [{"capacity": r.capacity, "hit_rate": r.hit_rate,
                          "best_baseline": r.best_baseline()[0],
                          "gap_closed": {p: r.gap_closed(p) for p in (*self.baselines, *self.policies)},
-                         "margin": {p: r.margin(p) for p in self.policies}}
+                         "margin": {p: r.margin(p) for p in self.policies}, "switches": r.switches}
                         for r in self.results],
         }
 
@@ -307,7 +309,9 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
             if progress:
                 progress(col, cap)
             if p == DEFAULT_POLICY and k == 0:
-                hits = experts.simulate(ct, cap, known=done)
+                run = experts.run(ct, cap, known=done)
+                hits = run.hits
+                res.switches[col] = run.switches
             else:
                 hits = POLICIES[p](ct, cap, k, promote)
             if k == 0:
@@ -340,6 +344,8 @@ def render_table(ev: Evaluation) -> Any:
         t.add_row("  gap closed" + (" (of ∞ tier)" if "@" in p else ""),
                   *["—" if (g := r.gap_closed(p)) is None else f"{100 * g:.1f}%" for r in ev.results])
         t.add_row("  vs best baseline", *[f"{r.margin(p):+.4f}" for r in ev.results])
+        if any(p in r.switches for r in ev.results):
+            t.add_row("  leader switches", *[str(r.switches.get(p, "—")) for r in ev.results])
     return t
 
 
@@ -411,15 +417,17 @@ def evaluate_synthetic(seed: int = 0, policies: Sequence[str] = (DEFAULT_POLICY,
 
 
 def summary_markdown(evs: Sequence[Evaluation], policy: str = DEFAULT_POLICY) -> str:
-    """One row per trace and capacity: the best baseline, Belady, ``policy`` and its margin
-    over the best baseline (the robustness acceptance: ≥ −0.002 on every row)."""
-    lines = [f"| trace | capacity (blocks) | LRU | best baseline | Belady | {_label(policy)} | vs best |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per trace and capacity: the best baseline, Belady, ``policy``, its margin
+    over the best baseline (the robustness acceptance: ≥ −0.002 on every row) and the
+    selector's leader switches (the default policy)."""
+    lines = [f"| trace | capacity (blocks) | LRU | best baseline | Belady | {_label(policy)} | vs best | switches |",
+             "|---|---|---|---|---|---|---|---|"]
     for ev in evs:
         for r in ev.results:
             name, best = r.best_baseline()
             lines.append(f"| {ev.trace} | {r.capacity:,} | {r.hit_rate[LRU]:.4f} | {best:.4f} ({_label(name)}) | "
-                         f"{r.hit_rate[BELADY]:.4f} | {r.hit_rate[policy]:.4f} | {r.margin(policy):+.4f} |")
+                         f"{r.hit_rate[BELADY]:.4f} | {r.hit_rate[policy]:.4f} | {r.margin(policy):+.4f} | "
+                         f"{r.switches.get(policy, '—')} |")
     return "\n".join(lines)
 
 

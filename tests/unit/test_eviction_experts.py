@@ -95,3 +95,10 @@ def test_cli_synthetic_prints_the_summary(tmp_path: Path, monkeypatch: pytest.Mo
     assert data[0]["trace"] == "zipf-1" and len(data[0]["results"]) == 3
     bad = CliRunner().invoke(app, ["evaluate", "--synthetic", "--capacity", "10"])
     assert bad.exit_code == 2 and "--synthetic" in bad.output
+
+
+def test_evaluate_reports_the_selectors_switches() -> None:
+    ev = evaluate(SLICE, [60], [DEFAULT_POLICY])
+    r = ev.results[0]
+    assert r.switches == {DEFAULT_POLICY: experts.run(SLICE, 60).switches}
+    assert ev.as_dict()["results"][0]["switches"] == r.switches
