@@ -7,9 +7,13 @@ so no baseline can be strong on a workload without the selector seeing it.
 **Experts run whole.**  Every expert replays every request on a cache of its own with the
 tier's full capacity (its own metadata and ghost lists over all keys, exactly as it runs
 alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 7)
-and E updates per block reference, i.e. E times one policy's memory and time; the
-evaluator replays them one after another, so its peak memory is one expert's plus the
-logs below.
+and E updates per block reference, i.e. E times one policy's memory and time.  The
+evaluator replays the experts one after another (peak memory: one expert's), then replays
+each expert that led again, logging its evictions during its spells (16 bytes per
+eviction, at most one per reference) and the blocks it holds at the start of each spell
+(at most C per switch), then runs the mirror below, O(references + C × switches).  The
+live advisor does not run this selection yet: it ranks by ``prefix_value`` alone
+(:mod:`advisor.eviction.live_scoring`).
 
 **Miniature simulations were considered and not used** (C. A. Waldspurger et al., "Cache
 Modeling and Optimization using Miniature Simulations", USENIX ATC 2017): (1) a hit here

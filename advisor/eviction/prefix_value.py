@@ -16,7 +16,7 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   (reuses + misses)``, smoothed by the prior.  Counting every reference at once
   (``censor_after = 0``, the former estimator) biases the classes whose reuses come late
   towards 0, most of all in the first thousands of requests of a trace (docs/BENCHMARKS.md,
-  "Advisor policies").
+  "The `prefix_value` expert").
 * **Memory window** (the adaptivity, after ARC's ghost directory — N. Megiddo and D. S.
   Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", USENIX FAST 2003 — which
   remembers only about ``2c`` recent ids): a block's history is forgotten when it has not
@@ -39,7 +39,7 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   cached descendants (cascade below).  On the Mooncake
   conversation trace a child of ``d`` that had been referenced once is referenced again after
   such a request in 7 of 5,337 cases (0.13 %), against 28 % for a new block of a new request
-  (docs/BENCHMARKS.md, "Advisor policies").
+  (docs/BENCHMARKS.md, "The `prefix_value` expert").
 * Prefix structure: within a request a block's priority never exceeds its parent's
   (leaves go first, a parent is worth at least its children), and evicting a block evicts
   its cached descendants (a block without its parent can never be hit).
