@@ -7,7 +7,7 @@
 The default policy (``advisor.eviction.prefix_value``) ranks a block by ``P(reuse | class)``,
 class = (times referenced before capped at 4, last block of its request or not, request
 continued a known prefix or not).  Its gap to Belady on a trace is a prediction gap (docs/
-BENCHMARKS.md, "Toward 30 % on Mooncake"): this script measures how much better any
+BENCHMARKS.md, "The `prefix_value` expert"): this script measures how much better any
 predictor built from the signals an online advisor has could do.  For every block
 reference it computes, from the requests up to it only:
 

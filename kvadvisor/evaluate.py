@@ -11,7 +11,9 @@ trace so that every policy replays a 15-million-reference trace in seconds):
       (leaf-first LRU), each cited from its paper in its module;
     * ``belady``: evict the block whose next use (request index) is farthest, ties by
       smaller id first (offline reference);
-    * ``prefix_value``: the default policy (:mod:`advisor.eviction.prefix_value`); with a
+    * ``adaptive``: the default policy (:mod:`advisor.eviction.experts`), which follows
+      online the best of the baselines and ``prefix_value``;
+    * ``prefix_value`` (:mod:`advisor.eviction.prefix_value`), one of its experts; with a
       lookahead of K requests it also sees the next K requests (docs/BENCHMARKS.md).
 
 Trace formats:
@@ -32,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from advisor.eviction import experts
 from advisor.eviction.compact import CompactTrace, compact
 from advisor.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
@@ -80,7 +85,14 @@ def _weka_flatten(reqs: Iterable[dict[str, Any]], t0: float, out: list[tuple[flo
 
 
 def load_weka(path: str | Path, stagger_s: float = 60.0, limit: int | None = None) -> list[list[int]]:
-    """Block id lists of WEKA conversation files, merged by absolute time.
+    """Block id lists of WEKA conversation files, merged by absolute time (see
+    :func:`load_weka_timed`, which also gives the times)."""
+    return [ids for _, _, ids in load_weka_timed(path, stagger_s, limit)]
+
+
+def load_weka_timed(path: str | Path, stagger_s: float = 60.0,
+                    limit: int | None = None) -> list[tuple[float, int, list[int]]]:
+    """``(time s, order, block ids)`` of WEKA conversation files' requests, merged by time.
 
     Args:
         path: one ``trace_NNNN.json[.gz]`` file or a directory of them.
@@ -106,8 +118,7 @@ def load_weka(path: str | Path, stagger_s: float = 60.0, limit: int | None = Non
         _weka_flatten(reqs, k * stagger_s, flat, tag, str(f))
         timed.extend((t, len(timed) + i, ids) for i, (t, ids) in enumerate(flat))
     timed.sort(key=lambda x: (x[0], x[1]))
-    out = [ids for _, _, ids in timed]
-    return out[:limit] if limit is not None else out
+    return timed[:limit] if limit is not None else timed
 
 
 def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
@@ -120,6 +131,23 @@ def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | No
         return load_mooncake(p, limit)
     if fmt == "weka":
         return load_weka(p, stagger_s, limit)
+    raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
+
+
+def load_trace_times(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
+                     stagger_s: float = 60.0) -> list[float]:
+    """Arrival time (seconds from the trace's start) of each request of :func:`load_trace`.
+
+    Raises:
+        EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
+    """
+    p = Path(path)
+    if fmt is None:
+        fmt = "mooncake" if p.suffix == ".jsonl" else "weka"
+    if fmt == "mooncake":
+        return [r.timestamp_ms / 1e3 for r in read_mooncake(p, limit)]
+    if fmt == "weka":
+        return [t for t, _, _ in load_weka_timed(p, stagger_s, limit)]
     raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
 
 
@@ -142,8 +170,8 @@ def simulate_belady(requests: Requests, capacity: int) -> int:
 
 
 def simulate_prefix_value(requests: Requests, capacity: int, lookahead: int = 0) -> int:
-    """Total hit blocks under the default policy (:mod:`advisor.eviction.prefix_value`)."""
-    return _hits(DEFAULT_POLICY, requests, capacity, lookahead)
+    """Total hit blocks under the ``prefix_value`` policy (:mod:`advisor.eviction.prefix_value`)."""
+    return _hits("prefix_value", requests, capacity, lookahead)
 
 
 def next_uses(requests: Requests) -> list[list[int]]:
@@ -168,10 +196,22 @@ class CapacityResult:
     capacity: int
     hit_rate: dict[str, float] = field(default_factory=dict)
     baselines: tuple[str, ...] = BASELINES
+    switches: dict[str, int] = field(default_factory=dict)
+    """Leader changes of the default policy's selector (:mod:`advisor.eviction.experts`), by column."""
+    infinite: float = 1.0
+    """Hit rate of an infinite tier (every block referenced before is a hit): the ceiling
+    of a policy that sees the next requests and promotes their blocks ahead of use."""
 
     def gap_closed(self, policy: str) -> float | None:
-        """(policy − LRU) / (Belady − LRU); ``None`` when Belady == LRU."""
-        lru, opt = self.hit_rate[LRU], self.hit_rate[BELADY]
+        """(policy − LRU) / (ceiling − LRU); ``None`` when the ceiling equals LRU.
+
+        The ceiling is Belady for a column without lookahead.  With a lookahead (``name@K``)
+        the policy promotes blocks from lower tiers before they are used, which Belady (no
+        hints, nothing but the fast tier) cannot, so Belady is no ceiling there (a share of
+        its gap could exceed 100 %); those columns use the infinite tier's hit rate.
+        """
+        lru = self.hit_rate[LRU]
+        opt = self.infinite if "@" in policy else self.hit_rate[BELADY]
         if opt - lru <= 1e-12:
             return None
         return (self.hit_rate[policy] - lru) / (opt - lru)
@@ -208,7 +248,7 @@ class Evaluation:
             "results": [{"capacity": r.capacity, "hit_rate": r.hit_rate,
                          "best_baseline": r.best_baseline()[0],
                          "gap_closed": {p: r.gap_closed(p) for p in (*self.baselines, *self.policies)},
-                         "margin": {p: r.margin(p) for p in self.policies}}
+                         "margin": {p: r.margin(p) for p in self.policies}, "switches": r.switches}
                         for r in self.results],
         }
 
@@ -216,7 +256,8 @@ class Evaluation:
 def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
              policies: Sequence[str] = (DEFAULT_POLICY,), lookaheads: Sequence[int] = (0,),
              baselines: Sequence[str] = BASELINES, trace: str = "",
-             progress: Callable[[str, int], None] | None = None, promote: bool = True) -> Evaluation:
+             progress: Callable[[str, int], None] | None = None, promote: bool = True,
+             count: tuple[int, int] | None = None) -> Evaluation:
     """Replay ``requests`` at each capacity under the baselines, Belady and ``policies``.
 
     Args:
@@ -230,6 +271,8 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
         progress: called with ``(column, capacity)`` before each replay.
         promote: with a lookahead, a visible request's blocks seen before are promoted
             before it runs; ``False``: hints only keep cached blocks from eviction.
+        count: ``(first, end)`` request indices: every policy replays the whole trace but
+            hit rates count only requests ``first .. end - 1`` (held-out halves: warm start).
 
     Raises:
         EvaluateError: empty trace, capacity < 1, lookahead < 0 or unknown policy.
@@ -249,21 +292,34 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
         raise EvaluateError(f"unknown policies {unknown} (choose from {sorted(set(POLICIES) - {BELADY})})")
     base = tuple(dict.fromkeys((LRU, *baselines)))
     t0 = time.perf_counter()
-    refs = ct.refs
+    first, end = count if count is not None else (0, ct.requests)
+    if not 0 <= first < end <= ct.requests:
+        raise EvaluateError(f"count must be 0 <= first < end <= {ct.requests}, got {count}")
+    refs = int(ct.offsets[end] - ct.offsets[first])
     ct.next_use()
     cols = [column(p, k) for p in policies for k in lookaheads]
+    infinite = float(POLICIES[LRU](ct, max(1, ct.n_blocks), 0, True)[first:end].sum()) / refs if refs else 0.0
     results = []
     for cap in capacities:
-        res = CapacityResult(cap, baselines=base)
+        res = CapacityResult(cap, baselines=base, infinite=infinite)
         runs = [(p, 0) for p in (*base, BELADY)] + [(p, k) for p in policies for k in lookaheads]
+        done: dict[str, np.ndarray] = {}  # hits per request at lookahead 0: the default policy's experts reuse them
         for p, k in runs:
             col = column(p, k)
             if progress:
                 progress(col, cap)
-            res.hit_rate[col] = float(POLICIES[p](ct, cap, k, promote).sum()) / refs if refs else 0.0
+            if p == DEFAULT_POLICY and k == 0:
+                run = experts.run(ct, cap, known=done)
+                hits = run.hits
+                res.switches[col] = run.switches
+            else:
+                hits = POLICIES[p](ct, cap, k, promote)
+            if k == 0:
+                done[p] = hits
+            res.hit_rate[col] = float(hits[first:end].sum()) / refs if refs else 0.0
         results.append(res)
     distinct = int(ct.n_blocks)
-    return Evaluation(trace, ct.requests, refs, distinct, cols, results, time.perf_counter() - t0, base)
+    return Evaluation(trace, end - first, refs, distinct, cols, results, time.perf_counter() - t0, base)
 
 
 def _label(col: str) -> str:
@@ -285,15 +341,18 @@ def render_table(ev: Evaluation) -> Any:
         t.add_row(_label(p), *[f"{r.hit_rate[p]:.4f}" for r in ev.results])
     for p in ev.policies:
         t.add_row(f"[bold]{_label(p)}[/bold]", *[f"{r.hit_rate[p]:.4f}" for r in ev.results])
-        t.add_row("  gap closed", *["—" if (g := r.gap_closed(p)) is None else f"{100 * g:.1f}%"
-                                    for r in ev.results])
+        t.add_row("  gap closed" + (" (of ∞ tier)" if "@" in p else ""),
+                  *["—" if (g := r.gap_closed(p)) is None else f"{100 * g:.1f}%" for r in ev.results])
         t.add_row("  vs best baseline", *[f"{r.margin(p):+.4f}" for r in ev.results])
+        if any(p in r.switches for r in ev.results):
+            t.add_row("  leader switches", *[str(r.switches.get(p, "—")) for r in ev.results])
     return t
 
 
 def _head(ev: Evaluation) -> list[str]:
     return (["capacity (blocks)"] + [_label(p) for p in (*ev.baselines, BELADY)]
-            + [x for p in ev.policies for x in (_label(p), f"{_label(p)} gap closed", f"{_label(p)} vs best")])
+            + [x for p in ev.policies for x in (_label(p), f"{_label(p)} gap closed" + (" (of ∞ tier)" if "@" in p else ""),
+                                                f"{_label(p)} vs best")])
 
 
 def _rows(ev: Evaluation) -> list[list[str]]:
@@ -342,6 +401,36 @@ def plot(ev: Evaluation, out: str | Path) -> Path:
     return out
 
 
+def evaluate_synthetic(seed: int = 0, policies: Sequence[str] = (DEFAULT_POLICY,),
+                       baselines: Sequence[str] = BASELINES,
+                       progress: Callable[[str, int], None] | None = None) -> list[Evaluation]:
+    """Evaluate every case of the synthetic robustness suite (:mod:`kvadvisor.synthetic`,
+    docs/traces.md) at its capacities; one :class:`Evaluation` per case (``trace`` = its name).
+
+    Raises:
+        EvaluateError: an unknown policy.
+    """
+    from kvadvisor.synthetic import suite
+
+    return [evaluate(c.requests, c.capacities, policies, (0,), baselines, trace=c.name, progress=progress)
+            for c in suite(seed)]
+
+
+def summary_markdown(evs: Sequence[Evaluation], policy: str = DEFAULT_POLICY) -> str:
+    """One row per trace and capacity: the best baseline, Belady, ``policy``, its margin
+    over the best baseline (the robustness acceptance: ≥ −0.002 on every row) and the
+    selector's leader switches (the default policy)."""
+    lines = [f"| trace | capacity (blocks) | LRU | best baseline | Belady | {_label(policy)} | vs best | switches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ev in evs:
+        for r in ev.results:
+            name, best = r.best_baseline()
+            lines.append(f"| {ev.trace} | {r.capacity:,} | {r.hit_rate[LRU]:.4f} | {best:.4f} ({_label(name)}) | "
+                         f"{r.hit_rate[BELADY]:.4f} | {r.hit_rate[policy]:.4f} | {r.margin(policy):+.4f} | "
+                         f"{r.switches.get(policy, '—')} |")
+    return "\n".join(lines)
+
+
 def parse_capacities(text: str) -> list[int]:
     """``"1000,5859"`` → ``[1000, 5859]`` (underscores allowed).
 
@@ -377,6 +466,7 @@ def parse_lookaheads(text: str) -> list[int]:
 
 __all__ = [
     "CapacityResult", "EvaluateError", "Evaluation", "column", "evaluate", "load_mooncake", "load_trace",
-    "load_weka", "markdown_table", "next_uses", "parse_capacities", "parse_lookaheads", "plot", "render_table",
-    "simulate_belady", "simulate_lru", "simulate_prefix_value",
+    "load_trace_times", "load_weka", "load_weka_timed", "markdown_table", "next_uses", "parse_capacities",
+    "parse_lookaheads", "plot", "render_table",
+    "simulate_belady", "simulate_lru", "simulate_prefix_value", "evaluate_synthetic", "summary_markdown",
 ]

@@ -16,10 +16,12 @@ import numba
 import numpy as np
 
 from advisor.eviction.compact import CompactTrace
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 
 @numba.njit(cache=True)
-def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) -> np.ndarray:
+def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, want_ev: np.ndarray,
+         want_snap: np.ndarray) -> tuple:
     n_req = offsets.shape[0] - 1
     freq = np.zeros(n_blocks, dtype=np.int64)  # 0 = not cached
     stamp = np.zeros(n_blocks, dtype=np.int64)
@@ -30,8 +32,13 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) ->
     age = 0
     size = 0
     clock = 0
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if freq[x] > 0:
+                    log_eviction(snl, i, 0, x)
         j = a
         while j < b and freq[flat[j]] > 0:
             j += 1
@@ -46,6 +53,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) ->
                         freq[v] = 0
                         size -= 1
                         age = k
+                        if want_ev[i]:
+                            log_eviction(evl, i, j - a, v)
                 size += 1
             freq[x] += 1
             stamp[x] = clock
@@ -54,12 +63,17 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) ->
             if len(heap) > 4 * capacity + 1024:
                 heap = [(key[v], stamp[v], np.int64(v)) for v in range(n_blocks) if freq[v] > 0]
                 heapq.heapify(heap)
-    return hits
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under LFU-DA with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests))[0]
 
 
-__all__ = ["simulate"]
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.eviction.evlog`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap)
+
+
+__all__ = ["replay", "simulate"]

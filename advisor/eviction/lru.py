@@ -12,16 +12,23 @@ import numpy as np
 
 from advisor.eviction.compact import CompactTrace
 from advisor.eviction.dlist import new_lists, push_head, unlink
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 
 @numba.njit(cache=True)
-def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) -> np.ndarray:
+def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, want_ev: np.ndarray,
+         want_snap: np.ndarray) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 1)
     cached = np.zeros(n_blocks, dtype=np.bool_)
     n_req = offsets.shape[0] - 1
     hits = np.zeros(n_req, dtype=np.int64)
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if cached[x]:
+                    log_eviction(snl, i, 0, x)
         j = a
         while j < b and cached[flat[j]]:
             j += 1
@@ -37,12 +44,19 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int) ->
                 v = tail[0]
                 unlink(prev, nxt, head, tail, size, 0, v)
                 cached[v] = False
-    return hits
+                if want_ev[i]:
+                    log_eviction(evl, i, j - a, v)
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under LRU with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests))[0]
 
 
-__all__ = ["simulate"]
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.eviction.evlog`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap)
+
+
+__all__ = ["replay", "simulate"]

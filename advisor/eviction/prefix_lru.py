@@ -16,10 +16,12 @@ import numba
 import numpy as np
 
 from advisor.eviction.compact import CompactTrace
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 
 @numba.njit(cache=True)
-def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray) -> np.ndarray:
+def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
+         want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
     n_req = offsets.shape[0] - 1
     cached = np.zeros(n_blocks, dtype=np.bool_)
     children = np.zeros(n_blocks, dtype=np.int32)  # cached children
@@ -29,8 +31,13 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     heap.pop()
     size = 0
     clock = 0
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if cached[x]:
+                    log_eviction(snl, i, 0, x)
         j = a
         while j < b and cached[flat[j]]:
             j += 1
@@ -52,6 +59,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 if cached[v] and children[v] == 0 and last[v] == t:
                     cached[v] = False
                     size -= 1
+                    if want_ev[i]:
+                        log_eviction(evl, i, j - a, v)
                     p = parent[v]
                     if p >= 0:
                         children[p] -= 1
@@ -60,12 +69,17 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             if len(heap) > 4 * capacity + 1024:
                 heap = [(last[v], np.int64(v)) for v in range(n_blocks) if cached[v] and children[v] == 0]
                 heapq.heapify(heap)
-    return hits
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under leaf-first LRU with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, *no_logging(trace.requests))[0]
 
 
-__all__ = ["simulate"]
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.eviction.evlog`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, want_ev, want_snap)
+
+
+__all__ = ["replay", "simulate"]

@@ -16,7 +16,7 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   (reuses + misses)``, smoothed by the prior.  Counting every reference at once
   (``censor_after = 0``, the former estimator) biases the classes whose reuses come late
   towards 0, most of all in the first thousands of requests of a trace (docs/BENCHMARKS.md,
-  "Advisor policies").
+  "The `prefix_value` expert").
 * **Memory window** (the adaptivity, after ARC's ghost directory — N. Megiddo and D. S.
   Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", USENIX FAST 2003 — which
   remembers only about ``2c`` recent ids): a block's history is forgotten when it has not
@@ -39,7 +39,7 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   cached descendants (cascade below).  On the Mooncake
   conversation trace a child of ``d`` that had been referenced once is referenced again after
   such a request in 7 of 5,337 cases (0.13 %), against 28 % for a new block of a new request
-  (docs/BENCHMARKS.md, "Advisor policies").
+  (docs/BENCHMARKS.md, "The `prefix_value` expert").
 * Prefix structure: within a request a block's priority never exceeds its parent's
   (leaves go first, a parent is worth at least its children), and evicting a block evicts
   its cached descendants (a block without its parent can never be hit).
@@ -57,6 +57,7 @@ import numba
 import numpy as np
 
 from advisor.eviction.compact import CompactTrace
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 BIG = 1.0e18
 N_INST = 3  # 0 = the real tier, 1 = shadow with window / step, 2 = shadow with window × step
@@ -226,7 +227,8 @@ def _rebuild(hkey: np.ndarray, hid: np.ndarray, hsize: np.ndarray, prio: np.ndar
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, parent: np.ndarray,
          next_use: np.ndarray, lookahead: int, promote: bool, params: np.ndarray,
-         reuse_override: np.ndarray | None) -> np.ndarray:
+         reuse_override: np.ndarray | None, want_ev: np.ndarray, want_snap: np.ndarray,
+         promoted: np.ndarray) -> tuple:
     horizon_mult, initial_horizon = params[0], params[1]
     max_seen, max_from_end = int(params[2]), int(params[3])
     prior, prior_w = params[4], params[5]
@@ -277,9 +279,14 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     windows = np.array([window, window / step, window * step])
     clock = 0
     next_adapt = int(adapt_every * capacity)
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
         n = b - a
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if not np.isnan(prio[0, x]):
+                    log_eviction(snl, i, 0, x)
         for k in range(N_INST):
             j = a
             while j < b and not np.isnan(prio[k, flat[j]]):
@@ -296,6 +303,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                         if not promote or not ever[x]:
                             break  # never seen: nothing to promote from a lower tier
                         size[k] += 1
+                        if k == 0 and promoted.shape[0] > 0:
+                            promoted[jj] = True
                     elif prio[k, x] >= BIG:
                         continue
                     prio[k, x] = BIG - w
@@ -380,6 +389,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     continue  # stale entry
                 prio[k, v] = np.nan
                 size[k] -= 1
+                if k == 0 and want_ev[i]:
+                    log_eviction(evl, i, n, v)
                 top = 0
                 c2 = first_child[v]
                 while c2 >= 0:
@@ -392,6 +403,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     if not np.isnan(prio[k, u]):
                         prio[k, u] = np.nan
                         size[k] -= 1
+                        if k == 0 and want_ev[i]:
+                            log_eviction(evl, i, n, u)
                         c2 = first_child[u]
                         while c2 >= 0:
                             stack[top] = c2
@@ -412,7 +425,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             windows[0], windows[1], windows[2] = window, max(window / step, min_window), min(window * step, max_window)
             if moved or adapt_z == 0.0:
                 shadow_hits[:] = 0.0
-    return hits
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
@@ -451,7 +464,36 @@ def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
         if over.shape != (trace.refs,) or np.isnan(over).any() or (over > 1.0).any():
             raise ValueError(f"reuse_override must be {trace.refs} values <= 1 (negative = the estimate), "
                              f"got shape {over.shape}")
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, lookahead, promote, p, over,
+                *no_logging(trace.requests), np.zeros(0, dtype=np.bool_))[0]
 
 
-__all__ = ["PrefixValueSettings", "priority", "reuse_class", "simulate", "superseded_class"]
+def simulate_promotions(trace: CompactTrace, capacity: int, lookahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(hits per request, promoted)`` with a lookahead of ``lookahead`` requests and the
+    default settings: ``promoted`` (bool ``[refs]``) marks each reference whose block the
+    policy promoted from a lower tier, ahead of that request, when the request became
+    visible (the time model, :mod:`kvadvisor.timemodel`, schedules those transfers).
+
+    Raises:
+        ValueError: ``capacity`` < 1 or ``lookahead`` < 1.
+    """
+    if capacity < 1 or lookahead < 1:
+        raise ValueError(f"need capacity >= 1 and lookahead >= 1, got {capacity}, {lookahead}")
+    prom = np.zeros(trace.refs, dtype=np.bool_)
+    hits = _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, trace.next_use(), lookahead,
+                True, PrefixValueSettings().as_array(), None, *no_logging(trace.requests), prom)[0]
+    return hits, prom
+
+
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the default settings, no lookahead, and the logs of
+    :mod:`advisor.eviction.evlog` (evictions at position ``len(request)``: this policy evicts
+    after the whole request)."""
+    p = PrefixValueSettings().as_array()
+    nu = np.zeros(trace.refs, dtype=np.int64)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, 0, True, p, None,
+                want_ev, want_snap, np.zeros(0, dtype=np.bool_))
+
+
+__all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "simulate_promotions",
+           "superseded_class"]

@@ -12,20 +12,21 @@ from collections.abc import Callable
 
 import numpy as np
 
-from advisor.eviction import arc, belady, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
+from advisor.eviction import arc, belady, experts, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
 from advisor.eviction.compact import CompactTrace
 
 Simulator = Callable[[CompactTrace, int, int, bool], np.ndarray]
 
 LRU = "lru"
 BELADY = "belady"
-DEFAULT_POLICY = "prefix_value"
+DEFAULT_POLICY = "adaptive"
 BASELINES: tuple[str, ...] = ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru")
 """Online baselines from the literature, in report order (LRU first)."""
 
 LABELS: dict[str, str] = {
     "lru": "LRU", "arc": "ARC", "lfu_da": "LFU-DA", "s3fifo": "S3-FIFO", "sieve": "SIEVE",
     "prefix_lru": "prefix-LRU", "belady": "Belady", "prefix_value": "prefix_value",
+    "adaptive": "default",
 }
 
 
@@ -45,6 +46,9 @@ POLICIES: dict[str, Simulator] = {
     "belady": _no_hints(belady),
     "prefix_value": lambda trace, capacity, lookahead=0, promote=True: prefix_value.simulate(
         trace, capacity, lookahead, promote=promote),
+    "adaptive": lambda trace, capacity, lookahead=0, promote=True: (
+        experts.simulate(trace, capacity) if lookahead <= 0
+        else prefix_value.simulate(trace, capacity, lookahead, promote=promote)),
 }
 
 __all__ = ["BASELINES", "BELADY", "DEFAULT_POLICY", "LABELS", "LRU", "POLICIES", "Simulator"]

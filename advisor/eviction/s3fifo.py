@@ -19,13 +19,14 @@ import numpy as np
 
 from advisor.eviction.compact import CompactTrace
 from advisor.eviction.dlist import new_lists, push_head, unlink
+from advisor.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 S, M, G = 0, 1, 2
 
 
 @numba.njit(cache=True, inline="always")
 def _evict_m(prev: np.ndarray, nxt: np.ndarray, head: np.ndarray, tail: np.ndarray, size: np.ndarray,
-             where: np.ndarray, freq: np.ndarray) -> None:
+             where: np.ndarray, freq: np.ndarray) -> int:
     while size[M] > 0:
         t = tail[M]
         unlink(prev, nxt, head, tail, size, M, t)
@@ -34,12 +35,13 @@ def _evict_m(prev: np.ndarray, nxt: np.ndarray, head: np.ndarray, tail: np.ndarr
             push_head(prev, nxt, head, tail, size, M, t)
         else:
             where[t] = -1
-            return
+            return t
+    return -1
 
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, small_ratio: float,
-         move_threshold: int) -> np.ndarray:
+         move_threshold: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 3)
     where = np.full(n_blocks, -1, dtype=np.int8)
     freq = np.zeros(n_blocks, dtype=np.int8)
@@ -48,8 +50,14 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
     g_cap = m_cap
     n_req = offsets.shape[0] - 1
     hits = np.zeros(n_req, dtype=np.int64)
+    evl, snl = new_log(), new_log()
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
+        if want_snap[i]:
+            for x in range(n_blocks):
+                if where[x] == S or where[x] == M:
+                    log_eviction(snl, i, 0, x)
+        log = want_ev[i]
         j = a
         while j < b and (where[flat[j]] == S or where[flat[j]] == M):
             j += 1
@@ -72,18 +80,24 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
                             push_head(prev, nxt, head, tail, size, M, t)
                             where[t] = M
                             if size[M] > m_cap:
-                                _evict_m(prev, nxt, head, tail, size, where, freq)
+                                v = _evict_m(prev, nxt, head, tail, size, where, freq)
+                                if log and v >= 0:
+                                    log_eviction(evl, i, j - a, v)
                         else:
                             freq[t] = 0
                             push_head(prev, nxt, head, tail, size, G, t)
                             where[t] = G
+                            if log:
+                                log_eviction(evl, i, j - a, t)
                             if size[G] > g_cap:
                                 g = tail[G]
                                 unlink(prev, nxt, head, tail, size, G, g)
                                 where[g] = -1
                             evicted = True
                 else:
-                    _evict_m(prev, nxt, head, tail, size, where, freq)
+                    v = _evict_m(prev, nxt, head, tail, size, where, freq)
+                    if log and v >= 0:
+                        log_eviction(evl, i, j - a, v)
             freq[x] = 0
             if w == G:
                 unlink(prev, nxt, head, tail, size, G, x)
@@ -92,7 +106,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
             else:
                 push_head(prev, nxt, head, tail, size, S, x)
                 where[x] = S
-    return hits
+    return hits, as_arrays(evl), as_arrays(snl)
 
 
 def simulate(trace: CompactTrace, capacity: int, small_ratio: float = 0.1, move_threshold: int = 1) -> np.ndarray:
@@ -102,7 +116,14 @@ def simulate(trace: CompactTrace, capacity: int, small_ratio: float = 0.1, move_
         small_ratio: share of the tier given to the small FIFO (paper: 0.1).
         move_threshold: accesses in ``S`` that earn a move to ``M`` (paper: 1).
     """
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, small_ratio, move_threshold)
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, small_ratio, move_threshold,
+                *no_logging(trace.requests))[0]
 
 
-__all__ = ["simulate"]
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+    """``(hits, evictions, snapshots)`` with the paper's settings and the logs of
+    :mod:`advisor.eviction.evlog`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, 0.1, 1, want_ev, want_snap)
+
+
+__all__ = ["replay", "simulate"]

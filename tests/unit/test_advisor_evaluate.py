@@ -96,6 +96,12 @@ def test_lookahead_columns_and_promotion() -> None:
     assert ev.policies == ["prefix_value", "prefix_value@1"]
     r = ev.results[0]
     assert r.hit_rate["prefix_value@1"] > r.hit_rate["prefix_value"]
+    # promotion can pass Belady (no hints): the lookahead column's gap is measured up to the infinite tier
+    assert r.hit_rate["prefix_value@1"] > r.hit_rate["belady"]
+    assert r.hit_rate["prefix_value@1"] <= r.infinite
+    g = r.gap_closed("prefix_value@1")
+    assert g is not None and 0 < g <= 1.0
+    assert g == pytest.approx((r.hit_rate["prefix_value@1"] - r.hit_rate["lru"]) / (r.infinite - r.hit_rate["lru"]))
     # on a real slice, hints help: the known prefixes of the next 4 requests are promoted
     real = compact(load_trace(bundled_trace(), "mooncake", limit=600))
     assert prefix_value.simulate(real, 300, 4).sum() > prefix_value.simulate(real, 300).sum()
@@ -142,7 +148,7 @@ def test_cli_evaluate_prints_table_and_plot(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "r.json").read_text())
     assert [r["capacity"] for r in data["results"]] == [300, 1000]
     assert set(data["results"][0]["hit_rate"]) == {"lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix_lru",
-                                                   "belady", "prefix_value", "prefix_value@4"}
+                                                   "belady", "adaptive", "adaptive@4"}
     assert data["results"][0]["best_baseline"] in data["baselines"]
     bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "0"])
     assert bad.exit_code == 2
@@ -162,3 +168,18 @@ def test_the_table_keeps_policy_names_whole_in_80_columns() -> None:
     text = con.export_text()
     assert "prefix_value K=16" in text and "prefix-LRU" in text and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_count_reports_a_held_out_range_of_a_whole_replay() -> None:
+    from advisor.eviction import lru
+    from advisor.eviction.compact import compact
+
+    reqs = [list(r) for r in load_trace(bundled_trace(), "mooncake", limit=400)]
+    ct = compact(reqs)
+    ev = evaluate(ct, [100], ["prefix_value"], count=(200, 400))
+    hits = lru.simulate(ct, 100)  # warm start: replayed from request 0, counted from 200
+    refs = int(ct.offsets[400] - ct.offsets[200])
+    assert ev.block_refs == refs and ev.requests == 200
+    assert ev.results[0].hit_rate["lru"] == pytest.approx(hits[200:].sum() / refs)
+    with pytest.raises(EvaluateError):
+        evaluate(ct, [100], count=(300, 300))

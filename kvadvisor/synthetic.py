@@ -1,0 +1,196 @@
+"""Seeded synthetic prefix-tree traces: the robustness suite of ``kvadvisor evaluate --synthetic``.
+
+Each case is a workload where some classic cache is strong (docs/traces.md, "Synthetic
+robustness suite"); the default policy must stay within 0.002 of the best online baseline
+on every case at every capacity.  Every request is a root-to-node path of a prefix tree
+(block ids are prefix-chained, as in the real traces) and, like a real prompt, ends with
+one fresh block of its own (the question, never reused).
+
+An *object* is a prefix: a header shared by its group (``HEADER`` blocks, groups of 16
+objects, like a system prompt) then blocks of its own (4–24, uniform).  Zipf popularity
+ranks objects in a seeded random order.  Capacities are set per case from its footprint
+(distinct blocks that can be reused), so each case is tested with a tier much smaller
+than, about a third of, and close to its working set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+HEADER = 2
+GROUP = 16
+REQUESTS = 16_000
+"""Requests per case (a tier sees its contents turn over many times, as in a real trace)."""
+
+
+@dataclass(frozen=True)
+class SyntheticCase:
+    """One generated trace.
+
+    Attributes:
+        name: short name (``zipf-0.8``, ``loop``, ...).
+        description: what it is and which classic cache it favours.
+        requests: block id lists in arrival order.
+        capacities: tier capacities (blocks) it is evaluated at.
+    """
+
+    name: str
+    description: str
+    requests: list[list[int]]
+    capacities: tuple[int, ...]
+
+
+class _Ids:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def take(self, k: int) -> list[int]:
+        out = list(range(self.n, self.n + k))
+        self.n += k
+        return out
+
+
+def _objects(ids: _Ids, rng: np.random.Generator, n: int, lo: int = 4, hi: int = 24) -> list[list[int]]:
+    headers: list[list[int]] = []
+    objs = []
+    for o in range(n):
+        if o % GROUP == 0:
+            headers.append(ids.take(HEADER))
+        objs.append(headers[-1] + ids.take(int(rng.integers(lo, hi + 1))))
+    return objs
+
+
+def _zipf(rng: np.random.Generator, n: int, alpha: float, size: int) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** alpha
+    rank_to_obj = rng.permutation(n)
+    return rank_to_obj[rng.choice(n, size=size, p=w / w.sum())]
+
+
+def _footprint(objs: list[list[int]]) -> int:
+    return len({b for o in objs for b in o})
+
+
+def _caps(footprint: int) -> tuple[int, ...]:
+    return (max(16, footprint // 20), max(32, footprint // 3), max(64, (9 * footprint) // 10))
+
+
+def zipf(alpha: float, seed: int, n_objects: int = 2000, n_requests: int = REQUESTS) -> SyntheticCase:
+    """Independent requests for objects with Zipf(``alpha``) popularity (LFU's and ARC's case
+    at high skew, LRU's at low skew)."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    objs = _objects(ids, rng, n_objects)
+    reqs = [objs[o] + ids.take(1) for o in _zipf(rng, n_objects, alpha, n_requests)]
+    return SyntheticCase(f"zipf-{alpha:g}", f"{n_requests:,} requests, {n_objects:,} objects, Zipf α = {alpha:g}",
+                         reqs, _caps(_footprint(objs)))
+
+
+def scan_hot(seed: int, n_objects: int = 400, n_requests: int = REQUESTS, scan_share: float = 0.25,
+             scan_len: int = 48) -> SyntheticCase:
+    """A Zipf(0.9) hot set with one-pass scans mixed in (a quarter of the requests read
+    ``scan_len`` blocks never read again): scan resistance (ARC, S3-FIFO, LFU-DA) wins."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    objs = _objects(ids, rng, n_objects)
+    hot = iter(_zipf(rng, n_objects, 0.9, n_requests))
+    reqs = [ids.take(scan_len) if rng.random() < scan_share else objs[next(hot)] + ids.take(1)
+            for _ in range(n_requests)]
+    return SyntheticCase("scan+hot", f"{n_requests:,} requests: Zipf(0.9) over {n_objects} objects, "
+                         f"{scan_share:.0%} one-pass scans of {scan_len} blocks", reqs, _caps(_footprint(objs)))
+
+
+def loop(seed: int, n_objects: int = 1000, n_requests: int = REQUESTS) -> SyntheticCase:
+    """Objects read in a fixed cyclic order, the loop larger than every capacity: LRU and
+    FIFO keep nothing that is reused in time; LFU-like and scan-resistant caches keep a part."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    objs = _objects(ids, rng, n_objects, 8, 16)
+    reqs = [objs[i % n_objects] + ids.take(1) for i in range(n_requests)]
+    fp = _footprint(objs)
+    return SyntheticCase("loop", f"{n_requests:,} requests cycling over {n_objects:,} objects "
+                         f"({fp:,} blocks, above every capacity)", reqs, (fp // 20, fp // 3, (3 * fp) // 4))
+
+
+def shifting(seed: int, phases: int = 4, n_objects: int = 500, per_phase: int = REQUESTS // 4) -> SyntheticCase:
+    """A working set that moves: each phase reads a fresh set of objects with Zipf(1.0)
+    popularity, so recency (LRU, ARC) must forget the old set quickly."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    reqs: list[list[int]] = []
+    fp = 0
+    for _ in range(phases):
+        objs = _objects(ids, rng, n_objects)
+        fp = max(fp, _footprint(objs))
+        reqs += [objs[o] + ids.take(1) for o in _zipf(rng, n_objects, 1.0, per_phase)]
+    return SyntheticCase("shifting", f"{phases} phases of {per_phase:,} requests, each Zipf(1.0) over "
+                         f"{n_objects} fresh objects", reqs, _caps(fp))
+
+
+def one_hit_flood(seed: int, n_objects: int = 500, n_requests: int = REQUESTS, window: int = 500,
+                  flood_share: float = 0.8) -> SyntheticCase:
+    """A Zipf(1.0) hot set; every other window of ``window`` requests is a flood where
+    ``flood_share`` of the requests are one-hit wonders (fresh objects read once):
+    quick demotion of new blocks (S3-FIFO, SIEVE) wins."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    objs = _objects(ids, rng, n_objects)
+    hot = iter(_zipf(rng, n_objects, 1.0, n_requests))
+    reqs = []
+    for i in range(n_requests):
+        flood = (i // window) % 2 == 1 and rng.random() < flood_share
+        if flood:
+            reqs.append(ids.take(int(rng.integers(4, 25))))
+        else:
+            reqs.append(objs[next(hot)] + ids.take(1))
+    return SyntheticCase("one-hit-flood", f"{n_requests:,} requests: Zipf(1.0) over {n_objects} objects, "
+                         f"floods of one-hit wonders ({flood_share:.0%} of every other {window}-request window)",
+                         reqs, _caps(_footprint(objs)))
+
+
+def conversation_tree(seed: int, branching: int = 2, n_conv: int = 400, n_requests: int = REQUESTS,
+                      turn_blocks: int = 4, system_blocks: int = 4) -> SyntheticCase:
+    """Conversations as trees with a fixed branching factor: every conversation starts from a
+    shared system prompt; each request picks a conversation (Zipf 0.8) and a node of its tree
+    with fewer than ``branching`` children (the newest such node with probability 1/2, else
+    one at random: a retry or an edit), and extends it by a turn of ``turn_blocks`` blocks."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.take(system_blocks)
+    trees: list[list[tuple[list[int], int]]] = [[] for _ in range(n_conv)]  # (path, children)
+    reqs = []
+    for c in _zipf(rng, n_conv, 0.8, n_requests):
+        tree = trees[c]
+        open_nodes = [k for k, (_, ch) in enumerate(tree) if ch < branching]
+        if not tree:
+            base = list(system)
+        elif not open_nodes:
+            base = list(system)  # the tree is full: a new root branch off the system prompt
+        else:
+            k = open_nodes[-1] if rng.random() < 0.5 else open_nodes[int(rng.integers(len(open_nodes)))]
+            path, ch = tree[k]
+            tree[k] = (path, ch + 1)
+            base = path
+        path = base + ids.take(turn_blocks)
+        tree.append((path, 0))
+        reqs.append(path + ids.take(1))
+    fp = len({b for t in trees for p, _ in t for b in p})
+    return SyntheticCase(f"conv-tree-b{branching}", f"{n_requests:,} requests in {n_conv} conversation trees "
+                         f"(branching {branching}, {turn_blocks}-block turns)", reqs, _caps(fp))
+
+
+CASES: tuple[Callable[[int], SyntheticCase], ...] = (
+    lambda s: zipf(0.6, s), lambda s: zipf(0.8, s), lambda s: zipf(1.0, s), lambda s: zipf(1.2, s),
+    scan_hot, loop, shifting, one_hit_flood, conversation_tree,
+)
+
+
+def suite(seed: int = 0) -> list[SyntheticCase]:
+    """Every case of the suite, generated with ``seed`` (same seed, same traces)."""
+    return [make(seed + k) for k, make in enumerate(CASES)]
+
+
+__all__ = ["CASES", "SyntheticCase", "conversation_tree", "loop", "one_hit_flood", "scan_hot", "shifting",
+           "suite", "zipf"]
