@@ -14,6 +14,17 @@ inactive set and the pool's hot batch loops.
   :func:`match_blocks` — the per-block loops of the pool's batch calls (lock held by the
   caller), everything else (errors, undo, dedup, duplicates, events) stays in ``pool.py``.
 
+Finalizers: a handle or pin dropped in a reference cycle is given back by the cycle
+collector, which Python 3.11 runs inside an allocation and 3.12+ at the next eval-breaker
+check (a Python call or loop): either way inside a batch call of the pool, on the thread
+that holds its re-entrant lock, so the finalizer's give-back (or any ``__del__`` or
+``gc.callbacks`` hook that re-enters the pool) sees the pool as it is at that point.  Every
+state change here that touches more than one place (a block's state and ref count, the
+Reset list, the inactive set, the registry, the duplicate copies) therefore runs in C with
+no Python frame and no allocation of a tracked object in between: at any point where
+Python code can run, counters and lists agree.  ``pool.py`` calls these functions for
+every such change (never a Python sequence of them).
+
 The semantics are those of :mod:`kvbm_runtime.pool_reference` (the executable
 specification, same functions and same ``InactiveSet`` API in plain Python);
 ``tests/unit/test_runtime_pool_core_diff.py`` drives pools on either core through the same
@@ -629,6 +640,84 @@ cdef inline tuple _snapshot(object seq):
     return seq if type(seq) is tuple else tuple(seq)
 
 
+cdef int _unregister(dict registry, dict dups, Block b, object h) except -1:
+    """Take registered block ``b`` (hash ``h``) out of the registry / its duplicate copies,
+    in C (no Python frame: ``h`` is an ``int``, blocks compare by identity).  Returns 1 when
+    ``b`` was the hash's last copy (a Remove is owed), else 0.  The body of
+    ``BlockPool._unregister_copy``."""
+    cdef PyObject* cur
+    extra = dups.get(h) if dups else None
+    cur = PyDict_GetItemWithError(registry, h)
+    if cur == <PyObject*>b:
+        if not extra:
+            del registry[h]
+            return 1
+        registry[h] = (<list>extra).pop(0)
+    else:
+        if extra is None:
+            raise RuntimeError(f"block {b.block_id} is registered under {h:#x} but the registry does not name it")
+        (<list>extra).remove(b)
+    if not extra:
+        del dups[h]
+    return 0
+
+
+cdef tuple _take(object pool, Py_ssize_t count, tuple ms):
+    """``count`` blocks (Reset ones first, then evicted inactive ones, lowest level first),
+    each given identity ``ms[i]`` as a Complete block, or (``ms`` is ``None``) left Reset,
+    with a ``MutableBlock`` each.  Lock held.  One block at a time: popped, unregistered,
+    given its new life and its handle before anything Python can run (the Reset list is
+    re-read per block, a finalizer may have changed it).
+
+    Returns:
+        ``(handles, removes, evicted)``; fewer handles than ``count`` when the pool ran out
+        part-way (only possible when a finalizer re-entered the pool after the room check
+        and took blocks): the blocks taken are back on the Reset list then, and the
+        Removes owed for the ones evicted are still returned.
+    """
+    reset = pool._reset
+    cdef InactiveSet inactive = _inactive_of(pool)
+    cdef tuple blocks = inactive.blocks
+    cdef dict registry = pool._registry
+    cdef dict dups = pool._dups
+    cdef list out = []
+    cdef list removes = None
+    cdef Py_ssize_t i, j, evicted = 0
+    cdef Block b
+    cdef _Handle h
+    if count > len(reset) + inactive.count[0]:  # level 0 alone does not cover it: count all
+        pool._check_room(count)
+    popleft = reset.popleft
+    for i in range(count):
+        if len(reset):
+            j = popleft()
+            if j < 0 or j >= inactive.n:
+                raise RuntimeError(f"{pool.tier}: block id {j} on the Reset list is not a block of this pool")
+            b = <Block>PyTuple_GET_ITEM(blocks, j)
+        else:
+            j = inactive._pop()
+            if j < 0:  # ran out part-way: give the blocks taken back (no handle stays live)
+                for obj in out:
+                    h = <_Handle>obj
+                    h._live = False
+                    _reset_one(reset, h._block)
+                return [], removes, evicted
+            b = <Block>PyTuple_GET_ITEM(blocks, j)
+            old = b.meta
+            if _unregister(registry, dups, b, old.sequence_hash):
+                if removes is None:
+                    removes = []
+                removes.append(old)
+            evicted += 1
+            b.generation += 1  # a new life: weak handles of the old one are dead
+            b._empty()
+        if ms is not None:
+            b.meta = <object>PyTuple_GET_ITEM(ms, i)
+            b.state = _COMPLETE
+        out.append(_new_mutable(pool, b))
+    return out, removes, evicted
+
+
 def allocate_complete(pool, metas):
     """The per-block part of ``BlockPool.allocate_complete(metas)`` (lock held): the room
     checked (``pool._check_room`` unless the Reset list and the lowest inactive level
@@ -636,72 +725,158 @@ def allocate_complete(pool, metas):
     each given its identity as a Complete block.
 
     Returns:
-        ``(handles, removes, evicted)``: one Complete ``MutableBlock`` per identity, the
-        identities whose Remove is owed (a hash's last copy evicted; ``None`` when no block
-        was evicted) and the number of blocks evicted.
+        ``(handles, removes, evicted)``: one Complete ``MutableBlock`` per identity (none
+        when the pool ran out part-way, see :func:`_take`), the identities whose Remove is
+        owed (a hash's last copy evicted; ``None`` when none is) and the number of blocks
+        evicted.
 
     Raises:
         PoolExhaustedError: from ``pool._check_room`` (nothing allocated or evicted).
     """
     cdef tuple ms = _snapshot(metas)
-    cdef Py_ssize_t count = PyTuple_GET_SIZE(ms), i, j, k
-    reset = pool._reset
-    cdef Py_ssize_t n_reset = len(reset)
+    return _take(pool, PyTuple_GET_SIZE(ms), ms)
+
+
+def allocate_reset(pool, Py_ssize_t count):
+    """The body of ``BlockPool.allocate(count)`` (lock held): as :func:`allocate_complete`,
+    the blocks left Reset (an evicted one is cleared, its generation bumped)."""
+    return _take(pool, count, None)
+
+
+cdef int _reset_one(object reset, Block b) except -1:
+    # back to Reset and onto the Reset list, together
+    b.generation += 1
+    b._empty()
+    reset.append(b.block_id)
+    return 0
+
+
+def reset_block(pool, Block block not None):
+    """The body of ``BlockPool._reset_block`` (lock held): a block a mutable handle held
+    goes back to Reset and onto the Reset list (nothing when it is registered: the handle
+    was consumed by its registration)."""
+    if block.state is not _REGISTERED:
+        _reset_one(pool._reset, block)
+
+
+def evict_blocks(pool, Py_ssize_t count):
+    """The body of ``BlockPool.evict(count)`` (lock held): up to ``count`` inactive blocks
+    (all when ``count < 0``), next victim first, each unregistered, cleared and put on the
+    Reset list before the next.
+
+    Returns:
+        ``(removes, evicted)``: the identities whose Remove is owed, the blocks evicted.
+    """
     cdef InactiveSet inactive = _inactive_of(pool)
-    cdef tuple blocks = inactive.blocks
-    cdef list out = []
-    cdef Block b
-    if count > n_reset + inactive.count[0]:  # level 0 alone does not cover it: count all
-        pool._check_room(count)
-    k = count if count < n_reset else n_reset
-    if k:
-        popleft = reset.popleft
-        for i in range(k):
-            j = popleft()
-            if j < 0 or j >= inactive.n:
-                raise RuntimeError(f"{pool.tier}: block id {j} on the Reset list is not a block of this pool")
-            b = <Block>PyTuple_GET_ITEM(blocks, j)
-            b.meta = <object>PyTuple_GET_ITEM(ms, i)
-            b.state = _COMPLETE
-            out.append(_new_mutable(pool, b))
-    if count <= n_reset:
-        return out, None, 0
     cdef dict registry = pool._registry
     cdef dict dups = pool._dups
+    reset = pool._reset
     cdef list removes = []
-    for i in range(k, count):
+    cdef Py_ssize_t j, n = 0
+    cdef Block b
+    while count < 0 or n < count:
         j = inactive._pop()
         if j < 0:
-            raise RuntimeError(f"{pool.tier}: no inactive block left to evict")
-        b = <Block>PyTuple_GET_ITEM(blocks, j)
+            break
+        b = <Block>PyTuple_GET_ITEM(inactive.blocks, j)
         old = b.meta
-        h = old.sequence_hash
-        if dups and h in dups:
-            pool._unregister_copy(b)
-        else:
-            del registry[h]
+        if _unregister(registry, dups, b, old.sequence_hash):
             removes.append(old)
-        b.generation += 1  # a new life: weak handles of the old one are dead
-        if b.tokens:
-            b.parent = None
-            b.tokens = _EMPTY
-        b.meta = <object>PyTuple_GET_ITEM(ms, i)
-        b.state = _COMPLETE
-        out.append(_new_mutable(pool, b))
-    return out, removes, count - k
+        _reset_one(reset, b)
+        n += 1
+    return removes, n
+
+
+def settle_existing(pool, MutableBlock handle not None, Block existing not None):
+    """One input of a register call whose hash ``existing`` already holds (lock held; the
+    body of ``BlockPool._settle_existing``): with duplicates allowed its block becomes a
+    further registered copy (one reference), else ``existing`` gains one reference (a
+    dedup hit) and the input's block goes back to Reset.
+
+    Returns:
+        The block the input now stands for.
+    """
+    cdef Block b = handle._block
+    pool._dedup_hits += 1
+    if pool.allow_duplicates:
+        h = existing.meta.sequence_hash
+        dups = <dict>pool._dups
+        extra = dups.get(h)
+        if extra is None:
+            extra = dups[h] = []
+        b.state = _REGISTERED
+        b.ref_count = 1
+        b.frequency = 1
+        (<list>extra).append(b)
+        return b
+    _acquire_one(pool, existing, True)
+    _reset_one(pool._reset, b)
+    return existing
+
+
+cdef int _acquire_one(object pool, Block block, bint touch) except -1:
+    if block.state is not _REGISTERED:
+        raise BlockStateError(f"block {block.block_id} is {block.state.value}, not registered")
+    if block.ref_count == 0:
+        _inactive_of(pool)._discard(block)
+    block.ref_count += 1
+    if touch:
+        block.frequency += 1
+    return 0
+
+
+def acquire_one(pool, Block block not None, bint touch=True):
+    """The body of ``BlockPool._acquire`` (lock held): one more strong reference
+    (reactivates an inactive block); ``touch`` counts a use.
+
+    Raises:
+        BlockStateError: the block is not registered.
+    """
+    _acquire_one(pool, block, touch)
+
+
+def unrelease(pool, handles):
+    """The body of ``BlockPool._unrelease`` (lock held): undo the releases of ``handles``
+    (live strong handles a failed batch consumed), last first; each block is back to its
+    reference count and out of the inactive set, in one step."""
+    cdef InactiveSet inactive = _inactive_of(pool)
+    cdef tuple hs = _snapshot(handles)
+    cdef Py_ssize_t i
+    cdef _Handle h
+    cdef Block b
+    for i in range(PyTuple_GET_SIZE(hs) - 1, -1, -1):
+        h = <_Handle>(<object>PyTuple_GET_ITEM(hs, i))
+        h._live = True
+        b = h._block
+        if b.ref_count == 0 and inactive.lvl[b.block_id] >= 0:
+            inactive._unlink(inactive._id(b))
+        b.ref_count += 1
+
+
+def counts(pool):
+    """``(reset, active, inactive)`` block counts of ``pool`` read together (lock held;
+    ``BlockPool.stats``): no finalizer can run between them."""
+    cdef InactiveSet inactive = _inactive_of(pool)
+    cdef Py_ssize_t active = 0
+    cdef Block b
+    for obj in inactive.blocks:
+        b = <Block>obj
+        if b.state is _REGISTERED and b.ref_count > 0:
+            active += 1
+    return len(pool._reset), active, len(inactive)
 
 
 def register_blocks(pool, blocks, bint strong=True):
     """The per-block part of ``BlockPool.register_blocks(blocks)`` (``strong``) and of
     ``BlockPool.register_downgrade`` (not ``strong``), lock held: each valid input (a
     live handle of ``pool`` on a Complete block) is consumed; a hash not registered yet is
-    registered on the input's block (frequency 1, a Store owed; ref count 1 and a strong
-    handle, or ref count 0 and no handle), one already registered is deferred to the
-    caller.  Stops at the first invalid input.
+    registered on the input's block (frequency 1, a Store owed, ref count 1; a strong
+    handle, or (not ``strong``) none), one already registered is deferred to the caller.  Stops at the first invalid input.
 
     Returns:
         ``(out, stores, deferred, bad, error)``: per registered input a strong handle
-        (``strong``) or its block, ``None`` for a deferred one; the identities of the
+        (``strong``) or its block (holding one reference, the batch's: the caller drops it
+        with :func:`unpin_blocks`), ``None`` for a deferred one; the identities of the
         Stores owed; ``None`` or a list of ``(index, handle, existing block)``; the index
         of the first invalid input (-1: none; the inputs before it were processed, the
         caller undoes them; that input is untouched); the exception its identity raised
@@ -734,11 +909,13 @@ def register_blocks(pool, blocks, bint strong=True):
             b.state = _REGISTERED
             b.frequency = 1
             stores.append(meta)
+            # one reference: a strong handle's, or (not ``strong``) the batch's own, which
+            # the caller drops (``unpin_blocks``, input order) once the batch is in; never
+            # a registered block at ref count 0 outside the inactive set
+            b.ref_count = 1
             if strong:
-                b.ref_count = 1
                 out.append(_new_immutable(pool, b))
             else:
-                b.ref_count = 0  # inactive once the batch is in (the caller adds it)
                 out.append(b)
         else:
             if deferred is None:

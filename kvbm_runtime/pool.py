@@ -13,6 +13,13 @@
   its frequency, which does not change while it is inactive.
   A registered block is inactive exactly when its ``ref_count`` is 0.
 
+Finalizers: a handle or pin dropped in a reference cycle gives its block back from the
+cycle collector, which can run inside any call here, on the thread that holds the lock
+(3.11: at an allocation; 3.12+: at the next Python call or loop).  Every change that
+touches more than one of the structures above runs in one call of the compiled core, so
+wherever Python code can run (a finalizer, a ``__del__``, a ``gc.callbacks`` hook, a sink)
+the counters and lists agree (``kvbm_runtime/_pool_core.pyx``, "Finalizers").
+
 Events: the first copy of a hash registered at this tier publishes one Store; evicting the
 last copy publishes one Remove (case C4).  ``storage_location`` is the tier name and
 ``block_size`` the layout's ``block_bytes``.  One re-entrant lock guards everything, so
@@ -119,13 +126,12 @@ class BlockPool:
         tier: storage location name used in events (``"g1"``, ``"g2"``).
         layout: the allocated layout; its ``num_blocks`` is the pool size.
         publisher: where Store / Remove events go (``None``: publish nothing).  An
-            ``event_plane.EventPublisher`` gets the batch calls' events already encoded
+            ``event_plane.EventPublisher`` gets the events already encoded
             (``publish_encoded``; they are well-formed by construction: see
             ``BlockMeta``), or none at all when its ``wants_events`` is false at
-            construction (``null://``: their number goes to ``skip_events``); the few
-            events of other calls (``evict``, dropping handles one by one) go to its
-            ``publish_valid``.  Any other sink gets ``KVEvent`` lists through
-            ``publish``.
+            construction (``null://``: their number goes to ``skip_events``); a sink
+            with ``publish_valid`` but no ``publish_encoded`` gets ``KVEvent`` lists
+            there.  Any other sink gets ``KVEvent`` lists through ``publish``.
         allow_duplicates: keep a second physical copy when a registered hash is
             registered again (instead of deduplicating onto the existing block).
 
@@ -265,13 +271,12 @@ class BlockPool:
     def stats(self) -> PoolStats:
         """Current counts."""
         with self._lock:
-            inactive = len(self._inactive)
-            reset = len(self._reset)
+            reset, active, inactive = self._core.counts(self)  # read together
             return PoolStats(
                 tier=self.tier,
                 total=self.num_blocks,
                 reset=reset,
-                active=sum(1 for b in self._blocks if b.state is _REGISTERED and b.ref_count > 0),
+                active=active,
                 inactive=inactive,
                 registered_hashes=len(self._registry),
                 stores_published=self._stores,
@@ -297,46 +302,7 @@ class BlockPool:
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         with self._lock:
-            blocks = self._take(count)
-            for b in blocks:
-                if b.meta is not None:  # evicted by _take, not cleared yet
-                    b.clear()
-            return [new_mutable(self, b) for b in blocks]
-
-    def _take(self, count: int) -> list[Block]:
-        """``count`` free blocks (all-or-nothing), lock held: Reset ones first, then
-        evicted inactive ones, whose Removes are published here.  Evicted blocks are
-        unregistered but *not* cleared (they still carry their old ``meta`` and ``state``):
-        the caller, under the same lock, clears them (``Block.clear``) or gives
-        them their new identity (bumping ``generation``)."""
-        reset = self._reset
-        n_reset = len(reset)
-        if count <= n_reset:
-            blocks = self._blocks
-            popleft = reset.popleft
-            return [blocks[popleft()] for _ in range(count)]
-        self._check_room(count)
-        blocks = self._blocks
-        out = [blocks[i] for i in reset]
-        reset.clear()
-        events: list[BlockMeta] = []  # identities of the Removes owed
-        pop_victim = self._inactive.pop_victim
-        registry = self._registry
-        dups = self._dups
-        for _ in range(count - n_reset):
-            victim = pop_victim()
-            meta = victim.meta
-            h = meta.sequence_hash  # type: ignore[union-attr]
-            if dups and h in dups:
-                self._unregister_copy(victim)
-            else:
-                del registry[h]
-                events.append(meta)
-            out.append(victim)
-        self._evictions += count - n_reset
-        if events:
-            self._emit_removes(events)
-        return out
+            return self._settle_take(count, *self._core.allocate_reset(self, count))
 
     def allocate_complete(self, metas: Sequence[BlockMeta]) -> list[MutableBlock]:
         """``allocate(len(metas))`` followed by ``init_from(meta)`` on each block, in one
@@ -346,13 +312,26 @@ class BlockPool:
         Raises:
             PoolExhaustedError: as :meth:`allocate` (nothing allocated or evicted).
         """
+        metas = metas if isinstance(metas, (list, tuple)) else list(metas)
         with self._lock:
-            out, removes, evicted = self._core.allocate_complete(self, metas)
-            if evicted:
-                self._evictions += evicted
-                if removes:
-                    self._emit_removes(removes)
-            return out
+            return self._settle_take(len(metas), *self._core.allocate_complete(self, metas))
+
+    def _settle_take(self, count: int, out: list[MutableBlock], removes: list[BlockMeta] | None, evicted: int) -> list[MutableBlock]:
+        """Count the evictions of an allocation and publish their Removes (lock held).
+
+        Raises:
+            PoolExhaustedError: the core ran out part-way (a finalizer or a ``__del__``
+                that re-entered the pool after the room check took blocks): the blocks
+                taken are back on the Reset list; the ones evicted stay evicted (their
+                Removes are published).
+        """
+        if evicted:
+            self._evictions += evicted
+            if removes:
+                self._emit_removes(removes)
+        if len(out) != count:
+            raise PoolExhaustedError(f"{self.tier}: cannot allocate {count} blocks: the pool ran out part-way")
+        return out
 
     def _emit_removes(self, events: list[BlockMeta]) -> None:
         """Count and publish one Remove per identity in ``events`` (lock held)."""
@@ -404,20 +383,10 @@ class BlockPool:
             Blocks evicted.
         """
         with self._lock:
-            n = 0
-            events: list[KVEvent] = []
-            while count is None or n < count:
-                victim = self._inactive.pop_victim()
-                if victim is None:
-                    break
-                self._evictions += 1
-                ev = self._unregister(victim)
-                if ev is not None:
-                    events.append(ev)
-                victim.clear()
-                self._reset.append(victim.block_id)
-                n += 1
-            self._emit(events)
+            removes, n = self._core.evict_blocks(self, -1 if count is None else max(count, 0))
+            self._evictions += n
+            if removes:
+                self._emit_removes(removes)
             return n
 
     # ------------------------------------------------------------------ registration
@@ -491,18 +460,7 @@ class BlockPool:
         with duplicates allowed its block becomes a further registered copy (one
         reference), else ``existing`` gains one reference (a dedup hit) and the input's
         block goes back to Reset.  Returns the block the input now stands for."""
-        b = handle._block
-        self._dedup_hits += 1
-        if self.allow_duplicates:
-            self._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
-            b.state = _REGISTERED
-            b.ref_count = 1
-            b.frequency = 1
-            return b
-        self._acquire(existing)
-        b.clear()
-        self._reset.append(b.block_id)
-        return existing
+        return self._core.settle_existing(self, handle, existing)
 
     def register_downgrade(self, blocks: Sequence[MutableBlock], weaks: list[WeakBlock] | None = None) -> list[WeakBlock]:
         """:meth:`register_blocks` followed by :meth:`downgrade_many` of its result, in one
@@ -539,9 +497,10 @@ class BlockPool:
             registered, events, deferred, body = self._register_loop(hs, False)
             n = len(registered)
             if deferred is None:
-                # every input registered as itself, frequency 1: level 0, in input order
+                # every input registered as itself, frequency 1, holding the batch's
+                # reference: dropped in input order (inactive, level 0)
                 targets = registered
-                self._inactive.extend(targets)
+                self._core.unpin_blocks(self, targets)
             else:
                 targets = self._register_downgrade_dedup(hs, deferred)
             if (
@@ -565,22 +524,13 @@ class BlockPool:
     def _register_downgrade_dedup(self, hs: list[MutableBlock], deferred: list[tuple[int, MutableBlock, Block]]) -> list[Block]:
         """:meth:`register_downgrade` of a batch with hashes already registered (lock
         held), as register + release would do it: the fresh registrations hold one
-        reference each while the dedups count their uses, then every reference is
-        dropped in input order.  Returns the registered block of each input."""
+        reference each (the batch's, taken by the core) while the dedups count their
+        uses, then every reference is dropped in input order.  Returns the registered
+        block of each input."""
         targets: list[Block] = [h._block for h in hs]
-        for i, _, _ in deferred:
-            targets[i] = None  # type: ignore[call-overload]
-        for b in targets:
-            if b is not None:
-                b.ref_count = 1
         for i, handle, existing in deferred:
             targets[i] = self._settle_existing(handle, existing)
-        add = self._inactive.add
-        for b in targets:
-            rc = b.ref_count - 1
-            b.ref_count = rc
-            if rc == 0:
-                add(b)
+        self._core.unpin_blocks(self, targets)
         return targets
 
     def _unregister_batch(self, done: Sequence[MutableBlock]) -> None:
@@ -725,48 +675,10 @@ class BlockPool:
 
     # ------------------------------------------------------------------ internals used by handles
 
-    def _emit(self, events: list[KVEvent]) -> None:
-        if events and self._publish is not None:
-            self._publish(events)
-
-    def _unregister_copy(self, block: Block) -> bool:
-        """Remove one registered copy of a hash that has further copies (lock held);
-        True when ``block`` was the last copy (the caller publishes the Remove)."""
-        meta = block.meta
-        assert meta is not None
-        h = meta.sequence_hash
-        extra = self._dups.get(h)
-        if self._registry.get(h) is block:
-            if not extra:
-                del self._registry[h]
-                return True
-            self._registry[h] = extra.pop(0)
-        else:
-            assert extra is not None
-            extra.remove(block)
-        if not extra:
-            del self._dups[h]
-        return False
-
-    def _unregister(self, block: Block) -> KVEvent | None:
-        """Remove one registered copy; a Remove event when it was the last copy."""
-        if not self._unregister_copy(block):
-            return None
-        meta = block.meta
-        assert meta is not None
-        self._removes += 1
-        return KVEvent(_REMOVE, meta.sequence_hash, meta.prefix_hash, meta.parent_hash, self._block_bytes, self.tier, None)
-
     def _acquire(self, block: Block, touch: bool = True) -> None:
         """One more strong ref (reactivates an inactive block); ``touch`` counts a use."""
         with self._lock:
-            if block.state is not _REGISTERED:
-                raise BlockStateError(f"block {block.block_id} is {block.state.value}, not registered")
-            if block.ref_count == 0:
-                self._inactive.discard(block)
-            block.ref_count += 1
-            if touch:
-                block.frequency += 1
+            self._core.acquire_one(self, block, touch)
 
     def release_blocks(self, handles: Iterable[ImmutableBlock]) -> None:
         """Release many strong handles under one lock (same as ``h.release()`` for each,
@@ -788,13 +700,7 @@ class BlockPool:
     def _unrelease(self, done: list[ImmutableBlock]) -> None:
         """Undo the releases of ``done`` (a batch failed part-way; lock held), last first,
         so every block is back to its ref count and out of the inactive set."""
-        inactive = self._inactive
-        for h in reversed(done):
-            h._live = True
-            b = h._block
-            if b.ref_count == 0 and b in inactive:
-                inactive.discard(b)
-            b.ref_count += 1
+        self._core.unrelease(self, done)
 
     def _release(self, block: Block) -> None:
         """Drop one strong ref; the last one makes the block inactive (also when a handle
@@ -813,10 +719,7 @@ class BlockPool:
         if not lock.acquire(False) and not _acquire_unless_finalizing(lock):
             return
         try:
-            if block.state is _REGISTERED:
-                return
-            block.clear()
-            self._reset.append(block.block_id)
+            self._core.reset_block(self, block)
         finally:
             lock.release()
 

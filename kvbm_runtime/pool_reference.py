@@ -3,8 +3,10 @@
 The same :class:`InactiveSet` API and the same four per-block loops of the pool's batch
 calls, in plain Python over ``OrderedDict`` levels; ``BlockPool`` runs on the compiled core
 (:attr:`kvbm_runtime.pool.BlockPool._core`), a pool whose ``_core`` is this module runs the
-same algorithm here.  ``tests/unit/test_runtime_pool_core_diff.py`` drives pools on both
-through the same random operations and checks them equal.  The blocks and handles are the
+same algorithm here (the same results; not the compiled core's atomicity: a finalizer
+can run between two Python lines of a function here).
+``tests/unit/test_runtime_pool_core_diff.py`` drives pools on both through the same random
+operations and checks them equal.  The blocks and handles are the
 compiled ones in both cases (``kvbm_runtime.block``).
 """
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ._pool_core import new_immutable, new_mutable
 from .block import Block, BlockMeta, BlockState, ImmutableBlock, MutableBlock, WeakBlock
+from .errors import BlockStateError
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -90,44 +93,140 @@ class InactiveSet:
         return [b.block_id for level in self.levels for b in level]
 
 
+def _unregister(pool: BlockPool, b: Block, h: int) -> bool:
+    """Take registered block ``b`` (hash ``h``) out of the registry / its duplicate copies;
+    True when it was the hash's last copy (a Remove is owed)."""
+    extra = pool._dups.get(h) if pool._dups else None
+    if pool._registry.get(h) is b:
+        if not extra:
+            del pool._registry[h]
+            return True
+        pool._registry[h] = extra.pop(0)
+    else:
+        if extra is None:
+            raise RuntimeError(f"block {b.block_id} is registered under {h:#x} but the registry does not name it")
+        extra.remove(b)
+    if not extra:
+        del pool._dups[h]
+    return False
+
+
+def _reset_one(pool: BlockPool, b: Block) -> None:
+    """Back to Reset (generation + 1) and onto the Reset list."""
+    b.clear()
+    pool._reset.append(b.block_id)
+
+
+def _take(pool: BlockPool, count: int, metas: tuple[BlockMeta, ...] | None) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
+    """``count`` blocks, Reset ones first (the list re-read per block), then evicted
+    inactive ones (lowest level first), each given identity ``metas[i]`` as a Complete
+    block or (``metas`` is ``None``) left Reset: ``(handles, Removes owed or None,
+    evicted)``, no handle when the pool ran out part-way (the blocks taken back on the
+    Reset list)."""
+    reset = pool._reset
+    if count > len(reset) + pool._inactive.level_len(0):
+        pool._check_room(count)
+    out: list[MutableBlock] = []
+    removes: list[BlockMeta] | None = None
+    evicted = 0
+    for i in range(count):
+        if reset:
+            b = pool._blocks[reset.popleft()]
+        else:
+            b = pool._inactive.pop_victim()
+            if b is None:
+                for h in out:
+                    h._live = False
+                    _reset_one(pool, h._block)
+                return [], removes, evicted
+            old = b.meta
+            if _unregister(pool, b, old.sequence_hash):  # type: ignore[union-attr]
+                removes = removes if removes is not None else []
+                removes.append(old)  # type: ignore[arg-type]
+            evicted += 1
+            b.clear()  # a new life: weak handles of the old one are dead
+        if metas is not None:
+            b.meta = metas[i]
+            b.state = _COMPLETE
+        out.append(new_mutable(pool, b))
+    return out, removes, evicted
+
+
 def allocate_complete(pool: BlockPool, metas: Iterable[BlockMeta]) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
     """The per-block part of ``BlockPool.allocate_complete`` (lock held), room check
     included: ``(handles, identities of the Removes owed or None, blocks evicted)``."""
-    metas = tuple(metas)  # any iterable, as the compiled core takes
-    count = len(metas)
-    reset = pool._reset
-    n_reset = len(reset)
-    if count > n_reset + pool._inactive.level_len(0):
-        pool._check_room(count)
-    out: list[MutableBlock] = []
-    k = min(count, n_reset)
-    for meta in metas[:k]:
-        b = pool._blocks[reset.popleft()]
-        b.meta = meta
-        b.state = _COMPLETE
-        out.append(new_mutable(pool, b))
-    if count <= n_reset:
-        return out, None, 0
+    ms = tuple(metas)  # any iterable, as the compiled core takes
+    return _take(pool, len(ms), ms)
+
+
+def allocate_reset(pool: BlockPool, count: int) -> tuple[list[MutableBlock], list[BlockMeta] | None, int]:
+    """The body of ``BlockPool.allocate`` (lock held): Reset blocks."""
+    return _take(pool, count, None)
+
+
+def reset_block(pool: BlockPool, block: Block) -> None:
+    """The body of ``BlockPool._reset_block`` (lock held)."""
+    if block.state is not _REGISTERED:
+        _reset_one(pool, block)
+
+
+def evict_blocks(pool: BlockPool, count: int) -> tuple[list[BlockMeta], int]:
+    """The body of ``BlockPool.evict`` (lock held; ``count < 0``: all): ``(Removes owed,
+    blocks evicted)``."""
     removes: list[BlockMeta] = []
-    for meta in metas[k:]:
+    n = 0
+    while count < 0 or n < count:
         b = pool._inactive.pop_victim()
         if b is None:
-            raise RuntimeError(f"{pool.tier}: no inactive block left to evict")
+            break
         old = b.meta
-        h = old.sequence_hash  # type: ignore[union-attr]
-        if pool._dups and h in pool._dups:
-            pool._unregister_copy(b)
-        else:
-            del pool._registry[h]
+        if _unregister(pool, b, old.sequence_hash):  # type: ignore[union-attr]
             removes.append(old)  # type: ignore[arg-type]
-        b.generation += 1  # a new life: weak handles of the old one are dead
-        if b.tokens:
-            b.parent = None
-            b.tokens = ()
-        b.meta = meta
-        b.state = _COMPLETE
-        out.append(new_mutable(pool, b))
-    return out, removes, count - k
+        _reset_one(pool, b)
+        n += 1
+    return removes, n
+
+
+def settle_existing(pool: BlockPool, handle: MutableBlock, existing: Block) -> Block:
+    """The body of ``BlockPool._settle_existing`` (lock held)."""
+    b = handle._block
+    pool._dedup_hits += 1
+    if pool.allow_duplicates:
+        b.state = _REGISTERED
+        b.ref_count = 1
+        b.frequency = 1
+        pool._dups.setdefault(existing.meta.sequence_hash, []).append(b)  # type: ignore[union-attr]
+        return b
+    acquire_one(pool, existing, True)
+    _reset_one(pool, b)
+    return existing
+
+
+def acquire_one(pool: BlockPool, block: Block, touch: bool = True) -> None:
+    """The body of ``BlockPool._acquire`` (lock held)."""
+    if block.state is not _REGISTERED:
+        raise BlockStateError(f"block {block.block_id} is {block.state.value}, not registered")
+    if block.ref_count == 0:
+        pool._inactive.discard(block)
+    block.ref_count += 1
+    if touch:
+        block.frequency += 1
+
+
+def unrelease(pool: BlockPool, handles: Sequence[ImmutableBlock]) -> None:
+    """The body of ``BlockPool._unrelease`` (lock held)."""
+    for h in reversed(list(handles)):
+        h._live = True
+        b = h._block
+        if b.ref_count == 0 and b in pool._inactive:
+            pool._inactive.discard(b)
+        b.ref_count += 1
+
+
+def counts(pool: BlockPool) -> tuple[int, int, int]:
+    """``(reset, active, inactive)`` block counts (lock held)."""
+    active = sum(1 for b in pool._blocks if b.state is _REGISTERED and b.ref_count > 0)
+    return len(pool._reset), active, len(pool._inactive)
 
 
 def register_blocks(
@@ -157,7 +256,7 @@ def register_blocks(
             b.state = _REGISTERED
             b.frequency = 1
             stores.append(meta)  # type: ignore[arg-type]
-            b.ref_count = 1 if strong else 0
+            b.ref_count = 1  # a strong handle's, or the batch's (the caller drops it)
             out.append(new_immutable(pool, b) if strong else b)
         else:
             if deferred is None:

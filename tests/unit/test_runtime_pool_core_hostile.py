@@ -21,6 +21,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 import tracemalloc
 import weakref
 
@@ -83,7 +84,21 @@ def meta(h: int) -> BlockMeta:
 
 def check_invariants(pool: BlockPool, quiescent: bool = False) -> None:
     """The pool's structural invariants; ``quiescent``: no handle is live, so every block is
-    Reset or inactive."""
+    Reset or inactive.
+
+    Read with the cycle collector off: a collection between two reads (3.12+ runs it at
+    any Python call) would run finalizers that give blocks back, and the reads would
+    disagree with each other, not with the pool."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _check_invariants(pool, quiescent)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _check_invariants(pool: BlockPool, quiescent: bool) -> None:
     reset = list(pool._reset)
     assert len(set(reset)) == len(reset), f"duplicate ids on the Reset list: {reset}"
     assert all(0 <= i < pool.num_blocks for i in reset)
@@ -854,6 +869,104 @@ def test_pins_and_handles_freed_by_the_cycle_collector_inside_a_batch_call() -> 
     finally:
         gc.set_threshold(*old)
     gc.collect()
+    check_invariants(pool, quiescent=True)
+
+
+# ----------------------------------------------------------------------------- finalizers at every allocation
+
+# The pool under finalizers that run at every allocation (Python 3.11 runs the cycle
+# collector inside an allocation, 3.12+ at the next eval-breaker check: either way a
+# collection, and the finalizers it runs, can land inside a batch call of the pool while it
+# holds its (re-entrant) lock).
+#
+# Forced here on any version: a gc threshold of 1 (a collection at nearly every allocation
+# of a tracked object), a ``gc.callbacks`` hook that audits the pool at the start of every
+# collection and re-enters it (match, release, upgrade), and objects in reference cycles
+# whose ``__del__`` re-enters the pool (gives handles and pins back, matches, allocates).
+# Every audit checks what must hold at *any* point a Python line can run: counters and
+# lists agree, each registered block is inactive exactly when nobody references it, the
+# registry names registered blocks only (``check_invariants``).
+
+
+class Reenter:
+    """Holds handles and pins in a reference cycle; its ``__del__`` (run by the collector,
+    wherever the next collection lands) gives them back and re-enters the pool."""
+
+    def __init__(self, pool: BlockPool, strong: list, pins: object, muts: list, weaks: list, errors: list) -> None:
+        self.pool, self.strong, self.pins, self.muts, self.weaks, self.errors = pool, strong, pins, muts, weaks, errors
+        self.me = self
+
+    def __del__(self) -> None:
+        try:
+            pool = self.pool
+            check_invariants(pool)
+            pool.release_blocks(self.strong)
+            if not self.pins.consumed:  # (its own finalizer may have run first: same cycle)
+                self.pins.release()
+            up = pool.upgrade_many(self.weaks)
+            check_invariants(pool)
+            pool.release_blocks([h for h in up if h is not None])
+            try:
+                pool.allocate(1)  # dropped at once: back to Reset
+            except PoolExhaustedError:
+                pass
+            del self.muts[:]  # live mutable handles dropped
+            check_invariants(pool)
+        except BaseException:  # noqa: BLE001 - a finalizer cannot raise: recorded for the test
+            self.errors.append(traceback.format_exc())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("publisher", [None, Sink])
+def test_finalizers_at_every_allocation_keep_counters_and_lists_together(publisher: type | None) -> None:
+    """The compiled core only: its transitions are atomic for finalizers (the reference,
+    plain Python, specifies results, not atomicity)."""
+    pool = new_pool(24, BlockPool, publisher() if publisher else None, dups=publisher is not None)
+    errors: list[str] = []
+    rng = random.Random(11)
+    audits = [0]
+    busy = [False]
+
+    def audit(phase: str, info: dict) -> None:
+        if phase != "start" or busy[0]:
+            return
+        busy[0] = True
+        try:
+            audits[0] += 1
+            check_invariants(pool)
+            got = pool.match_blocks(sorted(pool.resident())[:2])
+            pool.release_blocks(got)
+            check_invariants(pool)
+        except BaseException:  # noqa: BLE001 - a gc callback cannot raise: recorded
+            errors.append(traceback.format_exc())
+        finally:
+            busy[0] = False
+
+    old = gc.get_threshold()
+    gc.callbacks.append(audit)
+    gc.set_threshold(1, 1, 1)
+    try:
+        for step in range(120):
+            hs = [rng.randint(1, 30) for _ in range(rng.randint(1, 4))]
+            try:
+                ws = pool.register_downgrade(pool.allocate_complete([meta(h) for h in hs]))
+                strong = pool.register_blocks(pool.allocate_complete([meta(h + 100) for h in hs[:2]]))
+                pins = pool.pin_many(ws)
+                Reenter(pool, strong + pool.match_blocks([w.sequence_hash for w in ws[:2]]), pins, pool.allocate(1), ws, errors)
+                pool.release_blocks(pool.match_blocks([rng.randint(1, 30) for _ in range(3)]))
+                pool.release_blocks([h for h in pool.upgrade_many(ws) if h is not None])
+                if step % 7 == 0:
+                    pool.evict(rng.randint(1, 4))
+            except PoolExhaustedError:
+                pass
+            if errors:
+                break
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(audit)
+    gc.collect()
+    assert not errors, f"{len(errors)} failures inside finalizers / gc callbacks; the first:\n{errors[0]}"
+    assert audits[0] > 100  # the hook did run inside the calls
     check_invariants(pool, quiescent=True)
 
 
