@@ -648,9 +648,23 @@ class AdvisorService:
         return got.batch
 
     def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
+        """Journal and apply one of the advisor's own batches (a move's Store/Remove).
+
+        The move is committed in the catalog already, so its announcement must not be
+        dropped: while the journal refuses writes (a full disk) it is retried with the
+        backpressure of ingest (:meth:`_ingest_until_journaled`), which holds the mover
+        (it flushes at the end of each group) until the journal accepts it, and the index
+        agrees with the catalog again without a restart.
+
+        Raises:
+            AdvisorError: the service stopped before the journal accepted the batch (the
+                next start's reconciliation repairs the index from the catalog).
+        """
         if self.settings.log == "jetstream":
             return  # the batch enters the stream and is folded when read back, in log order
-        self.ingest(batch, payload, verify=False)
+        if not self._ingest_until_journaled(batch, payload):
+            raise AdvisorError(f"stopped before the journal accepted the advisor's batch {batch.epoch}:{batch.seq}; "
+                               "the next start reconciles the index with the catalog")
 
     def _ingest_loop(self) -> None:
         sub = self.subscriber
@@ -673,20 +687,22 @@ class AdvisorService:
             except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
                 logger.exception("advisor: ingest failed")
 
-    def _ingest_until_journaled(self, batch: EventBatch) -> None:
+    def _ingest_until_journaled(self, batch: EventBatch, payload: bytes | None = None) -> bool:
         """Backpressure: retry one batch while the journal refuses writes (backoff doubling
         from 0.1 s to 5 s); no later batch is taken from the subscriber meanwhile, so
-        nothing is dropped and the publishers' replay covers what piles up."""
+        nothing is dropped and the publishers' replay covers what piles up.  Returns
+        ``True`` once the journal took it (or refused it as bad or duplicate), ``False``
+        when the service stopped first."""
         delay = 0.1
         while True:
             try:
-                self.ingest(batch, verify=False)
-                return
+                self.ingest(batch, payload, verify=False)
+                return True
             except JournalError as exc:
                 logger.error("advisor: %s; retrying batch %s:%s:%s in %.1f s", exc, batch.source, batch.epoch,
                              batch.seq, delay)
             if self._stop.wait(delay):
-                return
+                return False
             delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------------ policies

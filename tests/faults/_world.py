@@ -135,3 +135,16 @@ def crash_mid_copy(s: AdvisorSettings, hashes: list[int], dst: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", _CRASH_COPY, arg], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == -9 and "COPIED" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def wait_until(pred: Any, timeout: float = 120.0, what: str = "condition") -> None:
+    """Poll ``pred()`` every 50 ms until it is true; fail after ``timeout`` seconds (a
+    generous deadline: the machines running the cells are loaded)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached in {timeout:.0f} s")
