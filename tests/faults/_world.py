@@ -148,3 +148,27 @@ def wait_until(pred: Any, timeout: float = 120.0, what: str = "condition") -> No
             return
         time.sleep(0.05)
     raise AssertionError(f"{what} not reached in {timeout:.0f} s")
+
+
+def start_redis(port: int, aof_dir: Path | None = None) -> subprocess.Popen[bytes]:
+    """A private ``redis-server`` on ``127.0.0.1:port``, ready; with ``aof_dir`` it keeps an
+    append-only file there (``appendfsync always``: a restart gets every write back), else
+    nothing is persisted."""
+    import shutil
+    import socket
+    import time
+
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    persist = ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(aof_dir)] if aof_dir else \
+        ["--appendonly", "no"]
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *persist],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("redis-server did not start")

@@ -8,8 +8,6 @@ block reads back byte-exact, and the killed moves' copies are collected
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,25 +17,8 @@ import pytest
 
 from advisor import PlanStatus
 from storage_backends import free_port
+from tests.faults._world import start_redis
 from tests.integration.test_cluster_mover_races import Rig, _chain
-
-
-def _redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "yes",
-                             "--appendfsync", "always", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import socket
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("redis-server did not start")
 
 
 @pytest.fixture
@@ -45,7 +26,7 @@ def private_redis(tmp_path: Path) -> Iterator[dict[str, Any]]:
     port = free_port()
     d = tmp_path / "redis"
     d.mkdir()
-    r = {"port": port, "dir": d, "proc": _redis(port, d), "url": f"redis://127.0.0.1:{port}/0"}
+    r = {"port": port, "dir": d, "proc": start_redis(port, d), "url": f"redis://127.0.0.1:{port}/0"}
     yield r
     r["proc"].kill()
     r["proc"].wait()
@@ -77,7 +58,7 @@ def test_redis_catalog_killed_mid_move_and_restarted(tmp_path: Path, js_url: str
         moves = [r for r in results if r.item.sequence_hash is not None]
         assert moves and all(r.status is not PlanStatus.DONE for r in moves), [(r.status, r.detail) for r in moves]
         assert any(r.status is PlanStatus.FAILED for r in moves)
-        private_redis["proc"] = _redis(private_redis["port"], private_redis["dir"])  # back, from its AOF
+        private_redis["proc"] = start_redis(private_redis["port"], private_redis["dir"])  # back, from its AOF
         assert rig.settle(node) == []
         assert {pl.volume_id for pl in rig.catalog.iter_volume("fast")} == {"fast"}
         promoted = {pl.key.sequence_hash for pl in rig.catalog.iter_volume("fast")}
