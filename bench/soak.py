@@ -88,6 +88,7 @@ class Soak:
     def __init__(self, tmp: Path, rate: int, prefixes: int, s3: LocalS3 | None = None,
                  slow_blocks: int = 1024) -> None:
         self.rate = rate
+        self.shift = 0  # the popularity ranking's offset (drift)
         self.prefixes = prefixes
         self.urls = []
         for _ in range(2):
@@ -110,7 +111,11 @@ class Soak:
             journal_path=str(tmp / "journal.sqlite"), catalog_path=str(tmp / "catalog.sqlite"), namespace=NS,
             volumes=volumes, fast_volume="fast", slow_volumes=["slow"], subscribe_urls=self.urls,
             policy_interval_s=2.0, api_enabled=False, get_timeout_s=0.05, gc_interval_s=30.0,
-            policy={"promotion": {"min_hits": 2}}, **extra,
+            policy={"promotion": {"min_hits": 2},
+                    # with the archive: a demotion frees 40 % of a volume, room for promotions
+                    # from the archive besides the workers' new blocks
+                    **({"demotion": {"high_watermark": 0.8, "low_watermark": 0.4}} if s3 is not None else {})},
+            **extra,
         )
         # the workers' ZMQ replay buffers (in this process) hold 1,000 batches each: full
         # within the first minute, so the memory after it is the advisor's (the default
@@ -131,7 +136,12 @@ class Soak:
         self._moved = {"promote": 0, "demote": 0}
 
     def chain(self, rng: random.Random) -> list[int]:
-        p = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
+        """A request's chain: Zipf-like popularity over the conversations, whose ranking
+        drifts (``--drift-s``: every so many seconds the most popular conversations are
+        others), so blocks cool down and are demoted, and others come back from the
+        archive, for the whole run."""
+        rank = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
+        p = (rank + self.shift) % self.prefixes
         return [(p << 16) | i | (1 << 40) for i in range(CHAIN)]
 
     def worker(self, i: int) -> None:
@@ -225,6 +235,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows and the summary as JSON")
     ap.add_argument("--no-archive", action="store_true", help="no S3 archive (moves stop once fast is full)")
     ap.add_argument("--slow-blocks", type=int, default=1024, help="slow volume capacity in blocks (with the archive)")
+    ap.add_argument("--drift-s", type=float, default=10.0,
+                    help="every so many seconds the popularity ranking moves by 50 conversations (0: never)")
     a = ap.parse_args()
     s3 = None if a.no_archive else start_local_s3()
     with tempfile.TemporaryDirectory(prefix="kvadvisor-soak-") as tmp:
@@ -240,7 +252,11 @@ def main() -> int:
         print(f"{'t_s':>7} {'rss_MiB':>8} {'p50_us':>8} {'p99_us':>8} {'lookups':>8} {'events':>10} "
               f"{'moves':>6} {'failed':>6} {'promo':>6} {'demo':>6} {'lost':>5}", flush=True)
         while time.monotonic() < end:
-            time.sleep(min(a.interval_s, max(0.0, end - time.monotonic())))
+            until = min(time.monotonic() + a.interval_s, end)
+            while time.monotonic() < until:
+                time.sleep(max(0.0, min(1.0, until - time.monotonic())))
+                if a.drift_s > 0:
+                    soak.shift = int((time.monotonic() - t0) // a.drift_s) * 50
             r = soak.row(t0)
             rows.append(r)
             print(f"{r.t_s:7.1f} {r.rss_mib:8.1f} {r.lookup_p50_us:8.1f} {r.lookup_p99_us:8.1f} {r.lookups:8d} "
