@@ -3,6 +3,7 @@
 #               advisor, volumes (two directories + a local S3 endpoint) and the REST API
 #   make test   run the whole test suite against real services
 #   make fuzz   run each coverage-guided fuzz target (tests/fuzz/) for FUZZ_TIME seconds
+#   make stress moves racing evictions and compactions (NIXL, POSIX) for STRESS_SECONDS seconds
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -13,7 +14,10 @@ FUZZ_TIME ?= 600
 FUZZ_TARGETS ?= codec adapters journal
 FUZZ_OUT ?= .fuzz
 
-.PHONY: install demo test fuzz bench clean services
+STRESS_SECONDS ?= 300
+STRESS_SEED ?= 1
+
+.PHONY: install demo test fuzz bench clean services stress
 
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +50,14 @@ fuzz: $(STAMP)
 	    $$(test -d tests/fuzz/regressions/$$t && echo tests/fuzz/regressions/$$t) \
 	    || { status=1; echo "== fuzz_$$t found a crasher: $(FUZZ_OUT)/$$t/crashes/"; }; \
 	done; exit $$status
+
+# moves racing evictions and compactions on one storage agent (POSIX volumes, NIXL), under
+# faulthandler; fails on a storage error it does not expect, a NIXL deregistration error or a crash
+stress: $(STAMP)
+	@NIXL_LOG_LEVEL=WARN $(BIN)/python -X faulthandler -m tests.faults.stress_moves --seconds $(STRESS_SECONDS) \
+	  --seed $(STRESS_SEED) --max-open 1 2>.stress.err; rc=$$?; cat .stress.err >&2; \
+	  if grep -q NIXL_ERR_NOT_FOUND .stress.err; then echo "stress: NIXL_ERR_NOT_FOUND (see above)"; rc=1; fi; \
+	  rm -f .stress.err; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python bench/events.py

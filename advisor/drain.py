@@ -6,9 +6,13 @@ Each block of a managed namespace that the catalog places on the volume becomes 
 :data:`DRAIN_GROUP` blocks: verified copy, catalog switch, Store on the destination and Remove
 from the source published, exactly as a policy move (docs/design.md §7). It runs between
 policy rounds (the round lock); the results join ``GET /v1/plans``. Afterwards the volume
-holds no managed block, so it can be taken out of ``volumes`` at the next restart. A policy
-round that runs after the drain may promote blocks onto it again if it is still the fast
-volume.
+holds no managed block, so it can be unregistered (``DELETE /v1/volumes/{id}``) or taken out
+of ``volumes`` at the next restart.
+
+A drain marks the volume *draining* before its first move: policy rounds then move nothing
+onto it and compact nothing on it, until the volume is unregistered or the drain is
+cancelled (:func:`undrain_volume`).  The mark is kept in the run state and survives a
+restart.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ def drain_volume(service: AdvisorService, volume: str, to: str | None = None) ->
         raise DrainError(f"cannot drain {volume!r} to {dst!r}: give another configured volume")
     namespaces = set(service.settings.namespaces)
     with service._round_lock:
+        if volume not in service.draining:
+            service.draining.add(volume)
+            service.save_admin_state()
         placements = [p for p in agent.catalog.iter_volume(volume) if p.key.namespace in namespaces]
         items = [PlanItem(PlanKind.DEMOTE, f"drain {volume}", volume, dst, p.key.sequence_hash, p.key.namespace,
                           bytes=p.length) for p in placements]
@@ -89,5 +96,17 @@ def drain_volume(service: AdvisorService, volume: str, to: str | None = None) ->
     for r in results:
         counts[r.status.value] += 1
     moved = sum(r.bytes_moved for r in results)
-    logger.warning("advisor: drained volume %s to %s: %s", volume, dst, counts)
+    logger.warning("advisor: drained volume %s to %s: %s (it stays draining)", volume, dst, counts)
     return DrainResult(volume, dst, counts, moved, results)
+
+
+def undrain_volume(service: AdvisorService, volume: str) -> bool:
+    """Cancel a drain: policy rounds may move blocks onto ``volume`` again.  Returns whether
+    it was draining."""
+    with service._round_lock:
+        if volume not in service.draining:
+            return False
+        service.draining.discard(volume)
+        service.save_admin_state()
+    logger.warning("advisor: volume %s no longer draining", volume)
+    return True

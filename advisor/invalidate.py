@@ -7,6 +7,11 @@ in it), and a Remove is published through the advisor's own publisher for each d
 the index places on that volume, so workers and other advisors stop looking for it there.
 It runs between policy rounds (the round lock), so no move of those blocks is in flight.
 Blocks in workers' own G1/G2 are not touched: they belong to the workers.
+
+A model deployed with tensor or pipeline parallelism stores each rank's blocks under its
+own namespace, the model's plus a layout suffix (``<ns>/tp0of2``, ``<ns>/tp1of2``, ``<ns>/pp1of4``;
+``kvbm_runtime.config.KvbmConfig.namespace_suffix``): invalidating the model's namespace
+retires every such layout (:func:`in_namespace`).
 """
 
 from __future__ import annotations
@@ -45,8 +50,15 @@ class InvalidateResult:
     removes_published: int = 0
 
 
+def in_namespace(key_namespace: str, namespace: str) -> bool:
+    """Whether a key's namespace is ``namespace`` or one of its parallel layouts
+    (``namespace + "/" + suffix``, e.g. ``<ns>/tp1of2``)."""
+    return key_namespace == namespace or key_namespace.startswith(namespace + "/")
+
+
 def invalidate_namespace(service: AdvisorService, namespace: str) -> InvalidateResult:
-    """Delete every block of ``namespace`` on every volume and publish their Removes.
+    """Delete every block of ``namespace`` and of its parallel layouts (:func:`in_namespace`)
+    on every volume and publish their Removes.
 
     Args:
         service: a started advisor with storage attached.
@@ -64,16 +76,16 @@ def invalidate_namespace(service: AdvisorService, namespace: str) -> InvalidateR
     published = 0
     with service._round_lock:  # between policy rounds: no move of these blocks in flight
         for desc in agent.volumes():
-            keys = [p.key for p in agent.catalog.iter_volume(desc.id) if p.key.namespace == namespace]
+            keys = [p.key for p in agent.catalog.iter_volume(desc.id) if in_namespace(p.key.namespace, namespace)]
             if not keys:
                 continue
             deleted[desc.id] = agent.delete(keys)
             events = []
-            with service.lock:
-                for k in keys:
-                    info = service.index.block(k.sequence_hash)
+            with service.lock:  # one Remove per block: the ranks of a layout share sequence hashes
+                for h in sorted({k.sequence_hash for k in keys}):
+                    info = service.index.block(h)
                     if info is not None and desc.id in info.locations:
-                        events.append(remove(k.sequence_hash, info.prefix_hash, info.parent, info.size, desc.id))
+                        events.append(remove(h, info.prefix_hash, info.parent, info.size, desc.id))
             for i in range(0, len(events), PUBLISH_CHUNK):
                 publisher.publish(events[i : i + PUBLISH_CHUNK])
                 publisher.flush()

@@ -35,12 +35,15 @@ from event_plane.schema import remove, store
 
 logger = logging.getLogger(__name__)
 
+_GROUP_RETRIES = 2
+"""Copies of a group tried again after blocks vanished from it (each retry drops at least one)."""
+
 
 class MoverAgent(Protocol):
     """The part of ``storage_backends.StorageAgent`` the mover uses."""
 
     def locate(self, keys: Sequence[Any]) -> list[Any]: ...
-    def copy_many(self, placements: Sequence[Any], dst_volume: str) -> list[Any]: ...
+    def copy_many(self, placements: Sequence[Any], dst_volume: str, skip_deleted: bool = False) -> list[Any]: ...
     def commit_move(self, old: Any, new: Any, fence: Any = None) -> Any: ...
     def compact(self, volume_id: str, segment_id: int, fence: Any = None) -> int: ...
 
@@ -143,10 +146,16 @@ class Mover:
         (``agent.copy_many``: one new segment for the group), then committed and
         published block by block in item order, with one flush per group.
 
-        Once a group failed as a whole (the copy raised: a volume or its endpoint is down,
-        full, refusing), the later moves with the same source and destination are SKIPPED
-        without being tried: an S3 endpoint that does not answer costs one group's
-        retries per round, not one per group.  ``failed_routes`` holds those
+        A block that vanishes from the source under the group (evicted, moved, or
+        quarantined between the locate and the copy) drops only itself from the group:
+        it is SKIPPED, and the rest of the group is copied (the copy is tried again
+        without the blocks the catalog shows changed, at most ``_GROUP_RETRIES`` times).
+
+        Once a group failed as a whole with every block still where it was located (a
+        fault of the route itself: a volume or its endpoint is down, full, refusing), the
+        later moves with the same source and destination are SKIPPED without being tried:
+        an S3 endpoint that does not answer costs one group's retries per round, not one
+        per group.  ``failed_routes`` holds those
         ``(source, destination)`` pairs; pass one set to several calls to share it (the
         cluster mover does, across the partitions of a round); ``None``: this call's own.
 
@@ -174,11 +183,13 @@ class Mover:
                                       "failed earlier in this round; not tried again") for it in group]
                 else:
                     try:
-                        res = self._move_group(group)
+                        res, fault = self._move_group(group)
                     except Exception as exc:  # noqa: BLE001 - a failed group must not stop the round
+                        res, fault = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}")
+                                      for it in group], exc
+                    if fault is not None:
                         logger.warning("mover: moving %d blocks %s -> %s failed: %s", len(group), item.src_volume,
-                                       item.dst_volume, exc)
-                        res = [PlanResult(it, PlanStatus.FAILED, f"{type(exc).__name__}: {exc}") for it in group]
+                                       item.dst_volume, fault)
                         failed.add(route)
             elapsed = time.monotonic() - t0
             now = time.time_ns()
@@ -227,13 +238,15 @@ class Mover:
             bytes_moved=item.bytes if moved else 0, blocks_moved=moved,
         )
 
-    def _move_group(self, group: list[PlanItem]) -> list[PlanResult]:
+    def _move_group(self, group: list[PlanItem]) -> tuple[list[PlanResult], Exception | None]:
+        """Move one group (same source and destination); returns the results in item
+        order, and the route's fault when the copy failed with every block still in place."""
         from storage_backends.types import FencedError, VersionConflictError  # storage is optional for the index
 
         src, dst = group[0].src_volume, group[0].dst_volume
         why = self._stopped()
         if why is not None:
-            return [PlanResult(it, PlanStatus.SKIPPED, why) for it in group]
+            return [PlanResult(it, PlanStatus.SKIPPED, why) for it in group], None
         out: list[PlanResult | None] = [None] * len(group)
         todo: list[tuple[int, Any]] = []  # (index in group, old placement)
         keys: list[Any] = []
@@ -257,9 +270,10 @@ class Mover:
                 out[n] = PlanResult(it, PlanStatus.SKIPPED, f"no copy on '{src}' any more (catalog: {where})")
             else:
                 todo.append((n, old))
+        fault: Exception | None = None
         if todo:
             assert dst is not None
-            news = self.agent.copy_many([old for _, old in todo], dst)  # verified, not committed
+            todo, news, fault = self._copy_group(group, todo, dst, out)  # verified, not committed
             used: dict[int, tuple[MoverPublisher, list[int]]] = {}  # publisher -> (it, items it announced)
             for (n, old), new in zip(todo, news):
                 it = group[n]
@@ -310,7 +324,48 @@ class Mover:
                     self.announce_failed += len(members)
                     logger.warning("mover: flushing the announcements of %d moves failed (%s); the index is "
                                    "repaired from the catalog if they are lost", len(members), exc)
-        return [r for r in out if r is not None]
+        return [r for r in out if r is not None], fault
+
+    def _copy_group(
+        self, group: list[PlanItem], todo: list[tuple[int, Any]], dst: str, out: list[PlanResult | None],
+    ) -> tuple[list[tuple[int, Any]], list[Any], Exception | None]:
+        """Copy the located blocks ``todo`` ((index in group, old placement)) to ``dst``.
+
+        A block deleted before its read is left out by the agent; when the copy raises,
+        the blocks are located again and those the catalog shows changed (deleted, moved,
+        quarantined) are SKIPPED and the copy is tried again without them.  A failure with
+        every block unchanged is the route's: the rest is FAILED.  Fills ``out`` for the
+        blocks dropped; returns the blocks copied, their new placements, and the route's
+        fault (or ``None``)."""
+        for attempt in range(_GROUP_RETRIES + 1):
+            olds = [old for _, old in todo]
+            try:
+                news = self.agent.copy_many(olds, dst, skip_deleted=True)
+            except Exception as exc:  # noqa: BLE001 - sorted below: a block's fault or the route's
+                now = self.agent.locate([old.key for old in olds])
+                keep = [(t, p) for t, p in zip(todo, now) if p == t[1]]
+                if len(keep) == len(todo) or attempt == _GROUP_RETRIES:
+                    for n, _ in todo:
+                        out[n] = PlanResult(group[n], PlanStatus.FAILED, f"{type(exc).__name__}: {exc}")
+                    return [], [], exc
+                for (n, old), p in zip(todo, now):
+                    if p != old:
+                        where = "deleted" if p is None else f"now {p.volume_id} segment {p.segment_id}"
+                        out[n] = PlanResult(group[n], PlanStatus.SKIPPED,
+                                            f"changed on '{old.volume_id}' while being copied ({where})")
+                todo = [t for t, _ in keep]
+                if not todo:
+                    return [], [], None
+                continue
+            pairs = []
+            for (n, old), new in zip(todo, news):
+                if new is None:
+                    out[n] = PlanResult(group[n], PlanStatus.SKIPPED,
+                                        f"deleted from '{old.volume_id}' before its copy")
+                else:
+                    pairs.append(((n, old), new))
+            return [t for t, _ in pairs], [new for _, new in pairs], None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _publishers(self, h: int) -> Sequence[MoverPublisher]:
         return self.publish_to(h) if self.publish_to is not None else [self.publisher]

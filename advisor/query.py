@@ -46,6 +46,7 @@ class VolumeView:
         stats: ``VolumeStats`` fields (used, live, dead bytes, segments, blocks...),
             empty when storage is not attached.
         indexed_blocks: blocks the index places on this volume.
+        draining: a drain marked it (:mod:`advisor.drain`): no policy move goes onto it.
     """
 
     id: str
@@ -55,6 +56,7 @@ class VolumeView:
     role: str
     stats: dict[str, Any]
     indexed_blocks: int
+    draining: bool = False
 
 
 class AdvisorQuery:
@@ -106,7 +108,7 @@ class AdvisorQuery:
         with self._svc.lock:
             for v in s.volumes:
                 out.append(VolumeView(v.id, v.kind, v.media, v.capacity_bytes, roles.get(v.id, "none"),
-                                      stats.get(v.id, {}), self._svc.index.count_at(v.id)))
+                                      stats.get(v.id, {}), self._svc.index.count_at(v.id), v.id in self._svc.draining))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -205,6 +207,12 @@ class AdvisorQuery:
         from advisor.drain import drain_volume
 
         return drain_volume(self._svc, volume, to)
+
+    def undrain(self, volume: str) -> bool:
+        """Cancel a drain (:func:`advisor.drain.undrain_volume`): whether it was draining."""
+        from advisor.drain import undrain_volume
+
+        return undrain_volume(self._svc, volume)
 
     def register_volume(self, volume: Any, role: str = "none") -> None:
         """Add a volume at run time (:func:`advisor.volume_admin.register_volume`; its errors)."""

@@ -1,7 +1,8 @@
 """The advisor's run state that must survive a restart: its counters, the mover's counters,
-the recent plan results and the move guard's memory (which block moved when), kept in the
-journal's SQLite file (tables ``run_counters``, ``run_plans`` and ``run_moves``, beside the
-event log; docs/operations.md, "Restarts").
+the recent plan results, the move guard's memory (which block moved when) and the operator's
+changes (volumes registered at run time, volumes draining), kept in the journal's SQLite file
+(tables ``run_counters``, ``run_plans``, ``run_moves`` and ``run_admin``, beside the event
+log; docs/operations.md, "Restarts").
 
 Written at the end of every policy round and on a clean stop; read at start, so
 ``/v1/stats`` and ``/v1/plans`` go on from where the previous run left them instead of
@@ -23,6 +24,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS run_counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS run_plans (id INTEGER PRIMARY KEY AUTOINCREMENT, result BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS run_moves (h INTEGER PRIMARY KEY, moved_at REAL NOT NULL, last_access INTEGER);
+CREATE TABLE IF NOT EXISTS run_admin (name TEXT PRIMARY KEY, value BLOB NOT NULL);
 """
 
 _I64 = 1 << 63
@@ -85,6 +87,25 @@ class RunStateStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def save_admin(self, values: Mapping[str, object]) -> None:
+        """Store operator state (JSON-encodable values by name, e.g. ``"volumes"``,
+        ``"draining"``), replacing the values of those names (one transaction)."""
+        rows = [(k, _enc.encode(v)) for k, v in values.items()]
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT OR REPLACE INTO run_admin (name, value) VALUES (?, ?)", rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def admin(self) -> dict[str, object]:
+        """The stored operator state by name (empty on a first start)."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, value FROM run_admin").fetchall()
+        return {k: msgspec.json.decode(v) for k, v in rows}
 
     def counters(self) -> dict[str, int]:
         """The stored counters (empty on a first start)."""

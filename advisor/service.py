@@ -161,6 +161,7 @@ class AdvisorService:
             "reserved_source_refused": 0,
             "origin_refused": 0,
             "moves_held_back": 0,
+            "moves_held_back_draining": 0,
             "sources_expired": 0,
             "journal_failures": 0,
             "gc_segments_removed": 0,
@@ -168,6 +169,12 @@ class AdvisorService:
             "snapshots_skipped": 0,
         }
         self._ingest_thread: threading.Thread | None = None
+        self.runtime_volumes: dict[str, tuple[Any, str]] = {}
+        """Volumes registered at run time (``advisor.volume_admin``): id -> (settings, role);
+        kept in the run state and registered again at start."""
+        self.draining: set[str] = set()
+        """Volumes being drained (``advisor.drain``): policy rounds move nothing onto them
+        and compact nothing on them; kept in the run state."""
         self.journal_error: str | None = None
         """Why the last journal append failed, while it keeps failing (``/healthz`` is then
         unhealthy); ``None`` once an append succeeds again."""
@@ -695,9 +702,23 @@ class AdvisorService:
         return got.batch
 
     def _on_own_batch(self, batch: EventBatch, payload: bytes) -> None:
+        """Journal and apply one of the advisor's own batches (a move's Store/Remove).
+
+        The move is committed in the catalog already, so its announcement must not be
+        dropped: while the journal refuses writes (a full disk) it is retried with the
+        backpressure of ingest (:meth:`_ingest_until_journaled`), which holds the mover
+        (it flushes at the end of each group) until the journal accepts it, and the index
+        agrees with the catalog again without a restart.
+
+        Raises:
+            AdvisorError: the service stopped before the journal accepted the batch (the
+                next start's reconciliation repairs the index from the catalog).
+        """
         if self.settings.log == "jetstream":
             return  # the batch enters the stream and is folded when read back, in log order
-        self.ingest(batch, payload, verify=False)
+        if not self._ingest_until_journaled(batch, payload):
+            raise AdvisorError(f"stopped before the journal accepted the advisor's batch {batch.epoch}:{batch.seq}; "
+                               "the next start reconciles the index with the catalog")
 
     def _ingest_loop(self) -> None:
         sub = self.subscriber
@@ -720,20 +741,22 @@ class AdvisorService:
             except Exception:  # noqa: BLE001 - keep ingesting; the error is logged
                 logger.exception("advisor: ingest failed")
 
-    def _ingest_until_journaled(self, batch: EventBatch) -> None:
+    def _ingest_until_journaled(self, batch: EventBatch, payload: bytes | None = None) -> bool:
         """Backpressure: retry one batch while the journal refuses writes (backoff doubling
         from 0.1 s to 5 s); no later batch is taken from the subscriber meanwhile, so
-        nothing is dropped and the publishers' replay covers what piles up."""
+        nothing is dropped and the publishers' replay covers what piles up.  Returns
+        ``True`` once the journal took it (or refused it as bad or duplicate), ``False``
+        when the service stopped first."""
         delay = 0.1
         while True:
             try:
-                self.ingest(batch, verify=False)
-                return
+                self.ingest(batch, payload, verify=False)
+                return True
             except JournalError as exc:
                 logger.error("advisor: %s; retrying batch %s:%s:%s in %.1f s", exc, batch.source, batch.epoch,
                              batch.seq, delay)
             if self._stop.wait(delay):
-                return
+                return False
             delay = min(delay * 2, 5.0)
 
     # ------------------------------------------------------------------ policies
@@ -822,6 +845,7 @@ class AdvisorService:
                 proposed = plan_all(self.settings.policy, inp, self.index)
             proposed, held = self.move_guard.filter(proposed)
             proposed, held_full = self._hold_back_full(proposed)
+            proposed, held_draining = self._hold_back_draining(proposed)
             plan = self.planner.plan(proposed)
             try:
                 results = self.mover.execute_many(plan.items)
@@ -830,6 +854,7 @@ class AdvisorService:
             self.move_guard.record(results)
             with self.lock:
                 self.counters["moves_held_back"] += held
+                self.counters["moves_held_back_draining"] += held_draining
                 self.plans.extend(results)
                 self.counters["policy_rounds"] += 1
                 self.counters["plans_deferred"] += plan.deferred + held_full
@@ -850,6 +875,67 @@ class AdvisorService:
                 if not self.full_backoff.waiting(it.dst_volume if it.dst_volume is not None else it.src_volume)]
         return keep, len(proposed) - len(keep)
 
+    def _hold_back_draining(self, proposed: list[Any]) -> tuple[list[Any], int]:
+        """Drop the moves onto a draining volume and the compactions on one; return the
+        rest and how many were dropped."""
+        if not self.draining:
+            return proposed, 0
+        keep = [it for it in proposed
+                if (it.dst_volume if it.dst_volume is not None else it.src_volume) not in self.draining]
+        return keep, len(proposed) - len(keep)
+
+    def save_admin_state(self) -> None:
+        """Store the operator's changes (:attr:`runtime_volumes`, :attr:`draining`) in the run
+        state, so a restart keeps them.  An inline S3 secret is stored with its volume: the
+        journal file is made owner-only (0600) first.  No-op without a run state (a stream
+        log); errors are raised (the caller's action must not claim to be durable)."""
+        if self.run_state is None:
+            return
+        volumes, secret = [], False
+        for vol, role in self.runtime_volumes.values():
+            d = vol.model_dump(mode="json")
+            if vol.secret_key is not None:
+                d["secret_key"] = vol.secret_key.get_secret_value()
+                secret = True
+            volumes.append({"volume": d, "role": role})
+        if secret:
+            import os
+
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(self.settings.journal_path + suffix):
+                    os.chmod(self.settings.journal_path + suffix, 0o600)
+        self.run_state.save_admin({"volumes": volumes, "draining": sorted(self.draining)})
+
+    def _restore_admin_state(self) -> None:
+        """Register the run-time volumes again and restore the draining marks (see
+        :meth:`save_admin_state`); a volume that cannot be opened now is logged and kept in
+        the run state, so the next start tries again."""
+        from advisor.settings import VolumeSettings
+
+        assert self.run_state is not None
+        saved = self.run_state.admin()
+        s = self.settings
+        for entry in saved.get("volumes", []):  # type: ignore[union-attr]
+            vol, role = VolumeSettings(**entry["volume"]), entry["role"]
+            self.runtime_volumes[vol.id] = (vol, role)
+            if any(v.id == vol.id for v in s.volumes):
+                continue  # in the configuration now
+            if self.agent is not None:
+                try:
+                    self.agent.register_volume(vol.to_descriptor())
+                except Exception as exc:  # noqa: BLE001 - the other volumes still serve
+                    logger.error("advisor: cannot open volume %s registered at run time: %s: %s", vol.id,
+                                 type(exc).__name__, exc)
+                    continue
+            s.volumes.append(vol)
+            if role == "slow" and vol.id not in s.slow_volumes:
+                s.slow_volumes.append(vol.id)
+            logger.info("advisor: volume %s (registered at run time, role %s) registered again", vol.id, role)
+        known = {v.id for v in s.volumes}
+        self.draining = {v for v in saved.get("draining", []) if v in known}  # type: ignore[union-attr]
+        if self.draining:
+            logger.warning("advisor: volumes still draining: %s", sorted(self.draining))
+
     def _note_full(self, results: list[PlanResult]) -> None:
         """Start or reset the full-volume backoff of each destination from a round's results."""
         for r in results:
@@ -868,6 +954,7 @@ class AdvisorService:
         """Counters, mover counters and recent plans of the previous runs (:mod:`advisor.run_state`)."""
         if self.run_state is None:
             return
+        self._restore_admin_state()
         saved = self.run_state.counters()
         with self.lock:
             for name, v in saved.items():

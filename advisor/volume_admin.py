@@ -5,9 +5,11 @@ Registering opens the volume in the advisor's storage agent (the catalog records
 and adds it to the advisor's volumes, as a slow volume or with no role; unregistering
 refuses while the catalog still places blocks there (drain it first, :mod:`advisor.drain`)
 and refuses the fast and archive volumes (their roles are fixed by the configuration).
-Both run between policy rounds. The change lives until the advisor restarts: make it in the
-configuration file (``volumes``, ``slow_volumes``) too. Workers open volumes from their own
-configuration.
+Both run between policy rounds. The change is kept in the advisor's run state (the journal
+file, :mod:`advisor.run_state`) and survives a restart; a volume registered at run time that
+later appears in the configuration is the configuration's from then on.  A secret given
+inline (``secret_key``) is stored too, so the journal file is made owner-only (0600) then.
+Workers open volumes from their own configuration.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def register_volume(service: AdvisorService, volume: VolumeSettings, role: Role 
         s.volumes.append(volume)
         if role == "slow":
             s.slow_volumes.append(volume.id)
+        service.runtime_volumes[volume.id] = (volume, role)
+        service.save_admin_state()
     logger.warning("advisor: registered volume %s (%s, role %s)", volume.id, volume.kind, role)
 
 
@@ -76,4 +80,7 @@ def unregister_volume(service: AdvisorService, volume_id: str) -> None:
         agent.unregister_volume(volume_id)
         s.volumes[:] = [v for v in s.volumes if v.id != volume_id]
         s.slow_volumes[:] = [v for v in s.slow_volumes if v != volume_id]
+        service.runtime_volumes.pop(volume_id, None)
+        service.draining.discard(volume_id)
+        service.save_admin_state()
     logger.warning("advisor: unregistered volume %s", volume_id)

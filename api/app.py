@@ -278,7 +278,7 @@ def create_app(
                     id=v.id, kind=v.kind, media=v.media, role=v.role, capacity_bytes=v.capacity_bytes,
                     used_bytes=st.get("used_bytes"), live_bytes=st.get("live_bytes"), dead_bytes=st.get("dead_bytes"),
                     segments=st.get("segments"), blocks=st.get("blocks"), reads=st.get("reads"),
-                    writes=st.get("writes"), indexed_blocks=v.indexed_blocks,
+                    writes=st.get("writes"), indexed_blocks=v.indexed_blocks, draining=v.draining,
                 )
             )
         items, nxt = page(out, limit, cursor)
@@ -372,6 +372,13 @@ def create_app(
         except DrainError as exc:
             raise ApiError(409, "cannot_drain", str(exc)[:300]) from None
         return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved)
+
+    @app.delete("/v1/volumes/{volume_id}/drain", response_model=VolumeActionResponse, dependencies=admin,
+                responses={409: {"model": ErrorResponse, "description": "the volume is not draining"}})
+    def undrain(volume_id: str = Path(max_length=255, examples=["slow2"])) -> VolumeActionResponse:
+        if not query.undrain(volume_id):
+            raise ApiError(409, "not_draining", f"volume {volume_id[:60]!r} is not draining")
+        return VolumeActionResponse(volume=volume_id, status="active")
 
     @app.get("/metrics", dependencies=read, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"example": _METRICS_EXAMPLE}},

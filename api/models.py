@@ -265,6 +265,7 @@ class VolumeResponse(BaseModel):
     reads: int | None = None
     writes: int | None = None
     indexed_blocks: int
+    draining: bool = Field(False, description="a drain marked it: policy rounds move nothing onto it")
 
 
 class VolumesResponse(BaseModel):

@@ -1,22 +1,27 @@
 """Soak: a sustained event load with lookups and moves, for N minutes (docs/reliability.md).
 
 One advisor service (SQLite journal, placement catalog, a ``fast`` and a ``slow`` POSIX
-volume, policy rounds every 2 s, garbage collection on its timer) ingests the events of
-two worker threads over ZMQ.  Each worker serves "requests": a chain of blocks of one of
+volume, an ``s3`` archive volume on a loopback ``moto_server``, policy rounds every 2 s,
+garbage collection on its timer) ingests the events of two worker threads over ZMQ.  The
+``slow`` volume is small (``--slow-blocks``): once it passes its high watermark, cold blocks
+are demoted to S3, and blocks hit again are promoted back (archive → slow → fast), so moves
+go both ways for the whole run (``--no-archive``: the earlier set-up, whose moves stop
+once ``fast`` is full).  Each worker serves "requests": a chain of blocks of one of
 ``--prefixes`` conversations (Zipf-like popularity), stores new blocks on ``slow``
 (acknowledged once the put returned and the Store was published), and keeps a bounded G1
 (Remove events for what it evicts), so the index holds a bounded working set and memory must
 stay flat.  A lookup thread asks the advisor for the longest cached prefix of random chains.
 
 Every ``--interval-s`` a row: RSS of the process, lookup p50/p99 over the interval, events
-applied, moves done and failed, and blocks lost (acknowledged blocks the catalog no longer
-holds).  At the end every acknowledged block is read back and compared byte for byte.
+applied, moves done and failed, promotions and demotions done in the interval, and blocks
+lost (acknowledged blocks the catalog no longer holds).  At the end every acknowledged block is read back and compared byte for byte.
 
 The summary compares the end with the first minute (the reference): memory growth after the
 first minute (goal: under 5 %), lookup p99 end / first minute (goal: at most 2x), and
-losses (goal: 0).
+losses (goal: 0), and, with the archive, the intervals after the first minute with moves in
+both directions (goal: all of them).
 
-Run: ``python bench/soak.py --minutes 10 [--rate 2000] [--json soak.json]``.
+Run: ``python bench/soak.py --minutes 10 [--rate 2000] [--no-archive] [--json soak.json]``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from advisor import AdvisorService, AdvisorSettings  # noqa: E402
 from event_plane import PublisherConfig, make_publisher  # noqa: E402
 from event_plane.schema import remove, store  # noqa: E402
 from storage_backends import BlockKey, SqliteCatalog, StorageAgent, free_port  # noqa: E402
+from storage_backends.local_s3 import LocalS3, start_local_s3  # noqa: E402
+from storage_backends.types import StorageError  # noqa: E402
 
 NS = "soak"
 BLK = 16 << 10
@@ -72,28 +79,43 @@ class Row:
     events_applied: int
     moves_done: int
     moves_failed: int
+    promoted: int
+    demoted: int
     lost: int
 
 
 class Soak:
-    def __init__(self, tmp: Path, rate: int, prefixes: int) -> None:
+    def __init__(self, tmp: Path, rate: int, prefixes: int, s3: LocalS3 | None = None,
+                 slow_blocks: int = 1024) -> None:
         self.rate = rate
+        self.shift = 0  # the popularity ranking's offset (drift)
         self.prefixes = prefixes
         self.urls = []
         for _ in range(2):
             port, rep = free_port(), free_port()
             self.urls.append(f"zmq://127.0.0.1:{port}?replay={rep}")
+        volumes = [
+            {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 2048 * BLK,
+             "root": str(tmp / "fast"), "segment_bytes": 64 * BLK},
+            {"id": "slow", "kind": "posix", "media": "hdd",
+             "capacity_bytes": slow_blocks * BLK if s3 is not None else 1 << 34,
+             "root": str(tmp / "slow"), "segment_bytes": 64 * BLK},
+        ]
+        extra: dict = {}
+        if s3 is not None:
+            volumes.append({"id": "s3", "kind": "s3", "media": "object", "capacity_bytes": 1 << 36,
+                            "endpoint": s3.endpoint, "bucket": "kvadvisor-soak", "prefix": "kv",
+                            "segment_bytes": 64 * BLK, "access_key": s3.access_key, "secret_key": s3.secret_key})
+            extra["archive_volume"] = "s3"
         self.settings = AdvisorSettings(
             journal_path=str(tmp / "journal.sqlite"), catalog_path=str(tmp / "catalog.sqlite"), namespace=NS,
-            volumes=[
-                {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 2048 * BLK,
-                 "root": str(tmp / "fast"), "segment_bytes": 64 * BLK},
-                {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 34,
-                 "root": str(tmp / "slow"), "segment_bytes": 64 * BLK},
-            ],
-            fast_volume="fast", slow_volumes=["slow"], subscribe_urls=self.urls, policy_interval_s=2.0,
-            api_enabled=False, get_timeout_s=0.05, gc_interval_s=30.0,
-            policy={"promotion": {"min_hits": 2}},
+            volumes=volumes, fast_volume="fast", slow_volumes=["slow"], subscribe_urls=self.urls,
+            policy_interval_s=2.0, api_enabled=False, get_timeout_s=0.05, gc_interval_s=30.0,
+            policy={"promotion": {"min_hits": 2},
+                    # with the archive: a demotion frees 40 % of a volume, room for promotions
+                    # from the archive besides the workers' new blocks
+                    **({"demotion": {"high_watermark": 0.8, "low_watermark": 0.4}} if s3 is not None else {})},
+            **extra,
         )
         # the workers' ZMQ replay buffers (in this process) hold 1,000 batches each: full
         # within the first minute, so the memory after it is the advisor's (the default
@@ -110,9 +132,16 @@ class Soak:
         self.acked_lock = threading.Lock()
         self.lat: deque[float] = deque()
         self.stop = threading.Event()
+        self.put_failures = 0
+        self._moved = {"promote": 0, "demote": 0}
 
     def chain(self, rng: random.Random) -> list[int]:
-        p = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
+        """A request's chain: Zipf-like popularity over the conversations, whose ranking
+        drifts (``--drift-s``: every so many seconds the most popular conversations are
+        others), so blocks cool down and are demoted, and others come back from the
+        archive, for the whole run."""
+        rank = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
+        p = (rank + self.shift) % self.prefixes
         return [(p << 16) | i | (1 << 40) for i in range(CHAIN)]
 
     def worker(self, i: int) -> None:
@@ -127,7 +156,11 @@ class Soak:
             with self.acked_lock:
                 new = [h for h in hs if h not in self.acked]
             if new:
-                self.agent.put([(BlockKey(NS, h), block(h)) for h in new], "slow")
+                try:
+                    self.agent.put([(BlockKey(NS, h), block(h)) for h in new], "slow")
+                except StorageError:  # slow full until the next demotions: not acknowledged, not stored
+                    self.put_failures += 1
+                    new = []
             events, parent = [], None
             for h in hs:
                 if h not in in_g1:
@@ -169,9 +202,12 @@ class Soak:
         self.lat.clear()
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e6) if lat else (lambda q: 0.0)
         st = self.svc.query().stats()
+        done = st["moves"]["done"]
+        delta = {k: done.get(k, 0) - self._moved[k] for k in self._moved}
+        self._moved = {k: done.get(k, 0) for k in self._moved}
         return Row(round(time.monotonic() - t0, 1), rss_bytes() / (1 << 20), pct(0.50), pct(0.99), len(lat),
-                   st["events_applied"], sum(st["moves"]["done"].values()), sum(st["moves"]["failed"].values()),
-                   self.lost())
+                   st["events_applied"], sum(done.values()), sum(st["moves"]["failed"].values()),
+                   delta["promote"], delta["demote"], self.lost())
 
     def read_back(self) -> tuple[int, int]:
         with self.acked_lock:
@@ -197,9 +233,14 @@ def main() -> int:
     ap.add_argument("--prefixes", type=int, default=2000, help="conversations (Zipf-like popularity)")
     ap.add_argument("--interval-s", type=float, default=30.0)
     ap.add_argument("--json", type=Path, help="also write the rows and the summary as JSON")
+    ap.add_argument("--no-archive", action="store_true", help="no S3 archive (moves stop once fast is full)")
+    ap.add_argument("--slow-blocks", type=int, default=1024, help="slow volume capacity in blocks (with the archive)")
+    ap.add_argument("--drift-s", type=float, default=10.0,
+                    help="every so many seconds the popularity ranking moves by 50 conversations (0: never)")
     a = ap.parse_args()
+    s3 = None if a.no_archive else start_local_s3()
     with tempfile.TemporaryDirectory(prefix="kvadvisor-soak-") as tmp:
-        soak = Soak(Path(tmp), a.rate, a.prefixes)
+        soak = Soak(Path(tmp), a.rate, a.prefixes, s3, a.slow_blocks)
         soak.svc.start()
         threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True) for i in range(2)]
         threads.append(threading.Thread(target=soak.lookups, daemon=True))
@@ -209,31 +250,47 @@ def main() -> int:
         t0 = time.monotonic()
         end = t0 + a.minutes * 60
         print(f"{'t_s':>7} {'rss_MiB':>8} {'p50_us':>8} {'p99_us':>8} {'lookups':>8} {'events':>10} "
-              f"{'moves':>6} {'failed':>6} {'lost':>5}", flush=True)
+              f"{'moves':>6} {'failed':>6} {'promo':>6} {'demo':>6} {'lost':>5}", flush=True)
         while time.monotonic() < end:
-            time.sleep(min(a.interval_s, max(0.0, end - time.monotonic())))
+            until = min(time.monotonic() + a.interval_s, end)
+            while time.monotonic() < until:
+                time.sleep(max(0.0, min(1.0, until - time.monotonic())))
+                if a.drift_s > 0:
+                    soak.shift = int((time.monotonic() - t0) // a.drift_s) * 50
             r = soak.row(t0)
             rows.append(r)
             print(f"{r.t_s:7.1f} {r.rss_mib:8.1f} {r.lookup_p50_us:8.1f} {r.lookup_p99_us:8.1f} {r.lookups:8d} "
-                  f"{r.events_applied:10d} {r.moves_done:6d} {r.moves_failed:6d} {r.lost:5d}", flush=True)
+                  f"{r.events_applied:10d} {r.moves_done:6d} {r.moves_failed:6d} {r.promoted:6d} {r.demoted:6d} "
+                  f"{r.lost:5d}", flush=True)
         soak.stop.set()
         for t in threads:
             t.join(timeout=30)
         checked, exact = soak.read_back()
+        put_failures = soak.put_failures
         soak.close()
+    if s3 is not None:
+        s3.stop()
     first = [r for r in rows if r.t_s <= 60.0] or rows[:1]
     ref = first[-1]
     last = rows[-1]
     growth = (last.rss_mib - ref.rss_mib) / ref.rss_mib if ref.rss_mib else 0.0
     p99_first = max(r.lookup_p99_us for r in first)
+    later = [r for r in rows if r.t_s > 60.0]
     ratio = last.lookup_p99_us / p99_first if p99_first else 0.0
     summary = {"minutes": a.minutes, "rate": a.rate, "memory_growth_after_first_minute": growth,
                "lookup_p99_end_over_first_minute": ratio, "blocks_checked": checked, "blocks_exact": exact,
                "lost": last.lost + (checked - exact), "events_applied": last.events_applied,
-               "moves_done": last.moves_done, "moves_failed": last.moves_failed}
+               "moves_done": last.moves_done, "moves_failed": last.moves_failed,
+               "promoted": sum(r.promoted for r in rows), "demoted": sum(r.demoted for r in rows),
+               "intervals_after_first_minute": len(later),
+               "intervals_with_moves_both_ways": sum(1 for r in later if r.promoted and r.demoted),
+               "put_failures": put_failures, "archive": s3 is not None}
     print(f"memory growth after the first minute: {growth * 100:+.1f} % (goal < 5 %)")
     print(f"lookup p99, end / first minute: {ratio:.2f}x (goal <= 2x)")
     print(f"acknowledged blocks read back byte-exact: {exact:,}/{checked:,}; lost: {summary['lost']}")
+    print(f"moves: {summary['promoted']:,} promotions, {summary['demoted']:,} demotions; intervals after the first "
+          f"minute with both: {summary['intervals_with_moves_both_ways']}/{len(later)}"
+          + ("" if s3 is not None else " (no archive)"))
     if a.json:
         a.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary}, indent=2))
     return 0 if summary["lost"] == 0 else 1

@@ -8,6 +8,14 @@ can enter) with what it runs: page size, storage namespace, block bytes, pool si
 leader asks every rank and checks that they agree with it before the engine serves
 anything.  The per-step traffic does not use this channel: it rides in the engine's own
 step messages (see :mod:`kvbm_runtime.residency`).
+
+Before it can answer, a worker says what it is doing (:class:`WorkerProgress`: a small
+file beside its socket, e.g. "allocating the G2 host cache: 200.0 GiB"), so a join that
+times out names what the late rank was doing and for how long, not just its number.
+Sizing the timeout: a worker's start-up is dominated by allocating and touching its G2
+host cache (``cpu_cache_gb``); allow that at the host's memory bandwidth for first
+touches (a few GB/s per worker on a loaded host, so 200 GiB may take minutes) plus the
+engine's own start (docs/operations.md, "KVBM settings").
 """
 
 from __future__ import annotations
@@ -52,6 +60,53 @@ def endpoint_path(engine_id: str, rank: int, directory: str | os.PathLike[str] |
         raise WorkerJoinError(f"{base} must belong to uid {os.getuid()} with mode 0700 (it is {oct(st.st_mode & 0o777)})")
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:64]
     return f"ipc://{base}/{safe}-rank{rank}.sock"
+
+
+def progress_path(endpoint: str) -> Path:
+    """The progress file of the worker rank answering on ``endpoint`` (beside its socket)."""
+    return Path(endpoint.removeprefix("ipc://") + ".phase")
+
+
+class WorkerProgress:
+    """What a worker rank is doing before it answers the join (one JSON file, replaced
+    atomically at each phase: ``{"phase", "since"}``, wall-clock seconds).
+
+    Args:
+        endpoint: the rank's join endpoint (:func:`endpoint_path`).
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.path = progress_path(endpoint)
+        self.started = time.time()
+
+    def phase(self, what: str) -> None:
+        """Record that the worker now does ``what`` (best effort: a failure is logged)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"phase": what, "since": time.time(), "started": self.started}))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.warning("KVBM worker: cannot record its start-up phase in %s: %s", self.path, exc)
+
+    def done(self) -> None:
+        """Remove the file (the worker answers the join now)."""
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def describe_progress(endpoint: str, now: float | None = None) -> str:
+    """What the rank at ``endpoint`` reported doing, for an error message: ``"was
+    <phase> (for N s, N s since it started)"``, or that it reported nothing (its process
+    may not have started, or died)."""
+    try:
+        rec = json.loads(progress_path(endpoint).read_text())
+    except (OSError, ValueError):
+        return "reported no start-up progress (its process may not have started, or it died before)"
+    now = time.time() if now is None else now
+    return (f"was {rec.get('phase', '?')} (for {now - float(rec.get('since', now)):.0f} s, "
+            f"{now - float(rec.get('started', now)):.0f} s since it started)")
 
 
 class WorkerEndpoint:
@@ -123,7 +178,8 @@ def join_workers(
 
     Raises:
         WorkerJoinError: a rank did not answer within ``timeout_s`` (naming the rank, the
-            endpoint and the setting), or answered something that differs from ``expect``.
+            endpoint, the setting and what the rank last reported doing, with how long:
+            :class:`WorkerProgress`), or answered something that differs from ``expect``.
     """
     ctx = context or zmq.Context.instance()
     deadline = time.monotonic() + timeout_s
@@ -137,8 +193,9 @@ def join_workers(
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(left_ms, zmq.POLLIN):
                 raise WorkerJoinError(
-                    f"KVBM worker rank {rank} did not join the leader within {timeout_s:g} s ({ep}); "
-                    f"raise {TIMEOUT_SETTING} if workers start slowly"
+                    f"KVBM worker rank {rank} did not join the leader within {timeout_s:g} s ({TIMEOUT_SETTING}; "
+                    f"{ep}): it {describe_progress(ep)}; raise {TIMEOUT_SETTING} if workers start slowly "
+                    "(a large cpu_cache_gb takes minutes to allocate)"
                 )
             info = json.loads(sock.recv())
         finally:

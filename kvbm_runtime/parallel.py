@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,11 @@ from .transfer import host_bytes
 
 class ParallelConfigError(KvbmError, ValueError):
     """Shapes or ranks that do not divide / fit the parallel mode."""
+
+
+class GroupInitError(KvbmError):
+    """A rank could not join its worker group (the message names the setting, the group,
+    the rendezvous and how long the attempt ran; the cause is torch's error)."""
 
 
 class ParallelMode(str, enum.Enum):
@@ -88,17 +94,32 @@ def init_group(config: RuntimeConfig, rank: int, world_size: int, init_method: s
 
     Raises:
         ParallelConfigError: ``rank`` outside ``[0, world_size)``.
+        GroupInitError: the rendezvous failed or timed out (torch's ``DistStoreError`` /
+            ``DistNetworkError`` / ``DistError`` / ``TimeoutError``, kept as the cause): the
+            message names ``DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS``, the rank, the group
+            size, ``init_method``, the backend and the seconds the attempt ran.
     """
     if not 0 <= rank < world_size:
         raise ParallelConfigError(f"rank {rank} outside [0, {world_size})")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=config.leader_worker_init_timeout_secs),
-    )
+    limit = config.leader_worker_init_timeout_secs
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=limit),
+        )
+    except (dist.DistError, TimeoutError, ConnectionError) as exc:
+        ran = time.monotonic() - t0
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise GroupInitError(
+            f"rank {rank} of {world_size} could not join the worker group at {init_method} ({backend}) after "
+            f"{ran:.1f} s (DYN_KVBM_LEADER_WORKER_INIT_TIMEOUT_SECS = {limit:g} s): {type(exc).__name__}: {first}; "
+            "check that every rank starts and reaches the same address, or raise the setting if ranks start slowly"
+        ) from exc
 
 
 def _device(group: Any) -> torch.device:

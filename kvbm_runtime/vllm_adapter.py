@@ -85,7 +85,7 @@ from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 
 from .config import RuntimeConfig
 from .connector import ConnectorError, KvbmConnectorWorker
-from .handshake import WorkerEndpoint, endpoint_path, join_workers
+from .handshake import WorkerEndpoint, WorkerProgress, endpoint_path, join_workers
 from .leader import KvbmLeader, StepRequest, shared_lookup
 from .manager import BlockManager
 from .residency import ReportingSink, ResidencyReport
@@ -553,11 +553,16 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if disk_only:  # KVBM's disk-only mode: no host pool (one block keeps the manager whole)
             cfg.g2_blocks = 1
         self._config = cfg
+        progress = WorkerProgress(endpoint_path(self._engine_id, rank))  # read by a leader that times out
+        progress.phase("opening its event publisher and storage")
         source = (self._settings.source or f"kvbm-{self._engine_id[:8]}") + (f"-{rank}" if rank else "")
         self._publisher = make_publisher(_rank_url(self._settings.events_url, rank), source)
         sink = ReportingSink(self._publisher, rank)
         self._agent, volume = self._open_storage(cfg)
+        g2_gib = cfg.g2_blocks * cfg.layout_config().block_bytes / (1 << 30)
+        progress.phase(f"allocating the G2 host cache: {cfg.g2_blocks:,} blocks, {g2_gib:.1f} GiB")
         self._manager = BlockManager(cfg, sink, self._agent, volume, engine_g1=True)
+        progress.phase("registering the engine's KV caches")
         self._worker = KvbmConnectorWorker(self._manager, sink, disk_only=disk_only)
         self._worker.register_kv_caches(views)
         self._endpoint = WorkerEndpoint(
@@ -573,6 +578,7 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "metrics_url": self._manager.metrics_url,
             },
         )
+        progress.done()
         logger.info(
             "KVBM worker rank %d: %d G1 blocks of %d B, G2 %d blocks, volume %s%s", rank, num_blocks,
             self._manager.block_bytes, cfg.g2_blocks, volume, " (disk-only)" if disk_only else "",

@@ -636,9 +636,12 @@ class StorageAgent:
 
     def _read_verified(
         self, places: list[Placement], dests: list[torch.Tensor] | None, cols: tuple | None = None,
+        deleted: set[int] | None = None,
     ) -> list[torch.Tensor]:
         """Read and verify every placement into ``dests[i]`` (or a new tensor); ``cols``:
-        :func:`_readcore.columns` of ``places`` when the caller has them.
+        :func:`_readcore.columns` of ``places`` when the caller has them.  ``deleted``: when
+        given, the indexes of keys deleted while they were read are added to it (their
+        result is ``None``) instead of raising :class:`BlockNotFoundError`.
 
         A failed batch is not given up as a whole.  Every key of it (and every key whose
         checksum failed) is looked up again in the catalog:
@@ -658,7 +661,8 @@ class StorageAgent:
         entry it meets.
 
         Raises:
-            BlockNotFoundError: a key was deleted while it was being read.
+            BlockNotFoundError: a key was deleted while it was being read (``deleted`` is
+                ``None``).
             ChecksumMismatchError: a block failed verification at its current placement.
             SegmentMissingError: a block's segment is gone (its entry was quarantined).
             SegmentTruncatedError: a block's segment ends before the block does (its entry
@@ -720,7 +724,8 @@ class StorageAgent:
                 break
             try:
                 todo = self._triage(cur, failed, bad, alone, mismatched, lost, broken, truncated,
-                                    rechecked if attempt < _READ_RETRIES else None, dropped)
+                                    rechecked if attempt < _READ_RETRIES else None, dropped,
+                                    deleted)
             except StorageError as exc:  # a key deleted meanwhile, a volume that cannot be asked
                 exc.dropped = tuple(dropped)
                 raise
@@ -733,7 +738,7 @@ class StorageAgent:
         if failure is not None:
             failure.dropped = tuple(dropped)
             raise failure
-        assert not any(map(operator.is_, results, itertools.repeat(None)))
+        assert sum(map(operator.is_, results, itertools.repeat(None))) == len(deleted or ())
         return results  # type: ignore[return-value]
 
 
@@ -775,27 +780,35 @@ class StorageAgent:
         self, cur: list[Placement], failed: list[tuple[int, TransferError]], bad: list[int], alone: set[int],
         mismatched: list[int], lost: list[int], broken: list[tuple[int, TransferError]],
         truncated: list[int] | None = None, rechecked: set[int] | None = None,
-        quarantined: list[Placement] | None = None,
+        quarantined: list[Placement] | None = None, deleted: set[int] | None = None,
     ) -> list[int]:
         """Sort the failures of one read round (see :meth:`_read_verified`): updates
         ``cur``, ``alone`` and the outcome lists (``truncated``: the part of ``lost``
         whose segment is there but too short; ``rechecked``: the blocks whose checksum
         failed once and that were read again, on their own: a block is quarantined for a
         mismatch only when it fails a second read, when ``rechecked`` is given); returns
-        the indexes to read again; ``quarantined`` receives every placement it quarantined."""
+        the indexes to read again; ``quarantined`` receives every placement it quarantined; ``deleted``: see
+        :meth:`_read_verified`."""
         if truncated is None:
             truncated = []
         retry_idx = [i for i, _ in failed] + bad
         fresh = self.catalog.get_many([cur[i].key for i in retry_idx])
         moved: set[int] = set()
+        gone: set[int] = set()
         for i, f in zip(retry_idx, fresh):
             if f is None:
-                raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
-            if f != cur[i]:
+                if deleted is None:
+                    raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+                gone.add(i)
+            elif f != cur[i]:
                 cur[i] = f
                 moved.add(i)
                 alone.discard(i)
-        again = [i for i in retry_idx if i in moved]
+        if gone:
+            assert deleted is not None
+            deleted |= gone
+            moved |= gone  # neither wrong nor stuck: nothing to read any more
+        again = [i for i in retry_idx if i in moved and i not in gone]
         wrong = [i for i in bad if i not in moved]
         stuck = [(i, e) for i, e in failed if i not in moved]
         if not stuck and not wrong:
@@ -858,7 +871,10 @@ class StorageAgent:
                         continue
                     f = self.catalog.get_many([f.key])[0]  # it changed in between
                 if f is None:
-                    raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+                    if deleted is None:
+                        raise BlockNotFoundError(f"{cur[i].key} was deleted while it was being read")
+                    deleted.add(i)
+                    continue
                 cur[i] = f
                 alone.discard(i)
                 again.append(i)
@@ -1357,15 +1373,24 @@ class StorageAgent:
         """
         return self.copy_many([placement], dst_volume)[0]
 
-    def copy_many(self, placements: Sequence[Placement], dst_volume: str) -> list[Placement]:
-        """:meth:`copy` for many blocks, packed into as few new segments as possible."""
+    def copy_many(self, placements: Sequence[Placement], dst_volume: str,
+                  skip_deleted: bool = False) -> list[Placement]:
+        """:meth:`copy` for many blocks, packed into as few new segments as possible.
+
+        ``skip_deleted``: a block deleted before its bytes were read (its segment may be
+        gone) is left out, its entry in the result is ``None`` (the result stays aligned
+        with ``placements``); without it such a block raises :class:`BlockNotFoundError`
+        and nothing is copied.  A block deleted after its read is copied, and its commit
+        answers :class:`VersionConflictError`.
+        """
         dst = self._vol(dst_volume)
         src = list(placements)
         if not src:
             return []
-        datas = self._read_verified(src, None)
+        gone: set[int] | None = set() if skip_deleted else None
+        datas = self._read_verified(src, None, deleted=gone)
         out: list[Placement] = []
-        group = list(zip([p.key for p in src], datas))
+        group = [(p.key, d) for p, d in zip(src, datas) if d is not None]
         cks = {p.key: p.checksum for p in src}
         for chunk in self._segment_groups(dst, group):
             new = self._write_segment(dst, chunk, version=0, checksums=[cks[k] for k, _ in chunk])
@@ -1384,7 +1409,8 @@ class StorageAgent:
                 self._pending[(dst_volume, seg)] = {p.key for p in new}
             out.extend(new)
         version = {p.key: p.version for p in src}
-        return [replace(p, version=version[p.key]) for p in out]
+        copied = {p.key: replace(p, version=version[p.key]) for p in out}
+        return [copied.get(p.key) for p in src] if gone else [copied[p.key] for p in src]  # type: ignore[misc]
 
     def commit_move(self, old: Placement, new: Placement, fence: Fence | None = None) -> Placement:
         """Point the catalog at ``new`` if it still points at ``old`` (compare-and-set).
@@ -1483,8 +1509,10 @@ class StorageAgent:
         live = list(self.catalog.iter_segment(volume_id, segment_id))
         moved = 0
         if live:
-            news = self.copy_many(live, volume_id)
-            for i, (old, new) in enumerate(zip(live, news)):
+            copies = self.copy_many(live, volume_id, skip_deleted=True)
+            pairs = [(old, new) for old, new in zip(live, copies) if new is not None]
+            news = [new for _, new in pairs]
+            for i, (old, new) in enumerate(pairs):
                 try:
                     self.commit_move(old, new, fence)
                     moved += 1

@@ -59,6 +59,15 @@ class NixlEngine:
     buffers and caller buffers) and reusable staging buffers.
 
     Callers hold :attr:`lock` while they use the staging buffer and run transfers with it.
+
+    Every call into the nixl agent (register, deregister, transfer) is made holding
+    :attr:`lock`, the agent's lock (shared by the engines of one agent): the agents are
+    created without NIXL's own thread synchronisation (``nixl_agent_config`` without a
+    listener thread gives ``NIXL_THREAD_SYNC_NONE``), and the bindings release the GIL, so a
+    deregistration on one thread (a segment file closed when its segment is deleted) racing
+    a registration or transfer on another corrupted the agent's memory sections: a
+    ``deregisterMem ... NIXL_ERR_NOT_FOUND`` and then a segmentation fault
+    (``tests/faults/stress_moves.py``).
     """
 
     #: OBJ transfers of several descriptors run as one NIXL request per descriptor, all
@@ -122,21 +131,24 @@ class NixlEngine:
             TransferError: NIXL refused the registration.
         """
         try:
-            return self.agent.register_memory([(address, nbytes, 0, "")], "DRAM", backends=[self.backend])
+            with self.lock:
+                return self.agent.register_memory([(address, nbytes, 0, "")], "DRAM", backends=[self.backend])
         except Exception as exc:  # nixl raises its own binding errors
             raise TransferError(f"NIXL {self.backend}: cannot register {nbytes} bytes of DRAM at {address:#x}: {exc}") from exc
 
     def register(self, regs: Sequence[tuple[int, int, int, str]], mem_type: str) -> Any:
         """Register FILE or OBJ regions ``[(offset, length, fd_or_dev_id, meta)]``."""
         try:
-            return self.agent.register_memory(list(regs), mem_type, backends=[self.backend])
+            with self.lock:
+                return self.agent.register_memory(list(regs), mem_type, backends=[self.backend])
         except Exception as exc:
             raise TransferError(f"NIXL {self.backend}: cannot register {mem_type} regions {list(regs)[:2]}: {exc}") from exc
 
     def deregister(self, reg: Any) -> None:
         """Undo :meth:`register` / :meth:`register_dram_range`; errors are logged, not raised."""
         try:
-            self.agent.deregister_memory(reg, backends=[self.backend])
+            with self.lock:
+                self.agent.deregister_memory(reg, backends=[self.backend])
         except Exception as exc:
             logger.warning("NIXL %s: deregister failed: %s", self.backend, exc)
 
@@ -168,56 +180,57 @@ class NixlEngine:
             TransferError: NIXL refused the request, reported ``ERR`` or did not finish
                 within ``timeout_s`` seconds.
         """
-        if len(local) != len(remote):
-            raise TransferError(f"{len(local)} local descriptors for {len(remote)} remote ones")
-        if len(local) == 0:
-            return
-        if self.backend == "OBJ" and len(local) > 1 and self.split_obj_transfers:
-            self._transfer_each(op, local, remote, remote_mem, timeout_s)
-            return
-        a = self.agent
-        handle = None
-        try:
-            if isinstance(local, np.ndarray):
-                ldesc = a.get_xfer_descs(local, "DRAM")
-            else:
-                ldesc = a.get_xfer_descs([(addr, ln, 0) for addr, ln in local], "DRAM")
-            rdesc = a.get_xfer_descs(remote if isinstance(remote, np.ndarray) else list(remote), remote_mem)
-            handle = a.initialize_xfer(op, ldesc, rdesc, self.agent_name, backends=[self.backend])
-            state = a.transfer(handle)
-            start = time.monotonic()
-            deadline = start + timeout_s
-            spins = 0
-            yielded = False
-            while state == "PROC":
-                state = a.check_xfer_state(handle)
-                if state != "PROC":
-                    break
-                now = time.monotonic()
-                if now > deadline:
-                    raise TransferError(f"NIXL {self.backend} {op} did not finish within {timeout_s} s")
-                spins += 1
-                if not yielded and now - start > 1.0:  # a long wait (e.g. S3 retrying inside)
-                    gc_pause_yield()
-                    yielded = True
-                # NIXL has no blocking wait: poll, yielding at once for short transfers,
-                # then sleeping about 1/20 of the time waited so far (20 us .. 1 ms), so
-                # a long transfer (an S3 PUT: tens of ms) finishes at most ~5 % late and
-                # the polling does not take the CPU from the threads (or, against a local
-                # endpoint, the server) that do the work
-                time.sleep(0 if spins < 32 else min(0.001, max(0.00002, (now - start) / 20)))
-            if state != "DONE":
-                raise TransferError(f"NIXL {self.backend} {op} of {len(local)} descriptors ended in state {state!r}")
-        except TransferError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"NIXL {self.backend} {op} of {len(local)} descriptors failed: {exc}") from exc
-        finally:
-            if handle is not None:
-                try:
-                    a.release_xfer_handle(handle)
-                except Exception as exc:  # a handle of a failed transfer may refuse release
-                    logger.debug("NIXL release_xfer_handle: %s", exc)
+        with self.lock:  # the agent is not thread-safe on its own (see the class)
+            if len(local) != len(remote):
+                raise TransferError(f"{len(local)} local descriptors for {len(remote)} remote ones")
+            if len(local) == 0:
+                return
+            if self.backend == "OBJ" and len(local) > 1 and self.split_obj_transfers:
+                self._transfer_each(op, local, remote, remote_mem, timeout_s)
+                return
+            a = self.agent
+            handle = None
+            try:
+                if isinstance(local, np.ndarray):
+                    ldesc = a.get_xfer_descs(local, "DRAM")
+                else:
+                    ldesc = a.get_xfer_descs([(addr, ln, 0) for addr, ln in local], "DRAM")
+                rdesc = a.get_xfer_descs(remote if isinstance(remote, np.ndarray) else list(remote), remote_mem)
+                handle = a.initialize_xfer(op, ldesc, rdesc, self.agent_name, backends=[self.backend])
+                state = a.transfer(handle)
+                start = time.monotonic()
+                deadline = start + timeout_s
+                spins = 0
+                yielded = False
+                while state == "PROC":
+                    state = a.check_xfer_state(handle)
+                    if state != "PROC":
+                        break
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise TransferError(f"NIXL {self.backend} {op} did not finish within {timeout_s} s")
+                    spins += 1
+                    if not yielded and now - start > 1.0:  # a long wait (e.g. S3 retrying inside)
+                        gc_pause_yield()
+                        yielded = True
+                    # NIXL has no blocking wait: poll, yielding at once for short transfers,
+                    # then sleeping about 1/20 of the time waited so far (20 us .. 1 ms), so
+                    # a long transfer (an S3 PUT: tens of ms) finishes at most ~5 % late and
+                    # the polling does not take the CPU from the threads (or, against a local
+                    # endpoint, the server) that do the work
+                    time.sleep(0 if spins < 32 else min(0.001, max(0.00002, (now - start) / 20)))
+                if state != "DONE":
+                    raise TransferError(f"NIXL {self.backend} {op} of {len(local)} descriptors ended in state {state!r}")
+            except TransferError:
+                raise
+            except Exception as exc:
+                raise TransferError(f"NIXL {self.backend} {op} of {len(local)} descriptors failed: {exc}") from exc
+            finally:
+                if handle is not None:
+                    try:
+                        a.release_xfer_handle(handle)
+                    except Exception as exc:  # a handle of a failed transfer may refuse release
+                        logger.debug("NIXL release_xfer_handle: %s", exc)
 
     def _transfer_each(
         self,

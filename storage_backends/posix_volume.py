@@ -186,7 +186,10 @@ class PosixVolume(Volume):
         #: replaceable for fault injection); not called again once it says ``False``
         self.start_writeback: Callable[[int, int, int], bool] | None = start_writeback
         self._open: OrderedDict[int, _OpenSegment] = OrderedDict()
-        self._open_lock = threading.RLock()
+        # the engine's (nixl agent's) lock: opening or closing a segment file registers or
+        # deregisters it with the agent, which takes that lock, and readers take it before
+        # this one; one lock keeps a delete on one thread from deadlocking a read on another
+        self._open_lock = engine.lock
         self._direct = bool(desc.o_direct and _O_DIRECT)
         self._nowait = bool(_RWF_NOWAIT)
         self._pinned = 0  # page_cache_files contexts open: no segment file is closed

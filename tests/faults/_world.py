@@ -135,3 +135,40 @@ def crash_mid_copy(s: AdvisorSettings, hashes: list[int], dst: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", _CRASH_COPY, arg], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == -9 and "COPIED" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def wait_until(pred: Any, timeout: float = 120.0, what: str = "condition") -> None:
+    """Poll ``pred()`` every 50 ms until it is true; fail after ``timeout`` seconds (a
+    generous deadline: the machines running the cells are loaded)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached in {timeout:.0f} s")
+
+
+def start_redis(port: int, aof_dir: Path | None = None) -> subprocess.Popen[bytes]:
+    """A private ``redis-server`` on ``127.0.0.1:port``, ready; with ``aof_dir`` it keeps an
+    append-only file there (``appendfsync always``: a restart gets every write back), else
+    nothing is persisted."""
+    import shutil
+    import socket
+    import time
+
+    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
+    persist = ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(aof_dir)] if aof_dir else \
+        ["--appendonly", "no"]
+    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *persist],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("redis-server did not start")

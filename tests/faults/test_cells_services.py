@@ -3,9 +3,6 @@ snapshot store killed mid-run then restarted (real ``redis-server`` on a private
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ from advisor import AdvisorService
 from storage_backends import BlockKey, VolumeFullError, free_port
 from tests.faults._invariants import acknowledged_read_back, catalog_equals_volumes, index_equals_fold
 from tests.faults._mounts import small_tmpfs
-from tests.faults._world import NS, Worker, chain, data, settings
+from tests.faults._world import NS, Worker, chain, data, settings, start_redis
 
 
 @pytest.mark.parametrize("vol", ["slow", "fast"])
@@ -42,26 +39,10 @@ def test_enospc_on_a_volume_during_offload(tmp_path: Path, vol: str) -> None:
             w.close()
 
 
-def _redis(port: int) -> subprocess.Popen[bytes]:
-    exe = shutil.which("redis-server") or "/usr/bin/redis-server"
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import socket
-
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("redis-server did not start")
-
 
 def test_redis_snapshot_store_killed_and_restarted(tmp_path: Path) -> None:
     port = free_port()
-    redis = _redis(port)
+    redis = start_redis(port)
     s = settings(tmp_path, snapshot_store="redis", redis_url=f"redis://127.0.0.1:{port}/0",
                  snapshot_key_prefix=f"faults:{port}", snapshot_every_batches=5, snapshot_every_s=0)
     w = Worker(s)
@@ -78,7 +59,7 @@ def test_redis_snapshot_store_killed_and_restarted(tmp_path: Path) -> None:
                 w.send(svc, "w0", *chain([h], "g1"))
             assert svc.counters["snapshot_failures"] >= 1
             assert svc.query().health()["status"] == "ok"
-            redis = _redis(port)  # restarted, empty: snapshots resume
+            redis = start_redis(port)  # restarted, empty: snapshots resume
             taken = svc.counters["snapshots_taken"]
             for h in range(21, 31):
                 w.send(svc, "w0", *chain([h], "g1"))

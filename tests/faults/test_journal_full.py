@@ -4,7 +4,6 @@ are counted and ``/healthz`` answers 503 with the reason, then 200 again."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -14,17 +13,10 @@ from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import store
 from storage_backends import free_port
 from tests.faults._mounts import fill, small_tmpfs
+from tests.faults._world import wait_until
 
 BATCHES = 400
 
-
-def _wait(pred, timeout: float = 120.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 def test_full_journal_applies_backpressure_is_counted_and_unhealthy(tmp_path: Path) -> None:
@@ -41,13 +33,13 @@ def test_full_journal_applies_backpressure_is_counted_and_unhealthy(tmp_path: Pa
             assert http.get("/healthz").status_code == 200
             pub.publish([store(1, 1, None, 4096, "g1")])
             pub.flush()
-            _wait(lambda: svc.position >= 1)
+            wait_until(lambda: svc.position >= 1)
             filler = jfs / "filler"
             fill(filler)
             for h in range(2, BATCHES + 1):  # one batch per event, each with a 1 KiB metadata value
                 pub.publish([store(h, 1, h - 1, 4096, "g1", {"pad": "x" * 1024})])
             pub.flush()
-            _wait(lambda: svc.counters["journal_failures"] > 0)
+            wait_until(lambda: svc.counters["journal_failures"] > 0)
             r = http.get("/healthz")
             assert r.status_code == 503, r.text
             assert r.json()["status"] == "unhealthy" and "journal append failed" in r.json()["reason"]
@@ -57,7 +49,7 @@ def test_full_journal_applies_backpressure_is_counted_and_unhealthy(tmp_path: Pa
             stuck = svc.position
             assert stuck < BATCHES
             filler.unlink()  # space is back: the same batches go through, in order
-            _wait(lambda: svc.position >= BATCHES)
+            wait_until(lambda: svc.position >= BATCHES)
             assert http.get("/healthz").status_code == 200
             assert svc.index.stats()["counters"]["events"] == BATCHES
             assert len(svc.index.blocks_at("w0/g1")) == BATCHES
