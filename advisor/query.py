@@ -34,6 +34,9 @@ class LookupResult:
     requested: int
     per_location: dict[str, int]
     any_location: int
+    prefix_locations: list[frozenset[str]] | None = None
+    """The locations of each of the first ``any_location`` blocks (``None`` where the query
+    does not know them cheaply: scaled mode), for :func:`api.hit_rates.served_per_tier`."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,11 @@ class AdvisorQuery:
         with self._svc.lock:
             per = self._svc.index.lookup(hashes)
             anyn = self._svc.index.lookup_any(hashes)
-        return LookupResult(len(hashes), dict(sorted(per.items())), anyn)
+            where = []
+            for h in hashes[:anyn]:
+                info = self._svc.index.block(h)
+                where.append(frozenset(info.locations) if info is not None else frozenset())
+        return LookupResult(len(hashes), dict(sorted(per.items())), anyn, where)
 
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
@@ -123,7 +130,8 @@ class AdvisorQuery:
             "ingest": {...counters}, "advisor_events" (events the advisor published),
             "promotions", "demotions", "compactions", "bytes_moved",
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
-            "skipped", "failed", "bytes_by_kind", "blocks_by_kind"},
+            "skipped", "failed", "bytes_by_kind", "blocks_by_kind", "routes" (completed moves per
+            ``"<kind> <src>-><dst>"``, e.g. ``"demote slow->s3"``)},
             "subscriber": {...}, "uptime_s"}``.
         """
         svc = self._svc
@@ -168,6 +176,7 @@ class AdvisorQuery:
                 "failed": moves["failed"],
                 "bytes_by_kind": moves["bytes_moved"],
                 "blocks_by_kind": moves["blocks_moved"],
+                "routes": dict(sorted(moves.get("routes", {}).items())),
             },
             "subscriber": sub,
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,

@@ -151,6 +151,11 @@ class LookupResponse(BaseModel):
     longest: int = Field(description="max over prefix_blocks (0 if none)")
     per_tier: dict[str, int] = Field(description="G1..G4 -> leading blocks held in one location of that tier")
     per_worker: dict[str, dict[str, int]] = Field(description="worker -> G1/G2 -> leading blocks in its own tiers")
+    best_worker: str | None = Field(None, description="the worker that would reuse the longest prefix (its G1/G2 + "
+                                    "the volumes; null: only the volumes hold it, or scaled mode)")
+    served_per_tier: dict[str, int] = Field(default_factory=dict, description=(
+        "G1..G4 -> leading blocks best_worker would read from that tier, each from its fastest tier "
+        "(what the hit rates per tier count; scaled mode: per_tier)"))
     sequence_hashes_hex: list[str] | None = Field(None, description="the hashes computed from token_ids")
 
 
@@ -299,6 +304,9 @@ class MovesResponse(BaseModel):
     failed: dict[str, int]
     bytes_by_kind: dict[str, int]
     blocks_by_kind: dict[str, int]
+    routes: dict[str, int] = Field(default_factory=dict)
+    """Completed moves per ``"<kind> <source>-><destination>"`` volume pair (e.g.
+    ``"demote slow->s3"``); empty where the advisor does not count them."""
 
 
 class LocationBlocksResponse(BaseModel):

@@ -50,6 +50,11 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option(help="keep volumes, journal and catalog here")] = None,
     verify: Annotated[bool, typer.Option(help="check index == held blocks and read every block back")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+    g1_blocks: Annotated[Optional[int], typer.Option(help="G1 blocks per worker (default: sized to the slice)", min=1)] = None,
+    g2_blocks: Annotated[Optional[int], typer.Option(help="G2 blocks per worker (default: sized to the slice)", min=1)] = None,
+    fast_blocks: Annotated[Optional[int], typer.Option(help="fast volume (G3) capacity in blocks (default: 3 % of the slice's blocks)", min=1)] = None,
+    slow_blocks: Annotated[Optional[int], typer.Option(help="slow volume (G3) capacity in blocks (default: half the slice's blocks)", min=1)] = None,
+    s3_blocks: Annotated[Optional[int], typer.Option(help="s3 volume (G4) capacity in blocks (default: twice the slice's blocks)", min=1)] = None,
     scaled: Annotated[bool, typer.Option("--scaled", help="replay through the topology `kvadvisor up` started")] = False,
     cluster_dir: Annotated[Path, typer.Option("--dir", help="--scaled: the directory given to `kvadvisor up`")] = Path("runs/cluster"),
 ) -> None:
@@ -76,6 +81,11 @@ def demo(
             s3_endpoint=s3_endpoint,
             workdir=workdir,
             verify=verify,
+            g1_blocks=g1_blocks,
+            g2_blocks=g2_blocks,
+            fast_capacity_blocks=fast_blocks,
+            slow_capacity_blocks=slow_blocks,
+            s3_capacity_blocks=s3_blocks,
         )
     except ValidationError as exc:
         from advisor.settings import format_validation_error
@@ -141,6 +151,27 @@ def _verified(v: dict) -> bool:
     return all(x["equal"] for x in locs) and v.get("bytes_ok") == v.get("bytes_checked")
 
 
+def _tier_sizes(r) -> str:  # noqa: ANN001 - DemoReport
+    """``G1 256 + G2 1,026 per worker · fast 615 · slow 10,263 · s3 41,054 (16 KiB each)``."""
+    t = r.tier_blocks
+    if not t:
+        return "-"
+    per = f"G1 {t.get('g1', 0):,} + G2 {t.get('g2', 0):,} per worker"
+    vols = " · ".join(f"{k} {t[k]:,}" for k in ("fast", "slow", "s3") if t.get(k))
+    return f"{per} · {vols} ({r.block_bytes / 1024:,.0f} KiB each)"
+
+
+def _lookup_rates(lk: dict) -> str:
+    """``1,000 lookups: G1 12.0 % · G2 3.0 % · G3 80.0 % · G4 20.0 %`` (share of lookups whose
+    first block that tier held; the figures ``kvadvisor status`` shows under "total")."""
+    n = int(lk.get("lookups", 0)) if lk else 0
+    if not n:
+        return "none"
+    tiers = lk.get("tiers", {})
+    return f"{n:,} lookups: " + " · ".join(f"{t} {100 * tiers.get(t, {}).get('hit_rate', 0.0):.1f} %"
+                                          for t in ("G1", "G2", "G3", "G4"))
+
+
 def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     t = Table(title="kvadvisor demo report", show_header=False)
     t.add_column("what")
@@ -149,19 +180,20 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     rows = [
         ("requests replayed", f"{r.requests:,} across {r.workers} workers"),
         ("full blocks requested", f"{r.blocks:,} ({r.computed_blocks:,} computed)"),
-        ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
-        ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
         ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
         ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
         ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
+        ("tier sizes (blocks)", _tier_sizes(r)),
+        ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
+        ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
+        ("router lookups (POST /v1/lookup), hit rate per tier", _lookup_rates(r.lookups)),
         ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
+        ("moves per route", ", ".join(f"{k}={v:,}" for k, v in sorted(r.moves_by_route.items())) or "-"),
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
         ("FAILED promotions / demotions / compactions",
          " / ".join(f"{r.failed_moves.get(k, 0):,}" for k in ("promote", "demote", "compact"))
          + (f" ({r.deferred_volume_full:,} held back: volume full)" if r.deferred_volume_full else "")),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
-        ("API (while it was up)", r.api_url),
-        (f"event streams ({r.transport}; worker order, last: the advisor's)", " ".join(r.event_urls)),
         ("wall time", f"{r.wall_s:.1f} s"),
     ]
     if r.verified:
@@ -174,6 +206,10 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    # addresses outside the table, on lines of their own: a table cell would cut or fold them
+    for line in (f"API (while it was up): {r.api_url}",
+                 f"event streams ({r.transport}; worker order, last: the advisor's): " + " ".join(r.event_urls)):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()

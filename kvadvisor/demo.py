@@ -42,7 +42,7 @@ import torch
 
 from event_plane import EventPublisher, make_publisher
 from kvadvisor.settings import DemoSettings
-from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
+from kvadvisor.trace import TraceRequest, bundled_trace, read_mooncake, request_tokens
 from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
 from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult, fill_synthetic_kv, synthetic_block_bytes
 from storage_backends import (
@@ -83,6 +83,12 @@ class DemoReport:
     demotions: int = 0
     compactions: int = 0
     bytes_moved: int = 0
+    moves_by_route: dict[str, int] = field(default_factory=dict)
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+    lookups: dict[str, Any] = field(default_factory=dict)
+    """The API's lookup hit rates over the whole run (``/v1/stats`` ``hit_rates.lookup.total``:
+    ``{"lookups": n, "tiers": {"G1": {"hits", "blocks", "tokens", "hit_rate"}, ...}}``)."""
+    block_bytes: int = 0
     failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
     deferred_volume_full: int = 0
     advisor_events_per_s: float = 0.0
@@ -113,6 +119,46 @@ class Topology:
     api_host: str
     api_port: int
     s3: LocalS3 | None
+
+
+def size_tiers(s: DemoSettings, reqs: list[TraceRequest]) -> DemoSettings:
+    """``s`` with every tier size left unset (``None``) sized to the replayed slice.
+
+    With ``U`` the slice's distinct full blocks (what write-through offload puts on ``slow``):
+    G1 = ``max(U/80, longest request + 1)`` blocks per worker (a request must fit in G1),
+    G2 = ``max(U/20, 4 × G1)`` per worker, ``fast`` = 3 % of ``U``, ``slow`` = ``U/2`` and
+    ``s3`` = ``2 × U``.  So ``slow`` passes its demotion watermark (80 %) part-way through the
+    replay and its cold blocks go down to S3, ``fast`` holds only the hottest prefixes, and
+    later requests find blocks on every tier (for the bundled slice's first 1,000 requests:
+    U = 20,527, G1 256, G2 1,026, fast 615, slow 10,263, s3 41,054 blocks).  A size set
+    explicitly is kept as it is.
+
+    Args:
+        s: the settings; sizes in blocks.
+        reqs: the requests that will be replayed.
+    """
+    seen: set[int] = set()
+    longest = 0
+    for r in reqs:
+        full = min(r.input_length // s.page_size, len(r.hash_ids))
+        seen.update(r.hash_ids[:full])
+        longest = max(longest, full)
+    u = len(seen)
+    g1 = s.g1_blocks or max(u // 80, longest + 1, 16)
+    sizes = {
+        "g1_blocks": g1,
+        "g2_blocks": s.g2_blocks or max(u // 20, 4 * g1),
+        "fast_capacity_blocks": s.fast_capacity_blocks or max(u * 3 // 100, 32),
+        "slow_capacity_blocks": s.slow_capacity_blocks or max(u // 2, 256),
+        "s3_capacity_blocks": s.s3_capacity_blocks or max(2 * u, 1024),
+    }
+    return s.model_copy(update=sizes)
+
+
+def tier_blocks(s: DemoSettings) -> dict[str, int]:
+    """Size of each tier in blocks: ``g1`` and ``g2`` per worker, then the volumes."""
+    return {"g1": s.g1_blocks or 0, "g2": s.g2_blocks or 0, FAST: s.fast_capacity_blocks or 0,
+            SLOW: s.slow_capacity_blocks or 0, S3: s.s3_capacity_blocks or 0}
 
 
 def block_bytes(s: DemoSettings) -> int:
@@ -188,6 +234,8 @@ def advisor_config(s: DemoSettings, topo: Topology, namespace: str) -> dict[str,
             "promotion": {"min_hits": 2},
             "demotion": {"high_watermark": 0.8, "low_watermark": 0.6},
             "compaction": {"live_fraction": s.compaction_live_fraction},
+            "planner": {"max_moves_per_round": s.max_moves_per_round,
+                        "max_compactions_per_round": s.max_compactions_per_round},
         },
         # `advisor run` on the work directory runs its rounds on a timer (the demo's own
         # advisor process runs with the timer off: the replay drives its rounds, see
@@ -368,6 +416,19 @@ class AdvisorClient:
                 raise DemoError(f"advisor did not catch up within {timeout_s} s: {behind}")
             time.sleep(0.05)
 
+    def lookup_tokens(self, tokens: Any, fingerprint: Any) -> dict[str, Any]:
+        """Ask ``POST /v1/lookup`` what a router asks before it routes a request: the longest
+        cached prefix of these prompt tokens per location, tier and worker (the API hashes the
+        tokens as the runtime does, salted with the model ``fingerprint``,
+        ``kvbm_runtime.ModelFingerprint``).  The API counts it in its hit rates per tier."""
+        fp = fingerprint
+        body = {"token_ids": [int(t) for t in tokens],
+                "model": {"name": fp.name, "dtype": fp.dtype, "layout": fp.layout, "block_size": fp.block_size,
+                          "revision": fp.revision}}
+        r = self.http.post("/v1/lookup", json=body)
+        r.raise_for_status()
+        return r.json()
+
     def close(self) -> None:
         self.http.close()
 
@@ -402,6 +463,7 @@ def run_demo(
     reqs = list(read_mooncake(trace_path, limit=s.requests))
     if not reqs:
         raise DemoError(f"the trace {trace_path} has no requests")
+    s = size_tiers(s, reqs)
     env = _env()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
@@ -465,12 +527,19 @@ def run_demo(
             api_url=api_url,
             event_urls=list(dict.fromkeys(topo.worker_sub_urls)) + [topo.advisor_pub_url],  # worker order
             transport=s.transport,
+            tier_blocks=tier_blocks(s),
+            block_bytes=block_bytes(s),
         )
         if on_ready:
             on_ready(api_url, report.event_urls)
+        fingerprint = rcfg.fingerprint()
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
-            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
+            tokens = request_tokens(req, s.page_size)
+            if s.router_lookups:
+                # what a KV-aware router asks before it routes: counted in the API's hit rates
+                client.lookup_tokens(tokens, fingerprint)
+            res: ServeResult = mgr.serve(tokens, fill_synthetic_kv)
             report.blocks += res.num_blocks
             report.computed_blocks += res.computed
             report.hits["g1"] += res.hits_g1
@@ -510,12 +579,14 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.demotions = int(mv.get("demotions", 0))
     report.compactions = int(mv.get("compactions", 0))
     report.bytes_moved = int(mv.get("bytes_moved", 0))
+    report.moves_by_route = {k: int(v) for k, v in mv.get("routes", {}).items()}
     report.failed_moves = {k: int(v) for k, v in mv.get("failed", {}).items()}
     report.deferred_volume_full = int(st.get("ingest", {}).get("deferred_volume_full", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
     report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))
     report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
+    report.lookups = st.get("hit_rates", {}).get("lookup", {}).get("total", {})
     report.volumes = client.volumes()
 
 

@@ -28,7 +28,7 @@ from advisor.cluster_mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.urls import make_publisher
-from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config
+from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config, size_tiers
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
 from kvadvisor.up import ClusterUp, load
@@ -110,6 +110,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
     reqs = list(read_mooncake(s.trace or bundled_trace(), limit=s.requests))
     if not reqs:
         raise DemoError("the trace has no requests")
+    s = size_tiers(s, reqs)
     run = secrets.token_hex(3)
     workdir = Path(state.root) / f"demo-{run}"
     scheme = PartitionScheme(state.partitions)

@@ -3,7 +3,8 @@ REST API (docs/operations.md, "kvadvisor status").
 
 Shown: health; blocks indexed and per location; ingest (events/s, journal position,
 subscriber gaps and drops); sources with epoch, last seq and batches; volumes with usage;
-moves; lookup hit rates per tier over the last minute and hour.
+moves; lookup hit rates per tier over the last minute, the last hour and since the API
+started (``total``: the figures a ``kvadvisor demo`` report gives).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def print_status(st: Status, console: Console) -> None:
     for col in ("kind", "window", "lookups", "tier", "hit rate", "blocks", "tokens"):
         t.add_column(col)
     for kind, windows in sorted(s.get("hit_rates", {}).items()):
-        for w in ("1m", "1h"):
+        for w in ("1m", "1h", "total"):
             fig = windows.get(w, {})
             tiers = fig.get("tiers", {}) or {"-": {"hit_rate": 0.0, "blocks": 0, "tokens": 0}}
             for tier, v in tiers.items():
