@@ -71,6 +71,9 @@ def demo(
     if requests is not None and requests < 0:
         _fail(f"--requests must be >= 0 (0 = all requests of the trace), got {requests}")
         return
+    if trace is not None and not trace.exists():
+        _fail(f"--trace {trace} does not exist; give a Mooncake jsonl file (or leave it out: the bundled slice)")
+        return
     try:
         s = DemoSettings(
             trace=trace,
@@ -96,39 +99,52 @@ def demo(
     # SIGTERM unwinds like Ctrl-C, so the advisor process, the local S3 endpoint and the
     # work directory are cleaned up either way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with Progress(
-        TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
-    ) as bar:
-        task = bar.add_task("replay", total=s.requests or 0)
+    bar = Progress(TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                   transient=False)
+    task = bar.add_task("replay", total=s.requests or 0)
 
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+    def progress(done: int, total: int) -> None:
+        if not bar.live.is_started:  # from the first request on: nothing of it before an early error
+            bar.start()
+        bar.update(task, completed=done, total=total)
 
-        def ready(api_url: str, event_urls: list[str]) -> None:
-            bar.console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)")
-            bar.console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): " + "  ".join(f"'{u}'" for u in event_urls))
+    def stop_bar(erase: bool) -> None:
+        if bar.live.is_started:  # (Progress.stop prints a newline even when it never started)
+            bar.live.transient = erase
+            bar.stop()
 
-        try:
-            if scaled:
-                from kvadvisor.scaled_demo import run_scaled_demo
-                from kvadvisor.up import UpError
+    def fail(msg: str) -> None:
+        stop_bar(erase=True)  # an error erases the bar: the error line is the last thing printed
+        _fail(msg)
 
-                try:
-                    report = run_scaled_demo(s, cluster_dir, progress=progress)
-                except UpError as exc:
-                    _fail(str(exc))
-                    return
-            else:
-                report = run_demo(s, progress=progress, on_ready=ready)
-        except (DemoError, TraceFormatError, FileNotFoundError) as exc:
-            _fail(str(exc))
-            return
-        except (EventPlaneError, StorageError) as exc:  # e.g. NATS unreachable, S3 refused
-            _fail(f"{type(exc).__name__}: {exc}")
-            return
-        except KeyboardInterrupt:
-            typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
-            raise typer.Exit(130) from None
+    def ready(api_url: str, event_urls: list[str]) -> None:
+        console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)", soft_wrap=True, highlight=False)
+        console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): "
+                      + "  ".join(f"'{u}'" for u in event_urls), soft_wrap=True, highlight=False, markup=False)
+
+    try:
+        if scaled:
+            from kvadvisor.scaled_demo import run_scaled_demo
+            from kvadvisor.up import UpError
+
+            try:
+                report = run_scaled_demo(s, cluster_dir, progress=progress)
+            except UpError as exc:
+                fail(str(exc))
+                return
+        else:
+            report = run_demo(s, progress=progress, on_ready=ready)
+        stop_bar(erase=False)
+    except (DemoError, TraceFormatError, FileNotFoundError) as exc:
+        fail(str(exc))
+        return
+    except (EventPlaneError, StorageError) as exc:  # e.g. NATS unreachable, S3 refused
+        fail(f"{type(exc).__name__}: {exc}")
+        return
+    except KeyboardInterrupt:
+        stop_bar(erase=True)
+        typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
+        raise typer.Exit(130) from None
     _print_report(report)
     failed = sum(report.failed_moves.values())
     if failed:
@@ -392,10 +408,21 @@ def check_cmd(
         _fail(str(exc))
         return
     except (StorageError, ValueError, RuntimeError) as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
+        from advisor.service import start_failure_line
+
+        _fail(start_failure_line(exc))
         return
     console.print(f"checked {report.blocks_checked:,} catalog placements against a fold of "
-                  f"{report.journal_position:,} journal batches: {len(report.differences):,} differences")
+                  f"{report.journal_position:,} journal batches and the segments on each volume: "
+                  f"{len(report.differences):,} differences", soft_wrap=True)
+    if deep:
+        console.print(f"deep: read back {report.blocks_read:,} blocks ({report.bytes_read:,} bytes) and compared each "
+                      "with its catalog checksum", soft_wrap=True)
+    if report.other_namespaces:
+        console.print(f"note: the catalog also places {sum(report.other_namespaces.values()):,} blocks of namespaces "
+                      f"{', '.join(sorted(report.other_namespaces))} on these volumes, not checked: list them in the "
+                      f"advisor's \"extra_namespaces\" to manage them (now {', '.join(settings.namespaces)})",
+                      soft_wrap=True, markup=False, highlight=False)
     for d in report.differences[:50]:
         console.print(f"  {d.line()}", markup=False, highlight=False)
     if len(report.differences) > 50:

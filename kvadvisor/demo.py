@@ -325,8 +325,8 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
     t.start()
     try:
         if not ready.wait(timeout_s) or not url:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise DemoError(f"advisor did not become ready (exit code {proc.poll()}); log tail:\n{tail}")
+            log.flush()
+            raise DemoError(advisor_start_failure(log_path.read_text(errors="replace"), proc.poll(), log_path))
         yield url[0]
     finally:
         if proc.poll() is None:
@@ -338,6 +338,16 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
                 proc.wait()
         t.join(timeout=5)
         log.close()
+
+
+def advisor_start_failure(log_text: str, exit_code: int | None, log_path: Path) -> str:
+    """One line for an advisor that did not start: its own ``advisor: start failed: ...`` line
+    (the cause) when the log has one, else the log's last line; then where the log is."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    cause = next((ln.split("start failed:", 1)[1].strip() for ln in reversed(lines) if "start failed:" in ln), None)
+    if cause is None:
+        cause = (lines[-1] if lines else "no output") + (f" (exit code {exit_code})" if exit_code is not None else "")
+    return f"the advisor did not start: {cause} (its log: {log_path})"
 
 
 class AdvisorClient:
@@ -468,8 +478,7 @@ def run_demo(
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
         # absolute: advisor.json names its paths from here, and `advisor run` may start anywhere
-        workdir = Path(s.workdir).resolve() if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = prepare_workdir(s.workdir) if s.workdir else Path(tempfile.mkdtemp(prefix="kvadvisor-demo-"))
         try:
             stack.enter_context(workdir_lock(workdir, "kvadvisor demo"))
         except WorkdirLockedError as exc:
@@ -484,6 +493,8 @@ def run_demo(
             s3 = start_local_s3()
             stack.callback(s3.stop)
             endpoint, access, secret = s3.endpoint, s3.access_key, s3.secret_key
+        else:
+            check_s3_endpoint(endpoint, access, secret)
         urls = [_worker_urls(s, i) for i in range(s.workers)]
         adv_pub, adv_rep = free_port(), free_port()
         topo = Topology(
@@ -588,6 +599,55 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
     report.lookups = st.get("hit_rates", {}).get("lookup", {}).get("total", {})
     report.volumes = client.volumes()
+
+
+def prepare_workdir(path: Path) -> Path:
+    """Create ``path`` (and its parents) when missing; return it absolute.
+
+    Raises:
+        DemoError: ``path`` is a file, or cannot be created (the reason, then what to do).
+    """
+    workdir = Path(path).expanduser().resolve()
+    if workdir.exists() and not workdir.is_dir():
+        raise DemoError(f"--workdir {path} is a file, not a directory; pass a directory (created when missing)")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"--workdir {path} cannot be created ({exc.strerror or exc}); pass a directory you can "
+                        "write (created when missing)") from None
+    return workdir
+
+
+S3_HINT = ("start one that outlives the demo, e.g. `.venv/bin/moto_server -p 9000` with "
+           "AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test (moto accepts any), or leave out --s3-endpoint "
+           "(the demo then starts its own)")
+
+
+def check_s3_endpoint(endpoint: str, access: str | None, secret: str | None, timeout_s: float = 3.0) -> None:
+    """Fail fast, before anything starts, when the S3 endpoint does not answer or no
+    credentials are set (the advisor would fail the same way, with the cause at the end of a
+    long log line).
+
+    Raises:
+        DemoError: the cause first, then :data:`S3_HINT`.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise DemoError(f"--s3-endpoint {endpoint!r} is not an http(s)://HOST:PORT address; {S3_HINT}")
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise DemoError(f"the S3 endpoint {endpoint} does not answer ({exc.strerror or exc}); {S3_HINT}") from None
+    if not (access and secret):
+        import boto3
+
+        if boto3.Session().get_credentials() is None:
+            raise DemoError(f"no S3 credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                            "(or an AWS profile); moto_server accepts any")
 
 
 def _refuse_stale_s3_workdir(workdir: Path) -> None:

@@ -52,7 +52,7 @@ class DemoSettings(BaseSettings):
     @field_validator("trace")
     @classmethod
     def _trace_exists(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
+        if v is not None and not v.exists():  # a directory or another format: the reader names it
             raise ValueError(f"trace file {v} does not exist")
         return v
 

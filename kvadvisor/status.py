@@ -58,7 +58,10 @@ def fetch_status(url: str, token: str | None = None, timeout_s: float = 10.0) ->
                     raise StatusError(f"{url}{path} answered {r.status_code} ({why})")
                 out.append(r.json())
     except httpx.HTTPError as exc:
-        raise StatusError(f"cannot reach the advisor API at {url}: {type(exc).__name__}: {exc}") from None
+        why = "connection refused" if isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower() else (
+            f"{type(exc).__name__}: {exc}")
+        raise StatusError(f"no advisor API answers at {url} ({why}); pass --url (or set KVADVISOR_URL) to the API "
+                          "address `kvadvisor demo` or `kvadvisor up` printed") from None
     return Status(url, out[0], out[1], out[2]["volumes"])
 
 
