@@ -148,7 +148,7 @@ class AdvisorQuery:
             st = svc.index.stats()
             sources = {
                 name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
-                       "last_ts_ns": s.last_ts_ns, **_last_seen(s.last_ts_ns)}
+                       "last_ts_ns": s.last_ts_ns, **last_seen_fields(s.last_ts_ns)}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)
@@ -246,7 +246,7 @@ class AdvisorQuery:
         }
 
 
-def _last_seen(ts_ns: int) -> dict[str, Any]:
+def last_seen_fields(ts_ns: int) -> dict[str, Any]:
     """A source's last-seen time (its last batch's ``ts_ns``) in seconds and ISO 8601 UTC."""
     import datetime as _dt
 

@@ -198,7 +198,7 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("full blocks requested", f"{r.blocks:,} ({r.computed_blocks:,} computed)"),
         ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
         ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
-        ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
+        (f"advisor ingest ({r.ingest_basis})", f"{r.advisor_events_per_s:,.0f} events/s"),
         ("tier sizes (blocks)", _tier_sizes(r)),
         ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
         ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
@@ -231,7 +231,7 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
 @app.command()
 def up(
     cluster_dir: Annotated[Path, typer.Option("--dir", help="state, stores and logs of the topology")] = Path("runs/cluster"),
-    nodes: Annotated[int, typer.Option(help="NATS servers in the JetStream cluster")] = 3,
+    nodes: Annotated[int, typer.Option(help="NATS servers (1: a single JetStream server; 3 or more: a cluster with 3 replicas)", min=1)] = 3,
     advisors: Annotated[int, typer.Option(help="cluster advisors")] = 3,
     partitions: Annotated[int, typer.Option(help="partitions of the prefix index")] = 8,
 ) -> None:

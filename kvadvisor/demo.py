@@ -92,6 +92,9 @@ class DemoReport:
     failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
     deferred_volume_full: int = 0
     advisor_events_per_s: float = 0.0
+    ingest_basis: str = "journal + apply, busy time"
+    """What ``advisor_events_per_s`` divides by (the embedded advisor's busy time; scaled mode:
+    the time from the first request until every partition caught up)."""
     api_url: str = ""
     event_urls: list[str] = field(default_factory=list)
     transport: str = ""
