@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from advisor.service import AdvisorService
 
 
+NAMESPACES_MAX_AGE_S = 5.0
+"""How old the catalog's per-namespace counts in ``/v1/stats`` may be, seconds."""
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """Longest cached prefix of a request.
@@ -65,6 +69,7 @@ class AdvisorQuery:
 
     def __init__(self, service: AdvisorService) -> None:
         self._svc = service
+        self._ns_cache: tuple[float, dict[str, dict[str, int]]] | None = None
 
     def block(self, sequence_hash: int) -> BlockInfo | None:
         """Index info of one block, ``None`` if unknown."""
@@ -116,6 +121,23 @@ class AdvisorQuery:
                                       stats.get(v.id, {}), self._svc.index.count_at(v.id)))
         return out
 
+    def namespaces(self, max_age_s: float = NAMESPACES_MAX_AGE_S) -> dict[str, Any]:
+        """The key namespaces this advisor manages, and those the catalog places blocks in.
+
+        Returns:
+            ``{"managed": [namespace, ...], "seen": {namespace: {volume id: blocks}}}``; ``seen``
+            is empty without storage, and at most ``max_age_s`` seconds old (one grouped
+            catalog scan per period, :meth:`storage_backends.SqliteCatalog.namespace_counts`).
+        """
+        svc = self._svc
+        now = time.monotonic()
+        cached = self._ns_cache
+        if cached is None or now - cached[0] > max_age_s:
+            counts = getattr(svc.catalog, "namespace_counts", None)
+            cached = (now, counts() if callable(counts) else {})
+            self._ns_cache = cached
+        return {"managed": list(svc.settings.namespaces), "seen": cached[1]}
+
     def stats(self) -> dict[str, Any]:
         """Index, ingest, per-source, mover and subscriber figures.
 
@@ -132,7 +154,7 @@ class AdvisorQuery:
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
             "skipped", "failed", "bytes_by_kind", "blocks_by_kind", "routes" (completed moves per
             ``"<kind> <src>-><dst>"``, e.g. ``"demote slow->s3"``)},
-            "subscriber": {...}, "uptime_s"}``.
+            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s"}``.
         """
         svc = self._svc
         sub = svc.subscriber_stats()
@@ -179,6 +201,7 @@ class AdvisorQuery:
                 "routes": dict(sorted(moves.get("routes", {}).items())),
             },
             "subscriber": sub,
+            "namespaces": self.namespaces(),
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
         }
 

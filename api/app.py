@@ -369,7 +369,9 @@ def create_app(
             res = query.drain(volume_id, req.to if req is not None else None)
         except DrainError as exc:
             raise ApiError(409, "cannot_drain", str(exc)[:300]) from None
-        return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved)
+        return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved,
+                             other_namespaces=getattr(res, "other_namespaces", {}),
+                             hint=res.hint() if hasattr(res, "hint") else None)
 
     @app.get("/metrics", dependencies=read, response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {"example": _METRICS_EXAMPLE}},

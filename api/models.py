@@ -252,6 +252,9 @@ class DrainResponse(BaseModel):
     to: str
     counts: dict[str, int] = Field(description="plan status -> blocks")
     bytes_moved: int
+    other_namespaces: dict[str, int] = Field(default_factory=dict, description=(
+        "namespace -> blocks left on the volume: namespaces this advisor does not manage"))
+    hint: str | None = Field(None, description="what to set when other_namespaces is not empty")
 
 
 class VolumeResponse(BaseModel):
@@ -372,6 +375,9 @@ class StatsResponse(BaseModel):
     moves: MovesResponse
     subscriber: dict[str, int]
     uptime_s: float
+    namespaces: dict[str, Any] = Field(default_factory=dict, description=(
+        '{"managed": [namespace, ...], "seen": {namespace: {volume: blocks}}}: the key namespaces this advisor '
+        "moves, and those the catalog places blocks in (a connector's namespace is its model fingerprint's)"))
     hit_rates: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')

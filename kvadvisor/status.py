@@ -3,6 +3,7 @@ REST API (docs/operations.md, "kvadvisor status").
 
 Shown: health; blocks indexed and per location; ingest (events/s, journal position,
 subscriber gaps and drops); sources with epoch, last seq and batches; volumes with usage;
+the key namespaces the advisor manages and those the catalog holds blocks in;
 moves; lookup hit rates per tier over the last minute, the last hour and since the API
 started (``total``: the figures a ``kvadvisor demo`` report gives).
 """
@@ -104,6 +105,18 @@ def print_status(st: Status, console: Console) -> None:
         t.add_row(v["id"], v["role"], v["kind"], "-" if used is None else f"{used:,}", f"{v['capacity_bytes']:,}",
                   f"{v['indexed_blocks']:,}")
     console.print(t)
+    ns = s.get("namespaces") or {}
+    if ns:
+        managed = set(ns.get("managed", []))
+        seen = ns.get("seen", {})
+        t = Table(title="key namespaces (a vLLM connector's is its model fingerprint's)")
+        for col in ("namespace", "managed", "blocks per volume"):
+            t.add_column(col)
+        for name in sorted(managed | set(seen)):
+            vols = seen.get(name, {})
+            t.add_row(name, "yes" if name in managed else "no: add to extra_namespaces",
+                      ", ".join(f"{v}={n:,}" for v, n in sorted(vols.items())) or "-")
+        console.print(t)
     m = s["moves"]
     console.print(f"moves: {m['promotions']:,} promotions, {m['demotions']:,} demotions, {m['compactions']:,} compactions, "
                   f"{m['bytes_moved']:,} bytes moved, failed {sum(m['failed'].values()):,}")
