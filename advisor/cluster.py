@@ -30,7 +30,8 @@ piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
 ``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events", "moves" (the
 mover's results for this partition since its owner took it, ``ClusterMover.partition_moves``),
 "started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
-rebuild was done), "sources": {source: [epoch, last_seq]}}``; ``{"op": "blocks_at", "location": L}`` is answered
+rebuild was done), "sources": {source: [epoch, last_seq]}, "source_figures": {source: [batches,
+events, last_ts_ns]} (what this partition applied of each source)}``; ``{"op": "blocks_at", "location": L}`` is answered
 ``{"position", "hashes": [...]}``; ``{"op": "locations"}`` ``{"position", "locations":
 {location: blocks}, "orphans"}``; ``{"op": "block", "hash": h}`` ``{"position", "block":
 [hash, parent, prefix, size, locations, hits, last_access_ns, orphan] or null}``.  A lookup
@@ -241,7 +242,9 @@ class _Replica:
                         "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
-                        "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()}}
+                        "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()},
+                        "source_figures": {name: [st.batches, st.events, st.last_ts_ns]
+                                           for name, st in self.index.sources().items()}}
             if request.get("op") == "blocks_at" and isinstance(request.get("location"), str):
                 return {"position": self.position, "hashes": sorted(self.index.blocks_at(request["location"]))}
             if request.get("op") == "locations":

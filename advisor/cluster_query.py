@@ -18,6 +18,7 @@ Counts summed over partitions count a trunk block once per partition (it is kept
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,11 +27,15 @@ from prometheus_client import CollectorRegistry, Gauge
 from advisor.cluster import ClusterClient
 from advisor.index import BlockInfo
 from advisor.plan import PlanResult
-from advisor.query import LookupResult, VolumeView
+from advisor.query import LookupResult, VolumeView, last_seen_fields
 
 __all__ = ["ClusterQuery"]
 
 _CLUSTER_ONLY = "not available on a partitioned cluster's API: {what} belongs to one advisor's storage and mover"
+
+
+RATE_WINDOW_S = 10.0
+"""Window of the cluster's ``events_per_s`` (as the embedded advisor's, seconds)."""
 
 
 class ClusterQuery:
@@ -47,6 +52,7 @@ class ClusterQuery:
         self._partitions = Gauge("kvadvisor_cluster_partitions", "partitions of the cluster's index",
                                  registry=self._registry)
         self._partitions.set(client.scheme.partitions)
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic s, events applied), last RATE_WINDOW_S
 
     def block(self, sequence_hash: int) -> BlockInfo | None:
         """What the cluster knows of one block, ``None`` if unknown."""
@@ -88,10 +94,19 @@ class ClusterQuery:
         per_loc = self.locations()
         sources: dict[str, dict[str, int]] = {}
         for st in status.values():
+            figures = st.get("source_figures", {})  # absent from an older advisor: zeros
             for name, (epoch, last_seq) in st["sources"].items():
                 cur = sources.setdefault(name, {"epoch": int(epoch), "last_seq": 0, "batches": 0, "events": 0,
                                                 "last_ts_ns": 0})
                 cur["last_seq"] = max(cur["last_seq"], int(last_seq))
+                batches, events, last_ts = figures.get(name, (0, 0, 0))
+                cur["batches"] += int(batches)  # a partitioned publisher sends each batch to one partition
+                cur["events"] += int(events)
+                cur["last_ts_ns"] = max(cur["last_ts_ns"], int(last_ts))
+        for cur in sources.values():
+            cur.update(last_seen_fields(cur["last_ts_ns"]))
+        events_applied = sum(int(st.get("events", 0)) for st in status.values())
+        rate = self._events_rate(events_applied)
         zero = {"promote": 0, "demote": 0, "compact": 0}
         moves: dict[str, dict[str, int]] = {k: dict(zero) for k in ("done", "skipped", "failed", "bytes_moved")}
         for st in status.values():  # the movers' results per partition, since its owner took it
@@ -109,12 +124,14 @@ class ClusterQuery:
             "sources": dict(sorted(sources.items())),
             "journal_position": max((int(st["position"]) for st in status.values()), default=0),
             "batches_applied": sum(int(st["applied"]) for st in status.values()),
-            "events_applied": sum(int(st.get("events", 0)) for st in status.values()),
-            "events_per_s": 0.0,
+            "events_applied": events_applied,
+            "events_per_s": rate,
             "ingest_events_per_busy_s": 0.0,
             "ingest": {"origin_refused": sum(int(st.get("origin_refused", 0)) for st in status.values()),
                        "errors": sum(int(st["errors"]) for st in status.values())},
-            "advisor_events": 0, "promotions": done["promote"], "demotions": done["demote"],
+            # the cluster movers publish their moves under "<advisor id>-mover" (advisor.cluster_mover)
+            "advisor_events": sum(v["events"] for k, v in sources.items() if k.endswith("-mover")),
+            "promotions": done["promote"], "demotions": done["demote"],
             "compactions": done["compact"], "bytes_moved": nbytes,
             "moves": {"promotions": done["promote"], "demotions": done["demote"], "compactions": done["compact"],
                       "bytes_moved": nbytes, "done": done, "skipped": moves["skipped"], "failed": moves["failed"],
@@ -122,6 +139,16 @@ class ClusterQuery:
             "subscriber": {},
             "uptime_s": time.monotonic() - self._started,
         }
+
+    def _events_rate(self, events_applied: int) -> float:
+        """Events applied per second over the last :data:`RATE_WINDOW_S` seconds of calls (0.0
+        on the first call: the rate needs two samples)."""
+        now = time.monotonic()
+        self._samples.append((now, events_applied))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, e0 = self._samples[0]
+        return max(0, events_applied - e0) / (now - t0) if now > t0 else 0.0
 
     def plans(self, limit: int = 100) -> list[PlanResult]:
         """No plans are kept on the cluster's query face: ``[]``."""

@@ -45,6 +45,9 @@ class DrainResult:
         counts: plan status (``done``, ``skipped``, ``failed``) → blocks.
         bytes_moved: bytes written on the destination.
         results: every executed item's result, in order.
+        other_namespaces: blocks on ``volume`` in namespaces this advisor does not manage
+            (namespace → blocks): left in place; a drain that moved nothing names them, so
+            the operator can add them to ``extra_namespaces``.
     """
 
     volume: str
@@ -52,6 +55,15 @@ class DrainResult:
     counts: dict[str, int] = field(default_factory=dict)
     bytes_moved: int = 0
     results: list[PlanResult] = field(default_factory=list)
+    other_namespaces: dict[str, int] = field(default_factory=dict)
+
+    def hint(self) -> str | None:
+        """What to set when the volume holds blocks of namespaces this advisor leaves out."""
+        if not self.other_namespaces:
+            return None
+        names = ", ".join(f"{ns} ({n:,} blocks)" for ns, n in sorted(self.other_namespaces.items()))
+        return (f"volume {self.volume!r} also holds blocks of namespaces this advisor does not manage: {names}; "
+                "add them to its extra_namespaces setting to move them")
 
 
 def default_destination(service: AdvisorService, volume: str) -> str | None:
@@ -83,7 +95,13 @@ def drain_volume(service: AdvisorService, volume: str, to: str | None = None) ->
         if volume not in service.draining:
             service.draining.add(volume)
             service.save_admin_state()
-        placements = [p for p in agent.catalog.iter_volume(volume) if p.key.namespace in namespaces]
+        placements = []
+        others: dict[str, int] = {}
+        for p in agent.catalog.iter_volume(volume):
+            if p.key.namespace in namespaces:
+                placements.append(p)
+            else:
+                others[p.key.namespace] = others.get(p.key.namespace, 0) + 1
         items = [PlanItem(PlanKind.DEMOTE, f"drain {volume}", volume, dst, p.key.sequence_hash, p.key.namespace,
                           bytes=p.length) for p in placements]
         results: list[PlanResult] = []
@@ -97,7 +115,10 @@ def drain_volume(service: AdvisorService, volume: str, to: str | None = None) ->
         counts[r.status.value] += 1
     moved = sum(r.bytes_moved for r in results)
     logger.warning("advisor: drained volume %s to %s: %s (it stays draining)", volume, dst, counts)
-    return DrainResult(volume, dst, counts, moved, results)
+    res = DrainResult(volume, dst, counts, moved, results, others)
+    if others:
+        logger.warning("advisor: %s", res.hint())
+    return res
 
 
 def undrain_volume(service: AdvisorService, volume: str) -> bool:

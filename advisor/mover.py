@@ -64,6 +64,16 @@ class MoverCounters:
     failed: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PlanKind})
     bytes_moved: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PlanKind})
     blocks_moved: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in PlanKind})
+    routes: dict[str, int] = field(default_factory=dict)
+    """Completed promotions and demotions per ``"<kind> <source volume>-><destination volume>"``
+    (e.g. ``"demote slow->s3"``), so a report can say how many blocks went down to S3."""
+
+
+def route_key(item: PlanItem) -> str | None:
+    """``"<kind> <src>-><dst>"`` of a move item, ``None`` for a compaction (no destination)."""
+    if item.dst_volume is None:
+        return None
+    return f"{item.kind.value} {item.src_volume}->{item.dst_volume}"
 
 
 class Mover:
@@ -214,6 +224,9 @@ class Mover:
             self.counters.done[kind] += 1
             self.counters.bytes_moved[kind] += res.bytes_moved
             self.counters.blocks_moved[kind] += res.blocks_moved
+            route = route_key(res.item)
+            if route is not None:
+                self.counters.routes[route] = self.counters.routes.get(route, 0) + 1
         elif res.status is PlanStatus.SKIPPED:
             self.counters.skipped[kind] += 1
         else:

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from advisor.service import AdvisorService
 
 
+NAMESPACES_MAX_AGE_S = 5.0
+"""How old the catalog's per-namespace counts in ``/v1/stats`` may be, seconds."""
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """Longest cached prefix of a request.
@@ -34,6 +38,9 @@ class LookupResult:
     requested: int
     per_location: dict[str, int]
     any_location: int
+    prefix_locations: list[frozenset[str]] | None = None
+    """The locations of each of the first ``any_location`` blocks (``None`` where the query
+    does not know them cheaply: scaled mode), for :func:`api.hit_rates.served_per_tier`."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class AdvisorQuery:
 
     def __init__(self, service: AdvisorService) -> None:
         self._svc = service
+        self._ns_cache: tuple[float, dict[str, dict[str, int]]] | None = None
 
     def block(self, sequence_hash: int) -> BlockInfo | None:
         """Index info of one block, ``None`` if unknown."""
@@ -90,7 +98,11 @@ class AdvisorQuery:
         with self._svc.lock:
             per = self._svc.index.lookup(hashes)
             anyn = self._svc.index.lookup_any(hashes)
-        return LookupResult(len(hashes), dict(sorted(per.items())), anyn)
+            where = []
+            for h in hashes[:anyn]:
+                info = self._svc.index.block(h)
+                where.append(frozenset(info.locations) if info is not None else frozenset())
+        return LookupResult(len(hashes), dict(sorted(per.items())), anyn, where)
 
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
@@ -111,6 +123,23 @@ class AdvisorQuery:
                                       stats.get(v.id, {}), self._svc.index.count_at(v.id), v.id in self._svc.draining))
         return out
 
+    def namespaces(self, max_age_s: float = NAMESPACES_MAX_AGE_S) -> dict[str, Any]:
+        """The key namespaces this advisor manages, and those the catalog places blocks in.
+
+        Returns:
+            ``{"managed": [namespace, ...], "seen": {namespace: {volume id: blocks}}}``; ``seen``
+            is empty without storage, and at most ``max_age_s`` seconds old (one grouped
+            catalog scan per period, :meth:`storage_backends.SqliteCatalog.namespace_counts`).
+        """
+        svc = self._svc
+        now = time.monotonic()
+        cached = self._ns_cache
+        if cached is None or now - cached[0] > max_age_s:
+            counts = getattr(svc.catalog, "namespace_counts", None)
+            cached = (now, counts() if callable(counts) else {})
+            self._ns_cache = cached
+        return {"managed": list(svc.settings.namespaces), "seen": cached[1]}
+
     def stats(self) -> dict[str, Any]:
         """Index, ingest, per-source, mover and subscriber figures.
 
@@ -125,8 +154,9 @@ class AdvisorQuery:
             "ingest": {...counters}, "advisor_events" (events the advisor published),
             "promotions", "demotions", "compactions", "bytes_moved",
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
-            "skipped", "failed", "bytes_by_kind", "blocks_by_kind"},
-            "subscriber": {...}, "uptime_s"}``.
+            "skipped", "failed", "bytes_by_kind", "blocks_by_kind", "routes" (completed moves per
+            ``"<kind> <src>-><dst>"``, e.g. ``"demote slow->s3"``)},
+            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s"}``.
         """
         svc = self._svc
         sub = svc.subscriber_stats()
@@ -142,7 +172,7 @@ class AdvisorQuery:
             st = svc.index.stats()
             sources = {
                 name: {"epoch": s.epoch, "last_seq": s.last_seq, "batches": s.batches, "events": s.events,
-                       "last_ts_ns": s.last_ts_ns, **_last_seen(s.last_ts_ns)}
+                       "last_ts_ns": s.last_ts_ns, **last_seen_fields(s.last_ts_ns)}
                 for name, s in sorted(svc.index.sources().items())
             }
             ingest = dict(svc.counters)
@@ -170,8 +200,10 @@ class AdvisorQuery:
                 "failed": moves["failed"],
                 "bytes_by_kind": moves["bytes_moved"],
                 "blocks_by_kind": moves["blocks_moved"],
+                "routes": dict(sorted(moves.get("routes", {}).items())),
             },
             "subscriber": sub,
+            "namespaces": self.namespaces(),
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
         }
 
@@ -253,7 +285,7 @@ class AdvisorQuery:
         }
 
 
-def _last_seen(ts_ns: int) -> dict[str, Any]:
+def last_seen_fields(ts_ns: int) -> dict[str, Any]:
     """A source's last-seen time (its last batch's ``ts_ns``) in seconds and ISO 8601 UTC."""
     import datetime as _dt
 

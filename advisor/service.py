@@ -1101,6 +1101,21 @@ def results_summary(results: list[PlanResult]) -> dict[str, int]:
     return out
 
 
+S3_GONE_HINT = ("start that S3 again at the same address; a working directory of a plain `kvadvisor demo` "
+                "kept its s3 blocks in the demo's own S3, which stopped with it: run the demo again with "
+                "--s3-endpoint of an S3 that outlives it (README: moto_server)")
+"""What to do when an S3 volume's endpoint is gone (``advisor run``, ``kvadvisor check``)."""
+
+
+def start_failure_line(exc: BaseException) -> str:
+    """One line for a start failure: the cause, and what to do when an S3 endpoint is gone."""
+    from storage_backends import S3EndpointUnreachableError
+
+    if isinstance(exc, S3EndpointUnreachableError):
+        return f"{exc}; {S3_GONE_HINT}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the advisor as its own process: ``python -m advisor --config FILE.json``.
 
@@ -1136,7 +1151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service.start()
     except Exception as exc:  # noqa: BLE001 - report any start failure and exit non-zero
-        print(f"advisor: start failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"advisor: start failed: {start_failure_line(exc)}", file=sys.stderr)
         service.stop()
         return 1
     print(f"ADVISOR READY {service.api_url or '-'}", flush=True)

@@ -39,7 +39,7 @@ from advisor.cluster import PartitionUnavailable
 from api.auth import ApiSecurity, ApiSecuritySettings, GuardMiddleware, require_admin, require_read
 from api.dashboard import mount_dashboard
 from api.errors import ERROR_RESPONSES, ApiError, ErrorResponse, json_response
-from api.hit_rates import HitRateCollector, HitRates
+from api.hit_rates import HitRateCollector, HitRates, served_per_tier
 from api.indexer import indexer_router
 from api.indexer_registry import IndexerRegistry
 from api.models import (
@@ -243,7 +243,10 @@ def create_app(
             per_tier[tier] = max(per_tier.get(tier, 0), n)
             if worker is not None:
                 per_worker.setdefault(worker, {})[tier] = n
-        rates["lookup"].record(per_tier, {w: max(t.values()) for w, t in per_worker.items()},
+        served, best = per_tier, None
+        if res.prefix_locations is not None:
+            best, served = served_per_tier(res.prefix_locations, tiers.of)
+        rates["lookup"].record(served, {w: max(t.values()) for w, t in per_worker.items()},
                                req.model.block_size if computed is not None and req.model is not None else None)
         return json_response({
             "requested": res.requested,
@@ -252,6 +255,8 @@ def create_app(
             "longest": max(res.per_location.values(), default=0),
             "per_tier": dict(sorted(per_tier.items())),
             "per_worker": per_worker,
+            "best_worker": best,
+            "served_per_tier": dict(sorted(served.items())),
             "sequence_hashes_hex": None if computed is None else [hex64(h) for h in computed],
         })
 
@@ -371,7 +376,9 @@ def create_app(
             res = query.drain(volume_id, req.to if req is not None else None)
         except DrainError as exc:
             raise ApiError(409, "cannot_drain", str(exc)[:300]) from None
-        return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved)
+        return DrainResponse(volume=res.volume, to=res.to, counts=res.counts, bytes_moved=res.bytes_moved,
+                             other_namespaces=getattr(res, "other_namespaces", {}),
+                             hint=res.hint() if hasattr(res, "hint") else None)
 
     @app.delete("/v1/volumes/{volume_id}/drain", response_model=VolumeActionResponse, dependencies=admin,
                 responses={409: {"model": ErrorResponse, "description": "the volume is not draining"}})

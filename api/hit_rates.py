@@ -3,8 +3,12 @@ windows (1 min, 1 h) (docs/operations.md, "Hit rates").
 
 A *lookup* is one ``POST /v1/lookup`` (kind ``lookup``) or one ``POST /query`` /
 ``/query_by_hash`` (kind ``query``). For each key (a tier ``G1``..``G4`` or ``g1``..``g4``,
-or a worker) a lookup is a *hit* when that key holds at least one leading block; *blocks*
-sums the leading blocks it held; *tokens* sums those blocks × tokens per block, the prompt
+or a worker) a lookup is a *hit* when that key would serve at least one leading block;
+*blocks* sums those blocks. A worker serves the leading blocks it holds; a ``/v1/lookup``
+tier serves the blocks the best-placed worker would read from it, each block from its
+fastest tier (:func:`served_per_tier`; scaled mode, whose index is partitioned: the leading
+blocks the tier holds at one location); an indexer tier ``g1``..``g4``, the leading blocks
+it holds; *tokens* sums those blocks × tokens per block, the prompt
 tokens that did not need recomputing there (known only when the block size is: token-id
 lookups, and every indexer query). ``hit_rate`` = hits / lookups of that kind.
 
@@ -17,11 +21,47 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+TIER_ORDER = ("G1", "G2", "G3", "G4")
+"""Fastest first: the order a runtime onboards from (kvbm_runtime.manager)."""
+
+
+def served_per_tier(prefix_locations: Iterable[Iterable[str]],
+                    tier_of: Callable[[str], tuple[str, str | None]]) -> tuple[str | None, dict[str, int]]:
+    """Which tier would serve each leading block of a request, on the worker best placed for it.
+
+    A worker reads its own G1/G2 and the shared volumes (G3, G4), each block from the fastest
+    tier that holds it, and stops at the first block it can reach nowhere, as
+    ``kvbm_runtime.BlockManager.serve`` does.  The worker with the longest such prefix wins
+    (ties: more blocks from faster tiers), as a KV-aware router would pick it.
+
+    Args:
+        prefix_locations: per leading block (first block first), the index locations holding it.
+        tier_of: location → ``(tier "G1".."G4", worker or None)``.
+
+    Returns:
+        ``(worker or None, {tier: blocks it serves})``; tiers serving nothing are absent.
+    """
+    rows = [[tier_of(loc) for loc in locs] for locs in prefix_locations]
+    workers = {w for row in rows for _, w in row if w is not None}
+    best: tuple[tuple[int, ...], str | None, dict[str, int]] = ((0,), None, {})
+    for w in [None, *sorted(workers)]:
+        counts = dict.fromkeys(TIER_ORDER, 0)
+        for row in rows:
+            usable = [t for t, owner in row if owner is None or owner == w]
+            if not usable:
+                break
+            counts[min(usable, key=lambda t: TIER_ORDER.index(t) if t in TIER_ORDER else len(TIER_ORDER))] += 1
+        key = (sum(counts.values()), *(counts[t] for t in TIER_ORDER))
+        if key > best[0]:
+            best = (key, w, {t: n for t, n in counts.items() if n})
+    return best[1], best[2]
+
 
 WINDOWS: dict[str, int] = {"1m": 60, "1h": 3600}
 """Window name → seconds."""

@@ -151,6 +151,11 @@ class LookupResponse(BaseModel):
     longest: int = Field(description="max over prefix_blocks (0 if none)")
     per_tier: dict[str, int] = Field(description="G1..G4 -> leading blocks held in one location of that tier")
     per_worker: dict[str, dict[str, int]] = Field(description="worker -> G1/G2 -> leading blocks in its own tiers")
+    best_worker: str | None = Field(None, description="the worker that would reuse the longest prefix (its G1/G2 + "
+                                    "the volumes; null: only the volumes hold it, or scaled mode)")
+    served_per_tier: dict[str, int] = Field(default_factory=dict, description=(
+        "G1..G4 -> leading blocks best_worker would read from that tier, each from its fastest tier "
+        "(what the hit rates per tier count; scaled mode: per_tier)"))
     sequence_hashes_hex: list[str] | None = Field(None, description="the hashes computed from token_ids")
 
 
@@ -247,6 +252,9 @@ class DrainResponse(BaseModel):
     to: str
     counts: dict[str, int] = Field(description="plan status -> blocks")
     bytes_moved: int
+    other_namespaces: dict[str, int] = Field(default_factory=dict, description=(
+        "namespace -> blocks left on the volume: namespaces this advisor does not manage"))
+    hint: str | None = Field(None, description="what to set when other_namespaces is not empty")
 
 
 class VolumeResponse(BaseModel):
@@ -300,6 +308,9 @@ class MovesResponse(BaseModel):
     failed: dict[str, int]
     bytes_by_kind: dict[str, int]
     blocks_by_kind: dict[str, int]
+    routes: dict[str, int] = Field(default_factory=dict)
+    """Completed moves per ``"<kind> <source>-><destination>"`` volume pair (e.g.
+    ``"demote slow->s3"``); empty where the advisor does not count them."""
 
 
 class LocationBlocksResponse(BaseModel):
@@ -365,6 +376,9 @@ class StatsResponse(BaseModel):
     moves: MovesResponse
     subscriber: dict[str, int]
     uptime_s: float
+    namespaces: dict[str, Any] = Field(default_factory=dict, description=(
+        '{"managed": [namespace, ...], "seen": {namespace: {volume: blocks}}}: the key namespaces this advisor '
+        "moves, and those the catalog places blocks in (a connector's namespace is its model fingerprint's)"))
     hit_rates: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')

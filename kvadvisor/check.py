@@ -79,6 +79,13 @@ class CheckReport:
     blocks_checked: int = 0
     journal_position: int = 0
     repaired: dict[str, int] = field(default_factory=dict)
+    blocks_read: int = 0
+    """``deep``: blocks read back and compared with their catalog checksum."""
+    bytes_read: int = 0
+    """``deep``: bytes those blocks hold."""
+    other_namespaces: dict[str, int] = field(default_factory=dict)
+    """Placements on the configured volumes in namespaces the settings leave out (namespace →
+    blocks): neither checked nor managed by this advisor."""
 
     def lost_blocks(self) -> list[int]:
         """Sequence hashes of the lost or corrupt blocks."""
@@ -94,6 +101,9 @@ class CheckReport:
             "lost_blocks": [f"{h:#x}" for h in self.lost_blocks()],
             "details": [d.line() for d in self.differences],
             "repaired": self.repaired,
+            "blocks_read": self.blocks_read,
+            "bytes_read": self.bytes_read,
+            "other_namespaces": self.other_namespaces,
         }
 
 
@@ -169,7 +179,12 @@ def _check(settings: AdvisorSettings, report: CheckReport, repair: bool, deep: b
         bad: list[Any] = []  # placements whose bytes are gone or wrong
         orphans: list[tuple[str, int]] = []
         for vid, vol in vols.items():
-            placements = [p for p in catalog.iter_volume(vid) if p.key.namespace in namespaces]
+            placements = []
+            for p in catalog.iter_volume(vid):
+                if p.key.namespace in namespaces:
+                    placements.append(p)
+                else:
+                    report.other_namespaces[p.key.namespace] = report.other_namespaces.get(p.key.namespace, 0) + 1
             report.blocks_checked += len(placements)
             sizes: dict[int, int | None] = {}
             by_segment: dict[int, list[Any]] = {}
@@ -189,6 +204,8 @@ def _check(settings: AdvisorSettings, report: CheckReport, repair: bool, deep: b
             if deep:
                 for seg, ps in sorted(by_segment.items()):
                     for p, ck in zip(ps, _read_checksums(vol, ps)):
+                        report.blocks_read += 1
+                        report.bytes_read += p.length
                         if ck != p.checksum:
                             bad.append(p)
                             report.differences.append(Difference(

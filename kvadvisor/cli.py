@@ -50,6 +50,11 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option(help="keep volumes, journal and catalog here")] = None,
     verify: Annotated[bool, typer.Option(help="check index == held blocks and read every block back")] = True,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the report as JSON")] = None,
+    g1_blocks: Annotated[Optional[int], typer.Option(help="G1 blocks per worker (default: sized to the slice)", min=1)] = None,
+    g2_blocks: Annotated[Optional[int], typer.Option(help="G2 blocks per worker (default: sized to the slice)", min=1)] = None,
+    fast_blocks: Annotated[Optional[int], typer.Option(help="fast volume (G3) capacity in blocks (default: 3 % of the slice's blocks)", min=1)] = None,
+    slow_blocks: Annotated[Optional[int], typer.Option(help="slow volume (G3) capacity in blocks (default: half the slice's blocks)", min=1)] = None,
+    s3_blocks: Annotated[Optional[int], typer.Option(help="s3 volume (G4) capacity in blocks (default: twice the slice's blocks)", min=1)] = None,
     scaled: Annotated[bool, typer.Option("--scaled", help="replay through the topology `kvadvisor up` started")] = False,
     cluster_dir: Annotated[Path, typer.Option("--dir", help="--scaled: the directory given to `kvadvisor up`")] = Path("runs/cluster"),
     engine: Annotated[str, typer.Option(help="sim: simulated workers; vllm: real vLLM engines (`vllm serve`) with the connector")] = "sim",
@@ -82,6 +87,9 @@ def demo(
     if requests is not None and requests < 0:
         _fail(f"--requests must be >= 0 (0 = all requests of the trace), got {requests}")
         return
+    if trace is not None and not trace.exists():
+        _fail(f"--trace {trace} does not exist; give a Mooncake jsonl file (or leave it out: the bundled slice)")
+        return
     try:
         s = DemoSettings(
             trace=trace,
@@ -92,6 +100,11 @@ def demo(
             s3_endpoint=s3_endpoint,
             workdir=workdir,
             verify=verify,
+            g1_blocks=g1_blocks,
+            g2_blocks=g2_blocks,
+            fast_capacity_blocks=fast_blocks,
+            slow_capacity_blocks=slow_blocks,
+            s3_capacity_blocks=s3_blocks,
         )
     except ValidationError as exc:
         from advisor.settings import format_validation_error
@@ -102,39 +115,52 @@ def demo(
     # SIGTERM unwinds like Ctrl-C, so the advisor process, the local S3 endpoint and the
     # work directory are cleaned up either way.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    with Progress(
-        TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False
-    ) as bar:
-        task = bar.add_task("replay", total=s.requests or 0)
+    bar = Progress(TextColumn("[bold]replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                   transient=False)
+    task = bar.add_task("replay", total=s.requests or 0)
 
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+    def progress(done: int, total: int) -> None:
+        if not bar.live.is_started:  # from the first request on: nothing of it before an early error
+            bar.start()
+        bar.update(task, completed=done, total=total)
 
-        def ready(api_url: str, event_urls: list[str]) -> None:
-            bar.console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)")
-            bar.console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): " + "  ".join(f"'{u}'" for u in event_urls))
+    def stop_bar(erase: bool) -> None:
+        if bar.live.is_started:  # (Progress.stop prints a newline even when it never started)
+            bar.live.transient = erase
+            bar.stop()
 
-        try:
-            if scaled:
-                from kvadvisor.scaled_demo import run_scaled_demo
-                from kvadvisor.up import UpError
+    def fail(msg: str) -> None:
+        stop_bar(erase=True)  # an error erases the bar: the error line is the last thing printed
+        _fail(msg)
 
-                try:
-                    report = run_scaled_demo(s, cluster_dir, progress=progress)
-                except UpError as exc:
-                    _fail(str(exc))
-                    return
-            else:
-                report = run_demo(s, progress=progress, on_ready=ready)
-        except (DemoError, TraceFormatError, FileNotFoundError) as exc:
-            _fail(str(exc))
-            return
-        except (EventPlaneError, StorageError) as exc:  # e.g. NATS unreachable, S3 refused
-            _fail(f"{type(exc).__name__}: {exc}")
-            return
-        except KeyboardInterrupt:
-            typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
-            raise typer.Exit(130) from None
+    def ready(api_url: str, event_urls: list[str]) -> None:
+        console.print(f"advisor API {api_url} (dashboard: {api_url}/dashboard)", soft_wrap=True, highlight=False)
+        console.print("event streams (worker order, a shared NATS URL once; last: the advisor's): "
+                      + "  ".join(f"'{u}'" for u in event_urls), soft_wrap=True, highlight=False, markup=False)
+
+    try:
+        if scaled:
+            from kvadvisor.scaled_demo import run_scaled_demo
+            from kvadvisor.up import UpError
+
+            try:
+                report = run_scaled_demo(s, cluster_dir, progress=progress)
+            except UpError as exc:
+                fail(str(exc))
+                return
+        else:
+            report = run_demo(s, progress=progress, on_ready=ready)
+        stop_bar(erase=False)
+    except (DemoError, TraceFormatError, FileNotFoundError) as exc:
+        fail(str(exc))
+        return
+    except (EventPlaneError, StorageError) as exc:  # e.g. NATS unreachable, S3 refused
+        fail(f"{type(exc).__name__}: {exc}")
+        return
+    except KeyboardInterrupt:
+        stop_bar(erase=True)
+        typer.echo("error: interrupted; advisor, local S3 endpoint and work directory stopped", err=True)
+        raise typer.Exit(130) from None
     _print_report(report)
     failed = sum(report.failed_moves.values())
     if failed:
@@ -157,6 +183,27 @@ def _verified(v: dict) -> bool:
     return all(x["equal"] for x in locs) and v.get("bytes_ok") == v.get("bytes_checked")
 
 
+def _tier_sizes(r) -> str:  # noqa: ANN001 - DemoReport
+    """``G1 256 + G2 1,026 per worker · fast 615 · slow 10,263 · s3 41,054 (16 KiB each)``."""
+    t = r.tier_blocks
+    if not t:
+        return "-"
+    per = f"G1 {t.get('g1', 0):,} + G2 {t.get('g2', 0):,} per worker"
+    vols = " · ".join(f"{k} {t[k]:,}" for k in ("fast", "slow", "s3") if t.get(k))
+    return f"{per} · {vols} ({r.block_bytes / 1024:,.0f} KiB each)"
+
+
+def _lookup_rates(lk: dict) -> str:
+    """``1,000 lookups: G1 12.0 % · G2 3.0 % · G3 80.0 % · G4 20.0 %`` (share of lookups whose
+    first block that tier held; the figures ``kvadvisor status`` shows under "total")."""
+    n = int(lk.get("lookups", 0)) if lk else 0
+    if not n:
+        return "none"
+    tiers = lk.get("tiers", {})
+    return f"{n:,} lookups: " + " · ".join(f"{t} {100 * tiers.get(t, {}).get('hit_rate', 0.0):.1f} %"
+                                          for t in ("G1", "G2", "G3", "G4"))
+
+
 def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     t = Table(title="kvadvisor demo report", show_header=False)
     t.add_column("what")
@@ -165,19 +212,20 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     rows = [
         ("requests replayed", f"{r.requests:,} across {r.workers} workers"),
         ("full blocks requested", f"{r.blocks:,} ({r.computed_blocks:,} computed)"),
-        ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
-        ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
         ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
         ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
-        ("advisor ingest (journal + apply, busy time)", f"{r.advisor_events_per_s:,.0f} events/s"),
+        (f"advisor ingest ({r.ingest_basis})", f"{r.advisor_events_per_s:,.0f} events/s"),
+        ("tier sizes (blocks)", _tier_sizes(r)),
+        ("hits G1 / G2 / G3 / G4 (blocks)", " / ".join(f"{r.hits[k]:,}" for k in ("g1", "g2", "g3", "g4"))),
+        ("hit rate (any tier)", f"{sum(r.hits.values()) / blocks:.3f}"),
+        ("router lookups (POST /v1/lookup), hit rate per tier", _lookup_rates(r.lookups)),
         ("promotions / demotions / compactions", f"{r.promotions:,} / {r.demotions:,} / {r.compactions:,}"),
+        ("moves per route", ", ".join(f"{k}={v:,}" for k, v in sorted(r.moves_by_route.items())) or "-"),
         ("bytes moved by the advisor", f"{r.bytes_moved:,}"),
         ("FAILED promotions / demotions / compactions",
          " / ".join(f"{r.failed_moves.get(k, 0):,}" for k in ("promote", "demote", "compact"))
          + (f" ({r.deferred_volume_full:,} held back: volume full)" if r.deferred_volume_full else "")),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
-        ("API (while it was up)", r.api_url),
-        (f"event streams ({r.transport}; worker order, last: the advisor's)", " ".join(r.event_urls)),
         ("wall time", f"{r.wall_s:.1f} s"),
     ]
     if r.verified:
@@ -190,12 +238,16 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    # addresses outside the table, on lines of their own: a table cell would cut or fold them
+    for line in (f"API (while it was up): {r.api_url}",
+                 f"event streams ({r.transport}; worker order, last: the advisor's): " + " ".join(r.event_urls)):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 @app.command()
 def up(
     cluster_dir: Annotated[Path, typer.Option("--dir", help="state, stores and logs of the topology")] = Path("runs/cluster"),
-    nodes: Annotated[int, typer.Option(help="NATS servers in the JetStream cluster")] = 3,
+    nodes: Annotated[int, typer.Option(help="NATS servers (1: a single JetStream server; 3 or more: a cluster with 3 replicas)", min=1)] = 3,
     advisors: Annotated[int, typer.Option(help="cluster advisors")] = 3,
     partitions: Annotated[int, typer.Option(help="partitions of the prefix index")] = 8,
 ) -> None:
@@ -426,10 +478,21 @@ def check_cmd(
         _fail(str(exc))
         return
     except (StorageError, ValueError, RuntimeError) as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
+        from advisor.service import start_failure_line
+
+        _fail(start_failure_line(exc))
         return
     console.print(f"checked {report.blocks_checked:,} catalog placements against a fold of "
-                  f"{report.journal_position:,} journal batches: {len(report.differences):,} differences")
+                  f"{report.journal_position:,} journal batches and the segments on each volume: "
+                  f"{len(report.differences):,} differences", soft_wrap=True)
+    if deep:
+        console.print(f"deep: read back {report.blocks_read:,} blocks ({report.bytes_read:,} bytes) and compared each "
+                      "with its catalog checksum", soft_wrap=True)
+    if report.other_namespaces:
+        console.print(f"note: the catalog also places {sum(report.other_namespaces.values()):,} blocks of namespaces "
+                      f"{', '.join(sorted(report.other_namespaces))} on these volumes, not checked: list them in the "
+                      f"advisor's \"extra_namespaces\" to manage them (now {', '.join(settings.namespaces)})",
+                      soft_wrap=True, markup=False, highlight=False)
     for d in report.differences[:50]:
         console.print(f"  {d.line()}", markup=False, highlight=False)
     if len(report.differences) > 50:

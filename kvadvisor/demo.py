@@ -42,7 +42,7 @@ import torch
 
 from event_plane import EventPublisher, make_publisher
 from kvadvisor.settings import DemoSettings
-from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
+from kvadvisor.trace import TraceRequest, bundled_trace, read_mooncake, request_tokens
 from kvadvisor.workdir_lock import WorkdirLockedError, workdir_lock
 from kvbm_runtime import BlockManager, RuntimeConfig, ServeResult, fill_synthetic_kv, synthetic_block_bytes
 from storage_backends import (
@@ -83,9 +83,18 @@ class DemoReport:
     demotions: int = 0
     compactions: int = 0
     bytes_moved: int = 0
+    moves_by_route: dict[str, int] = field(default_factory=dict)
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+    lookups: dict[str, Any] = field(default_factory=dict)
+    """The API's lookup hit rates over the whole run (``/v1/stats`` ``hit_rates.lookup.total``:
+    ``{"lookups": n, "tiers": {"G1": {"hits", "blocks", "tokens", "hit_rate"}, ...}}``)."""
+    block_bytes: int = 0
     failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
     deferred_volume_full: int = 0
     advisor_events_per_s: float = 0.0
+    ingest_basis: str = "journal + apply, busy time"
+    """What ``advisor_events_per_s`` divides by (the embedded advisor's busy time; scaled mode:
+    the time from the first request until every partition caught up)."""
     api_url: str = ""
     event_urls: list[str] = field(default_factory=list)
     transport: str = ""
@@ -113,6 +122,46 @@ class Topology:
     api_host: str
     api_port: int
     s3: LocalS3 | None
+
+
+def size_tiers(s: DemoSettings, reqs: list[TraceRequest]) -> DemoSettings:
+    """``s`` with every tier size left unset (``None``) sized to the replayed slice.
+
+    With ``U`` the slice's distinct full blocks (what write-through offload puts on ``slow``):
+    G1 = ``max(U/80, longest request + 1)`` blocks per worker (a request must fit in G1),
+    G2 = ``max(U/20, 4 × G1)`` per worker, ``fast`` = 3 % of ``U``, ``slow`` = ``U/2`` and
+    ``s3`` = ``2 × U``.  So ``slow`` passes its demotion watermark (80 %) part-way through the
+    replay and its cold blocks go down to S3, ``fast`` holds only the hottest prefixes, and
+    later requests find blocks on every tier (for the bundled slice's first 1,000 requests:
+    U = 20,527, G1 256, G2 1,026, fast 615, slow 10,263, s3 41,054 blocks).  A size set
+    explicitly is kept as it is.
+
+    Args:
+        s: the settings; sizes in blocks.
+        reqs: the requests that will be replayed.
+    """
+    seen: set[int] = set()
+    longest = 0
+    for r in reqs:
+        full = min(r.input_length // s.page_size, len(r.hash_ids))
+        seen.update(r.hash_ids[:full])
+        longest = max(longest, full)
+    u = len(seen)
+    g1 = s.g1_blocks or max(u // 80, longest + 1, 16)
+    sizes = {
+        "g1_blocks": g1,
+        "g2_blocks": s.g2_blocks or max(u // 20, 4 * g1),
+        "fast_capacity_blocks": s.fast_capacity_blocks or max(u * 3 // 100, 32),
+        "slow_capacity_blocks": s.slow_capacity_blocks or max(u // 2, 256),
+        "s3_capacity_blocks": s.s3_capacity_blocks or max(2 * u, 1024),
+    }
+    return s.model_copy(update=sizes)
+
+
+def tier_blocks(s: DemoSettings) -> dict[str, int]:
+    """Size of each tier in blocks: ``g1`` and ``g2`` per worker, then the volumes."""
+    return {"g1": s.g1_blocks or 0, "g2": s.g2_blocks or 0, FAST: s.fast_capacity_blocks or 0,
+            SLOW: s.slow_capacity_blocks or 0, S3: s.s3_capacity_blocks or 0}
 
 
 def block_bytes(s: DemoSettings) -> int:
@@ -188,6 +237,8 @@ def advisor_config(s: DemoSettings, topo: Topology, namespace: str) -> dict[str,
             "promotion": {"min_hits": 2},
             "demotion": {"high_watermark": 0.8, "low_watermark": 0.6},
             "compaction": {"live_fraction": s.compaction_live_fraction},
+            "planner": {"max_moves_per_round": s.max_moves_per_round,
+                        "max_compactions_per_round": s.max_compactions_per_round},
         },
         # `advisor run` on the work directory runs its rounds on a timer (the demo's own
         # advisor process runs with the timer off: the replay drives its rounds, see
@@ -277,8 +328,8 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
     t.start()
     try:
         if not ready.wait(timeout_s) or not url:
-            tail = log_path.read_text(errors="replace")[-2000:]
-            raise DemoError(f"advisor did not become ready (exit code {proc.poll()}); log tail:\n{tail}")
+            log.flush()
+            raise DemoError(advisor_start_failure(log_path.read_text(errors="replace"), proc.poll(), log_path))
         yield url[0]
     finally:
         if proc.poll() is None:
@@ -290,6 +341,16 @@ def advisor_process(config: dict[str, Any], workdir: Path, env: dict[str, str], 
                 proc.wait()
         t.join(timeout=5)
         log.close()
+
+
+def advisor_start_failure(log_text: str, exit_code: int | None, log_path: Path) -> str:
+    """One line for an advisor that did not start: its own ``advisor: start failed: ...`` line
+    (the cause) when the log has one, else the log's last line; then where the log is."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    cause = next((ln.split("start failed:", 1)[1].strip() for ln in reversed(lines) if "start failed:" in ln), None)
+    if cause is None:
+        cause = (lines[-1] if lines else "no output") + (f" (exit code {exit_code})" if exit_code is not None else "")
+    return f"the advisor did not start: {cause} (its log: {log_path})"
 
 
 class AdvisorClient:
@@ -368,6 +429,19 @@ class AdvisorClient:
                 raise DemoError(f"advisor did not catch up within {timeout_s} s: {behind}")
             time.sleep(0.05)
 
+    def lookup_tokens(self, tokens: Any, fingerprint: Any) -> dict[str, Any]:
+        """Ask ``POST /v1/lookup`` what a router asks before it routes a request: the longest
+        cached prefix of these prompt tokens per location, tier and worker (the API hashes the
+        tokens as the runtime does, salted with the model ``fingerprint``,
+        ``kvbm_runtime.ModelFingerprint``).  The API counts it in its hit rates per tier."""
+        fp = fingerprint
+        body = {"token_ids": [int(t) for t in tokens],
+                "model": {"name": fp.name, "dtype": fp.dtype, "layout": fp.layout, "block_size": fp.block_size,
+                          "revision": fp.revision}}
+        r = self.http.post("/v1/lookup", json=body)
+        r.raise_for_status()
+        return r.json()
+
     def close(self) -> None:
         self.http.close()
 
@@ -388,10 +462,10 @@ def open_workdir(stack: ExitStack, workdir: Path | None, keep: bool, prefix: str
     logs say why; the path is printed on stderr).
 
     Raises:
-        DemoError: another process holds the directory's lock.
+        DemoError: another process holds the directory's lock, or ``workdir`` is a file or
+            cannot be created.
     """
-    path = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix=prefix))
-    path.mkdir(parents=True, exist_ok=True)
+    path = prepare_workdir(workdir) if workdir else Path(tempfile.mkdtemp(prefix=prefix))
     try:
         stack.enter_context(workdir_lock(path, holder))
     except WorkdirLockedError as exc:
@@ -428,6 +502,7 @@ def run_demo(
     reqs = list(read_mooncake(trace_path, limit=s.requests))
     if not reqs:
         raise DemoError(f"the trace {trace_path} has no requests")
+    s = size_tiers(s, reqs)
     env = _env()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with ExitStack() as stack:
@@ -440,6 +515,8 @@ def run_demo(
             s3 = start_local_s3()
             stack.callback(s3.stop)
             endpoint, access, secret = s3.endpoint, s3.access_key, s3.secret_key
+        else:
+            check_s3_endpoint(endpoint, access, secret)
         urls = [_worker_urls(s, i) for i in range(s.workers)]
         adv_pub, adv_rep = free_port(), free_port()
         topo = Topology(
@@ -483,12 +560,19 @@ def run_demo(
             api_url=api_url,
             event_urls=list(dict.fromkeys(topo.worker_sub_urls)) + [topo.advisor_pub_url],  # worker order
             transport=s.transport,
+            tier_blocks=tier_blocks(s),
+            block_bytes=block_bytes(s),
         )
         if on_ready:
             on_ready(api_url, report.event_urls)
+        fingerprint = rcfg.fingerprint()
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
-            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
+            tokens = request_tokens(req, s.page_size)
+            if s.router_lookups:
+                # what a KV-aware router asks before it routes: counted in the API's hit rates
+                client.lookup_tokens(tokens, fingerprint)
+            res: ServeResult = mgr.serve(tokens, fill_synthetic_kv)
             report.blocks += res.num_blocks
             report.computed_blocks += res.computed
             report.hits["g1"] += res.hits_g1
@@ -529,17 +613,20 @@ def _fill_report(report: DemoReport, st: dict[str, Any], publishers: list[EventP
     report.compactions = mv["compactions"]
     report.bytes_moved = mv["bytes_moved"]
     report.failed_moves = mv["failed"]
+    report.moves_by_route = mv["routes"]
     report.deferred_volume_full = int(st.get("ingest", {}).get("deferred_volume_full", 0))
     report.advisor_events = int(st.get("advisor_events", 0))
     report.events = report.worker_events + report.advisor_events
     report.advisor_events_per_s = float(st.get("ingest_events_per_busy_s", 0.0))
     report.index_blocks = {k: int(v) for k, v in st.get("blocks_per_location", {}).items()}
+    report.lookups = st.get("hit_rates", {}).get("lookup", {}).get("total", {})
     report.volumes = client.volumes()
 
 
 def advisor_moves(st: dict[str, Any]) -> dict[str, Any]:
     """The advisor's moves from its ``GET /v1/stats`` body: ``promotions``, ``demotions``,
-    ``compactions``, ``bytes_moved`` (counts, bytes) and ``failed`` (per kind)."""
+    ``compactions``, ``bytes_moved`` (counts, bytes), ``failed`` (per kind) and ``routes`` (moves per
+    ``src->dst`` route)."""
     mv = st.get("moves", {})
     return {
         "promotions": int(mv.get("promotions", 0)),
@@ -547,7 +634,57 @@ def advisor_moves(st: dict[str, Any]) -> dict[str, Any]:
         "compactions": int(mv.get("compactions", 0)),
         "bytes_moved": int(mv.get("bytes_moved", 0)),
         "failed": {k: int(v) for k, v in mv.get("failed", {}).items()},
+        "routes": {k: int(v) for k, v in mv.get("routes", {}).items()},
     }
+
+
+def prepare_workdir(path: Path) -> Path:
+    """Create ``path`` (and its parents) when missing; return it absolute.
+
+    Raises:
+        DemoError: ``path`` is a file, or cannot be created (the reason, then what to do).
+    """
+    workdir = Path(path).expanduser().resolve()
+    if workdir.exists() and not workdir.is_dir():
+        raise DemoError(f"--workdir {path} is a file, not a directory; pass a directory (created when missing)")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"--workdir {path} cannot be created ({exc.strerror or exc}); pass a directory you can "
+                        "write (created when missing)") from None
+    return workdir
+
+
+S3_HINT = ("start one that outlives the demo, e.g. `.venv/bin/moto_server -p 9000` with "
+           "AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test (moto accepts any), or leave out --s3-endpoint "
+           "(the demo then starts its own)")
+
+
+def check_s3_endpoint(endpoint: str, access: str | None, secret: str | None, timeout_s: float = 3.0) -> None:
+    """Fail fast, before anything starts, when the S3 endpoint does not answer or no
+    credentials are set (the advisor would fail the same way, with the cause at the end of a
+    long log line).
+
+    Raises:
+        DemoError: the cause first, then :data:`S3_HINT`.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise DemoError(f"--s3-endpoint {endpoint!r} is not an http(s)://HOST:PORT address; {S3_HINT}")
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise DemoError(f"the S3 endpoint {endpoint} does not answer ({exc.strerror or exc}); {S3_HINT}") from None
+    if not (access and secret):
+        import boto3
+
+        if boto3.Session().get_credentials() is None:
+            raise DemoError(f"no S3 credentials for {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                            "(or an AWS profile); moto_server accepts any")
 
 
 def _refuse_stale_s3_workdir(workdir: Path) -> None:

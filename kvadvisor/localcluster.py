@@ -81,12 +81,14 @@ class NatsCluster:
         store = self.root / f"n{i}"
         store.mkdir(parents=True, exist_ok=True)
         conf = self.root / f"n{i}.conf"
+        # one node: a plain JetStream server (a cluster block without routes is refused:
+        # "JetStream cluster requires configured routes")
+        cluster = (f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.cluster_ports[i]}\n"
+                   f"  routes: [{routes}]\n}}\n") if self.nodes > 1 else ""
         conf.write_text(
             f'server_name: "n{i}"\n'
             f"listen: 127.0.0.1:{self.client_ports[i]}\n"
-            f'jetstream {{ store_dir: "{store}" }}\n'
-            f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.cluster_ports[i]}\n"
-            f"  routes: [{routes}]\n}}\n")
+            f'jetstream {{ store_dir: "{store}" }}\n' + cluster)
         return conf
 
     def start_node(self, i: int) -> None:

@@ -28,7 +28,7 @@ from advisor.cluster_mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.urls import make_publisher
-from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config
+from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config, size_tiers
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
 from kvadvisor.up import ClusterUp, load
@@ -67,6 +67,12 @@ def _wait_caught_up(client: ClusterClient, pubs: list[PartitionedPublisher], tim
             return status
         time.sleep(0.1)
     raise DemoError(f"the cluster did not catch up within {timeout_s} s: {behind}")
+
+
+def _mover_events(status: dict[int, Any]) -> int:
+    """Events the partitions applied from the cluster movers (sources ``<advisor id>-mover``)."""
+    return sum(int(fig[1]) for st in status.values() for name, fig in st.get("source_figures", {}).items()
+               if name.endswith("-mover"))
 
 
 def _moves_so_far(client: ClusterClient) -> dict[str, dict[str, int]]:
@@ -110,6 +116,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
     reqs = list(read_mooncake(s.trace or bundled_trace(), limit=s.requests))
     if not reqs:
         raise DemoError("the trace has no requests")
+    s = size_tiers(s, reqs)
     run = secrets.token_hex(3)
     workdir = Path(state.root) / f"demo-{run}"
     scheme = PartitionScheme(state.partitions)
@@ -149,6 +156,11 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         stack.callback(client.close)
         report = DemoReport(requests=len(reqs), workers=s.workers, api_url=state.api_url,
                             event_urls=[url], transport="jetstream (partitioned)")
+        t_replay = time.monotonic()
+        try:
+            movers_before = _mover_events(client.status())
+        except PartitionUnavailable:  # a take-over under way: counted from zero
+            movers_before = 0
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
             res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
@@ -161,9 +173,14 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         for p in pubs:
             p.flush()
         status = _wait_caught_up(client, pubs)
+        caught_up_s = time.monotonic() - t_replay
         stats = [inner.stats() for p in pubs for inner in p.publishers]
         report.worker_events = sum(st.events for st in stats)
-        report.events = report.worker_events
+        # the cluster movers' own Store/Remove events during this run (sources "<advisor>-mover")
+        report.advisor_events = max(0, _mover_events(status) - movers_before)
+        report.events = report.worker_events + report.advisor_events
+        report.advisor_events_per_s = report.worker_events / caught_up_s if caught_up_s > 0 else 0.0
+        report.ingest_basis = "cluster: worker events / s, first request to every partition caught up"
         report.batches = sum(st.batches for st in stats)
         ev = max(report.worker_events, 1)
         report.event_bytes_per_event = sum(st.event_bytes for st in stats) / ev

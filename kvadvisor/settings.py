@@ -33,14 +33,18 @@ class DemoSettings(BaseSettings):
     outer_dim: int = Field(2, ge=1)
     page_size: int = Field(512, ge=1, description="tokens per block (the trace's block size)")
     inner_dim: int = Field(4, ge=1)
-    g1_blocks: int = Field(256, ge=1, description="G1 blocks per worker")
-    g2_blocks: int = Field(1024, ge=1, description="G2 blocks per worker")
+    # tier sizes in blocks; None: sized to the replayed slice (kvadvisor.demo.size_tiers)
+    g1_blocks: int | None = Field(None, ge=1, description="G1 blocks per worker (default: sized to the slice)")
+    g2_blocks: int | None = Field(None, ge=1, description="G2 blocks per worker (default: sized to the slice)")
     disk_offload_filter: bool = Field(False, description="KVBM's G3 admission filter (frequency >= 2); off: write-through")
-    fast_capacity_blocks: int = Field(600, ge=1, description="capacity of the fast volume in blocks")
-    slow_capacity_blocks: int = Field(200_000, ge=1)
-    s3_capacity_blocks: int = Field(10_000_000, ge=1)
+    fast_capacity_blocks: int | None = Field(None, ge=1, description="capacity of the fast volume in blocks (default: sized to the slice)")
+    slow_capacity_blocks: int | None = Field(None, ge=1, description="capacity of the slow volume in blocks (default: sized to the slice)")
+    s3_capacity_blocks: int | None = Field(None, ge=1, description="capacity of the s3 volume in blocks (default: sized to the slice)")
     compaction_live_fraction: float = Field(0.75, gt=0.0, le=1.0, description="compact segments less live than this")
+    max_moves_per_round: int = Field(4096, ge=0, description="the advisor's promotions + demotions per policy round")
+    max_compactions_per_round: int = Field(64, ge=0, description="segments the advisor compacts per policy round")
     policy_every: int = Field(100, ge=1, description="run one advisor policy round every N requests")
+    router_lookups: bool = Field(True, description="ask POST /v1/lookup before each request, as a KV-aware router does")
     api_port: int = Field(0, ge=0, le=65535, description="0: a free port")
     verify: bool = Field(False, description="check index == held blocks and read every block back")
     keep: bool = Field(False, description="keep the work directory")
@@ -48,7 +52,7 @@ class DemoSettings(BaseSettings):
     @field_validator("trace")
     @classmethod
     def _trace_exists(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
+        if v is not None and not v.exists():  # a directory or another format: the reader names it
             raise ValueError(f"trace file {v} does not exist")
         return v
 

@@ -3,7 +3,9 @@ REST API (docs/operations.md, "kvadvisor status").
 
 Shown: health; blocks indexed and per location; ingest (events/s, journal position,
 subscriber gaps and drops); sources with epoch, last seq and batches; volumes with usage;
-moves; lookup hit rates per tier over the last minute and hour.
+the key namespaces the advisor manages and those the catalog holds blocks in;
+moves; lookup hit rates per tier over the last minute, the last hour and since the API
+started (``total``: the figures a ``kvadvisor demo`` report gives).
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def fetch_status(url: str, token: str | None = None, timeout_s: float = 10.0) ->
                     raise StatusError(f"{url}{path} answered {r.status_code} ({why})")
                 out.append(r.json())
     except httpx.HTTPError as exc:
-        raise StatusError(f"cannot reach the advisor API at {url}: {type(exc).__name__}: {exc}") from None
+        why = "connection refused" if isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower() else (
+            f"{type(exc).__name__}: {exc}")
+        raise StatusError(f"no advisor API answers at {url} ({why}); pass --url (or set KVADVISOR_URL) to the API "
+                          "address `kvadvisor demo` or `kvadvisor up` printed") from None
     return Status(url, out[0], out[1], out[2]["volumes"])
 
 
@@ -100,6 +105,18 @@ def print_status(st: Status, console: Console) -> None:
         t.add_row(v["id"], v["role"], v["kind"], "-" if used is None else f"{used:,}", f"{v['capacity_bytes']:,}",
                   f"{v['indexed_blocks']:,}")
     console.print(t)
+    ns = s.get("namespaces") or {}
+    if ns:
+        managed = set(ns.get("managed", []))
+        seen = ns.get("seen", {})
+        t = Table(title="key namespaces (a vLLM connector's is its model fingerprint's)")
+        for col in ("namespace", "managed", "blocks per volume"):
+            t.add_column(col)
+        for name in sorted(managed | set(seen)):
+            vols = seen.get(name, {})
+            t.add_row(name, "yes" if name in managed else "no: add to extra_namespaces",
+                      ", ".join(f"{v}={n:,}" for v, n in sorted(vols.items())) or "-")
+        console.print(t)
     m = s["moves"]
     console.print(f"moves: {m['promotions']:,} promotions, {m['demotions']:,} demotions, {m['compactions']:,} compactions, "
                   f"{m['bytes_moved']:,} bytes moved, failed {sum(m['failed'].values()):,}")
@@ -107,7 +124,7 @@ def print_status(st: Status, console: Console) -> None:
     for col in ("kind", "window", "lookups", "tier", "hit rate", "blocks", "tokens"):
         t.add_column(col)
     for kind, windows in sorted(s.get("hit_rates", {}).items()):
-        for w in ("1m", "1h"):
+        for w in ("1m", "1h", "total"):
             fig = windows.get(w, {})
             tiers = fig.get("tiers", {}) or {"-": {"hit_rate": 0.0, "blocks": 0, "tokens": 0}}
             for tier, v in tiers.items():

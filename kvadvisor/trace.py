@@ -56,12 +56,24 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> Iterator[TraceR
     """Yield requests of a Mooncake jsonl trace, at most ``limit`` of them.
 
     Raises:
-        TraceFormatError: on a line that is not a JSON object with the four fields.
+        TraceFormatError: ``path`` is a directory or not text, or a line is not a JSON object
+            with the four fields (the message names the file, the line and the WEKA reader).
         FileNotFoundError: if ``path`` does not exist.
     """
+    if Path(path).is_dir():
+        raise TraceFormatError(f"{path} is a directory, not a Mooncake jsonl file (a WEKA trace?); "
+                               f"`kvadvisor evaluate --trace {path} --format weka` reads WEKA traces")
     with open(path, encoding="utf-8") as fh:
         n = 0
-        for lineno, line in enumerate(fh, 1):
+        lines = enumerate(fh, 1)
+        while True:
+            try:
+                lineno, line = next(lines)
+            except StopIteration:
+                return
+            except UnicodeDecodeError:
+                raise TraceFormatError(f"{path} is not a text file (compressed? a WEKA trace_NNNN.json.gz?); Mooncake jsonl expected, "
+                                       "`kvadvisor evaluate --format weka` reads WEKA traces") from None
             if limit is not None and n >= limit:
                 return
             if not line.strip():
@@ -75,7 +87,9 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> Iterator[TraceR
                     tuple(int(h) for h in obj["hash_ids"]),
                 )
             except (ValueError, KeyError, TypeError) as exc:
-                raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request ({exc})") from exc
+                raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request ({exc}); Mooncake jsonl has "
+                                       "one {\"timestamp\", \"input_length\", \"output_length\", \"hash_ids\"} "
+                                       "object per line; `kvadvisor evaluate --format weka` reads WEKA traces") from exc
             n += 1
             yield req
 

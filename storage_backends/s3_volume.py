@@ -25,7 +25,14 @@ from tenacity import RetryCallState, retry, retry_if_exception, stop_after_attem
 from .gcpause import gc_pause_yield
 from .keys import MAX_OBJECT_KEY_BYTES, normalize_prefix, owner_object_key, parse_segment_name, segment_object_key
 from .nixl_engine import NixlEngine
-from .types import InvalidRequestError, TransferError, VolumeConfigError, VolumeDescriptor, VolumeKind
+from .types import (
+    InvalidRequestError,
+    S3EndpointUnreachableError,
+    TransferError,
+    VolumeConfigError,
+    VolumeDescriptor,
+    VolumeKind,
+)
 from .volume import Volume
 
 logger = logging.getLogger(__name__)
@@ -156,13 +163,15 @@ class S3Volume(Volume):
     #: total tries of one S3 call or NIXL OBJ transfer (backoff between them)
     attempts: int = 4
 
-    def _retry(self, fn: Callable[[], T], attempts: int | None = None) -> T:
-        """:func:`_with_retries` counting ``s3_retries`` and logging each retry."""
+    def _retry(self, fn: Callable[[], T], attempts: int | None = None, quiet: bool = False) -> T:
+        """:func:`_with_retries` counting ``s3_retries`` and logging each retry (``quiet``: at
+        INFO, for a probe whose final failure is raised with its cause anyway)."""
 
         def note(exc: BaseException, attempt: int) -> None:
             gc_pause_yield()  # a backoff: no reason to keep the collector paused
             self.counters.bump("s3_retries")
-            logger.warning("volume %s: S3 attempt %d failed, retrying: %s", self.desc.id, attempt, exc)
+            logger.log(logging.INFO if quiet else logging.WARNING, "volume %s: S3 attempt %d failed, retrying: %s",
+                       self.desc.id, attempt, exc)
 
         return _with_retries(fn, attempts or self.attempts, note)
 
@@ -232,14 +241,14 @@ class S3Volume(Volume):
 
         bucket = self.desc.bucket
         try:
-            self._retry(lambda: self.client.head_bucket(Bucket=bucket))
+            self._retry(lambda: self.client.head_bucket(Bucket=bucket), quiet=True)  # the first contact
             return
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code not in ("404", "NoSuchBucket", "NotFound"):
                 raise VolumeConfigError(f"s3 volume {self.desc.id!r}: bucket {bucket!r}: {exc}") from exc
         except Exception as exc:
-            raise VolumeConfigError(f"s3 volume {self.desc.id!r}: endpoint {self.desc.endpoint} unreachable: {exc}") from exc
+            raise S3EndpointUnreachableError(self.desc.id, self.desc.endpoint, exc) from exc
         kwargs: dict[str, Any] = {"Bucket": bucket}
         if self.desc.region and self.desc.region != "us-east-1":
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.desc.region}

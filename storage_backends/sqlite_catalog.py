@@ -491,6 +491,16 @@ class SqliteCatalog(PlacementCatalog):
             ).fetchall()
         return iter([_placement(r) for r in rows])
 
+    def namespace_counts(self) -> dict[str, dict[str, int]]:
+        """Placements per key namespace and volume: ``{namespace: {volume id: blocks}}`` (one
+        grouped scan of the placements)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            rows = self.db.execute("SELECT ns, volume, COUNT(*) FROM placements GROUP BY ns, volume").fetchall()
+        for ns, vol, n in rows:
+            out.setdefault(str(ns), {})[str(vol)] = int(n)
+        return out
+
     def iter_segment(self, volume_id: str, segment_id: int) -> Iterator[Placement]:
         """See :meth:`PlacementCatalog.iter_segment`."""
         with self._lock:

@@ -30,6 +30,20 @@ class VolumeConfigError(StorageError, ValueError):
     """A volume descriptor is invalid (unknown kind, missing bucket, bad capacity...)."""
 
 
+class S3EndpointUnreachableError(VolumeConfigError):
+    """An S3 volume's endpoint did not answer when the volume was registered.
+
+    Attributes:
+        volume_id: the volume.
+        endpoint: the endpoint URL it names.
+    """
+
+    def __init__(self, volume_id: str, endpoint: str | None, cause: BaseException) -> None:
+        self.volume_id = volume_id
+        self.endpoint = endpoint
+        super().__init__(f"the S3 endpoint {endpoint} of volume {volume_id!r} is unreachable ({cause})")
+
+
 class BlockNotFoundError(StorageError, KeyError):
     """No placement is recorded for a block key."""
 

@@ -115,3 +115,89 @@ def test_a_relative_workdir_leaves_an_advisor_json_that_works_from_any_directory
     paths += [v["root"] for v in cfg.get("volumes", []) if isinstance(v, dict) and v.get("root")]
     assert paths and all(Path(p).is_absolute() for p in paths), paths
     assert all(Path(p).resolve().is_relative_to((tmp_path / "runs" / "w").resolve()) for p in paths), paths
+
+
+# --- every error a new user hit: one line, the cause first, a hint, exit != 0, no traceback,
+# --- and no progress bar after it
+
+
+def _no_bar(result) -> None:  # noqa: ANN001 - click Result
+    assert "replaying" not in result.output, result.output
+
+
+def test_a_directory_as_trace_names_the_weka_reader(tmp_path: Path) -> None:
+    weka = tmp_path / "claude_code_weka"
+    weka.mkdir()
+    (weka / "trace_0001.json").write_text("{}")
+    result = CliRunner().invoke(app, ["demo", "--trace", str(weka), "--requests", "5"])
+    line = _one_line_error(result)
+    assert line.startswith(f"error: {weka} is a directory, not a Mooncake jsonl file")
+    assert "--format weka" in line and "does not exist" not in line
+    _no_bar(result)
+
+
+def test_a_compressed_trace_is_named_not_text(tmp_path: Path) -> None:
+    gz = tmp_path / "trace_0001.json.gz"
+    gz.write_bytes(b"\x1f\x8b\x08\x00\xff\xfe\x00")
+    result = CliRunner().invoke(app, ["demo", "--trace", str(gz), "--requests", "5"])
+    line = _one_line_error(result)
+    assert line.startswith(f"error: {gz} is not a text file") and "--format weka" in line
+    _no_bar(result)
+
+
+def test_a_workdir_that_cannot_be_created_or_is_a_file(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["demo", "--workdir", "/proc/kvadvisor-x", "--requests", "5"])
+    line = _one_line_error(result)
+    assert line.startswith("error: --workdir /proc/kvadvisor-x cannot be created (") and "Errno" not in line
+    _no_bar(result)
+    f = tmp_path / "hostname"
+    f.write_text("x\n")
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(f), "--requests", "5"])
+    line = _one_line_error(result)
+    assert line == f"error: --workdir {f} is a file, not a directory; pass a directory (created when missing)"
+    _no_bar(result)
+
+
+def test_an_s3_endpoint_that_does_not_answer_is_named_first(tmp_path: Path) -> None:
+    port = free_port()
+    result = CliRunner().invoke(app, ["demo", "--s3-endpoint", f"http://127.0.0.1:{port}", "--requests", "5",
+                                      "--workdir", str(tmp_path / "w")])
+    line = _one_line_error(result)
+    assert line.startswith(f"error: the S3 endpoint http://127.0.0.1:{port} does not answer (")
+    assert "moto_server" in line and "--s3-endpoint" in line and len(line) < 400
+    assert not (tmp_path / "w" / "advisor.log").exists()  # refused before the advisor started
+    _no_bar(result)
+
+
+def test_status_without_an_api_hints_at_url() -> None:
+    port = free_port()
+    result = CliRunner().invoke(app, ["status", "--url", f"http://127.0.0.1:{port}"])
+    line = _one_line_error(result)
+    assert line.startswith(f"error: no advisor API answers at http://127.0.0.1:{port} (connection refused)")
+    assert "--url" in line
+
+
+def test_advisor_run_and_check_on_a_workdir_whose_s3_is_gone_say_so_and_what_to_do(tmp_path: Path) -> None:
+    """A plain `demo --workdir` kept its s3 blocks in the demo's own S3, gone with it."""
+    import subprocess
+    import sys
+
+    from kvadvisor.trace import bundled_trace
+
+    trace = tmp_path / "short.jsonl"
+    with open(bundled_trace()) as f:
+        trace.write_text("".join(next(f) for _ in range(6)))
+    workdir = tmp_path / "d1"
+    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--workdir", str(workdir)])
+    assert result.exit_code == 0, result.output
+    cfg = workdir / "advisor.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for args in (["advisor", "run", "--config", str(cfg)], ["check", "--workdir", str(workdir), "--deep"]):
+        res = subprocess.run([sys.executable, "-m", "kvadvisor.cli", *args], capture_output=True, text=True,
+                             env=env, timeout=300)
+        out = (res.stdout + res.stderr).strip()
+        assert res.returncode != 0, out
+        assert "Traceback" not in out and "WARNING" not in out, out
+        assert len(out.splitlines()) == 1, out
+        assert "the S3 endpoint http://127.0.0.1:" in out and "of volume 's3' is unreachable" in out, out
+        assert "--s3-endpoint" in out and "moto_server" in out, out

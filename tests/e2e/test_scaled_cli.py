@@ -59,6 +59,28 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         api = state["api_url"]
         stats = httpx.get(f"{api}/v1/stats", timeout=30).json()
         assert stats["blocks"] > 0 and stats["ingest"]["origin_refused"] == 0
+        # the report's events, ingest rate and stream URL; the API's sources agree with them
+        rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in out.splitlines() if ln.count("│") >= 3}
+        total, rest = rows["events (workers + advisor)"].split(" (", 1)
+        worker_events = int(rest.split(" + ")[0].replace(",", ""))
+        assert worker_events > 0 and int(total.replace(",", "")) >= worker_events
+        rate = next(v for k, v in rows.items() if k.startswith("advisor ingest"))
+        assert float(rate.split()[0].replace(",", "")) > 0, rate
+        url_line = next(ln for ln in out.splitlines() if ln.startswith("event streams ("))
+        assert f"?namespace={state['namespace']}&replicas=" in url_line and "…" not in url_line, url_line
+        run_sources = {k: v for k, v in stats["sources"].items() if k.startswith("worker-")}
+        assert run_sources and all(v["batches"] > 0 and v["events"] > 0 and v["last_seen"] for v in run_sources.values())
+        assert sum(v["events"] for v in run_sources.values()) == worker_events
+        assert stats["events_applied"] >= worker_events
+        # `kvadvisor status --url` shows the same sources with their batches and events
+        st = _run("status", "--url", api)
+        assert st.returncode == 0, st.stdout + st.stderr
+        lines = [" ".join(ln.replace("│", " ").split()) for ln in st.stdout.splitlines()]
+        for src, v in run_sources.items():
+            row = next(ln for ln in lines if ln.startswith(src + " "))
+            assert f" {v['batches']:,} {v['events']:,} " in row and "never" not in row, row
+        moves_line = next(ln for ln in lines if ln.startswith("moves:"))
+        assert moves_line.split()[1].replace(",", "").isdigit()
         workers = sorted({loc.split("/")[0] for loc in stats["blocks_per_location"] if "/" in loc})
         held = httpx.get(f"{api}/v1/locations/{workers[0]}/g1/blocks", params={"limit": 1000}, timeout=30).json()
         # the listing is the union over partitions; the summed count holds each trunk block

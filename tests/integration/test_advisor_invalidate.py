@@ -67,7 +67,7 @@ def test_drain_moves_every_block_off_a_volume(world: World) -> None:
     r = c.post("/v1/volumes/fast/drain", json={"to": "slow"})
     assert r.status_code == 200, r.text
     assert r.json() == {"volume": "fast", "to": "slow", "counts": {"done": 3, "skipped": 0, "failed": 0},
-                        "bytes_moved": 3 * len(data(1))}
+                        "bytes_moved": 3 * len(data(1)), "other_namespaces": {}, "hint": None}
     assert w.where(fast) == ["slow"] * 3
     for h in fast:  # the bytes came along, verified
         assert w.worker.get([BlockKey(NS, h)])[0].equal(data(h))
@@ -86,6 +86,19 @@ def test_drain_moves_every_block_off_a_volume(world: World) -> None:
         assert r.status_code == 409 and r.json()["error"] == "cannot_drain" and why in r.json()["detail"]
     r = c.post("/v1/volumes/slow/drain", json={"to": "slow"})
     assert r.status_code == 409 and "give another configured volume" in r.json()["detail"]
+
+
+def test_a_drain_that_finds_only_other_namespaces_names_them(world: World) -> None:
+    """A vLLM worker's connector keys its blocks by its model fingerprint's namespace; an
+    advisor left on another one drained nothing and did not say why."""
+    w = world
+    w.worker.put([(BlockKey(OTHER, h), data(h)) for h in (501, 502)], "fast")
+    c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    r = c.post("/v1/volumes/fast/drain", json={"to": "slow"}).json()
+    assert r["counts"] == {"done": 0, "skipped": 0, "failed": 0}
+    assert r["other_namespaces"] == {OTHER: 2}
+    assert OTHER in r["hint"] and "extra_namespaces" in r["hint"]
+    assert w.worker.locate([BlockKey(OTHER, 501)])[0].volume_id == "fast"  # left where it was
 
 
 def test_register_drain_and_unregister_a_volume_at_run_time(world: World, tmp_path: Path) -> None:
@@ -116,3 +129,23 @@ def test_register_drain_and_unregister_a_volume_at_run_time(world: World, tmp_pa
     assert "slow2" not in {v["id"] for v in c.get("/v1/volumes").json()["volumes"]}
     assert "slow2" not in {d.id for d in w.svc.agent.volumes()}
     assert c.delete("/v1/volumes/slow2").status_code == 409  # unknown now
+
+
+def test_stats_and_status_list_the_namespaces_on_the_volumes(world: World) -> None:
+    """Which namespace to set was found only by reading catalog.sqlite: /v1/stats and
+    `kvadvisor status` list the managed ones and those the catalog holds blocks in."""
+    from rich.console import Console
+
+    from kvadvisor.status import Status, print_status
+
+    w = world
+    w.put([601, 602], "fast")
+    w.worker.put([(BlockKey(OTHER, 603), data(603))], "slow")
+    c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    ns = c.get("/v1/stats").json()["namespaces"]
+    assert ns == {"managed": [NS], "seen": {NS: {"fast": 2}, OTHER: {"slow": 1}}}
+    console = Console(record=True, width=200)
+    print_status(Status("http://x", {"status": "ok"}, c.get("/v1/stats").json(), []), console)
+    text = console.export_text()
+    rows = [" ".join(ln.replace("│", " ").split()) for ln in text.splitlines()]
+    assert f"{NS} yes fast=2" in rows and f"{OTHER} no: add to extra_namespaces slow=1" in rows, text

@@ -80,9 +80,14 @@ def test_lookup_longest_prefix_per_location(service: AdvisorService, client: Tes
         "longest": 4,
         "per_tier": {"G1": 4, "G2": 3, "G3": 2},  # "slow" is not an S3 volume here: G3
         "per_worker": {"w0": {"G1": 4}, "w1": {"G2": 3}},
+        "best_worker": "w0",  # its G1 holds all four leading blocks
+        "served_per_tier": {"G1": 4},  # each block from its fastest tier: G1 before slow
         "sequence_hashes_hex": None,
     }
     assert client.post("/v1/lookup", json={"sequence_hashes": []}).json()["longest"] == 0
+    # the hit rates count what each tier serves: G1 served, G2 and G3 held but were not needed
+    tiers = client.get("/v1/stats").json()["hit_rates"]["lookup"]["total"]["tiers"]
+    assert {t: v["blocks"] for t, v in tiers.items()} == {"G1": 4}
 
 
 def test_blocks_per_location(service: AdvisorService, client: TestClient) -> None:
