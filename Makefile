@@ -13,7 +13,7 @@ FUZZ_TIME ?= 600
 FUZZ_TARGETS ?= codec adapters journal
 FUZZ_OUT ?= .fuzz
 
-.PHONY: install demo test fuzz bench clean services
+.PHONY: install demo test fuzz bench clean services gpu-check
 
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ fuzz: $(STAMP)
 	    $$(test -d tests/fuzz/regressions/$$t && echo tests/fuzz/regressions/$$t) \
 	    || { status=1; echo "== fuzz_$$t found a crasher: $(FUZZ_OUT)/$$t/crashes/"; }; \
 	done; exit $$status
+
+# on a machine with an NVIDIA GPU, from a fresh clone: the runtime and vLLM-connector tests
+# on CUDA, then bench/runtime.py, into gpu-check.log; without CUDA it says so and exits 0
+# (docs/operations.md, "GPU check")
+gpu-check:
+	@VENV=$(VENV) PYTHON=$(PYTHON) bash .ci/gpu_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python bench/events.py
