@@ -17,7 +17,7 @@ FUZZ_OUT ?= .fuzz
 STRESS_SECONDS ?= 300
 STRESS_SEED ?= 1
 
-.PHONY: install demo test fuzz bench clean services stress
+.PHONY: install demo test fuzz bench clean services stress gpu-check
 
 $(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,12 @@ stress: $(STAMP)
 	  --seed $(STRESS_SEED) --max-open 1 2>.stress.err; rc=$$?; cat .stress.err >&2; \
 	  if grep -q NIXL_ERR_NOT_FOUND .stress.err; then echo "stress: NIXL_ERR_NOT_FOUND (see above)"; rc=1; fi; \
 	  rm -f .stress.err; exit $$rc
+
+# on a machine with an NVIDIA GPU, from a fresh clone: the runtime and vLLM-connector tests
+# on CUDA, then bench/runtime.py, into gpu-check.log; without CUDA it says so and exits 0
+# (docs/operations.md, "GPU check")
+gpu-check:
+	@VENV=$(VENV) PYTHON=$(PYTHON) bash .ci/gpu_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python bench/events.py

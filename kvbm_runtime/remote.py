@@ -127,8 +127,9 @@ def _mem(pool: BlockPool) -> tuple[str, int]:
 
 
 def _agent(name: str):  # noqa: ANN202 - nixl has no type hints
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    from storage_backends.nixl_import import nixl_api  # the build for this machine's CUDA
 
+    nixl_agent, nixl_agent_config = nixl_api()
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 

@@ -49,9 +49,10 @@ _MAX_DRAM_REGIONS = 1 << 14
 
 
 def _import_nixl() -> tuple[Any, Any]:
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    # the build for this machine's CUDA (storage_backends/nixl_import.py)
+    from .nixl_import import nixl_api
 
-    return nixl_agent, nixl_agent_config
+    return nixl_api()
 
 
 class NixlEngine:

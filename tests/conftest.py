@@ -28,6 +28,29 @@ logging.getLogger("nixl").setLevel(logging.WARNING)
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+def test_device_name() -> str:
+    """Where the runtime tests put G1: ``KVADVISOR_TEST_DEVICE`` (``cpu``, ``cuda``,
+    ``cuda:1``), else ``cuda`` when torch sees a GPU, else ``cpu``."""
+    import torch  # noqa: PLC0415 - only the runtime tests pay for it
+
+    return os.environ.get("KVADVISOR_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+test_device_name.__test__ = False  # type: ignore[attr-defined]  # (not a test)
+
+
+@pytest.fixture(scope="session")
+def device() -> Any:
+    """The ``torch.device`` of G1 for the runtime tests (see :func:`test_device_name`);
+    ``KVADVISOR_TEST_DEVICE=cuda`` on a machine without CUDA is an error, not a CPU run."""
+    import torch  # noqa: PLC0415
+
+    dev = torch.device(test_device_name())
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"KVADVISOR_TEST_DEVICE asks for {dev}, but torch sees no CUDA device")
+    return dev
+
+
 @pytest.fixture
 def young_heap() -> Iterator[None]:
     """Freeze every object that exists before the test (``gc.freeze``), so the test's own

@@ -40,9 +40,10 @@ class Capture:
 class Rig:
     """A G1 pool, a G2 pool and a transfer manager over them (no storage)."""
 
-    def __init__(self, g1_blocks: int = 8, g2_blocks: int = 8, batch: int = 256) -> None:
+    def __init__(self, device: torch.device, g1_blocks: int = 8, g2_blocks: int = 8, batch: int = 256) -> None:
         self.cap = Capture()
-        self.g1 = BlockPool("g1", make_layout("FullyContiguous", CFG, g1_blocks, tier="g1"), self.cap.publisher)
+        self.device = device
+        self.g1 = BlockPool("g1", make_layout("FullyContiguous", CFG, g1_blocks, device, tier="g1"), self.cap.publisher)
         self.g2 = BlockPool("g2", make_layout("FullyContiguous", CFG, g2_blocks, tier="g2"), self.cap.publisher)
         self.metrics = RuntimeMetrics("transfer-unit")
         self.tm = TransferManager(self.g2, self.cap.publisher, self.metrics, max_batch_blocks=batch)
@@ -65,8 +66,8 @@ class Rig:
 
 
 @pytest.fixture()
-def rig() -> Rig:
-    r = Rig()
+def rig(device: torch.device) -> Rig:
+    r = Rig(device)
     yield r
     r.close()
 
@@ -130,8 +131,8 @@ def test_ready_jobs_are_batched_into_one_transfer(rig: Rig) -> None:
     assert [h for _, h, loc in rig.cap.events() if loc == "g2"] == [400, 401, 410, 411, 420, 421]
 
 
-def test_batch_size_limit_splits_batches() -> None:
-    r = Rig(batch=2)
+def test_batch_size_limit_splits_batches(device: torch.device) -> None:
+    r = Rig(device, batch=2)
     try:
         step = StepEvent()
         futs = [r.tm.offload_to_host(r.items(r.registered([500 + k])), step) for k in range(3)]
@@ -162,10 +163,11 @@ def test_onboard_from_host_copies_and_releases_sources(rig: Rig) -> None:
     rig.tm.offload_to_host(rig.items(handles), StepEvent.completed()).result(timeout=5)
     srcs = rig.g2.match_blocks([701, 702])
     assert rig.g2.stats().active == 2
-    dst = make_layout("LayerSeparated", CFG, 4, tier="g1")
+    dst = make_layout("LayerSeparated", CFG, 4, rig.device, tier="g1")
     assert rig.tm.onboard_from_host(srcs, dst, [3, 1]).result(timeout=5) == 2
-    assert torch.equal(dst.block_view(3), torch.full(CFG.block_shape, 701.0))
-    assert torch.equal(dst.block_view(1), torch.full(CFG.block_shape, 702.0))
+    assert dst.block_view(3).device.type == rig.device.type  # (compared where it lives)
+    assert torch.equal(dst.block_view(3), torch.full(CFG.block_shape, 701.0, device=dst.block_view(3).device))
+    assert torch.equal(dst.block_view(1), torch.full(CFG.block_shape, 702.0, device=dst.block_view(1).device))
     assert rig.g2.stats().active == 0 and all(s.consumed for s in srcs)
     assert rig.metrics.sample("kvbm_onboard_blocks_h2d") == 2
     with pytest.raises(ValueError, match="2 sources for 1 destinations"):
