@@ -37,7 +37,7 @@ from event_plane.nats_transport import MSG_ID_HEADER, STREAM_NAME, msg_id, subje
 from event_plane.partitioned import partition_namespace
 
 if TYPE_CHECKING:
-    from advisor.cluster import ClusterNode, _Replica
+    from advisor.cluster_parts import NodeParts, Replica
 
 __all__ = ["ClusterExpiry"]
 
@@ -69,7 +69,7 @@ class ClusterExpiry:
             (``ClusterNode._call``).
     """
 
-    def __init__(self, node: ClusterNode, ttl_s: float, call: Callable[[Any, float], Any]) -> None:
+    def __init__(self, node: NodeParts, ttl_s: float, call: Callable[[Any, float], Any]) -> None:
         if ttl_s <= 0:
             raise ValueError(f"source_ttl_s must be > 0, got {ttl_s}")
         self.node = node
@@ -77,7 +77,7 @@ class ClusterExpiry:
         self._call = call
         self.counters = {"expired": 0, "alive_elsewhere": 0, "raced": 0, "errors": 0}
 
-    def candidates(self, rep: _Replica, now: float | None = None) -> list[str]:
+    def candidates(self, rep: Replica, now: float | None = None) -> list[str]:
         """Sources of ``rep``'s partition still holding g1/g2 blocks there and silent in its
         fold for ``ttl_s`` (check 1 of the module docstring), sorted."""
         t = time.monotonic() if now is None else now
@@ -101,13 +101,13 @@ class ClusterExpiry:
                                    type(exc).__name__, exc)
         return done
 
-    def _expire(self, rep: _Replica, name: str) -> bool:
+    def _expire(self, rep: Replica, name: str) -> bool:
         s = self.node.settings
         subjects = [subject_for(partition_namespace(s.namespace, k), name) for k in range(s.scheme.partitions)]
         mine = subject_for(partition_namespace(s.namespace, rep.partition), name)
 
         async def look() -> tuple[float | None, float, int]:
-            js = self.node._nc.jetstream()
+            js = self.node.nats.jetstream()
             info = await js.stream_info(STREAM_NAME)
             try:  # the server time of the stream's newest message (nats-py's StreamState drops last_ts)
                 newest = _ts((await js.get_msg(STREAM_NAME, seq=int(info.state.last_seq))).time)
@@ -150,7 +150,7 @@ class ClusterExpiry:
             from nats.js.errors import APIError
 
             try:
-                await self.node._nc.jetstream().publish(mine, encode_batch(batch), stream=STREAM_NAME,
+                await self.node.nats.jetstream().publish(mine, encode_batch(batch), stream=STREAM_NAME,
                                                         headers=headers, timeout=5.0)
             except APIError as exc:
                 if "wrong last sequence" in str(exc).lower() or getattr(exc, "err_code", 0) == 10071:

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from advisor.cluster import ClusterNode
+    from advisor.cluster_parts import NodeParts
 
 __all__ = ["ClusterCollector", "cluster_registry", "serve_cluster_metrics"]
 
@@ -45,7 +45,7 @@ __all__ = ["ClusterCollector", "cluster_registry", "serve_cluster_metrics"]
 class ClusterCollector(Collector):
     """Collects one :class:`ClusterNode`'s partitions on every scrape."""
 
-    def __init__(self, node: ClusterNode) -> None:
+    def __init__(self, node: NodeParts) -> None:
         self.node = node
 
     def collect(self) -> Iterator[Metric]:
@@ -92,14 +92,14 @@ class ClusterCollector(Collector):
             yield from (results, fenced, repairs)
 
 
-def cluster_registry(node: ClusterNode) -> CollectorRegistry:
+def cluster_registry(node: NodeParts) -> CollectorRegistry:
     """A fresh registry holding a :class:`ClusterCollector` for ``node``."""
     registry = CollectorRegistry()
     registry.register(ClusterCollector(node))
     return registry
 
 
-def serve_cluster_metrics(node: ClusterNode, port: int, host: str = "127.0.0.1") -> str:
+def serve_cluster_metrics(node: NodeParts, port: int, host: str = "127.0.0.1") -> str:
     """Serve ``node``'s metrics at ``http://host:port/metrics`` (prometheus-client's
     ``start_http_server``, a daemon thread); ``port=0`` picks a free port.
 

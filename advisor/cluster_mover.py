@@ -68,7 +68,7 @@ from event_plane.partitioned import close_all, partition_namespace
 from event_plane.schema import EventType, remove, store
 
 if TYPE_CHECKING:
-    from advisor.cluster import ClusterNode, _Replica
+    from advisor.cluster_parts import NodeParts, Replica
 
 __all__ = ["ClusterMover", "ClusterStorageSettings", "trunk_depth_of"]
 
@@ -170,7 +170,7 @@ class ClusterMover:
         StorageError, SettingsError: the catalog or a volume cannot be opened.
     """
 
-    def __init__(self, node: ClusterNode, storage: ClusterStorageSettings) -> None:
+    def __init__(self, node: NodeParts, storage: ClusterStorageSettings) -> None:
         from storage_backends import RedisCatalog, StorageAgent
 
         s = node.settings
@@ -204,7 +204,7 @@ class ClusterMover:
         """The catalog fence of ``partition``: ``"<namespace>.p<partition>"``."""
         return f"{self.node.settings.namespace}.p{partition}"
 
-    def take(self, rep: _Replica, token: int, epoch: int = 0) -> None:
+    def take(self, rep: Replica, token: int, epoch: int = 0) -> None:
         """Fence a newly taken partition: raise its catalog fence to ``(epoch, token)`` (the
         lease bucket's incarnation and the lease's revision).  A replica whose fence is
         already higher (a newer owner exists) makes no moves."""
@@ -220,7 +220,7 @@ class ClusterMover:
             logger.warning("partition %d: fence at %d above this lease's %d (epoch %d); no moves", rep.partition,
                            stored, token, epoch)
 
-    def _mine(self, rep: _Replica, h: int, volume: str | None = None) -> bool:
+    def _mine(self, rep: Replica, h: int, volume: str | None = None) -> bool:
         """Whether ``h`` is a block of ``rep``'s partition to act on (module docstring); with
         ``volume``, also whether the index already places it there: a block whose Store has
         not been folded yet is not moved, so a move's events always follow the Store they
@@ -232,7 +232,7 @@ class ClusterMover:
             return h % self.scheme.partitions == rep.partition
         return True
 
-    def _is_trunk(self, rep: _Replica, h: int) -> bool:
+    def _is_trunk(self, rep: Replica, h: int) -> bool:
         return trunk_depth_of(rep.index, h, self.scheme.trunk_depth) is not None
 
     def _publishers(self) -> list[JetStreamPublisher]:
@@ -244,7 +244,7 @@ class ClusterMover:
                           for k in range(self.scheme.partitions)]
         return self._pubs
 
-    def _route(self, rep: _Replica, trunk: set[int]) -> Any:
+    def _route(self, rep: Replica, trunk: set[int]) -> Any:
         pubs = self._publishers()
 
         def publish_to(h: int) -> Sequence[JetStreamPublisher]:
@@ -256,7 +256,7 @@ class ClusterMover:
         """Every placement on each managed volume, whatever its key namespace."""
         return {vol: list(self.catalog.iter_volume(vol)) for vol in self.storage.managed_volumes()}
 
-    def repair(self, rep: _Replica, view: dict[str, list[Any]] | None = None, confirm: bool = False) -> int:
+    def repair(self, rep: Replica, view: dict[str, list[Any]] | None = None, confirm: bool = False) -> int:
         """Bring ``rep``'s index to the catalog on the managed volumes (module docstring).
 
         Every block the partition's index knows is compared, trunk blocks included whatever
@@ -338,7 +338,7 @@ class ClusterMover:
         with self._lock:
             return self._repairs(self.node.serving())
 
-    def _repairs(self, reps: dict[int, _Replica], view: dict[str, list[Any]] | None = None,
+    def _repairs(self, reps: dict[int, Replica], view: dict[str, list[Any]] | None = None,
                  periodic: bool = False) -> int:
         """Take-over repairs (at once) of the replicas not repaired yet; with ``periodic``,
         the confirmed repair (:meth:`repair` ``confirm``) of the others too.  Only
@@ -387,7 +387,7 @@ class ClusterMover:
             parts = self.scheme.partitions
             failed_routes: set[tuple[str, str | None]] = set()  # shared by the partitions (Mover.execute_many)
             for p, rep in sorted(reps.items()):
-                if self.node._stop.is_set():  # stop() waits for the round: end it between partitions
+                if self.node.stopping():  # stop() waits for the round: end it between partitions
                     break
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
@@ -443,7 +443,7 @@ class ClusterMover:
             self.counters["rounds"] += 1
             return out
 
-    def _abort(self, rep: _Replica) -> Any:
+    def _abort(self, rep: Replica) -> Any:
         """``Mover``'s ``abort``: the partition was released (rebalance, stop, lost) or its
         lease is past its local expiry (a process paused mid-round wakes up): no more moves."""
         keeper = self.node.keeper
@@ -463,14 +463,14 @@ class ClusterMover:
         return BlockKey
 
     @staticmethod
-    def _block_info(rep: _Replica) -> Any:
+    def _block_info(rep: Replica) -> Any:
         def info(h: int) -> Any:
             with rep.lock:
                 return rep.index.block(h)
         return info
 
     @staticmethod
-    def _last_access(rep: _Replica) -> Any:
+    def _last_access(rep: Replica) -> Any:
         def last(h: int) -> int | None:
             with rep.lock:
                 b = rep.index.block(h)

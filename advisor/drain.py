@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
 
 if TYPE_CHECKING:
-    from advisor.service import AdvisorService
+    from advisor.operated import OperatedAdvisor
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class DrainResult:
     results: list[PlanResult] = field(default_factory=list)
 
 
-def default_destination(service: AdvisorService, volume: str) -> str | None:
+def default_destination(service: OperatedAdvisor, volume: str) -> str | None:
     """Where a drain of ``volume`` goes by default: the fast volume's blocks to the first slow
     volume, a slow volume's to another slow one, else to the archive volume; ``None`` when
     no other volume is configured."""
@@ -59,7 +59,7 @@ def default_destination(service: AdvisorService, volume: str) -> str | None:
     return others[0] if others else None
 
 
-def drain_volume(service: AdvisorService, volume: str, to: str | None = None) -> DrainResult:
+def drain_volume(service: OperatedAdvisor, volume: str, to: str | None = None) -> DrainResult:
     """Move every managed block off ``volume`` onto ``to`` (default: :func:`default_destination`).
 
     Raises:
@@ -75,7 +75,7 @@ def drain_volume(service: AdvisorService, volume: str, to: str | None = None) ->
     if dst is None or dst not in known or dst == volume:
         raise DrainError(f"cannot drain {volume!r} to {dst!r}: give another configured volume")
     namespaces = set(service.settings.namespaces)
-    with service._round_lock:
+    with service.round_lock:
         placements = [p for p in agent.catalog.iter_volume(volume) if p.key.namespace in namespaces]
         items = [PlanItem(PlanKind.DEMOTE, f"drain {volume}", volume, dst, p.key.sequence_hash, p.key.namespace,
                           bytes=p.length) for p in placements]

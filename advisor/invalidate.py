@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from event_plane.schema import remove
 
 if TYPE_CHECKING:
-    from advisor.service import AdvisorService
+    from advisor.operated import OperatedAdvisor
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class InvalidateResult:
     removes_published: int = 0
 
 
-def invalidate_namespace(service: AdvisorService, namespace: str) -> InvalidateResult:
+def invalidate_namespace(service: OperatedAdvisor, namespace: str) -> InvalidateResult:
     """Delete every block of ``namespace`` on every volume and publish their Removes.
 
     Args:
@@ -62,7 +62,7 @@ def invalidate_namespace(service: AdvisorService, namespace: str) -> InvalidateR
         raise InvalidateError("this advisor has no storage attached: nothing to invalidate")
     deleted: dict[str, int] = {}
     published = 0
-    with service._round_lock:  # between policy rounds: no move of these blocks in flight
+    with service.round_lock:  # between policy rounds: no move of these blocks in flight
         for desc in agent.volumes():
             keys = [p.key for p in agent.catalog.iter_volume(desc.id) if p.key.namespace == namespace]
             if not keys:

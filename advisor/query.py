@@ -18,7 +18,7 @@ from advisor.plan import PlanResult
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from advisor.service import AdvisorService
+    from advisor.operated import OperatedAdvisor
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ class VolumeView:
 
 
 class AdvisorQuery:
-    """Read access to one :class:`~advisor.service.AdvisorService`."""
+    """Read access to one advisor (an :class:`~advisor.service.AdvisorService`, through
+    :class:`~advisor.operated.OperatedAdvisor`)."""
 
-    def __init__(self, service: AdvisorService) -> None:
+    def __init__(self, service: OperatedAdvisor) -> None:
         self._svc = service
 
     def block(self, sequence_hash: int) -> BlockInfo | None:

@@ -36,6 +36,7 @@ from advisor.owner_lock import OwnedError, OwnerLock
 from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.query import AdvisorQuery
 from advisor.quotas import QuotaGuard
 from advisor.run_state import RunStateStore
 from advisor.settings import AdvisorSettings
@@ -917,11 +918,14 @@ class AdvisorService:
         with self.lock:
             return self.index.block(h)
 
-    def query(self) -> Any:
+    def query(self) -> AdvisorQuery:
         """An :class:`advisor.query.AdvisorQuery` over this service."""
-        from advisor.query import AdvisorQuery
-
         return AdvisorQuery(self)
+
+    @property
+    def round_lock(self) -> threading.Lock:
+        """The lock a policy round holds (operator actions take it: no move in flight)."""
+        return self._round_lock
 
     def mover_summary(self) -> dict[str, Any]:
         """Done / skipped / failed counts and bytes moved per plan kind."""

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from advisor.service import AdvisorService
+    from advisor.operated import OperatedAdvisor
     from advisor.settings import VolumeSettings
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class VolumeAdminError(RuntimeError):
     """The volume cannot be registered or unregistered (the message says why)."""
 
 
-def register_volume(service: AdvisorService, volume: VolumeSettings, role: Role = "none") -> None:
+def register_volume(service: OperatedAdvisor, volume: VolumeSettings, role: Role = "none") -> None:
     """Open ``volume`` in the advisor's storage agent and add it to its volumes.
 
     Raises:
@@ -41,7 +41,7 @@ def register_volume(service: AdvisorService, volume: VolumeSettings, role: Role 
     if agent is None:
         raise VolumeAdminError("this advisor has no storage attached")
     s = service.settings
-    with service._round_lock:
+    with service.round_lock:
         if any(v.id == volume.id for v in s.volumes):
             raise VolumeAdminError(f"volume {volume.id!r} is already registered")
         try:
@@ -54,7 +54,7 @@ def register_volume(service: AdvisorService, volume: VolumeSettings, role: Role 
     logger.warning("advisor: registered volume %s (%s, role %s)", volume.id, volume.kind, role)
 
 
-def unregister_volume(service: AdvisorService, volume_id: str) -> None:
+def unregister_volume(service: OperatedAdvisor, volume_id: str) -> None:
     """Close an empty volume and remove it from the advisor's volumes.
 
     Raises:
@@ -65,7 +65,7 @@ def unregister_volume(service: AdvisorService, volume_id: str) -> None:
     if agent is None:
         raise VolumeAdminError("this advisor has no storage attached")
     s = service.settings
-    with service._round_lock:
+    with service.round_lock:
         if not any(v.id == volume_id for v in s.volumes):
             raise VolumeAdminError(f"unknown volume {volume_id!r}")
         if volume_id in (s.fast_volume, s.archive_volume):

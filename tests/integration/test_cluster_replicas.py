@@ -8,7 +8,7 @@ import time
 import uuid
 from types import SimpleNamespace
 
-from advisor.cluster import ClusterSettings, _Replica
+from advisor.cluster_parts import ClusterSettings, Replica
 from advisor.index import PrefixIndex
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import partition_namespace, partition_url
@@ -34,8 +34,8 @@ def test_two_owners_of_one_partition_each_read_the_whole_log(js_url: str, redis_
                                                         scheme=SCHEME, namespace=ns))
 
     publish(1000, 1200)
-    old = _Replica(settings("old"), 0)  # type: ignore[arg-type]
-    new = _Replica(settings("new"), 0)  # type: ignore[arg-type]
+    old = Replica(settings("old"), 0)  # type: ignore[arg-type]
+    new = Replica(settings("new"), 0)  # type: ignore[arg-type]
     try:
         publish(1200, 1400)  # both are reading now
         pub.close()

@@ -1,4 +1,4 @@
-"""The REST API of a partitioned cluster: ``python -m advisor.cluster_api``.
+"""The REST API of a partitioned cluster: ``python -m api.cluster_api``.
 
 Serves :func:`api.app.create_app` over :class:`advisor.cluster_query.ClusterQuery`, so
 routers and operators use the same routes as for one advisor (docs/operations.md, "REST
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 after a clean stop; 2 when the host needs tokens that are not configured.
     """
-    ap = argparse.ArgumentParser(prog="python -m advisor.cluster_api", description="REST API of a scaled cluster")
+    ap = argparse.ArgumentParser(prog="python -m api.cluster_api", description="REST API of a scaled cluster")
     ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--partitions", type=int, default=8)
