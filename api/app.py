@@ -1,4 +1,4 @@
-"""FastAPI app over an :class:`advisor.query.AdvisorQuery`.
+"""FastAPI app over an :class:`advisor.ops.query.AdvisorQuery`.
 
 Routes (all JSON unless stated; scopes in brackets when tokens are configured, :mod:`api.auth`):
 
@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from advisor.cluster import PartitionUnavailable
+from advisor.cluster.node import PartitionUnavailable
 from api.auth import ApiSecurity, ApiSecuritySettings, GuardMiddleware, require_admin, require_read
 from api.dashboard import mount_dashboard
 from api.errors import ERROR_RESPONSES, ApiError, ErrorResponse, json_response
@@ -70,7 +70,7 @@ from api.paging import MAX_PAGE, page, parse_cursor
 from kvbm_runtime.hashing import ModelFingerprint, TokenIdError, salt_hash, sequence_hashes
 
 if TYPE_CHECKING:
-    from advisor.query import AdvisorQuery
+    from advisor.ops.query import AdvisorQuery
 
 __all__ = ["ApiError", "create_app"]
 
@@ -298,7 +298,7 @@ def create_app(
     @app.post("/v1/actions/invalidate", response_model=InvalidateResponse, dependencies=admin,
               responses={409: {"model": ErrorResponse, "description": "no storage attached"}})
     def invalidate(req: InvalidateRequest) -> InvalidateResponse:
-        from advisor.invalidate import InvalidateError
+        from advisor.ops.invalidate import InvalidateError
 
         ns = req.namespace
         if req.model is not None:
@@ -330,7 +330,7 @@ def create_app(
         from pydantic import ValidationError
 
         from advisor.settings import VolumeSettings
-        from advisor.volume_admin import VolumeAdminError
+        from advisor.ops.volume_admin import VolumeAdminError
 
         try:
             vol = VolumeSettings.model_validate(req.volume)
@@ -346,7 +346,7 @@ def create_app(
     @app.delete("/v1/volumes/{volume_id}", response_model=VolumeActionResponse, dependencies=admin,
                 responses={409: {"model": ErrorResponse, "description": "unknown, fast/archive, or not empty"}})
     def unregister_volume(volume_id: str = Path(max_length=255, examples=["slow2"])) -> VolumeActionResponse:
-        from advisor.volume_admin import VolumeAdminError
+        from advisor.ops.volume_admin import VolumeAdminError
 
         try:
             query.unregister_volume(volume_id)
@@ -358,7 +358,7 @@ def create_app(
               responses={409: {"model": ErrorResponse, "description": "no storage, unknown volume or destination"}})
     def drain(volume_id: str = Path(max_length=255, examples=["fast"]),
               req: DrainRequest | None = None) -> DrainResponse:
-        from advisor.drain import DrainError
+        from advisor.ops.drain import DrainError
 
         try:
             res = query.drain(volume_id, req.to if req is not None else None)

@@ -1,6 +1,6 @@
 """The REST API of a partitioned cluster: ``python -m api.cluster_api``.
 
-Serves :func:`api.app.create_app` over :class:`advisor.cluster_query.ClusterQuery`, so
+Serves :func:`api.app.create_app` over :class:`advisor.cluster.query.ClusterQuery`, so
 routers and operators use the same routes as for one advisor (docs/operations.md, "REST
 API"); lookups go to each piece's owner, a partition being taken over answers 503 with
 ``Retry-After``.  Bearer tokens and limits come from ``KVADVISOR_API_*`` as for the
@@ -15,8 +15,8 @@ import signal
 import threading
 from collections.abc import Sequence
 
-from advisor.cluster import ClusterClient
-from advisor.cluster_query import ClusterQuery
+from advisor.cluster.node import ClusterClient
+from advisor.cluster.query import ClusterQuery
 from api.app import create_app
 from api.auth import ApiSecuritySettings, InsecureBindError, check_bind
 from api.server import serve_in_thread

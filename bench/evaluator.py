@@ -7,7 +7,7 @@ Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Bel
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
 references on the same requests at the first capacity, as speed ratios: the evaluator's
 former pure-Python LRU (an ``OrderedDict``, reproduced below) against the compiled LRU, and
-the former pure-Python prefix-value replay (``advisor.prefix_policy.PrefixValueCache``, what
+the former pure-Python prefix-value replay (``advisor.policy.prefix_policy.PrefixValueCache``, what
 made the former evaluator take 284 s) against the compiled default policy (which replays
 three instances: the tier and its two shadows), on the first ``--reference-requests``.  ``--split`` also evaluates the
 conversations with odd and even file numbers separately (held-out validation: the default
@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.eviction import lru, prefix_value  # noqa: E402
-from advisor.prefix_policy import PrefixValueCache  # noqa: E402
-from advisor.eviction.compact import compact  # noqa: E402
+from advisor.policy.eviction import lru, prefix_value  # noqa: E402
+from advisor.policy.prefix_policy import PrefixValueCache  # noqa: E402
+from advisor.policy.eviction.compact import compact  # noqa: E402
 from kvadvisor.evaluate import evaluate, load_trace, markdown_table, parse_capacities  # noqa: E402
 
 

@@ -381,7 +381,7 @@ def check_cmd(
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""
-    from advisor.service import main
+    from advisor.embedded.service import main
 
     sys.exit(main(["--config", str(config)]))
 
@@ -396,7 +396,7 @@ def advisor_origins(
     Works on the bindings file (``origins_path``) of a stopped advisor: a running one keeps
     its bindings in memory until it stops (in code: ``AdvisorService.release_origin``).
     """
-    from advisor.origin_store import SqliteOriginStore
+    from advisor.ingest.origin_store import SqliteOriginStore
     from advisor.settings import AdvisorSettings, SettingsError
 
     try:

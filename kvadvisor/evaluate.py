@@ -5,13 +5,13 @@ fast tier *before* the request is served, in blocks; after serving, all the requ
 blocks are inserted (touched) and the policy evicts down to ``capacity`` blocks.  The hit
 rate is hits / block references over the whole trace.
 
-Policies (one module each in :mod:`advisor.eviction`, compiled with numba over a compact
+Policies (one module each in :mod:`advisor.policy.eviction`, compiled with numba over a compact
 trace so that every policy replays a 15-million-reference trace in seconds):
     * baselines: ``lru``, ``arc``, ``lfu_da``, ``s3fifo``, ``sieve`` and ``prefix_lru``
       (leaf-first LRU), each cited from its paper in its module;
     * ``belady``: evict the block whose next use (request index) is farthest, ties by
       smaller id first (offline reference);
-    * ``prefix_value``: the default policy (:mod:`advisor.eviction.prefix_value`); with a
+    * ``prefix_value``: the default policy (:mod:`advisor.policy.eviction.prefix_value`); with a
       lookahead of K requests it also sees the next K requests (docs/BENCHMARKS.md).
 
 Trace formats:
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from advisor.eviction.compact import CompactTrace, compact
-from advisor.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
+from advisor.policy.eviction.compact import CompactTrace, compact
+from advisor.policy.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
 
 TraceFormat = Literal["mooncake", "weka"]
@@ -132,17 +132,17 @@ def _hits(name: str, requests: Requests | CompactTrace, capacity: int, lookahead
 
 
 def simulate_lru(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under LRU with ``capacity`` blocks (:mod:`advisor.eviction.lru`)."""
+    """Total hit blocks under LRU with ``capacity`` blocks (:mod:`advisor.policy.eviction.lru`)."""
     return _hits("lru", requests, capacity)
 
 
 def simulate_belady(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under Belady's rule (:mod:`advisor.eviction.belady`)."""
+    """Total hit blocks under Belady's rule (:mod:`advisor.policy.eviction.belady`)."""
     return _hits("belady", requests, capacity)
 
 
 def simulate_prefix_value(requests: Requests, capacity: int, lookahead: int = 0) -> int:
-    """Total hit blocks under the default policy (:mod:`advisor.eviction.prefix_value`)."""
+    """Total hit blocks under the default policy (:mod:`advisor.policy.eviction.prefix_value`)."""
     return _hits(DEFAULT_POLICY, requests, capacity, lookahead)
 
 
@@ -222,7 +222,7 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
     Args:
         requests: block id lists in arrival order, or their :class:`CompactTrace`.
         capacities: fast-tier capacities in blocks (each >= 1).
-        policies: our policies (names of :data:`advisor.eviction.registry.POLICIES`).
+        policies: our policies (names of :data:`advisor.policy.eviction.registry.POLICIES`).
         lookaheads: for each of ``policies``, the numbers of upcoming requests it sees
             (``0`` = none); each K > 0 adds a column ``policy@K``.
         baselines: online baselines to compare with (LRU is always run).

@@ -10,7 +10,7 @@ describes the same topology in containers):
   partitions of the index through leases, each moving the blocks of its partitions between
   the topology's volumes (``<dir>/storage.json``: ``fast`` and ``slow`` POSIX volumes under
   ``<dir>/volumes`` and the ``s3`` volume on the S3 endpoint, placement catalog in Redis;
-  :mod:`advisor.cluster_mover`);
+  :mod:`advisor.cluster.mover`);
 * the cluster's REST API (``python -m api.cluster_api``) on a loopback port.
 
 Every process runs in its own session, so it outlives the command; ``up`` returns once all
@@ -222,7 +222,7 @@ def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, acces
 
 
 def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
-    from advisor.leases import LeaseError, lease_owners
+    from advisor.cluster.leases import LeaseError, lease_owners
 
     end = time.monotonic() + timeout_s
     owners: dict[int, str] = {}

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from advisor import AdvisorService, AdvisorSettings
-from advisor.index import PrefixIndex
-from advisor.journal import SqliteJournal
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.journal import SqliteJournal
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import remove, store
 from kvadvisor.trace import read_mooncake
@@ -105,7 +105,7 @@ class Workers:
 
 ZYGOTE = r"""
 import os, signal, sys
-import torch, storage_backends, event_plane, advisor.service  # preloaded once, inherited by every fork
+import torch, storage_backends, event_plane, advisor.embedded.service  # preloaded once, inherited by every fork
 cfg, log = sys.argv[1], sys.argv[2]
 for line in sys.stdin:
     cmd = line.split()
@@ -114,7 +114,7 @@ for line in sys.stdin:
         if pid == 0:
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             os.dup2(fd, 2)
-            os._exit(advisor.service.main(["--config", cfg]))
+            os._exit(advisor.embedded.service.main(["--config", cfg]))
         print("pid", pid, flush=True)
     elif cmd[0] == "kill":
         pid = int(cmd[1])
@@ -125,7 +125,7 @@ for line in sys.stdin:
 
 
 class Zygote:
-    """Starts advisor processes (``advisor.service.main``, as ``python -m advisor`` does) by
+    """Starts advisor processes (``advisor.embedded.service.main``, as ``python -m advisor`` does) by
     forking a parent that has imported torch / NIXL / the project once, so a restart does
     not pay ~2 s of imports; each advisor is its own process and is killed with SIGKILL."""
 

@@ -1,4 +1,4 @@
-"""Partition leases in a JetStream KV bucket (advisor/leases.py), on a private nats-server:
+"""Partition leases in a JetStream KV bucket (advisor/cluster/leases.py), on a private nats-server:
 every partition has exactly one owner, a crashed owner's partitions are taken over after
 the TTL, a joining advisor gets its share, and a process killed with SIGKILL loses its
 partitions to the others."""
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from advisor.leases import LeaseError, LeaseKeeper, LeaseSettings, lease_owners
+from advisor.cluster.leases import LeaseError, LeaseKeeper, LeaseSettings, lease_owners
 
 P = 8
 SETTINGS = LeaseSettings(partitions=P, ttl_s=3.0, heartbeat_s=0.5)
@@ -160,7 +160,7 @@ def test_a_partition_its_owner_cannot_serve_is_handed_back_at_once(js_url: str) 
 
 _CHILD = textwrap.dedent("""
     import sys, time
-    from advisor.leases import LeaseKeeper, LeaseSettings
+    from advisor.cluster.leases import LeaseKeeper, LeaseSettings
     k = LeaseKeeper(sys.argv[1], "victim", LeaseSettings(partitions=8, ttl_s=3.0, heartbeat_s=0.5)).start()
     while len(k.owned()) < 8:
         time.sleep(0.05)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from advisor.index import PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex, _bits, held_by_location
-from advisor.service import AdvisorService
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex, _bits, held_by_location
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane.schema import WIRE_VERSION, EventBatch, EventType, KVEvent
 

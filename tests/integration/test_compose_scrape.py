@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from advisor.cluster import ClusterClient, PartitionUnavailable
+from advisor.cluster.node import ClusterClient, PartitionUnavailable
 from event_plane.partition import PartitionScheme
 from kvadvisor.localcluster import NatsCluster, free_port
 

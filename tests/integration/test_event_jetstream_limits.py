@@ -16,8 +16,8 @@ import pytest
 from conftest import _wait_port, start_nats_server
 
 from advisor import AdvisorSettings
-from advisor.jslog import JetStreamLog
-from advisor.service import AdvisorService
+from advisor.ingest.jslog import JetStreamLog
+from advisor.embedded.service import AdvisorService
 from event_plane import (
     JetStreamPublisher,
     JetStreamSubscriber,

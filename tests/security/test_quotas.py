@@ -1,4 +1,4 @@
-"""Admission quotas of the advisor (``advisor/quotas.py``): what goes over a limit is refused
+"""Admission quotas of the advisor (``advisor/ingest/quotas.py``): what goes over a limit is refused
 alone and counted under a fixed ``reason`` label, the other sources and the rest of the
 stream go on, and the decision is the same after a restart (only admitted batches are
 journaled, so the replay folds what the live advisor folded)."""
@@ -18,8 +18,8 @@ import pytest
 import zmq
 from prometheus_client import generate_latest
 
-from advisor.quotas import EVENT_REASONS, QuotaGuard, QuotaLimits, QuotaReason
-from advisor.service import AdvisorService
+from advisor.ingest.quotas import EVENT_REASONS, QuotaGuard, QuotaLimits, QuotaReason
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane.codec import encode_batch
 from event_plane.frames import seq_to_bytes
