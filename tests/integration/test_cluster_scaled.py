@@ -315,6 +315,8 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                 time.sleep(0.5)
             stop.set()
             asker.join(10)
+            # a deadline the product promises (docs/scaling.md): a killed advisor's partitions are
+            # re-owned after the lease TTL (3 s here) and a heartbeat; 15 s is over 4x that
             assert takeover_s is not None and takeover_s <= 15, f"take-over took {takeover_s} s"
             assert len(answered) > 50, (len(answered), unavailable[0])
 
