@@ -19,7 +19,7 @@ STRESS_SEED ?= 1
 
 .PHONY: install demo test fuzz bench clean services stress gpu-check
 
-$(STAMP): pyproject.toml setup.py advisor/_index_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
+$(STAMP): pyproject.toml setup.py advisor/index/_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,vllm]'

@@ -1,4 +1,4 @@
-"""Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/_index_core.pyx``),
+"""Build the compiled parts: the core of the advisor's PrefixIndex (``advisor/index/_core.pyx``),
 the event encoder of the block pools (``event_plane/_fastenc.pyx``), the core of the block
 pools (``kvbm_runtime/_pool_core.pyx``) and the storage agent's verified reads
 (``storage_backends/_readcore.pyx``).
@@ -13,7 +13,7 @@ from setuptools import Extension, setup
 setup(
     ext_modules=cythonize(
         [
-            Extension("advisor._index_core", ["advisor/_index_core.pyx"], extra_compile_args=["-O2"]),
+            Extension("advisor.index._core", ["advisor/index/_core.pyx"], extra_compile_args=["-O2"]),
             Extension("event_plane._fastenc", ["event_plane/_fastenc.pyx"], extra_compile_args=["-O2"]),
             Extension("kvbm_runtime._pool_core", ["kvbm_runtime/_pool_core.pyx"], extra_compile_args=["-O2"]),
             Extension("storage_backends._readcore", ["storage_backends/_readcore.pyx"], extra_compile_args=["-O2"]),

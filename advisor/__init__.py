@@ -1,38 +1,51 @@
-"""The advisor: journal → PrefixIndex fold, tiering policies, planner and mover, query API.
+"""The advisor: the KV event log folded into a prefix index, tiering policies, moves, the
+embedded service and the scaled cluster, in rooms (docs/design.md, "The rooms of the advisor").
 
-Imports ``event_plane`` and ``storage_backends`` only (the REST API is loaded by name).
+Rooms, lowest first (each imports only rooms below it): ``index``; ``ingest`` and ``policy``;
+``moves``; ``settings`` (a module); ``ops``; ``embedded`` and ``cluster``.  This face
+re-exports what a user imports most (``advisor.PrefixIndex``, ``advisor.AdvisorService``...);
+``python -m advisor`` runs the embedded service, ``python -m advisor.cluster`` one cluster
+advisor.  The package imports ``event_plane`` and ``storage_backends`` only.
 """
 
-from advisor.frequency import FrequencySettings, FrequencySketch, SsdAdmissionFilter
-from advisor.index import BlockInfo, IndexCounters, PrefixIndex
-from advisor.journal import BadPayloadError, JournalError, SqliteJournal
-from advisor.mover import Mover
-from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
-from advisor.planner import Plan, Planner, TokenBucket
-from advisor.policies import (
+from advisor.embedded import AdvisorError, AdvisorService, main
+from advisor.index import (
+    BlockInfo,
+    FrequencySettings,
+    FrequencySketch,
+    IndexCounters,
+    PrefixIndex,
+    RedisSnapshotStore,
+    Snapshot,
+    SnapshotError,
+    SqliteSnapshotStore,
+    SsdAdmissionFilter,
+    load_latest,
+)
+from advisor.ingest import BadPayloadError, JournalError, SqliteJournal
+from advisor.moves import Mover, Plan, Planner, TokenBucket
+from advisor.ops import AdvisorQuery, LookupResult, VolumeView
+from advisor.policy import (
     CompactionSettings,
     DemotionSettings,
+    PlanItem,
+    PlanKind,
     PlannerSettings,
+    PlanResult,
+    PlanStatus,
     PolicyInput,
     PolicySettings,
+    PrefixPolicySettings,
+    PrefixValueCache,
     PromotionSettings,
+    ReuseStats,
     VolumeUsage,
     plan_all,
     plan_compactions,
     plan_demotions,
     plan_promotions,
 )
-from advisor.prefix_policy import PrefixPolicySettings, PrefixValueCache, ReuseStats
-from advisor.query import AdvisorQuery, LookupResult, VolumeView
-from advisor.service import AdvisorError, AdvisorService, main
 from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
-from advisor.snapshot import (
-    RedisSnapshotStore,
-    Snapshot,
-    SnapshotError,
-    SqliteSnapshotStore,
-    load_latest,
-)
 
 __all__ = [
     "RedisSnapshotStore",

@@ -2,6 +2,6 @@
 
 import sys
 
-from advisor.service import main
+from advisor.embedded.service import main
 
 sys.exit(main())

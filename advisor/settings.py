@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from advisor.policies import PolicySettings
+from advisor.policy.policies import PolicySettings
 from storage_backends.deployment import SettingsError, VolumeSettings, check_secret_file_mode
 
 __all__ = ["AdvisorSettings", "SettingsError", "VolumeSettings", "format_validation_error"]
@@ -57,7 +57,7 @@ class AdvisorSettings(BaseSettings):
             timer (rounds then run only on request).
         source_ttl_s: a source that has sent nothing for this many seconds has its
             ``g1``/``g2`` blocks dropped from the index by a journaled expiry batch
-            (:mod:`advisor.source_expiry`; its blocks on shared volumes stay); ``0`` = never.
+            (:mod:`advisor.ingest.source_expiry`; its blocks on shared volumes stay); ``0`` = never.
             Embedded mode (``log = sqlite``) only.
         reconcile_on_start: compare the catalog with the index at start and publish the
             Store/Remove events a crash between commit and publish left out.
@@ -120,13 +120,13 @@ class AdvisorSettings(BaseSettings):
         quota_max_sources / quota_max_locations / quota_max_batch_events /
             quota_max_event_metadata_bytes / quota_max_batch_metadata_bytes /
             quota_source_rate / quota_source_burst: admission quotas of subscribed
-            batches (``advisor/quotas.py``): distinct sources (default 10,000), distinct
+            batches (``advisor/ingest/quotas.py``): distinct sources (default 10,000), distinct
             volume names (256), events per batch (65,536), encoded ``extra_metadata``
             bytes per event (4 KiB) and per batch (1 MiB), and each source's token bucket:
             events/s (200,000) and size in events (1,048,576, at least
             ``quota_max_batch_events``). What goes over is refused alone and counted.
         quota_max_source_blocks / quota_max_blocks / quota_max_bindings: state quotas
-            (``advisor/quotas.py``): blocks one source may hold in its ``g1``/``g2``
+            (``advisor/ingest/quotas.py``): blocks one source may hold in its ``g1``/``g2``
             (default 2^20, twice what a worker with 1 TiB of G2 + G3 at 2 MiB blocks
             holds), blocks the index may hold (2^24, about 1.5 GiB of index), and source →
             origin bindings (20,000). A Store over a block quota is refused alone; a batch
@@ -141,7 +141,7 @@ class AdvisorSettings(BaseSettings):
             live blocks are removed once older than ``gc_min_age_s`` seconds.
         full_backoff_s / full_backoff_max_s: after a move failed on a full destination,
             moves into it are held back this long, doubling up to the maximum
-            (:mod:`advisor.volume_backoff`).
+            (:mod:`advisor.embedded.volume_backoff`).
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -339,8 +339,8 @@ class AdvisorSettings(BaseSettings):
         )
 
     def quota_limits(self) -> Any:
-        """The ``quota_*`` and ``reported_hits_*`` fields as an :class:`advisor.quotas.QuotaLimits`."""
-        from advisor.quotas import QuotaLimits
+        """The ``quota_*`` and ``reported_hits_*`` fields as an :class:`advisor.ingest.quotas.QuotaLimits`."""
+        from advisor.ingest.quotas import QuotaLimits
 
         return QuotaLimits(
             max_sources=self.quota_max_sources,

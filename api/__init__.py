@@ -1,4 +1,4 @@
-"""REST API of kvadvisor: FastAPI app over an ``advisor.query.AdvisorQuery``, uvicorn in a thread.
+"""REST API of kvadvisor: FastAPI app over an ``advisor.ops.query.AdvisorQuery``, uvicorn in a thread.
 
 Routes, scopes, paging and errors: docs/operations.md ("REST API"). The indexer-compatible
 routes are :mod:`api.indexer`; auth is :mod:`api.auth`.

@@ -427,7 +427,7 @@ class HealthResponse(BaseModel):
 
 
 def plan_response(res: Any) -> PlanResponse:
-    """Convert an ``advisor.plan.PlanResult``."""
+    """Convert an ``advisor.policy.plan.PlanResult``."""
     it = res.item
     return PlanResponse(
         kind=it.kind.value,

@@ -14,7 +14,7 @@ from api.app import create_app
 from api.auth import ApiSecuritySettings, InsecureBindError, check_bind
 
 if TYPE_CHECKING:
-    from advisor.query import AdvisorQuery
+    from advisor.ops.query import AdvisorQuery
 
 
 class ServerError(RuntimeError):

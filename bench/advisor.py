@@ -53,8 +53,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.index import PrefixIndex  # noqa: E402
-from advisor.quotas import QuotaGuard, QuotaLimits  # noqa: E402
+from advisor.index.prefix_index import PrefixIndex  # noqa: E402
+from advisor.ingest.quotas import QuotaGuard, QuotaLimits  # noqa: E402
 from event_plane.codec import decode_batch, encode_batch  # noqa: E402
 from event_plane.schema import EventBatch, store  # noqa: E402
 from kvadvisor.trace import read_mooncake  # noqa: E402
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ours (decode + apply)':24}{o_apply:>20,.0f}{o_lookup:>14,.0f}   apply_payload(bytes)")
     print(f"{'  decode only':24}{n_events / med(ours, 'decode_s'):>20,.0f}{'':14}   decode_batch (msgspec)")
     print(f"{'  apply only':24}{n_events / med(ours, 'fold_s'):>20,.0f}{'':14}   apply_batch(decoded batch)")
-    print(f"{'  admission only':24}{n_events / med(ours, 'admit_s'):>20,.0f}{'':14}   QuotaGuard.admit (advisor/quotas.py), "
+    print(f"{'  admission only':24}{n_events / med(ours, 'admit_s'):>20,.0f}{'':14}   QuotaGuard.admit (advisor/ingest/quotas.py), "
           f"{med(ours, 'admit_s') / med(ours, 'apply_s'):.2f}x the time of apply_payload")
     if not dyn:
         print(why)

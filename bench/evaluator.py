@@ -8,13 +8,13 @@ Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Bel
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
 references on the same requests at the first capacity, as speed ratios: the evaluator's
 former pure-Python LRU (an ``OrderedDict``, reproduced below) against the compiled LRU, and
-the former pure-Python prefix-value replay (``advisor.prefix_policy.PrefixValueCache``, what
+the former pure-Python prefix-value replay (``advisor.policy.prefix_policy.PrefixValueCache``, what
 made the former evaluator take 284 s) against the compiled prefix_value policy (which replays
 three instances: the tier and its two shadows), on the first ``--reference-requests``.
 ``--split`` prints the honest protocol's two tables: hit rates on
 the first half of the requests (where settings may be chosen) and on the second half (the
 held-out report), every policy replaying the whole trace in order and counting only its
-half (warm start).  The default policy's settings (:class:`advisor.eviction.experts.
+half (warm start).  The default policy's settings (:class:`advisor.policy.eviction.experts.
 SelectorSettings` and its experts' own) are one set chosen on neither half: the switching
 rule's two settings were set from the synthetic suite (docs/traces.md).  The trace is
 ``--trace`` (WEKA directory or Mooncake jsonl) or ``$KVADVISOR_TRACES/claude_code_weka``.
@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.eviction import lru, prefix_value  # noqa: E402
-from advisor.prefix_policy import PrefixValueCache  # noqa: E402
-from advisor.eviction.compact import compact  # noqa: E402
+from advisor.policy.eviction import lru, prefix_value  # noqa: E402
+from advisor.policy.prefix_policy import PrefixValueCache  # noqa: E402
+from advisor.policy.eviction.compact import compact  # noqa: E402
 from kvadvisor.evaluate import evaluate, load_trace, markdown_table, parse_capacities  # noqa: E402
 
 

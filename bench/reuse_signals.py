@@ -4,7 +4,7 @@
     taskset -c 0 python bench/reuse_signals.py                       # Mooncake conversation trace
     taskset -c 0 python bench/reuse_signals.py --trace other.jsonl --train 0.5 --tail 2048
 
-The default policy (``advisor.eviction.prefix_value``) ranks a block by ``P(reuse | class)``,
+The default policy (``advisor.policy.eviction.prefix_value``) ranks a block by ``P(reuse | class)``,
 class = (times referenced before capped at 4, last block of its request or not, request
 continued a known prefix or not).  Its gap to Belady on a trace is a prediction gap (docs/
 BENCHMARKS.md, "The `prefix_value` expert"): this script measures how much better any
@@ -137,12 +137,12 @@ def signals(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarra
 def class_table_scores(X: np.ndarray, y: np.ndarray, train: np.ndarray, test: np.ndarray) -> np.ndarray:
     """The policy's class predictor: each test reference gets its class's training reuse share.
 
-    The class is the policy's own, :func:`advisor.eviction.prefix_value.reuse_class` with
-    the default :class:`~advisor.eviction.prefix_value.PrefixValueSettings` caps (times seen
+    The class is the policy's own, :func:`advisor.policy.eviction.prefix_value.reuse_class` with
+    the default :class:`~advisor.policy.eviction.prefix_value.PrefixValueSettings` caps (times seen
     before, blocks from the request's end, continued).  A class absent from the training
     references gets the overall share.
     """
-    from advisor.eviction.prefix_value import PrefixValueSettings, reuse_class
+    from advisor.policy.eviction.prefix_value import PrefixValueSettings, reuse_class
 
     s = PrefixValueSettings()
     cols = X[:, [FEATURES.index("seen"), FEATURES.index("from_end"), FEATURES.index("continued")]].astype(np.int64)
@@ -180,8 +180,8 @@ def replay(trace_path: Path, X: np.ndarray, y: np.ndarray, req: np.ndarray, cut:
     """
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    from advisor.eviction import belady, lru, prefix_value
-    from advisor.eviction.compact import compact
+    from advisor.policy.eviction import belady, lru, prefix_value
+    from advisor.policy.eviction.compact import compact
     from kvadvisor.evaluate import load_mooncake
 
     trace = compact(load_mooncake(trace_path, limit))

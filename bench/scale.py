@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from advisor.cluster import ClusterClient, PartitionUnavailable  # noqa: E402
+from advisor.cluster.node import ClusterClient, PartitionUnavailable  # noqa: E402
 from event_plane.partition import PartitionScheme  # noqa: E402
 from event_plane.partitioned import PartitionedPublisher, partition_url  # noqa: E402
 from event_plane.schema import store  # noqa: E402

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor.index import PLACEMENT_KEYS, PrefixIndex
-from advisor.journal import SqliteJournal
+from advisor.index.prefix_index import PLACEMENT_KEYS, PrefixIndex
+from advisor.ingest.journal import SqliteJournal
 from advisor.settings import AdvisorSettings
 from event_plane.codec import CodecError, encode_batch
 from event_plane.schema import EventBatch, KVEvent, remove, store
@@ -155,7 +155,7 @@ def check(settings: AdvisorSettings, *, repair: bool = False, deep: bool = False
     report = CheckReport()
     owner = None
     if repair:  # appends to the journal: no advisor may be running on it
-        from advisor.owner_lock import OwnerLock
+        from advisor.embedded.owner_lock import OwnerLock
 
         owner = OwnerLock(f"{settings.journal_path}.lock", f"journal {settings.journal_path}", "kvadvisor check --repair")
         owner.acquire()

@@ -358,7 +358,7 @@ def evaluate(
 
         import numpy as np
 
-        from advisor.eviction.compact import compact
+        from advisor.policy.eviction.compact import compact
         from kvadvisor import timemodel
 
         try:
@@ -478,7 +478,7 @@ def check_cmd(
         _fail(str(exc))
         return
     except (StorageError, ValueError, RuntimeError) as exc:
-        from advisor.service import start_failure_line
+        from advisor.embedded.service import start_failure_line
 
         _fail(start_failure_line(exc))
         return
@@ -514,7 +514,7 @@ def check_cmd(
 @advisor_app.command("run")
 def advisor_run(config: Annotated[Path, typer.Option(help="JSON settings file")]) -> None:
     """Run the advisor service in the foreground (same as ``python -m advisor --config``)."""
-    from advisor.service import main
+    from advisor.embedded.service import main
 
     sys.exit(main(["--config", str(config)]))
 
@@ -529,7 +529,7 @@ def advisor_origins(
     Works on the bindings file (``origins_path``) of a stopped advisor: a running one keeps
     its bindings in memory until it stops (in code: ``AdvisorService.release_origin``).
     """
-    from advisor.origin_store import SqliteOriginStore
+    from advisor.ingest.origin_store import SqliteOriginStore
     from advisor.settings import AdvisorSettings, SettingsError
 
     try:

@@ -5,15 +5,15 @@ fast tier *before* the request is served, in blocks; after serving, all the requ
 blocks are inserted (touched) and the policy evicts down to ``capacity`` blocks.  The hit
 rate is hits / block references over the whole trace.
 
-Policies (one module each in :mod:`advisor.eviction`, compiled with numba over a compact
+Policies (one module each in :mod:`advisor.policy.eviction`, compiled with numba over a compact
 trace so that every policy replays a 15-million-reference trace in seconds):
     * baselines: ``lru``, ``arc``, ``lfu_da``, ``s3fifo``, ``sieve`` and ``prefix_lru``
       (leaf-first LRU), each cited from its paper in its module;
     * ``belady``: evict the block whose next use (request index) is farthest, ties by
       smaller id first (offline reference);
-    * ``adaptive``: the default policy (:mod:`advisor.eviction.experts`), which follows
+    * ``adaptive``: the default policy (:mod:`advisor.policy.eviction.experts`), which follows
       online the best of the baselines and ``prefix_value``;
-    * ``prefix_value`` (:mod:`advisor.eviction.prefix_value`), one of its experts; with a
+    * ``prefix_value`` (:mod:`advisor.policy.eviction.prefix_value`), one of its experts; with a
       lookahead of K requests it also sees the next K requests (docs/BENCHMARKS.md).
 
 Trace formats:
@@ -36,9 +36,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from advisor.eviction import experts
-from advisor.eviction.compact import CompactTrace, compact
-from advisor.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
+from advisor.policy.eviction import experts
+from advisor.policy.eviction.compact import CompactTrace, compact
+from advisor.policy.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
 
 TraceFormat = Literal["mooncake", "weka"]
@@ -160,17 +160,17 @@ def _hits(name: str, requests: Requests | CompactTrace, capacity: int, lookahead
 
 
 def simulate_lru(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under LRU with ``capacity`` blocks (:mod:`advisor.eviction.lru`)."""
+    """Total hit blocks under LRU with ``capacity`` blocks (:mod:`advisor.policy.eviction.lru`)."""
     return _hits("lru", requests, capacity)
 
 
 def simulate_belady(requests: Requests, capacity: int) -> int:
-    """Total hit blocks under Belady's rule (:mod:`advisor.eviction.belady`)."""
+    """Total hit blocks under Belady's rule (:mod:`advisor.policy.eviction.belady`)."""
     return _hits("belady", requests, capacity)
 
 
 def simulate_prefix_value(requests: Requests, capacity: int, lookahead: int = 0) -> int:
-    """Total hit blocks under the ``prefix_value`` policy (:mod:`advisor.eviction.prefix_value`)."""
+    """Total hit blocks under the ``prefix_value`` policy (:mod:`advisor.policy.eviction.prefix_value`)."""
     return _hits("prefix_value", requests, capacity, lookahead)
 
 
@@ -197,7 +197,7 @@ class CapacityResult:
     hit_rate: dict[str, float] = field(default_factory=dict)
     baselines: tuple[str, ...] = BASELINES
     switches: dict[str, int] = field(default_factory=dict)
-    """Leader changes of the default policy's selector (:mod:`advisor.eviction.experts`), by column."""
+    """Leader changes of the default policy's selector (:mod:`advisor.policy.eviction.experts`), by column."""
     infinite: float = 1.0
     """Hit rate of an infinite tier (every block referenced before is a hit): the ceiling
     of a policy that sees the next requests and promotes their blocks ahead of use."""
@@ -263,7 +263,7 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
     Args:
         requests: block id lists in arrival order, or their :class:`CompactTrace`.
         capacities: fast-tier capacities in blocks (each >= 1).
-        policies: our policies (names of :data:`advisor.eviction.registry.POLICIES`).
+        policies: our policies (names of :data:`advisor.policy.eviction.registry.POLICIES`).
         lookaheads: for each of ``policies``, the numbers of upcoming requests it sees
             (``0`` = none); each K > 0 adds a column ``policy@K``.
         baselines: online baselines to compare with (LRU is always run).

@@ -6,7 +6,7 @@ the advisors' ``storage.json``) publish through
 :class:`event_plane.partitioned.PartitionedPublisher` to the NATS JetStream cluster; the
 cluster advisors fold each partition and move blocks between the volumes; the demo then
 checks, as the embedded demo does, that the index (the union of every partition, asked
-through :class:`advisor.cluster.ClusterClient`) equals what each worker holds in G1/G2 and
+through :class:`advisor.cluster.node.ClusterClient`) equals what each worker holds in G1/G2 and
 what the catalog places on each volume (once the movers' announcements are folded: it asks
 again, up to ``settle_s``, while they differ), and reads every stored block back byte for
 byte.
@@ -23,8 +23,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from advisor.cluster import ClusterClient, PartitionUnavailable
-from advisor.cluster_mover import ClusterStorageSettings
+from advisor.cluster.node import ClusterClient, PartitionUnavailable
+from advisor.cluster.mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.urls import make_publisher

@@ -17,7 +17,7 @@ be there, so that prefetching is no longer free.
   (enough engines: queueing at the GPU is not modelled).
 * **Lookahead K** (a router's ``/v1/lookup`` or a scheduler's queue of K requests): request
   i becomes visible at the arrival of request i − K.  The policy then promotes its blocks
-  that sit on a lower tier (:func:`advisor.eviction.prefix_value.simulate_promotions`),
+  that sit on a lower tier (:func:`advisor.policy.eviction.prefix_value.simulate_promotions`),
   and each promotion is a transfer on that tier's link issued at that moment.  A block
   counts as *ready in time* only if it is on the fast tier and, if it was promoted, its
   transfer is done when the request's prefill starts; the ready prefix ends at the first
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from advisor.eviction.compact import CompactTrace
-from advisor.eviction.dlist import new_lists, push_head, unlink
+from advisor.policy.eviction.compact import CompactTrace
+from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def replay(trace: CompactTrace, times_s: Sequence[float] | np.ndarray, hits: np.
         times_s: arrival time of each request, seconds (non-decreasing), ``[requests]``.
         hits: the policy's fast-tier hit blocks per request (int64 ``[requests]``).
         promoted: with a lookahead, bool ``[refs]`` from
-            :func:`advisor.eviction.prefix_value.simulate_promotions`.
+            :func:`advisor.policy.eviction.prefix_value.simulate_promotions`.
         lookahead: K (0 = no hints).
         model: tiers, block size, prefill rate (default :class:`TimeModel`).
 
@@ -301,8 +301,8 @@ def evaluate_timed(trace: CompactTrace, times_s: np.ndarray, capacity: int, look
         known: hits per request already replayed at this capacity (``lru``, ``belady``,
             ``adaptive``), to skip those replays.
     """
-    from advisor.eviction import prefix_value
-    from advisor.eviction.registry import POLICIES
+    from advisor.policy.eviction import prefix_value
+    from advisor.policy.eviction.registry import POLICIES
 
     known = known or {}
     rows = []

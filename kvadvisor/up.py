@@ -10,8 +10,8 @@ describes the same topology in containers):
   partitions of the index through leases, each moving the blocks of its partitions between
   the topology's volumes (``<dir>/storage.json``: ``fast`` and ``slow`` POSIX volumes under
   ``<dir>/volumes`` and the ``s3`` volume on the S3 endpoint, placement catalog in Redis;
-  :mod:`advisor.cluster_mover`);
-* the cluster's REST API (``python -m advisor.cluster_api``) on a loopback port.
+  :mod:`advisor.cluster.mover`);
+* the cluster's REST API (``python -m api.cluster_api``) on a loopback port.
 
 Every process runs in its own session, so it outlives the command; ``up`` returns once all
 partitions are owned and writes ``<dir>/cluster.json`` (mode 0600: it holds the Redis
@@ -169,7 +169,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
                                     "--heartbeat", "1", "--snapshot-interval", "10", "--storage", str(storage)],
                                 logs, env)
         api_port = free_port()
-        started["api"] = _spawn("api", [sys.executable, "-m", "advisor.cluster_api", "--nats", nats.url,
+        started["api"] = _spawn("api", [sys.executable, "-m", "api.cluster_api", "--nats", nats.url,
                                         "--namespace", namespace, "--partitions", str(partitions),
                                         "--port", str(api_port), "--retry-after", "6"], logs, env)
         state = ClusterUp(root=str(root), nats_urls=nats.urls, redis_url=redis_url, s3_endpoint=endpoint,
@@ -223,7 +223,7 @@ def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, acces
 
 
 def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> None:
-    from advisor.leases import LeaseError, lease_owners
+    from advisor.cluster.leases import LeaseError, lease_owners
 
     end = time.monotonic() + timeout_s
     owners: dict[int, str] = {}

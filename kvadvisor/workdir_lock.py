@@ -1,5 +1,5 @@
 """An exclusive lock on a working directory (``<workdir>/.kvadvisor.lock``,
-:class:`advisor.owner_lock.OwnerLock`): released by the kernel when its owner dies, so a
+:class:`advisor.embedded.owner_lock.OwnerLock`): released by the kernel when its owner dies, so a
 crashed demo never leaves a stale lock; the owner's pid and task are written beside it
 (``.kvadvisor.lock.owner``) for a refused second owner to name.
 """
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from advisor.owner_lock import OwnedError, OwnerLock
+from advisor.embedded.owner_lock import OwnedError, OwnerLock
 
 LOCK_NAME = ".kvadvisor.lock"
 

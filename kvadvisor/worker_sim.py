@@ -61,7 +61,7 @@ class WorkerSimSettings(BaseSettings):
     interval_s: float = Field(0.05, ge=0.0, description="pause between requests")
     workdir: Path = Field(Path("kvadvisor-worker-sim"), description="G3 volume and its catalog")
     storage: Path | None = Field(None, description=(
-        "the cluster advisors' storage settings (advisor.cluster_mover.ClusterStorageSettings, their "
+        "the cluster advisors' storage settings (advisor.cluster.mover.ClusterStorageSettings, their "
         "--storage): G3 is then the first slow volume of that file, in the shared Redis catalog, so the "
         "advisors' movers manage what this worker offloads; default: a private POSIX volume under workdir"))
     redis_url: str | None = Field(None, description=(
@@ -85,7 +85,7 @@ def _shared_storage(s: WorkerSimSettings) -> tuple[Any, str]:
     """
     import os
 
-    from advisor.cluster_mover import ClusterStorageSettings
+    from advisor.cluster.mover import ClusterStorageSettings
     from storage_backends import RedisCatalog, StorageAgent
 
     assert s.storage is not None

@@ -40,9 +40,9 @@ from libc.stdint cimport int8_t, int32_t
 
 import numpy as np
 
-# kvbm_runtime.block imports this module after defining BlockState and BlockMeta (it
-# re-exports the classes below); WeakBlock is looked up when first needed.
-import kvbm_runtime.block as _blockmod
+# BlockState, BlockMeta and WeakBlock come from kvbm_runtime.block_state (kvbm_runtime.block
+# re-exports them with the classes below)
+import kvbm_runtime.block_state as _blockmod
 from kvbm_runtime.errors import BlockStateError, ConsumedHandleError
 from kvbm_runtime.hashing import chain_hash, local_hash
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from advisor.index import PrefixIndex
-from advisor.jslog import JetStreamLog
-from advisor.partition_fold import PartitionFold
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.jslog import JetStreamLog
+from advisor.cluster.partition_fold import PartitionFold
 from event_plane.config import StreamLimits
 
 
@@ -32,7 +32,7 @@ def fold_log(url: str, namespace: str, *, start_seq: int = 1, replicas: int = 1,
              index: PrefixIndex | None = None) -> PrefixIndex:
     """Apply every batch of ``namespace`` from stream sequence ``start_seq`` to what the
     stream holds now, onto ``index`` (a new one by default), each batch once
-    (:class:`advisor.partition_fold.PartitionFold`); returns the index.
+    (:class:`advisor.cluster.partition_fold.PartitionFold`); returns the index.
 
     Raises:
         AssertionError: the log ended before the messages pending at the start were read.

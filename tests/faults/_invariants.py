@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from advisor import AdvisorService, AdvisorSettings
-from advisor.journal import SqliteJournal
+from advisor.ingest.journal import SqliteJournal
 from kvadvisor.check import check, fold_journal
 from storage_backends import BlockKey, StorageAgent, StorageError
 from tests.faults._world import NS, data

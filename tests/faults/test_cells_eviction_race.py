@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from advisor import AdvisorService, PlanKind, PlanStatus
-from advisor.plan import PlanItem
+from advisor.policy.plan import PlanItem
 from storage_backends import BlockKey, SqliteCatalog, StorageAgent
 from tests.conftest import posix_agent
 from tests.faults._world import NS, Worker, settings

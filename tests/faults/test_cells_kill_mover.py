@@ -23,7 +23,7 @@ HOT = [601, 602, 603, 604]
 CHILD = r"""
 import os, sys
 from advisor import AdvisorService, AdvisorSettings
-from advisor.service import AdvisorService as _S
+from advisor.embedded.service import AdvisorService as _S
 from storage_backends import StorageAgent
 
 cfg, step = sys.argv[1], sys.argv[2]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from advisor.journal import SqliteJournal
+from advisor.ingest.journal import SqliteJournal
 from kvadvisor.check import CHECK_SOURCE, fold_journal
 from storage_backends import SqliteCatalog
 from storage_backends.local_s3 import LocalS3

@@ -28,8 +28,8 @@ import sys
 import _fuzzlib
 
 with _fuzzlib.instrumented(__name__ == "__main__"):
-    from advisor.index import PrefixIndex
-    from advisor.index_reference import ReferencePrefixIndex
+    from advisor.index.prefix_index import PrefixIndex
+    from advisor.index.reference import ReferencePrefixIndex
     from event_plane.codec import (
         MAX_METADATA_DEPTH,
         CodecError,

@@ -10,7 +10,7 @@ subscriber receives it. The flags byte picks how the advisor runs:
   one and replays the rest), else no snapshots (the restart replays the whole journal);
 * bit 2: with snapshots, one more snapshot on the clean stop.
 
-:func:`check` runs a real :class:`~advisor.service.AdvisorService` (SQLite journal, no API,
+:func:`check` runs a real :class:`~advisor.embedded.service.AdvisorService` (SQLite journal, no API,
 no subscriptions, ``null://`` publisher) on a scratch file: every payload that
 ``decode_batch`` accepts (what a subscriber delivers) goes through ``AdvisorService.ingest``;
 then the service stops and a second one starts on the same files, as a restarted advisor
@@ -34,7 +34,7 @@ from pathlib import Path
 import _fuzzlib
 
 with _fuzzlib.instrumented(__name__ == "__main__"):
-    from advisor.service import AdvisorService
+    from advisor.embedded.service import AdvisorService
     from advisor.settings import AdvisorSettings
     from event_plane.codec import CodecError, decode_batch
 

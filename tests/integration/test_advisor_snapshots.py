@@ -8,8 +8,8 @@ import time
 import redis
 
 from advisor import AdvisorService, AdvisorSettings
-from advisor.index import PrefixIndex
-from advisor.snapshot import SqliteSnapshotStore
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.snapshot import SqliteSnapshotStore
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import EventBatch, cleared, remove, store
 from tests.conftest import start_nats_server

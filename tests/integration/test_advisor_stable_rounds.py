@@ -24,8 +24,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from advisor.index import PrefixIndex
-from advisor.journal import SqliteJournal
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.journal import SqliteJournal
 from kvadvisor.cli import app
 
 ROUNDS = 10

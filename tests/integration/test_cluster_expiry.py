@@ -1,4 +1,4 @@
-"""Dead sources in scaled mode (advisor/cluster_expiry.py), on a real nats-server and Redis.
+"""Dead sources in scaled mode (advisor/cluster/expiry.py), on a real nats-server and Redis.
 
 A worker that stopped has its g1 blocks dropped from every partition once it has been
 silent on all of them for the TTL; its block on a shared volume stays.  A live worker that
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from advisor.cluster import ClusterClient, ClusterNode, ClusterSettings, wait_until
+from advisor.cluster.node import ClusterClient, ClusterNode, ClusterSettings, wait_until
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_namespace, partition_url
 from event_plane.schema import store

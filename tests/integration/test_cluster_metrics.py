@@ -1,5 +1,5 @@
 """``python -m advisor.cluster --metrics-port``: a cluster advisor serves Prometheus metrics of
-the partitions it owns (advisor/cluster_metrics.py), read by the compose topology's
+the partitions it owns (advisor/cluster/metrics.py), read by the compose topology's
 Prometheus.  Real NATS (private, JetStream), real Redis, a real advisor process."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from advisor.cluster import ClusterClient, PartitionUnavailable
+from advisor.cluster.node import ClusterClient, PartitionUnavailable
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.schema import store

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from advisor.cluster_mover import ClusterStorageSettings, trunk_depth_of
-from advisor.index import PrefixIndex
-from advisor.mover import Mover
-from advisor.plan import PlanItem, PlanKind, PlanStatus
+from advisor.cluster.mover import ClusterStorageSettings, trunk_depth_of
+from advisor.index.prefix_index import PrefixIndex
+from advisor.moves.mover import Mover
+from advisor.policy.plan import PlanItem, PlanKind, PlanStatus
 from advisor.settings import SettingsError
 from event_plane.schema import EventBatch, EventType, store
 from event_plane.urls import make_publisher

@@ -40,12 +40,12 @@ from pathlib import Path
 import redis
 import torch
 
-from advisor.index import PrefixIndex
-from advisor.jslog import JetStreamLog
-from advisor.leases import lease_owners
-from advisor.partition_fold import PartitionFold
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.jslog import JetStreamLog
+from advisor.cluster.leases import lease_owners
+from advisor.cluster.partition_fold import PartitionFold
 from tests.logs import read_log
-from advisor.snapshot import RedisSnapshotStore, load_latest
+from advisor.index.snapshot import RedisSnapshotStore, load_latest
 from event_plane.codec import decode_batch
 from event_plane.config import StreamLimits
 from event_plane.partition import PartitionScheme
@@ -115,7 +115,7 @@ def test_a_paused_owner_lands_nothing_and_the_index_matches_the_catalog(tmp_path
     storage.write_text(json.dumps(conf))
     catalog = RedisCatalog(redis_url, prefix=str(conf["catalog_prefix"]))
     agent = StorageAgent(catalog, name="workers", allowed_roots=[str(vols)])
-    from advisor.cluster_mover import ClusterStorageSettings
+    from advisor.cluster.mover import ClusterStorageSettings
 
     for v in ClusterStorageSettings.model_validate(conf).volumes:
         agent.register_volume(v.to_descriptor())

@@ -1,4 +1,4 @@
-"""Races and odd catalog contents against the scaled mover (advisor/cluster_mover.py), on a
+"""Races and odd catalog contents against the scaled mover (advisor/cluster/mover.py), on a
 private nats-server (JetStream, lease bucket), Redis (snapshots, placement catalog) and
 POSIX volumes through NIXL; one in-process cluster advisor (:class:`ClusterNode` with
 storage settings) and "workers" that put blocks into the shared catalog and announce them
@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from advisor.cluster import ClusterNode, ClusterSettings, wait_until
-from advisor.cluster_mover import ClusterStorageSettings
+from advisor.cluster.node import ClusterNode, ClusterSettings, wait_until
+from advisor.cluster.mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.schema import remove, store

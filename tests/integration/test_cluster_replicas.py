@@ -8,8 +8,8 @@ import time
 import uuid
 from types import SimpleNamespace
 
-from advisor.cluster import ClusterSettings, _Replica
-from advisor.index import PrefixIndex
+from advisor.cluster.parts import ClusterSettings, Replica
+from advisor.index.prefix_index import PrefixIndex
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import partition_namespace, partition_url
 from event_plane.schema import remove, store
@@ -34,12 +34,12 @@ def test_two_owners_of_one_partition_each_read_the_whole_log(js_url: str, redis_
                                                         scheme=SCHEME, namespace=ns))
 
     publish(1000, 1200)
-    old = _Replica(settings("old"), 0)  # type: ignore[arg-type]
-    new = _Replica(settings("new"), 0)  # type: ignore[arg-type]
+    old = Replica(settings("old"), 0)  # type: ignore[arg-type]
+    new = Replica(settings("new"), 0)  # type: ignore[arg-type]
     try:
         publish(1200, 1400)  # both are reading now
         pub.close()
-        from advisor.jslog import JetStreamLog
+        from advisor.ingest.jslog import JetStreamLog
 
         log = JetStreamLog(js_url, partition_namespace(ns, 0), start_seq=1)
         log.start()

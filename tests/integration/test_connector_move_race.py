@@ -3,7 +3,7 @@ error (the engine recomputes it), never served with wrong bytes.
 
 The worker is the connector as vLLM runs it (a :class:`KvbmLeader` matching on the shared
 catalog, a :class:`KvbmConnectorWorker` over a G1-less :class:`BlockManager`, loads into an
-engine KV cache); the advisor is the real :class:`advisor.mover.Mover` on its own storage
+engine KV cache); the advisor is the real :class:`advisor.moves.mover.Mover` on its own storage
 agent.  Both open the volumes and the catalog from ONE storage declaration (an advisor
 config read with :class:`DeploymentStorage`).  Each round stores a prompt's blocks on
 ``fast``, then loads them while the mover moves them ``fast`` <-> ``slow``: once in the
@@ -23,8 +23,8 @@ import torch
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from advisor.mover import Mover  # noqa: E402
-from advisor.plan import PlanItem, PlanKind, PlanStatus  # noqa: E402
+from advisor.moves.mover import Mover  # noqa: E402
+from advisor.policy.plan import PlanItem, PlanKind, PlanStatus  # noqa: E402
 from event_plane import NullPublisher  # noqa: E402
 from kvbm_runtime import BlockManager, RuntimeConfig  # noqa: E402
 from kvbm_runtime.connector import KvbmConnectorWorker  # noqa: E402

@@ -104,9 +104,8 @@ def test_bad_url_is_a_clear_error() -> None:
 def test_tail_and_stats_on_a_dead_endpoint_say_nothing_answered_and_exit_1() -> None:
     """Nothing listens on the loopback ports: tail warns on stderr after --connect-timeout
     and exits 1 when --duration ends; stats exits 1 with a message instead of a report of
-    zeros. Both still answer in time (no hang)."""
+    zeros. Both end on their own (a hang would end at pytest's timeout)."""
     url = f"zmq://127.0.0.1:{free_port()}?replay={free_port()}"
-    t0 = time.monotonic()
     tail = runner.invoke(app, ["events", "tail", url, "--duration", "1.2", "--connect-timeout", "0.3"])
     assert tail.exit_code == 1, tail.output
     assert tail.stdout == ""
@@ -115,7 +114,6 @@ def test_tail_and_stats_on_a_dead_endpoint_say_nothing_answered_and_exit_1() -> 
     stats = runner.invoke(app, ["events", "stats", url, "--duration", "0.5"])
     assert stats.exit_code == 1, stats.output
     assert stats.stdout == "" and "nothing answered at " + url in stats.stderr
-    assert time.monotonic() - t0 < 10
 
 
 def test_tail_and_stats_on_a_live_but_quiet_publisher_exit_0() -> None:
@@ -140,13 +138,11 @@ def test_get_on_a_never_started_subscriber_raises_at_once() -> None:
     from event_plane import NotStartedError, iter_events, subscribe
 
     sub = subscribe(f"zmq://127.0.0.1:{free_port()}")
-    t0 = time.monotonic()
     with pytest.raises(NotStartedError, match="before start"):
-        sub.get()  # used to block forever
+        sub.get()  # used to block forever (pytest's timeout would end the test)
     with pytest.raises(NotStartedError):
         next(iter_events(sub, timeout=None))
     with pytest.raises(NotStartedError):
         subscribe([f"zmq://127.0.0.1:{free_port()}", f"zmq://127.0.0.1:{free_port()}"]).get(timeout=5)
-    assert time.monotonic() - t0 < 1
     sub.close()
     assert sub.get(timeout=0.1) is None  # closed and drained: the documented end, no error

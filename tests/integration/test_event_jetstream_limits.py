@@ -16,8 +16,8 @@ import pytest
 from conftest import _wait_port, start_nats_server
 
 from advisor import AdvisorSettings
-from advisor.jslog import JetStreamLog
-from advisor.service import AdvisorService
+from advisor.ingest.jslog import JetStreamLog
+from advisor.embedded.service import AdvisorService
 from event_plane import (
     JetStreamPublisher,
     JetStreamSubscriber,
@@ -76,14 +76,21 @@ def create_stream(url: str, max_bytes: int, discard: str) -> None:
     js_call(url, lambda js: js.add_stream(cfg))
 
 
-def publish_each(pub: Any, idx: range, max_flush_s: float = 5.0) -> None:
-    """Publish one event per batch and flush each; each flush must take < ``max_flush_s``."""
+def publish_each(pub: Any, idx: range) -> None:
+    """Publish one event per batch and flush each."""
     for i in idx:
         pub.publish([ev(i)])
-        t0 = time.monotonic()
         pub.flush()
-        took = time.monotonic() - t0
-        assert took < max_flush_s, f"flush of batch {i} took {took:.1f} s"
+
+
+@pytest.fixture
+def no_give_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishers retry a failed publish for an hour instead of 30 s: a refusal that is
+    retried (not reported at once) then holds its flush until pytest's timeout fails the
+    test, whatever the machine's load."""
+    from event_plane.nats_transport import JetStreamPublisher
+
+    monkeypatch.setattr(JetStreamPublisher, "retry_for_s", 3600.0)
 
 
 def start_small_store_server(tmp_path: Any, max_file_store: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -180,13 +187,13 @@ def test_a_stream_larger_than_the_servers_storage_is_a_clear_error(tmp_path) -> 
 
 
 # ---------------------------------------------------------------------- 3. a full store
-def test_a_full_stream_with_discard_new_is_reported_at_once(js_url: str, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_stream_with_discard_new_is_reported_at_once(js_url: str, caplog, no_give_up) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.DEBUG, logger="event_plane.nats_transport")
     create_stream(js_url, 4096, "new")
     pub = make_publisher(f"jetstream://{hostport(js_url)}?namespace=full", "w0",
                          config=ONE, epoch=3)
     try:
-        publish_each(pub, range(60))  # each flush returns at once, refused or not (was: 30 s)
+        publish_each(pub, range(60))  # each flush returns, refused or not: not retried (was: 30 s each)
         st = pub.stats()
         stored = stream_info(js_url).state.messages
         assert 0 < stored < 60 and st.refused == 60 - stored  # the stream took what fitted
@@ -203,7 +210,7 @@ def test_a_full_stream_with_discard_new_is_reported_at_once(js_url: str, caplog)
         pub.close()
 
 
-def test_exhausted_server_storage_is_reported_at_once(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_exhausted_server_storage_is_reported_at_once(tmp_path, caplog, no_give_up) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.ERROR, logger="event_plane.nats_transport")
     proc, url = start_small_store_server(tmp_path, 64 * 1024)
     try:
@@ -213,9 +220,7 @@ def test_exhausted_server_storage_is_reported_at_once(tmp_path, caplog) -> None:
         try:
             for i in range(60):  # ~140 KB in all
                 pub.publish([ev(i * 128 + k) for k in range(128)])  # one ~2.3 KB batch
-                t0 = time.monotonic()
-                pub.flush()
-                assert time.monotonic() - t0 < 5.0, f"flush of batch {i} took {time.monotonic() - t0:.1f} s"
+                pub.flush()  # a refusal retried would hold this flush (fixture no_give_up)
             st = pub.stats()
             assert st.refused > 0 and st.dropped == 128 * st.refused
             assert stream_info(url).state.messages == 60 - st.refused

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import _wait_port
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import EventURLError, PublisherConfig, TransportError, make_publisher, store, subscribe
 from event_plane.errors import ConfigError

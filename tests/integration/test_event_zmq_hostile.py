@@ -243,8 +243,9 @@ def silent_publisher() -> tuple[zmq.Socket, zmq.Socket, str, str]:
 
 def test_forged_sources_waiting_for_replay_do_not_delay_another_source() -> None:
     """10 forged sources start at seq 3 and their replay is never answered. A legitimate
-    source's batch sent after them on the same socket arrives within 1 s (a blocking
-    recovery per forged source used to hold it 2 s each); the forged batches are delivered
+    source's batch sent after them on the same socket arrives first, while the forged
+    recoveries wait (a blocking recovery per forged source used to hold it 2 s each, 20 s in
+    all: the honest get's 10 s deadline would pass); the forged batches are delivered
     once their recoveries time out, their seqs 0..2 counted unrecovered."""
     pub, router, pub_ep, rep_ep = silent_publisher()
     sub = ZmqSubscriber([(pub_ep, rep_ep)], catch_up=False, idle_probe_s=0, replay_timeout_s=2.0)
@@ -253,12 +254,9 @@ def test_forged_sources_waiting_for_replay_do_not_delay_another_source() -> None
         time.sleep(0.3)
         for k in range(10):
             pub.send_multipart(forged(f"forged-{k}", 3))
-        t0 = time.monotonic()
         pub.send_multipart(forged("honest", 0))
-        first = sub.get(timeout=5.0)
-        waited = time.monotonic() - t0
+        first = sub.get(timeout=10.0)
         assert first is not None and first.source == "honest", sub.stats()
-        assert waited < 1.0, f"the honest batch waited {waited:.2f} s"
         rest = sub.get_many(10, 6.0)
         assert sorted(b.source for b in rest) == sorted(f"forged-{k}" for k in range(10))
         st = sub.stats()

@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from advisor.jslog import JetStreamLog
+from advisor.ingest.jslog import JetStreamLog
 from event_plane.codec import decode_batch
 from event_plane.config import StreamLimits
 from event_plane.schema import store

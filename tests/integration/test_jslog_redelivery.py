@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from advisor.index import PrefixIndex
-from advisor.jslog import JetStreamLog
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.jslog import JetStreamLog
 from event_plane.codec import decode_batch
 from event_plane.schema import remove, store
 from event_plane.urls import make_publisher
@@ -71,7 +71,7 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
     """A message the server sent but the reader never got (a fetch answer lost in a
     fail-over) is delivered again only after ack_wait, behind newer ones: the log notices
     the jump in delivery sequence and reads again from the first entry not handed out."""
-    import advisor.jslog as jslog
+    import advisor.ingest.jslog as jslog
 
     ns = "k" + uuid.uuid4().hex[:8]
     url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"
@@ -122,7 +122,7 @@ def test_a_lost_delivery_followed_by_a_redelivery_is_read_again_in_order(js_url:
     deliveries after it follow on without a further jump in delivery sequence: the log must
     count the jump onto the redelivery as a loss too, or the lost entry is skipped (its own
     redelivery comes after ack_wait behind a newer entry, and is dropped as old)."""
-    import advisor.jslog as jslog
+    import advisor.ingest.jslog as jslog
 
     ns = "r" + uuid.uuid4().hex[:8]
     url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"

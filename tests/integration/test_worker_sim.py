@@ -67,7 +67,7 @@ def test_worker_sim_offloads_into_the_cluster_catalog_with_storage(js_url: str, 
     places there, and they read back."""
     import json
 
-    from advisor.cluster_mover import ClusterStorageSettings
+    from advisor.cluster.mover import ClusterStorageSettings
     from storage_backends import RedisCatalog, StorageAgent
 
     ns = "w" + uuid.uuid4().hex[:8]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane.curve import keygen
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import store
 from storage_backends.local_s3 import free_port

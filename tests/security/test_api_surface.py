@@ -13,7 +13,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from api.auth import ApiSecuritySettings
 from api.server import serve_query

@@ -1,4 +1,4 @@
-"""Partitioned advisors (advisor/cluster.py) bind a source to its subject: a batch published
+"""Partitioned advisors (advisor/cluster/node.py) bind a source to its subject: a batch published
 on another source's subject (a forged new epoch under the victim's name) changes nothing in
 the partition and is counted, over a real nats-server and Redis."""
 
@@ -10,7 +10,7 @@ import uuid
 
 import nats
 
-from advisor.cluster import ClusterClient, ClusterNode, ClusterSettings, PartitionUnavailable
+from advisor.cluster.node import ClusterClient, ClusterNode, ClusterSettings, PartitionUnavailable
 from event_plane.codec import encode_batch
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_namespace, partition_url

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from advisor.index import PrefixIndex
-from advisor.journal import SqliteJournal
-from advisor.policies import PolicyInput, plan_promotions
-from advisor.service import AdvisorService
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.journal import SqliteJournal
+from advisor.policy.policies import PolicyInput, plan_promotions
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import WIRE_VERSION, EventBatch, store

@@ -5,8 +5,8 @@ counts the membership entries read; the result stays the reference index's."""
 
 from __future__ import annotations
 
-from advisor.index import PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex
 from event_plane.schema import WIRE_VERSION, EventBatch, remove, store
 
 BS = 64

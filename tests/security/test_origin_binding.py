@@ -83,7 +83,7 @@ def test_zmq_forged_epoch_from_another_endpoint_changes_nothing_and_survives_res
         # the release and the new binding were persisted
         svc = advisor(settings(tmp_path, []))
         assert svc.origins is None  # nothing subscribed: no guard
-        from advisor.origin_store import SqliteOriginStore
+        from advisor.ingest.origin_store import SqliteOriginStore
 
         store_ = SqliteOriginStore(settings(tmp_path, []).origins_file)
         assert store_.load() == {VICTIM: f"zmq:{at_b.split('?')[0].replace('zmq://', 'tcp://')}"}

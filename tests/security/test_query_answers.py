@@ -12,7 +12,7 @@ import msgspec
 import nats
 import pytest
 
-from advisor.cluster import ClusterClient, PartitionUnavailable, query_subject
+from advisor.cluster.node import ClusterClient, PartitionUnavailable, query_subject
 from event_plane.partition import PartitionScheme
 
 ANSWERS = [b"\xc1", msgspec.msgpack.encode([1, 2]), msgspec.msgpack.encode({"locations": 7, "position": 1}),

@@ -17,7 +17,7 @@ from typing import Any
 from security_fixtures import advisor  # noqa: F401 - fixture
 from security_helpers import BS, RawPub, settings, wait_for
 
-from advisor.origin_store import SqliteOriginStore
+from advisor.ingest.origin_store import SqliteOriginStore
 from event_plane.ordering import MAX_RETIRED_EPOCHS
 from event_plane.schema import WIRE_VERSION, EventBatch, remove, store
 

@@ -12,7 +12,7 @@ import redis
 import xxhash
 from security_helpers import BS
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane.schema import WIRE_VERSION, EventBatch, store
 

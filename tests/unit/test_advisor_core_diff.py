@@ -4,7 +4,7 @@ Random logs (orphans, removes, Cleared of private tiers and volumes, restarts, s
 epochs, extra_metadata, invalid locations, self-parented Stores, more than 64 live
 locations, snapshot round trips, the frequency sketch) must give identical ``dump()``,
 ``stats()``, lookups, ``blocks_at``, ``children``, ``block()`` and ``orphans()`` on
-:class:`advisor.index.PrefixIndex` and :class:`advisor.index_reference.ReferencePrefixIndex`.
+:class:`advisor.index.prefix_index.PrefixIndex` and :class:`advisor.index.reference.ReferencePrefixIndex`.
 Wire payloads, well-formed, hand-encoded or mutated, must give through
 ``PrefixIndex.apply_payload`` either the same state as ``decode_batch`` + reference
 ``apply_batch``, or the same :class:`CodecError` message with nothing applied.
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.frequency import FrequencySketch
-from advisor.index import PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex
+from advisor.index.frequency import FrequencySketch
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex
 from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, KVEvent, cleared, remove, store
 
@@ -250,7 +250,7 @@ def test_events_are_validated_before_anything_is_applied() -> None:
 def test_common_payloads_take_the_fused_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores/Removes/Cleared with nil extra_metadata of a known epoch never call decode_batch;
     a map, a restart or a malformed payload does (and gives the reference's result)."""
-    import advisor._index_core as core_mod
+    import advisor.index._core as core_mod
 
     calls: list[int] = []
 

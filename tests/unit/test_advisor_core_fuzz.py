@@ -1,4 +1,4 @@
-"""Fuzzing the compiled index core (``advisor/_index_core.pyx``), bounded for the suite.
+"""Fuzzing the compiled index core (``advisor/index/_core.pyx``), bounded for the suite.
 
 * byte-mutated wire batches (interesting msgpack header bytes, huge declared lengths, NaN
   floats, negative and > u64 ints, ext types, cuts, inserted and deleted bytes), run in a
@@ -23,9 +23,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.frequency import FrequencySketch
-from advisor.index import PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex
+from advisor.index.frequency import FrequencySketch
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex
 from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 
@@ -33,8 +33,8 @@ BS = 4096
 
 MUTATION_FUZZER = r'''
 import random, struct, sys
-from advisor.index import PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex
 from event_plane.codec import CodecError, decode_batch, encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 

@@ -1,4 +1,4 @@
-"""Hostile callers of the compiled index core (``advisor/_index_core.pyx``).
+"""Hostile callers of the compiled index core (``advisor/index/_core.pyx``).
 
 * lookup items whose ``__index__``/``__hash__`` mutate the query list (the core must not
   keep reading the list's freed storage; run in a subprocess so a crash is a failure, not
@@ -17,8 +17,8 @@ import textwrap
 
 import pytest
 
-from advisor.index import IndexStateError, PrefixIndex
-from advisor.index_reference import ReferencePrefixIndex
+from advisor.index.prefix_index import IndexStateError, PrefixIndex
+from advisor.index.reference import ReferencePrefixIndex
 from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, remove, store
 
@@ -37,8 +37,8 @@ def test_lookup_items_that_clear_the_query_list_read_no_freed_storage() -> None:
     """An item whose ``__index__``/``__hash__`` clears the list: the core answers like the
     reference (which iterates the live list) instead of reading the freed item array."""
     out = run_isolated("""
-        from advisor.index import PrefixIndex
-        from advisor.index_reference import ReferencePrefixIndex
+        from advisor.index.prefix_index import PrefixIndex
+        from advisor.index.reference import ReferencePrefixIndex
         from event_plane.schema import EventBatch, store
         B = 10**12
         b = EventBatch(1, "w0", 1, 0, 1, [store(B + i, B + 1, B + i - 1 if i > 1 else None, 4096, "g1")
@@ -182,8 +182,8 @@ def test_a_fold_started_from_inside_a_fold_raises_instead_of_crashing() -> None:
     inner call raises RuntimeError (the outer fold holds the event scratch array, which a
     big inner batch would free); the process survives and the index answers queries."""
     out = run_isolated("""
-        from advisor.frequency import FrequencySketch
-        from advisor.index import PrefixIndex
+        from advisor.index.frequency import FrequencySketch
+        from advisor.index.prefix_index import PrefixIndex
         from event_plane.codec import encode_batch
         from event_plane.schema import EventBatch, store
 
@@ -222,9 +222,9 @@ def test_a_batch_whose_events_are_dropped_during_its_fold_keeps_its_extra_metada
     """The fold keeps the ``extra_metadata`` maps it points to alive: a frequency sketch that
     empties the batch's event list mid-fold (freeing the events) changes nothing."""
     out = run_isolated("""
-        from advisor.frequency import FrequencySketch
-        from advisor.index import PrefixIndex
-        from advisor.index_reference import ReferencePrefixIndex
+        from advisor.index.frequency import FrequencySketch
+        from advisor.index.prefix_index import PrefixIndex
+        from advisor.index.reference import ReferencePrefixIndex
         from event_plane.schema import EventBatch, store
 
         class Clears(FrequencySketch):
@@ -259,7 +259,7 @@ def test_an_event_count_whose_scratch_size_overflows_is_refused_before_any_write
     in size_t, so the scratch array must be refused (MemoryError), not allocated at 1 byte
     and then written past (heap corruption)."""
     out = run_isolated("""
-        from advisor.index import PrefixIndex
+        from advisor.index.prefix_index import PrefixIndex
         from event_plane.schema import EventBatch, store
 
         class Lying(list):
@@ -356,7 +356,7 @@ def test_init_called_again_empties_the_c_table_with_the_python_side() -> None:
     """``__init__`` on a used index resets the location names and wide masks its C records
     refer to; the records go too (a lookup read names past the new empty list: segfault)."""
     out = run_isolated("""
-        from advisor.index import PrefixIndex
+        from advisor.index.prefix_index import PrefixIndex
         from event_plane.schema import EventBatch, store
         idx = PrefixIndex()
         idx.apply_batch(EventBatch(1, "w0", 1, 0, 1, [store(i, 1, i - 1 if i > 1 else None, 4096, f"v{i % 70}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
-from advisor.index import PrefixIndex
+from advisor.index.prefix_index import PrefixIndex
 from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, store
 

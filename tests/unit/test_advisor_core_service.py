@@ -1,5 +1,5 @@
 """The advisor service folds journal entries with ``PrefixIndex.apply_payload`` and stream
-entries with ``decode_batch``, the quotas and ``apply_batch`` (``advisor/quotas.py``); the
+entries with ``decode_batch``, the quotas and ``apply_batch`` (``advisor/ingest/quotas.py``); the
 error handling is the same either way: a stream entry that
 does not decode is counted and skipped (position advances, nothing applied), and so is a
 journal entry at replay (counted in ``journal_skipped``): one bad entry must never keep the
@@ -12,8 +12,8 @@ import sqlite3
 import pytest
 
 from advisor import AdvisorService, AdvisorSettings
-from advisor.index_reference import ReferencePrefixIndex
-from advisor.journal import SqliteJournal
+from advisor.index.reference import ReferencePrefixIndex
+from advisor.ingest.journal import SqliteJournal
 from event_plane.codec import encode_batch, encode_batch_parts, encode_event
 from event_plane.schema import EventBatch, store
 

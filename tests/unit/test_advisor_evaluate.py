@@ -79,8 +79,8 @@ def test_evaluate_table_and_errors() -> None:
 
 
 def test_lookahead_columns_and_promotion() -> None:
-    from advisor.eviction import prefix_value
-    from advisor.eviction.compact import compact
+    from advisor.policy.eviction import prefix_value
+    from advisor.policy.eviction.compact import compact
 
     # 40 requests cycling over 3 two-block prefixes with [1,2] once in the middle, then
     # [1,2] again, on a tier of 4 blocks: without hints [1,2] is long gone when it comes back
@@ -171,8 +171,8 @@ def test_the_table_keeps_policy_names_whole_in_80_columns() -> None:
 
 
 def test_count_reports_a_held_out_range_of_a_whole_replay() -> None:
-    from advisor.eviction import lru
-    from advisor.eviction.compact import compact
+    from advisor.policy.eviction import lru
+    from advisor.policy.eviction.compact import compact
 
     reqs = [list(r) for r in load_trace(bundled_trace(), "mooncake", limit=400)]
     ct = compact(reqs)

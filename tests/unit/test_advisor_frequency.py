@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.frequency import FrequencySettings, FrequencySketch, SsdAdmissionFilter
-from advisor.index import PrefixIndex
+from advisor.index.frequency import FrequencySettings, FrequencySketch, SsdAdmissionFilter
+from advisor.index.prefix_index import PrefixIndex
 from event_plane.schema import EventBatch, store
 
 

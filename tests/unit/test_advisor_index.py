@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from advisor.index import PrefixIndex
-from advisor.index_reference import PARENT_WALK_LIMIT, ReferencePrefixIndex
+from advisor.index.prefix_index import PrefixIndex
+from advisor.index.reference import PARENT_WALK_LIMIT, ReferencePrefixIndex
 from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 

@@ -15,7 +15,7 @@ import tracemalloc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.index import PrefixIndex
+from advisor.index.prefix_index import PrefixIndex
 from event_plane.codec import decode_batch, encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from advisor import AdvisorService, AdvisorSettings
-from advisor.frequency import FrequencySketch
-from advisor.index import U64_MAX, IndexStateError, PrefixIndex
-from advisor.snapshot import decode_index, encode_index
+from advisor.index.frequency import FrequencySketch
+from advisor.index.prefix_index import U64_MAX, IndexStateError, PrefixIndex
+from advisor.index.snapshot import decode_index, encode_index
 from event_plane.codec import decode_batch, encode_batch
 from event_plane.schema import EventBatch, cleared, remove, store
 from event_plane.sdk import BlockTracker

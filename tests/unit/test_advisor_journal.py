@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from advisor.index import PrefixIndex
-from advisor.journal import BadPayloadError, SqliteJournal
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.journal import BadPayloadError, SqliteJournal
 from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, remove, store
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from advisor.plan import PlanItem, PlanKind
-from advisor.planner import Planner, TokenBucket
-from advisor.policies import PlannerSettings
+from advisor.policy.plan import PlanItem, PlanKind
+from advisor.moves.planner import Planner, TokenBucket
+from advisor.policy.policies import PlannerSettings
 
 
 class Clock:

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import pytest
 from pydantic import ValidationError
 
-from advisor.index import PrefixIndex
-from advisor.plan import PlanItem, PlanKind
-from advisor.planner import Planner
-from advisor.policies import (
+from advisor.index.prefix_index import PrefixIndex
+from advisor.policy.plan import PlanItem, PlanKind
+from advisor.moves.planner import Planner
+from advisor.policy.policies import (
     CompactionSettings,
     DemotionSettings,
     PlannerSettings,

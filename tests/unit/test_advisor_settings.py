@@ -8,7 +8,7 @@ import time
 import pytest
 
 from advisor import AdvisorSettings, SettingsError
-from advisor.service import RateMeter
+from advisor.embedded.service import RateMeter
 
 VOLS = [
     {"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 1000, "root": "/tmp/f"},

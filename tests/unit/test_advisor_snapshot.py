@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from advisor.index import IndexStateError, PrefixIndex
-from advisor.snapshot import (
+from advisor.index.prefix_index import IndexStateError, PrefixIndex
+from advisor.index.snapshot import (
     RedisSnapshotStore,
     SnapshotError,
     SqliteSnapshotStore,

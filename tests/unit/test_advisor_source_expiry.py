@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from advisor.index import PrefixIndex
-from advisor.source_expiry import EXPIRY_SEQ_BASE, due, expiry_batch, is_expiry, private_blocks
+from advisor.index.prefix_index import PrefixIndex
+from advisor.ingest.source_expiry import EXPIRY_SEQ_BASE, due, expiry_batch, is_expiry, private_blocks
 from event_plane.codec import decode_batch, encode_batch
 from event_plane.schema import EventBatch, store
 

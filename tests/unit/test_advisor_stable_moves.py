@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from advisor.eviction.live_scoring import BlockFacts, LiveScorer
-from advisor.eviction.prefix_value import PrefixValueSettings, priority, reuse_class
-from advisor.move_guard import MoveGuard
-from advisor.plan import PlanItem, PlanKind, PlanResult, PlanStatus
-from advisor.policies import DemotionSettings, PolicyInput, PolicySettings, VolumeUsage, plan_all, plan_demotions
+from advisor.policy.eviction.live_scoring import BlockFacts, LiveScorer
+from advisor.policy.eviction.prefix_value import PrefixValueSettings, priority, reuse_class
+from advisor.moves.move_guard import MoveGuard
+from advisor.policy.plan import PlanItem, PlanKind, PlanResult, PlanStatus
+from advisor.policy.policies import DemotionSettings, PolicyInput, PolicySettings, VolumeUsage, plan_all, plan_demotions
 from event_plane.schema import store
 from tests.unit.test_advisor_policies import BS, Log, chain_events, placements
 
@@ -134,7 +134,7 @@ def test_a_full_fast_volume_swaps_its_coldest_leaf_for_a_hotter_block_once() -> 
 
 
 def test_move_guard_memory_survives_a_restart_through_the_run_state(tmp_path) -> None:  # noqa: ANN001
-    from advisor.run_state import RunStateStore
+    from advisor.embedded.run_state import RunStateStore
 
     big = (1 << 64) - 5  # a u64 above SQLite's signed range
     access = {big: 1 << 63, 9: None}

@@ -201,7 +201,7 @@ def test_forged_locations_do_not_create_one_metric_series_each(tmp_path) -> None
         # the default bound applies to any AdvisorMetrics over the same state
         from prometheus_client import generate_latest
 
-        from advisor.metrics import AdvisorMetrics
+        from advisor.embedded.metrics import AdvisorMetrics
 
         text = generate_latest(AdvisorMetrics(svc._metrics_snapshot).registry).decode()
         assert sum(line.startswith("kvadvisor_index_blocks{") for line in text.splitlines()) == 64 + 1

@@ -171,7 +171,7 @@ def test_compose_advisor_config_is_valid_scaled_mode(monkeypatch: pytest.MonkeyP
 
 
 def test_compose_cluster_storage_is_the_shared_catalog_and_volumes() -> None:
-    from advisor.cluster_mover import ClusterStorageSettings
+    from advisor.cluster.mover import ClusterStorageSettings
 
     st = ClusterStorageSettings.load(COMPOSE / "config" / "cluster-storage.json")
     assert st.catalog_prefix == "kvadvisor:default:catalog"

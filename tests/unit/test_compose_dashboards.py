@@ -1,6 +1,6 @@
 """Every metric a provisioned Grafana dashboard (compose/grafana/dashboards) queries is one
-the code registers: the advisor's (advisor/metrics.py), the cluster advisors'
-(advisor/cluster_metrics.py) and the workers' (kvbm_runtime/metrics.py), read from their
+the code registers: the advisor's (advisor/embedded/metrics.py), the cluster advisors'
+(advisor/cluster/metrics.py) and the workers' (kvbm_runtime/metrics.py), read from their
 prometheus_client registries, so a renamed metric fails here instead of showing an empty
 panel."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from advisor.cluster import ClusterNode, ClusterSettings
-from advisor.cluster_metrics import cluster_registry
-from advisor.metrics import AdvisorMetrics
+from advisor.cluster.node import ClusterNode, ClusterSettings
+from advisor.cluster.metrics import cluster_registry
+from advisor.embedded.metrics import AdvisorMetrics
 from api.hit_rates import HitRateCollector, HitRates
 from event_plane.partition import PartitionScheme
 from kvbm_runtime.metrics import RuntimeMetrics

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.cluster_mover import ClusterStorageSettings
+from advisor.cluster.mover import ClusterStorageSettings
 from advisor.settings import AdvisorSettings
 from storage_backends.deployment import REDIS_URL_ENV, DeploymentStorage, SettingsError
 

@@ -86,6 +86,8 @@ def test_time_limit_flushes_without_help() -> None:
         time.sleep(0.01)
     waited = time.monotonic() - t0
     assert [len(b.events) for b in j.batches] == [3]
+    # max_delay_s is a deadline the product promises: flushed after it (not before), and
+    # within 1 s, over 6x the 0.15 s promised (measured 0.15-0.16 s here)
     assert 0.14 <= waited < 1.0
     # the timer restarts for the next batch
     pub.publish(chain(1, start=100))

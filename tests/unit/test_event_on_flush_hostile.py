@@ -578,14 +578,13 @@ def test_a_pool_is_not_locked_while_its_thread_runs_other_pools_on_flush() -> No
             slow[0] = False
             stop.set()
         threading.Timer(3.0, end).start()
-        t0 = time.monotonic()
         p1.stats()  # e.g. the scheduler asking the host pool for free blocks
-        print("stats_s", time.monotonic() - t0)
+        # the flood runs until end(): stats() waiting for p1's lock returns only after it
+        print("stats_before_end", not stop.is_set())
         for f in fs: f.join()
         t1.join()
         pub.close()
         """,
-        hang_s=25,
+        hang_s=90,  # a hang bound only: the child imports torch, slow on a loaded machine
     )
-    stats_s = float(proc.stdout.split("stats_s")[1].split()[0])
-    assert stats_s < 0.5, f"p1.stats() waited {stats_s:.2f} s for p1's lock"
+    assert "stats_before_end True" in proc.stdout, f"p1.stats() waited for p1's lock until the flood ended: {proc.stdout}"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from advisor.eviction import arc, belady, lfu_da, lru, prefix_lru, s3fifo, sieve
-from advisor.eviction.compact import compact
+from advisor.policy.eviction import arc, belady, lfu_da, lru, prefix_lru, s3fifo, sieve
+from advisor.policy.eviction.compact import compact
 
 
 def singles(seq: list[int]) -> list[list[int]]:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from advisor.eviction import experts
-from advisor.eviction.compact import compact
-from advisor.eviction.registry import BASELINES, DEFAULT_POLICY, POLICIES
+from advisor.policy.eviction import experts
+from advisor.policy.eviction.compact import compact
+from advisor.policy.eviction.registry import BASELINES, DEFAULT_POLICY, POLICIES
 from kvadvisor import synthetic
 from kvadvisor.cli import app
 from kvadvisor.evaluate import evaluate, load_trace

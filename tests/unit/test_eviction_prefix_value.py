@@ -1,4 +1,4 @@
-"""The default policy's kernel (advisor/eviction/prefix_value.py): leaves first, superseded
+"""The default policy's kernel (advisor/policy/eviction/prefix_value.py): leaves first, superseded
 branches, the censored estimate, settings validation, determinism, and its relation to LRU
 and S3-FIFO on a real slice."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from advisor.eviction import lru, prefix_value, s3fifo
-from advisor.eviction.compact import compact
-from advisor.eviction.prefix_value import PrefixValueSettings, reuse_class, superseded_class
+from advisor.policy.eviction import lru, prefix_value, s3fifo
+from advisor.policy.eviction.compact import compact
+from advisor.policy.eviction.prefix_value import PrefixValueSettings, reuse_class, superseded_class
 from kvadvisor.evaluate import load_trace
 from kvadvisor.trace import bundled_trace
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from advisor.index import PrefixIndex
+from advisor.index.prefix_index import PrefixIndex
 from event_plane.partition import TRUNK, ChainRouter, PartitionError, PartitionScheme, Piece, combine_lookups, partitioned_lookup
 from event_plane.schema import WIRE_VERSION, EventBatch, remove, store
 from kvadvisor.evaluate import load_trace

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from advisor.index import PrefixIndex
-from advisor.partition_fold import PartitionFold
-from advisor.snapshot import decode_index, encode_index
-from advisor.source_expiry import SourceSeen, expiry_batch
+from advisor.index.prefix_index import PrefixIndex
+from advisor.cluster.partition_fold import PartitionFold
+from advisor.index.snapshot import decode_index, encode_index
+from advisor.ingest.source_expiry import SourceSeen, expiry_batch
 from event_plane.codec import encode_batch
 from event_plane.schema import EventBatch, remove, store
 

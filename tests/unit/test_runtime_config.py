@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import resource
-import time
 from pathlib import Path
 
 import httpx
@@ -206,10 +205,8 @@ def test_a_host_pool_above_the_available_memory_is_refused_before_allocating(cle
     cfg = RuntimeConfig(g1_blocks=4)
     assert cfg.g2_blocks is not None
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    t0 = time.monotonic()
     with pytest.raises(CapacityConfigError) as ei:
         BlockManager(cfg, NullPublisher("mem"))
-    assert time.monotonic() - t0 < 2.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 64 << 10  # < 64 MiB more
     msg = str(ei.value)
     assert msg.startswith(f"G2 host pool of {cfg.g2_blocks * 8192 / 2**30:.2f} GiB")

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-import storage_backends.agent as agent_mod
+import storage_backends.read_path as read_path
 from storage_backends import BlockKey, Placement, StorageAgent, _readcore
 
 
@@ -22,7 +22,7 @@ def reference(places: Sequence[Placement], idx: Sequence[int]) -> Iterator[list[
         batch: list[int] = []
         size = 0
         for i in group:
-            if batch and size + places[i].length > agent_mod._READ_BATCH_BYTES:
+            if batch and size + places[i].length > read_path._READ_BATCH_BYTES:
                 yield batch
                 batch, size = [], 0
             batch.append(i)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from advisor.eviction.compact import compact
+from advisor.policy.eviction.compact import compact
 from kvadvisor import timemodel
 from kvadvisor.cli import app
 from kvadvisor.trace import bundled_trace

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from vllm_cases import MAX_TOKENS, PAGE, PROMPTS, SHARED, run
 
-from advisor.service import AdvisorService
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
 from storage_backends.local_s3 import free_port

@@ -20,8 +20,8 @@ from loop_cases import (
 )
 from vllm_cases import PAGE, run, run_offloaded
 
-from advisor.drain import drain_volume
-from advisor.service import AdvisorService
+from advisor.ops.drain import drain_volume
+from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
 from storage_backends import SqliteCatalog

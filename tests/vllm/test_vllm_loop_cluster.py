@@ -1,5 +1,5 @@
 """The whole loop with real engines, scaled mode: two vLLM engines with the connector on the
-cluster's Redis placement catalog, a cluster advisor (:class:`advisor.cluster.ClusterNode`
+cluster's Redis placement catalog, a cluster advisor (:class:`advisor.cluster.node.ClusterNode`
 with its mover) folding the events from JetStream, a POSIX volume ``fast`` and an S3 volume
 ``archive`` (moto on loopback).  The cluster advisors' storage file (``--storage``) is the
 one declaration of the volumes and the catalog; the engines read it (``storage_config``)
@@ -25,8 +25,8 @@ from loop_cases import (
 )
 from vllm_cases import PAGE, run, run_offloaded
 
-from advisor.cluster import ClusterNode, ClusterSettings
-from advisor.cluster_mover import ClusterStorageSettings
+from advisor.cluster.node import ClusterNode, ClusterSettings
+from advisor.cluster.mover import ClusterStorageSettings
 from event_plane.partition import PartitionScheme
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
 from storage_backends import RedisCatalog

@@ -1,0 +1,60 @@
+"""Eviction logs of the compiled policy kernels, for the expert selector.
+
+The expert selector (:mod:`advisor.policy.eviction.experts`) lets the real tier follow one
+policy's decisions (the *leader*) while every policy replays the trace on its own.  For
+that each policy kernel can record, for the requests it leads, every block it evicts, and
+at the first request of each of its turns as leader, the blocks it holds.
+
+A log is a pair of int64 lists kept in the kernel and returned as arrays:
+
+* evictions: ``(request << 32) | position`` and the block id, where ``position`` is the
+  index within the request of the reference being served when the block was evicted
+  (``len(request)`` for a policy that evicts after the whole request);
+* snapshots: the request index and the block id of every block held just before it.
+
+``want`` (bool ``[requests]``) says which requests to log; a kernel run for hit rates
+alone passes all ``False`` and pays one test per eviction.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def new_log() -> tuple[list[int], list[int]]:
+    """An empty log: ``(keys, blocks)`` typed int64 lists."""
+    keys = [np.int64(0)]
+    keys.pop()
+    blocks = [np.int64(0)]
+    blocks.pop()
+    return keys, blocks
+
+
+@numba.njit(cache=True, inline="always")
+def log_eviction(log: tuple[list[int], list[int]], i: int, pos: int, v: int) -> None:
+    """Record that block ``v`` was evicted at position ``pos`` of request ``i``."""
+    log[0].append((np.int64(i) << 32) | np.int64(pos))
+    log[1].append(np.int64(v))
+
+
+@numba.njit(cache=True)
+def as_arrays(log: tuple[list[int], list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The log as two int64 arrays ``(keys, blocks)``."""
+    n = len(log[0])
+    k = np.empty(n, dtype=np.int64)
+    b = np.empty(n, dtype=np.int64)
+    for t in range(n):
+        k[t] = log[0][t]
+        b[t] = log[1][t]
+    return k, b
+
+
+def no_logging(n_requests: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(want_evictions, want_snapshot)`` that log nothing (bool ``[requests]`` each)."""
+    z = np.zeros(n_requests, dtype=np.bool_)
+    return z, z
+
+
+__all__ = ["as_arrays", "log_eviction", "new_log", "no_logging"]

@@ -1,0 +1,300 @@
+"""The default policy: the real tier follows, online, the best of a set of expert policies.
+
+Experts (:data:`EXPERTS`): ``prefix_value`` (:mod:`advisor.policy.eviction.prefix_value`), ARC,
+S3-FIFO, LFU-DA, LRU, SIEVE and prefix-LRU — every online baseline the evaluator reports,
+so no baseline can be strong on a workload without the selector seeing it.
+
+**Experts run whole.**  Every expert replays every request on a cache of its own with the
+tier's full capacity (its own metadata and ghost lists over all keys, exactly as it runs
+alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 7)
+and E updates per block reference, i.e. E times one policy's memory and time.  The
+evaluator replays the experts one after another (peak memory: one expert's), then replays
+each expert that led again, logging its evictions during its spells (16 bytes per
+eviction, at most one per reference) and the blocks it holds at the start of each spell
+(at most C per switch), then runs the mirror below, O(references + C × switches).  The
+live advisor does not run this selection yet: it ranks by ``prefix_value`` alone
+(:mod:`advisor.policy.eviction.live_scoring`).
+
+**Miniature simulations were considered and not used** (C. A. Waldspurger et al., "Cache
+Modeling and Optimization using Miniature Simulations", USENIX ATC 2017): (1) a hit here
+is a *prefix* hit, so a sample of single keys does not see the quantity being chosen
+(SIEVE keeps most sampled keys but loses the roots of long prefixes and with them nearly
+every prefix hit, docs/BENCHMARKS.md); a prefix-closed sample (by subtree) keeps the
+shared roots at full weight in a cache scaled by R, which SHARDS' scaling does not cover;
+(2) the real tier must follow the chosen expert's evictions without losing its contents at
+a switch (below), which needs each expert's full state anyway, and with it the exact
+counts come for free; (3) at the smallest capacities (1,000 blocks × R = 0.01 is 10
+blocks) a miniature cache's hit-count noise is larger than the 0.002 tolerance asked.
+
+**Switching rule (follow the leader with a paired noise bound).**  After request i each
+expert's score is its hit count decayed with a half-life of ``H = half_life × capacity``
+block references: ``S_e ← S_e · 2^(−n_i / H) + h_e(i)``, and for each pair the decayed sum
+of squared per-request differences ``V_ef ← V_ef · 2^(−n_i / H) + (h_e(i) − h_f(i))²``.
+The leader changes to ``b = argmax S`` only when ``S_b − S_lead > z · sqrt(V_b,lead + 1)``:
+the lead must exceed z standard deviations of the two experts' *difference* (a paired
+test; two experts that hit on the same requests differ only where they disagree, so this is
+far more sensitive than a bound on each count's own noise, and it never switches between
+experts that make the same decisions).  The leader for request i+1 is decided from requests ≤ i only (online).
+The first leader is ``prefix_value``.
+
+**Following without losing contents (mirroring).**  The real tier R holds blocks; the
+leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule).
+When L evicts a block that R holds, the block becomes an *orphan* of R (held, but not
+wanted by the leader); R evicts only orphans, oldest first, and only when it is over
+capacity.  At a switch the blocks of R the new leader does not hold become orphans, and
+orphans it holds are wanted again.  Invariant: every block referenced since the last
+switch that L holds is in R (R evicts no block L holds while an orphan exists, and after
+a request ``|R| > C ≥ |L|`` implies one exists).  So once L's contents all date from after
+the switch, R = L, and R's hits are L's exactly; a leader that never changes gives R = L
+from the start (tested).
+
+**Regret.**  Let the leader change S times, at requests t_1 < … < t_S, and let
+ℓ_max be the longest request (blocks).  With scores undecayed (H = ∞), at every request
+end the leader's cumulative hits are ≥ max_e G_e − δ − ℓ_max, where δ is the noise bound
+at that time; telescoping over the S + 1 leader spells gives, for the hits of the
+followed leaders, Σ_spells G_lead ≥ max_e G_e − (S + 1)(δ_max + ℓ_max).  Each switch then
+costs R at most the prefix hits the new leader takes on blocks it held at the switch but
+R did not: each such block breaks at most one request's prefix before it enters R, so at
+most C blocks × ℓ_max per switch, and in practice the hits the new leader takes from its
+pre-switch contents before they turn over.  Hence
+``hits(R) ≥ max_e G_e − (S + 1)(δ_max + ℓ_max) − S · C · ℓ_max`` for H = ∞; with a finite H
+the same bound holds against the best expert of each spell (a shifting comparator), with
+S unbounded in the worst case (as for any deterministic follow-the-leader). The evaluator
+reports S (``switches``) so the bound can be checked on every trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from advisor.policy.eviction import arc, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
+from advisor.policy.eviction.compact import CompactTrace
+from advisor.policy.eviction.dlist import new_lists, push_head, unlink
+
+EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru")
+"""Expert policies, in order; the first is the initial leader."""
+
+_REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
+    "prefix_value": prefix_value.replay, "arc": arc.replay, "s3fifo": s3fifo.replay, "lfu_da": lfu_da.replay,
+    "lru": lru.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay,
+}
+
+
+@dataclass(frozen=True)
+class SelectorSettings:
+    """Settings of the switching rule (module docstring); one set for every trace.
+
+    Attributes:
+        half_life: half-life of the scores, in multiples of the capacity (block refs);
+            ``inf`` = cumulative counts.
+        z: hysteresis in standard deviations of the two scores' difference.
+    """
+
+    half_life: float = 16.0
+    z: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.half_life > 0 or self.z < 0:
+            raise ValueError(f"need half_life > 0 and z >= 0, got {self.half_life}, {self.z}")
+
+
+@dataclass
+class SelectorRun:
+    """One replay of the default policy.
+
+    Attributes:
+        hits: hit blocks per request of the real tier (int64 ``[requests]``).
+        leader: index into :data:`EXPERTS` of the leader of each request (int8 ``[requests]``).
+        expert_hits: each expert's own hits per request (int64 ``[experts, requests]``).
+        switches: leader changes.
+        fallbacks: times the real tier had to evict a block the leader holds (0 when the
+            mirror invariant holds; a test checks it).
+    """
+
+    hits: np.ndarray
+    leader: np.ndarray
+    expert_hits: np.ndarray
+    switches: int
+    fallbacks: int
+
+
+@numba.njit(cache=True)
+def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float) -> np.ndarray:
+    n_exp, n_req = hits.shape
+    score = np.zeros(n_exp)
+    var = np.zeros((n_exp, n_exp))  # decayed sum of squared per-request differences, per pair
+    lead = 0
+    leader = np.zeros(n_req, dtype=np.int8)
+    for i in range(n_req):
+        leader[i] = lead
+        decay = 0.5 ** (lengths[i] / half_life_refs) if half_life_refs < np.inf else 1.0
+        for e in range(n_exp):
+            score[e] = score[e] * decay + hits[e, i]
+            for f in range(e + 1, n_exp):
+                d = float(hits[e, i] - hits[f, i])
+                var[e, f] = var[e, f] * decay + d * d
+                var[f, e] = var[e, f]
+        best = lead
+        for e in range(n_exp):
+            if score[e] > score[best]:
+                best = e
+        if best != lead and score[best] - score[lead] > z * np.sqrt(var[best, lead] + 1.0):
+            lead = best
+    return leader
+
+
+def schedule(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
+             settings: SelectorSettings | None = None) -> np.ndarray:
+    """The leader of each request (int8 ``[requests]``, index into the experts) by the
+    switching rule of the module docstring.
+
+    Args:
+        expert_hits: int64 ``[experts, requests]``, each expert's hits per request.
+        lengths: int64 ``[requests]``, blocks per request.
+        capacity: the tier's capacity in blocks (sets the half-life).
+        settings: the rule's settings (default :class:`SelectorSettings`).
+    """
+    s = settings or SelectorSettings()
+    return _schedule(np.ascontiguousarray(expert_hits, dtype=np.int64), lengths.astype(np.int64),
+                     float(s.half_life * capacity), float(s.z))
+
+
+@numba.njit(cache=True)
+def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, leader: np.ndarray,
+            ev_key: np.ndarray, ev_blk: np.ndarray, sn_key: np.ndarray, sn_blk: np.ndarray) -> tuple:
+    prev, nxt, head, tail, size = new_lists(n_blocks, 2)  # 0 = held and wanted by the leader, 1 = orphans
+    state = np.zeros(n_blocks, dtype=np.int8)  # 0 = not held, 1 = wanted, 2 = orphan
+    mark = np.zeros(n_blocks, dtype=np.int64)  # == gen: the leader holds it
+    refpos = np.full(n_blocks, -1, dtype=np.int64)
+    n_req = offsets.shape[0] - 1
+    hits = np.zeros(n_req, dtype=np.int64)
+    gen = 0
+    e = 0
+    s = 0
+    fallbacks = 0
+    for i in range(n_req):
+        a, b = offsets[i], offsets[i + 1]
+        j = a
+        while j < b and state[flat[j]] != 0:
+            j += 1
+        hits[i] = j - a
+        if i == 0 or leader[i] != leader[i - 1]:  # a switch: re-sort R by the new leader's contents
+            gen += 1
+            while s < sn_key.shape[0] and (sn_key[s] >> 32) < i:
+                s += 1
+            while s < sn_key.shape[0] and (sn_key[s] >> 32) == i:
+                mark[sn_blk[s]] = gen
+                s += 1
+            x = tail[1]
+            while x >= 0:
+                p = prev[x]
+                if mark[x] == gen:
+                    unlink(prev, nxt, head, tail, size, 1, x)
+                    push_head(prev, nxt, head, tail, size, 0, x)
+                    state[x] = 1
+                x = p
+            x = tail[0]
+            while x >= 0:
+                p = prev[x]
+                if mark[x] != gen:
+                    unlink(prev, nxt, head, tail, size, 0, x)
+                    push_head(prev, nxt, head, tail, size, 1, x)
+                    state[x] = 2
+                x = p
+        for j in range(a, b):
+            x = flat[j]
+            refpos[x] = j
+            if state[x] != 0:
+                unlink(prev, nxt, head, tail, size, state[x] - 1, x)
+            push_head(prev, nxt, head, tail, size, 0, x)
+            state[x] = 1
+            mark[x] = gen
+        while e < ev_key.shape[0] and (ev_key[e] >> 32) < i:
+            e += 1
+        while e < ev_key.shape[0] and (ev_key[e] >> 32) == i:
+            v = ev_blk[e]
+            pos = ev_key[e] & 0xFFFFFFFF
+            e += 1
+            if refpos[v] >= a and refpos[v] - a > pos:
+                continue  # referenced again later in the same request: the leader holds it
+            mark[v] = 0
+            if state[v] == 1:
+                unlink(prev, nxt, head, tail, size, 0, v)
+                push_head(prev, nxt, head, tail, size, 1, v)
+                state[v] = 2
+        while size[0] + size[1] > capacity:
+            if size[1] > 0:
+                v = tail[1]
+                unlink(prev, nxt, head, tail, size, 1, v)
+            else:
+                v = tail[0]
+                unlink(prev, nxt, head, tail, size, 0, v)
+                fallbacks += 1
+            state[v] = 0
+    return hits, fallbacks
+
+
+def _sorted_log(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    blks = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    order = np.argsort(keys, kind="stable")
+    return keys[order], blks[order]
+
+
+def run(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None,
+        known: Mapping[str, np.ndarray] | None = None, leader: np.ndarray | None = None) -> SelectorRun:
+    """Replay the default policy: every expert, the switching rule, the mirrored real tier.
+
+    Args:
+        trace: the compact trace.
+        capacity: the tier's capacity in blocks (>= 1).
+        settings: the switching rule's settings.
+        known: experts' hits per request already replayed at this capacity (by name), to
+            skip their first replay.
+        leader: a fixed schedule (int8 ``[requests]``, indices into :data:`EXPERTS`) in place
+            of the switching rule (tests, what-if runs).
+
+    Raises:
+        ValueError: ``capacity`` < 1, or ``leader`` has the wrong shape or an index out of range.
+    """
+    if capacity < 1:
+        raise ValueError(f"need capacity >= 1, got {capacity}")
+    n_req = trace.requests
+    known = known or {}
+    none = np.zeros(n_req, dtype=np.bool_)
+    hits = np.zeros((len(EXPERTS), n_req), dtype=np.int64)
+    for e, name in enumerate(EXPERTS):
+        hits[e] = known[name] if name in known else _REPLAY[name](trace, capacity, none, none)[0]
+    lengths = np.diff(trace.offsets)
+    if leader is None:
+        leader = schedule(hits, lengths, capacity, settings)
+    elif leader.shape != (n_req,) or (n_req and (leader.min() < 0 or leader.max() >= len(EXPERTS))):
+        raise ValueError(f"leader must be {n_req} indices in [0, {len(EXPERTS)})")
+    leader = leader.astype(np.int8)
+    start = np.ones(n_req, dtype=np.bool_)
+    start[1:] = leader[1:] != leader[:-1]
+    evs, sns = [], []
+    for e, name in enumerate(EXPERTS):
+        mine = leader == e
+        if mine.any():
+            _, ev, sn = _REPLAY[name](trace, capacity, mine, mine & start)
+            evs.append(ev)
+            sns.append(sn)
+    ev_key, ev_blk = _sorted_log(evs)
+    sn_key, sn_blk = _sorted_log(sns)
+    real, fallbacks = _mirror(trace.flat, trace.offsets, trace.n_blocks, capacity, leader, ev_key, ev_blk,
+                              sn_key, sn_blk)
+    return SelectorRun(real, leader, hits, int(start[1:].sum()), int(fallbacks))
+
+
+def simulate(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None,
+             known: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """Hit blocks per request (int64 ``[requests]``) of the real tier under the default policy."""
+    return run(trace, capacity, settings, known).hits
+
+
+__all__ = ["EXPERTS", "SelectorRun", "SelectorSettings", "run", "schedule", "simulate"]

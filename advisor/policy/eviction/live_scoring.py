@@ -1,0 +1,111 @@
+"""The default policy's priority for the live advisor's blocks (promotion and demotion order).
+
+The live advisor ranks blocks with the same rule and settings as the evaluator
+(:mod:`advisor.policy.eviction.prefix_value`): ``priority = last access + horizon × P(reuse | class)``
+computed by :func:`advisor.policy.eviction.prefix_value.priority`, with the class of
+:func:`advisor.policy.eviction.prefix_value.reuse_class`.  What differs is only where the inputs
+come from:
+
+* time is the index's clock (``last_access_ns``, the batches' ``ts_ns``), so the horizon
+  is given in seconds (``horizon_s``) rather than learned in reference ticks;
+* the class counts are learned from the index's hit counters of the blocks being ranked:
+  a block with ``hits`` accesses after its first was referenced in classes
+  ``seen = 0 .. hits`` and reused from each of ``0 .. hits - 1`` (capped at ``max_seen``);
+  its place in the class (``from_end``) is 0 for a block without indexed children (a leaf)
+  and 1 otherwise, and ``continuation`` is whether it has a parent;
+* ``pos`` (position in a request) is 0: the callers walk the blocks leaves first
+  (:func:`advisor.policy.policies._leaves_first`), which keeps the leaves-first rule.
+
+The kernel's superseded-branch classes
+(:func:`advisor.policy.eviction.prefix_value.superseded_class`) are not used here: the index keeps
+no record of which child the latest request through a block took, so a live block is
+always ranked in its regular class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from advisor.policy.eviction.prefix_value import PrefixValueSettings, priority, reuse_class
+
+
+@dataclass(frozen=True)
+class BlockFacts:
+    """What the index knows of a block that the priority needs.
+
+    Attributes:
+        last_access_ns: time of its last access (ns, the batches' clock).
+        hits: accesses after its first (the index's hit counter).
+        leaf: no child of it is indexed.
+        has_parent: it continues a prefix (not the first block of a request).
+    """
+
+    last_access_ns: int
+    hits: int
+    leaf: bool
+    has_parent: bool
+
+
+class LiveScorer:
+    """Priorities of live blocks under the default policy (lower = demote first).
+
+    Args:
+        settings: the evaluator's policy settings (classes, caps, prior).
+        horizon_s: horizon in seconds (> 0).
+
+    Raises:
+        ValueError: ``horizon_s`` <= 0.
+    """
+
+    def __init__(self, settings: PrefixValueSettings, horizon_s: float) -> None:
+        if not horizon_s > 0:
+            raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
+        self.settings = settings
+        self.horizon_ns = float(horizon_s) * 1e9
+        n_cls = (settings.max_seen + 1) * (settings.max_from_end + 1) * 2
+        self.inserts = np.zeros(n_cls)
+        self.reuses = np.zeros(n_cls)
+
+    def _cls(self, seen: int, facts: BlockFacts) -> int:
+        s = self.settings
+        return int(reuse_class(seen, 0 if facts.leaf else 1, 1 if facts.has_parent else 0, s.max_seen, s.max_from_end))
+
+    def learn(self, blocks: Iterable[BlockFacts]) -> None:
+        """Count each block's references and reuses into its classes (module docstring)."""
+        cap = self.settings.max_seen
+        for f in blocks:
+            for seen in range(min(f.hits, cap) + 1):
+                c = self._cls(seen, f)
+                n = 1 if seen < cap else f.hits - cap + 1  # the capped class took every later reference
+                self.inserts[c] += n
+                if seen < f.hits:
+                    self.reuses[c] += n if seen < cap else n - 1
+
+    def p_reuse(self, facts: BlockFacts) -> float:
+        """Smoothed ``P(reuse | class)`` of the block's current class, in [0, 1]."""
+        s = self.settings
+        c = self._cls(facts.hits, facts)
+        return float((self.reuses[c] + s.prior_weight * s.prior_reuse) / (self.inserts[c] + s.prior_weight))
+
+    def score(self, facts: BlockFacts, depth: int = 0) -> float:
+        """The block's priority: :func:`~advisor.policy.eviction.prefix_value.priority` at its class.
+
+        Args:
+            facts: the block.
+            depth: its distance from the leaves of its chain on the tier (0 = leaf).
+        """
+        s = self.settings
+        c = self._cls(facts.hits, facts)
+        return float(priority(float(facts.last_access_ns), self.horizon_ns, self.reuses[c], self.inserts[c],
+                              s.prior_reuse, s.prior_weight, depth))
+
+    def explain(self, facts: BlockFacts) -> str:
+        """The score and its parts, for a plan item's reason."""
+        return (f"prefix value {self.score(facts):.0f} = last access {facts.last_access_ns} + horizon "
+                f"{self.horizon_ns:.0f} ns × P(reuse | hits={facts.hits}, leaf={facts.leaf}) {self.p_reuse(facts):.3f}")
+
+
+__all__ = ["BlockFacts", "LiveScorer"]
