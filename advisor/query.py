@@ -90,6 +90,12 @@ class AdvisorQuery:
             anyn = self._svc.index.lookup_any(hashes)
         return LookupResult(len(hashes), dict(sorted(per.items())), anyn)
 
+    def prefetch_hint(self, hashes: Sequence[int]) -> bool:
+        """Take a router's lookup as a prefetch hint (:meth:`advisor.prefetch.Prefetcher.hint`);
+        ``False`` when refused by the quota or when the advisor does not prefetch."""
+        p = self._svc.prefetcher
+        return p.hint(hashes) if p is not None else False
+
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
         s = self._svc.settings
@@ -124,7 +130,8 @@ class AdvisorQuery:
             "promotions", "demotions", "compactions", "bytes_moved",
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
             "skipped", "failed", "bytes_by_kind", "blocks_by_kind"},
-            "subscriber": {...}, "uptime_s"}``.
+            "subscriber": {...}, "uptime_s", "prefetch": {...counters of
+            advisor.prefetch.Prefetcher.stats, empty when the advisor does not prefetch}}``.
         """
         svc = self._svc
         sub = svc.subscriber_stats()
@@ -171,6 +178,7 @@ class AdvisorQuery:
             },
             "subscriber": sub,
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
+            "prefetch": svc.prefetcher.stats() if svc.prefetcher is not None else {},
         }
 
     def plans(self, limit: int = 100) -> list[PlanResult]:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from advisor.policies import PolicySettings
+from advisor.prefetch import PrefetchSettings
 
 
 _API_FACTORY = re.compile(r"api(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
@@ -125,6 +126,8 @@ class AdvisorSettings(BaseSettings):
         volumes: the volumes to register.
         fast_volume / slow_volumes / archive_volume: roles of the volume ids.
         policy: policy and planner settings.
+        prefetch: lookups as prefetch hints, their bandwidth budget and quotas
+            (:class:`advisor.prefetch.PrefetchSettings`).
         policy_interval_s: seconds between policy rounds (default 30); ``0`` disables the
             timer (rounds then run only on request).
         source_ttl_s: a source that has sent nothing for this many seconds has its
@@ -229,6 +232,7 @@ class AdvisorSettings(BaseSettings):
     slow_volumes: list[str] = Field(default_factory=list)
     archive_volume: str | None = None
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    prefetch: PrefetchSettings = Field(default_factory=PrefetchSettings)
     policy_interval_s: float = Field(30.0, ge=0.0)
     source_ttl_s: float = Field(600.0, ge=0.0)
     reconcile_on_start: bool = True
