@@ -133,6 +133,7 @@ class Prefetcher:
         self.counters = PrefetchCounters()
         self._hints: deque[tuple[int, ...]] = deque()
         self._hint_blocks = 0  # blocks in self._hints (an upper bound of what they queue)
+        self._in_flight = 0  # blocks taken from the hints or the queue and not yet done
         self._queue: OrderedDict[int, PlanItem] = OrderedDict()  # sequence hash -> item, oldest first
         self._tracked: OrderedDict[int, tuple[float, int]] = OrderedDict()  # hash -> (moved at, hits then)
         self._lock = threading.Lock()
@@ -153,7 +154,7 @@ class Prefetcher:
         head = tuple(hashes[: self.settings.max_blocks_per_hint])
         with self._lock:
             self.counters.hints += 1
-            if self._hint_blocks + len(self._queue) + len(head) > self.settings.max_pending_blocks:
+            if self._pending() + len(head) > self.settings.max_pending_blocks:
                 self.counters.refused += 1
                 return False
             self._hints.append(head)
@@ -167,7 +168,7 @@ class Prefetcher:
         with self._lock:
             hints = list(self._hints)
             self._hints.clear()
-            self._hint_blocks = 0
+            self._in_flight, self._hint_blocks = self._hint_blocks, 0  # still pending while planned
         for head in hints:
             for info in self._blocks(head):
                 if info is None:
@@ -178,9 +179,13 @@ class Prefetcher:
                 src = next((v for v in self.sources if v in info.locations), None)
                 if src is None:
                     continue  # only in GPU / host memory of workers: nothing to promote
-                self._queue[h] = PlanItem(PlanKind.PROMOTE, f"prefetch: a lookup named this prefix; {src} -> "
-                                          f"{self.fast}", src, self.fast, sequence_hash=h, bytes=info.size)
-                self.counters.queued += 1
+                item = PlanItem(PlanKind.PROMOTE, f"prefetch: a lookup named this prefix; {src} -> {self.fast}",
+                                src, self.fast, sequence_hash=h, bytes=info.size)
+                with self._lock:
+                    self._queue[h] = item
+                    self.counters.queued += 1
+        with self._lock:
+            self._in_flight = 0
 
     def step(self) -> list[PlanResult]:
         """One pass: plan the hints, move what the bandwidth budget allows, judge outcomes.
@@ -190,13 +195,19 @@ class Prefetcher:
         """
         self._plan_hints()
         batch: list[PlanItem] = []
-        while self._queue:
-            h, item = next(iter(self._queue.items()))
-            if not self.bucket.try_take(item.bytes):
-                break  # the rest waits for the budget
-            del self._queue[h]
-            batch.append(item)
-        results = self._execute(batch) if batch else []
+        with self._lock:
+            while self._queue:
+                h, item = next(iter(self._queue.items()))
+                if not self.bucket.try_take(item.bytes):
+                    break  # the rest waits for the budget
+                del self._queue[h]
+                batch.append(item)
+            self._in_flight = len(batch)
+        try:
+            results = self._execute(batch) if batch else []
+        finally:
+            with self._lock:
+                self._in_flight = 0
         with self._lock:
             self.counters.held += len(batch) - len(results)
         self._record(results)
@@ -261,19 +272,26 @@ class Prefetcher:
                 self.step()
             except Exception:  # noqa: BLE001 - a failed pass must not end prefetching
                 logger.exception("advisor: prefetch pass failed")
-            if self._queue and not stop.is_set():
+            with self._lock:
+                waiting = bool(self._queue)
+            if waiting and not stop.is_set():
                 stop.wait(min(idle_s, 0.05))  # waiting for the bandwidth budget
 
     def stop(self) -> None:
         """Wake the worker loop so it sees its stop event."""
         self._wake.set()
 
+    def _pending(self) -> int:
+        """Blocks in hints not yet planned, queued, or being moved (caller holds the lock)."""
+        return self._hint_blocks + len(self._queue) + self._in_flight
+
     def stats(self) -> dict[str, int]:
-        """The counters (:class:`PrefetchCounters`) plus ``pending`` (blocks queued or in
-        hints not yet planned) and ``tracked`` (prefetched blocks awaiting a verdict)."""
+        """The counters (:class:`PrefetchCounters`) plus ``pending`` (blocks in hints not yet
+        planned, queued, or being moved: 0 once every hint so far is carried out) and
+        ``tracked`` (prefetched blocks awaiting a verdict)."""
         with self._lock:
             out = dict(vars(self.counters))
-            out["pending"] = len(self._queue) + self._hint_blocks
+            out["pending"] = self._pending()
             out["tracked"] = len(self._tracked)
         return out
 

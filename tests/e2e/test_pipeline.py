@@ -15,6 +15,7 @@ volume on a real HTTP endpoint.  Then checks, while everything is still up:
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,10 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
             for h in sorted(mgr.resident("g1"))[:10]:
                 assert client.http.post("/v1/lookup", json={"sequence_hashes": [f"0x{h:x}"]}).status_code == 200
         client.http.post("/v1/lookup", json={"sequence_hashes": [99]})  # a miss everywhere
+        # the lookups are prefetch hints: let their promotions land before the page and the stats
+        deadline = time.monotonic() + 120
+        while client.stats()["prefetch"].get("pending", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
         shot = tmp / "dashboard.png"
         dump, _ = run_browsers([
             chromium_cmd(tmp, "dom", "--dump-dom", f"{base}/dashboard"),
