@@ -37,8 +37,8 @@ from advisor.mover import Mover
 from advisor.owner_lock import OwnedError, OwnerLock
 from advisor.plan import PlanKind, PlanResult, PlanStatus
 from advisor.planner import Planner
-from advisor.prefetch import PrefetchCollector, Prefetcher
 from advisor.policies import PolicyInput, VolumeUsage, plan_all
+from advisor.prefetch import PrefetchCollector, Prefetcher
 from advisor.quotas import QuotaGuard
 from advisor.run_state import RunStateStore
 from advisor.settings import AdvisorSettings
@@ -260,10 +260,11 @@ class AdvisorService:
             with self.lock:
                 return [self.index.block(h) for h in hashes]
 
-        self.prefetcher = Prefetcher(s.prefetch, s.fast_volume, sources, blocks, self.execute_items)
-        self.metrics.registry.register(PrefetchCollector(self.prefetcher))
+        prefetcher = Prefetcher(s.prefetch, s.fast_volume, sources, blocks, self.execute_items)
+        self.prefetcher = prefetcher
+        self.metrics.registry.register(PrefetchCollector(prefetcher))
         stop = self._stop
-        self._spawn("kvadvisor-prefetch", lambda: self.prefetcher.run(stop) if self.prefetcher else None)
+        self._spawn("kvadvisor-prefetch", lambda: prefetcher.run(stop))
 
     def _open_origins(self) -> None:
         """Restore the source → origin bindings (``settings.origins_file``) into a guard
