@@ -104,6 +104,12 @@ class AdvisorQuery:
                 where.append(frozenset(info.locations) if info is not None else frozenset())
         return LookupResult(len(hashes), dict(sorted(per.items())), anyn, where)
 
+    def prefetch_hint(self, hashes: Sequence[int]) -> bool:
+        """Take a router's lookup as a prefetch hint (:meth:`advisor.prefetch.Prefetcher.hint`);
+        ``False`` when refused by the quota or when the advisor does not prefetch."""
+        p = self._svc.prefetcher
+        return p.hint(hashes) if p is not None else False
+
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
         s = self._svc.settings
@@ -156,7 +162,8 @@ class AdvisorQuery:
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
             "skipped", "failed", "bytes_by_kind", "blocks_by_kind", "routes" (completed moves per
             ``"<kind> <src>-><dst>"``, e.g. ``"demote slow->s3"``)},
-            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s"}``.
+            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s", "prefetch": {...counters
+            of advisor.prefetch.Prefetcher.stats, empty when the advisor does not prefetch}}``.
         """
         svc = self._svc
         sub = svc.subscriber_stats()
@@ -205,6 +212,7 @@ class AdvisorQuery:
             "subscriber": sub,
             "namespaces": self.namespaces(),
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
+            "prefetch": svc.prefetcher.stats() if svc.prefetcher is not None else {},
         }
 
     def plans(self, limit: int = 100) -> list[PlanResult]:

@@ -5,7 +5,8 @@ Routes (all JSON unless stated; scopes in brackets when tokens are configured, :
 =====================================  ==================================================
 ``GET  /v1/blocks/{sequence_hash}``    one block (decimal or 0x-hex); 404 if unknown [read]
 ``POST /v1/lookup``                    sequence hashes or token ids → longest prefix per
-                                       location, tier and worker [read]
+                                       location, tier and worker; a prefetch hint
+                                       (:mod:`advisor.prefetch`) [read]
 ``GET  /v1/locations``                 blocks per location [read]
 ``GET  /v1/locations/{loc}/blocks``    sequence hashes at a location, paged [read]
 ``GET  /v1/volumes``                   volumes with role, usage, indexed blocks, paged [read]
@@ -236,6 +237,9 @@ def create_app(
                 raise ApiError(422, "invalid_request", f"token_ids: {exc}") from None
         hashes = computed if computed is not None else req.sequence_hashes
         res = query.lookup(hashes)  # type: ignore[arg-type]  # validated to ints
+        hint = getattr(query, "prefetch_hint", None)  # a router asks before it dispatches: prefetch
+        if hint is not None:
+            hint(hashes)
         per_tier: dict[str, int] = {}
         per_worker: dict[str, dict[str, int]] = {}
         for loc, n in res.per_location.items():
