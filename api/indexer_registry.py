@@ -158,9 +158,7 @@ class IndexerRegistry:
         self._max_indexes = max_indexes
         self.policy = policy if policy is not None else EndpointPolicy()
         self._own_ctx = context is None
-        self._ctx = context if context is not None else zmq.Context()
-        if self._own_ctx:
-            self._ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_REGISTRATION * max_registrations + 8)
+        self._ctx = context  # our own one is made at the first registration (an I/O thread)
 
     @property
     def max_registrations(self) -> int:
@@ -219,6 +217,9 @@ class IndexerRegistry:
                 raise ApiError(429, "too_many_registrations", f"at most {self._max} registrations")
             idx = self._ensure(reg.model_name, reg.tenant_id, reg.block_size)
             self._pending.add(key)
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+                self._ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_REGISTRATION * self._max + 8)
         # connecting and catching up through the replay socket take a while: not under the lock
         sub = _IndexingSubscriber(connect, idx, self._ctx)
         try:
@@ -271,5 +272,5 @@ class IndexerRegistry:
             self._regs.clear()
         for s in subs:
             s.close()
-        if self._own_ctx and not self._ctx.closed:
+        if self._own_ctx and self._ctx is not None and not self._ctx.closed:
             self._ctx.destroy(linger=0)
