@@ -27,13 +27,47 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .connector import BlockTransfer, ConnectorError, KvConnectorMetadata, RequestTransfers
 from .residency import HOST, STORAGE, ResidencyDirectory, ResidencyReport
 
 logger = logging.getLogger(__name__)
+
+
+def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> Callable[[Sequence[int]], list[bool]]:
+    """A :class:`KvbmLeader` ``shared`` function over a placement catalog: per block,
+    whether the catalog holds it under every one of ``namespaces`` (one per
+    tensor-parallel rank).  A catalog that cannot be asked matches nothing (logged).
+
+    Args:
+        catalog: ``get_many(keys) -> [Placement | None]`` (a ``storage_backends``
+            catalog; only read).
+        namespaces: the storage key namespaces of the ranks.
+    """
+    from storage_backends.types import BlockKey, StorageError
+
+    spaces = list(namespaces)
+    n = len(spaces)
+
+    def held(hashes: Sequence[int]) -> list[bool]:
+        keys = [BlockKey(ns, h) for h in hashes for ns in spaces]
+        try:
+            found = catalog.get_many(keys)
+        except StorageError as exc:  # the catalog is away: match nothing from it
+            logger.warning("placement catalog lookup failed, no shared-volume match this time: %r", exc)
+            return [False] * len(hashes)
+        return [all(p is not None for p in found[i * n : (i + 1) * n]) for i in range(len(hashes))]
+
+    return held
+
+
+class PlacementCatalogView(Protocol):
+    """What :func:`shared_lookup` reads of a placement catalog."""
+
+    def get_many(self, keys: Sequence[Any]) -> list[Any]: ...
 
 
 @dataclass(slots=True)
@@ -95,13 +129,21 @@ class KvbmLeader:
         salt: salt recorded in the transfers' block identities (informational; the
             engine's hashes already include its own salt).
         world_size: worker ranks that must all hold a block (tensor-parallel size).
+        shared: where the directory ends, ``shared(hashes)`` says per block whether the
+            shared volumes hold it now (the placement catalog the workers and the advisor
+            share: blocks other engines stored, blocks the advisor moved); ``None``: the
+            directory alone.  Called outside the leader's lock.
     """
 
-    def __init__(self, page_size: int, salt: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, page_size: int, salt: int = 0, world_size: int = 1,
+        shared: Callable[[Sequence[int]], Sequence[bool]] | None = None,
+    ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page = page_size
         self.salt = salt
+        self.shared = shared
         self.directory = ResidencyDirectory(world_size)
         self.stats = LeaderStats()
         self._matches: dict[str, _Match] = {}
@@ -122,6 +164,10 @@ class KvbmLeader:
             num_computed_tokens: the engine's own prefix hit (a multiple of
                 ``page_size``).
 
+        The directory (what this engine's workers hold) answers first; past its end,
+        ``shared`` (the placement catalog) extends the match with blocks on the shared
+        volumes.
+
         Returns:
             ``(tokens, load_async)``: a multiple of ``page_size``; ``load_async`` is true
             when part of the match comes from storage (a slow tier: the engine schedules
@@ -137,6 +183,12 @@ class KvbmLeader:
         last = min(len(sequence_hashes), max(0, num_tokens - 1) // self.page)
         hashes = list(sequence_hashes[:last])
         tiers = self.directory.match(hashes[first:]) if first < last else []
+        rest = hashes[first + len(tiers) :]
+        if rest and self.shared is not None:
+            for held in self.shared(rest):
+                if not held:
+                    break
+                tiers.append(STORAGE)
         with self._lock:
             self.stats.lookups += 1
             if tiers:

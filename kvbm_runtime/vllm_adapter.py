@@ -37,8 +37,15 @@ a volume are asynchronous (``load_async``: vLLM schedules other requests meanwhi
 failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
 ``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
 
+Shared volumes.  With ``storage_config`` (the advisors' own storage file, see
+:class:`ConnectorSettings`) every volume of the deployment is registered and the placement
+catalog is the advisors': blocks are read from wherever the catalog places them at read
+time, new ones land on the landing volume, and the scheduler side matches prompts on the
+catalog past what its own workers hold (blocks other engines stored).
+
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
-``source``, ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
+``source``, ``storage_config``, ``catalog_url``, ``landing_volume``,
+``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
 config (vLLM logs it): S3 credentials come from the AWS environment / credential chain.
@@ -49,6 +56,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +86,13 @@ from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 from .config import RuntimeConfig
 from .connector import ConnectorError, KvbmConnectorWorker
 from .handshake import WorkerEndpoint, endpoint_path, join_workers
-from .leader import KvbmLeader, StepRequest
+from .leader import KvbmLeader, StepRequest, shared_lookup
 from .manager import BlockManager
 from .residency import ReportingSink, ResidencyReport
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
+"""Under vLLM's ``vllm`` logger, so these lines (the storage namespace at start, above
+all) show in ``vllm serve``'s output with vLLM's own format and level (``VLLM_LOGGING_LEVEL``)."""
 
 DISK_VOLUME = "kvbm-disk"
 """Volume id of the G3 volume made from ``DYN_KVBM_DISK_CACHE_GB``."""
@@ -369,7 +379,20 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.leader_worker_init_timeout_secs,
             {"page_size": cfg.page_size, "namespace": probe.namespace},
         )
-        self._leader = KvbmLeader(cfg.page_size, probe.salt, world)
+        shared = self._shared_lookup(probe.namespace, cfg) if self._settings.storage_config is not None else None
+        self._leader = KvbmLeader(cfg.page_size, probe.salt, world, shared)
+
+    def _shared_lookup(self, namespace: str, cfg: RuntimeConfig) -> Callable[[Sequence[int]], list[bool]]:
+        """Per block, whether every rank's copy is in the shared placement catalog (the
+        scheduler side opens the catalog, never a volume): blocks other engines stored or
+        the advisor moved are matched, and loaded from wherever they are at read time."""
+        try:
+            catalog = DeploymentStorage.load(self._settings.storage_config).open_catalog(self._settings.catalog_url)  # type: ignore[arg-type]
+        except SettingsError as exc:
+            raise ConnectorError(f"kv_connector_extra_config \"storage_config\": {exc}") from exc
+        self._catalog = catalog
+        spaces = [namespace + cfg.model_copy(update={"tp_rank": r}).namespace_suffix() for r in range(cfg.tp_size)]
+        return shared_lookup(catalog, spaces)
 
     def _open_deployment(self, path: str) -> tuple[StorageAgent, str]:
         """Storage agent over every volume of the advisors' file and their catalog;

@@ -50,3 +50,20 @@ def test_rank_urls_shift_zmq_ports_only() -> None:
     assert _rank_url("zmq://127.0.0.1:5600?replay=5601", 2) == "zmq://127.0.0.1:5602?replay=5603"
     assert _rank_url("nats://127.0.0.1:4222", 3) == "nats://127.0.0.1:4222"
     assert _rank_url("zmq://127.0.0.1:5600?replay=5601", 0) == "zmq://127.0.0.1:5600?replay=5601"
+
+
+def test_one_storage_declaration_excludes_the_single_volume_keys() -> None:
+    s, _ = ConnectorSettings.parse({"storage_config": "/etc/kvadvisor/advisor.json", "landing_volume": "fast",
+                                    "catalog_url": "redis://127.0.0.1:6379/0"})
+    assert (s.storage_config, s.landing_volume) == ("/etc/kvadvisor/advisor.json", "fast")
+    with pytest.raises(ConnectorError, match=r"drop \['volume', 'storage_catalog'\]"):
+        ConnectorSettings.parse({"storage_config": "a.json", "storage_catalog": "/tmp/c.sqlite",
+                                 "volume": {"id": "v", "kind": "posix", "media": "ssd", "capacity_bytes": 1, "root": "/t"}})
+    with pytest.raises(ConnectorError, match="need \"storage_config\""):
+        ConnectorSettings.parse({"landing_volume": "fast"})
+
+
+def test_a_catalog_url_with_a_password_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConnectorError, match="KVADVISOR_CLUSTER_REDIS_URL") as ei:
+        ConnectorSettings.parse({"storage_config": "s.json", "catalog_url": "redis://:hunter2@127.0.0.1:6379/0"})
+    assert "hunter2" not in str(ei.value)
