@@ -48,9 +48,17 @@ NOT_RUN: dict[str, str] = {
         "the scaled status below is run)"),
     ".venv/bin/kvadvisor events tail": "follows a running demo's stream until Ctrl-C, from another terminal",
     ".venv/bin/kvadvisor events relay": "relays a running vLLM or SGLang engine's events until Ctrl-C",
-    ".venv/bin/python examples/vllm_": "starts a vLLM engine (tests/integration/test_runtime_connector.py runs the connector)",
-    "DYN_KVBM_CPU_CACHE_GB=8 vllm serve": "a vLLM server with a real model",
     ".venv/bin/python bench/": "a benchmark: its figures are in docs/BENCHMARKS.md",
+    "git clone <this repository>": "installing is not this test's job (CI runs `make test` on a clean clone)",
+    ".venv/bin/kvadvisor demo --engine vllm": (
+        "real vLLM engines, minutes each: tests/vllm/test_engine_demo.py runs the engine demo"),
+    "cat > /srv/kv/advisor.json": "a template (NAMESPACE, /srv/kv are the user's); tests/vllm/test_vllm_loop.py runs this loop",
+    ".venv/bin/python -c \"from kvadvisor.engine_demo.run import connector_namespace": "a template (MODEL_DIR is the user's model)",
+    ".venv/bin/kvadvisor advisor run --config /srv/kv/": "a template (the settings above); `advisor run` itself runs above",
+    "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=true ": "a template (MODEL_DIR is the user's model)",
+    "P='{\"model\": \"MODEL_DIR\"": "a template (the user's model and prompt)",
+    "curl -s localhost:800": "asks the template's engines",
+    "sleep 1; curl -s localhost:800": "asks the template's engines",
 }
 """README command prefix → why this test does not run it."""
 
@@ -62,7 +70,13 @@ def readme_commands(text: str) -> list[str]:
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
         pending = ""
+        heredoc = ""  # the end word of a here-document being read
         for line in joined.splitlines():
+            if heredoc:  # a here-document's body belongs to its command
+                out[-1] += "\n" + line
+                if line.strip() == heredoc:
+                    heredoc = ""
+                continue
             if pending:  # inside a quoted argument that spans lines
                 pending += " " + line.strip()
                 if pending.count("'") % 2 == 0:
@@ -72,11 +86,14 @@ def readme_commands(text: str) -> list[str]:
             line = re.sub(r"\s{2,}#\s.*$", "", line).strip()
             if not line or line.startswith("#"):
                 continue
-            if line.count("'") % 2:
+            if line.count("'") % 2 and not re.search(r"<<-?'?\w+'?$", line):
                 pending = line
             else:
                 out.append(line)
+                if m := re.search(r"<<-?'?(\w+)'?$", line):
+                    heredoc = m.group(1)
         assert not pending, f"unbalanced quote in a README command: {pending}"
+        assert not heredoc, f"a here-document without its end line {heredoc!r}"
     return out
 
 
