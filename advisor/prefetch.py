@@ -112,6 +112,10 @@ class Prefetcher:
         execute: ``execute(items)`` -> one :class:`PlanResult` per item carried out (the
             service's move guard, planner and mover; items it holds back get no result).
         clock: monotonic seconds (injectable for tests).
+        room: ``room()`` -> bytes the fast volume may still take (``None``: unbounded). A
+            prefetch never makes room: a pass takes queued items only while their bytes fit,
+            and drops the rest as ``held`` (the router's next lookup brings them back), so a
+            full fast volume costs no failed move.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class Prefetcher:
         blocks: Callable[[Sequence[int]], list[BlockInfo | None]],
         execute: Callable[[list[PlanItem]], list[PlanResult]],
         clock: Callable[[], float] = time.monotonic,
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.settings = settings
         self.fast = fast
@@ -129,6 +134,7 @@ class Prefetcher:
         self._blocks = blocks
         self._execute = execute
         self._clock = clock
+        self._room = room
         self.bucket = TokenBucket(settings.bytes_per_s, settings.burst_bytes or settings.bytes_per_s, clock)
         self.counters = PrefetchCounters()
         self._hints: deque[tuple[int, ...]] = deque()
@@ -195,14 +201,23 @@ class Prefetcher:
         """
         self._plan_hints()
         batch: list[PlanItem] = []
+        room = self._room() if self._room is not None and self._queue else None
+        no_room = 0
         with self._lock:
             while self._queue:
                 h, item = next(iter(self._queue.items()))
+                if room is not None and item.bytes > room:
+                    del self._queue[h]  # the fast volume has no room for it: dropped, not failed
+                    no_room += 1
+                    continue
                 if not self.bucket.try_take(item.bytes):
                     break  # the rest waits for the budget
                 del self._queue[h]
                 batch.append(item)
+                if room is not None:
+                    room -= item.bytes
             self._in_flight = len(batch)
+            self.counters.held += no_room
         try:
             results = self._execute(batch) if batch else []
         finally:

@@ -274,7 +274,16 @@ class AdvisorService:
             with self.lock:
                 return [self.index.block(h) for h in hashes]
 
-        prefetcher = Prefetcher(s.prefetch, s.fast_volume, sources, blocks, self.execute_items)
+        fast = s.fast_volume
+        limit = min(s.policy.promotion.max_fill, s.policy.demotion.high_watermark)
+
+        def room() -> int:
+            # the promotion policy's own bound: never fill the fast volume past the fraction a
+            # policy round promotes to (:func:`advisor.policies.plan_promotions`)
+            st = next((v for v in self.agent.stats() if v.volume_id == fast), None)
+            return 0 if st is None else int(st.capacity_bytes * limit) - st.used_bytes
+
+        prefetcher = Prefetcher(s.prefetch, fast, sources, blocks, self.execute_items, room=room)
         self.prefetcher = prefetcher
         self.metrics.registry.register(PrefetchCollector(prefetcher))
         stop = self._stop

@@ -16,7 +16,7 @@ BLK = 1000
 class Rig:
     """A PrefixIndex fed with batches, and an ``execute`` that moves blocks in it."""
 
-    def __init__(self, **settings: object) -> None:
+    def __init__(self, room: int | None = None, **settings: object) -> None:
         self.index = PrefixIndex()
         self.t = 0.0
         self.seq = 0
@@ -24,7 +24,9 @@ class Rig:
         self.items: list[PlanItem] = []
         self.hold = False
         self.p = Prefetcher(PrefetchSettings(**settings), "fast", ["slow", "s3"],
-                            lambda hs: [self.index.block(h) for h in hs], self.execute, clock=lambda: self.t)
+                            lambda hs: [self.index.block(h) for h in hs], self.execute, clock=lambda: self.t,
+                            room=None if room is None else (lambda: self.room))
+        self.room = room or 0
 
     def events(self, source: str, *evs) -> None:  # noqa: ANN002
         self.seq += 1
@@ -65,6 +67,23 @@ def test_prefetch_stays_within_its_bandwidth_budget() -> None:
     st = r.p.stats()
     assert (st["queued"], st["issued"], st["bytes"], st["pending"]) == (5, 5, 5 * BLK, 0)
     assert all(r.index.block(h).locations == {"fast"} for h in [1, 2, 3, 4, 5])
+
+
+def test_a_prefetch_never_fills_the_fast_volume_past_its_room() -> None:
+    # room for two blocks: the rest is dropped as held (no move tried, none failed), and a later
+    # lookup brings them back once there is room again
+    r = Rig(room=2 * BLK + BLK // 2)
+    r.chain([1, 2, 3, 4], "s3")
+    assert r.p.hint([1, 2, 3, 4])
+    r.p.step()
+    assert r.moved == [[1, 2]]
+    st = r.p.stats()
+    assert (st["issued"], st["held"], st["failed"], st["pending"]) == (2, 2, 0, 0)
+    r.room = 10 * BLK
+    assert r.p.hint([1, 2, 3, 4])
+    r.t = 10.0
+    r.p.step()
+    assert r.moved == [[1, 2], [3, 4]]
 
 
 def test_prefix_walk_skips_fast_and_worker_only_blocks_and_stops_at_an_unknown_one() -> None:
