@@ -6,6 +6,8 @@
     python bench/runtime.py --runs 7 --dir /mnt/nvme/kvbench
     python bench/runtime.py --pool-only --req-blocks 64
     python bench/runtime.py --offload-only --block-kib 256 --g12-rounds 1
+    python bench/runtime.py --offload-only --no-storage --offload-mib 1024   # G1 <-> G2 only
+    python bench/runtime.py --device cuda    # G1 on cuda:0 (exits 0 saying so without CUDA)
 
 Prints, side by side in one run, medians of ``--runs`` runs:
 
@@ -34,9 +36,13 @@ Prints, side by side in one run, medians of ``--runs`` runs:
    swings with other processes); G2 → G3 (wall clock) through the transfer manager into a
    NIXL POSIX volume (``StorageAgent.put``: checksums, segment packing, fsync, catalog)
    against a plain ``write`` + ``fsync`` of the same bytes into a file in the same
-   directory, and against ``StorageAgent.put`` called directly.  A one-block offload on
-   each path first starts the transfer manager's worker threads.  Goal: ours >= 90 % of
-   the reference.  ``KVBENCH_SAMPLES=1`` prints every offload sample.
+   directory, and against ``StorageAgent.put`` called directly; G2 -> G1 onboard
+   (``onboard_from_host`` of the offloaded blocks into an engine-owned G1 layout) against a
+   plain copy of the same bytes, timed like G1 -> G2.  A one-block transfer on each path
+   first starts the transfer manager's worker threads.  ``--device cuda`` puts G1 on
+   ``cuda:0`` (G2 and the references pinned; the reference is ``copy_(non_blocking=True)``
+   + synchronize).  Goals: G1 <-> G2 >= 95 % of the plain copy on the CPU, >= 90 % on CUDA;
+   G2 -> G3 >= 90 %.  ``KVBENCH_SAMPLES=1`` prints every offload sample.
 """
 
 
