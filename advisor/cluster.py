@@ -517,7 +517,10 @@ class ClusterClient:
             PartitionUnavailable: no owner, an owner still rebuilding, or no answer in time.
         """
         body = self._request(partition, list(hashes))
-        return {str(k): int(v) for k, v in body["locations"].items()}, int(body["position"])
+        try:
+            return {str(k): int(v) for k, v in body["locations"].items()}, int(body["position"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise PartitionUnavailable(partition, "malformed answer", self.retry_after_s) from None
 
     def _request(self, partition: int, body: Any) -> dict[str, Any]:
         async def req() -> Any:
@@ -529,7 +532,14 @@ class ClusterClient:
             raise PartitionUnavailable(partition, "no owner", self.retry_after_s) from None
         except (NatsTimeoutError, asyncio.TimeoutError, TimeoutError):
             raise PartitionUnavailable(partition, "no answer in time", self.retry_after_s) from None
-        out = _dec.decode(msg.data)
+        try:
+            out = _dec.decode(msg.data)
+        except (msgspec.DecodeError, RecursionError, ValueError):
+            out = None
+        if not isinstance(out, dict):
+            # whoever may answer on the query subject sent something else than an answer
+            # (with NATS authorization only advisors can: docs/security.md)
+            raise PartitionUnavailable(partition, "malformed answer", self.retry_after_s)
         if "unavailable" in out:
             raise PartitionUnavailable(partition, str(out["unavailable"]), self.retry_after_s)
         return out
@@ -589,8 +599,12 @@ class ClusterClient:
         for pc in pieces:
             owner = trunk_owner if pc.partition < 0 else pc.partition
             body = self._request(owner, list(hashes[pc.start:pc.end]))
-            self.positions[owner] = int(body["position"])
-            locs = {str(k): int(v) for k, v in body["locations"].items()}
+            try:
+                self.positions[owner] = int(body["position"])
+                locs = {str(k): int(v) for k, v in body["locations"].items()}
+                int(body["any"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise PartitionUnavailable(owner, "malformed answer", self.retry_after_s) from None
             answers.append(locs)
             done.append(pc)
             if any_alive:

@@ -75,6 +75,7 @@ from advisor.index_reference import (
     _storer_add,
     is_valid_location,
 )
+from event_plane.ordering import RetiredEpochs
 
 __all__ = [
     "HITS_KEY", "MOVE_KEY", "PLACEMENT_KEYS", "PRIVATE_TIERS", "STATE_VERSION", "U64_MAX", "BlockInfo",
@@ -212,7 +213,7 @@ class PrefixIndex(IndexStateViews, IndexCore):
                 row = [_state_u64(v, f"source {name!r} field", i not in (2, 3))
                        for i, v in enumerate((epoch, last_seq, nb, ne, last_ts))]
                 idx._sources[sys.intern(name)] = SourceState(
-                    *row, {_state_u64(e, f"source {name!r} retired epoch") for e in retired})
+                    *row, RetiredEpochs(_state_u64(e, f"source {name!r} retired epoch") for e in retired))
             if not isinstance(counters, dict):
                 raise IndexStateError(f"index state counters are not a map: {counters!r}")
             idx.counters = IndexCounters(**{str(k): _state_u64(v, f"counter {k!r}", False) for k, v in counters.items()})

@@ -63,6 +63,7 @@ import msgspec
 from advisor.frequency import FrequencySketch
 from event_plane.schema import PARENT_WALK_LIMIT as _WIRE_WALK_LIMIT
 from event_plane.schema import EventBatch, EventType
+from event_plane.ordering import RetiredEpochs
 
 PRIVATE_TIERS: frozenset[str] = frozenset({"g1", "g2"})
 """Storage locations that are private to the publishing worker."""
@@ -216,7 +217,8 @@ class SourceState:
     batches: int = 0
     events: int = 0
     last_ts_ns: int = 0
-    retired_epochs: set[int] = field(default_factory=set)
+    retired_epochs: RetiredEpochs = field(default_factory=RetiredEpochs)
+    """The newest :data:`event_plane.ordering.MAX_RETIRED_EPOCHS` superseded epochs."""
 
 
 class _Rec(msgspec.Struct, gc=False):
@@ -338,7 +340,7 @@ class IndexStateViews:
             ``storers`` ``{volume: {source: [hashes it stored there]}}`` and ``blocks`` a flat list of
             ``h, parent, prefix, size, mask, hits, last_access`` repeated per block
             (``mask`` an int below 2**64, else the list of its bit numbers), ``sources``
-            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs]``
+            rows ``[name, epoch, last_seq, batches, events, last_ts_ns, retired epochs (oldest first)]``
             and ``counters`` the :class:`IndexCounters` fields.  Children and
             per-location sets are derived again on import.  The frequency sketch is not
             part of the state (like :meth:`dump`).
@@ -348,7 +350,7 @@ class IndexStateViews:
         for h, parent, prefix, size, m, hits, last in self._records():
             ext((h, parent, prefix, size, m if m < _U64 else _bits(m), hits, last))
         sources = [
-            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, sorted(st.retired_epochs)]
+            [name, st.epoch, st.last_seq, st.batches, st.events, st.last_ts_ns, list(st.retired_epochs)]
             for name, st in self._sources.items()
         ]
         storers: dict[str, dict[str, list[int]]] = {}
@@ -1127,7 +1129,7 @@ class ReferencePrefixIndex(IndexStateViews):
                 raise IndexStateError("index state has storers of an unknown location")
             idx._orphans = set(orphans)
             for name, epoch, last_seq, nb, ne, last_ts, retired in sources:
-                idx._sources[sys.intern(str(name))] = SourceState(epoch, last_seq, nb, ne, last_ts, set(retired))
+                idx._sources[sys.intern(str(name))] = SourceState(epoch, last_seq, nb, ne, last_ts, RetiredEpochs(retired))
             idx.counters = IndexCounters(**counters)
         except IndexStateError:
             raise

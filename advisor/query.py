@@ -230,12 +230,20 @@ class AdvisorQuery:
         """The advisor's Prometheus registry."""
         return self._svc.metrics.registry
 
+    def plain_zmq_allowed(self) -> bool:
+        """Whether plain (non-CURVE) ZMQ publishers may be subscribed to: not when
+        ``zmq_allowed_publishers`` is set (``POST /register`` is then closed)."""
+        return self._svc.settings.zmq_allowed_publishers is None
+
     def health(self) -> dict[str, Any]:
         """``{"status": "ok" | "unhealthy", "journal_position": n, "subscribed": bool,
-        "storage": bool, "reason": str | None}``: unhealthy while journal appends fail."""
+        "storage": bool, "reason": str | None}``: unhealthy while journal appends fail or
+        subscribed batches are not ingested (:meth:`AdvisorService.ingest_problem`)."""
         with self._svc.lock:
             pos = self._svc.position
             reason = self._svc.journal_error
+        if reason is None:
+            reason = self._svc.ingest_problem()
         return {
             "status": "ok" if reason is None else "unhealthy",
             "reason": reason,

@@ -19,7 +19,22 @@ location name):
 * one event (event-level reasons; the rest of its batch is admitted): ``extra_metadata``
   above ``max_event_metadata_bytes`` (``metadata_bytes``); a Store at a volume name the
   index does not hold yet while ``max_locations`` volume names are held (``locations``;
-  ``g1``/``g2`` are per source and bounded by ``max_sources``).
+  ``g1``/``g2`` are per source and bounded by ``max_sources``); a Store at the source's
+  ``g1``/``g2`` while the source holds ``max_source_blocks`` blocks there
+  (``source_blocks``); a Store while the index holds ``max_blocks`` blocks (``blocks``).
+  Both count every admitted Store as a new block (a re-Store of a held block is counted
+  too: the check reads no block), so they never let the state past the limit.
+
+State quotas beside the rate: ``max_source_blocks`` bounds what one worker's ``g1``/``g2``
+hold (a worker with 1 TiB of host memory and local disk at 2 MiB blocks holds 2^19 blocks;
+the default 2^20 is twice that), ``max_blocks`` everything indexed (volumes included:
+their blocks are shared by the sources that store them), ``max_bindings`` the source →
+origin bindings (:mod:`event_plane.origins`; a batch whose source is not bound yet is
+refused whole, reason ``bindings``, when that many are held; no binding is made for a
+batch refused for any reason). Retired epochs are bounded where they are kept
+(:data:`event_plane.ordering.MAX_RETIRED_EPOCHS` per source); the epochs forgotten are
+counted here (``retired_epochs_forgotten``). Every batch costs at least one rate token,
+an empty one too (a new epoch per empty batch is otherwise free).
 
 Publisher-reported hits (``extra_metadata["hits"]``, ``docs/events.md`` §2.1): only sources
 listed in ``reported_hits_sources`` may report hits, at most ``reported_hits_cap`` per
@@ -67,12 +82,16 @@ class QuotaReason(str, enum.Enum):
     BATCH_METADATA_BYTES = "batch_metadata_bytes"
     METADATA_BYTES = "metadata_bytes"
     LOCATIONS = "locations"
+    BINDINGS = "bindings"
+    SOURCE_BLOCKS = "source_blocks"
+    BLOCKS = "blocks"
 
 
-BATCH_REASONS = (QuotaReason.SOURCES, QuotaReason.RATE, QuotaReason.BATCH_EVENTS, QuotaReason.BATCH_METADATA_BYTES)
+BATCH_REASONS = (QuotaReason.SOURCES, QuotaReason.RATE, QuotaReason.BATCH_EVENTS, QuotaReason.BATCH_METADATA_BYTES,
+                 QuotaReason.BINDINGS)
 """Reasons that refuse a whole batch."""
 
-EVENT_REASONS = (QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS)
+EVENT_REASONS = (QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS, QuotaReason.SOURCE_BLOCKS, QuotaReason.BLOCKS)
 """Reasons that refuse one event (its batch goes on)."""
 
 
@@ -90,6 +109,9 @@ class QuotaLimits:
         source_burst: events a source's bucket holds (its size; a full bucket at start).
         reported_hits_cap: reported hits one Store may add (``0``: none).
         reported_hits_sources: sources whose reported hits count; others' are removed.
+        max_source_blocks: blocks one source may hold in its ``g1``/``g2``.
+        max_blocks: blocks the index may hold (every location).
+        max_bindings: source → origin bindings (a source not yet bound beyond is refused).
     """
 
     max_sources: int = 10_000
@@ -101,6 +123,9 @@ class QuotaLimits:
     source_burst: int = 1 << 20
     reported_hits_cap: int = 8
     reported_hits_sources: frozenset[str] = frozenset()
+    max_source_blocks: int = 1 << 20
+    max_blocks: int = 1 << 24
+    max_bindings: int = 20_000
 
 
 @dataclass
@@ -134,12 +159,15 @@ class QuotaCounters:
         refused_events: per reason, events refused (a refused batch counts all its events).
         hits_capped: reported hits removed by ``reported_hits_cap`` (sum of the excess).
         hits_untrusted: events whose reported hits were removed (source not listed).
+        epochs_forgotten: retired epochs forgotten beyond the per-source bound (a new
+            epoch of a source that already keeps the most).
     """
 
     refused_batches: dict[QuotaReason, int] = field(default_factory=lambda: dict.fromkeys(QuotaReason, 0))
     refused_events: dict[QuotaReason, int] = field(default_factory=lambda: dict.fromkeys(QuotaReason, 0))
     hits_capped: int = 0
     hits_untrusted: int = 0
+    epochs_forgotten: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,11 +188,14 @@ class Admission:
 
 class IndexView(Protocol):
     """What :class:`QuotaGuard` reads of the index (a :class:`advisor.index.PrefixIndex` or
-    the reference): ``sources()``, ``has_location(name)`` and ``volume_count()``."""
+    the reference): ``sources()``, ``has_location(name)``, ``volume_count()``,
+    ``count_at(location)`` and ``len()`` (blocks indexed)."""
 
     def sources(self) -> dict[str, Any]: ...
     def has_location(self, location: str) -> bool: ...
     def volume_count(self) -> int: ...
+    def count_at(self, location: str) -> int: ...
+    def __len__(self) -> int: ...
 
 
 def reported_hits(value: object) -> int:
@@ -201,11 +232,13 @@ class QuotaGuard:
         return list(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, batch: EventBatch, index: IndexView, *, rate: bool = True) -> Admission:
+    def admit(self, batch: EventBatch, index: IndexView, *, rate: bool = True,
+              bindings: int | None = None) -> Admission:
         """Check ``batch`` against the quotas and the state of ``index`` (before the batch
         is applied to it); ``rate=False`` skips the token bucket (a decision that must come
         out the same when a log is folded again reads only the batch, the index and the
-        limits).
+        limits). ``bindings``: the number of source → origin bindings held when the
+        batch's source is not bound yet (``None``: bound, or no binding at all).
 
         Returns:
             An :class:`Admission`: the batch refused whole (``batch=None``, counted under
@@ -219,8 +252,11 @@ class QuotaGuard:
         if n > lim.max_batch_events:
             return self._refuse(batch, QuotaReason.BATCH_EVENTS, f"{n} events > {lim.max_batch_events}")
         known = index.sources()
-        if source not in known and len(known) >= lim.max_sources:
+        state = known.get(source)
+        if state is None and len(known) >= lim.max_sources:
             return self._refuse(batch, QuotaReason.SOURCES, f"{len(known)} sources known (max {lim.max_sources})")
+        if bindings is not None and bindings >= lim.max_bindings:
+            return self._refuse(batch, QuotaReason.BINDINGS, f"{bindings} origin bindings held (max {lim.max_bindings})")
         sizes: list[int] | None = None
         metas = list(map(_metadata_of, events))
         if metas.count(None) != n:
@@ -235,18 +271,45 @@ class QuotaGuard:
             if bucket is None:
                 bucket = TokenBucket(lim.source_rate, float(lim.source_burst), float(lim.source_burst), now)
             self._buckets[source] = bucket
-            if not bucket.take(n, now):
-                return self._refuse(batch, QuotaReason.RATE, f"{n} events > {bucket.tokens:.0f} tokens left")
-        if sizes is None and all(
+            if not bucket.take(max(n, 1), now):  # an empty batch costs a token too
+                return self._refuse(batch, QuotaReason.RATE, f"{max(n, 1)} events > {bucket.tokens:.0f} tokens left")
+        if (state is not None and batch.epoch != state.epoch and batch.epoch not in state.retired_epochs
+                and len(state.retired_epochs) >= state.retired_epochs.cap):
+            self.counters.epochs_forgotten += 1
+            self.changes += 1
+        budget = self._block_budget(batch, index, state is None)
+        if budget is None and sizes is None and all(
             sl in PRIVATE_TIERS or index.has_location(sl) or not is_valid_location(sl)
             for sl in set(map(_location_of, events))
         ):
-            return Admission(batch)  # the common case: no metadata, no new volume name
-        return self._admit_events(batch, index, sizes)
+            return Admission(batch)  # the common case: no metadata, no new volume name, room for the blocks
+        return self._admit_events(batch, index, sizes, budget)
 
-    def _admit_events(self, batch: EventBatch, index: IndexView, sizes: list[int] | None) -> Admission:
+    def _block_budget(self, batch: EventBatch, index: IndexView, new_source: bool) -> tuple[int, int] | None:
+        """``None`` when every Store of ``batch`` fits both block quotas, else the Stores
+        still allowed ``(at the source's g1/g2, anywhere)``. A new epoch starts the source's
+        ``g1``/``g2`` empty (the fold drops them)."""
+        lim = self.limits
+        stores = private = 0
+        for ev in batch.events:
+            if ev.type == EventType.STORE:
+                stores += 1
+                private += ev.storage_location in PRIVATE_TIERS
+        if not stores:
+            return None
+        total = len(index)
+        held = 0
+        if private and not new_source and batch.epoch == index.sources()[batch.source].epoch:
+            held = index.count_at(f"{batch.source}/g1") + index.count_at(f"{batch.source}/g2")
+        if total + stores <= lim.max_blocks and held + private <= lim.max_source_blocks:
+            return None
+        return max(lim.max_source_blocks - held, 0), max(lim.max_blocks - total, 0)
+
+    def _admit_events(self, batch: EventBatch, index: IndexView, sizes: list[int] | None,
+                      budget: tuple[int, int] | None = None) -> Admission:
         lim = self.limits
         c = self.counters
+        private_left, total_left = budget if budget is not None else (-1, -1)
         trusted = batch.source in lim.reported_hits_sources
         out: list[KVEvent] | None = None
         new_volumes: set[str] = set()
@@ -258,7 +321,17 @@ class QuotaGuard:
                 self._count_event(QuotaReason.METADATA_BYTES, batch, f"{sizes[k]} metadata bytes")
             elif ev.type == EventType.STORE:
                 sl = ev.storage_location
-                if (sl not in PRIVATE_TIERS and sl not in new_volumes and is_valid_location(sl)
+                if budget is not None and sl in PRIVATE_TIERS and private_left <= 0:
+                    keep = None
+                    self._count_event(QuotaReason.SOURCE_BLOCKS, batch, f"source holds its most blocks "
+                                      f"(max {lim.max_source_blocks})")
+                elif budget is not None and total_left <= 0:
+                    keep = None
+                    self._count_event(QuotaReason.BLOCKS, batch, f"index holds its most blocks (max {lim.max_blocks})")
+                elif budget is not None:
+                    total_left -= 1
+                    private_left -= sl in PRIVATE_TIERS
+                if keep is not None and (sl not in PRIVATE_TIERS and sl not in new_volumes and is_valid_location(sl)
                         and not index.has_location(sl)):
                     if volumes is None:
                         volumes = index.volume_count()
@@ -316,13 +389,14 @@ class QuotaGuard:
         out.update({f"quota_refused_events_{r.value}": n for r, n in c.refused_events.items()})
         out["reported_hits_capped"] = c.hits_capped
         out["reported_hits_untrusted"] = c.hits_untrusted
+        out["retired_epochs_forgotten"] = c.epochs_forgotten
         return out
 
 
 _COUNTER_NAMES = tuple(
     [f"quota_refused_batches_{r.value}" for r in QuotaReason if r in BATCH_REASONS]
     + [f"quota_refused_events_{r.value}" for r in QuotaReason]
-    + ["reported_hits_capped", "reported_hits_untrusted"])
+    + ["reported_hits_capped", "reported_hits_untrusted", "retired_epochs_forgotten"])
 
 
 __all__ = [

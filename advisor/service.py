@@ -165,6 +165,8 @@ class AdvisorService:
             "sources_expired": 0,
             "journal_failures": 0,
             "gc_segments_removed": 0,
+            "ingest_restarts": 0,
+            "snapshots_skipped": 0,
         }
         self.runtime_volumes: dict[str, tuple[Any, str]] = {}
         """Volumes registered at run time (``advisor.volume_admin``): id -> (settings, role);
@@ -172,6 +174,7 @@ class AdvisorService:
         self.draining: set[str] = set()
         """Volumes being drained (``advisor.drain``): policy rounds move nothing onto them
         and compact nothing on them; kept in the run state."""
+        self._ingest_thread: threading.Thread | None = None
         self.journal_error: str | None = None
         """Why the last journal append failed, while it keeps failing (``/healthz`` is then
         unhealthy); ``None`` once an append succeeds again."""
@@ -241,8 +244,12 @@ class AdvisorService:
                 self._open_origins()
             self.subscriber = subscribe(s.subscribe_urls, stream=s.stream_limits(), nats_auth=s.nats_auth(),
                                         origins=self.origins, **s.zmq_auth())
+            # a message larger than any batch the quotas admit is dropped unread, and a batch
+            # declaring too many events is refused before its events are decoded
+            self.subscriber.limit_batches(s.quota_max_batch_events, s.max_message_bytes())
             self.subscriber.start()
-            self._spawn("kvadvisor-ingest", self._ingest_loop)
+            self._ingest_thread = self._spawn("kvadvisor-ingest", self._ingest_loop)
+            self._spawn("kvadvisor-watchdog", self._watchdog_loop)
         if self.mover is not None and s.policy_interval_s > 0:
             self._spawn("kvadvisor-policy", self._policy_loop)
         if self.journal is not None and s.source_ttl_s > 0:
@@ -263,7 +270,9 @@ class AdvisorService:
             self.counters["origin_refused"] += 1
             self.metrics.origin_refused.labels(transport).inc()
 
-        self.origins = OriginGuard(self._origin_store.load(), on_bind=self._origin_store.bind, on_refuse=refused)
+        # deferred: a source is bound only once a batch of it passes the quotas (ingest)
+        self.origins = OriginGuard(self._origin_store.load(), on_bind=self._origin_store.bind, on_refuse=refused,
+                                   deferred=True)
 
     def release_origin(self, source: str) -> bool:
         """Release ``source``'s origin binding (an operator retired the source or moved it to
@@ -294,10 +303,34 @@ class AdvisorService:
             raise AdvisorError(str(exc)) from exc
         return lock
 
-    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+    def _spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         self._threads.append(t)
+        return t
+
+    def ingest_problem(self) -> str | None:
+        """Why subscribed batches are not being ingested now (``/healthz`` is then
+        unhealthy), or ``None``: the ingest thread stopped, or the subscriber's receive
+        loop fails (e.g. out of file descriptors) or stopped."""
+        if self.subscriber is None or self._stop.is_set():
+            return None
+        t = self._ingest_thread
+        if t is not None and not t.is_alive():
+            return "the ingest thread stopped"
+        if not self.subscriber.alive:
+            return f"the subscriber does not receive: {self.subscriber.failing or 'stopped'}"
+        return None
+
+    def _watchdog_loop(self) -> None:
+        """Every second: restart a stopped ingest thread (counted ``ingest_restarts``). A
+        subscriber whose receive loop fails retries by itself; health reports it meanwhile."""
+        while not self._stop.wait(1.0):
+            t = self._ingest_thread
+            if t is not None and not t.is_alive() and not self._stop.is_set():
+                self.counters["ingest_restarts"] += 1
+                logger.error("advisor: the ingest thread stopped; starting it again")
+                self._ingest_thread = self._spawn("kvadvisor-ingest", self._ingest_loop)
 
     # ------------------------------------------------------------------ snapshots + log
     def _open_snapshot_store(self) -> SnapshotStore | None:
@@ -312,7 +345,10 @@ class AdvisorService:
         """Start from the newest usable snapshot the log still covers (if any)."""
         if self.snapshots is None:
             return
-        found = load_latest(self.snapshots, max_position)
+        def skipped(_position: int, _why: str) -> None:
+            self.counters["snapshots_skipped"] += 1
+
+        found = load_latest(self.snapshots, max_position, on_skip=skipped)
         if found is None:
             return
         snap, index = found
@@ -590,7 +626,17 @@ class AdvisorService:
         with self.lock:
             t0 = time.perf_counter()
             if batch.source != self.settings.source:
-                admitted = self._admit(batch)
+                origins = self.origins
+                bindings = None
+                if origins is not None and origins.origin_of(batch.source) is None:
+                    bindings = origins.count()
+                admitted = self._admit(batch, bindings=bindings)
+                if origins is not None:
+                    if admitted is None:
+                        origins.discard(batch.source)  # no binding for a refused batch
+                        return False
+                    if not origins.commit(batch.source):
+                        return False
                 if admitted is None:
                     return False
                 if admitted is not batch:
@@ -625,13 +671,14 @@ class AdvisorService:
         self._maybe_snapshot()
         return True
 
-    def _admit(self, batch: EventBatch, *, rate: bool = True) -> EventBatch | None:
+    def _admit(self, batch: EventBatch, *, rate: bool = True, bindings: int | None = None) -> EventBatch | None:
         """The quota decision for ``batch`` (call under the state lock): ``None`` when
         refused whole, else the batch to journal / apply; counters and metrics are updated.
-        ``rate=False`` skips the per-source rate limit (stream fold)."""
+        ``rate=False`` skips the per-source rate limit (stream fold); ``bindings``: origin
+        bindings held when the source is not bound yet (:meth:`QuotaGuard.admit`)."""
         q = self.quotas
         v0 = q.changes
-        got = q.admit(batch, self.index, rate=rate)
+        got = q.admit(batch, self.index, rate=rate, bindings=bindings)
         if q.changes == v0:
             return got.batch
         # deltas of the guard's own counts (they start at 0 in each process, while
@@ -650,7 +697,7 @@ class AdvisorService:
                 m.quota_refused_events.labels(reason=key[len("quota_refused_events_"):]).inc(d)
             elif key == "reported_hits_capped":
                 m.reported_hits_capped.inc(d)
-            else:
+            elif key == "reported_hits_untrusted":
                 m.reported_hits_untrusted.inc(d)
         return got.batch
 
@@ -901,7 +948,7 @@ class AdvisorService:
                 self.full_backoff.succeeded(dst)
 
     #: counters that describe one start, not the service's history (not restored)
-    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped"})
+    _PER_START = frozenset({"replayed_batches", "snapshot_loaded_position", "journal_skipped", "snapshots_skipped"})
 
     def _restore_run_state(self) -> None:
         """Counters, mover counters and recent plans of the previous runs (:mod:`advisor.run_state`)."""

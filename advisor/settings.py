@@ -197,6 +197,12 @@ class AdvisorSettings(BaseSettings):
             bytes per event (4 KiB) and per batch (1 MiB), and each source's token bucket:
             events/s (200,000) and size in events (1,048,576, at least
             ``quota_max_batch_events``). What goes over is refused alone and counted.
+        quota_max_source_blocks / quota_max_blocks / quota_max_bindings: state quotas
+            (``advisor/quotas.py``): blocks one source may hold in its ``g1``/``g2``
+            (default 2^20, twice what a worker with 1 TiB of G2 + G3 at 2 MiB blocks
+            holds), blocks the index may hold (2^24, about 1.5 GiB of index), and source →
+            origin bindings (20,000). A Store over a block quota is refused alone; a batch
+            of a source not yet bound is refused whole while that many bindings are held.
         reported_hits_sources / reported_hits_cap: sources whose ``extra_metadata["hits"]``
             counts (default none: the key is removed from every subscribed event), and
             the most hits one Store of theirs may report (default 8).
@@ -266,6 +272,9 @@ class AdvisorSettings(BaseSettings):
     quota_max_batch_metadata_bytes: int = Field(1 << 20, ge=1)
     quota_source_rate: float = Field(200_000.0, gt=0.0, allow_inf_nan=False)
     quota_source_burst: int = Field(1 << 20, ge=1)
+    quota_max_source_blocks: int = Field(1 << 20, ge=1)
+    quota_max_blocks: int = Field(1 << 24, ge=1)
+    quota_max_bindings: int = Field(20_000, ge=1)
     reported_hits_sources: list[str] = Field(default_factory=list)
     reported_hits_cap: int = Field(8, ge=0)
     nats_user: str | None = None
@@ -415,7 +424,18 @@ class AdvisorSettings(BaseSettings):
             source_burst=self.quota_source_burst,
             reported_hits_cap=self.reported_hits_cap,
             reported_hits_sources=frozenset(self.reported_hits_sources),
+            max_source_blocks=self.quota_max_source_blocks,
+            max_blocks=self.quota_max_blocks,
+            max_bindings=self.quota_max_bindings,
         )
+
+    def max_message_bytes(self) -> int:
+        """The most bytes a batch that passes the batch quotas takes on the wire
+        (:func:`event_plane.codec.max_batch_bytes` of ``quota_max_batch_events`` and
+        ``quota_max_batch_metadata_bytes``): the size limit of every subscribed socket."""
+        from event_plane.codec import max_batch_bytes
+
+        return max_batch_bytes(self.quota_max_batch_events, self.quota_max_batch_metadata_bytes)
 
     @property
     def origins_file(self) -> str:
@@ -459,6 +479,22 @@ class AdvisorSettings(BaseSettings):
         return settings
 
 
+def _url_password(url: str) -> bool:
+    """Whether ``url`` carries a password or token: ``user:pass@`` (or ``:pass@``), or a
+    ``token=`` / ``password=`` query parameter (every host of a comma-separated list)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return False
+    netloc = parts.netloc
+    if any(":" in host.rpartition("@")[0] for host in netloc.split(",") if "@" in host):
+        return True
+    query = parse_qs(parts.query)
+    return any(query.get(k) for k in ("token", "password"))
+
+
 def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
     """Refuse a config file that holds a secret (a volume's ``secret_key``, the NATS
     password or token) and is readable by group or others: the secret is already exposed,
@@ -469,6 +505,9 @@ def _refuse_exposed_secrets(path: Path, data: dict[str, Any]) -> None:
         SettingsError: naming the file, its mode and the fields (never their values).
     """
     found = [f for f in _SECRET_FIELDS if data.get(f)]
+    urls = [("subscribe_urls", u) for u in data.get("subscribe_urls") or [] if isinstance(u, str)]
+    urls += [(f, data[f]) for f in ("publish_url", "jetstream_url", "redis_url") if isinstance(data.get(f), str)]
+    found += sorted({f for f, u in urls if _url_password(u)})
     vols = data.get("volumes")
     if isinstance(vols, list):
         found += [f"volumes[{i}].secret_key" for i, v in enumerate(vols) if isinstance(v, dict) and v.get("secret_key")]

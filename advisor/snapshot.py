@@ -16,10 +16,11 @@ Both keep the ``keep`` newest snapshots and drop older ones after each save.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,8 @@ import xxhash
 from advisor.frequency import FrequencySketch
 from advisor.index import IndexStateError, PrefixIndex
 from event_plane.nats_auth import redact_url
+
+logger = logging.getLogger(__name__)
 
 
 class SnapshotError(RuntimeError):
@@ -76,6 +79,10 @@ def decode_index(payload: bytes, frequency: FrequencySketch | None = None) -> Pr
         return PrefixIndex.from_state(_decoder.decode(payload), frequency)
     except (msgspec.DecodeError, IndexStateError) as exc:
         raise SnapshotError(f"snapshot payload is not an index state: {exc}") from exc
+    except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # a payload whose checksum was recomputed by whoever wrote it (anyone who can write
+        # the store) may nest deeper than the stack or hold any type: refused, never fatal
+        raise SnapshotError(f"snapshot payload is not an index state: {type(exc).__name__}: {exc}") from exc
 
 
 def make_snapshot(position: int, payload: bytes) -> Snapshot:
@@ -99,22 +106,29 @@ class SnapshotStore(Protocol):
 
 
 def load_latest(
-    store: SnapshotStore, max_position: int | None = None, frequency: FrequencySketch | None = None
+    store: SnapshotStore, max_position: int | None = None, frequency: FrequencySketch | None = None,
+    on_skip: Callable[[int, str], None] | None = None,
 ) -> tuple[Snapshot, PrefixIndex] | None:
     """The newest usable snapshot at or below ``max_position`` and its rebuilt index.
 
-    Snapshots that fail their checksum or do not decode are skipped (older ones tried).
+    Snapshots that fail their checksum or do not decode (whatever their bytes) are skipped
+    (older ones tried) and reported to ``on_skip(position, why)``; so are entries of the
+    store that are not snapshots at all (:meth:`RedisSnapshotStore.iter_newest`).
 
     Returns:
         ``(snapshot, index)``, or ``None`` when no usable snapshot exists.
     """
     for snap in store.iter_newest(max_position):
         if not snap.verify():
-            continue
-        try:
-            return snap, decode_index(snap.payload, frequency)
-        except SnapshotError:
-            continue
+            why = "checksum mismatch"
+        else:
+            try:
+                return snap, decode_index(snap.payload, frequency)
+            except SnapshotError as exc:
+                why = str(exc)
+        logger.warning("snapshot at position %d skipped: %s", snap.position, why[:200])
+        if on_skip is not None:
+            on_skip(snap.position, why)
     return None
 
 
@@ -254,7 +268,7 @@ class RedisSnapshotStore:
             if old:
                 pipe = self._r.pipeline(transaction=True)
                 pipe.zrem(self._zkey, *old)
-                pipe.delete(*(self._key(int(p)) for p in old))
+                pipe.delete(*(self._key(int(p)) for p in old if p.isdigit()))  # members only this store wrote
                 pipe.execute()
         except self._err as exc:
             raise SnapshotError(f"snapshot save to Redis failed: {exc}") from exc
@@ -267,14 +281,24 @@ class RedisSnapshotStore:
         except self._err as exc:
             raise SnapshotError(f"snapshot listing from Redis failed: {exc}") from exc
         for m in members:
-            pos = int(m)
+            try:
+                pos = int(m)
+            except ValueError:
+                continue  # not a position: nothing this store wrote
             try:
                 h = self._r.hgetall(self._key(pos))
             except self._err as exc:
                 raise SnapshotError(f"snapshot read from Redis failed: {exc}") from exc
             if not h or b"payload" not in h:
                 continue
-            yield Snapshot(pos, int(h.get(b"created_ns", 0)), bytes(h[b"payload"]), int(h.get(b"checksum", 0)))
+            try:
+                created, checksum = int(h.get(b"created_ns", 0)), int(h.get(b"checksum", 0))
+            except ValueError:
+                # fields that are not integers: yielded empty with a checksum that cannot
+                # match (XXH3 of no bytes is not 0), so that the loader skips and counts it
+                yield Snapshot(pos, 0, b"", 0)
+                continue
+            yield Snapshot(pos, created, bytes(h[b"payload"]), checksum)
 
     def positions(self) -> list[int]:
         """Positions of the stored snapshots, oldest first."""

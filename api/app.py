@@ -67,6 +67,7 @@ from api.models import (
     plan_response,
 )
 from api.paging import MAX_PAGE, page, parse_cursor
+from api.register_policy import EndpointPolicy
 from kvbm_runtime.hashing import ModelFingerprint, TokenIdError, salt_hash, sequence_hashes
 
 if TYPE_CHECKING:
@@ -149,10 +150,16 @@ def create_app(
         pydantic.ValidationError: bad security settings in the environment.
     """
     settings = security if security is not None else ApiSecuritySettings()
+    # no /docs or /redoc: they load JavaScript from a CDN into this API's origin (where the
+    # admin routes live); the schema itself needs the read scope like every read route
     app = FastAPI(title="kvadvisor", version="0.1.0", description="KV-cache block index, volumes and advisor plans",
-                  responses=ERROR_RESPONSES)
+                  responses=ERROR_RESPONSES, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.security = ApiSecurity(settings, bind_host)
-    app.state.indexer_registry = registry if registry is not None else IndexerRegistry()
+    if registry is None:
+        closed = not getattr(query, "plain_zmq_allowed", lambda: True)()
+        policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
+        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy)
+    app.state.indexer_registry = registry
     app.add_middleware(GuardMiddleware, security=app.state.security)
     read, admin = [Depends(require_read)], [Depends(require_admin)]
     tiers = _Tiers(query)
@@ -388,6 +395,10 @@ def create_app(
     @app.get("/health", response_model=HealthResponse)
     def health() -> HealthResponse:
         return HealthResponse.model_validate(query.health())
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=read)
+    def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     app.include_router(indexer_router(app.state.indexer_registry, read=[require_read], admin=[require_admin],
                                       hit_rates=rates["query"]))

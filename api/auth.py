@@ -53,6 +53,13 @@ class ApiSecuritySettings(BaseSettings):
         allowed_hosts: extra ``Host`` names accepted (besides loopback and the bound host).
         allowed_origins: origins allowed cross-origin (CORS); empty = CORS off.
         max_body_bytes: largest request body, bytes.
+        register_networks: networks ``POST /register`` endpoints must lie in (CIDR; default
+            loopback only; :mod:`api.register_policy`).
+        register_resolve_names: resolve host names of registered endpoints (default off:
+            only IP addresses are taken).
+        max_registrations: registrations held at once (lowered to the file-descriptor
+            budget, :class:`api.indexer_registry.IndexerRegistry`).
+        max_indexes: ``(model, tenant)`` indexes of the indexer routes.
 
     Raises:
         pydantic.ValidationError: a token shorter than 16 characters or with whitespace.
@@ -66,6 +73,19 @@ class ApiSecuritySettings(BaseSettings):
     allowed_hosts: list[str] = Field(default_factory=list)
     allowed_origins: list[str] = Field(default_factory=list)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1 << 30)
+    register_networks: list[str] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    register_resolve_names: bool = False
+    max_registrations: int = Field(256, ge=1, le=4096)
+    max_indexes: int = Field(64, ge=1, le=4096)
+
+    @field_validator("register_networks")
+    @classmethod
+    def _networks(cls, nets: list[str]) -> list[str]:
+        import ipaddress
+
+        for n in nets:
+            ipaddress.ip_network(n, strict=False)  # ValueError names the bad one
+        return nets
 
     @field_validator("read_tokens", "admin_tokens")
     @classmethod
@@ -192,6 +212,10 @@ ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Call
                    Awaitable[None]]
 
 
+_SINGLE_HEADERS = ("host", "origin", "content-length", "authorization")
+"""Headers a request may carry once (a repeated one is refused, 400)."""
+
+
 class GuardMiddleware:
     """Pure ASGI middleware: Host and Origin checks, body limit, CORS for allowed origins.
 
@@ -209,7 +233,15 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        raw = scope.get("headers", ())
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+        if len(headers) != len(raw):
+            names = [k.decode("latin-1").lower() for k, _ in raw]
+            if any(names.count(n) > 1 for n in _SINGLE_HEADERS):
+                # which one would count (first or last) differs between proxies and us
+                await _reject(send, 400, "duplicate_header", "Host, Origin, Content-Length and Authorization "
+                              "may appear once")
+                return
         host = headers.get("host", "")
         if not self.security.host_allowed(host):
             await _reject(send, 403, "host_refused", "the Host header names no host this API serves")

@@ -15,13 +15,15 @@ CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).
 from __future__ import annotations
 
 import logging
+import resource
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
 
 from api.errors import ApiError
+from api.register_policy import EndpointPolicy
 from api.token_hashes import TokenIdError, local_block_hashes
 from api.worker_index import WorkerIndex
 from event_plane.adapters.peer import PeerConverter, PeerFormatError, PeerSubscriber
@@ -32,6 +34,13 @@ from event_plane.schema import EventBatch, EventType, KVEvent
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
+SOCKETS_PER_REGISTRATION = 6
+"""ZMQ sockets one registration may hold at once (its SUB, the SUB's disconnect monitor
+pair, a replay DEALER of a gap and of a catch-up, one spare); also its file descriptors
+(a socket's mailbox, a TCP connection)."""
+FD_SHARE = 0.25
+"""Share of the process's file-descriptor limit registrations may take at most: the
+advisor's own ingest, journal, API and storage need the rest."""
 TIER_MEDIA = {"GPU": "g1", "CPU": "g2", "CPU_PINNED": "g2", "DISK": "g3", "EXTERNAL": "g4"}
 """Peer medium → tier name used in per-tier answers."""
 
@@ -121,19 +130,42 @@ class IndexerRegistry:
     """Registrations, their subscriptions and the per-(model, tenant) indexes.
 
     Args:
-        max_registrations: registrations held at once (each holds a ZMQ socket and a thread).
-        context: ZMQ context (the process-wide one by default).
+        max_registrations: registrations held at once (each holds ZMQ sockets and a thread),
+            lowered to what :data:`FD_SHARE` of the file-descriptor limit allows at
+            :data:`SOCKETS_PER_REGISTRATION` each.
+        max_indexes: ``(model, tenant)`` indexes held at once (a registration or a
+            ``/load`` of a new pair beyond is refused, 429 ``too_many_indexes``).
+        policy: the endpoints registrations may connect to (:mod:`api.register_policy`;
+            default loopback addresses only).
+        context: ZMQ context; by default one of the registry's own, with a socket budget
+            of :data:`SOCKETS_PER_REGISTRATION` per registration (well below libzmq's
+            default 1,023): registrations can never take the sockets of the advisor's
+            own ingest, which uses the process-wide context.
 
     Thread-safe.
     """
 
-    def __init__(self, max_registrations: int = 1024, context: zmq.Context | None = None) -> None:
+    def __init__(self, max_registrations: int = 256, context: zmq.Context | None = None, *,
+                 max_indexes: int = 64, policy: EndpointPolicy | None = None) -> None:
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int, str, str], tuple[Registration, _IndexingSubscriber]] = {}
         self._indexes: dict[tuple[str, str], WorkerIndex] = {}
         self._pending: set[tuple[int, int, str, str]] = set()
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            max_registrations = min(max_registrations, max(1, int(soft * FD_SHARE) // SOCKETS_PER_REGISTRATION))
         self._max = max_registrations
-        self._ctx = context
+        self._max_indexes = max_indexes
+        self.policy = policy if policy is not None else EndpointPolicy()
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        if self._own_ctx:
+            self._ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_REGISTRATION * max_registrations + 8)
+
+    @property
+    def max_registrations(self) -> int:
+        """Registrations held at most (after the file-descriptor budget)."""
+        return self._max
 
     def index(self, model_name: str, tenant_id: str) -> WorkerIndex | None:
         """The index of ``(model_name, tenant_id)``, or ``None``."""
@@ -157,6 +189,8 @@ class IndexerRegistry:
     def _ensure(self, model_name: str, tenant_id: str, block_size: int) -> WorkerIndex:
         idx = self._indexes.get((model_name, tenant_id))
         if idx is None:
+            if len(self._indexes) >= self._max_indexes:
+                raise ApiError(429, "too_many_indexes", f"at most {self._max_indexes} (model, tenant) indexes")
             idx = self._indexes[(model_name, tenant_id)] = WorkerIndex(block_size)
         elif idx.block_size != block_size:
             raise ApiError(409, "block_size_mismatch",
@@ -168,8 +202,13 @@ class IndexerRegistry:
 
         Raises:
             ApiError: 409 ``already_registered`` / ``block_size_mismatch``, 429
-                ``too_many_registrations``, 400 ``subscribe_failed`` (bad endpoint).
+                ``too_many_registrations`` / ``too_many_indexes``, 403
+                ``endpoint_not_allowed`` / ``registrations_closed`` (:mod:`api.register_policy`),
+                400 ``subscribe_failed`` (bad endpoint).
         """
+        endpoint = self.policy.check(reg.endpoint)
+        replay = None if reg.replay_endpoint is None else self.policy.check(reg.replay_endpoint)
+        connect = replace(reg, endpoint=endpoint, replay_endpoint=replay)
         key = (reg.instance_id, reg.dp_rank, reg.model_name, reg.tenant_id)
         with self._lock:
             if key in self._regs or key in self._pending:
@@ -181,7 +220,7 @@ class IndexerRegistry:
             idx = self._ensure(reg.model_name, reg.tenant_id, reg.block_size)
             self._pending.add(key)
         # connecting and catching up through the replay socket take a while: not under the lock
-        sub = _IndexingSubscriber(reg, idx, self._ctx)
+        sub = _IndexingSubscriber(connect, idx, self._ctx)
         try:
             sub.start()
         except Exception as exc:  # noqa: BLE001 - the event plane raises several kinds
@@ -232,3 +271,5 @@ class IndexerRegistry:
             self._regs.clear()
         for s in subs:
             s.close()
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.destroy(linger=0)

@@ -91,8 +91,10 @@ class WorkerIndex:
         local_hashes: Sequence[int],
         medium: str = "GPU",
         chains: Sequence[int] | None = None,
+        copies: int = 1,
     ) -> int:
-        """Apply one Store of consecutive blocks.
+        """Apply one Store of consecutive blocks (``copies`` physical copies of each at once:
+        the work is one step per block, whatever ``copies``).
 
         Args:
             worker: ``(instance_id, dp_rank)``.
@@ -124,9 +126,9 @@ class WorkerIndex:
                     c = chains[i] if chains is not None else chain_hash(parent_chain, local)
                     rec = _Block(c, local, prev)
                     blocks[h] = rec
-                rec.copies[medium] = rec.copies.get(medium, 0) + 1
+                rec.copies[medium] = rec.copies.get(medium, 0) + copies
                 media = self._holders.setdefault(rec.chain, {}).setdefault(worker, {})
-                media[medium] = media.get(medium, 0) + 1
+                media[medium] = media.get(medium, 0) + copies
                 parent_chain, prev = rec.chain, h
             self.counters.stored_blocks += len(block_hashes)
             return len(block_hashes)

@@ -212,6 +212,8 @@ def relay(
     dst: Annotated[str, typer.Argument(help="publisher URL, e.g. 'jetstream://127.0.0.1:4222?namespace=NS&partitions=8'")],
     duration: Annotated[Optional[float], typer.Option("--duration", "-d", min=0.001, help="stop after S seconds")] = None,
     count: Annotated[Optional[int], typer.Option("--count", "-n", min=1, help="stop after N events")] = None,
+    max_sources: Annotated[int, typer.Option("--max-sources", min=1, help="publishers held at once (one per source); "
+                                             "batches of further sources are skipped and counted")] = 256,
 ) -> None:
     """Publish every batch read from SRC again to DST, one publisher per source.
 
@@ -219,13 +221,18 @@ def relay(
     adapter URL (``vllm+zmq://``, ``sglang+zmq://``) turns them into KVEvent v1 batches, and
     a ``partitions=P`` publisher URL routes each event to its partition's namespace
     (docs/scaling.md).  A source's new epoch (an engine restart) gets a new publisher with
-    that epoch.  Ends with one JSON line: batches, events, sources, the source side's
-    unrecovered gaps and the publishers' dropped events.
+    that epoch.  Each publisher holds a connection and a thread, so at most
+    ``--max-sources`` are held: a batch of a further source is skipped (``refused_sources``
+    counts them). A source name the destination cannot carry (not a NATS subject token) is
+    skipped alone (``bad_sources``); a destination that cannot be reached ends the relay
+    (status 2).  Ends with one JSON line: batches, events, sources, the source side's
+    unrecovered gaps, the publishers' dropped events and those skipped batches.
     """
     sub = _open(src)
     pubs: dict[str, Any] = {}
     epochs: dict[str, int] = {}
-    batches = events = dropped = 0
+    bad: set[str] = set()  # names refused by the destination (at most max_sources remembered)
+    batches = events = dropped = refused = bad_batches = 0
     deadline = None if duration is None else time.monotonic() + duration
     idle = False
     try:
@@ -243,8 +250,24 @@ def relay(
                 dropped += pub.stats().dropped
                 pub = None
             if pub is None:
+                if batch.source in bad:
+                    bad_batches += 1
+                    continue
+                if len(pubs) >= max_sources and batch.source not in pubs:
+                    refused += 1
+                    if refused == 1:
+                        typer.echo(f"warning: more than {max_sources} sources; batches of further ones are skipped",
+                                   err=True)
+                    continue
+                pubs.pop(batch.source, None)
                 try:
                     pub = make_publisher(dst, batch.source, epoch=batch.epoch)
+                except ConfigError as exc:  # this source's name, not the destination
+                    bad_batches += 1
+                    if len(bad) < max_sources:
+                        bad.add(batch.source)
+                    typer.echo(f"warning: batch of {batch.source[:64]!r} skipped: {exc}", err=True)
+                    continue
                 except EventPlaneError as exc:
                     typer.echo(f"error: {exc}", err=True)
                     raise typer.Exit(2) from exc
@@ -263,7 +286,8 @@ def relay(
             sub.close()
     dropped += sum(pub.stats().dropped for pub in pubs.values())
     typer.echo(json.dumps({"src": redact_url(src), "dst": redact_url(dst), "batches": batches, "events": events,
-                           "sources": len(pubs), "unrecovered": sub.stats().unrecovered, "dropped": dropped}))
+                           "sources": len(pubs), "unrecovered": sub.stats().unrecovered, "dropped": dropped,
+                           "refused_sources": refused, "bad_sources": bad_batches}))
 
 
 @events_app.command()

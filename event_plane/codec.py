@@ -88,14 +88,61 @@ def encode_event(event: KVEvent) -> bytes:
     return _encoder.encode(event)
 
 
-def decode_batch(data: bytes | bytearray | memoryview) -> EventBatch:
+MAX_EVENT_WIRE_BYTES = 1 + 1 + 3 * 9 + 5 + 3 + 255 + 1
+"""Most bytes one event takes on the wire without its ``extra_metadata`` (docs/events.md
+§2.1): array header, type, three u64 hashes (9 bytes each at most), a u32 block size, a
+storage location of at most 255 bytes (with a str8 header) and a nil metadata."""
+
+MAX_ENVELOPE_BYTES = 1 + 1 + 3 + 255 + 3 * 9 + 5
+"""Most bytes of a batch's envelope (array header, version, source of at most 255 bytes,
+epoch, seq, ts_ns, the events' array header)."""
+
+
+def max_batch_bytes(max_events: int, max_metadata_bytes: int) -> int:
+    """Most bytes a batch of at most ``max_events`` events carrying at most
+    ``max_metadata_bytes`` of encoded ``extra_metadata`` in all can take on the wire (the
+    size limit a subscriber sets on its sockets: a bigger message cannot pass the quotas)."""
+    return MAX_ENVELOPE_BYTES + max_events * MAX_EVENT_WIRE_BYTES + max_metadata_bytes
+
+
+def event_count(data: bytes | bytearray | memoryview) -> int | None:
+    """The number of events a wire batch declares in its header, read without building any
+    event object (the envelope decodes; the events stay raw bytes), or ``None`` when the
+    envelope does not decode."""
+    head = decode_head(data)
+    if head is None:
+        return None
+    raw = memoryview(head.events)
+    if not raw:
+        return None
+    b = raw[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(raw) >= 3:
+        return int.from_bytes(raw[1:3], "big")
+    if b == 0xDD and len(raw) >= 5:
+        return int.from_bytes(raw[1:5], "big")
+    return None
+
+
+def decode_batch(data: bytes | bytearray | memoryview, max_events: int | None = None) -> EventBatch:
     """Parse one wire batch.
+
+    Args:
+        data: the payload.
+        max_events: refuse a batch declaring more events than this before decoding any
+            event (:func:`event_count`); ``None``: no limit.
 
     Raises:
         CodecError: on any malformed input (bad msgpack, wrong arity or types,
             out-of-range integers, unknown event type, unsupported version,
-            ``extra_metadata`` deeper than :data:`MAX_METADATA_DEPTH`).
+            ``extra_metadata`` deeper than :data:`MAX_METADATA_DEPTH`), or more events
+            than ``max_events``.
     """
+    if max_events is not None:
+        n = event_count(data)
+        if n is not None and n > max_events:
+            raise CodecError(f"the batch declares {n} events, more than {max_events}: not decoded")
     try:
         batch = _batch_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

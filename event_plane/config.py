@@ -200,6 +200,10 @@ class SubscriberStats:
             unrecovered.
         parked_dropped: batches dropped because their source already had the most batches
             allowed held back behind its recovery (ZMQ ``max_parked``).
+        reconnects: ZMQ: connections to a publisher made again after it dropped (among
+            them, a message over the size limit, which libzmq answers by disconnecting).
+        receive_errors: unexpected errors of the transport's receive loop (out of sockets
+            or file descriptors...); the loop pauses and goes on.
     """
 
     batches: int = 0
@@ -215,6 +219,8 @@ class SubscriberStats:
     discarded: int = 0
     recoveries_refused: int = 0
     parked_dropped: int = 0
+    reconnects: int = 0
+    receive_errors: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

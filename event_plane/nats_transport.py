@@ -550,11 +550,25 @@ class NatsSubscriber(Subscriber):
     def _on_payload(self, data: bytes, subject: str) -> EventBatch | None:
         """Decode one message that came on ``subject`` (its origin,
         :func:`event_plane.origins.nats_origin`) and hand it to ordering; ``None`` if it
-        does not decode or its source is bound to another subject."""
+        does not decode, is over the size limits (:meth:`Subscriber.limit_batches`; the
+        server's ``max_payload`` bounds what reaches us at all) or its source is bound to
+        another subject."""
+        if self._max_bytes is not None and len(data) > self._max_bytes:
+            self._stats.decode_errors += 1
+            return None
         try:
-            batch = decode_batch(data)
+            batch = decode_batch(data, self._max_events)
         except CodecError:
             self._stats.decode_errors += 1
+            return None
+        if subject.rpartition(".")[2] != batch.source:
+            # the subject is the origin (users are bound to subjects by the server's
+            # permissions): a batch naming another source than its subject's last token
+            # would squat that source's name, whoever binds it first
+            if self._origins is not None:
+                self._origins.refuse(batch.source, nats_origin(subject))
+            else:
+                self._stats.decode_errors += 1
             return None
         if not self._origin_admits(batch, nats_origin(subject)):
             return None

@@ -17,10 +17,66 @@ Rules (``docs/events.md`` §4):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from event_plane.config import SubscriberStats
 from event_plane.schema import EventBatch
+
+MAX_RETIRED_EPOCHS = 8
+"""Superseded epochs kept per source (by the subscriber's tracker and the advisor's index).
+A source needs a handful: a batch of an epoch forgotten beyond these (more than this many
+restarts ago) is taken for a new epoch. Without a bound, a publisher opening a new epoch
+per batch grows both without limit."""
+
+
+class RetiredEpochs:
+    """The newest ``cap`` superseded epochs of one source, in retirement order.
+
+    A set-like container (``add``, ``in``, ``len``, iteration oldest first): adding beyond
+    ``cap`` forgets the oldest and counts it in :attr:`forgotten`.
+
+    Args:
+        epochs: epochs already retired, oldest first (at most the newest ``cap`` are kept).
+        cap: how many are kept (:data:`MAX_RETIRED_EPOCHS`).
+    """
+
+    __slots__ = ("_epochs", "cap", "forgotten")
+
+    def __init__(self, epochs: Iterable[int] = (), cap: int = MAX_RETIRED_EPOCHS) -> None:
+        self.cap = cap
+        self.forgotten = 0
+        self._epochs: dict[int, None] = {}
+        for e in epochs:
+            self.add(e)
+        self.forgotten = 0
+
+    def add(self, epoch: int) -> None:
+        """Retire ``epoch`` (moved to the newest end if already there)."""
+        d = self._epochs
+        d.pop(epoch, None)
+        d[epoch] = None
+        if len(d) > self.cap:
+            del d[next(iter(d))]
+            self.forgotten += 1
+
+    def __contains__(self, epoch: object) -> bool:
+        return epoch in self._epochs
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._epochs)
+
+    def __len__(self) -> int:
+        return len(self._epochs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RetiredEpochs):
+            return list(self._epochs) == list(other._epochs)
+        if isinstance(other, set | frozenset):
+            return set(self._epochs) == other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"RetiredEpochs({list(self._epochs)!r})"
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +131,7 @@ class SeqTracker:
         self._deliver = deliver
         self._on_gap = on_gap
         self._current: dict[str, tuple[int, int]] = {}  # source -> (epoch, next expected seq)
-        self._retired: dict[str, set[int]] = {}  # source -> superseded epochs
+        self._retired: dict[str, RetiredEpochs] = {}  # source -> superseded epochs (bounded)
 
     def position(self, source: str) -> tuple[int, int] | None:
         """``(epoch, next expected seq)`` of ``source``, or ``None`` if never seen."""
@@ -123,7 +179,7 @@ class SeqTracker:
                            source, epoch, seq, seq - expected, expected, self._max_gap)
             return
         if not known and cur is not None:
-            self._retired.setdefault(source, set()).add(cur[0])
+            self._retired.setdefault(source, RetiredEpochs()).add(cur[0])
             st.restarts += 1
         if seq > expected:
             expected = self._fill_gap(source, epoch, expected, seq - 1, recover)

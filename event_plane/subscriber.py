@@ -88,6 +88,20 @@ class Subscriber(abc.ABC):
         cls.start = marked_start  # type: ignore[method-assign]
 
     _origins: OriginGuard | None = None
+    failing: str | None = None
+    """Why the transport's receive loop failed last, while it keeps failing (``None`` once
+    it runs again); the loop pauses and retries."""
+    _max_events: int | None = None
+    _max_bytes: int | None = None
+
+    def limit_batches(self, max_events: int | None, max_bytes: int | None) -> None:
+        """Refuse a message over ``max_bytes`` bytes (ZMQ: ``MAXMSGSIZE`` on every socket
+        that receives, so libzmq drops it and the connection before it is read; NATS: before
+        decoding) and a batch declaring more than ``max_events`` events (from its header,
+        before any event object is built); both count as decode errors. Call before
+        :meth:`start`; ``None`` lifts a limit."""
+        self._max_events = max_events
+        self._max_bytes = max_bytes
 
     def guard_origins(self, guard: OriginGuard | None) -> None:
         """Check every received batch against ``guard`` before ordering (call before
@@ -121,6 +135,12 @@ class Subscriber(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop receiving and release sockets. Idempotent; batches already queued stay readable."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the transport still receives: its thread runs (or it needs none) and its
+        receive loop is not failing. ``False`` after :meth:`close`."""
+        return not self._closed.is_set() and self.failing is None
 
     @property
     def answered(self) -> bool:
@@ -245,6 +265,11 @@ class MultiSubscriber(Subscriber):
         for child in self._children:
             child.guard_origins(guard)
 
+    def limit_batches(self, max_events: int | None, max_bytes: int | None) -> None:
+        super().limit_batches(max_events, max_bytes)
+        for child in self._children:
+            child.limit_batches(max_events, max_bytes)
+
     def start(self) -> None:
         for child in self._children:
             child.start()
@@ -257,6 +282,14 @@ class MultiSubscriber(Subscriber):
     @property
     def answered(self) -> bool:
         return any(child.answered for child in self._children)
+
+    @property
+    def alive(self) -> bool:
+        return all(child.alive for child in self._children)
+
+    @property
+    def failing(self) -> str | None:  # type: ignore[override]
+        return next((c.failing for c in self._children if c.failing is not None), None)
 
     def stats(self) -> SubscriberStats:
         total = SubscriberStats()

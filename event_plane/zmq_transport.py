@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 50
 _END = object()  # end-of-replay marker returned by ZmqSubscriber._parse_reply
 _PUB_HWM = 100_000  # messages queued per subscriber before ZMQ drops (ZMQ's own policy)
+_RETRY_S = 0.5  # pause of the receive loop after an unexpected error
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+"""``MAXMSGSIZE`` of a subscriber's sockets without :meth:`Subscriber.limit_batches` (the
+advisor sets one derived from its quotas, :func:`event_plane.codec.max_batch_bytes`)."""
 
 MAX_RECOVERING = 16
 """Default of ``ZmqSubscriber(max_recovering=)``: sources per endpoint whose gap is fetched at once."""
@@ -556,6 +560,11 @@ class ZmqSubscriber(Subscriber):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        t = self._thread
+        return super().alive and (t is None or t.is_alive())
+
     def _run(self) -> None:
         subs: list[zmq.Socket] = []
         try:
@@ -565,6 +574,7 @@ class ZmqSubscriber(Subscriber):
                 subs.append(sock)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.RCVHWM, _PUB_HWM)
+                self._limit_size(sock)
                 sock.setsockopt(zmq.SUBSCRIBE, self._topic)
                 self._connect(sock, len(subs) - 1, pub_ep)
                 poller.register(sock, zmq.POLLIN)
@@ -575,6 +585,13 @@ class ZmqSubscriber(Subscriber):
             self._ready.set()
             return
         index = {sock: i for i, sock in enumerate(subs)}
+        # libzmq drops a connection whose peer sent a message over MAXMSGSIZE and does not
+        # reconnect after such a protocol error: watch for disconnects and connect again
+        monitors: dict[zmq.Socket, int] = {}
+        for i, sock in enumerate(subs):
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitors[mon] = i
+            poller.register(mon, zmq.POLLIN)
         self._poller = poller
         try:
             if self._catch_up:
@@ -584,38 +601,80 @@ class ZmqSubscriber(Subscriber):
         try:
             last_seen = time.monotonic()
             while not self._closed.is_set():
-                ready = poller.poll(self._poll_ms())
-                for sock, _ in ready:
-                    rec = self._by_dealer(sock)
-                    if rec is None and sock not in index:
-                        continue  # a recovery socket closed earlier in this round
-                    for _ in range(1000):  # drain, but keep polling the others fairly
-                        if rec is not None and self._recovering.get(rec.source) is not rec:
-                            break  # finished while draining (its dealer is closed)
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if rec is None:
-                            self._on_message(index[sock], frames)
-                        else:
-                            self._on_recovery_reply(rec, frames)
-                self._expire_recoveries()
-                now = time.monotonic()
-                if ready:
-                    last_seen = now
-                elif self._idle_probe_s and now - last_seen >= self._idle_probe_s:
-                    # Quiet line: a lost *last* batch is revealed by no later one, so ask
-                    # the replay sockets for anything past what was delivered.
-                    self._catch_up_all(self._probe_starts())
-                    last_seen = time.monotonic()
+                try:
+                    ready = poller.poll(self._poll_ms())
+                    for sock, _ in ready:
+                        if sock in monitors:
+                            self._reconnect(sock, subs[monitors[sock]], monitors[sock])
+                            continue
+                        rec = self._by_dealer(sock)
+                        if rec is None and sock not in index:
+                            continue  # a recovery socket closed earlier in this round
+                        for _ in range(1000):  # drain, but keep polling the others fairly
+                            if rec is not None and self._recovering.get(rec.source) is not rec:
+                                break  # finished while draining (its dealer is closed)
+                            try:
+                                frames = sock.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            if rec is None:
+                                self._on_message(index[sock], frames)
+                            else:
+                                self._on_recovery_reply(rec, frames)
+                    self._expire_recoveries()
+                    now = time.monotonic()
+                    if ready:
+                        last_seen = now
+                    elif self._idle_probe_s and now - last_seen >= self._idle_probe_s:
+                        # Quiet line: a lost *last* batch is revealed by no later one, so ask
+                        # the replay sockets for anything past what was delivered.
+                        self._catch_up_all(self._probe_starts())
+                        last_seen = time.monotonic()
+                    self.failing = None
+                except Exception as exc:  # noqa: BLE001 - the receiver thread must outlive any one error
+                    # (out of sockets or file descriptors, a broken recovery socket...): log,
+                    # report it (health) and go on after a pause
+                    self.failing = f"{type(exc).__name__}: {exc}"
+                    self._stats.receive_errors += 1
+                    logger.exception("ZMQ subscriber: receive loop failed; retrying in %.1f s", _RETRY_S)
+                    self._closed.wait(_RETRY_S)
         finally:
+            for mon, i in monitors.items():
+                subs[i].disable_monitor()
+                mon.close(linger=0)
             for sock in subs:
                 sock.close(linger=0)
             for rec in self._recovering.values():
                 rec.dealer.close(linger=0)
             self._recovering.clear()
             self._poller = None
+
+    def _reconnect(self, monitor: zmq.Socket, sock: zmq.Socket, i: int) -> None:
+        """Read the disconnect events of pair ``i``'s SUB and connect it again (libzmq
+        reconnects by itself after a network error, but not after a protocol error such
+        as a message over ``MAXMSGSIZE``)."""
+        n = 0
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+        if not n or self._closed.is_set():
+            return
+        self._stats.reconnects += 1
+        endpoint = self._endpoints[i][0]
+        try:
+            sock.disconnect(endpoint)
+        except zmq.ZMQError:
+            pass  # already gone
+        self._connect(sock, i, endpoint)
+
+    def _limit_size(self, sock: zmq.Socket) -> None:
+        """``MAXMSGSIZE`` of a receiving socket (:meth:`Subscriber.limit_batches`, else
+        :data:`DEFAULT_MAX_MESSAGE_BYTES`): libzmq drops a bigger message unread and
+        disconnects its sender."""
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes or DEFAULT_MAX_MESSAGE_BYTES)
 
     def _connect(self, sock: zmq.Socket, i: int, endpoint: str) -> None:
         """Connect ``sock`` to ``endpoint`` of pair ``i``, as a CURVE client when pair ``i`` has CURVE."""
@@ -634,7 +693,7 @@ class ZmqSubscriber(Subscriber):
             CodecError: the payload is malformed, or its seq differs from the seq frame
                 (a frame that lies about its batch must not move the source's position).
         """
-        batch = decode_batch(payload)
+        batch = decode_batch(payload, self._max_events)
         if batch.seq != seq:
             raise CodecError(f"seq frame {seq} does not match the batch's seq {batch.seq}")
         return batch
@@ -692,6 +751,7 @@ class ZmqSubscriber(Subscriber):
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
+        self._limit_size(dealer)
         self._connect(dealer, i, self._endpoints[i][1])  # type: ignore[arg-type]
         dealer.send_multipart([b"", seq_to_bytes(gap[0])])
         now = time.monotonic()
@@ -810,6 +870,7 @@ class ZmqSubscriber(Subscriber):
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)
+            self._limit_size(dealer)
             self._connect(dealer, i, rep)
             dealer.send_multipart([b"", seq_to_bytes(start)])
             pending[dealer] = (i, [])

@@ -119,8 +119,9 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
     if redis_exe is None:
         raise UpError("redis-server not found on PATH (Debian: apt-get install redis-server)")
     root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o700)  # logs/, nats/ (every event) and volumes/ (KV bytes) are for this user only
     logs = root / "logs"
-    logs.mkdir(exist_ok=True)
+    logs.mkdir(mode=0o700, exist_ok=True)
     started: dict[str, subprocess.Popen[bytes]] = {}
     nats = NatsCluster(root / "nats", nodes=nodes)
     try:

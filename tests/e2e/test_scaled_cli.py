@@ -39,6 +39,8 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
     state_file = root / "cluster.json"
     try:
         assert stat.S_IMODE(state_file.stat().st_mode) == 0o600  # it holds the Redis password and S3 keys
+        # logs/, nats/ (every event) and volumes/ (KV bytes) lie under a directory only its user enters
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700 and stat.S_IMODE((root / "logs").stat().st_mode) == 0o700
         state = json.loads(state_file.read_text())
         assert state["redis_url"].split("@")[0] not in r.stdout + r.stderr  # the password is never printed
         assert len(state["nats_urls"]) == 3 and len(state["advisors"]) == 3

@@ -79,3 +79,45 @@ def nats_server(tmp_path: Path, body: str) -> Iterator[int]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+class RawPub:
+    """A bare ZMQ PUB socket on a free loopback port that sends hand-made batches (any
+    source, epoch and seq: what a hostile publisher can do). ``url`` is the advisor's
+    subscribe URL (no replay endpoint)."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.port = free_port()
+        self.url = f"zmq://127.0.0.1:{self.port}"
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self._probe_seq = 0
+
+    def send(self, b: Any, payload: bytes | None = None) -> None:
+        """Send batch ``b`` (or ``payload`` under ``b``'s seq frame)."""
+        from event_plane.codec import encode_batch
+        from event_plane.frames import seq_to_bytes
+
+        self.sock.send_multipart([b"", seq_to_bytes(b.seq), encode_batch(b) if payload is None else payload])
+
+    def join(self, svc: AdvisorService, source: str = "probe", timeout: float = 30.0) -> None:
+        """Send empty batches of ``source`` until the advisor has indexed one (a PUB drops
+        what it sends before the subscription arrives)."""
+        from event_plane.schema import WIRE_VERSION, EventBatch
+
+        deadline = time.monotonic() + timeout
+        while source not in svc.index.sources():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the advisor never received {source}")
+            self.send(EventBatch(WIRE_VERSION, source, 1, self._probe_seq, 1, []))
+            self._probe_seq += 1
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()

@@ -228,3 +228,28 @@ def test_operator_lists_and_releases_bindings_of_a_stopped_advisor(tmp_path: Pat
     report = json.loads(gone.stdout)
     assert (report["bindings"], report["released"], report["not_bound"]) == ({}, [VICTIM], ["nope"])
     assert advisor(s).origins.origin_of(VICTIM) is None  # the next start has no binding for it
+
+
+def test_nats_embedded_refuses_a_source_that_is_not_its_subjects(tmp_path: Path, advisor: Any, nats_url: str) -> None:
+    """Under per-user permissions w0 may publish only on its own subject, but may put any
+    source name in its batches: a batch naming ``w1`` on w0's subject must not bind ``w1``
+    (the real w1 would then be refused for good); it is refused and counted."""
+    ns = "sq" + secrets.token_hex(3)
+    url = f"{nats_url}?namespace={ns}"
+    svc = advisor(settings(tmp_path, [url]))
+    w1 = make_publisher(url, "w1", config=ONE, epoch=1)
+    try:
+        deadline = time.monotonic() + 15
+        while svc.counters["origin_refused"] == 0 and time.monotonic() < deadline:  # the SUB may join late
+            _forge_on_subject(nats_url, f"kvadvisor.events.{ns}.w0",
+                              EventBatch(1, "w1", 9, 0, time.time_ns(), chain([41, 42], "g1")))
+            time.sleep(0.2)
+        assert svc.counters["origin_refused"] >= 1 and _refused(svc, "nats") >= 1
+        assert svc.origins.origin_of("w1") is None
+        assert per_location(svc, [41, 42]) == {}
+        w1.publish(chain([41, 42, 43], "g1"))
+        w1.flush()
+        wait_for(lambda: per_location(svc, [41, 42, 43]) == {"w1/g1": 3}, what="the real w1 indexed")
+        assert svc.origins.origin_of("w1") == f"nats:kvadvisor.events.{ns}.w1"
+    finally:
+        w1.close()

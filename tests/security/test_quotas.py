@@ -216,7 +216,8 @@ def test_settings_refuse_a_bucket_smaller_than_a_batch() -> None:
 
 def test_guard_refusal_is_event_level_only_for_event_reasons() -> None:
     """The enum split the service and the metrics rely on."""
-    assert set(EVENT_REASONS) == {QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS}
+    assert set(EVENT_REASONS) == {QuotaReason.METADATA_BYTES, QuotaReason.LOCATIONS, QuotaReason.SOURCE_BLOCKS,
+                                  QuotaReason.BLOCKS}
     assert "quota_refused_events_locations" in QuotaGuard.counter_names()
     assert "quota_refused_batches_locations" not in QuotaGuard.counter_names()
 
