@@ -503,14 +503,16 @@ def plan_compactions(settings: CompactionSettings, inp: PolicyInput) -> list[Pla
 
 
 def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex, score: Callable[[int], float],
-               busy: set[int], budget: float = 0.0) -> list[PlanItem]:
+               busy: set[int], budget: float = 0.0, victim_dst: str | None = None) -> list[PlanItem]:
     """Hot blocks of the slow volumes that rank above the lowest fast leaves take their place.
 
     Candidates: blocks with ``hits >= min_hits`` on a slow volume, not on the fast volume,
     hottest first.  Victims: the
     fast volume's leaves, lowest-ranked first (:func:`_leaves_first`), never the parent of
     a candidate.  While the candidate ranks strictly above the victim and is no larger (at
-    most ``max_swaps`` pairs), the victim is demoted to the candidate's slow volume, and the
+    most ``max_swaps`` pairs), the victim is demoted to ``victim_dst`` (one tier down: the
+    first slow volume under its watermark, else the archive; default the candidate's slow
+    volume), and the
     candidate promoted if ``budget`` (bytes the fast volume may still take under its limit)
     holds it and its parent is on the fast volume (or promoted here, or it has none): a
     demotion frees no used bytes until compaction rewrites the segment, so the promotion
@@ -557,7 +559,8 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
             continue
         vi += 1
         why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of fast leaf {v}"
-        items.append(PlanItem(PlanKind.DEMOTE, why, fast, src, sequence_hash=v, namespace=p.key.namespace,  # type: ignore[attr-defined]
+        items.append(PlanItem(PlanKind.DEMOTE, why, fast, victim_dst or src, sequence_hash=v,
+                              namespace=p.key.namespace,  # type: ignore[attr-defined]
                               bytes=p.length))
         parent = index.block(h).parent  # type: ignore[union-attr]
         if size <= budget and (parent is None or parent in on_fast or parent in promoted):
@@ -573,8 +576,9 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
     Promotion and demotion rank blocks with one scorer (:func:`make_scorer`, the default
     policy's priority unless ``demotion.scoring = "lru"``); promotions stop at the demotion
     high watermark, and hot blocks (``hits >= promotion.min_hits``) are demoted only as far
-    as that watermark.  When the fast volume has neither demotions nor room for a promotion,
-    :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks.
+    as that watermark.  When the fast volume has neither demotions of its own nor room for a
+    promotion, :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks (also
+    while a slow volume demotes to the archive).
     """
     hashes = [p.key.sequence_hash for p in inp.fast_placements]  # type: ignore[attr-defined]
     for ps in inp.placements.values():
@@ -586,11 +590,15 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
     demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
     promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)
     swaps: list[PlanItem] = []
-    if not demotions and not any(i.dst_volume == inp.fast_volume for i in promotions):
-        busy = {i.sequence_hash for i in promotions if i.sequence_hash is not None}
+    # only the fast volume's own demotions make room on it: a slow volume demoting to the
+    # archive must not hold the swaps back (fast would sit at its promotion limit, below its
+    # demotion watermark, and a hot block on slow never displace a colder one on fast)
+    fast_demotes = any(i.src_volume == inp.fast_volume for i in demotions)
+    if not fast_demotes and not any(i.dst_volume == inp.fast_volume for i in promotions):
+        busy = {i.sequence_hash for i in demotions + promotions if i.sequence_hash is not None}
         limit = min(settings.promotion.max_fill, settings.demotion.high_watermark)
         budget = max(0.0, _fill_budget(inp.usage.get(inp.fast_volume), limit)) if inp.fast_volume else 0.0
         swaps = plan_swaps(settings.promotion, inp, index, score or make_scorer(
             PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})), index, ()), busy,
-            budget)
+            budget, _demotion_target(inp, settings.demotion.high_watermark))
     return demotions + promotions + swaps + plan_compactions(settings.compaction, inp)
