@@ -523,12 +523,21 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     fast = inp.fast_volume
     if not settings.enabled or settings.max_swaps <= 0 or fast is None or not inp.slow_volumes:
         return []
+    movable = inp.movable
+    return _swap_level(settings, fast, list(inp.slow_volumes), inp.fast_placements, index, score, busy, budget,
+                       victim_dst, lambda h: movable is not None and not movable(h))
+
+
+def _swap_level(settings: PromotionSettings, upper: str, sources: list[str], upper_placements: Sequence[PlacementLike],
+                index: PrefixIndex, score: Callable[[int], float], busy: set[int], budget: float,
+                victim_dst: str | None, skip: Callable[[int], bool]) -> list[PlanItem]:
+    """Swaps onto ``upper`` from ``sources`` (see :func:`plan_swaps`); ``skip``: blocks
+    never candidates (foreign, or already on a faster tier)."""
     cand: list[tuple[float, int, str, int]] = []
     seen: set[int] = set()
-    movable = inp.movable
-    for src in inp.slow_volumes:
+    for src in sources:
         for h in index.blocks_at(src):
-            if h in seen or h in busy or index.holds(h, fast) or (movable is not None and not movable(h)):
+            if h in seen or h in busy or index.holds(h, upper) or skip(h):
                 continue
             seen.add(h)
             info = index.block(h)
@@ -538,7 +547,7 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     if not cand:
         return []
     on_fast: dict[int, PlacementLike] = {}
-    for p in inp.fast_placements:
+    for p in upper_placements:
         on_fast.setdefault(p.key.sequence_hash, p)  # type: ignore[attr-defined]
     cand = sorted((c for c in cand if c[1] not in on_fast), key=lambda t: (-t[0], t[1]))
     if not cand:
@@ -558,15 +567,15 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
         if size > p.length:
             continue
         vi += 1
-        why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of fast leaf {v}"
-        items.append(PlanItem(PlanKind.DEMOTE, why, fast, victim_dst or src, sequence_hash=v,
+        why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of leaf {v} on '{upper}'"
+        items.append(PlanItem(PlanKind.DEMOTE, why, upper, victim_dst or src, sequence_hash=v,
                               namespace=p.key.namespace,  # type: ignore[attr-defined]
                               bytes=p.length))
         parent = index.block(h).parent  # type: ignore[union-attr]
         if size <= budget and (parent is None or parent in on_fast or parent in promoted):
             budget -= size
             promoted.add(h)
-            items.append(PlanItem(PlanKind.PROMOTE, why, src, fast, sequence_hash=h, bytes=size))
+            items.append(PlanItem(PlanKind.PROMOTE, why, src, upper, sequence_hash=h, bytes=size))
     return items
 
 
@@ -601,4 +610,34 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
         swaps = plan_swaps(settings.promotion, inp, index, score or make_scorer(
             PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})), index, ()), busy,
             budget, _demotion_target(inp, settings.demotion.high_watermark))
+    swaps += _archive_swaps(settings, inp, index, score, demotions + promotions + swaps)
     return demotions + promotions + swaps + plan_compactions(settings.compaction, inp)
+
+
+def _archive_swaps(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
+                   score: Callable[[int], float] | None, planned: list[PlanItem]) -> list[PlanItem]:
+    """The same swaps one tier lower: hot blocks of the archive displace the first slow
+    volume's lowest-ranked leaves (to the archive) when that volume has no demotions of its
+    own and no room for a promotion from the archive, so a slow volume full of cold blocks
+    below its watermark does not keep the archive's hot blocks out."""
+    pr = settings.promotion
+    if (not pr.enabled or not pr.from_archive or pr.max_swaps <= 0 or not inp.archive_volume
+            or not inp.slow_volumes):
+        return []
+    slow, archive, fast = inp.slow_volumes[0], inp.archive_volume, inp.fast_volume
+    if any(i.src_volume == slow and i.kind is PlanKind.DEMOTE for i in planned) or any(
+            i.dst_volume == slow and i.src_volume == archive for i in planned):
+        return []
+    limit = min(pr.max_fill, settings.demotion.high_watermark)
+    budget = max(0.0, _fill_budget(inp.usage.get(slow), limit))
+    busy = {i.sequence_hash for i in planned if i.sequence_hash is not None}
+    movable = inp.movable
+
+    def faster_or_foreign(h: int) -> bool:
+        return ((fast is not None and index.holds(h, fast)) or any(index.holds(h, v) for v in inp.slow_volumes)
+                or (movable is not None and not movable(h)))
+
+    rank = score or make_scorer(PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})),
+                                index, ())
+    return _swap_level(pr, slow, [archive], inp.placements.get(slow, ()), index, rank, busy, budget, archive,
+                       faster_or_foreign)

@@ -157,6 +157,27 @@ def test_a_slow_volume_demoting_to_the_archive_does_not_stop_the_fast_volumes_sw
     assert all(h != 7 for _, h, _, _ in items)  # hot: neither demoted nor swapped twice
 
 
+def test_a_slow_volume_full_of_cold_blocks_below_its_watermark_swaps_for_the_archives_hot_ones() -> None:
+    """Slow at its promotion limit (below its demotion watermark) holding only never-hit
+    blocks, a hot block on the archive: a cold slow leaf goes to the archive to make room
+    (one level lower, the same swap as fast's)."""
+    log = Log()
+    log.apply("w0", *chain_events([40], "slow"), *chain_events([41], "slow"))  # on slow, never hit
+    log.apply("w0", *chain_events([9], "s3"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([9], "g1"))  # 9: hits 3, on the archive, newest
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    pin = PolicyInput("fast", ["slow"], "s3", fast_placements=[],
+                      usage={"fast": VolumeUsage(10 * BS, 0, 0), "slow": VolumeUsage(2 * BS, 2 * BS * 8 // 10,
+                                                                                      2 * BS * 8 // 10)},
+                      placements={"slow": placements([40, 41], "slow")})
+    items = [(i.kind, i.sequence_hash, i.src_volume, i.dst_volume) for i in plan_all(s, pin, log.idx)]
+    assert items == [(PlanKind.DEMOTE, 40, "slow", "s3")], items
+    s.promotion.max_swaps = 0
+    assert plan_all(s, pin, log.idx) == []
+
+
 def test_move_guard_memory_survives_a_restart_through_the_run_state(tmp_path) -> None:  # noqa: ANN001
     from advisor.run_state import RunStateStore
 
