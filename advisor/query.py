@@ -266,6 +266,19 @@ class AdvisorQuery:
 
         unregister_volume(self._svc, volume_id)
 
+    def load_registrations(self) -> list[dict[str, Any]]:
+        """The indexer API's stored worker registrations (``api.indexer_registry.RegistrationStore``)."""
+        return self._svc.saved_registrations()
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Store the indexer API's worker registrations in the run state (errors raised)."""
+        self._svc.save_registrations(registrations)
+
+    def count_registrations_dropped(self, n: int) -> None:
+        """Count stored registrations refused at a restore (``registrations_dropped``)."""
+        with self._svc.lock:
+            self._svc.counters["registrations_dropped"] += n
+
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""
         return self._svc.metrics.registry

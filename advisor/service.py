@@ -169,6 +169,7 @@ class AdvisorService:
             "sources_expired": 0,
             "journal_failures": 0,
             "gc_segments_removed": 0,
+            "registrations_dropped": 0,
             "ingest_restarts": 0,
             "snapshots_skipped": 0,
         }
@@ -959,6 +960,18 @@ class AdvisorService:
                 if os.path.exists(self.settings.journal_path + suffix):
                     os.chmod(self.settings.journal_path + suffix, 0o600)
         self.run_state.save_admin({"volumes": volumes, "draining": sorted(self.draining)})
+
+    def saved_registrations(self) -> list[dict[str, Any]]:
+        """The indexer API's worker registrations kept in the run state (``api.indexer_registry``);
+        empty without a run state."""
+        if self.run_state is None:
+            return []
+        return list(self.run_state.admin().get("registrations", []))  # type: ignore[call-overload]
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Replace the worker registrations kept in the run state (no-op without one; errors raised)."""
+        if self.run_state is not None:
+            self.run_state.save_admin({"registrations": registrations})
 
     def _restore_admin_state(self) -> None:
         """Register the run-time volumes again and restore the draining marks (see

@@ -144,8 +144,9 @@ def create_app(
         security: tokens, allowed hosts / origins, body limit (default: from the
             environment, ``KVADVISOR_API_*``).
         bind_host: the address the server listens on (for the Host check).
-        registry: the indexer-compatible routes' registry (a new one by default); closed
-            by the caller (``api.server``).
+        registry: the indexer-compatible routes' registry (by default a new one that keeps
+            its registrations in the advisor's run state and restores them); closed by the
+            caller (``api.server``).
 
     Raises:
         pydantic.ValidationError: bad security settings in the environment.
@@ -159,7 +160,10 @@ def create_app(
     if registry is None:
         closed = not getattr(query, "plain_zmq_allowed", lambda: True)()
         policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
-        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy)
+        store = query if hasattr(query, "load_registrations") else None  # a cluster's API keeps none
+        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy,
+                                   store=store)
+        registry.restore()
     app.state.indexer_registry = registry
     app.add_middleware(GuardMiddleware, security=app.state.security)
     read, admin = [Depends(require_read)], [Depends(require_admin)]

@@ -18,7 +18,7 @@ from event_plane.schema import EventBatch, store
 
 ADMIN, READ = "admin-token-0123456789abcdef", "read-token-0123456789abcdef"
 SEC = ApiSecuritySettings(admin_tokens=[SecretStr(ADMIN)], read_tokens=[SecretStr(READ)], max_body_bytes=64 * 1024)
-MUTATING = {("POST", "/v1/volumes"), ("DELETE", "/v1/volumes/{volume_id}"), ("POST", "/v1/plans/run"), ("POST", "/v1/actions/invalidate"), ("POST", "/v1/volumes/{volume_id}/drain"), ("POST", "/register"), ("POST", "/unregister"), ("POST", "/load")}
+MUTATING = {("POST", "/v1/volumes"), ("DELETE", "/v1/volumes/{volume_id}"), ("POST", "/v1/plans/run"), ("POST", "/v1/actions/invalidate"), ("POST", "/v1/volumes/{volume_id}/drain"), ("DELETE", "/v1/volumes/{volume_id}/drain"), ("POST", "/register"), ("POST", "/unregister"), ("POST", "/load")}
 OPEN = {("GET", "/healthz"), ("GET", "/health")}
 
 
