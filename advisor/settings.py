@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from advisor.policy.policies import PolicySettings
+from advisor.moves.prefetch import PrefetchSettings
 from storage_backends.deployment import SettingsError, VolumeSettings, check_secret_file_mode
 
 __all__ = ["AdvisorSettings", "SettingsError", "VolumeSettings", "format_validation_error"]
@@ -53,6 +54,8 @@ class AdvisorSettings(BaseSettings):
         volumes: the volumes to register.
         fast_volume / slow_volumes / archive_volume: roles of the volume ids.
         policy: policy and planner settings.
+        prefetch: lookups as prefetch hints, their bandwidth budget and quotas
+            (:class:`advisor.moves.prefetch.PrefetchSettings`).
         policy_interval_s: seconds between policy rounds (default 30); ``0`` disables the
             timer (rounds then run only on request).
         source_ttl_s: a source that has sent nothing for this many seconds has its
@@ -163,6 +166,7 @@ class AdvisorSettings(BaseSettings):
     slow_volumes: list[str] = Field(default_factory=list)
     archive_volume: str | None = None
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    prefetch: PrefetchSettings = Field(default_factory=PrefetchSettings)
     policy_interval_s: float = Field(30.0, ge=0.0)
     source_ttl_s: float = Field(600.0, ge=0.0)
     reconcile_on_start: bool = True

@@ -6,7 +6,8 @@ Routes (all JSON unless stated; scopes in brackets when tokens are configured, :
 =====================================  ==================================================
 ``GET  /v1/blocks/{sequence_hash}``    one block (decimal or 0x-hex); 404 if unknown [read]
 ``POST /v1/lookup``                    sequence hashes or token ids → longest prefix per
-                                       location, tier and worker [read]
+                                       location, tier and worker; a prefetch hint
+                                       (:mod:`advisor.moves.prefetch`) [read]
 ``GET  /v1/locations``                 blocks per location [read]
 ``GET  /v1/locations/{loc}/blocks``    sequence hashes at a location, paged [read]
 ``GET  /v1/volumes``                   volumes with role, usage, indexed blocks, paged [read]
@@ -64,8 +65,9 @@ def create_app(
         security: tokens, allowed hosts / origins, body limit (default: from the
             environment, ``KVADVISOR_API_*``).
         bind_host: the address the server listens on (for the Host check).
-        registry: the indexer-compatible routes' registry (a new one by default); closed
-            by the caller (``api.server``).
+        registry: the indexer-compatible routes' registry (by default a new one that keeps
+            its registrations in the advisor's run state and restores them); closed by the
+            caller (``api.server``).
 
     Raises:
         pydantic.ValidationError: bad security settings in the environment.
@@ -79,7 +81,10 @@ def create_app(
     if registry is None:
         closed = not getattr(query, "plain_zmq_allowed", lambda: True)()
         policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
-        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy)
+        store = query if hasattr(query, "load_registrations") else None  # a cluster's API keeps none
+        registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy,
+                                   store=store)
+        registry.restore()
     app.state.indexer_registry = registry
     app.add_middleware(GuardMiddleware, security=app.state.security)
     install_error_handlers(app)

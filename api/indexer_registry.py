@@ -10,6 +10,12 @@ given) and applies its events, in seq order, to that index:
 a ``BlockStored`` needs its ``token_ids`` (one full block each) to key the blocks by
 tokens (:mod:`api.token_hashes`); media map to tiers ``g1`` (GPU), ``g2`` (CPU,
 CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).
+
+With a :class:`RegistrationStore` (the advisor's run state, :mod:`advisor.embedded.run_state`) every
+accepted registration is stored before ``/register`` answers, a deregistration removes it,
+and :meth:`IndexerRegistry.restore` subscribes to the stored ones again after a restart,
+checked against today's endpoint policy: one refused now is dropped, logged and counted
+(docs/operations.md, "Indexer API").
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from __future__ import annotations
 import logging
 import resource
 import threading
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
 
 import zmq
 
@@ -67,6 +73,23 @@ class Registration:
     replay_endpoint: str | None
     block_size: int
     engine: str = "vllm"
+
+
+class RegistrationStore(Protocol):
+    """Where registrations are kept across restarts (:class:`advisor.ops.query.AdvisorQuery`
+    keeps them in the advisor's run state)."""
+
+    def load_registrations(self) -> list[dict[str, Any]]:
+        """The stored registrations (:class:`Registration` fields by name), oldest first."""
+        ...
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Replace the stored registrations (durable when it returns; raises when it cannot be)."""
+        ...
+
+    def count_registrations_dropped(self, n: int) -> None:
+        """Count ``n`` stored registrations refused at a restore."""
+        ...
 
 
 class _TokenConverter(PeerConverter):
@@ -141,13 +164,21 @@ class IndexerRegistry:
             of :data:`SOCKETS_PER_REGISTRATION` per registration (well below libzmq's
             default 1,023): registrations can never take the sockets of the advisor's
             own ingest, which uses the process-wide context.
+        store: keeps the registrations across restarts (none: they last as long as the
+            registry).
 
     Thread-safe.
     """
 
     def __init__(self, max_registrations: int = 256, context: zmq.Context | None = None, *,
-                 max_indexes: int = 64, policy: EndpointPolicy | None = None) -> None:
+                 max_indexes: int = 64, policy: EndpointPolicy | None = None,
+                 store: RegistrationStore | None = None) -> None:
         self._lock = threading.Lock()
+        self._store = store
+        self._save_lock = threading.Lock()
+        self._to_restore: list[Registration] = []
+        self._restore_thread: threading.Thread | None = None
+        self._closed = False
         self._regs: dict[tuple[int, int, str, str], tuple[Registration, _IndexingSubscriber]] = {}
         self._indexes: dict[tuple[str, str], WorkerIndex] = {}
         self._pending: set[tuple[int, int, str, str]] = set()
@@ -158,9 +189,7 @@ class IndexerRegistry:
         self._max_indexes = max_indexes
         self.policy = policy if policy is not None else EndpointPolicy()
         self._own_ctx = context is None
-        self._ctx = context if context is not None else zmq.Context()
-        if self._own_ctx:
-            self._ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_REGISTRATION * max_registrations + 8)
+        self._ctx = context  # our own one is made at the first registration (an I/O thread)
 
     @property
     def max_registrations(self) -> int:
@@ -198,14 +227,19 @@ class IndexerRegistry:
         return idx
 
     def register(self, reg: Registration) -> None:
-        """Subscribe to the worker's events and feed the pair's index.
+        """Subscribe to the worker's events and feed the pair's index; with a store, the
+        registration is stored before this returns.
 
         Raises:
             ApiError: 409 ``already_registered`` / ``block_size_mismatch``, 429
                 ``too_many_registrations`` / ``too_many_indexes``, 403
                 ``endpoint_not_allowed`` / ``registrations_closed`` (:mod:`api.register_policy`),
-                400 ``subscribe_failed`` (bad endpoint).
+                400 ``subscribe_failed`` (bad endpoint), 503 ``state_not_saved`` (the store
+                failed: the registration is undone).
         """
+        self._register(reg, persist=True)
+
+    def _register(self, reg: Registration, persist: bool) -> None:
         endpoint = self.policy.check(reg.endpoint)
         replay = None if reg.replay_endpoint is None else self.policy.check(reg.replay_endpoint)
         connect = replace(reg, endpoint=endpoint, replay_endpoint=replay)
@@ -219,6 +253,9 @@ class IndexerRegistry:
                 raise ApiError(429, "too_many_registrations", f"at most {self._max} registrations")
             idx = self._ensure(reg.model_name, reg.tenant_id, reg.block_size)
             self._pending.add(key)
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+                self._ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_REGISTRATION * self._max + 8)
         # connecting and catching up through the replay socket take a while: not under the lock
         sub = _IndexingSubscriber(connect, idx, self._ctx)
         try:
@@ -230,23 +267,131 @@ class IndexerRegistry:
             raise ApiError(400, "subscribe_failed", f"cannot subscribe to {reg.endpoint}: {type(exc).__name__}") from None
         with self._lock:
             self._pending.discard(key)
-            self._regs[key] = (reg, sub)
+            closed = self._closed
+            if not closed:
+                self._regs[key] = (reg, sub)
+        if closed:
+            sub.close()
+            raise ApiError(503, "registry_closed", "the registry is closing")
+        if persist:
+            try:
+                self._persist()
+            except Exception as exc:  # noqa: BLE001 - the store's errors vary (SQLite, disk full)
+                with self._lock:
+                    self._regs.pop(key, None)
+                sub.close()
+                idx.remove_worker((reg.instance_id, reg.dp_rank))
+                logger.error("indexer: registration of instance %d not stored, undone: %s: %s", reg.instance_id,
+                             type(exc).__name__, exc)
+                raise ApiError(503, "state_not_saved", f"the registration could not be stored: {type(exc).__name__}",
+                               headers={"Retry-After": "5"}) from None
         logger.info("indexer: registered instance %d dp_rank %d for %s:%s", reg.instance_id, reg.dp_rank,
                     reg.model_name, reg.tenant_id)
 
     def unregister(self, instance_id: int, model_name: str, tenant_id: str | None, dp_rank: int | None) -> int:
         """Stop the matching subscriptions and drop their blocks; ``None`` tenant / rank
-        matches every tenant / rank. Returns registrations removed (0: nothing matched)."""
+        matches every tenant / rank; with a store, they are removed from it. Returns
+        registrations removed (0: nothing matched).
+
+        Raises:
+            ApiError: 503 ``state_not_saved``: removed here, but the store failed.
+        """
         with self._lock:
             keys = [k for k in self._regs if k[0] == instance_id and k[2] == model_name
                     and (tenant_id is None or k[3] == tenant_id) and (dp_rank is None or k[1] == dp_rank)]
             gone = [self._regs.pop(k) for k in keys]
+            waiting = [r for r in self._to_restore[1:] if r.instance_id == instance_id and r.model_name == model_name
+                       and (tenant_id is None or r.tenant_id == tenant_id) and (dp_rank is None or r.dp_rank == dp_rank)]
+            self._to_restore = [r for r in self._to_restore if not any(r is w for w in waiting)]
         for reg, sub in gone:
             sub.close()
             idx = self.index(reg.model_name, reg.tenant_id)
             if idx is not None:
                 idx.remove_worker((reg.instance_id, reg.dp_rank))
-        return len(gone)
+        if gone or waiting:
+            try:
+                self._persist()
+            except Exception as exc:  # noqa: BLE001 - as in register
+                logger.error("indexer: deregistration of instance %d not stored: %s: %s", instance_id,
+                             type(exc).__name__, exc)
+                raise ApiError(503, "state_not_saved", f"removed now, but not from the stored registrations "
+                               f"({type(exc).__name__}): it may return after a restart", headers={"Retry-After": "5"}) from None
+        return len(gone) + len(waiting)
+
+    def _persist(self) -> None:
+        """Store the registrations (held ones and those still to restore) in the store."""
+        if self._store is None:
+            return
+        with self._save_lock:
+            with self._lock:
+                regs = [r for r, _ in self._regs.values()] + list(self._to_restore)
+            self._store.save_registrations([asdict(r) for r in regs])
+
+    def restore(self, background: bool = True) -> None:
+        """Subscribe again to the registrations the store kept (after a restart), each
+        checked as a new ``/register`` is (today's endpoint policy, quotas); one refused is
+        dropped from the store, logged and counted (``registrations_dropped``).  Catching up
+        with a worker that is down takes up to its catch-up timeout, so by default this runs
+        on a thread of its own; until it is done the stored list keeps the ones not yet
+        restored.  No-op without a store."""
+        if self._store is None:
+            return
+        regs: list[Registration] = []
+        dropped = 0
+        for d in self._store.load_registrations():
+            try:
+                regs.append(Registration(**d))
+            except TypeError as exc:
+                dropped += 1
+                logger.error("indexer: stored registration %r not understood, dropped: %s", d, exc)
+        if not regs and not dropped:
+            return
+        with self._lock:
+            self._to_restore = regs
+        if background:
+            self._restore_thread = threading.Thread(target=self._restore_all, args=(dropped,),
+                                                    name="kvadvisor-register-restore", daemon=True)
+            self._restore_thread.start()
+        else:
+            self._restore_all(dropped)
+
+    def _restore_all(self, dropped: int) -> None:
+        restored = 0
+        while True:
+            with self._lock:
+                if self._closed or not self._to_restore:
+                    break
+                reg = self._to_restore[0]
+            try:
+                self._register(reg, persist=False)
+                restored += 1
+            except ApiError as exc:
+                if exc.error == "registry_closed":
+                    return
+                if exc.error != "already_registered":  # registered again by the worker meanwhile: kept
+                    dropped += 1
+                    logger.warning("indexer: stored registration of instance %d dp_rank %d for %s:%s (%s) dropped: "
+                                   "%s: %s", reg.instance_id, reg.dp_rank, reg.model_name, reg.tenant_id, reg.endpoint,
+                                   exc.error, exc.detail)
+            with self._lock:
+                if self._to_restore and self._to_restore[0] is reg:
+                    self._to_restore.pop(0)
+        assert self._store is not None
+        try:
+            self._persist()
+        except Exception as exc:  # noqa: BLE001 - the restored ones run; the next change stores them
+            logger.error("indexer: restored registrations not stored: %s: %s", type(exc).__name__, exc)
+        if dropped:
+            self._store.count_registrations_dropped(dropped)
+        logger.info("indexer: %d stored registrations restored, %d dropped", restored, dropped)
+
+    def wait_restored(self, timeout_s: float | None = None) -> bool:
+        """Wait for :meth:`restore`'s thread; whether it is done."""
+        t = self._restore_thread
+        if t is not None:
+            t.join(timeout_s)
+            return not t.is_alive()
+        return True
 
     def registrations(self) -> list[Registration]:
         """Current registrations, in registration order."""
@@ -265,11 +410,14 @@ class IndexerRegistry:
         return out
 
     def close(self) -> None:
-        """Stop every subscription (idempotent)."""
+        """Stop every subscription (idempotent); the store keeps them."""
+        with self._lock:
+            self._closed = True
+        self.wait_restored()
         with self._lock:
             subs = [s for _, s in self._regs.values()]
             self._regs.clear()
         for s in subs:
             s.close()
-        if self._own_ctx and not self._ctx.closed:
+        if self._own_ctx and self._ctx is not None and not self._ctx.closed:
             self._ctx.destroy(linger=0)

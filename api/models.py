@@ -382,6 +382,11 @@ class StatsResponse(BaseModel):
     hit_rates: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')
+    prefetch: dict[str, int] = Field(
+        default_factory=dict,
+        description="lookups taken as prefetch hints and the prefetch moves' outcomes: hints, refused, queued, "
+                    "issued, skipped, failed, bytes, used, wasted, pending, tracked (advisor.moves.prefetch); empty "
+                    "when the advisor does not prefetch")
 
 
 class PlanResponse(BaseModel):

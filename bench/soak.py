@@ -7,10 +7,15 @@ garbage collection on its timer) ingests the events of two worker threads over Z
 are demoted to S3, and blocks hit again are promoted back (archive → slow → fast), so moves
 go both ways for the whole run (``--no-archive``: the earlier set-up, whose moves stop
 once ``fast`` is full).  Each worker serves "requests": a chain of blocks of one of
-``--prefixes`` conversations (Zipf-like popularity), stores new blocks on ``slow``
-(acknowledged once the put returned and the Store was published), and keeps a bounded G1
-(Remove events for what it evicts), so the index holds a bounded working set and memory must
-stay flat.  A lookup thread asks the advisor for the longest cached prefix of random chains.
+``--prefixes`` conversations, stores new blocks on ``slow`` (on the archive while ``slow``
+is full: a worker whose disk tier is full writes through to the object store; acknowledged
+once the put returned and the Store was published), and keeps a bounded G1 (Remove events
+for what it evicts), so the index holds a bounded working set and memory must stay flat.
+The workers first serve every conversation once (the whole working set is stored within
+the first minute, so growth after it is not the working set still arriving); then
+popularity is Zipf-like over a ranking that drifts continuously (``--drift-per-s``
+conversations a second), so hot blocks keep cooling and cold ones keep warming.  A lookup
+thread asks the advisor for the longest cached prefix of random chains.
 
 Every ``--interval-s`` a row: RSS of the process, lookup p50/p99 over the interval, events
 applied, moves done and failed, promotions and demotions done in the interval, and blocks
@@ -86,10 +91,12 @@ class Row:
 
 class Soak:
     def __init__(self, tmp: Path, rate: int, prefixes: int, s3: LocalS3 | None = None,
-                 slow_blocks: int = 1024) -> None:
+                 slow_blocks: int = 1024, drift_per_s: float = 5.0) -> None:
         self.rate = rate
-        self.shift = 0  # the popularity ranking's offset (drift)
+        self.drift_per_s = drift_per_s
+        self.t0 = time.monotonic()  # reset when the load starts
         self.prefixes = prefixes
+        self.archive = "s3" if s3 is not None else None
         self.urls = []
         for _ in range(2):
             port, rep = free_port(), free_port()
@@ -135,14 +142,19 @@ class Soak:
         self.put_failures = 0
         self._moved = {"promote": 0, "demote": 0}
 
+    @staticmethod
+    def conversation(p: int) -> list[int]:
+        """Conversation ``p``'s chain of block hashes."""
+        return [(p << 16) | i | (1 << 40) for i in range(CHAIN)]
+
     def chain(self, rng: random.Random) -> list[int]:
         """A request's chain: Zipf-like popularity over the conversations, whose ranking
-        drifts (``--drift-s``: every so many seconds the most popular conversations are
-        others), so blocks cool down and are demoted, and others come back from the
-        archive, for the whole run."""
+        drifts continuously (``drift_per_s`` conversations a second: the most popular
+        conversations are always others), so blocks cool down and are demoted, and others
+        come back from the archive, for the whole run."""
         rank = min(int(rng.paretovariate(1.2)) - 1, self.prefixes - 1)
-        p = (rank + self.shift) % self.prefixes
-        return [(p << 16) | i | (1 << 40) for i in range(CHAIN)]
+        shift = int((time.monotonic() - self.t0) * self.drift_per_s)
+        return self.conversation((rank + shift) % self.prefixes)
 
     def worker(self, i: int) -> None:
         rng = random.Random(i)
@@ -151,16 +163,26 @@ class Soak:
         in_g1: set[int] = set()
         per_s = self.rate / 2
         t0, sent = time.monotonic(), 0
+        first = iter(range(i, self.prefixes, 2))  # every conversation once, then the drifting ranking
         while not self.stop.is_set():
-            hs = self.chain(rng)
+            p = next(first, None)
+            hs = self.chain(rng) if p is None else self.conversation(p)
             with self.acked_lock:
                 new = [h for h in hs if h not in self.acked]
+            where = "slow"
             if new:
+                blocks = [(BlockKey(NS, h), block(h)) for h in new]
                 try:
-                    self.agent.put([(BlockKey(NS, h), block(h)) for h in new], "slow")
-                except StorageError:  # slow full until the next demotions: not acknowledged, not stored
-                    self.put_failures += 1
-                    new = []
+                    self.agent.put(blocks, where)
+                except StorageError:  # slow full until the next demotions: write through to the archive
+                    try:
+                        if self.archive is None:
+                            raise
+                        where = self.archive
+                        self.agent.put(blocks, where)
+                    except StorageError:  # not acknowledged, not stored
+                        self.put_failures += 1
+                        new = []
             events, parent = [], None
             for h in hs:
                 if h not in in_g1:
@@ -168,7 +190,7 @@ class Soak:
                     g1.append(h)
                     in_g1.add(h)
                 if h in new:
-                    events.append(store(h, hs[0], parent, BLK, "slow"))
+                    events.append(store(h, hs[0], parent, BLK, where))
                 parent = h
             while len(g1) > G1_BLOCKS:
                 old = g1.popleft()
@@ -235,13 +257,14 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows and the summary as JSON")
     ap.add_argument("--no-archive", action="store_true", help="no S3 archive (moves stop once fast is full)")
     ap.add_argument("--slow-blocks", type=int, default=1024, help="slow volume capacity in blocks (with the archive)")
-    ap.add_argument("--drift-s", type=float, default=10.0,
-                    help="every so many seconds the popularity ranking moves by 50 conversations (0: never)")
+    ap.add_argument("--drift-per-s", type=float, default=5.0,
+                    help="conversations a second the popularity ranking moves by, continuously (0: never)")
     a = ap.parse_args()
     s3 = None if a.no_archive else start_local_s3()
     with tempfile.TemporaryDirectory(prefix="kvadvisor-soak-") as tmp:
-        soak = Soak(Path(tmp), a.rate, a.prefixes, s3, a.slow_blocks)
+        soak = Soak(Path(tmp), a.rate, a.prefixes, s3, a.slow_blocks, a.drift_per_s)
         soak.svc.start()
+        soak.t0 = time.monotonic()
         threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True) for i in range(2)]
         threads.append(threading.Thread(target=soak.lookups, daemon=True))
         for t in threads:
@@ -255,8 +278,6 @@ def main() -> int:
             until = min(time.monotonic() + a.interval_s, end)
             while time.monotonic() < until:
                 time.sleep(max(0.0, min(1.0, until - time.monotonic())))
-                if a.drift_s > 0:
-                    soak.shift = int((time.monotonic() - t0) // a.drift_s) * 50
             r = soak.row(t0)
             rows.append(r)
             print(f"{r.t_s:7.1f} {r.rss_mib:8.1f} {r.lookup_p50_us:8.1f} {r.lookup_p99_us:8.1f} {r.lookups:8d} "

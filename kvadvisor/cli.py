@@ -265,7 +265,8 @@ def up(
                   f"{len(st.advisors)} advisors own {st.partitions} partitions")
     console.print(f"API {st.api_url} (dashboard: {st.api_url}/dashboard)")
     console.print(f"state: {Path(st.root) / 'cluster.json'} (mode 0600) · logs: {Path(st.root) / 'logs'}")
-    console.print(f"next: kvadvisor demo --scaled --dir {cluster_dir}    stop: kvadvisor down --dir {cluster_dir}")
+    console.print(f"next: kvadvisor demo --scaled --dir {cluster_dir}    figures: kvadvisor status --dir {cluster_dir}    "
+                  f"stop: kvadvisor down --dir {cluster_dir}", soft_wrap=True)
 
 
 @app.command()
@@ -388,9 +389,20 @@ def status(
     url: Annotated[str, typer.Option(envvar="KVADVISOR_URL", help="the advisor API")] = "http://127.0.0.1:8080",
     token: Annotated[Optional[str], typer.Option(envvar="KVADVISOR_API_TOKEN", show_default=False,
                                                  help="read token (env KVADVISOR_API_TOKEN), when the API has tokens")] = None,
+    cluster_dir: Annotated[Optional[Path], typer.Option("--dir", show_default=False,
+                                                        help="the directory given to `kvadvisor up`: its cluster API (instead of --url)")] = None,
 ) -> None:
-    """Print the figures an operator checks first (health, ingest, sources, volumes, moves, hit rates)."""
+    """Print the figures an operator checks first (health, ingest, sources, namespaces, volumes,
+    moves, hit rates)."""
     from kvadvisor.status import StatusError, fetch_status, print_status
+
+    if cluster_dir is not None:
+        from kvadvisor.up import UpError, load
+
+        try:
+            url = load(cluster_dir).api_url
+        except UpError as exc:
+            _fail(str(exc))
 
     try:
         st = fetch_status(url, token)

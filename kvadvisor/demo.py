@@ -402,10 +402,12 @@ class AdvisorClient:
                 return out
 
     def wait_caught_up(self, publishers: list[EventPublisher], timeout_s: float = 120.0) -> dict[str, Any]:
-        """Block until the advisor has applied every batch the publishers sent.
+        """Block until the advisor has applied every batch the publishers sent and carried
+        out every prefetch its router lookups asked for (``/v1/stats`` ``prefetch.pending``
+        is 0), so the index, the catalog and the volumes hold still for a comparison.
 
         Raises:
-            DemoError: on timeout, naming the sources still behind.
+            DemoError: on timeout, naming the sources still behind (or the prefetches left).
         """
         want = {p.source: (p.epoch, p.stats().batches - 1) for p in publishers}
         deadline = time.monotonic() + timeout_s
@@ -423,10 +425,12 @@ class AdvisorClient:
                     and int(sources[src]["last_seq"]) >= want_seq
                 )
             }
-            if not behind:
+            pending = int(st.get("prefetch", {}).get("pending", 0))
+            if not behind and not pending:
                 return st
             if time.monotonic() > deadline:
-                raise DemoError(f"advisor did not catch up within {timeout_s} s: {behind}")
+                raise DemoError(f"advisor did not catch up within {timeout_s} s: sources behind {behind}, "
+                                f"prefetches pending {pending}")
             time.sleep(0.05)
 
     def lookup_tokens(self, tokens: Any, fingerprint: Any) -> dict[str, Any]:

@@ -70,6 +70,7 @@ _SRC_ID = attrgetter("src_block_id")
 _POOL = attrgetter("_pool")
 _BLOCK = attrgetter("_block")
 _BLOCK_ID = attrgetter("block_id")
+_LIVE = attrgetter("_live")
 
 
 class TransferClosedError(KvbmError):
@@ -437,6 +438,26 @@ class _PathWorker:
             job.future.cancel()
         if self.started:
             self.thread.join(timeout=10)
+
+
+def release_live(handles: list[ImmutableBlock]) -> None:
+    """Release the strong handles in ``handles`` that are not consumed yet: one
+    ``release_blocks`` call per pool (one call in all when they share a pool), so a batch of
+    N handles costs O(1) Python calls.  A handle listed twice is released once (handles
+    hash by identity).  Idempotent: a second call finds them consumed.
+    """
+    live = list(dict.fromkeys(filter(_LIVE, handles)))
+    if not live:
+        return
+    pools = set(map(_POOL, live))
+    if len(pools) == 1:
+        pools.pop().release_blocks(live)
+        return
+    by_pool: dict[BlockPool, list[ImmutableBlock]] = {}
+    for h in live:
+        by_pool.setdefault(h._pool, []).append(h)
+    for pool, hs in by_pool.items():
+        pool.release_blocks(hs)
 
 
 def host_bytes(layout: BlockLayout, block_id: int) -> torch.Tensor:
@@ -830,9 +851,7 @@ class TransferManager:
         srcs = list(sources)
 
         def cleanup() -> None:
-            for h in srcs:
-                if not h.consumed:
-                    h.release()
+            release_live(srcs)
 
         future: Future[int] = Future()
         if not srcs:
@@ -848,21 +867,37 @@ class TransferManager:
         return future
 
     def _run_host_onboard(self, jobs: list[_Job]) -> None:
-        groups: dict[int, tuple[BlockLayout, BlockLayout, list[int], list[int]]] = {}
-        for job in jobs:
-            srcs, dst_layout, dst_ids = job.payload
-            for h, d in zip(srcs, dst_ids, strict=True):
-                layout = h._pool.layout
-                g = groups.setdefault(hash((id(layout), id(dst_layout))), (layout, dst_layout, [], []))
-                g[2].append(h.block_id)
-                g[3].append(d)
-        try:
-            for src, dst, s_ids, d_ids in groups.values():
-                copy_blocks(src, s_ids, dst, d_ids)
-        finally:
+        # the batch as flat lists (one job, the common case: its own lists)
+        if len(jobs) == 1:
+            srcs, dst_layout, dst_ids = jobs[0].payload
+            layouts = None
+        else:
+            srcs, dst_ids, layouts = [], [], []
             for job in jobs:
-                assert job.cleanup is not None
-                job.cleanup()
+                s, dl, d = job.payload
+                srcs.extend(s)
+                dst_ids.extend(d)
+                layouts.extend(repeat(dl, len(d)))
+            dst_layout = layouts[0] if len(set(map(id, layouts))) == 1 else None
+        try:
+            pools = set(map(_POOL, srcs))
+            if len(pools) == 1 and dst_layout is not None:
+                # one source pool, one destination layout: the id lists at once, one
+                # copy_blocks (one slice copy per run of consecutive ids)
+                copy_blocks(pools.pop().layout, list(map(_BLOCK_ID, srcs)), dst_layout, dst_ids)
+            else:
+                groups: dict[tuple[int, int], tuple[BlockLayout, BlockLayout, list[int], list[int]]] = {}
+                dls = layouts if layouts is not None else repeat(dst_layout)
+                for h, dl, d in zip(srcs, dls, dst_ids):
+                    layout = h._pool.layout
+                    g = groups.setdefault((id(layout), id(dl)), (layout, dl, [], []))
+                    g[2].append(h.block_id)
+                    g[3].append(d)
+                for src, dst, s_ids, d_ids in groups.values():
+                    copy_blocks(src, s_ids, dst, d_ids)
+        finally:
+            # the sources of every job, one release call per pool
+            release_live(srcs)
         for job in jobs:
             n = len(job.payload[0])
             self.metrics.onboard_h2d.inc(n)

@@ -273,6 +273,13 @@ class LeaseKeeper:
                     self.counters["errors"] += 1
                     logger.warning("lease keeper %s: round failed: %s", self.advisor_id, exc)
                     self._expire_local()
+                    # the bucket may be gone (deleted by someone with JetStream rights):
+                    # bind it again, creating it if needed, so the next round can succeed
+                    # (a new bucket has a new epoch, so no old lease fences a new one)
+                    try:
+                        kv = await self._bucket(js)
+                    except Exception as again:  # noqa: BLE001 - the next round tries again
+                        logger.warning("lease keeper %s: cannot bind the lease bucket: %s", self.advisor_id, again)
             if not self._crash:
                 await self._leave(kv)
         finally:

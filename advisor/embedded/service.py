@@ -6,6 +6,8 @@ Threads:
     * ``expiry``: drops the ``g1``/``g2`` of sources silent for ``source_ttl_s``
       (:meth:`AdvisorService.expire_sources`, :mod:`advisor.ingest.source_expiry`);
     * ``gc``: every ``gc_interval_s``, :meth:`AdvisorService.collect_garbage` (crash leftovers);
+    * ``prefetch``: lookups taken as prefetch hints become promotions to the fast volume
+      (:mod:`advisor.moves.prefetch`, through :meth:`AdvisorService.execute_items`);
     * the API server (uvicorn), loaded by name from ``settings.api_factory``.
 
 One re-entrant *state lock* orders journal appends and index updates, so the journal
@@ -39,6 +41,7 @@ from advisor.policy.policies import PolicyInput, VolumeUsage, plan_all
 from advisor.ops.query import AdvisorQuery
 from advisor.ingest.quotas import QuotaGuard
 from advisor.embedded.run_state import RunStateStore
+from advisor.moves.prefetch import PrefetchCollector, Prefetcher
 from advisor.settings import AdvisorSettings
 from advisor.ingest.source_expiry import due, expiry_batch, private_blocks
 from advisor.index.snapshot import (
@@ -130,6 +133,7 @@ class AdvisorService:
         self.publisher: Any = None
         self.subscriber: Any = None
         self.mover: Mover | None = None
+        self.prefetcher: Prefetcher | None = None
         self.planner = Planner(settings.policy.planner)
         self.move_guard = MoveGuard(settings.policy.planner.min_move_interval_s, self._last_access)
         self._heard: dict[str, float] = {}  # source -> monotonic time of its last batch received
@@ -166,6 +170,7 @@ class AdvisorService:
             "sources_expired": 0,
             "journal_failures": 0,
             "gc_segments_removed": 0,
+            "registrations_dropped": 0,
             "ingest_restarts": 0,
             "snapshots_skipped": 0,
         }
@@ -253,10 +258,38 @@ class AdvisorService:
             self._spawn("kvadvisor-watchdog", self._watchdog_loop)
         if self.mover is not None and s.policy_interval_s > 0:
             self._spawn("kvadvisor-policy", self._policy_loop)
+        self._start_prefetch()
         if self.journal is not None and s.source_ttl_s > 0:
             self._spawn("kvadvisor-expiry", self._expiry_loop)
         if s.api_enabled:
             self.api = self._load_api_factory()(self.query(), s.api_host, s.api_port)
+
+    def _start_prefetch(self) -> None:
+        """Take lookups as prefetch hints (:mod:`advisor.moves.prefetch`) when there is a mover and
+        a fast volume; its moves go through :meth:`execute_items`."""
+        s = self.settings
+        if self.mover is None or s.fast_volume is None or not s.prefetch.enabled:
+            return
+        sources = [*s.slow_volumes, *([s.archive_volume] if s.archive_volume else [])]
+
+        def blocks(hashes: Any) -> list[BlockInfo | None]:
+            with self.lock:
+                return [self.index.block(h) for h in hashes]
+
+        fast = s.fast_volume
+        limit = min(s.policy.promotion.max_fill, s.policy.demotion.high_watermark)
+
+        def room() -> int:
+            # the promotion policy's own bound: never fill the fast volume past the fraction a
+            # policy round promotes to (:func:`advisor.policy.policies.plan_promotions`)
+            st = next((v for v in self.agent.stats() if v.volume_id == fast), None)
+            return 0 if st is None else int(st.capacity_bytes * limit) - st.used_bytes
+
+        prefetcher = Prefetcher(s.prefetch, fast, sources, blocks, self.execute_items, room=room)
+        self.prefetcher = prefetcher
+        self.metrics.registry.register(PrefetchCollector(prefetcher))
+        stop = self._stop
+        self._spawn("kvadvisor-prefetch", lambda: prefetcher.run(stop))
 
     def _open_origins(self) -> None:
         """Restore the source → origin bindings (``settings.origins_file``) into a guard
@@ -557,6 +590,8 @@ class AdvisorService:
             return
         self._stopped = True
         self._stop.set()
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         if self.subscriber is not None:
             self.subscriber.close()
         for t in self._threads:
@@ -844,30 +879,50 @@ class AdvisorService:
             inp = self.policy_input()
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index)
-            proposed, held = self.move_guard.filter(proposed)
-            proposed, held_full = self._hold_back_full(proposed)
-            proposed, held_draining = self._hold_back_draining(proposed)
-            plan = self.planner.plan(proposed)
-            try:
-                results = self.mover.execute_many(plan.items)
-            finally:
-                self.planner.release(len(plan.items))
-            self.move_guard.record(results)
-            with self.lock:
-                self.counters["moves_held_back"] += held
-                self.counters["moves_held_back_draining"] += held_draining
-                self.plans.extend(results)
-                self.counters["policy_rounds"] += 1
-                self.counters["plans_deferred"] += plan.deferred + held_full
-                if held_full:
-                    self.counters["deferred_volume_full"] = self.counters.get("deferred_volume_full", 0) + held_full
-                for why, n in plan.deferred_reasons.items():
-                    self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
+            results = self._execute_locked(proposed, policy_round=True)
             self.metrics.policy_rounds.inc()
-            self.metrics.record_results(results)
-            self._note_full(results)
-            self._save_run_state(results)
             return results
+
+    def execute_items(self, proposed: list[Any]) -> list[PlanResult]:
+        """Carry out plan items outside a policy round (prefetches, :mod:`advisor.moves.prefetch`),
+        through the same move guard, full-volume backoff, planner and mover as a round, and
+        never at the same time as one.
+
+        Returns:
+            The results of the items executed (held back or deferred items have none).
+        """
+        if self.mover is None:
+            return []
+        with self._round_lock:
+            return self._execute_locked(proposed)
+
+    def _execute_locked(self, proposed: list[Any], *, policy_round: bool = False) -> list[PlanResult]:
+        """Guard, plan, execute and record ``proposed`` (counted as a policy round when
+        ``policy_round``); the caller holds the round lock."""
+        assert self.mover is not None
+        proposed, held = self.move_guard.filter(proposed)
+        proposed, held_full = self._hold_back_full(proposed)
+        proposed, held_draining = self._hold_back_draining(proposed)
+        plan = self.planner.plan(proposed)
+        try:
+            results = self.mover.execute_many(plan.items)
+        finally:
+            self.planner.release(len(plan.items))
+        self.move_guard.record(results)
+        with self.lock:
+            self.counters["moves_held_back"] += held
+            self.counters["moves_held_back_draining"] += held_draining
+            self.plans.extend(results)
+            self.counters["policy_rounds"] += int(policy_round)
+            self.counters["plans_deferred"] += plan.deferred + held_full
+            if held_full:
+                self.counters["deferred_volume_full"] = self.counters.get("deferred_volume_full", 0) + held_full
+            for why, n in plan.deferred_reasons.items():
+                self.counters[f"deferred_{why}"] = self.counters.get(f"deferred_{why}", 0) + n
+        self.metrics.record_results(results)
+        self._note_full(results)
+        self._save_run_state(results)
+        return results
 
     def _hold_back_full(self, proposed: list[Any]) -> tuple[list[Any], int]:
         """Drop the items writing into a volume in full-volume backoff; return the rest and
@@ -906,6 +961,18 @@ class AdvisorService:
                 if os.path.exists(self.settings.journal_path + suffix):
                     os.chmod(self.settings.journal_path + suffix, 0o600)
         self.run_state.save_admin({"volumes": volumes, "draining": sorted(self.draining)})
+
+    def saved_registrations(self) -> list[dict[str, Any]]:
+        """The indexer API's worker registrations kept in the run state (``api.indexer_registry``);
+        empty without a run state."""
+        if self.run_state is None:
+            return []
+        return list(self.run_state.admin().get("registrations", []))  # type: ignore[call-overload]
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Replace the worker registrations kept in the run state (no-op without one; errors raised)."""
+        if self.run_state is not None:
+            self.run_state.save_admin({"registrations": registrations})
 
     def _restore_admin_state(self) -> None:
         """Register the run-time volumes again and restore the draining marks (see

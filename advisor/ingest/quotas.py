@@ -290,17 +290,21 @@ class QuotaGuard:
         still allowed ``(at the source's g1/g2, anywhere)``. A new epoch starts the source's
         ``g1``/``g2`` empty (the fold drops them)."""
         lim = self.limits
+        events = batch.events
+        total = len(index)
+        held = 0
+        if not new_source and batch.epoch == index.sources()[batch.source].epoch:
+            held = index.count_at(f"{batch.source}/g1") + index.count_at(f"{batch.source}/g2")
+        # the common case, without a look at the events: even if every one were a Store at
+        # g1/g2, both quotas would hold
+        n = len(events)
+        if total + n <= lim.max_blocks and held + n <= lim.max_source_blocks:
+            return None
         stores = private = 0
-        for ev in batch.events:
+        for ev in events:
             if ev.type == EventType.STORE:
                 stores += 1
                 private += ev.storage_location in PRIVATE_TIERS
-        if not stores:
-            return None
-        total = len(index)
-        held = 0
-        if private and not new_source and batch.epoch == index.sources()[batch.source].epoch:
-            held = index.count_at(f"{batch.source}/g1") + index.count_at(f"{batch.source}/g2")
         if total + stores <= lim.max_blocks and held + private <= lim.max_source_blocks:
             return None
         return max(lim.max_source_blocks - held, 0), max(lim.max_blocks - total, 0)

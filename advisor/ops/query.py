@@ -105,6 +105,12 @@ class AdvisorQuery:
                 where.append(frozenset(info.locations) if info is not None else frozenset())
         return LookupResult(len(hashes), dict(sorted(per.items())), anyn, where)
 
+    def prefetch_hint(self, hashes: Sequence[int]) -> bool:
+        """Take a router's lookup as a prefetch hint (:meth:`advisor.moves.prefetch.Prefetcher.hint`);
+        ``False`` when refused by the quota or when the advisor does not prefetch."""
+        p = self._svc.prefetcher
+        return p.hint(hashes) if p is not None else False
+
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
         s = self._svc.settings
@@ -157,7 +163,8 @@ class AdvisorQuery:
             "moves": {"promotions", "demotions", "compactions", "bytes_moved", "done",
             "skipped", "failed", "bytes_by_kind", "blocks_by_kind", "routes" (completed moves per
             ``"<kind> <src>-><dst>"``, e.g. ``"demote slow->s3"``)},
-            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s"}``.
+            "subscriber": {...}, "namespaces": :meth:`namespaces`, "uptime_s", "prefetch": {...counters
+            of advisor.moves.prefetch.Prefetcher.stats, empty when the advisor does not prefetch}}``.
         """
         svc = self._svc
         sub = svc.subscriber_stats()
@@ -206,6 +213,7 @@ class AdvisorQuery:
             "subscriber": sub,
             "namespaces": self.namespaces(),
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
+            "prefetch": svc.prefetcher.stats() if svc.prefetcher is not None else {},
         }
 
     def plans(self, limit: int = 100) -> list[PlanResult]:
@@ -258,6 +266,19 @@ class AdvisorQuery:
         from advisor.ops.volume_admin import unregister_volume
 
         unregister_volume(self._svc, volume_id)
+
+    def load_registrations(self) -> list[dict[str, Any]]:
+        """The indexer API's stored worker registrations (``api.indexer_registry.RegistrationStore``)."""
+        return self._svc.saved_registrations()
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Store the indexer API's worker registrations in the run state (errors raised)."""
+        self._svc.save_registrations(registrations)
+
+    def count_registrations_dropped(self, n: int) -> None:
+        """Count stored registrations refused at a restore (``registrations_dropped``)."""
+        with self._svc.lock:
+            self._svc.counters["registrations_dropped"] += n
 
     def metrics_registry(self) -> CollectorRegistry:
         """The advisor's Prometheus registry."""

@@ -503,14 +503,16 @@ def plan_compactions(settings: CompactionSettings, inp: PolicyInput) -> list[Pla
 
 
 def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex, score: Callable[[int], float],
-               busy: set[int], budget: float = 0.0) -> list[PlanItem]:
+               busy: set[int], budget: float = 0.0, victim_dst: str | None = None) -> list[PlanItem]:
     """Hot blocks of the slow volumes that rank above the lowest fast leaves take their place.
 
     Candidates: blocks with ``hits >= min_hits`` on a slow volume, not on the fast volume,
     hottest first.  Victims: the
     fast volume's leaves, lowest-ranked first (:func:`_leaves_first`), never the parent of
     a candidate.  While the candidate ranks strictly above the victim and is no larger (at
-    most ``max_swaps`` pairs), the victim is demoted to the candidate's slow volume, and the
+    most ``max_swaps`` pairs), the victim is demoted to ``victim_dst`` (one tier down: the
+    first slow volume under its watermark, else the archive; default the candidate's slow
+    volume), and the
     candidate promoted if ``budget`` (bytes the fast volume may still take under its limit)
     holds it and its parent is on the fast volume (or promoted here, or it has none): a
     demotion frees no used bytes until compaction rewrites the segment, so the promotion
@@ -521,12 +523,21 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     fast = inp.fast_volume
     if not settings.enabled or settings.max_swaps <= 0 or fast is None or not inp.slow_volumes:
         return []
+    movable = inp.movable
+    return _swap_level(settings, fast, list(inp.slow_volumes), inp.fast_placements, index, score, busy, budget,
+                       victim_dst, lambda h: movable is not None and not movable(h))
+
+
+def _swap_level(settings: PromotionSettings, upper: str, sources: list[str], upper_placements: Sequence[PlacementLike],
+                index: PrefixIndex, score: Callable[[int], float], busy: set[int], budget: float,
+                victim_dst: str | None, skip: Callable[[int], bool]) -> list[PlanItem]:
+    """Swaps onto ``upper`` from ``sources`` (see :func:`plan_swaps`); ``skip``: blocks
+    never candidates (foreign, or already on a faster tier)."""
     cand: list[tuple[float, int, str, int]] = []
     seen: set[int] = set()
-    movable = inp.movable
-    for src in inp.slow_volumes:
+    for src in sources:
         for h in index.blocks_at(src):
-            if h in seen or h in busy or index.holds(h, fast) or (movable is not None and not movable(h)):
+            if h in seen or h in busy or index.holds(h, upper) or skip(h):
                 continue
             seen.add(h)
             info = index.block(h)
@@ -536,7 +547,7 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
     if not cand:
         return []
     on_fast: dict[int, PlacementLike] = {}
-    for p in inp.fast_placements:
+    for p in upper_placements:
         on_fast.setdefault(p.key.sequence_hash, p)  # type: ignore[attr-defined]
     cand = sorted((c for c in cand if c[1] not in on_fast), key=lambda t: (-t[0], t[1]))
     if not cand:
@@ -556,14 +567,15 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
         if size > p.length:
             continue
         vi += 1
-        why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of fast leaf {v}"
-        items.append(PlanItem(PlanKind.DEMOTE, why, fast, src, sequence_hash=v, namespace=p.key.namespace,  # type: ignore[attr-defined]
+        why = f"swap: rank {rank:.0f} of block {h} on '{src}' > rank {vrank:.0f} of leaf {v} on '{upper}'"
+        items.append(PlanItem(PlanKind.DEMOTE, why, upper, victim_dst or src, sequence_hash=v,
+                              namespace=p.key.namespace,  # type: ignore[attr-defined]
                               bytes=p.length))
         parent = index.block(h).parent  # type: ignore[union-attr]
         if size <= budget and (parent is None or parent in on_fast or parent in promoted):
             budget -= size
             promoted.add(h)
-            items.append(PlanItem(PlanKind.PROMOTE, why, src, fast, sequence_hash=h, bytes=size))
+            items.append(PlanItem(PlanKind.PROMOTE, why, src, upper, sequence_hash=h, bytes=size))
     return items
 
 
@@ -573,8 +585,9 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
     Promotion and demotion rank blocks with one scorer (:func:`make_scorer`, the default
     policy's priority unless ``demotion.scoring = "lru"``); promotions stop at the demotion
     high watermark, and hot blocks (``hits >= promotion.min_hits``) are demoted only as far
-    as that watermark.  When the fast volume has neither demotions nor room for a promotion,
-    :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks.
+    as that watermark.  When the fast volume has neither demotions of its own nor room for a
+    promotion, :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks (also
+    while a slow volume demotes to the archive).
     """
     hashes = [p.key.sequence_hash for p in inp.fast_placements]  # type: ignore[attr-defined]
     for ps in inp.placements.values():
@@ -586,11 +599,45 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
     demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
     promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)
     swaps: list[PlanItem] = []
-    if not demotions and not any(i.dst_volume == inp.fast_volume for i in promotions):
-        busy = {i.sequence_hash for i in promotions if i.sequence_hash is not None}
+    # only the fast volume's own demotions make room on it: a slow volume demoting to the
+    # archive must not hold the swaps back (fast would sit at its promotion limit, below its
+    # demotion watermark, and a hot block on slow never displace a colder one on fast)
+    fast_demotes = any(i.src_volume == inp.fast_volume for i in demotions)
+    if not fast_demotes and not any(i.dst_volume == inp.fast_volume for i in promotions):
+        busy = {i.sequence_hash for i in demotions + promotions if i.sequence_hash is not None}
         limit = min(settings.promotion.max_fill, settings.demotion.high_watermark)
         budget = max(0.0, _fill_budget(inp.usage.get(inp.fast_volume), limit)) if inp.fast_volume else 0.0
         swaps = plan_swaps(settings.promotion, inp, index, score or make_scorer(
             PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})), index, ()), busy,
-            budget)
+            budget, _demotion_target(inp, settings.demotion.high_watermark))
+    swaps += _archive_swaps(settings, inp, index, score, demotions + promotions + swaps)
     return demotions + promotions + swaps + plan_compactions(settings.compaction, inp)
+
+
+def _archive_swaps(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
+                   score: Callable[[int], float] | None, planned: list[PlanItem]) -> list[PlanItem]:
+    """The same swaps one tier lower: hot blocks of the archive displace the first slow
+    volume's lowest-ranked leaves (to the archive) when that volume has no demotions of its
+    own and no room for a promotion from the archive, so a slow volume full of cold blocks
+    below its watermark does not keep the archive's hot blocks out."""
+    pr = settings.promotion
+    if (not pr.enabled or not pr.from_archive or pr.max_swaps <= 0 or not inp.archive_volume
+            or not inp.slow_volumes):
+        return []
+    slow, archive, fast = inp.slow_volumes[0], inp.archive_volume, inp.fast_volume
+    if any(i.src_volume == slow and i.kind is PlanKind.DEMOTE for i in planned) or any(
+            i.dst_volume == slow and i.src_volume == archive for i in planned):
+        return []
+    limit = min(pr.max_fill, settings.demotion.high_watermark)
+    budget = max(0.0, _fill_budget(inp.usage.get(slow), limit))
+    busy = {i.sequence_hash for i in planned if i.sequence_hash is not None}
+    movable = inp.movable
+
+    def faster_or_foreign(h: int) -> bool:
+        return ((fast is not None and index.holds(h, fast)) or any(index.holds(h, v) for v in inp.slow_volumes)
+                or (movable is not None and not movable(h)))
+
+    rank = score or make_scorer(PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})),
+                                index, ())
+    return _swap_level(pr, slow, [archive], inp.placements.get(slow, ()), index, rank, busy, budget, archive,
+                       faster_or_foreign)

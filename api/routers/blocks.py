@@ -111,6 +111,9 @@ def blocks_router(query: AdvisorQuery, lookup_rates: HitRates, read: Sequence[An
                 raise ApiError(422, "invalid_request", f"token_ids: {exc}") from None
         hashes = computed if computed is not None else req.sequence_hashes
         res = query.lookup(hashes)  # type: ignore[arg-type]  # validated to ints
+        hint = getattr(query, "prefetch_hint", None)  # a router asks before it dispatches: prefetch
+        if hint is not None:
+            hint(hashes)
         per_tier: dict[str, int] = {}
         per_worker: dict[str, dict[str, int]] = {}
         for loc, n in res.per_location.items():

@@ -89,8 +89,11 @@ def report_table(r: EngineDemoReport) -> Table:
         ("router", f"{r.router_choices.get('router')}: " + ", ".join(f"{k} {v}" for k, v in r.router_choices.get("per_engine", {}).items())
                    + f"; {r.router_choices.get('to_best_overlap', 0)}/{r.router_choices.get('with_overlap', 0)} "
                      "requests with an overlap sent to the best one"),
-        ("index == held", ", ".join(f"{k} {v['index']}/{v['held']}{'' if v['equal'] else ' DIFFERS'}"
-                                    for k, v in r.consistency.items() if isinstance(v, dict))),
+        ("index == catalog (blocks)", ", ".join(f"{k} {v['index']}/{v['held']}{'' if v['equal'] else ' DIFFERS'}"
+                                                for k, v in r.consistency.items() if "equal" in v)),
+        ("G1: advisor's fold / indexer's (vLLM events)", ", ".join(
+            f"{k} {v['index']}/{v['indexer']}{'' if v['agree'] else ' (copies counted apart)'}"
+            for k, v in r.consistency.items() if "agree" in v)),
         ("outputs identical to vLLM without the connector", f"{r.outputs_identical}/{r.outputs_checked}"),
         ("storage namespace (the advisor's)", r.namespace),
         ("wall time", f"{r.wall_s:.0f} s (engines start {r.start_s:.0f} s, replay {r.replay_s:.0f} s)"),

@@ -18,6 +18,7 @@ volume on a real HTTP endpoint.  Then checks, while everything is still up:
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,12 @@ def replay(tmp_path_factory: pytest.TempPathFactory, nats_url: str, local_s3: An
     def inspect(report: DemoReport, client: AdvisorClient, managers: list, agent: Any) -> None:
         # the operator's page right after the replay (the demo asked POST /v1/lookup before
         # each request, as a router does): the dashboard in headless chromium (DOM dump +
-        # screenshot), then /v1/stats; first, so the 1-minute window still holds the replay
+        # screenshot), then /v1/stats; first, so the 1-minute window still holds the replay.
+        # The lookups are prefetch hints too: let their promotions land before the page and the stats
         base = client.base_url
+        deadline = time.monotonic() + 120
+        while client.stats()["prefetch"].get("pending", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
         shot = tmp / "dashboard.png"
         dump, _ = run_browsers([
             chromium_cmd(tmp, "dom", "--dump-dom", f"{base}/dashboard"),

@@ -38,4 +38,4 @@ def test_status_prints_the_api_figures(tmp_path) -> None:  # noqa: ANN001
         handle.stop()
         svc.stop()
     r = CliRunner().invoke(app, ["status", "--url", f"http://127.0.0.1:{free_port()}"])
-    assert r.exit_code == 2 and "cannot reach the advisor API" in r.output
+    assert r.exit_code == 2 and "no advisor API answers at" in r.output and "pass --url" in r.output

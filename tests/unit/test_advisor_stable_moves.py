@@ -133,6 +133,51 @@ def test_a_full_fast_volume_swaps_its_coldest_leaf_for_a_hotter_block_once() -> 
     assert plan_all(s, pin, log.idx) == []
 
 
+def test_a_slow_volume_demoting_to_the_archive_does_not_stop_the_fast_volumes_swaps() -> None:
+    """Fast at its promotion limit (below its demotion watermark) while slow is above its
+    own watermark and demotes to the archive: the hot block on slow still displaces the
+    cold leaf on fast (no dead band where nothing moves onto fast)."""
+    log = Log()
+    log.apply("w0", *chain_events([1], "fast"), *chain_events([2], "fast"))  # on fast, never hit
+    log.apply("w0", *chain_events([30], "slow"), *chain_events([31], "slow"))  # cold on slow
+    log.apply("w0", *chain_events([7], "slow"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([7], "g1"))  # 7: hits 3, on slow, newest
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    pin = PolicyInput("fast", ["slow"], "s3", fast_placements=placements([1, 2]),
+                      usage={"fast": VolumeUsage(2 * BS, 2 * BS * 8 // 10, 2 * BS * 8 // 10),
+                             "slow": VolumeUsage(3 * BS, 3 * BS, 3 * BS)},
+                      placements={"slow": placements([30, 31, 7], "slow")})
+    items = [(i.kind, i.sequence_hash, i.src_volume, i.dst_volume) for i in plan_all(s, pin, log.idx)]
+    assert (PlanKind.DEMOTE, 30, "slow", "s3") in items  # slow's own demotions go on
+    # the cold fast leaf goes one tier down (slow is over its watermark: the archive); the
+    # hot block follows once compaction made the room
+    assert (PlanKind.DEMOTE, 1, "fast", "s3") in items, items
+    assert all(h != 7 for _, h, _, _ in items)  # hot: neither demoted nor swapped twice
+
+
+def test_a_slow_volume_full_of_cold_blocks_below_its_watermark_swaps_for_the_archives_hot_ones() -> None:
+    """Slow at its promotion limit (below its demotion watermark) holding only never-hit
+    blocks, a hot block on the archive: a cold slow leaf goes to the archive to make room
+    (one level lower, the same swap as fast's)."""
+    log = Log()
+    log.apply("w0", *chain_events([40], "slow"), *chain_events([41], "slow"))  # on slow, never hit
+    log.apply("w0", *chain_events([9], "s3"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([9], "g1"))  # 9: hits 3, on the archive, newest
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    pin = PolicyInput("fast", ["slow"], "s3", fast_placements=[],
+                      usage={"fast": VolumeUsage(10 * BS, 0, 0), "slow": VolumeUsage(2 * BS, 2 * BS * 8 // 10,
+                                                                                      2 * BS * 8 // 10)},
+                      placements={"slow": placements([40, 41], "slow")})
+    items = [(i.kind, i.sequence_hash, i.src_volume, i.dst_volume) for i in plan_all(s, pin, log.idx)]
+    assert items == [(PlanKind.DEMOTE, 40, "slow", "s3")], items
+    s.promotion.max_swaps = 0
+    assert plan_all(s, pin, log.idx) == []
+
+
 def test_move_guard_memory_survives_a_restart_through_the_run_state(tmp_path) -> None:  # noqa: ANN001
     from advisor.embedded.run_state import RunStateStore
 

@@ -176,6 +176,38 @@ def test_onboard_from_host_copies_and_releases_sources(rig: Rig) -> None:
         h.release()
 
 
+def test_onboard_of_n_blocks_is_one_copy_and_one_release_call(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-block work of an onboard is batched: N sources of one pool into one layout
+    are one ``copy_blocks`` and one ``release_blocks`` call, not N releases."""
+    import kvbm_runtime.transfer as transfer
+
+    hashes = [711, 712, 713, 714, 715, 716]
+    handles = rig.registered(hashes)
+    rig.tm.offload_to_host(rig.items(handles), StepEvent.completed()).result(timeout=5)
+    copies: list[tuple[list[int], list[int]]] = []
+    releases: list[int] = []
+    real_copy, real_release = transfer.copy_blocks, rig.g2.release_blocks
+    monkeypatch.setattr(transfer, "copy_blocks", lambda s, si, d, di: (copies.append((list(si), list(di))), real_copy(s, si, d, di)))
+    monkeypatch.setattr(rig.g2, "release_blocks", lambda hs: (releases.append(len(hs)), real_release(hs)))
+    srcs = rig.g2.match_blocks(hashes)
+    src_ids = [h.block_id for h in srcs]
+    dst = make_layout("FullyContiguous", CFG, 8, rig.device, tier="g1")
+    assert rig.tm.onboard_from_host(srcs, dst, [2, 3, 4, 5, 0, 1]).result(timeout=5) == 6
+    assert copies == [(src_ids, [2, 3, 4, 5, 0, 1])]
+    assert releases == [6] and all(s.consumed for s in srcs) and rig.g2.stats().active == 0
+    for h, d in zip(hashes, [2, 3, 4, 5, 0, 1]):
+        assert torch.equal(dst.block_view(d), torch.full(CFG.block_shape, float(h), device=dst.block_view(d).device))
+    # the same source handle listed twice (one block onboarded into two places): both
+    # copies land, the handle is released once
+    (twice,) = rig.g2.match_blocks([713])
+    releases.clear()
+    assert rig.tm.onboard_from_host([twice, twice], dst, [6, 7]).result(timeout=5) == 2
+    assert releases == [1] and twice.consumed and rig.g2.stats().active == 0
+    assert torch.equal(dst.block_view(6), dst.block_view(7)) and torch.equal(dst.block_view(6), dst.block_view(4))
+    for h in handles:
+        h.release()
+
+
 def test_closed_manager_refuses_and_cancels_queued_work(rig: Rig) -> None:
     handles = rig.registered([801])
     fut = rig.tm.offload_to_host(rig.items(handles), StepEvent())
