@@ -75,6 +75,9 @@ def advisor_with_dashboard(tmp_path: Path) -> Iterator[Running]:
         journal_path=str(tmp_path / "j.sqlite"), catalog_path=str(tmp_path / "catalog.sqlite"), namespace=NS,
         volumes=vols, fast_volume="fast", slow_volumes=["slow"], subscribe_urls=[url], policy_interval_s=0,
         api_enabled=False, get_timeout_s=0.05,
+        # the page's lookups would be prefetch hints (advisor.moves.prefetch) that move blocks
+        # while the page is read; this test checks the page against a world that holds still
+        prefetch={"enabled": False},
     )
     # a worker wrote blocks 1..3 of one prefix to the slow volume
     hot = [0xF000_0000_0000_0001, 2, 3]  # first hash above 2**53: must survive JS as a string
