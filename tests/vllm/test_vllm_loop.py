@@ -20,7 +20,7 @@ from loop_cases import (
 )
 from vllm_cases import PAGE, run, run_offloaded
 
-from advisor.ops.drain import drain_volume
+from advisor.ops.drain import drain_volume, undrain_volume
 from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from kvbm_runtime.testing.vllm_engine import Completion, llm_engine, metric
@@ -81,6 +81,9 @@ def test_offload_demote_onboard_from_s3_promote_onboard_from_fast(
     drained = drain_volume(svc, "fast", "archive")
     assert drained.counts.get("done") == FULL_BLOCKS, drained.counts
     assert where(catalog, ns, hashes) == ["archive"] * FULL_BLOCKS
+    # a drain keeps 'fast' draining (no policy moves onto it) until the operator cancels it;
+    # cancelled here, so the policy may promote onto it again in step 4
+    assert undrain_volume(svc, "fast")
     llm_a.reset_prefix_cache()
     llm_b.reset_prefix_cache()
 
