@@ -18,14 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storage_backends.ports import free_port
+
 __all__ = ["NatsCluster", "free_port"]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(port: int) -> bool:

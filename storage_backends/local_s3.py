@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from storage_backends.ports import free_port
+
 LOCAL_ACCESS_KEY = "kvadvisor"
 LOCAL_SECRET_KEY = "kvadvisor-secret"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

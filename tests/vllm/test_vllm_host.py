@@ -45,7 +45,7 @@ def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """An advisor subscribed to vLLM's KV events (``vllm+zmq://``) and to the connector's
     (``zmq://``), and a vLLM engine with the connector (G2 of 256 blocks)."""
     work = tmp_path_factory.mktemp("vllm-host")
-    vport, kport = free_port(), free_port()
+    vport, kport = free_port(count=2), free_port()  # vLLM replays on vport + 1
     kvbm_url = f"zmq://127.0.0.1:{kport}?replay={free_port()}"
     vllm_url = f"vllm+zmq://127.0.0.1:{vport}?replay={vport + 1}&source={VLLM_SOURCE}&topic=kv&model={llama_dir}"
     settings = AdvisorSettings(

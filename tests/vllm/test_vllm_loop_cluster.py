@@ -65,7 +65,7 @@ def cluster_loop(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, loca
         scheme=PartitionScheme(1, 1, 64), lease_ttl_s=5.0, heartbeat_s=0.5, snapshot_interval_s=3600.0,
         source_ttl_s=0.0), ClusterStorageSettings.load(storage)).start()
     jetstream = f"jetstream://{nats_url.removeprefix('nats://')}?namespace={events_ns}&{SCHEME}"
-    vb = free_port()
+    vb = free_port(count=2)  # vLLM replays on vb + 1
     relay = subprocess.Popen(
         [sys.executable, "-c", "from kvadvisor.cli import app; app()", "events", "relay",
          f"vllm+zmq://127.0.0.1:{vb}?replay={vb + 1}&source=vllm-b&topic=kv&model={llama_dir}", jetstream],
