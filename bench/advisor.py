@@ -54,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.index.prefix_index import PrefixIndex  # noqa: E402
+from bench._report import Report, add_json_option  # noqa: E402
 from advisor.ingest.quotas import QuotaGuard, QuotaLimits  # noqa: E402
 from event_plane.codec import decode_batch, encode_batch  # noqa: E402
 from event_plane.schema import EventBatch, store  # noqa: E402
@@ -215,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", choices=("u64", "raw"), default="u64", help="hash values: u64 bijection or trace ids")
     ap.add_argument("--repeat", type=int, default=5, help="runs per side (medians are printed)")
     ap.add_argument("--epoch-blocks", type=int, default=1_000_000, help="index size of the new-epoch case (0 = skip)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
+    report = Report("advisor", "prefix index: events folded and lookups against NVIDIA Dynamo's RadixTree",
+                    argv=sys.argv[1:] if argv is None else argv)
     reqs = [r.hash_ids for r in read_mooncake(args.trace, args.requests or None)]
     if args.ids == "u64":
         reqs = to_u64(reqs)
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'  apply only':24}{n_events / med(ours, 'fold_s'):>20,.0f}{'':14}   apply_batch(decoded batch)")
     print(f"{'  admission only':24}{n_events / med(ours, 'admit_s'):>20,.0f}{'':14}   QuotaGuard.admit (advisor/ingest/quotas.py), "
           f"{med(ours, 'admit_s') / med(ours, 'apply_s'):.2f}x the time of apply_payload")
+    d_apply = d_lookup = None
     if not dyn:
         print(why)
     else:
@@ -255,12 +260,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'Dynamo RadixTree':24}{d_apply:>20,.0f}{d_lookup:>14,.0f}")
         print(f"{'ratio ours / Dynamo':24}{o_apply / d_apply:>19.1f}x{o_lookup / d_lookup:>13.1f}x")
     print(f"memory per indexed block: {mem:.0f} bytes ({blocks:,} blocks, index kept after the batches are freed)")
+    report.add("events folded, apply_payload (decode + apply), one core", o_apply, d_apply, unit="events/s",
+               reference_name="Dynamo RadixTree.apply_event", goal=">= 3x Dynamo, >= 1,000,000 events/s",
+               met=None if d_apply is None else (o_apply >= 3 * d_apply and o_apply >= 1e6))
+    report.add("lookups of whole requests, one core", o_lookup, d_lookup, unit="lookups/s",
+               reference_name="Dynamo RadixTree.find_matches", goal=">= 10x Dynamo",
+               met=None if d_lookup is None else o_lookup >= 10 * d_lookup, headline=True)
+    report.add("admission (QuotaGuard.admit)", n_events / med(ours, "admit_s"), o_apply, unit="events/s",
+               reference_name="apply_payload of the same batches")
+    report.add("memory per indexed block", mem, unit="B", goal="<= 200", met=mem <= 200, better="lower")
     if args.epoch_blocks > 0:
         for own in (16, 1024):
             r = bench_new_epoch(args.epoch_blocks, own)
             print(f"new epoch at {r['blocks']:,.0f} blocks, worker holding {own} g1 blocks: "
                   f"{r['epoch_s'] * 1e6:,.1f} us vs normal batch {r['normal_s'] * 1e6:,.1f} us = "
                   f"{r['epoch_s'] / r['normal_s']:.1f}x ({r['visits']:,.0f} membership entries read)")
+            report.add(f"new epoch at {r['blocks']:,.0f} blocks, worker holding {own} g1 blocks", r["epoch_s"] * 1e6,
+                       r["normal_s"] * 1e6, unit="µs", reference_name="the same batch in its epoch", better="lower")
+    report.extra = {"requests": len(reqs), "events": n_events, "blocks": blocks, "ids": args.ids,
+                    "repeat": len(ours)}
+    report.write(args.json)
     return 0
 
 

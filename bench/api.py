@@ -37,6 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._report import Report, add_json_option  # noqa: E402
+
 TOKEN = "bench-admin-token-0123456789abcdef"
 BS = 16
 WORKERS = 4
@@ -227,7 +229,9 @@ def main() -> None:
     ap.add_argument("--client", choices=("auto", "wrk", "httpx"), default="auto",
                     help="load generator: wrk (C, one thread; --concurrency connections) or httpx "
                          "(--procs processes); auto = wrk when installed")
+    add_json_option(ap)
     a = ap.parse_args()
+    report = Report("api", "REST API lookups over HTTP (auth on) against the same lookups called in-process")
     client = a.client if a.client != "auto" else ("wrk" if shutil.which("wrk") else "httpx")
     if a.serve:
         serve(a.prefixes, a.blocks)
@@ -272,10 +276,17 @@ def main() -> None:
                   f"{count / cpu:,.0f} req/s")
             print(f"  goal >= 2,000 req/s at p99 <= 10 ms: {'met' if rate >= 2000 and p99 <= 10 else 'not met'}"
                   f" ({per_client:,.0f} requests per client)")
+            report.add(f"{route} over HTTP ({who})", rate, d_rate, unit="req/s",
+                       reference_name="the same lookups called in-process", goal=">= 2,000 req/s at p99 <= 10 ms",
+                       met=rate >= 2000 and p99 <= 10, headline=route == "/query")
+            report.add(f"{route} p99 latency", p99, d99, unit="ms", reference_name="in-process call",
+                       better="lower")
+            report.extra[route] = {"p50_ms": p50, "direct_p50_ms": d50, "server_cpu_us_per_request": cpu / count * 1e6}
     finally:
         if server.stdin is not None:
             server.stdin.close()
         server.wait(timeout=30)
+    report.write(a.json)
 
 
 if __name__ == "__main__":

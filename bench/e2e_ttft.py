@@ -29,9 +29,7 @@ mean TTFT gap between (a) and (f) and >= 50 % at p90; (d) not worse than (c) or 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._report import Report, add_json_option, cpu_model, load_average  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "a": {"mode": "vllm", "router": "round-robin", "moves": False},
@@ -50,23 +50,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 LABELS = {"a": "vLLM alone", "b": "+ connector, G2", "c": "+ volumes, no moves", "d": "full loop, KV routing",
           "e": "full loop, round-robin", "f": "bound: G1 holds all"}
-
-
-def cpu_and_load() -> tuple[str, str]:
-    """The CPU model (``lscpu``) and the load average (``uptime``)."""
-    cpu = "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                cpu = line.split(":", 1)[1].strip()
-        cpu += f", {os.cpu_count()} cores"
-    except OSError:
-        pass
-    try:
-        load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip().split("load average:")[-1].strip()
-    except OSError:
-        load = "unknown"
-    return cpu, load
 
 
 def run_config(key: str, args: argparse.Namespace) -> Any:
@@ -105,10 +88,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--json", type=Path, default=None)
+    add_json_option(p)
     args = p.parse_args()
     keys = [k.strip() for k in args.configs.split(",") if k.strip()]
-    cpu, load0 = cpu_and_load()
+    report = Report("e2e_ttft", "time to first token of the whole loop (vLLM engines, connector, volumes, advisor, "
+                    "KV-aware routing) on the Mooncake trace, against vLLM alone")
+    cpu = f"{cpu_model()}, {os.cpu_count()} cores"
     reports: dict[str, Any] = {}
     t0 = time.monotonic()
     for k in keys:
@@ -117,7 +102,6 @@ def main() -> int:
         r = reports[k]
         print(f"   TTFT mean {r.ttft_s['mean'] * 1000:.0f} ms, p90 {r.ttft_s['p90'] * 1000:.0f} ms, saved "
               f"{r.prefill_saved:,}/{r.prompt_tokens:,}, failed {r.failed}, {r.wall_s:.0f} s", flush=True)
-    _, load1 = cpu_and_load()
 
     ref = {res.index: res.output for res in reports["a"].results if res.error is None} if "a" in reports else {}
     print(f"\nwindow: requests {args.warmup}..{args.requests - 1} of the Mooncake conversation trace "
@@ -126,7 +110,8 @@ def main() -> int:
     if "f" in reports:
         f = reports["f"]
         print(f"reuse share of the window ((f) saved / prompt tokens): {f.prefill_saved / max(f.prompt_tokens, 1):.1%}")
-    print(f"CPU: {cpu}; load average before {load0}, after {load1}; {time.monotonic() - t0:.0f} s in all\n")
+    print(f"CPU: {cpu}; load average before {report.load_start}, after {load_average()}; "
+          f"{time.monotonic() - t0:.0f} s in all\n")
     head = f"| config | TTFT mean | p50 | p90 | p99 | prefill saved | G1 / G2 / volumes (vLLM) | moves P/D/C | outputs = (a) |"
     print(head)
     print("|" + "---|" * 9)
@@ -163,9 +148,19 @@ def main() -> int:
                 o = reports[other]
                 print(f"(d) vs ({other}): mean {d.ttft_s['mean'] * 1000:.0f} vs {o.ttft_s['mean'] * 1000:.0f} ms, "
                       f"p90 {d.ttft_s['p90'] * 1000:.0f} vs {o.ttft_s['p90'] * 1000:.0f} ms")
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "cpu": cpu, "load": [load0, load1],
-                                         "rows": rows}, indent=2, default=str))
+        report.add("TTFT mean, (d) full loop", d.ttft_s["mean"] * 1000, a.ttft_s["mean"] * 1000, unit="ms",
+                   reference_name="(a) vLLM alone", goal=">= 70 % of the (a) -> (f) gap closed", met=gm >= 0.7,
+                   better="lower", headline=True)
+        report.add("TTFT p90, (d) full loop", d.ttft_s["p90"] * 1000, a.ttft_s["p90"] * 1000, unit="ms",
+                   reference_name="(a) vLLM alone", goal=">= 50 % of the (a) -> (f) gap closed", met=g90 >= 0.5,
+                   better="lower")
+        report.add("prefill tokens saved, (d) full loop", d.prefill_saved, f.prefill_saved, unit="tokens",
+                   reference_name="(f) G1 holds the replay", goal=">= 80 %", met=saved >= 0.8)
+    for k, r in reports.items():
+        report.add(f"TTFT mean, ({k}) {LABELS[k]}", r.ttft_s["mean"] * 1000, unit="ms", better="lower",
+                   headline=not report.figures and k == keys[0])
+    report.extra = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
+    report.write(args.json)
     return 0
 
 

@@ -33,9 +33,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.policy.eviction import lru, prefix_value  # noqa: E402
+from advisor.policy.eviction.registry import DEFAULT_POLICY  # noqa: E402
 from advisor.policy.prefix_policy import PrefixValueCache  # noqa: E402
 from advisor.policy.eviction.compact import compact  # noqa: E402
-from kvadvisor.evaluate import evaluate, load_trace, markdown_table, parse_capacities  # noqa: E402
+from bench._report import Report, add_json_option  # noqa: E402
+from kvadvisor.evaluate import Evaluation, evaluate, load_trace, markdown_table, parse_capacities  # noqa: E402
+
+WHAT = "eviction policies: the default policy's hit rate against the best online baseline, and replay speed"
+
+
+def add_hit_rates(report: Report, ev: Evaluation, label: str, headline: bool = False) -> None:
+    """One figure per capacity: the default policy's hit rate against the best online
+    baseline's at that capacity (acceptance: at most 0.002 below it)."""
+    for i, r in enumerate(ev.results):
+        best, best_rate = r.best_baseline()
+        margin = r.margin(DEFAULT_POLICY)
+        report.add(f"hit rate, {label}, {r.capacity:,} blocks", r.hit_rate[DEFAULT_POLICY], best_rate,
+                   unit="hit rate", reference_name=f"best online baseline, {best}", goal=">= best - 0.002",
+                   met=margin >= -0.002, headline=headline and i == 0)
+    report.extra.setdefault("evaluations", []).append(ev.as_dict())
 
 
 def python_lru(requests: Sequence[Sequence[int]], capacity: int) -> int:
@@ -57,7 +73,7 @@ def python_lru(requests: Sequence[Sequence[int]], capacity: int) -> int:
     return hits
 
 
-def full_evaluation() -> int:
+def full_evaluation(report: Report, json_path: Path | None) -> int:
     """Every table of docs/BENCHMARKS.md "Advisor policies", timed as one run."""
     import numpy as np
 
@@ -74,11 +90,13 @@ def full_evaluation() -> int:
     moon = compact(load_trace(root / "conversation_trace.jsonl"))
     ev = evaluate(moon, [1000, 5859, 10000, 30000], trace="Mooncake conversation")
     print(markdown_table(ev))
+    add_hit_rates(report, ev, "Mooncake")
     times["Mooncake"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weka = compact(load_trace(root / "claude_code_weka", "weka"))
     ev = evaluate(weka, [10000, 50000, 200000], trace="WEKA")
     print(markdown_table(ev))
+    add_hit_rates(report, ev, "WEKA")
     del weka
     times["WEKA"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -90,6 +108,10 @@ def full_evaluation() -> int:
     times["time model"] = time.perf_counter() - t0
     total = time.perf_counter() - start
     print("\n" + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()) + f"; total {total:.1f} s (goal < 300 s)")
+    report.add("full evaluation, wall clock", total, unit="s", goal="< 300 s on one core", met=total < 300,
+               better="lower", headline=True)
+    report.extra["times_s"] = times
+    report.write(json_path)
     return 0
 
 
@@ -105,9 +127,11 @@ def main() -> int:
                          "traces from $KVADVISOR_TRACES (goal < 300 s on one core)")
     ap.add_argument("--reference-requests", type=int, default=2000,
                     help="requests replayed by the slow prefix-value reference")
+    add_json_option(ap)
     args = ap.parse_args()
+    report = Report("evaluator", WHAT)
     if args.full:
-        return full_evaluation()
+        return full_evaluation(report, args.json)
     if args.trace is None:
         ap.error("pass --trace or set KVADVISOR_TRACES")
     caps = parse_capacities(args.capacity)
@@ -121,6 +145,9 @@ def main() -> int:
     print(markdown_table(ev))
     print(f"\nload {t_load:.1f} s, compact {t_compact:.1f} s, evaluate {ev.seconds:.1f} s "
           f"({len(ev.baselines) + 1 + len(ev.policies)} policies x {len(caps)} capacities; goal < 120 s)")
+    add_hit_rates(report, ev, args.trace.name, headline=True)
+    report.add(f"evaluate, {len(caps)} capacities, wall clock", ev.seconds, unit="s", goal="< 120 s",
+               met=ev.seconds < 120, better="lower")
     cap = caps[0]
     t0 = time.perf_counter()
     ref = python_lru(reqs, cap)
@@ -131,6 +158,8 @@ def main() -> int:
     assert ours == ref, (ours, ref)
     print(f"LRU at {cap:,} blocks: ours {t_ours:.2f} s, pure-Python reference {t_ref:.1f} s, "
           f"ratio {t_ref / t_ours:.0f}x (same hits: {ours:,})")
+    report.add(f"LRU replay at {cap:,} blocks", t_ours, t_ref, unit="s", reference_name="pure-Python OrderedDict LRU",
+               better="lower")
     head = reqs[:args.reference_requests]
     t0 = time.perf_counter()
     cache = PrefixValueCache(cap)
@@ -144,6 +173,8 @@ def main() -> int:
     t_ours = time.perf_counter() - t0
     print(f"prefix value at {cap:,} blocks, first {len(head):,} requests: ours {t_ours:.2f} s (3 replays), "
           f"former pure-Python replay {t_ref:.1f} s, ratio {t_ref / t_ours:.0f}x")
+    report.add(f"prefix_value replay at {cap:,} blocks, first {len(head):,} requests", t_ours, t_ref, unit="s",
+               reference_name="former pure-Python PrefixValueCache", better="lower")
     if args.split:
         half = ct.requests // 2
         for label, span in (("first half", (0, half)), ("second half (held out)", (half, ct.requests))):
@@ -151,6 +182,8 @@ def main() -> int:
             print(f"\n{args.trace.name}, {label}: requests {span[0]:,}-{span[1] - 1:,}, "
                   f"{part.block_refs:,} block refs\n")
             print(markdown_table(part))
+            add_hit_rates(report, part, f"{args.trace.name}, {label}")
+    report.write(args.json)
     return 0
 
 

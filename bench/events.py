@@ -48,6 +48,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import msgspec  # noqa: E402
 
+from bench._report import Report, add_json_option  # noqa: E402
+
 from event_plane import (  # noqa: E402
     BlockTracker,
     EventBatch,
@@ -315,7 +317,9 @@ def run_e2e(kind: str, total: int, paced: bool, apply: bool, nats_url: str | Non
 def main() -> int:
     parser = argparse.ArgumentParser(description="event-plane benchmark")
     parser.add_argument("--quick", action="store_true", help="small counts (smoke check)")
+    add_json_option(parser)
     args = parser.parse_args()
+    report = Report("events", "event plane: wire size, codec, publish -> apply over ZMQ and NATS JetStream")
     total = 100_000 if args.quick else 1_000_000
     min_s = 0.2 if args.quick else 1.0
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -331,6 +335,10 @@ def main() -> int:
     for label, value in sizes.items():
         print(f"{label:58s} {value:8.2f} {value / ours:7.2f}x")
     print(f"goal: <= 64 B/event   -> {'MET' if ours <= 64 else 'MISSED'} ({ours:.2f})")
+    vllm_form = "vLLM BlockStored array form, 1 event per block"
+    report.add("wire size, KVEvent v1, 1 Store per block", ours, sizes[vllm_form], unit="B/block",
+               reference_name=vllm_form, goal="<= 64",
+               met=ours <= 64, better="lower")
 
     print(f"\n## 2. Codec, one core (batches of {BATCH_EVENTS} events)")
     codec = bench_codec(chains, min_s)
@@ -338,11 +346,17 @@ def main() -> int:
         print(f"{label:58s} {value / 1e6:8.2f} M events/s")
     dec = codec["KVEvent v1 decode (typed, validated)"]
     print(f"goal: >= 1,000,000 events/s decode -> {'MET' if dec >= 1e6 else 'MISSED'} ({dec / 1e6:.2f} M/s)")
+    report.add("KVEvent v1 decode (typed, validated), one core", dec, codec["vLLM array form: generic msgpack decode"],
+               unit="events/s", reference_name="generic MessagePack decode of vLLM's array form",
+               goal=">= 1,000,000", met=dec >= 1e6)
+    report.add("KVEvent v1 encode, one core", codec["KVEvent v1 encode"], unit="events/s")
 
     print("\n## 2b. BlockTracker apply, one core: ours vs a one-link-at-a-time cycle check")
     print(f"{'stream':58s} {'ours ev/s':>12s} {'reference':>12s} {'ratio':>7s}")
     for label, (ours_r, ref_r) in bench_tracker(chains, 20 if args.quick else 100).items():
         print(f"{label:58s} {ours_r:12,.0f} {ref_r:12,.0f} {ours_r / ref_r:6.2f}x")
+        report.add(f"BlockTracker apply: {label}", ours_r, ref_r, unit="events/s",
+                   reference_name="cycle check walking one link at a time")
 
     print(f"\n## 3. Publish -> apply (BlockTracker in a second process), loopback, {total:,} events")
     exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
@@ -365,6 +379,12 @@ def main() -> int:
                 label = f"{name} {'paced 50k ev/s' if paced else 'saturated'}, {'apply' if apply else 'deliver'}"
                 results[label] = r
                 print(f"{label:44s} {r['events_per_s']:12,.0f} {r['p50_ms']:9.2f} {r['p99_ms']:9.2f} {int(r['lost']):6d}")
+                js_goal = kind == "jetstream" and not paced
+                report.add(f"{label}, events/s", r["events_per_s"], unit="events/s",
+                           goal=">= 300,000" if js_goal else "",
+                           met=r["events_per_s"] >= 300_000 if js_goal else None,
+                           headline=js_goal and apply)
+                report.add(f"{label}, p99 latency", r["p99_ms"], unit="ms", better="lower")
     finally:
         if nats_proc is not None:
             nats_proc.terminate()
@@ -375,6 +395,8 @@ def main() -> int:
             ok = js["events_per_s"] >= 300_000
             print(f"goal: >= 300,000 events/s end to end through JetStream ({mode}) -> {'MET' if ok else 'MISSED'} "
                   f"({js['events_per_s']:,.0f}/s)")
+    report.extra = {"sizes_b_per_block": sizes, "codec_events_per_s": codec, "e2e": results}
+    report.write(args.json)
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._report import Report, add_json_option  # noqa: E402
 from event_plane.partition import TRUNK, PartitionScheme  # noqa: E402
 from kvadvisor.evaluate import load_trace  # noqa: E402
 from kvadvisor.trace import bundled_trace  # noqa: E402
@@ -75,7 +76,9 @@ def main() -> None:
     ap.add_argument("--trunk-depth", type=int, default=1)
     ap.add_argument("--stretch", type=int, default=64)
     ap.add_argument("--goal", type=float, default=1.25)
+    add_json_option(ap)
     args = ap.parse_args()
+    report = Report("partition_skew", "partition skew of the scaled index: most-loaded partition / mean")
     traces = args.trace
     if not traces:
         env = os.environ.get("KVADVISOR_TRACES")
@@ -87,6 +90,7 @@ def main() -> None:
     print(f"{'trace':<28} {'blocks':>9} {'first block':>12} {f'ancestor@{scheme.trunk_depth}':>12} "
           f"{'ours':>7} {'ours/goal':>10} {'pieces':>7}")
     worst = 0.0
+    figures = []
     for t in traces:
         t0 = time.perf_counter()
         reqs = load_trace(t)
@@ -95,7 +99,15 @@ def main() -> None:
         print(f"{t.name:<28} {int(m['blocks']):>9,} {m['first block']:>12.3f} "
               f"{m[f'ancestor@{scheme.trunk_depth}']:>12.3f} {m['ours']:>7.3f} {m['ours'] / args.goal:>10.3f} "
               f"{m['pieces']:>7.2f}   ({time.perf_counter() - t0:.1f} s)")
+        figures.append(report.add(
+            f"skew, {t.name} ({int(m['blocks']):,} blocks)", m["ours"], m[f"ancestor@{scheme.trunk_depth}"],
+            unit="max/mean", reference_name=f"whole chain by its ancestor at depth {scheme.trunk_depth}",
+            goal=f"<= {args.goal}", met=m["ours"] <= args.goal, better="lower"))
+        report.extra[t.name] = m
     print(f"worst skew of ours: {worst:.3f} ({'meets' if worst <= args.goal else 'misses'} the goal {args.goal})")
+    if figures:
+        max(figures, key=lambda f: f.ours or 0.0).headline = True
+    report.write(args.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from advisor import PrefixIndex, SqliteJournal  # noqa: E402
+from bench._report import Report, add_json_option  # noqa: E402
 from event_plane import NullPublisher, decode_batch  # noqa: E402
 from kvadvisor.demo import SLOW, _volumes, run_demo, runtime_config  # noqa: E402
 from kvadvisor.settings import DemoSettings  # noqa: E402
@@ -78,7 +79,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
+    add_json_option(ap)
     a = ap.parse_args()
+    report = Report("pipeline", "the demo's whole replay (workers, events, advisor, volumes) against the same "
+                    "workers without kvadvisor")
     full, ref, ingest, decode, bpe, bpe_env = [], [], [], [], [], []
     for i in range(a.repeat):
         with tempfile.TemporaryDirectory() as wd:
@@ -102,6 +106,15 @@ def main() -> None:
           f"{med(ingest) / med(decode):>9.2f}   (reference: decode only)")
     print(f"{'bytes per event on the wire (event / +envelope)':<48}{med(bpe):>14.1f}{med(bpe_env):>14.1f}"
           f"{'':>9}   (target <= 100)")
+    report.add(f"replay wall time, {a.requests} requests, median of {a.repeat}", med(full), med(ref), unit="s",
+               reference_name="same workers, null publisher, no advisor", better="lower", headline=True)
+    report.add("advisor ingest (decode + journal + apply)", med(ingest), med(decode), unit="events/s",
+               reference_name="decode only")
+    report.add("bytes per event on the wire", med(bpe), unit="B/event", goal="<= 100", met=med(bpe) <= 100,
+               better="lower")
+    report.extra = {"full_s": full, "reference_s": ref, "ingest_per_s": ingest, "decode_per_s": decode,
+                    "bytes_per_event_with_envelope": med(bpe_env)}
+    report.write(a.json)
 
 
 if __name__ == "__main__":

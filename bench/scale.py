@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from advisor.cluster.node import ClusterClient, PartitionUnavailable  # noqa: E402
+from bench._report import Report, add_json_option  # noqa: E402
 from event_plane.partition import PartitionScheme  # noqa: E402
 from event_plane.partitioned import PartitionedPublisher, partition_url  # noqa: E402
 from event_plane.schema import store  # noqa: E402
@@ -160,7 +161,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    add_json_option(ap)
     a = ap.parse_args()
+    report = Report("scale", "scaled mode: rebuild fold and lookups with 2 cluster advisors against 1")
     reqs = load_trace(a.trace or bundled_trace())
     if a.requests:
         reqs = reqs[: a.requests]
@@ -205,6 +208,17 @@ def main() -> None:
                          ("p50_ms", "{:.2f}"), ("p99_ms", "{:.2f}"), ("rss_mb_per_partition", "{:.1f}")):
             print(f"{key:28} {fmt.format(one[key]):>12} {fmt.format(two[key]):>12} {two[key] / one[key]:>8.2f}")
         print("goal: events_per_s 2 / 1 >= 1.7")
+        fold = two["events_per_s"] / one["events_per_s"]
+        report.add("rebuild fold, aggregate", two["events_per_s"], one["events_per_s"], unit="events/s",
+                   reference_name="1 advisor, same log", goal=">= 1.7x", met=fold >= 1.7, headline=True)
+        report.add("lookups through ClusterClient, aggregate", two["lookups_per_s"], one["lookups_per_s"],
+                   unit="lookups/s", reference_name="1 advisor")
+        report.add("lookup p99", two["p99_ms"], one["p99_ms"], unit="ms", reference_name="1 advisor", better="lower")
+        report.add("RSS per partition", two["rss_mb_per_partition"], one["rss_mb_per_partition"], unit="MB",
+                   reference_name="1 advisor", better="lower")
+        report.extra = {"requests": len(reqs), "events": events, "batches": expected_batches[0],
+                        "partitions": a.partitions, "one_advisor": one, "two_advisors": two}
+        report.write(a.json)
     finally:
         nats.terminate()
         nats.wait(10)

@@ -32,7 +32,6 @@ Run: ``python bench/soak.py --minutes 10 [--rate 2000] [--no-archive] [--json so
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from advisor import AdvisorService, AdvisorSettings  # noqa: E402
+from bench._report import Report, add_json_option  # noqa: E402
 from event_plane import PublisherConfig, make_publisher  # noqa: E402
 from event_plane.schema import remove, store  # noqa: E402
 from storage_backends import BlockKey, SqliteCatalog, StorageAgent, free_port  # noqa: E402
@@ -254,12 +254,13 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=2000, help="events per second, both workers together")
     ap.add_argument("--prefixes", type=int, default=2000, help="conversations (Zipf-like popularity)")
     ap.add_argument("--interval-s", type=float, default=30.0)
-    ap.add_argument("--json", type=Path, help="also write the rows and the summary as JSON")
     ap.add_argument("--no-archive", action="store_true", help="no S3 archive (moves stop once fast is full)")
     ap.add_argument("--slow-blocks", type=int, default=1024, help="slow volume capacity in blocks (with the archive)")
     ap.add_argument("--drift-per-s", type=float, default=5.0,
                     help="conversations a second the popularity ranking moves by, continuously (0: never)")
+    add_json_option(ap)
     a = ap.parse_args()
+    report = Report("soak", "sustained events, lookups and moves for N minutes: the end against the first minute")
     s3 = None if a.no_archive else start_local_s3()
     with tempfile.TemporaryDirectory(prefix="kvadvisor-soak-") as tmp:
         soak = Soak(Path(tmp), a.rate, a.prefixes, s3, a.slow_blocks, a.drift_per_s)
@@ -312,8 +313,20 @@ def main() -> int:
     print(f"moves: {summary['promoted']:,} promotions, {summary['demoted']:,} demotions; intervals after the first "
           f"minute with both: {summary['intervals_with_moves_both_ways']}/{len(later)}"
           + ("" if s3 is not None else " (no archive)"))
-    if a.json:
-        a.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": summary}, indent=2))
+    report.add("RSS of the process", last.rss_mib, ref.rss_mib, unit="MiB",
+               reference_name="last row within the first minute",
+               goal="< 5 % growth", met=growth < 0.05, better="lower", headline=True)
+    report.add("lookup p99", last.lookup_p99_us, p99_first, unit="µs",
+               reference_name="worst interval of the first minute",
+               goal="<= 2x", met=ratio <= 2, better="lower")
+    report.add("acknowledged blocks read back byte-exact", exact, checked, unit="blocks",
+               reference_name="blocks acknowledged", goal="all (0 lost)", met=summary["lost"] == 0)
+    if s3 is not None:
+        both = summary["intervals_with_moves_both_ways"]
+        report.add("intervals with moves both ways", both, len(later), unit="intervals",
+                   reference_name="intervals after the first minute", goal="all", met=both == len(later))
+    report.extra = {"rows": [asdict(r) for r in rows], "summary": summary}
+    report.write(a.json)
     return 0 if summary["lost"] == 0 else 1
 
 

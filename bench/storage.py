@@ -4,7 +4,7 @@
     python bench/storage.py                 # full run (about 70 s on 2 cores)
     python bench/storage.py --quick         # smaller totals and 1 run, a smoke check
     python bench/storage.py --dir /mnt/nvme/kvbench --runs 5
-    taskset -c 0 python bench/storage.py    # pinned to one core, as docs/BENCHMARKS.md
+    taskset -c 0 python bench/storage.py    # pinned to one core (earlier rounds, docs/benchmarks-history.md)
     python bench/storage.py --ab-old /tmp/old   # gets of another storage_backends, A/B
 
 For block sizes 64 KiB, 1 MiB and 16 MiB it prints put and get GB/s, median of ``--runs``
@@ -70,6 +70,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
+
+from bench._report import Report, add_json_option  # noqa: E402
 
 from storage_backends import (  # noqa: E402
     BlockKey,
@@ -491,7 +493,10 @@ def main() -> None:
     ap.add_argument("--ab-old", type=Path, default=None, metavar="TREE",
                     help="instead of the tables: gets of this tree's storage_backends and of TREE/storage_backends "
                          "(e.g. a `git archive` of an older commit) in one process, interleaved (--runs rounds)")
+    add_json_option(ap)
     args = ap.parse_args()
+    report = Report("storage", "storage agent puts and verified gets (NIXL POSIX, NIXL OBJ on S3) against plain "
+                    "writev+fsync / readv and boto3")
     if args.quick:
         args.runs, args.posix_mib, args.s3_mib = 1, 64, 32
     parent = args.dir or (ROOT / ".kvadvisor")
@@ -503,6 +508,8 @@ def main() -> None:
     try:
         if args.ab_old is not None:
             bench_ab(base, args.ab_old.resolve(), args.runs, args.posix_mib, not args.no_s3)
+            report.extra["ab_old"] = str(args.ab_old)
+            report.write(args.json)
             return
         print("\n## POSIX (NIXL POSIX, 64 MiB segments) vs plain writev+fsync / readv, same directory; goal >= 80 %")
         print("   hot = page cache (just written); cold = after POSIX_FADV_DONTNEED of both file sets;")
@@ -519,6 +526,13 @@ def main() -> None:
                   f"{og:8.3f} {pg:7.3f} {ratio(r, 'ours_get', 'plain_get'):6.0%} {fg:7.3f} "
                   f"{ratio(r, 'ours_get', 'floor_get'):6.0%} | {oc:9.3f} {pc:7.3f} {ratio(r, 'ours_cold', 'plain_cold'):6.0%} "
                   f"{fc:7.3f} {ratio(r, 'ours_cold', 'floor_cold'):6.0%}", flush=True)
+            for kind, ours_k, plain_k, plain_name in (("put", "ours_put", "plain_put", "writev + fsync"),
+                                                      ("hot get", "ours_get", "plain_get", "readv (page cache)"),
+                                                      ("cold get", "ours_cold", "plain_cold", "readv (from disk)")):
+                q = ratio(r, ours_k, plain_k)
+                report.add(f"POSIX {kind}, {fmt_size(block)} blocks", med(r[ours_k]), med(r[plain_k]), ratio=q,
+                           unit="GB/s", reference_name=f"plain {plain_name} of the same bytes", goal=">= 80 %",
+                           met=q >= 0.8, headline=kind == "hot get" and block == SIZES[0])
         if not args.no_s3:
             s3 = start_local_s3()
             try:
@@ -542,11 +556,18 @@ def main() -> None:
                         cols.append("|")
                     cols.append(f"{med(r['ours_get_new']):6.3f} {ratio(r, 'ours_get_new', 'boto_get_seg'):6.0%}")
                     print(" ".join(cols), flush=True)
+                    for op in ("put", "get"):
+                        q = ratio(r, f"ours_{op}", f"boto_{op}_seg")
+                        report.add(f"S3 {op}, {fmt_size(block)} blocks, {total_mib} MiB", med(r[f"ours_{op}"]),
+                                   med(r[f"boto_{op}_seg"]), ratio=q, unit="GB/s",
+                                   reference_name="boto3 on the same 16 MiB objects, one after the other",
+                                   goal=">= 100 %", met=q >= 1.0)
             finally:
                 s3.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"\n# total {time.perf_counter() - t_start:.0f} s")
+    report.write(args.json)
 
 
 if __name__ == "__main__":

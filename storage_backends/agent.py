@@ -151,7 +151,7 @@ class StorageAgent(ReadPath):
     #: direct reads hash each piece on a verifier thread while NIXL reads the next one
     #: (``True``), or on the calling thread right after its READ (``False``, the
     #: default: on the shared 2-core box the hand-off measured 5-15 % slower, see
-    #: docs/BENCHMARKS.md; try it where cores are idle).  ``None``: when the process may
+    #: docs/benchmarks-history.md; try it where cores are idle).  ``None``: when the process may
     #: run on more than one CPU (``os.sched_getaffinity``).
     verify_aside: bool | None = False
     #: hot direct reads (page-cache copies, :meth:`_read_cached_first`) copy and hash the

@@ -168,7 +168,7 @@ class PosixVolume(Volume):
     #: 64 MiB segments (pwrite, no hashing): 46 ms against 72 ms for whole-file writes,
     #: 66 ms for one plain ``write`` + ``fsync``.  4 MiB: puts of 256 KiB and 2 MiB blocks
     #: measured 2 and 4 MiB pieces within a few per cent (2 MiB ahead in 3 of 4 A/B
-    #: runs), 8 MiB 3-10 % and 16 MiB ~10-20 % slower (docs/BENCHMARKS.md); fewer NIXL
+    #: runs), 8 MiB 3-10 % and 16 MiB ~10-20 % slower (docs/benchmarks-history.md); fewer NIXL
     #: requests than 2 MiB.  0: one WRITE per segment, no hint (O_DIRECT writes are
     #: always one WRITE: they bypass the page cache).
     write_piece_bytes: int = 4 << 20
