@@ -5,6 +5,9 @@ memory, a block demoted by one round may be promoted by the next and back again.
 remembers, per block, when it was last moved and its last access (``last_access_ns``, from the
 index) at that moment.  A later plan item moving the same block is held back while the
 interval has not passed and the block's last access is unchanged (no new event accessed it).
+The policies get the same view (:meth:`MoveGuard.view`, ``PolicyInput.held``), so a round
+plans the next best blocks instead of moves the guard would refuse; :meth:`MoveGuard.filter`
+stays the last gate (for items planned elsewhere, and for blocks moved meanwhile).
 
 The memory is kept on the advisor's monotonic clock; :meth:`MoveGuard.export` and
 :meth:`MoveGuard.restore` carry it over a restart in wall-clock time (the embedded advisor
@@ -50,6 +53,35 @@ class MoveGuard:
             del self._moved[h]
             return False
         return self._last_access(h) == access
+
+    def view(self, last_access: Callable[[int], int | None] | None = None) -> Callable[[int], bool]:
+        """The guard as the policies see it (``PolicyInput.held``): ``held(sequence hash)``
+        is ``True`` when a move of that block now would be held back, so a round plans the
+        next best candidates instead of moves that :meth:`filter` then drops.
+
+        Args:
+            last_access: how to read a block's last access (ns) while planning (default:
+                the guard's own reader); pass one that takes no lock when the caller
+                already holds the index's lock.
+
+        Returns:
+            A predicate on sequence hashes, at the time of this call (one clock read, so
+            one round sees one view).
+        """
+        if self.interval_s <= 0:
+            return lambda h: False
+        read = self._last_access if last_access is None else last_access
+        now = self._clock()
+
+        def held(h: int) -> bool:
+            with self._lock:
+                got = self._moved.get(h)
+                if got is None or now - got[0] >= self.interval_s:
+                    return False
+                access = got[1]
+            return read(h) == access
+
+        return held
 
     def filter(self, items: Sequence[PlanItem]) -> tuple[list[PlanItem], int]:
         """The items to plan, and how many moves were held back.
