@@ -103,7 +103,9 @@ class MoveGuard:
         return out, held
 
     def record(self, results: Sequence[PlanResult]) -> None:
-        """Remember the blocks that ``results`` moved (status ``done``), with their last access now."""
+        """Remember the blocks that ``results`` moved (status ``done``), with their last access
+        now, and forget the moves older than the interval (the memory holds at most the
+        blocks moved within the last ``interval_s``)."""
         if self.interval_s <= 0:
             return
         now = self._clock()
@@ -112,7 +114,18 @@ class MoveGuard:
                 h = r.item.sequence_hash
                 if r.item.kind is PlanKind.COMPACT or h is None or r.status is not PlanStatus.DONE:
                     continue
+                self._moved.pop(h, None)  # re-inserted at the end: the dict stays in order of time
                 self._moved[h] = (now, self._last_access(h))
+            self._forget_expired(now)
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop the oldest entries while they are past the interval (call under the lock)."""
+        moved = self._moved
+        while moved:
+            h, (when, _access) = next(iter(moved.items()))
+            if now - when < self.interval_s:
+                break
+            del moved[h]
 
     def export(self, wall_now: float | None = None) -> list[tuple[int, float, int | None]]:
         """The blocks still within the interval: ``(sequence hash, wall-clock seconds of the
@@ -137,9 +150,10 @@ class MoveGuard:
         now = self._clock()
         n = 0
         with self._lock:
-            for h, moved_at, access in entries:
+            for h, moved_at, access in sorted(entries, key=lambda e: e[1]):  # oldest first: time order
                 age = max(0.0, wall - moved_at)
                 if age < self.interval_s:
+                    self._moved.pop(int(h), None)
                     self._moved[int(h)] = (now - age, access)
                     n += 1
         return n

@@ -282,3 +282,22 @@ def test_a_round_whose_best_moves_are_guarded_plans_the_next_best_ones() -> None
     log.apply("w4", *chain_events([7], "g1"))
     pin.held = guard.view()
     assert [i.sequence_hash for i in plan_all(s, pin, log.idx)] == [7]
+
+
+def test_move_guard_memory_holds_only_the_moves_within_the_interval() -> None:
+    """The guard forgets moves older than the interval as it records new ones, so its memory
+    is bounded by the blocks moved within ``interval_s`` (not every block ever moved)."""
+    now = [0.0]
+    g = MoveGuard(600.0, lambda h: None, clock=lambda: now[0])
+
+    def moved(*hs: int) -> None:
+        g.record([PlanResult(PlanItem(PlanKind.DEMOTE, "r", "fast", "slow", sequence_hash=h), PlanStatus.DONE)
+                  for h in hs])
+
+    moved(*range(1000))
+    now[0] = 300.0
+    moved(1, 2000)  # 1 moved again: remembered from now on
+    assert len(g) == 1001
+    now[0] = 700.0  # the first moves are past the interval, the second ones are not
+    moved(3000)
+    assert len(g) == 3 and g.view()(1) and g.view()(2000) and not g.view()(5)
