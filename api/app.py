@@ -81,7 +81,7 @@ def create_app(
     if registry is None:
         closed = not getattr(query, "plain_zmq_allowed", lambda: True)()
         policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
-        store = query if hasattr(query, "load_registrations") else None  # a cluster's API keeps none
+        store = query if hasattr(query, "load_registrations") else None
         registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy,
                                    store=store)
         registry.restore()

@@ -4,7 +4,9 @@ Serves :func:`api.app.create_app` over :class:`advisor.cluster.query.ClusterQuer
 routers and operators use the same routes as for one advisor (docs/operations.md, "REST
 API"); lookups go to each piece's owner, a partition being taken over answers 503 with
 ``Retry-After``.  Bearer tokens and limits come from ``KVADVISOR_API_*`` as for the
-advisor's own API; without tokens only a loopback host is accepted.
+advisor's own API; without tokens only a loopback host is accepted.  The worker
+registrations of its indexer routes are kept in the cluster's JetStream KV (``--state-bucket``,
+:mod:`advisor.cluster.api_state`) and restored at start.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
+from advisor.cluster.api_state import ApiStateError, RegistrationBucket
 from advisor.cluster.node import ClusterClient
 from advisor.cluster.query import ClusterQuery
 from api.app import create_app
@@ -27,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; prints ``api http://HOST:PORT`` once it listens.
 
     Returns:
-        0 after a clean stop; 2 when the host needs tokens that are not configured.
+        0 after a clean stop; 2 when the host needs tokens that are not configured, or the
+        stored registrations cannot be read (bad bucket name, another format).
     """
     ap = argparse.ArgumentParser(prog="python -m api.cluster_api", description="REST API of a scaled cluster")
     ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
@@ -38,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--retry-after", type=float, default=10.0, help="seconds in Retry-After during a take-over")
+    ap.add_argument("--state-bucket", default="KVADVISOR_API",
+                    help="JetStream KV bucket keeping the worker registrations across restarts")
+    ap.add_argument("--state-replicas", type=int, default=1, choices=(1, 3),
+                    help="replicas of that bucket when the API creates it (3 on a 3-node cluster)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     security = ApiSecuritySettings()
@@ -48,7 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     client = ClusterClient(a.nats, PartitionScheme(a.partitions, a.trunk_depth, a.stretch), a.namespace,
                            retry_after_s=a.retry_after)
-    handle = serve_in_thread(create_app(ClusterQuery(client), security=security, bind_host=a.host), a.host, a.port)
+    try:
+        state = RegistrationBucket(client, a.namespace, a.state_bucket, a.state_replicas)
+        app = create_app(ClusterQuery(client, state), security=security, bind_host=a.host)
+    except ApiStateError as exc:
+        print(f"error: {exc}", flush=True)
+        client.close()
+        return 2
+    handle = serve_in_thread(app, a.host, a.port)
     print(f"api {handle.url}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

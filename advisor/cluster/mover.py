@@ -387,8 +387,12 @@ class ClusterMover:
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
                     continue
+                guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,
+                                                            self._last_access(rep)))
+                # the guard's view reads the index unlocked: it is asked under rep.lock
                 inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
-                                  movable=lambda h, rep=rep: self._mine(rep, h))  # type: ignore[misc]
+                                  movable=lambda h, rep=rep: self._mine(rep, h),  # type: ignore[misc]
+                                  held=guard.view(self._last_access(rep, locked=False)))
                 with rep.lock:
                     mine = {v: [pl for pl in pls if self._mine(rep, pl.key.sequence_hash, v)]
                             for v, pls in placements.items()}
@@ -407,8 +411,6 @@ class ClusterMover:
                                 or self._mine(rep, it.sequence_hash, it.src_volume)]
                     trunk = {it.sequence_hash for it in proposed
                              if it.sequence_hash is not None and self._is_trunk(rep, it.sequence_hash)}
-                guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,
-                                                            self._last_access(rep)))
                 proposed, _held = guard.filter(proposed)
                 plan = self.planner.plan(proposed)
                 assert rep.fence is not None
@@ -465,10 +467,15 @@ class ClusterMover:
         return info
 
     @staticmethod
-    def _last_access(rep: Replica) -> Any:
+    def _last_access(rep: Replica, locked: bool = True) -> Any:
+        """A reader of a block's last access (ns) in ``rep``'s index; ``locked=False`` for a
+        caller that holds ``rep.lock`` already."""
         def last(h: int) -> int | None:
-            with rep.lock:
+            if not locked:
                 b = rep.index.block(h)
+            else:
+                with rep.lock:
+                    b = rep.index.block(h)
             return b.last_access_ns if b is not None else None
         return last
 

@@ -44,7 +44,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -438,6 +438,15 @@ class ClusterClient:
             PartitionUnavailable: a partition the answer needs has no owner serving now.
         """
         return self.lookup_full(hashes)[0]
+
+    def call(self, fn: Callable[[Any], Awaitable[Any]], timeout_s: float) -> Any:
+        """Run ``fn(nats connection)`` on the client's event loop and return its result
+        (:mod:`advisor.cluster.api_state` keeps the API's state through it).
+
+        Raises:
+            TimeoutError: no result within ``timeout_s`` seconds; else what ``fn`` raises.
+        """
+        return asyncio.run_coroutine_threadsafe(fn(self._nc), self._loop).result(timeout_s)
 
     def close(self) -> None:
         """Disconnect."""

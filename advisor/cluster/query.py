@@ -10,7 +10,9 @@ one advisor or for a whole cluster:
   :class:`~advisor.cluster.node.PartitionUnavailable`, which the API answers with 503 and
   ``Retry-After``, never a partial answer;
 * what belongs to one advisor's storage and mover (plans, policy rounds, invalidation,
-  volume administration) raises ``NotImplementedError`` (HTTP 501) in this mode.
+  volume administration) raises ``NotImplementedError`` (HTTP 501) in this mode;
+* the indexer routes' worker registrations are kept in the cluster's JetStream KV
+  (:class:`advisor.cluster.api_state.RegistrationBucket`, when given) and restored at start.
 
 Counts summed over partitions count a trunk block once per partition (it is kept by all).
 """
@@ -43,10 +45,15 @@ class ClusterQuery:
 
     Args:
         client: a connected :class:`ClusterClient`.
+        registrations: where the indexer routes' worker registrations are kept across
+            restarts (``api.indexer_registry.RegistrationStore``); none: they last as long
+            as the process.
     """
 
-    def __init__(self, client: ClusterClient) -> None:
+    def __init__(self, client: ClusterClient, registrations: Any = None) -> None:
         self._client = client
+        self._registrations = registrations
+        self._registrations_dropped = 0
         self._started = time.monotonic()
         self._registry = CollectorRegistry(auto_describe=False)
         self._partitions = Gauge("kvadvisor_cluster_partitions", "partitions of the cluster's index",
@@ -128,7 +135,8 @@ class ClusterQuery:
             "events_per_s": rate,
             "ingest_events_per_busy_s": 0.0,
             "ingest": {"origin_refused": sum(int(st.get("origin_refused", 0)) for st in status.values()),
-                       "errors": sum(int(st["errors"]) for st in status.values())},
+                       "errors": sum(int(st["errors"]) for st in status.values()),
+                       "registrations_dropped": self._registrations_dropped},
             # the cluster movers publish their moves under "<advisor id>-mover" (advisor.cluster.mover)
             "advisor_events": sum(v["events"] for k, v in sources.items() if k.endswith("-mover")),
             "promotions": done["promote"], "demotions": done["demote"],
@@ -167,11 +175,28 @@ class ClusterQuery:
     def drain(self, volume: str, to: str | None = None) -> Any:
         raise NotImplementedError(_CLUSTER_ONLY.format(what="draining a volume"))
 
+    def undrain(self, volume: str) -> bool:
+        raise NotImplementedError(_CLUSTER_ONLY.format(what="draining a volume"))
+
     def register_volume(self, volume: Any, role: str = "none") -> None:
         raise NotImplementedError(_CLUSTER_ONLY.format(what="volume administration"))
 
     def unregister_volume(self, volume_id: str) -> None:
         raise NotImplementedError(_CLUSTER_ONLY.format(what="volume administration"))
+
+    def load_registrations(self) -> list[dict[str, Any]]:
+        """The stored worker registrations of the indexer routes (``[]`` without a store)."""
+        return [] if self._registrations is None else self._registrations.load_registrations()
+
+    def save_registrations(self, registrations: list[dict[str, Any]]) -> None:
+        """Replace the stored worker registrations (no-op without a store; errors raised)."""
+        if self._registrations is not None:
+            self._registrations.save_registrations(registrations)
+
+    def count_registrations_dropped(self, n: int) -> None:
+        """Count stored registrations refused at a restore (``registrations_dropped`` in
+        :meth:`stats`, ``ingest``)."""
+        self._registrations_dropped += n
 
     def metrics_registry(self) -> CollectorRegistry:
         """The query face's own registry (the advisors export theirs)."""

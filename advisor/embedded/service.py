@@ -851,9 +851,10 @@ class AdvisorService:
         return done
 
     def policy_input(self) -> PolicyInput:
-        """Gather volume usage, fast-volume placements and segments from storage."""
+        """Gather volume usage, fast-volume placements and segments from storage, and the
+        move guard's view (``held``: the policies plan no move it would hold back)."""
         s = self.settings
-        inp = PolicyInput(s.fast_volume, list(s.slow_volumes), s.archive_volume)
+        inp = PolicyInput(s.fast_volume, list(s.slow_volumes), s.archive_volume, held=self.move_guard.view())
         if self.agent is None:
             return inp
         for st in self.agent.stats():

@@ -5,6 +5,9 @@ memory, a block demoted by one round may be promoted by the next and back again.
 remembers, per block, when it was last moved and its last access (``last_access_ns``, from the
 index) at that moment.  A later plan item moving the same block is held back while the
 interval has not passed and the block's last access is unchanged (no new event accessed it).
+The policies get the same view (:meth:`MoveGuard.view`, ``PolicyInput.held``), so a round
+plans the next best blocks instead of moves the guard would refuse; :meth:`MoveGuard.filter`
+stays the last gate (for items planned elsewhere, and for blocks moved meanwhile).
 
 The memory is kept on the advisor's monotonic clock; :meth:`MoveGuard.export` and
 :meth:`MoveGuard.restore` carry it over a restart in wall-clock time (the embedded advisor
@@ -51,6 +54,35 @@ class MoveGuard:
             return False
         return self._last_access(h) == access
 
+    def view(self, last_access: Callable[[int], int | None] | None = None) -> Callable[[int], bool]:
+        """The guard as the policies see it (``PolicyInput.held``): ``held(sequence hash)``
+        is ``True`` when a move of that block now would be held back, so a round plans the
+        next best candidates instead of moves that :meth:`filter` then drops.
+
+        Args:
+            last_access: how to read a block's last access (ns) while planning (default:
+                the guard's own reader); pass one that takes no lock when the caller
+                already holds the index's lock.
+
+        Returns:
+            A predicate on sequence hashes, at the time of this call (one clock read, so
+            one round sees one view).
+        """
+        if self.interval_s <= 0:
+            return lambda h: False
+        read = self._last_access if last_access is None else last_access
+        now = self._clock()
+
+        def held(h: int) -> bool:
+            with self._lock:
+                got = self._moved.get(h)
+                if got is None or now - got[0] >= self.interval_s:
+                    return False
+                access = got[1]
+            return read(h) == access
+
+        return held
+
     def filter(self, items: Sequence[PlanItem]) -> tuple[list[PlanItem], int]:
         """The items to plan, and how many moves were held back.
 
@@ -71,7 +103,9 @@ class MoveGuard:
         return out, held
 
     def record(self, results: Sequence[PlanResult]) -> None:
-        """Remember the blocks that ``results`` moved (status ``done``), with their last access now."""
+        """Remember the blocks that ``results`` moved (status ``done``), with their last access
+        now, and forget the moves older than the interval (the memory holds at most the
+        blocks moved within the last ``interval_s``)."""
         if self.interval_s <= 0:
             return
         now = self._clock()
@@ -80,7 +114,18 @@ class MoveGuard:
                 h = r.item.sequence_hash
                 if r.item.kind is PlanKind.COMPACT or h is None or r.status is not PlanStatus.DONE:
                     continue
+                self._moved.pop(h, None)  # re-inserted at the end: the dict stays in order of time
                 self._moved[h] = (now, self._last_access(h))
+            self._forget_expired(now)
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop the oldest entries while they are past the interval (call under the lock)."""
+        moved = self._moved
+        while moved:
+            h, (when, _access) = next(iter(moved.items()))
+            if now - when < self.interval_s:
+                break
+            del moved[h]
 
     def export(self, wall_now: float | None = None) -> list[tuple[int, float, int | None]]:
         """The blocks still within the interval: ``(sequence hash, wall-clock seconds of the
@@ -105,9 +150,10 @@ class MoveGuard:
         now = self._clock()
         n = 0
         with self._lock:
-            for h, moved_at, access in entries:
+            for h, moved_at, access in sorted(entries, key=lambda e: e[1]):  # oldest first: time order
                 age = max(0.0, wall - moved_at)
                 if age < self.interval_s:
+                    self._moved.pop(int(h), None)
                     self._moved[int(h)] = (now - age, access)
                     n += 1
         return n

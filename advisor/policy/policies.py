@@ -176,6 +176,11 @@ class PolicyInput:
             is in every partition's index, moved by partition ``sequence_hash % P`` only);
             those are never planned here.  Demotions and compactions work from the
             placements and segments given, which the caller filters itself.
+        held: ``held(sequence_hash)`` -> whether the move guard would hold back a move of
+            the block now (``None``: none held; :meth:`advisor.moves.move_guard.MoveGuard.view`).
+            A held block is neither a candidate nor a victim of any policy: promotions,
+            demotions and swaps take the next best blocks instead, and a held leaf keeps
+            its ancestors where they are (a prefix is never cut under it).
     """
 
     fast_volume: str | None
@@ -186,6 +191,11 @@ class PolicyInput:
     segments: dict[str, Sequence[SegmentLike]] = field(default_factory=dict)
     placements: dict[str, Sequence[PlacementLike]] = field(default_factory=dict)
     movable: Callable[[int], bool] | None = None
+    held: Callable[[int], bool] | None = None
+
+    def is_held(self, h: int) -> bool:
+        """Whether the move guard holds block ``h`` (see ``held``)."""
+        return self.held is not None and self.held(h)
 
 
 def _pct(x: float) -> str:
@@ -313,7 +323,7 @@ def plan_promotions(settings: PromotionSettings, inp: PolicyInput, index: Prefix
     movable = inp.movable
 
     def foreign(h: int) -> bool:
-        return movable is not None and not movable(h)
+        return (movable is not None and not movable(h)) or inp.is_held(h)
 
     if fast is not None and inp.slow_volumes:
         budget = _fill_budget(inp.usage.get(fast), limit)
@@ -334,16 +344,20 @@ def plan_promotions(settings: PromotionSettings, inp: PolicyInput, index: Prefix
 
 
 def _leaves_first(on_fast: dict[int, PlacementLike], index: PrefixIndex,
-                  score: Callable[[int], float] | None = None) -> Iterator[tuple[float, int]]:
+                  score: Callable[[int], float] | None = None,
+                  pinned: Callable[[int], bool] | None = None) -> Iterator[tuple[float, int]]:
     """Yield ``(last_access_ns, h)`` for the blocks of ``on_fast``, least recently used leaf first.
 
     A block is yielded only after every child of it that is in ``on_fast`` was yielded,
-    so taking any prefix of this order never leaves a child without its parent.
+    so taking any prefix of this order never leaves a child without its parent.  A
+    ``pinned`` block (one the move guard holds) is never yielded, nor are its ancestors.
     """
     pending_children: dict[int, int] = {}
     heap: list[tuple[float, int]] = []
     for h in on_fast:
         n = sum(1 for c in index.children(h) if c in on_fast and c != h)
+        if pinned is not None and pinned(h):
+            n += 1  # never reaches 0: neither it nor (through it) its ancestors are yielded
         pending_children[h] = n
         if n == 0:
             info = index.block(h)
@@ -372,8 +386,10 @@ def _demotion_target(inp: PolicyInput, high_watermark: float) -> str | None:
 
 def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeUsage | None,
                   placements: Sequence[PlacementLike], segments: Sequence[SegmentLike], index: PrefixIndex,
-                  compact_below: float, score: Callable[[int], float] | None, hot_hits: int | None) -> list[PlanItem]:
-    """Demotions of one volume (``src``) one tier down (``dst``); see :func:`plan_demotions`."""
+                  compact_below: float, score: Callable[[int], float] | None, hot_hits: int | None,
+                  held: Callable[[int], bool] | None = None) -> list[PlanItem]:
+    """Demotions of one volume (``src``) one tier down (``dst``), never of a ``held`` block
+    (nor of its ancestors); see :func:`plan_demotions`."""
     if usage is None or usage.capacity_bytes <= 0:
         return []
     fill = usage.used_bytes / usage.capacity_bytes
@@ -394,7 +410,7 @@ def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeU
     items: list[PlanItem] = []
     if need > 0:
         freed = 0
-        for last, h in _leaves_first(on_src, index, score):
+        for last, h in _leaves_first(on_src, index, score, held):
             if freed >= need:
                 break
             info = index.block(h)
@@ -409,11 +425,14 @@ def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeU
     segs = [s for s in segments if getattr(s, "sealed", True) and s.live_blocks > 0 and s.size_bytes > s.live_bytes]
     if not segs or any(s.live_bytes <= free and s.live_bytes < compact_below * s.size_bytes for s in segs):
         return []
-    victim = min(segs, key=lambda s: (s.live_bytes / s.size_bytes, s.live_bytes, s.segment_id))
+    holding = {p.segment_id for h, p in on_src.items() if held is not None and held(h)}  # type: ignore[attr-defined]
+    # a segment holding a guarded block could not be emptied now: the sparsest other one goes
+    victim = min(segs, key=lambda s: (s.segment_id in holding, s.live_bytes / s.size_bytes, s.live_bytes,
+                                      s.segment_id))
     members = {h: p for h, p in on_src.items() if p.segment_id == victim.segment_id}  # type: ignore[attr-defined]
     why = (f"no room to compact (free {free} B < live bytes of every sparse segment): evacuating segment "
            f"{victim.segment_id} ({_pct(victim.live_bytes / victim.size_bytes)} live) to '{dst}'")
-    return [item(h, why) for _, h in _leaves_first(members, index)]
+    return [item(h, why) for _, h in _leaves_first(members, index, pinned=held)]
 
 
 def plan_demotions(
@@ -451,11 +470,11 @@ def plan_demotions(
         dst = _demotion_target(inp, settings.high_watermark)
         if dst is not None:
             items += _demote_level(settings, fast, dst, inp.usage.get(fast), inp.fast_placements,
-                                   inp.segments.get(fast, ()), index, compact_below, score, hot_hits)
+                                   inp.segments.get(fast, ()), index, compact_below, score, hot_hits, inp.held)
     if inp.archive_volume is not None:
         for v in inp.slow_volumes:
             items += _demote_level(settings, v, inp.archive_volume, inp.usage.get(v), inp.placements.get(v, ()),
-                                   inp.segments.get(v, ()), index, compact_below, score, hot_hits)
+                                   inp.segments.get(v, ()), index, compact_below, score, hot_hits, inp.held)
     return items
 
 
@@ -525,14 +544,16 @@ def plan_swaps(settings: PromotionSettings, inp: PolicyInput, index: PrefixIndex
         return []
     movable = inp.movable
     return _swap_level(settings, fast, list(inp.slow_volumes), inp.fast_placements, index, score, busy, budget,
-                       victim_dst, lambda h: movable is not None and not movable(h))
+                       victim_dst, lambda h: (movable is not None and not movable(h)) or inp.is_held(h), inp.held)
 
 
 def _swap_level(settings: PromotionSettings, upper: str, sources: list[str], upper_placements: Sequence[PlacementLike],
                 index: PrefixIndex, score: Callable[[int], float], busy: set[int], budget: float,
-                victim_dst: str | None, skip: Callable[[int], bool]) -> list[PlanItem]:
+                victim_dst: str | None, skip: Callable[[int], bool],
+                held: Callable[[int], bool] | None = None) -> list[PlanItem]:
     """Swaps onto ``upper`` from ``sources`` (see :func:`plan_swaps`); ``skip``: blocks
-    never candidates (foreign, or already on a faster tier)."""
+    never candidates (foreign, held by the move guard, or already on a faster tier);
+    ``held``: blocks of ``upper`` never victims (the next lowest-ranked leaves are)."""
     cand: list[tuple[float, int, str, int]] = []
     seen: set[int] = set()
     for src in sources:
@@ -553,7 +574,7 @@ def _swap_level(settings: PromotionSettings, upper: str, sources: list[str], upp
     if not cand:
         return []
     parents = {index.block(h).parent for _, h, _, _ in cand}  # type: ignore[union-attr]
-    victims = [(v, h) for v, h in _leaves_first(on_fast, index, score) if h not in busy and h not in parents]
+    victims = [(v, h) for v, h in _leaves_first(on_fast, index, score, held) if h not in busy and h not in parents]
     items: list[PlanItem] = []
     promoted: set[int] = set()
     vi = 0
@@ -635,9 +656,9 @@ def _archive_swaps(settings: PolicySettings, inp: PolicyInput, index: PrefixInde
 
     def faster_or_foreign(h: int) -> bool:
         return ((fast is not None and index.holds(h, fast)) or any(index.holds(h, v) for v in inp.slow_volumes)
-                or (movable is not None and not movable(h)))
+                or (movable is not None and not movable(h)) or inp.is_held(h))
 
     rank = score or make_scorer(PolicySettings(demotion=settings.demotion.model_copy(update={"scoring": "lru"})),
                                 index, ())
     return _swap_level(pr, slow, [archive], inp.placements.get(slow, ()), index, rank, busy, budget, archive,
-                       faster_or_foreign)
+                       faster_or_foreign, inp.held)

@@ -66,6 +66,24 @@ def _store(em: PeerEmitter, hashes: list[int], first_block: int) -> Any:
     return em.stored(hashes, None, block_size=BS, token_ids=TOKENS[first_block * BS:(first_block + len(hashes)) * BS])
 
 
+def check_restored(c: httpx.Client, em2: PeerEmitter, pub1: str, pub2: str) -> None:
+    """After a restart: workers 1 (dp 0, at ``pub1``) and 2 (dp 1, at ``pub2``) registered
+    again, worker 1's two blocks back through its replay socket, worker 2's new events
+    (sent by ``em2``) indexed."""
+    wait_until(lambda: _workers(c) == [(1, {"0": pub1}), (2, {"1": pub2})], 60, "registrations restored")
+    wait_until(lambda: _scores(c).get("1") == {"0": 2 * BS}, 30, "worker 1 caught up through its replay")
+
+    def _w2_seen() -> bool:
+        em2.send([_store(em2, [21, 22, 23], 0)], dp_rank=1)
+        time.sleep(0.2)  # a resend cadence, not a wait for the result (polled by wait_until)
+        return _scores(c).get("2") == {"1": 3 * BS}
+
+    wait_until(_w2_seen, 30, "worker 2's new events indexed")
+    local = local_block_hashes(TOKENS, BS)
+    r = c.post("/query_by_hash", json={"block_hashes": local[:2], "model_name": MODEL}).json()
+    assert r["scores"] == {"1": {"0": 2 * BS}, "2": {"1": 2 * BS}}
+
+
 def test_registrations_survive_a_killed_advisor_and_are_checked_again(tmp_path: Path) -> None:
     port = free_port()
     s = settings(tmp_path, api_enabled=True, api_port=port)
@@ -91,19 +109,7 @@ def test_registrations_survive_a_killed_advisor_and_are_checked_again(tmp_path: 
 
         procs.append(_start(cfg, log))
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as c:
-            wait_until(lambda: _workers(c) == [(1, {"0": pub1}), (2, {"1": pub2})], 60, "registrations restored")
-            # worker 1's blocks came back through its replay socket; worker 2's new events arrive
-            wait_until(lambda: _scores(c).get("1") == {"0": 2 * BS}, 30, "worker 1 caught up")
-
-            def _w2_seen() -> bool:
-                em2.send([_store(em2, [21, 22, 23], 0)], dp_rank=1)
-                time.sleep(0.2)
-                return _scores(c).get("2") == {"1": 3 * BS}
-
-            wait_until(_w2_seen, 30, "worker 2's new events indexed")
-            local = local_block_hashes(TOKENS, BS)
-            r = c.post("/query_by_hash", json={"block_hashes": local[:2], "model_name": MODEL}).json()
-            assert r["scores"] == {"1": {"0": 2 * BS}, "2": {"1": 2 * BS}}
+            check_restored(c, em2, pub1, pub2)
         _kill(procs.pop())
 
         # today's allow-list no longer holds loopback: both are refused, dropped and counted

@@ -204,3 +204,100 @@ def test_move_guard_memory_survives_a_restart_through_the_run_state(tmp_path) ->
     now2[0] = 7.0 + 300.0  # 600 s since the move
     assert g2.filter([back]) == ([back], 0)
     assert MoveGuard(600.0, access.get).restore(saved, wall_now=49_900.0 + 601.0) == 0  # too old
+
+
+def _guard_after(moves: list[PlanItem], log: Log) -> MoveGuard:
+    """A move guard (600 s) that just recorded ``moves`` as done, reading ``log``'s index."""
+    now = [1_000.0]
+
+    def last(h: int) -> int | None:
+        b = log.idx.block(h)
+        return b.last_access_ns if b is not None else None
+
+    g = MoveGuard(600.0, last, clock=lambda: now[0])
+    g.record([PlanResult(m, PlanStatus.DONE) for m in moves])
+    now[0] += 60.0  # a minute later: every one of them is still within the interval
+    return g
+
+
+def test_a_round_whose_best_moves_are_guarded_plans_the_next_best_ones() -> None:
+    """The policies see the move guard (``PolicyInput.held``): a round plans none of the
+    moves the guard would refuse and takes the next best blocks instead, so a round whose
+    top candidates were moved a minute ago still promotes, demotes and swaps."""
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    # swaps: fast at its limit holds leaves 1, 2 (coldest, both promoted a minute ago,
+    # untouched since) and 3; slow holds the hot 7 and 8
+    log = Log()
+    log.apply("w0", *chain_events([1], "fast"), *chain_events([2], "fast"), *chain_events([3], "fast"))
+    log.apply("w0", *chain_events([7], "slow"), *chain_events([8], "slow"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([7], "g1"), *chain_events([8], "g1"))
+    guard = _guard_after([PlanItem(PlanKind.PROMOTE, "r", "slow", "fast", sequence_hash=h) for h in (1, 2)], log)
+    full = VolumeUsage(3 * BS, 3 * BS * 8 // 10, 3 * BS * 8 // 10)
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": full}, fast_placements=placements([1, 2, 3]),
+                      held=guard.view())
+    planned = plan_all(s, pin, log.idx)
+    kept, held = guard.filter(planned)
+    assert held == 0, planned  # nothing planned that the guard refuses ...
+    assert [(i.kind, i.sequence_hash, i.src_volume) for i in kept] == [(PlanKind.DEMOTE, 3, "fast")]  # ... the next leaf
+    # without the guard's view the round plans the two coldest leaves, which the guard then drops: nothing moves
+    pin.held = None
+    assert guard.filter(plan_all(s, pin, log.idx)) == ([], 2)
+
+    # demotions: fast over its watermark, its coldest leaf 1 demoted a minute ago: 2 goes instead
+    log = Log()
+    log.apply("w0", *chain_events([1], "fast"), *chain_events([2], "fast"), *chain_events([3], "fast"))
+    guard = _guard_after([PlanItem(PlanKind.PROMOTE, "r", "slow", "fast", sequence_hash=1)], log)
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(3 * BS, 3 * BS, 3 * BS)},
+                      fast_placements=placements([1, 2, 3]), held=guard.view())
+    s.demotion = DemotionSettings(high_watermark=0.8, low_watermark=0.5, scoring="lru")
+    kept, held = guard.filter(plan_all(s, pin, log.idx))
+    assert held == 0
+    assert [(i.kind, i.sequence_hash) for i in kept if i.kind is not PlanKind.COMPACT] == [(PlanKind.DEMOTE, 2),
+                                                                                           (PlanKind.DEMOTE, 3)]
+    # a guarded leaf keeps its prefix: with chain 4 -> 5 on fast and 5 guarded, 4 is not demoted either
+    log.apply("w0", *chain_events([4, 5], "fast"))
+    guard = _guard_after([PlanItem(PlanKind.PROMOTE, "r", "slow", "fast", sequence_hash=h) for h in (1, 5)], log)
+    pin.fast_placements, pin.held = placements([4, 5, 1]), guard.view()
+    kept, held = guard.filter(plan_all(s, pin, log.idx))
+    assert held == 0 and [i.sequence_hash for i in kept if i.kind is PlanKind.DEMOTE] == []
+
+    # promotions: room for one block on fast; the hottest block 7 was demoted a minute ago
+    # (no access since), so 8, the next hottest, is promoted
+    log = Log()
+    log.apply("w0", *chain_events([7], "slow"), *chain_events([8], "slow"))
+    for w in ("w1", "w2", "w3"):
+        log.apply(w, *chain_events([8], "g1"), *chain_events([7], "g1"))  # 7 accessed last: the hottest
+    guard = _guard_after([PlanItem(PlanKind.DEMOTE, "r", "fast", "slow", sequence_hash=7)], log)
+    pin = PolicyInput("fast", ["slow"], "s3", usage={"fast": VolumeUsage(10 * BS, 7 * BS, 7 * BS)}, held=guard.view())
+    s = PolicySettings()
+    s.demotion.scoring = "lru"
+    kept, held = guard.filter(plan_all(s, pin, log.idx))
+    assert held == 0
+    assert [(i.kind, i.sequence_hash) for i in kept] == [(PlanKind.PROMOTE, 8)]
+    pin.held = None
+    assert guard.filter(plan_all(s, pin, log.idx)) == ([], 1)
+    # a new access of 7 releases it: the guard's view follows the index
+    log.apply("w4", *chain_events([7], "g1"))
+    pin.held = guard.view()
+    assert [i.sequence_hash for i in plan_all(s, pin, log.idx)] == [7]
+
+
+def test_move_guard_memory_holds_only_the_moves_within_the_interval() -> None:
+    """The guard forgets moves older than the interval as it records new ones, so its memory
+    is bounded by the blocks moved within ``interval_s`` (not every block ever moved)."""
+    now = [0.0]
+    g = MoveGuard(600.0, lambda h: None, clock=lambda: now[0])
+
+    def moved(*hs: int) -> None:
+        g.record([PlanResult(PlanItem(PlanKind.DEMOTE, "r", "fast", "slow", sequence_hash=h), PlanStatus.DONE)
+                  for h in hs])
+
+    moved(*range(1000))
+    now[0] = 300.0
+    moved(1, 2000)  # 1 moved again: remembered from now on
+    assert len(g) == 1001
+    now[0] = 700.0  # the first moves are past the interval, the second ones are not
+    moved(3000)
+    assert len(g) == 3 and g.view()(1) and g.view()(2000) and not g.view()(5)
