@@ -716,6 +716,7 @@ class ZmqSubscriber(Subscriber):
         park it behind its source's recovery in progress, or hand it on (:meth:`_feed`)."""
         if not self._origin_admits(batch, self._origin[i]):
             return
+        self._lane = self._origin[i]  # its lane in the fair delivery queue
         self._sources_at.setdefault(i, set()).add(batch.source)
         rec = self._recovering.get(batch.source)
         if rec is None:
@@ -809,6 +810,7 @@ class ZmqSubscriber(Subscriber):
         rec.dealer.close(linger=0)
         del self._recovering[rec.source]
         _, revealing, replayed = rec.parked.popleft()
+        self._lane = self._origin[rec.i]
         self._accept(revealing, replayed, rec.got)
         for i, batch, replayed in rec.parked:
             self._admit(i, batch, replayed)
