@@ -4,6 +4,7 @@
 #   make test   run the whole test suite against real services
 #   make fuzz   run each coverage-guided fuzz target (tests/fuzz/) for FUZZ_TIME seconds
 #   make stress moves racing evictions and compactions (NIXL, POSIX) for STRESS_SECONDS seconds
+#   make flood  the acceptance floods against a real advisor at FLOOD_SCALE (1 = full size)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -14,10 +15,11 @@ FUZZ_TIME ?= 600
 FUZZ_TARGETS ?= codec adapters journal
 FUZZ_OUT ?= .fuzz
 
+FLOOD_SCALE ?= 1
 STRESS_SECONDS ?= 300
 STRESS_SEED ?= 1
 
-.PHONY: install demo test fuzz bench clean services stress gpu-check
+.PHONY: install demo test fuzz bench clean services stress gpu-check flood
 
 $(STAMP): pyproject.toml setup.py advisor/index/_core.pyx event_plane/_fastenc.pyx kvbm_runtime/_pool_core.pyx storage_backends/_readcore.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +52,12 @@ fuzz: $(STAMP)
 	    $$(test -d tests/fuzz/regressions/$$t && echo tests/fuzz/regressions/$$t) \
 	    || { status=1; echo "== fuzz_$$t found a crasher: $(FUZZ_OUT)/$$t/crashes/"; }; \
 	done; exit $$status
+
+# registrations, epochs, source names and a 64 MB message in turn against one advisor process,
+# while a well-behaved publisher's index latency and the advisor's RSS are measured
+# (docs/security.md, "Flood bounds"); fails when the 1 s goal or the RSS bound is missed
+flood: $(STAMP)
+	NIXL_LOG_LEVEL=WARN $(BIN)/python bench/flood.py --scale $(FLOOD_SCALE)
 
 # moves racing evictions and compactions on one storage agent (POSIX volumes, NIXL), under
 # faulthandler; fails on a storage error it does not expect, a NIXL deregistration error or a crash

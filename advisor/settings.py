@@ -145,6 +145,9 @@ class AdvisorSettings(BaseSettings):
         full_backoff_s / full_backoff_max_s: after a move failed on a full destination,
             moves into it are held back this long, doubling up to the maximum
             (:mod:`advisor.embedded.volume_backoff`).
+        volume_probe_timeout_s: registering an S3 volume at run time first probes its
+            endpoint with this long to connect and as much to read; a silent endpoint is
+            refused after that (504 ``volume_unreachable``).
         metrics_max_locations: ``location`` label values of the ``kvadvisor_index_blocks``
             metric: the configured volumes, then the locations holding the most blocks;
             the rest are summed under ``location="_other"`` (locations come from events,
@@ -180,6 +183,7 @@ class AdvisorSettings(BaseSettings):
     gc_min_age_s: float = Field(600.0, ge=0.0)
     full_backoff_s: float = Field(30.0, ge=0.0)
     full_backoff_max_s: float = Field(600.0, ge=0.0)
+    volume_probe_timeout_s: float = Field(3.0, gt=0.0, le=60.0)
     log: Literal["sqlite", "jetstream"] = "sqlite"
     jetstream_url: str | None = None
     jetstream_namespace: str = Field("default", min_length=1)

@@ -46,6 +46,20 @@ class PublisherConfig:
         replay_max_active: replay answers in progress at once; a request past it gets
             only the end marker. A second request from a client whose answer is still in
             progress is dropped unanswered (counted ``refused_busy``).
+        replay_peer_active: answers in progress at once for one peer (its network address,
+            and its CURVE key with CURVE on; a peer keeps it across reconnections); a
+            request past it gets only the end marker (``refused_peer_active``).
+        replay_reserved: of ``replay_max_active``, the slots kept for peers that read
+            (``None``: half). A peer whose answer it stopped reading (``stalled``,
+            ``preempted``, or gone after ``replay_idle_s`` without reading) is *not
+            reading* for ``replay_penalty_s``: one answer at a time, only in the other
+            slots, and its requests draw on ``replay_suspect_rate`` instead of
+            ``replay_total_rate``. When every slot is taken, a request of a reading peer
+            takes the slot of the answer idle longest (at least ``replay_idle_s``),
+            which is abandoned (``preempted``).
+        replay_idle_s: seconds without reading after which an answer's slot may be taken.
+        replay_penalty_s: seconds a peer stays *not reading* after its last abandoned answer.
+        replay_suspect_rate: replay requests per second from all peers not reading together.
         replay_stall_s: seconds; an answer whose client has read nothing for this long
             (its queue stays at ``replay_hwm``) is abandoned (counted ``stalled``).
         replay_max_stalled: after this many abandoned answers the replay ROUTER is closed
@@ -75,6 +89,11 @@ class PublisherConfig:
     replay_peer_rate: float = 2.0
     replay_total_rate: float = 20.0
     replay_max_active: int = 8
+    replay_peer_active: int = 4
+    replay_reserved: int | None = None
+    replay_idle_s: float = 0.25
+    replay_penalty_s: float = 30.0
+    replay_suspect_rate: float = 2.0
     replay_stall_s: float = 5.0
     replay_max_stalled: int = 8
     queue_capacity: int = 100_000
@@ -82,19 +101,28 @@ class PublisherConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_events", "max_bytes", "replay_buffer", "queue_capacity", "target_batch_events",
-                     "replay_hwm", "replay_max_bytes", "replay_max_active", "replay_max_stalled"):
+                     "replay_hwm", "replay_max_bytes", "replay_max_active", "replay_max_stalled", "replay_peer_active"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PublisherConfig.{name} must be a positive int, got {value!r}")
         for name in ("max_delay_s", "min_delay_s", "rate_window_s", "replay_peer_rate", "replay_total_rate",
-                     "replay_stall_s"):
+                     "replay_stall_s", "replay_idle_s", "replay_penalty_s", "replay_suspect_rate"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"PublisherConfig.{name} must be > 0, got {value!r}")
+        r = self.replay_reserved
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.replay_max_active):
+            raise ConfigError(f"PublisherConfig.replay_reserved must be an int in [0, replay_max_active), got {r!r}")
         if not isinstance(self.adaptive_delay, bool):
             raise ConfigError(f"PublisherConfig.adaptive_delay must be a bool, got {self.adaptive_delay!r}")
         if self.overflow not in ("drop", "block"):
             raise ConfigError(f"PublisherConfig.overflow must be 'drop' or 'block', got {self.overflow!r}")
+
+
+    @property
+    def replay_reserved_slots(self) -> int:
+        """Replay slots kept for peers that read (``replay_reserved``, default half)."""
+        return self.replay_max_active // 2 if self.replay_reserved is None else self.replay_reserved
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """Subscriber interface: a thread-safe queue of ordered batches fed by a transport thread.
 
-The delivery queue is bounded (``queue_capacity`` batches). A batch that finds it full is
+The delivery queue (:class:`event_plane.fair_queue.FairQueue`) keeps each source's batches
+in order and serves the sources in turn (deficit round robin), so one source's backlog
+never delays another source's next batch by more than a turn. It is bounded
+(``queue_capacity`` batches in all, ``source_capacity`` per source). A batch that finds it full is
 dropped and counted, and its source is put in :attr:`Subscriber.resync_needed` (the
 ``on_resync(source)`` hook fires once when it enters): the application's view of that
 source is no longer exact and should be rebuilt (snapshot, ZMQ replay, JetStream re-read)
@@ -21,6 +24,7 @@ from dataclasses import replace
 
 from event_plane.config import SubscriberStats
 from event_plane.errors import ConfigError, NotStartedError
+from event_plane.fair_queue import FairQueue
 from event_plane.ordering import GapCallback, SeqTracker
 from event_plane.origins import OriginGuard
 from event_plane.schema import EventBatch
@@ -43,12 +47,16 @@ class Subscriber(abc.ABC):
             is over: ``docs/events.md`` §4.3).
         queue_capacity: batches held for ``get``; when full, further batches are dropped
             and counted in ``stats().dropped``, and their source needs a resync.
+        source_capacity: batches of one source held for ``get`` (default a quarter of
+            ``queue_capacity``); past it that source's batches are dropped the same way,
+            so a flooding source cannot take the room of the others. One origin (a ZMQ
+            endpoint) holds at most a quarter of ``queue_capacity`` too.
         on_resync: ``on_resync(source)``, called from the transport thread when ``source``
             enters :attr:`resync_needed` (a batch of it was dropped or lost for good). It
             must be quick; exceptions are logged and ignored.
 
     Raises:
-        ConfigError: ``queue_capacity`` < 1.
+        ConfigError: ``queue_capacity`` or ``source_capacity`` < 1.
     """
 
     def __init__(
@@ -57,10 +65,13 @@ class Subscriber(abc.ABC):
         on_gap: GapCallback | None = None,
         queue_capacity: int = 100_000,
         on_resync: ResyncCallback | None = None,
+        source_capacity: int | None = None,
     ) -> None:
         if not isinstance(queue_capacity, int) or isinstance(queue_capacity, bool) or queue_capacity < 1:
             raise ConfigError(f"queue_capacity must be a positive int, got {queue_capacity!r}")
-        self._queue: queue.Queue[EventBatch] = queue.Queue(queue_capacity)
+        if source_capacity is None:
+            source_capacity = max(1, queue_capacity // 4)
+        self._queue = FairQueue(queue_capacity, source_capacity, lane_capacity=max(1, queue_capacity // 4))
         self._stats = SubscriberStats()
         self._on_gap = on_gap
         self._on_resync = on_resync
@@ -93,6 +104,9 @@ class Subscriber(abc.ABC):
     it runs again); the loop pauses and retries."""
     _max_events: int | None = None
     _max_bytes: int | None = None
+    _lane: str | None = None
+    """The origin of the batches being delivered now (set by the transport thread before it
+    feeds the ordering tracker): their lane in the fair queue; ``None``: each source its own."""
 
     def limit_batches(self, max_events: int | None, max_bytes: int | None) -> None:
         """Refuse a message over ``max_bytes`` bytes (ZMQ: ``MAXMSGSIZE`` on every socket
@@ -227,7 +241,7 @@ class Subscriber(abc.ABC):
     def _deliver(self, batch: EventBatch) -> None:
         self._answered.set()
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait(batch, self._lane)
         except queue.Full:
             self._stats.dropped += 1
             self._schedule_resync(batch.source)
@@ -241,7 +255,7 @@ class MultiSubscriber(Subscriber):
 
     Args:
         children: subscribers not yet started; their deliveries go to this one's queue.
-        queue_capacity: capacity of the shared queue (the children's own is unused).
+        queue_capacity, source_capacity: bounds of the shared queue (the children's own is unused).
     """
 
     def __init__(
@@ -250,8 +264,9 @@ class MultiSubscriber(Subscriber):
         *,
         queue_capacity: int = 100_000,
         on_resync: ResyncCallback | None = None,
+        source_capacity: int | None = None,
     ) -> None:
-        super().__init__(queue_capacity=queue_capacity, on_resync=on_resync)
+        super().__init__(queue_capacity=queue_capacity, on_resync=on_resync, source_capacity=source_capacity)
         if not children:
             raise ConfigError("MultiSubscriber needs at least one child subscriber")
         self._children = list(children)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -108,7 +108,8 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str, retry_s: float = 2.0) -> s
 
 
 REPLAY_COUNTERS = ("requests", "served", "malformed", "refused_busy", "refused_peer_rate", "refused_total_rate",
-                   "refused_active", "truncated", "stalled", "unreachable", "recycles")
+                   "refused_active", "refused_peer_active", "preempted", "truncated", "stalled", "unreachable",
+                   "recycles")
 """Keys of :meth:`ZmqPublisher.replay_stats` (a fixed set, whatever the clients send)."""
 
 _REPLAY_WAIT_MS = 5  # poll tick while every answer in progress waits for its client to read
@@ -133,12 +134,22 @@ class _Bucket:
 
 
 @dataclass
+class _ReplayPeer:
+    """One replay peer (network address, plus CURVE key): its answers in progress and until
+    when it counts as not reading (replay thread only)."""
+
+    active: int = 0
+    suspect_until: float = 0.0
+
+
+@dataclass
 class _ReplayJob:
     """One replay answer in progress (replay thread only)."""
 
     envelope: list[bytes]
     hits: list[tuple[int, bytes]]
     since: float  # monotonic time of the last message the client's queue accepted
+    peer: _ReplayPeer = field(default_factory=_ReplayPeer)
     pos: int = 0
     sent_bytes: int = 0
 
@@ -326,7 +337,9 @@ class ZmqPublisher(EventPublisher):
     def _serve_replay(self, router: zmq.Socket) -> None:
         jobs: dict[bytes, _ReplayJob] = {}  # client identity -> its answer in progress
         peers: dict[bytes, _Bucket] = {}  # insertion order = least recently seen first
+        owners: dict[str, _ReplayPeer] = {}  # peer address (+ key) -> its state, least recent first
         total = _Bucket(self.config.replay_total_rate, time.monotonic())
+        suspects = _Bucket(self.config.replay_suspect_rate, time.monotonic())
         busy = False
         try:
             while not self._stop.is_set():
@@ -340,18 +353,21 @@ class ZmqPublisher(EventPublisher):
                     router = None  # type: ignore[assignment]
                     self._replay_counts["recycles"] += 1
                     self._stalled_since_recycle = 0
+                    for job in jobs.values():
+                        job.peer.active -= 1
                     jobs.clear()
                     router, _ = self._make_router(self.replay_endpoint)  # type: ignore[arg-type]
                 timeout = _POLL_MS if not jobs else (0 if busy else _REPLAY_WAIT_MS)
                 if router.poll(timeout):
                     for _ in range(1000):
                         try:
-                            frames = router.recv_multipart(zmq.NOBLOCK)
+                            msg = router.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self.replay_requests += 1
                         self._replay_counts["requests"] += 1
-                        self._on_request(router, frames, jobs, peers, total)
+                        self._on_request(router, [f.bytes for f in msg], jobs, peers, total, _peer_key(msg[0]),
+                                         owners, suspects)
                 busy = self._pump(router, jobs)
         except Exception:  # noqa: BLE001 - keep the publisher alive; replay is best effort
             logger.exception("replay server of %s stopped", self.source)
@@ -360,7 +376,8 @@ class ZmqPublisher(EventPublisher):
                 router.close(linger=0)
 
     def _on_request(self, router: zmq.Socket, frames: list[bytes], jobs: dict[bytes, _ReplayJob],
-                    peers: dict[bytes, _Bucket], total: _Bucket) -> None:
+                    peers: dict[bytes, _Bucket], total: _Bucket, peer_key: str | None = None,
+                    owners: dict[str, _ReplayPeer] | None = None, suspects: _Bucket | None = None) -> None:
         # [identity, b"", start] from a DEALER that adds the delimiter (our subscriber, vLLM's
         # documented client); [identity, start] from one that does not.
         count = self._replay_counts
@@ -382,18 +399,65 @@ class ZmqPublisher(EventPublisher):
         peers[identity] = peer
         if len(peers) > _REPLAY_PEERS:
             del peers[next(iter(peers))]
-        refused = ("refused_peer_rate" if not peer.ready(now) else "refused_total_rate" if not total.ready(now)
-                   else "refused_active" if len(jobs) >= self.config.replay_max_active else None)
+        cfg = self.config
+        owners = {} if owners is None else owners
+        owner = owners.pop(peer_key or identity.hex(), None) or _ReplayPeer()
+        owners[peer_key or identity.hex()] = owner
+        if len(owners) > _REPLAY_PEERS:
+            del owners[next(iter(owners))]  # (its answers in progress keep their reference)
+        suspect = owner.suspect_until > now
+        pool = suspects if suspect and suspects is not None else total
+        refused = ("refused_peer_rate" if not peer.ready(now) else "refused_total_rate" if not pool.ready(now)
+                   else None)
+        # a peer at its limit may replace one of its own answers it does not read (on
+        # loopback every local client is one peer: a reading one must not be kept out by
+        # the others'); slots kept for peers that read: a reading peer takes the slot of
+        # the answer idle longest, a peer that does not read only a free slot outside the
+        # kept ones, or one of another such peer that it does not read either
+        if (refused is None and owner.active >= (1 if suspect else cfg.replay_peer_active)
+                and not self._preempt(jobs, now, lambda job: job.peer is owner)):
+            refused = "refused_peer_active"
+        if (refused is None and len(jobs) >= cfg.replay_max_active - (cfg.replay_reserved_slots if suspect else 0)
+                and not self._preempt(jobs, now, (lambda job: job.peer.suspect_until > now) if suspect else None)):
+            refused = "refused_active"
         if refused is not None:
             count[refused] += 1
             self._send_end(router, envelope)
             return
         peer.tokens -= 1.0
-        total.tokens -= 1.0
+        pool.tokens -= 1.0
         start = seq_from_bytes(rest[0])
         with self._buffer_lock:
             hits = [(seq, payload) for seq, payload in self._buffer if seq >= start]
-        jobs[identity] = _ReplayJob(envelope, hits, now)
+        owner.active += 1
+        jobs[identity] = _ReplayJob(envelope, hits, now, owner)
+
+    def _preempt(self, jobs: dict[bytes, _ReplayJob], now: float,
+                 among: Callable[[_ReplayJob], bool] | None = None) -> bool:
+        """Abandon the answer (of those ``among`` selects; all by default) whose client has
+        read nothing for longest, if at least ``replay_idle_s`` (counted ``preempted``; its
+        peer is then not reading). Returns whether a slot was freed."""
+        idle = [(job.since, identity) for identity, job in jobs.items()
+                if now - job.since >= self.config.replay_idle_s and (among is None or among(job))]
+        if not idle:
+            return False
+        _, identity = min(idle)
+        job = jobs.pop(identity)
+        self._end_job(job, "preempted", now)
+        return True
+
+    def _end_job(self, job: _ReplayJob, how: str, now: float) -> None:
+        """Account for an answer that ended ``how`` (already removed from the jobs): a peer
+        that stopped reading (``stalled``, ``preempted``, or gone after ``replay_idle_s``
+        without reading) is not reading for ``replay_penalty_s``; what ZMQ still holds for
+        an abandoned one counts towards the next recycle."""
+        cfg = self.config
+        job.peer.active -= 1
+        if how in ("stalled", "preempted") or (how == "unreachable" and now - job.since >= cfg.replay_idle_s):
+            job.peer.suspect_until = now + cfg.replay_penalty_s
+        if how in ("stalled", "preempted"):
+            self._replay_counts[how] += 1
+            self._stalled_since_recycle += 1
 
     def _send_end(self, router: zmq.Socket, envelope: list[bytes]) -> bool:
         """Send the end marker without waiting; ``False`` if the client's queue is full or it left."""
@@ -444,11 +508,25 @@ class ZmqPublisher(EventPublisher):
                 logger.warning("replay server of %s: abandoned an answer after %d batches (client not reading "
                                "for %.3g s)", self.source, job.pos, cfg.replay_stall_s)
             if done is not None:
-                if done not in ("served", "truncated"):  # those two are counted above
+                if done == "unreachable":  # served / truncated are counted above, stalled by _end_job
                     count[done] += 1
-                self._stalled_since_recycle += done == "stalled"
                 del jobs[identity]
+                self._end_job(job, done, now)
         return moved
+
+
+def _peer_key(frame: zmq.Frame) -> str | None:
+    """Who sent ``frame`` across reconnections: its network address (``Peer-Address``), and
+    its CURVE key (``User-Id``, set by a ZAP handler) when there is one; ``None`` when the
+    transport reports no address (then each connection is a peer of its own)."""
+    try:
+        addr = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    try:
+        return f"{addr} {frame.get('User-Id')}"
+    except zmq.ZMQError:
+        return str(addr)
 
 
 class ZmqSubscriber(Subscriber):
@@ -716,6 +794,7 @@ class ZmqSubscriber(Subscriber):
         park it behind its source's recovery in progress, or hand it on (:meth:`_feed`)."""
         if not self._origin_admits(batch, self._origin[i]):
             return
+        self._lane = self._origin[i]  # its lane in the fair delivery queue
         self._sources_at.setdefault(i, set()).add(batch.source)
         rec = self._recovering.get(batch.source)
         if rec is None:
@@ -809,6 +888,7 @@ class ZmqSubscriber(Subscriber):
         rec.dealer.close(linger=0)
         del self._recovering[rec.source]
         _, revealing, replayed = rec.parked.popleft()
+        self._lane = self._origin[rec.i]
         self._accept(revealing, replayed, rec.got)
         for i, batch, replayed in rec.parked:
             self._admit(i, batch, replayed)

@@ -102,6 +102,41 @@ def _credentials(desc: VolumeDescriptor) -> tuple[str, str, str | None]:
     return frozen.access_key, frozen.secret_key, frozen.token
 
 
+def probe_s3(desc: VolumeDescriptor, timeout_s: float = 3.0) -> None:
+    """Whether an S3 volume's endpoint answers at all: one ``HEAD`` of its bucket, at most
+    ``timeout_s`` seconds to connect and as much to read, no retry. Any S3 answer counts
+    (a missing bucket too: opening the volume creates it; a refusal is reported by the open).
+
+    Run it before opening a volume on a path that must not wait long: opening retries with
+    the client's default timeouts (60 s each), so a silent endpoint (one that accepts TCP
+    and never answers) holds the caller for tens of seconds.
+
+    Raises:
+        S3EndpointUnreachableError: no connection, or no answer within ``timeout_s``.
+        VolumeConfigError: no credentials.
+    """
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    ak, sk, token = _credentials(desc)
+    client = boto3.client(
+        "s3", endpoint_url=desc.endpoint, region_name=desc.region,
+        aws_access_key_id=ak, aws_secret_access_key=sk, aws_session_token=token,
+        config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                      retries={"total_max_attempts": 1, "mode": "standard"}, s3={"addressing_style": "path"}),
+    )
+    try:
+        client.head_bucket(Bucket=desc.bucket)
+    except ClientError:
+        return  # an answer
+    except Exception as exc:  # noqa: BLE001 - timeouts and connection errors of every kind
+        raise S3EndpointUnreachableError(desc.id, desc.endpoint,
+                                         f"no answer within {timeout_s:g} s: {type(exc).__name__}") from exc
+    finally:
+        client.close()
+
+
 class S3Volume(Volume):
     """Segments as objects in an S3 bucket (NIXL OBJ backend)."""
 

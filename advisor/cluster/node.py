@@ -27,7 +27,8 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
 
 Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashes (one
 piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
-``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "events", "moves" (the
+``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "origin_refused",
+"snapshots_skipped" (snapshots that failed to load when the owner took it), "events", "moves" (the
 mover's results for this partition since its owner took it, ``ClusterMover.partition_moves``),
 "started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
 rebuild was done), "sources": {source: [epoch, last_seq]}, "source_figures": {source: [batches,

@@ -92,7 +92,12 @@ class Replica:
         self.ready_at = 0.0
         self.lock = threading.Lock()
         self.snapshots = RedisSnapshotStore(s.redis_url, key_prefix=f"kvadvisor:{s.namespace}:p{partition}")
-        loaded = load_latest(self.snapshots)
+        self.snapshots_skipped = 0  # snapshots that failed to load (checksum, payload): the next older one is used
+
+        def skipped(_position: int, _why: str) -> None:
+            self.snapshots_skipped += 1
+
+        loaded = load_latest(self.snapshots, on_skip=skipped)
         self.index = loaded[1] if loaded else PrefixIndex()
         self.fold = PartitionFold(self.index)  # each batch once (a stream may hold a re-sent one twice)
         self.position = loaded[0].position if loaded else 0
@@ -178,7 +183,8 @@ class Replica:
                 moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
                 return {"moves": moves, "duplicates": self.fold.duplicates,
                         "position": self.position, "blocks": len(self.index), "applied": self.applied,
-                        "errors": self.errors, "origin_refused": self.origin_refused, "started_at": self.started_at, "ready_at": self.ready_at,
+                        "errors": self.errors, "origin_refused": self.origin_refused,
+                        "snapshots_skipped": self.snapshots_skipped, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()},
                         "source_figures": {name: [st.batches, st.events, st.last_ts_ns]

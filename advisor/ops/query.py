@@ -259,7 +259,7 @@ class AdvisorQuery:
         """Add a volume at run time (:func:`advisor.ops.volume_admin.register_volume`; its errors)."""
         from advisor.ops.volume_admin import register_volume
 
-        register_volume(self._svc, volume, role)  # type: ignore[arg-type]
+        register_volume(self._svc, volume, role, self._svc.settings.volume_probe_timeout_s)  # type: ignore[arg-type]
 
     def unregister_volume(self, volume_id: str) -> None:
         """Remove an empty volume (:func:`advisor.ops.volume_admin.unregister_volume`; its errors)."""

@@ -30,19 +30,41 @@ class VolumeAdminError(RuntimeError):
     """The volume cannot be registered or unregistered (the message says why)."""
 
 
-def register_volume(service: OperatedAdvisor, volume: VolumeSettings, role: Role = "none") -> None:
+class VolumeUnreachableError(VolumeAdminError):
+    """The volume's endpoint did not answer the probe in time (the message says which)."""
+
+
+def register_volume(service: OperatedAdvisor, volume: VolumeSettings, role: Role = "none",
+                    probe_timeout_s: float = 3.0) -> None:
     """Open ``volume`` in the advisor's storage agent and add it to its volumes.
 
+    An S3 volume's endpoint is probed first (:func:`storage_backends.s3_volume.probe_s3`,
+    ``probe_timeout_s`` to connect and as much to read), outside the round lock: a silent
+    endpoint costs the caller that long, once, and holds up no policy round or operator
+    action meanwhile.
+
     Raises:
+        VolumeUnreachableError: the S3 endpoint did not answer the probe.
         VolumeAdminError: no storage attached, the id is taken, or the storage layer refused
             the descriptor (bad root, unreachable endpoint...: its message is kept).
     """
-    from storage_backends.types import StorageError
+    from storage_backends.types import S3EndpointUnreachableError, StorageError
 
     agent = service.agent
     if agent is None:
         raise VolumeAdminError("this advisor has no storage attached")
     s = service.settings
+    if any(v.id == volume.id for v in s.volumes):
+        raise VolumeAdminError(f"volume {volume.id!r} is already registered")
+    if volume.kind == "s3":
+        from storage_backends.s3_volume import probe_s3
+
+        try:
+            probe_s3(volume.to_descriptor(), probe_timeout_s)
+        except S3EndpointUnreachableError as exc:
+            raise VolumeUnreachableError(f"cannot open volume {volume.id!r}: {exc}") from None
+        except (StorageError, ValueError, OSError) as exc:
+            raise VolumeAdminError(f"cannot open volume {volume.id!r}: {type(exc).__name__}: {exc}") from None
     with service.round_lock:
         if any(v.id == volume.id for v in s.volumes):
             raise VolumeAdminError(f"volume {volume.id!r} is already registered")

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Path, Query
 from pydantic import ValidationError
 
 from advisor.ops.drain import DrainError
-from advisor.ops.volume_admin import VolumeAdminError
+from advisor.ops.volume_admin import VolumeAdminError, VolumeUnreachableError
 from advisor.settings import VolumeSettings
 from api.errors import ApiError, ErrorResponse
 from api.models import (
@@ -68,7 +68,8 @@ def volumes_router(query: AdvisorQuery, read: Sequence[Any], admin: Sequence[Any
                             created_at=g.created_at) for g in items])
 
     @router.post("/v1/volumes", response_model=VolumeActionResponse, dependencies=admin,
-                 responses={409: {"model": ErrorResponse, "description": "no storage, id taken, volume refused"}})
+                 responses={409: {"model": ErrorResponse, "description": "no storage, id taken, volume refused"},
+                            504: {"model": ErrorResponse, "description": "the S3 endpoint did not answer the probe"}})
     def register_volume(req: RegisterVolumeRequest) -> VolumeActionResponse:
         try:
             vol = VolumeSettings.model_validate(req.volume)
@@ -77,6 +78,8 @@ def volumes_router(query: AdvisorQuery, read: Sequence[Any], admin: Sequence[Any
                 f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5])[:500]) from None
         try:
             query.register_volume(vol, req.role)
+        except VolumeUnreachableError as exc:
+            raise ApiError(504, "volume_unreachable", str(exc)[:400]) from None
         except VolumeAdminError as exc:
             raise ApiError(409, "volume_refused", str(exc)[:400]) from None
         return VolumeActionResponse(volume=vol.id, status="registered")

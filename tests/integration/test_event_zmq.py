@@ -248,7 +248,8 @@ def test_no_replay_endpoint_counts_loss_and_garbage_is_skipped() -> None:
 def test_full_delivery_queue_counts_drops() -> None:
     pub_ep, rep_ep = endpoints()
     pub = ZmqPublisher("w0", pub_ep, rep_ep, config=ONE)
-    sub = started(ZmqSubscriber([(pub_ep, rep_ep)], queue_capacity=5))
+    # one source (and one endpoint) holds at most a quarter of the queue: 5 of 20
+    sub = started(ZmqSubscriber([(pub_ep, rep_ep)], queue_capacity=20))
     try:
         for i in range(20):
             pub.publish([ev(i)])

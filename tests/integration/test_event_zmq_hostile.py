@@ -165,8 +165,8 @@ def test_replay_byte_cap_and_request_rates_are_enforced_and_counted() -> None:
         assert (st["requests"], st["served"], st["truncated"], st["refused_peer_rate"], st["refused_total_rate"]) == (
             4, 1, 1, 1, 1), st
         assert set(st) == {"requests", "served", "malformed", "refused_busy", "refused_peer_rate",
-                           "refused_total_rate", "refused_active", "truncated", "stalled", "unreachable",
-                           "recycles"}
+                           "refused_total_rate", "refused_active", "refused_peer_active", "preempted", "truncated",
+                           "stalled", "unreachable", "recycles"}
     finally:
         for d in dealers:
             d.close(linger=0)
