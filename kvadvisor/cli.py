@@ -505,7 +505,8 @@ def check_cmd(
     if report.other_namespaces:
         console.print(f"note: the catalog also places {sum(report.other_namespaces.values()):,} blocks of namespaces "
                       f"{', '.join(sorted(report.other_namespaces))} on these volumes, not checked: list them in the "
-                      f"advisor's \"extra_namespaces\" to manage them (now {', '.join(settings.namespaces)})",
+                      f"advisor's \"extra_namespaces\" (or raise \"max_namespaces\") to manage them "
+                      f"(now {', '.join(settings.namespaces)})",
                       soft_wrap=True, markup=False, highlight=False)
     for d in report.differences[:50]:
         console.print(f"  {d.line()}", markup=False, highlight=False)
