@@ -256,7 +256,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         # the movers act on the replay in their next policy rounds: the report's moves, the
         # movers' events and the sources are read once they are done (and folded, below), so
         # they are what GET /v1/stats and `kvadvisor status --url` show afterwards
-        status = _settle_moves(client, status, settle_s)
+        status = _settle_moves(client, status, 2 * settle_s)
         verified: dict[str, Any] = {}
         for mgr in managers:
             src = mgr.publisher.source

@@ -89,3 +89,20 @@ def test_scaled_report_status_and_stats_agree(tmp_path: Path) -> None:
     finally:
         d = _run("down", "--dir", str(root))
         assert d.returncode == 0, d.stdout + d.stderr
+    # `up` again on the same directory (the README's default runs/cluster): the stopped
+    # topology's stream and volumes went with its in-memory catalog; the new one starts
+    # clean, so its figures are again this run's and no offload collides with an old segment
+    r = _run("up", "--dir", str(root), "--nodes", "1", "--advisors", "1", "--partitions", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        api = json.loads((root / "cluster.json").read_text())["api_url"]
+        r = _run("demo", "--scaled", "--dir", str(root), "--requests", "60", "--json", str(report_file))
+        assert r.returncode == 0 and "offload of" not in r.stdout + r.stderr, r.stdout + r.stderr
+        rep = json.loads(report_file.read_text())
+        stats = httpx.get(f"{api}/v1/stats", timeout=30).json()
+        assert rep["sources"] == {k: {"batches": v["batches"], "events": v["events"]}
+                                  for k, v in stats["sources"].items()}, (rep["sources"], stats["sources"])
+        assert rep["events"] == stats["events_applied"] and rep["verified"]["bytes_ok"] == rep["verified"]["bytes_checked"]
+    finally:
+        d = _run("down", "--dir", str(root))
+        assert d.returncode == 0, d.stdout + d.stderr
