@@ -51,6 +51,14 @@ class AdvisorSettings(BaseSettings):
             advisor as an index only (no volumes, no policies).
         namespace: key namespace (model fingerprint) of the blocks it manages.
         extra_namespaces: further namespaces it manages.
+        follow_catalog_namespaces: also manage every key namespace the placement catalog
+            holds blocks in (a vLLM connector's model fingerprint among them), so that an
+            advisor left on ``"default"`` moves and drains what its workers stored; the
+            catalog's namespaces are looked at each policy round, drain and reconcile.
+        max_namespaces: quota on the namespaces managed in all (``namespace``,
+            ``extra_namespaces`` and the followed ones, the configured ones first; then the
+            followed ones with most blocks); a namespace beyond it is left alone, logged and
+            named by a drain and by ``GET /v1/stats`` ``namespaces``.
         volumes: the volumes to register.
         fast_volume / slow_volumes / archive_volume: roles of the volume ids.
         policy: policy and planner settings.
@@ -164,6 +172,8 @@ class AdvisorSettings(BaseSettings):
     catalog_path: str | None = None
     namespace: str = Field("default", min_length=1)
     extra_namespaces: list[str] = Field(default_factory=list)
+    follow_catalog_namespaces: bool = True
+    max_namespaces: int = Field(64, ge=1, le=4096)
     volumes: list[VolumeSettings] = Field(default_factory=list)
     fast_volume: str | None = None
     slow_volumes: list[str] = Field(default_factory=list)
@@ -299,6 +309,9 @@ class AdvisorSettings(BaseSettings):
                              f"({self.quota_max_batch_events}): a bucket smaller than a batch refuses it forever")
         if self.volumes and self.catalog_path is None:
             raise ValueError("volumes are configured but catalog_path is not set")
+        if len(self.namespaces) > self.max_namespaces:
+            raise ValueError(f"namespace and extra_namespaces name {len(self.namespaces)} namespaces, more than "
+                             f"max_namespaces ({self.max_namespaces}): raise max_namespaces")
         return self
 
     @property
@@ -309,6 +322,31 @@ class AdvisorSettings(BaseSettings):
             if ns not in out:
                 out.append(ns)
         return out
+
+    def managed_namespaces(self, seen: dict[str, int] | None = None) -> tuple[list[str], dict[str, int]]:
+        """The key namespaces to manage, given those the catalog holds blocks in.
+
+        Args:
+            seen: namespace → blocks the catalog places (any volume); ``None``: not looked at.
+
+        Returns:
+            ``(managed, left)``: :attr:`namespaces` first, then (with
+            ``follow_catalog_namespaces``) the seen ones by most blocks, then name, up to
+            ``max_namespaces`` in all; ``left``: the seen ones not managed (namespace → blocks),
+            beyond the quota or not followed.
+        """
+        managed = self.namespaces
+        left: dict[str, int] = {}
+        taken = set(managed)
+        for ns, n in sorted((seen or {}).items(), key=lambda kv: (-kv[1], kv[0])):
+            if ns in taken:
+                continue
+            if self.follow_catalog_namespaces and len(managed) < self.max_namespaces:
+                managed.append(ns)
+                taken.add(ns)
+            else:
+                left[ns] = int(n)
+        return managed, left
 
     def stream_limits(self) -> Any:
         """The ``jetstream_*`` stream fields as an :class:`event_plane.StreamLimits`."""

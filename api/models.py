@@ -254,7 +254,9 @@ class DrainResponse(BaseModel):
     bytes_moved: int
     other_namespaces: dict[str, int] = Field(default_factory=dict, description=(
         "namespace -> blocks left on the volume: namespaces this advisor does not manage"))
-    hint: str | None = Field(None, description="what to set when other_namespaces is not empty")
+    hint: str | None = Field(None, description=(
+        "why blocks stayed: other_namespaces not empty (what to set), or nothing moved (the namespaces looked for "
+        "and those seen on the volume and in the catalog)"))
 
 
 class VolumeResponse(BaseModel):
@@ -377,8 +379,10 @@ class StatsResponse(BaseModel):
     subscriber: dict[str, int]
     uptime_s: float
     namespaces: dict[str, Any] = Field(default_factory=dict, description=(
-        '{"managed": [namespace, ...], "seen": {namespace: {volume: blocks}}}: the key namespaces this advisor '
-        "moves, and those the catalog places blocks in (a connector's namespace is its model fingerprint's)"))
+        '{"managed": [namespace, ...], "seen": {namespace: {volume: blocks}}, "left": {namespace: blocks}}: the key '
+        "namespaces this advisor moves (configured, then those followed from the catalog up to max_namespaces), "
+        "those the catalog places blocks in (a connector's namespace is its model fingerprint's), and those it "
+        "leaves alone"))
     hit_rates: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')

@@ -175,7 +175,9 @@ def _check(settings: AdvisorSettings, report: CheckReport, repair: bool, deep: b
     try:
         vols = {v.id: agent.register_volume(v.to_descriptor()) for v in settings.volumes}
         index, report.journal_position = fold_journal(journal)
-        namespaces = set(settings.namespaces)
+        # the namespaces the advisor manages with this catalog (configured, then followed)
+        namespaces = set(settings.managed_namespaces(
+            {ns: sum(v.values()) for ns, v in catalog.namespace_counts().items()})[0])
         bad: list[Any] = []  # placements whose bytes are gone or wrong
         orphans: list[tuple[str, int]] = []
         for vid, vol in vols.items():
@@ -242,7 +244,8 @@ def _repair(settings: AdvisorSettings, journal: SqliteJournal, catalog: Any, age
     for vid, seg in orphans:
         vols[vid].delete_segment(seg)
         out["orphan_segments_deleted"] += 1
-    namespaces = set(settings.namespaces)
+    namespaces = set(settings.managed_namespaces(
+        {ns: sum(v.values()) for ns, v in catalog.namespace_counts().items()})[0])
     events: list[KVEvent] = []
     for vid in vols:
         placed = {p.key.sequence_hash: p for p in catalog.iter_volume(vid) if p.key.namespace in namespaces}

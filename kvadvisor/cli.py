@@ -213,6 +213,8 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("requests replayed", f"{r.requests:,} across {r.workers} workers"),
         ("full blocks requested", f"{r.blocks:,} ({r.computed_blocks:,} computed)"),
         ("events (workers + advisor)", f"{r.events:,} ({r.worker_events:,} + {r.advisor_events:,}) in {r.batches:,} worker batches"),
+        *([("sources: batches / events", " · ".join(f"{k} {v['batches']:,} / {v['events']:,}"
+                                                    for k, v in sorted(r.sources.items())))] if r.sources else []),
         ("bytes per event on the wire", f"{r.event_bytes_per_event:.1f} (event) / {r.payload_bytes_per_event:.1f} (with batch envelope)"),
         (f"advisor ingest ({r.ingest_basis})", f"{r.advisor_events_per_s:,.0f} events/s"),
         ("tier sizes (blocks)", _tier_sizes(r)),
@@ -503,7 +505,8 @@ def check_cmd(
     if report.other_namespaces:
         console.print(f"note: the catalog also places {sum(report.other_namespaces.values()):,} blocks of namespaces "
                       f"{', '.join(sorted(report.other_namespaces))} on these volumes, not checked: list them in the "
-                      f"advisor's \"extra_namespaces\" to manage them (now {', '.join(settings.namespaces)})",
+                      f"advisor's \"extra_namespaces\" (or raise \"max_namespaces\") to manage them "
+                      f"(now {', '.join(settings.namespaces)})",
                       soft_wrap=True, markup=False, highlight=False)
     for d in report.differences[:50]:
         console.print(f"  {d.line()}", markup=False, highlight=False)

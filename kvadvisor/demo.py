@@ -102,6 +102,10 @@ class DemoReport:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     index_blocks: dict[str, int] = field(default_factory=dict)
     verified: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per event source of this run, ``{"batches", "events"}`` (scaled mode: each worker as its
+    publishers counted, each cluster mover as the partitions applied it; ``GET /v1/stats``
+    ``sources`` lists the same figures as the advisor side applied them)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-serialisable)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from advisor.cluster.node import ClusterClient, PartitionUnavailable
 from advisor.cluster.mover import ClusterStorageSettings
+from advisor.cluster.query import ClusterQuery
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.urls import make_publisher
@@ -75,14 +76,82 @@ def _mover_events(status: dict[int, Any]) -> int:
                if name.endswith("-mover"))
 
 
-def _moves_so_far(client: ClusterClient) -> dict[str, dict[str, int]]:
+def _moves_so_far(status: dict[int, Any]) -> dict[str, dict[str, int]]:
     """The movers' results summed over partitions (``ClusterMover.partition_moves``)."""
-    out: dict[str, dict[str, int]] = {"done": {}, "failed": {}, "bytes_moved": {}}
-    for st in client.status().values():
+    out: dict[str, dict[str, int]] = {"done": {}, "skipped": {}, "failed": {}, "bytes_moved": {}}
+    for st in status.values():
         for field_name, table in out.items():
             for kind, n in st.get("moves", {}).get(field_name, {}).items():
                 table[kind] = table.get(kind, 0) + int(n)
     return out
+
+
+def _rounds(status: dict[int, Any]) -> dict[int, int] | None:
+    """Policy rounds per partition since its owner took it, ``None`` when a partition's owner
+    runs no mover (nothing to wait for)."""
+    out = {}
+    for p, st in status.items():
+        n = st.get("moves", {}).get("rounds", {}).get("policy")
+        if n is None:
+            return None
+        out[p] = int(n)
+    return out
+
+
+def _settle_moves(client: ClusterClient, status: dict[int, Any], timeout_s: float) -> dict[int, Any]:
+    """Wait until the movers are done with what the replay left them: a quiet period in which
+    every partition ran two policy rounds (so one began inside it) and no move result was
+    added, after two rounds that began after the replay.  Returns the last status (the one
+    the report reads its moves and sources from: ``/v1/stats`` sums the same answers); past
+    ``timeout_s`` (movers still busy, a take-over) the last status as it is."""
+    base = _rounds(status)
+    if base is None:
+        return status
+    end = time.monotonic() + timeout_s
+    mark: tuple[dict[int, int], int] | None = None
+
+    def results(st: dict[int, Any]) -> int:
+        m = _moves_so_far(st)
+        return sum(sum(m[k].values()) for k in ("done", "skipped", "failed"))
+
+    while time.monotonic() < end:
+        try:
+            now = client.status()
+        except PartitionUnavailable:
+            time.sleep(0.5)
+            continue
+        status = now
+        rounds = _rounds(now)
+        if rounds is None:
+            return now
+        if any(rounds[p] < base.get(p, 0) for p in rounds):  # an owner changed: count again
+            base, mark = rounds, None
+        elif mark is None:
+            if all(rounds[p] >= base.get(p, 0) + 2 for p in rounds):
+                mark = (rounds, results(now))
+        elif all(rounds[p] >= mark[0].get(p, 0) + 2 for p in rounds):
+            if results(now) == mark[1]:
+                return now
+            mark = (rounds, results(now))
+        time.sleep(0.5)
+    return status
+
+
+def _sources(pubs: list[PartitionedPublisher], status: dict[int, Any]) -> dict[str, dict[str, int]]:
+    """Per source, the batches and events of this run: each worker's as its publishers
+    counted them (every partition's), each cluster mover's (``<advisor id>-mover``) as the
+    partitions applied them."""
+    out: dict[str, dict[str, int]] = {}
+    for p in pubs:
+        st = [inner.stats() for inner in p.publishers]
+        out[p.source] = {"batches": sum(x.batches for x in st), "events": sum(x.events for x in st)}
+    for part in status.values():
+        for name, fig in part.get("source_figures", {}).items():
+            if name.endswith("-mover"):
+                cur = out.setdefault(name, {"batches": 0, "events": 0})
+                cur["batches"] += int(fig[0])
+                cur["events"] += int(fig[1])
+    return dict(sorted(out.items()))
 
 
 def _volumes_agree(client: ClusterClient, agent: StorageAgent, volumes: tuple[str, ...],
@@ -158,9 +227,11 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
                             event_urls=[url], transport="jetstream (partitioned)")
         t_replay = time.monotonic()
         try:
-            movers_before = _mover_events(client.status())
+            before = client.status()
         except PartitionUnavailable:  # a take-over under way: counted from zero
-            movers_before = 0
+            before = {}
+        movers_before, moves_before = _mover_events(before), _moves_so_far(before)
+        sources_before = _sources([], before)
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
             res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
@@ -176,21 +247,16 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         caught_up_s = time.monotonic() - t_replay
         stats = [inner.stats() for p in pubs for inner in p.publishers]
         report.worker_events = sum(st.events for st in stats)
-        # the cluster movers' own Store/Remove events during this run (sources "<advisor>-mover")
-        report.advisor_events = max(0, _mover_events(status) - movers_before)
-        report.events = report.worker_events + report.advisor_events
         report.advisor_events_per_s = report.worker_events / caught_up_s if caught_up_s > 0 else 0.0
         report.ingest_basis = "cluster: worker events / s, first request to every partition caught up"
         report.batches = sum(st.batches for st in stats)
         ev = max(report.worker_events, 1)
         report.event_bytes_per_event = sum(st.event_bytes for st in stats) / ev
         report.payload_bytes_per_event = sum(st.payload_bytes for st in stats) / ev
-        report.index_blocks = {f"partition {k}": int(v["blocks"]) for k, v in sorted(status.items())}
-        moved = _moves_so_far(client)  # the cluster advisors' movers, every partition
-        report.promotions, report.demotions, report.compactions = (moved["done"].get(k, 0)
-                                                                   for k in ("promote", "demote", "compact"))
-        report.bytes_moved = sum(moved["bytes_moved"].values())
-        report.failed_moves = {k: moved["failed"].get(k, 0) for k in ("promote", "demote", "compact")}
+        # the movers act on the replay in their next policy rounds: the report's moves, the
+        # movers' events and the sources are read once they are done (and folded, below), so
+        # they are what GET /v1/stats and `kvadvisor status --url` show afterwards
+        status = _settle_moves(client, status, 2 * settle_s)
         verified: dict[str, Any] = {}
         for mgr in managers:
             src = mgr.publisher.source
@@ -199,6 +265,27 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
                 idx = client.blocks_at(f"{src}/{tier}")
                 verified[f"{src}/{tier}"] = {"index": len(idx), "held": len(held), "equal": idx == held}
         verified.update(_volumes_agree(client, agent, volumes, settle_s))
+        try:  # the movers' announcements are folded now (index == catalog on the volumes)
+            status = client.status()
+        except PartitionUnavailable:
+            pass
+        # the cluster movers' own Store/Remove events during this run (sources "<advisor>-mover")
+        report.advisor_events = max(0, _mover_events(status) - movers_before)
+        report.events = report.worker_events + report.advisor_events
+        report.index_blocks = {f"partition {k}": int(v["blocks"]) for k, v in sorted(status.items())}
+        moved = _moves_so_far(status)  # the cluster advisors' movers, every partition, this run
+        delta = {f: {k: moved[f].get(k, 0) - moves_before[f].get(k, 0) for k in ("promote", "demote", "compact")}
+                 for f in moved}
+        report.promotions, report.demotions, report.compactions = (delta["done"][k]
+                                                                   for k in ("promote", "demote", "compact"))
+        report.bytes_moved = sum(delta["bytes_moved"].values())
+        report.failed_moves = delta["failed"]
+        report.sources = {name: {k: v - sources_before.get(name, {}).get(k, 0) for k, v in fig.items()}
+                          for name, fig in _sources(pubs, status).items()}
+        try:
+            report.volumes = [dataclasses.asdict(v) for v in ClusterQuery(client).volumes()]
+        except PartitionUnavailable:
+            report.volumes = []
         checked, ok, failures = read_back(agent, s)
         verified["bytes_checked"], verified["bytes_ok"] = checked, ok
         if failures:

@@ -108,6 +108,12 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
        timeout_s: float = 90.0) -> ClusterUp:
     """Start the scaled topology under ``root`` and return what runs.
 
+    A stopped topology's NATS stores and volumes under ``root`` (``nats/``, ``volumes/``) are
+    removed first: its placement catalog, snapshots and S3 objects lived in the memory of
+    its redis-server and S3 endpoint and are gone, so its stream would index blocks no
+    catalog places, and its segment files would collide with the new catalog's (a worker's
+    offload then failed with "File exists").
+
     Raises:
         UpError: ``root`` already holds a running topology, a binary is missing, or a
             process does not come up within ``timeout_s`` (everything started is stopped).
@@ -118,6 +124,8 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
     redis_exe = shutil.which("redis-server")
     if redis_exe is None:
         raise UpError("redis-server not found on PATH (Debian: apt-get install redis-server)")
+    for stale in ("nats", "volumes"):  # a stopped topology's, its catalog gone (docstring)
+        shutil.rmtree(root / stale, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     root.chmod(0o700)  # logs/, nats/ (every event) and volumes/ (KV bytes) are for this user only
     logs = root / "logs"

@@ -162,6 +162,7 @@ class _StorageFields(BaseModel):
     catalog_prefix: str = Field("kvadvisor:catalog", min_length=1)
     namespace: str = Field("default", min_length=1)
     extra_namespaces: list[str] = Field(default_factory=list)
+    follow_catalog_namespaces: bool = True
     key_namespaces: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
 
     @model_validator(mode="after")
@@ -185,7 +186,8 @@ class DeploymentStorage:
         catalog_path: the SQLite catalog file (``"sqlite"``).
         catalog_prefix: the Redis catalog's key prefix (``"redis"``).
         volume_roots: directories the POSIX volumes must lie under; ``None``: anywhere.
-        namespaces: key namespaces the advisors manage; ``None``: every one.
+        namespaces: key namespaces the advisors manage; ``None``: every one (an embedded
+            advisor following its catalog's namespaces: up to its ``max_namespaces``).
     """
 
     path: Path
@@ -227,8 +229,11 @@ class DeploymentStorage:
         roots: list[str] | None = f.volume_roots
         if roots is None and embedded:  # the embedded advisor's rule (AdvisorSettings.allowed_volume_roots)
             roots = [str(Path(f.catalog_path).parent)]  # type: ignore[arg-type]
-        if embedded:
-            names: tuple[str, ...] | None = tuple(dict.fromkeys([f.namespace, *f.extra_namespaces]))
+        names: tuple[str, ...] | None
+        if embedded and not f.follow_catalog_namespaces:
+            names = tuple(dict.fromkeys([f.namespace, *f.extra_namespaces]))
+        elif embedded:  # the advisor follows every namespace of its catalog (up to its max_namespaces)
+            names = None
         else:
             names = None if "*" in f.key_namespaces else tuple(f.key_namespaces)
         return cls(

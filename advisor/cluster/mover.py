@@ -207,7 +207,7 @@ class ClusterMover:
 
         kinds = {k.value: 0 for k in PlanKind}
         self.by_partition[rep.partition] = {"done": dict(kinds), "skipped": dict(kinds), "failed": dict(kinds),
-                                            "bytes_moved": dict(kinds)}
+                                            "bytes_moved": dict(kinds), "rounds": {"policy": 0}}
         rep.fence = Fence(self.fence_name(rep.partition), token, epoch)
         stored = self.catalog.raise_fence(rep.fence)
         rep.fenced = stored > token
@@ -436,6 +436,8 @@ class ClusterMover:
                     kind = "compactions" if compacted else f"moves_{r.status.value}"
                     self.counters[kind] += 1
                     self.recent.append(r)
+                if part is not None:
+                    part["rounds"]["policy"] += 1
                 out.extend(results)
             self.counters["rounds"] += 1
             return out
@@ -481,10 +483,38 @@ class ClusterMover:
 
     def partition_moves(self, partition: int) -> dict[str, dict[str, int]]:
         """What this advisor's mover did for ``partition`` since it took it:
-        ``{"done"|"skipped"|"failed"|"bytes_moved": {"promote"|"demote"|"compact": n}}``
-        (empty when it holds no such partition)."""
+        ``{"done"|"skipped"|"failed"|"bytes_moved": {"promote"|"demote"|"compact": n},
+        "rounds": {"policy": n}}`` (``rounds``: the policy rounds that planned this partition,
+        so a reader can wait for a round that began after some point; empty when it holds no
+        such partition)."""
         got = self.by_partition.get(partition)
         return {k: dict(v) for k, v in got.items()} if got is not None else {}
+
+    def indexed_counts(self, rep: Replica) -> dict[str, int]:
+        """Per managed volume, the blocks ``rep``'s index places there that are ``rep``'s own
+        (a trunk block, kept by every partition, only in partition ``sequence_hash % P``),
+        so that the counts of all partitions add up to the blocks indexed there, each once.
+        The caller holds ``rep.lock``; one pass over the blocks placed on each volume."""
+        return {v.id: sum(1 for h in rep.index.blocks_at(v.id) if self._mine(rep, h))
+                for v in self.storage.volumes}
+
+    def volume_views(self) -> list[dict[str, Any]]:
+        """The volumes this mover registered, with their role and usage: ``[{"id", "kind",
+        "media", "capacity_bytes", "role" ("fast" | "slow" | "archive" | "none"), "stats":
+        storage_backends.VolumeStats fields}]`` by id (usage from the shared catalog's segments,
+        so every advisor of a cluster answers the same; ``reads``/``writes`` are this process's)."""
+        from dataclasses import asdict
+
+        st = self.storage
+        roles = {v: "slow" for v in st.slow_volumes}
+        if st.fast_volume is not None:
+            roles[st.fast_volume] = "fast"
+        if st.archive_volume is not None:
+            roles[st.archive_volume] = "archive"
+        usage = {u.volume_id: asdict(u) for u in self.agent.stats()}
+        return [{"id": v.id, "kind": str(v.kind), "media": str(v.media), "capacity_bytes": int(v.capacity_bytes),
+                 "role": roles.get(v.id, "none"), "stats": usage.get(v.id, {})}
+                for v in sorted(st.volumes, key=lambda v: v.id)]
 
     def status(self) -> dict[str, Any]:
         """Counters and the last results (``{"counters", "recent": [[kind, status, detail], ...]}``)."""

@@ -35,7 +35,11 @@ rebuild was done), "sources": {source: [epoch, last_seq]}, "source_figures": {so
 events, last_ts_ns]} (what this partition applied of each source)}``; ``{"op": "blocks_at", "location": L}`` is answered
 ``{"position", "hashes": [...]}``; ``{"op": "locations"}`` ``{"position", "locations":
 {location: blocks}, "orphans"}``; ``{"op": "block", "hash": h}`` ``{"position", "block":
-[hash, parent, prefix, size, locations, hits, last_access_ns, orphan] or null}``.  A lookup
+[hash, parent, prefix, size, locations, hits, last_access_ns, orphan] or null}``;
+``{"op": "volumes", "usage": bool}`` ``{"position", "volumes": [{"id", "kind", "media",
+"capacity_bytes", "role", "stats"}] (the owner's mover's volumes, usage from the catalog;
+``[]`` when ``usage`` is false or the owner runs no mover), "indexed": {volume: blocks of this
+partition placed there, a trunk block in partition sequence_hash % P only}}``.  A lookup
 answer also carries ``"any"``: the leading blocks held at some location.  Any of them may be answered ``{"unavailable": reason}``.
 """
 
@@ -386,6 +390,24 @@ class ClusterClient:
             PartitionUnavailable: a partition has no owner serving now.
         """
         return [self._request(p, {"op": "locations"})["locations"] for p in range(self.scheme.partitions)]
+
+    def volumes(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """``(volumes, indexed)``: the volumes the cluster advisors' movers manage (the first
+        partition whose owner runs a mover describes them, usage read from the shared
+        catalog) and, per volume, the blocks the partitions place there (each block once).
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        views: list[dict[str, Any]] = []
+        indexed: dict[str, int] = {}
+        for p in range(self.scheme.partitions):
+            body = self._request(p, {"op": "volumes", "usage": not views})
+            if not views:
+                views = [dict(v) for v in body.get("volumes", [])]
+            for vol, n in body.get("indexed", {}).items():
+                indexed[str(vol)] = indexed.get(str(vol), 0) + int(n)
+        return views, indexed
 
     def block(self, sequence_hash: int) -> list[Any] | None:
         """What the partitions know of one block (the first that has it), or ``None``.

@@ -178,6 +178,8 @@ class Replica:
         ``{"op": "blocks_at", "location": L}`` -> the hashes held at ``L``."""
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}
+        if request.get("op") == "volumes":
+            return self._volumes(bool(request.get("usage", True)))
         with self.lock:
             if request.get("op") == "status":
                 moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
@@ -203,6 +205,21 @@ class Replica:
                                                                info.size, sorted(info.locations), info.hits,
                                                                info.last_access_ns, info.orphan]}
         return {"unavailable": f"bad request: unknown op {str(request.get('op'))[:40]!r}"}
+
+    def _volumes(self, usage: bool) -> dict[str, Any]:
+        """``{"op": "volumes", "usage": bool}``: the volumes this advisor's mover manages (with
+        usage from the catalog when ``usage``; ``[]`` without a mover) and, per volume, the
+        blocks this partition's index places there that are this partition's own
+        (``ClusterMover.indexed_counts``), so the counts of all partitions add up to the
+        blocks indexed there."""
+        mover = self.node_mover
+        if mover is None:
+            return {"position": self.position, "volumes": [], "indexed": {}}
+        views = mover.volume_views() if usage else []
+        with self.lock:
+            indexed = mover.indexed_counts(self)
+            position = self.position
+        return {"position": position, "volumes": views, "indexed": indexed}
 
     def snapshot(self) -> None:
         with self.lock:

@@ -5,7 +5,8 @@ It offers what :class:`advisor.ops.query.AdvisorQuery` offers, answered by the c
 one advisor or for a whole cluster:
 
 * ``lookup`` asks each piece's owner (exact longest prefix across partitions);
-* ``blocks_at``, ``locations``, ``block`` and ``stats`` fan out to every partition;
+* ``blocks_at``, ``locations``, ``block``, ``stats`` and ``volumes`` fan out to every partition
+  (the volumes are those the advisors' movers manage, ``python -m advisor.cluster --storage``);
 * a partition without a serving owner (a take-over) raises
   :class:`~advisor.cluster.node.PartitionUnavailable`, which the API answers with 503 and
   ``Retry-After``, never a partial answer;
@@ -91,8 +92,16 @@ class ClusterQuery:
         return LookupResult(len(hashes), dict(sorted(per.items())), any_n)
 
     def volumes(self) -> list[VolumeView]:
-        """No volumes are configured on the cluster's query face (the workers' catalog holds them)."""
-        return []
+        """The volumes the cluster advisors manage (``--storage``), with their role, usage
+        (from the shared catalog) and the blocks the partitions place on each (each block
+        once); ``[]`` when no advisor runs a mover.
+
+        Raises:
+            PartitionUnavailable: a partition has no owner serving now.
+        """
+        views, indexed = self._client.volumes()
+        return [VolumeView(v["id"], v["kind"], v["media"], int(v["capacity_bytes"]), v["role"], dict(v["stats"]),
+                           indexed.get(v["id"], 0)) for v in views]
 
     def stats(self) -> dict[str, Any]:
         """The shape of :meth:`advisor.ops.query.AdvisorQuery.stats`, summed over partitions (the

@@ -181,6 +181,15 @@ class AdvisorService:
         self.draining: set[str] = set()
         """Volumes being drained (``advisor.ops.drain``): policy rounds move nothing onto them
         and compact nothing on them; kept in the run state."""
+        self.namespace_counts: dict[str, dict[str, int]] = {}
+        """The catalog's placements per key namespace and volume, as last looked at
+        (:meth:`managed_namespaces`)."""
+        self.namespaces_left: dict[str, int] = {}
+        """Namespaces the catalog holds blocks in that are not managed (beyond
+        ``max_namespaces``, or not followed) → blocks."""
+        self._managed: list[str] = list(settings.namespaces)
+        self._ns_looked = float("-inf")
+        self._ns_lock = threading.Lock()
         self.journal_error: str | None = None
         """Why the last journal append failed, while it keeps failing (``/healthz`` is then
         unhealthy); ``None`` once an append succeeds again."""
@@ -232,6 +241,7 @@ class AdvisorService:
             from storage_backends.types import BlockKey
 
             self.mover = Mover(self.agent, self.publisher, s.namespaces, self.block_info, BlockKey)
+            self.managed_namespaces(max_age_s=0.0)
         self._restore_run_state()
         if self.mover is not None:
             if s.reconcile_on_start:
@@ -850,6 +860,39 @@ class AdvisorService:
                            name, s.source_ttl_s)
         return done
 
+    def managed_namespaces(self, max_age_s: float = 5.0) -> list[str]:
+        """The key namespaces this advisor manages now: ``namespace``, ``extra_namespaces``
+        and, with ``follow_catalog_namespaces``, those the catalog holds blocks in, up to
+        ``max_namespaces`` (:meth:`advisor.settings.AdvisorSettings.managed_namespaces`).
+
+        The catalog is looked at (one grouped scan) when the last look is older than
+        ``max_age_s`` seconds; the mover is told the new list, a namespace followed for the
+        first time is logged, and so is one left out by the quota.
+        """
+        s = self.settings
+        if self.catalog is None:
+            return list(self._managed)
+        with self._ns_lock:
+            now = time.monotonic()
+            if now - self._ns_looked <= max_age_s:
+                return list(self._managed)
+            self._ns_looked = now
+            counts_of = getattr(self.catalog, "namespace_counts", None)
+            counts: dict[str, dict[str, int]] = counts_of() if callable(counts_of) else {}
+            managed, left = s.managed_namespaces({ns: sum(v.values()) for ns, v in counts.items()})
+            for ns in managed:
+                if ns not in self._managed:
+                    logger.info("advisor: managing key namespace %s too (%s blocks in the catalog)", ns,
+                                f"{sum(counts.get(ns, {}).values()):,}")
+            for ns in left.keys() - self.namespaces_left.keys():
+                logger.warning("advisor: key namespace %s (%s blocks) left alone: %s", ns, f"{left[ns]:,}",
+                               f"max_namespaces ({s.max_namespaces}) reached" if s.follow_catalog_namespaces
+                               else "follow_catalog_namespaces is off; add it to extra_namespaces")
+            self.namespace_counts, self.namespaces_left, self._managed = counts, left, managed
+            if self.mover is not None:
+                self.mover.namespaces = list(managed)
+            return list(managed)
+
     def policy_input(self) -> PolicyInput:
         """Gather volume usage, fast-volume placements and segments from storage, and the
         move guard's view (``held``: the policies plan no move it would hold back)."""
@@ -859,7 +902,7 @@ class AdvisorService:
             return inp
         for st in self.agent.stats():
             inp.usage[st.volume_id] = VolumeUsage(st.capacity_bytes, st.used_bytes, st.live_bytes)
-        namespaces = set(s.namespaces)
+        namespaces = set(self.managed_namespaces())
         if s.fast_volume is not None:
             inp.fast_placements = [p for p in self.catalog.iter_volume(s.fast_volume) if p.key.namespace in namespaces]
         for vol in s.slow_volumes:
@@ -1064,7 +1107,7 @@ class AdvisorService:
         """
         if self.agent is None or self.publisher is None:
             return 0
-        namespaces = set(self.settings.namespaces)
+        namespaces = set(self.managed_namespaces(max_age_s=0.0))
         events = []
         for vol in self.settings.volumes:
             in_catalog = {p.key.sequence_hash: p for p in self.catalog.iter_volume(vol.id) if p.key.namespace in namespaces}

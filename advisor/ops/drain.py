@@ -32,6 +32,10 @@ DRAIN_GROUP = 1024
 """Blocks copied per mover group (one new segment each on the destination)."""
 
 
+HINT_NAMESPACES = 10
+"""Namespaces a drain's hint names at most."""
+
+
 class DrainError(RuntimeError):
     """The drain cannot start: no storage, unknown volume, or a bad destination."""
 
@@ -48,6 +52,8 @@ class DrainResult:
         other_namespaces: blocks on ``volume`` in namespaces this advisor does not manage
             (namespace → blocks): left in place; a drain that moved nothing names them, so
             the operator can add them to ``extra_namespaces``.
+        managed: the namespaces the drain looked for (the advisor's managed ones then).
+        seen: the catalog's placements per namespace and volume when the drain began.
     """
 
     volume: str
@@ -56,14 +62,26 @@ class DrainResult:
     bytes_moved: int = 0
     results: list[PlanResult] = field(default_factory=list)
     other_namespaces: dict[str, int] = field(default_factory=dict)
+    managed: list[str] = field(default_factory=list)
+    seen: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def hint(self) -> str | None:
-        """What to set when the volume holds blocks of namespaces this advisor leaves out."""
-        if not self.other_namespaces:
-            return None
-        names = ", ".join(f"{ns} ({n:,} blocks)" for ns, n in sorted(self.other_namespaces.items()))
-        return (f"volume {self.volume!r} also holds blocks of namespaces this advisor does not manage: {names}; "
-                "add them to its extra_namespaces setting to move them")
+        """Why blocks stayed: the volume holds blocks of namespaces this advisor leaves out
+        (what to set), or the drain found nothing to move (the namespaces it looked for, and
+        those the catalog holds, per volume); ``None`` when it moved everything it found."""
+        if self.other_namespaces:
+            names = ", ".join(f"{ns} ({n:,} blocks)" for ns, n in sorted(self.other_namespaces.items()))
+            return (f"volume {self.volume!r} also holds blocks of namespaces this advisor does not manage: {names}; "
+                    "add them to its extra_namespaces setting (or raise max_namespaces) to move them")
+        if sum(self.counts.values()) == 0:
+            shown = sorted(self.seen.items())[:HINT_NAMESPACES]
+            seen = "; ".join(f"{ns} ({', '.join(f'{v}={n:,}' for v, n in sorted(vols.items()))})"
+                             for ns, vols in shown) or "none"
+            if len(self.seen) > len(shown):
+                seen += f"; and {len(self.seen) - len(shown):,} more"
+            return (f"0 blocks of namespace(s) {', '.join(self.managed)} on volume {self.volume!r}: nothing to move; "
+                    f"namespaces seen in the catalog: {seen}")
+        return None
 
 
 def default_destination(service: OperatedAdvisor, volume: str) -> str | None:
@@ -90,7 +108,8 @@ def drain_volume(service: OperatedAdvisor, volume: str, to: str | None = None) -
     dst = to if to is not None else default_destination(service, volume)
     if dst is None or dst not in known or dst == volume:
         raise DrainError(f"cannot drain {volume!r} to {dst!r}: give another configured volume")
-    namespaces = set(service.settings.namespaces)
+    managed = service.managed_namespaces(max_age_s=0.0)  # a connector's namespace stored just now counts
+    namespaces = set(managed)
     with service.round_lock:
         if volume not in service.draining:
             service.draining.add(volume)
@@ -115,8 +134,8 @@ def drain_volume(service: OperatedAdvisor, volume: str, to: str | None = None) -
         counts[r.status.value] += 1
     moved = sum(r.bytes_moved for r in results)
     logger.warning("advisor: drained volume %s to %s: %s (it stays draining)", volume, dst, counts)
-    res = DrainResult(volume, dst, counts, moved, results, others)
-    if others:
+    res = DrainResult(volume, dst, counts, moved, results, others, managed, dict(service.namespace_counts))
+    if res.hint():
         logger.warning("advisor: %s", res.hint())
     return res
 

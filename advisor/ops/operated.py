@@ -45,6 +45,9 @@ class OperatedAdvisor(Protocol):
         journal_error: why journal appends fail now, ``None`` while they succeed.
         draining: ids of the volumes a drain marked (no policy move goes onto them).
         runtime_volumes: volumes registered at run time, ``{id: (VolumeSettings, role)}``.
+        namespace_counts: the catalog's placements per namespace and volume, as
+            :meth:`managed_namespaces` last saw them.
+        namespaces_left: namespaces the catalog holds blocks in that are not managed → blocks.
     """
 
     settings: AdvisorSettings
@@ -64,6 +67,8 @@ class OperatedAdvisor(Protocol):
     journal_error: str | None
     draining: set[str]
     runtime_volumes: dict[str, tuple[Any, str]]
+    namespace_counts: dict[str, dict[str, int]]
+    namespaces_left: dict[str, int]
 
     @property
     def round_lock(self) -> threading.Lock:
@@ -81,6 +86,10 @@ class OperatedAdvisor(Protocol):
     def save_admin_state(self) -> None:
         """Store :attr:`runtime_volumes` and :attr:`draining` in the run state (kept across
         a restart)."""
+
+    def managed_namespaces(self, max_age_s: float = 5.0) -> list[str]:
+        """The key namespaces it manages now (configured, then followed from the catalog,
+        under ``max_namespaces``); the catalog looked at again past ``max_age_s``."""
 
     def ingest_problem(self) -> str | None:
         """Why subscribed batches are not ingested now, ``None`` while they are."""

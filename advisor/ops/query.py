@@ -72,7 +72,6 @@ class AdvisorQuery:
 
     def __init__(self, service: OperatedAdvisor) -> None:
         self._svc = service
-        self._ns_cache: tuple[float, dict[str, dict[str, int]]] | None = None
 
     def block(self, sequence_hash: int) -> BlockInfo | None:
         """Index info of one block, ``None`` if unknown."""
@@ -134,18 +133,16 @@ class AdvisorQuery:
         """The key namespaces this advisor manages, and those the catalog places blocks in.
 
         Returns:
-            ``{"managed": [namespace, ...], "seen": {namespace: {volume id: blocks}}}``; ``seen``
-            is empty without storage, and at most ``max_age_s`` seconds old (one grouped
-            catalog scan per period, :meth:`storage_backends.SqliteCatalog.namespace_counts`).
+            ``{"managed": [namespace, ...], "seen": {namespace: {volume id: blocks}},
+            "left": {namespace: blocks}}``: ``managed`` the configured ones then those followed
+            from the catalog (``follow_catalog_namespaces``, up to ``max_namespaces``);
+            ``left`` the seen ones not managed; ``seen`` is empty without storage, and at most
+            ``max_age_s`` seconds old (one grouped catalog scan per period,
+            :meth:`storage_backends.SqliteCatalog.namespace_counts`).
         """
         svc = self._svc
-        now = time.monotonic()
-        cached = self._ns_cache
-        if cached is None or now - cached[0] > max_age_s:
-            counts = getattr(svc.catalog, "namespace_counts", None)
-            cached = (now, counts() if callable(counts) else {})
-            self._ns_cache = cached
-        return {"managed": list(svc.settings.namespaces), "seen": cached[1]}
+        managed = svc.managed_namespaces(max_age_s)
+        return {"managed": managed, "seen": dict(svc.namespace_counts), "left": dict(svc.namespaces_left)}
 
     def stats(self) -> dict[str, Any]:
         """Index, ingest, per-source, mover and subscriber figures.

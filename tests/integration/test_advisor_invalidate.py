@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,8 +91,10 @@ def test_drain_moves_every_block_off_a_volume(world: World) -> None:
 
 def test_a_drain_that_finds_only_other_namespaces_names_them(world: World) -> None:
     """A vLLM worker's connector keys its blocks by its model fingerprint's namespace; an
-    advisor left on another one drained nothing and did not say why."""
+    advisor left on another one (here: not following its catalog's namespaces) drained
+    nothing and did not say why."""
     w = world
+    w.svc.settings = w.svc.settings.model_copy(update={"follow_catalog_namespaces": False})
     w.worker.put([(BlockKey(OTHER, h), data(h)) for h in (501, 502)], "fast")
     c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
     r = c.post("/v1/volumes/fast/drain", json={"to": "slow"}).json()
@@ -142,10 +145,24 @@ def test_stats_and_status_list_the_namespaces_on_the_volumes(world: World) -> No
     w.put([601, 602], "fast")
     w.worker.put([(BlockKey(OTHER, 603), data(603))], "slow")
     c = TestClient(create_app(w.svc.query()), base_url="http://127.0.0.1")
+    seen = {NS: {"fast": 2}, OTHER: {"slow": 1}}
+    end = time.monotonic() + 60
+    while c.get("/v1/stats").json()["namespaces"]["seen"] != seen and time.monotonic() < end:
+        time.sleep(0.2)  # /v1/stats looks at the catalog every few seconds
     ns = c.get("/v1/stats").json()["namespaces"]
-    assert ns == {"managed": [NS], "seen": {NS: {"fast": 2}, OTHER: {"slow": 1}}}
-    console = Console(record=True, width=200)
-    print_status(Status("http://x", {"status": "ok"}, c.get("/v1/stats").json(), []), console)
-    text = console.export_text()
-    rows = [" ".join(ln.replace("│", " ").split()) for ln in text.splitlines()]
-    assert f"{NS} yes fast=2" in rows and f"{OTHER} no: add to extra_namespaces slow=1" in rows, text
+    # the advisor follows the catalog's namespaces: the other model's is managed too
+    assert ns == {"managed": [NS, OTHER], "seen": seen, "left": {}}
+
+    def rows() -> tuple[list[str], str]:
+        console = Console(record=True, width=200)
+        print_status(Status("http://x", {"status": "ok"}, c.get("/v1/stats").json(), []), console)
+        text = console.export_text()
+        return [" ".join(ln.replace("│", " ").split()) for ln in text.splitlines()], text
+
+    got, text = rows()
+    assert f"{NS} yes fast=2" in got and f"{OTHER} yes slow=1" in got, text
+    w.svc.settings = w.svc.settings.model_copy(update={"follow_catalog_namespaces": False})
+    w.svc.managed_namespaces(max_age_s=0.0)
+    assert c.get("/v1/stats").json()["namespaces"] == {"managed": [NS], "seen": seen, "left": {OTHER: 1}}
+    got, text = rows()
+    assert f"{NS} yes fast=2" in got and f"{OTHER} no: add to extra_namespaces slow=1" in got, text

@@ -30,8 +30,8 @@ def _write(path: Path, data: dict, mode: int = 0o600) -> Path:
 def test_the_advisor_config_declares_a_sqlite_catalog_and_its_namespaces(tmp_path: Path) -> None:
     cfg = _write(tmp_path / "advisor.json", {
         "journal_path": str(tmp_path / "j.sqlite"), "catalog_path": str(tmp_path / "cat.sqlite"),
-        "namespace": "ns1", "extra_namespaces": ["ns2"], "volumes": VOLS, "fast_volume": "fast",
-        "archive_volume": "cold", "policy_interval_s": 5})
+        "namespace": "ns1", "extra_namespaces": ["ns2"], "follow_catalog_namespaces": False, "volumes": VOLS,
+        "fast_volume": "fast", "archive_volume": "cold", "policy_interval_s": 5})
     AdvisorSettings.from_json_file(cfg)  # the advisor reads the very same file
     dep = DeploymentStorage.load(cfg)
     assert dep.catalog == "sqlite" and dep.catalog_path == str(tmp_path / "cat.sqlite")
@@ -39,6 +39,10 @@ def test_the_advisor_config_declares_a_sqlite_catalog_and_its_namespaces(tmp_pat
     assert dep.descriptors()[1].secret_key == "SK"
     assert (dep.fast_volume, dep.archive_volume) == ("fast", "cold")
     assert dep.manages("ns2") and not dep.manages("other")
+    # by default the advisor follows every namespace of its catalog: a worker's is managed
+    follow = _write(tmp_path / "follow.json", {**json.loads(cfg.read_text()), "follow_catalog_namespaces": True})
+    assert AdvisorSettings.from_json_file(follow).follow_catalog_namespaces
+    assert DeploymentStorage.load(follow).manages("other")
     assert dep.volume_roots == (str(tmp_path.resolve()),)  # the advisor's default: the catalog's directory
     cat = dep.open_catalog()
     try:
