@@ -89,7 +89,7 @@ def _spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = N
     return proc
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 20.0) -> None:
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
     import socket
 
     end = time.monotonic() + timeout_s
@@ -147,7 +147,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
                         f"dir {root}\n")
         conf.chmod(0o600)
         started["redis"] = _spawn("redis", [redis_exe, str(conf)], logs)
-        _wait_port(rport, started["redis"], "redis-server")
+        _wait_port(rport, started["redis"], "redis-server", timeout_s)
         redis_url = f"redis://:{password}@127.0.0.1:{rport}/0"
 
         s3_port = free_port()
@@ -155,7 +155,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         if not os.path.exists(moto):
             moto = shutil.which("moto_server") or moto
         started["s3"] = _spawn("s3", [moto, "-H", "127.0.0.1", "-p", str(s3_port)], logs)
-        _wait_port(s3_port, started["s3"], "moto_server")
+        _wait_port(s3_port, started["s3"], "moto_server", timeout_s)
         endpoint = f"http://127.0.0.1:{s3_port}"
         bucket = "kvadvisor-" + secrets.token_hex(4)
         access, secret = "kv" + secrets.token_hex(8), secrets.token_hex(20)
@@ -185,7 +185,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
                           partitions=partitions, replicas=3 if nodes >= 3 else 1, advisors=ids,
                           pids={k: p.pid for k, p in started.items()}, api_url=f"http://127.0.0.1:{api_port}",
                           storage=str(storage))
-        _wait_port(api_port, started["api"], "the cluster API")
+        _wait_port(api_port, started["api"], "the cluster API", timeout_s)
         _wait_owned(state, started, timeout_s)
         path = root / STATE_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
