@@ -75,7 +75,8 @@ def test_replay_from_a_time(js_url: str) -> None:
 
 
 def test_stream_retention_limits_are_applied(js_url: str) -> None:
-    pub = JetStreamPublisher("w0", js_url, "limns", stream_max_age_s=3600.0, stream_max_bytes=1 << 20)
+    pub = JetStreamPublisher("w0", js_url, "limns", stream_max_age_s=3600.0, stream_max_bytes=1 << 20,
+                             manage_stream=True)
     pub.close()
 
     async def info() -> tuple[float, int]:

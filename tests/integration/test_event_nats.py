@@ -91,7 +91,10 @@ def test_core_pub_sub_exact_order_and_msg_id_header(nats_url: str) -> None:
                 break
             asyncio.run(asyncio.sleep(0.02))
         assert [m[0] for m in tap.msgs] == [f"kvadvisor.events.{ns}.w0"] * 4
-        assert [m[1]["Nats-Msg-Id"] for m in tap.msgs] == [f"{ns}.w0:77:{s}" for s in range(4)]
+        # <namespace>.<source>:<epoch>:<seq>:<the publisher's secret key>, one key for all
+        ids = [m[1]["Nats-Msg-Id"] for m in tap.msgs]
+        assert [i.rsplit(":", 1)[0] for i in ids] == [f"{ns}.w0:77:{s}" for s in range(4)]
+        assert len({i.rsplit(":", 1)[1] for i in ids}) == 1 and len(ids[0].rsplit(":", 1)[1]) == 16
         assert [m[2] for m in tap.msgs] == [encode_batch(b) for b in got]
         assert pub.stats().payload_bytes == sum(len(m[2]) for m in tap.msgs)
     finally:
