@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -30,7 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         0 after a clean stop; 2 when the host needs tokens that are not configured.
     """
     ap = argparse.ArgumentParser(prog="python -m api.cluster_api", description="REST API of a scaled cluster")
-    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--nats", default=os.environ.get("KVADVISOR_CLUSTER_NATS_URL"),
+                    help="NATS URL(s), comma-separated, each may carry user:password@ (default: "
+                         "$KVADVISOR_CLUSTER_NATS_URL, which keeps a password off the command line)")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--trunk-depth", type=int, default=1)
@@ -39,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--retry-after", type=float, default=10.0, help="seconds in Retry-After during a take-over")
     a = ap.parse_args(argv)
+    if not a.nats:
+        ap.error("--nats or KVADVISOR_CLUSTER_NATS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     security = ApiSecuritySettings()
     try:

@@ -467,7 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m advisor.cluster", description="one advisor of a scaled cluster")
-    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--nats", default=os.environ.get("KVADVISOR_CLUSTER_NATS_URL"),
+                    help="NATS URL(s), comma-separated, each may carry user:password@ (default: "
+                         "$KVADVISOR_CLUSTER_NATS_URL, which keeps a password off the command line)")
     ap.add_argument("--redis", default=os.environ.get("KVADVISOR_CLUSTER_REDIS_URL"),
                     help="redis://[:PASSWORD@]HOST:PORT/DB for snapshots (default: $KVADVISOR_CLUSTER_REDIS_URL, "
                          "which keeps a password off the command line)")
@@ -493,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--metrics-host", default="127.0.0.1",
                     help="address of /metrics (no authentication: 0.0.0.0 only inside a private network)")
     a = ap.parse_args(argv)
+    if not a.nats:
+        ap.error("--nats or KVADVISOR_CLUSTER_NATS_URL is required")
     if not a.redis:
         ap.error("--redis or KVADVISOR_CLUSTER_REDIS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
