@@ -155,7 +155,7 @@ def private_nats(tmp_path) -> Iterator[tuple[str, int, str, dict]]:  # type: ign
 
 def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, _, _, _ = private_nats
-    pub = JetStreamPublisher("w0", url, "ns1", epoch=9, config=PublisherConfig(max_events=3))
+    pub = JetStreamPublisher("w0", url, "ns1", epoch=9, config=PublisherConfig(max_events=3), manage_stream=True)
     try:
         pub.publish(evs(7))
         pub.flush()
@@ -176,7 +176,7 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
             async def resend() -> bool:
                 ack = await tap.nc.jetstream().publish(
-                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": "ns1.w0:9:3"}
+                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": f"ns1.w0:9:3:{pub._msg_id_key}"}
                 )
                 return bool(ack.duplicate)
 
@@ -198,7 +198,8 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
 def test_jetstream_server_restart_mid_stream_loses_and_doubles_nothing(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, port, store_dir, holder = private_nats
-    pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1)
+    pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1,
+                             manage_stream=True)
     try:
         pub.publish(evs(6))
         pub.flush()
@@ -246,7 +247,7 @@ def test_jetstream_publisher_killed_and_restarted_new_epoch(private_nats) -> Non
 def test_jetstream_block_overflow_loses_nothing_in_a_burst(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, _, _, _ = private_nats
     cfg = PublisherConfig(max_events=1, queue_capacity=2, overflow="block")
-    pub = JetStreamPublisher("w0", url, "ns4", config=cfg)
+    pub = JetStreamPublisher("w0", url, "ns4", config=cfg, manage_stream=True)
     try:
         pub.publish(evs(60))  # 60 one-event batches through a 2-event queue
         pub.flush()
