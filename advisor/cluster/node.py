@@ -304,14 +304,14 @@ class ClusterNode:
         (it then rebuilds from the snapshots and the new stream).  Logged as an error once."""
         from nats.js.errors import NotFoundError
 
-        seen = False  # the first replica creates it: missing before that is no loss
         while not self._stop.wait(self.settings.heartbeat_s) and not self.stream_missing:
+            with self._lock:
+                owning = bool(self.replicas)  # each replica's log made sure the stream existed
+            if not owning:
+                continue  # the first replica creates it: missing before that is no loss
             try:
                 self._call(self._nc.jetstream(timeout=5).stream_info(STREAM_NAME), 10)
-                seen = True
             except NotFoundError:
-                if not seen:
-                    continue
                 self.stream_missing = True
                 logger.error("advisor %s: event stream %s is missing: every partition of this advisor answers "
                              "unavailable until it is restarted", self.settings.advisor_id, STREAM_NAME)
