@@ -296,7 +296,8 @@ class ClusterNode:
                                type(exc).__name__, exc)
 
     def _stream_watch(self) -> None:
-        """Every ``heartbeat_s``: whether the event stream exists.  A deleted stream (only
+        """Every ``heartbeat_s``: whether the event stream exists (3 answers "not found" in a
+        row, while this advisor owns a partition, mean it is gone).  A deleted stream (only
         someone with the advisor's NATS rights can delete it, docs/security.md) takes every
         fold's consumer with it, and a stream made again restarts its sequence numbers, so
         the folds never read again: from then on each partition this advisor owns answers
@@ -304,6 +305,7 @@ class ClusterNode:
         (it then rebuilds from the snapshots and the new stream).  Logged as an error once."""
         from nats.js.errors import NotFoundError
 
+        not_found = 0  # answers "not found" in a row: 3 are needed (never a fail-over's blip)
         while not self._stop.wait(self.settings.heartbeat_s) and not self.stream_missing:
             with self._lock:
                 owning = bool(self.replicas)  # each replica's log made sure the stream existed
@@ -311,7 +313,11 @@ class ClusterNode:
                 continue  # the first replica creates it: missing before that is no loss
             try:
                 self._call(self._nc.jetstream(timeout=5).stream_info(STREAM_NAME), 10)
+                not_found = 0
             except NotFoundError:
+                not_found += 1
+                if not_found < 3:
+                    continue
                 self.stream_missing = True
                 logger.error("advisor %s: event stream %s is missing: every partition of this advisor answers "
                              "unavailable until it is restarted", self.settings.advisor_id, STREAM_NAME)
