@@ -101,11 +101,14 @@ class NatsUsers:
 
 def reload_nats(pids: list[int]) -> None:
     """Ask each running ``nats-server`` of ``pids`` to reload its configuration (SIGHUP):
-    the authorization include takes effect without a restart."""
+    the authorization include takes effect without a restart.  A pid that is gone, or now
+    belongs to another program (``/proc/<pid>/cmdline`` names no ``nats-server``), is skipped."""
     for pid in pids:
         try:
+            if b"nats-server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
             os.kill(pid, signal.SIGHUP)
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
             pass
 
 

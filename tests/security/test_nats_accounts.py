@@ -268,3 +268,22 @@ def test_a_worker_user_publishes_to_jetstream_without_the_jetstream_api(cluster:
         return await nc.jetstream().get_last_msg(STREAM_NAME, subject_for(ns, "w0"))
 
     assert _as_advisor(cluster, stored).data  # the batch is in the stream, acked to the worker
+
+
+def test_a_worker_added_to_running_servers_gets_its_own_subject_only(cluster: NatsCluster) -> None:
+    name = "late" + uuid.uuid4().hex[:6]
+    url = cluster.worker_url(name)  # a new user: the running servers reload their authorization
+
+    async def publish(subject: str) -> str:
+        nc = await connect_nats(url, 3.0, {"error_cb": _quiet, "allow_reconnect": False})
+        try:
+            await nc.jetstream().publish(subject, _batch(name, 1, 0), timeout=REFUSED_S)
+            return "done"
+        except Exception as exc:  # noqa: BLE001 - refused
+            return type(exc).__name__
+        finally:
+            await nc.close()
+
+    assert asyncio.run(publish(subject_for(NS, name))) == "done"
+    other = asyncio.run(publish(subject_for(NS, "w0")))
+    assert other != "done" if _authorized(cluster) else other == "done"
