@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -34,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored registrations cannot be read (bad bucket name, another format).
     """
     ap = argparse.ArgumentParser(prog="python -m api.cluster_api", description="REST API of a scaled cluster")
-    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--nats", default=os.environ.get("KVADVISOR_CLUSTER_NATS_URL"),
+                    help="NATS URL(s), comma-separated, each may carry user:password@ (default: "
+                         "$KVADVISOR_CLUSTER_NATS_URL, which keeps a password off the command line)")
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--trunk-depth", type=int, default=1)
@@ -47,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--state-replicas", type=int, default=1, choices=(1, 3),
                     help="replicas of that bucket when the API creates it (3 on a 3-node cluster)")
     a = ap.parse_args(argv)
+    if not a.nats:
+        ap.error("--nats or KVADVISOR_CLUSTER_NATS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     security = ApiSecuritySettings()
     try:

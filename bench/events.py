@@ -266,7 +266,7 @@ def run_e2e(kind: str, total: int, paced: bool, apply: bool, nats_url: str | Non
                           overflow="block", max_delay_s=0.05 if paced else 10.0)
     # the publisher exists (and, for JetStream, the stream) before the subscriber starts
     pub: Any = (ZmqPublisher("worker-0", pub_ep, rep_ep, config=cfg) if kind == "zmq"
-                else JetStreamPublisher("worker-0", target, namespace, config=cfg))
+                else JetStreamPublisher("worker-0", target, namespace, config=cfg, manage_stream=True))
     proc = ctx.Process(target=_subscriber_main, args=(kind, target, namespace, total, apply, child))
     proc.start()
     try:

@@ -59,7 +59,7 @@ def publish(url: str, ns: str, scheme: PartitionScheme, reqs: list[list[int]]) -
     for w in range(2):
         e = random.getrandbits(63)
         pubs.append(PartitionedPublisher(scheme, lambda k, w=w, e=e: make_publisher(
-            partition_url(f"{url}?namespace={ns}", k), f"w{w}", epoch=e)))
+            partition_url(f"{url}?namespace={ns}&manage_stream=1", k), f"w{w}", epoch=e)))  # first on the server
     seen: list[set[int]] = [set(), set()]
     for i, req in enumerate(reqs):
         w = i % 2

@@ -17,6 +17,7 @@ Imports nothing else of ours but :mod:`event_plane.errors`.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -39,7 +40,7 @@ _SAFE_PARAMS = NATS_PARAMS | frozenset({
     # ZMQ CURVE (event_plane.curve): file / directory paths and a public key, no secret itself
     "curve_secret", "curve_clients", "curve_server_key", "allowed_publishers",
     # the index partitions a publisher routes to (event_plane.partitioned): numbers
-    "partitions", "trunk_depth", "stretch",
+    "partitions", "trunk_depth", "stretch", "manage_stream",
 })
 """Query parameters whose values :func:`redact_url` shows; every other value is masked."""
 
@@ -49,13 +50,16 @@ _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no"
 def redact_url(url: object) -> str:
     """``url`` fit for a message or a log line: ``scheme://user:***@host:port?...``.
 
-    The password becomes ``***``; a user part without a password (NATS reads it as a
+    A comma-separated list (every node of a cluster) is redacted node by node. The
+    password becomes ``***``; a user part without a password (NATS reads it as a
     token) becomes ``***`` entirely; values of query parameters other than the known,
     non-secret ones (names, numbers, flags, file paths) become ``***``; a fragment is
     dropped. A value that is not a str, or not parseable, is not shown at all.
     """
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
+    if "," in url:  # a cluster's nodes, each with its own user part
+        return ",".join(redact_url(u.strip()) for u in url.split(","))
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -150,7 +154,8 @@ class NatsAuth:
         return replace(auth, **tls)
 
     def connect_options(self) -> dict[str, Any]:
-        """The ``nats.connect`` keywords: ``user`` / ``password``, ``token`` (read from
+        """The ``nats.connect`` keywords: ``user`` / ``password`` (and ``inbox_prefix``,
+        :func:`inbox_prefix`), ``token`` (read from
         ``token_file``), ``user_credentials``, ``nkeys_seed``, ``tls`` (an
         :class:`ssl.SSLContext`) and ``tls_hostname``.
 
@@ -163,6 +168,9 @@ class NatsAuth:
             opts["user"] = self.user
             if self.password is not None:
                 opts["password"] = self.password
+            prefix = inbox_prefix(self.user)
+            if prefix is not None:
+                opts["inbox_prefix"] = prefix
         if self.token is not None:
             opts["token"] = self.token
         if self.token_file is not None:
@@ -197,6 +205,19 @@ class NatsAuth:
                 raise ConfigError(f"NATS TLS: cannot load client certificate {self.tls_cert_file} / key "
                                   f"{self.tls_key_file}: {type(exc).__name__}") from exc
         return ctx
+
+
+_INBOX_TOKEN = re.compile(r"^[A-Za-z0-9_\-@:+=~]+$")
+
+
+def inbox_prefix(user: str) -> str | None:
+    """The reply inbox prefix of NATS user ``user``: ``_INBOX.<user>`` (replies then come
+    on ``_INBOX.<user>.<random>``), or ``None`` when ``user`` is not one subject token.
+
+    A server that gives each user ``subscribe: _INBOX.<user>.>`` only (``kvadvisor up``,
+    docs/security.md) keeps one user from reading another's replies (JetStream acks,
+    query answers); one that allows ``_INBOX.>`` accepts these inboxes too."""
+    return f"_INBOX.{user}" if _INBOX_TOKEN.match(user) else None
 
 
 def _read_secret_file(path: str, what: str) -> str:

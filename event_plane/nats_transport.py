@@ -1,7 +1,8 @@
 """NATS transports: core NATS subjects and a JetStream stream as the durable log.
 
 Subject of a batch: ``kvadvisor.events.<namespace>.<source>``; header
-``Nats-Msg-Id: <namespace>.<source>:<epoch>:<seq>`` (JetStream de-duplicates on it). nats-py is
+``Nats-Msg-Id: <namespace>.<source>:<epoch>:<seq>:<key>`` (JetStream de-duplicates on it;
+``key`` is a random secret of the publisher, so no other publisher can send an id first). nats-py is
 asyncio: each publisher / subscriber runs a private event loop in a daemon thread and the
 thread-safe methods hand work to it. Extra keyword arguments (``user``, ``password``,
 ``token``, ``user_credentials``, ``nkeys_seed``, ``tls``, ...) go to ``nats.connect``
@@ -18,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 from nats.js import api as js_api
@@ -31,7 +34,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 from event_plane.codec import CodecError, decode_batch
 from event_plane.config import PublisherConfig, StreamLimits
 from event_plane.errors import ConfigError, StreamMismatchError, TransportError
-from event_plane.nats_auth import redact_url
+from event_plane.nats_auth import auth_from_url, redact_url
 from event_plane.ordering import GapCallback
 from event_plane.publisher import EventPublisher, FlushCallback, forwards_to_send_payload
 from event_plane.schema import EventBatch
@@ -161,12 +164,16 @@ async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, An
         "allow_reconnect": True,
         "error_cb": one_line_errors,
     }
+    # "nats://a:4222,nats://b:4222": every node of a cluster, tried in turn and failed over to;
+    # a user part in them ("nats://user:pw@a:4222") becomes connect options, so that nodes the
+    # client learns from the cluster get the same credentials
+    nodes, lifted = _lift_userinfo(url)
+    opts.update(lifted)
     opts.update(options)
     # nats-py retries the initial connect forever with max_reconnect_attempts=-1 unless told
     # otherwise; bound it so a wrong URL fails fast.
     try:
-        # "nats://a:4222,nats://b:4222": every node of a cluster, tried in turn and failed over to
-        servers: str | list[str] = [u.strip() for u in url.split(",")] if "," in url else url
+        servers: str | list[str] = nodes if len(nodes) > 1 else nodes[0]
         nc = await asyncio.wait_for(nats.connect(servers, **opts), connect_timeout_s + 1.0)
     except asyncio.TimeoutError:
         if errors:  # e.g. "Authorization Violation" or a TLS failure, retried until the timeout
@@ -174,6 +181,20 @@ async def connect_nats(url: str, connect_timeout_s: float, options: dict[str, An
         raise
     up = True
     return nc
+
+
+def _lift_userinfo(url: str) -> tuple[list[str], dict[str, Any]]:
+    """``url``'s nodes without their user parts, and the ``nats.connect`` options of the
+    first user part found (:func:`event_plane.nats_auth.auth_from_url`; ``{}`` when none)."""
+    nodes, lifted = [], {}
+    for node in (u.strip() for u in url.split(",")):
+        parts = urlsplit(node)
+        if "@" in parts.netloc:
+            if not lifted:
+                lifted = auth_from_url(node, {}).connect_options()
+            node = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+        nodes.append(node)
+    return nodes, lifted
 
 
 async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, what: str) -> AsyncIterator[Any]:
@@ -304,9 +325,15 @@ class NatsPublisher(EventPublisher):
         namespace: subject namespace (single token).
         epoch, config, on_flush: see :class:`EventPublisher`.
         connect_timeout_s: seconds allowed for the initial connection.
-        stream: JetStream only: the ``KVADVISOR_EVENTS`` stream's limits, used when this
-            publisher creates the stream and checked against an existing one
-            (:class:`StreamLimits`; ``None`` = its defaults: 1 GiB, 24 h, discard old).
+        stream: JetStream only: the ``KVADVISOR_EVENTS`` stream's limits, used with
+            ``manage_stream`` (:class:`StreamLimits`; ``None`` = its defaults: 1 GiB,
+            24 h, discard old).
+        manage_stream: JetStream only: at start, create the stream with ``stream``'s
+            limits when it is missing and check an existing one against them (the
+            JetStream API: stream info / create).  Off by default: a publisher then only
+            publishes to its subject (a worker user needs no JetStream API right,
+            docs/security.md); the advisors create the stream, and batches sent before it
+            exists are re-sent until it does (``retry_for_s``).
         stream_max_age_s / stream_max_bytes: shorthands that override ``stream``'s
             ``max_age_s`` (seconds) / ``max_bytes`` (bytes); ``None`` = unlimited.
         **connect_options: passed to ``nats.connect`` (credentials, token, nkey, TLS, ...).
@@ -337,11 +364,17 @@ class NatsPublisher(EventPublisher):
         stream: StreamLimits | None = None,
         stream_max_age_s: float | None = _UNSET,
         stream_max_bytes: int | None = _UNSET,
+        manage_stream: bool = False,
         **connect_options: Any,
     ) -> None:
         super().__init__(source, epoch=epoch, config=config, on_flush=on_flush)
         self.subject = subject_for(namespace, source)
+        # a secret of this publisher in every Nats-Msg-Id: JetStream de-duplicates across the
+        # whole stream, so ids another publisher could predict (namespace, source, epoch and
+        # seq are all readable to some) would let it send them first and have this
+        # publisher's batches dropped as duplicates
         self._msg_id_prefix = f"{namespace}.{source}"
+        self._msg_id_key = secrets.token_hex(8)
         self.url = url
         self.stream_limits = _limits(stream, stream_max_age_s, stream_max_bytes)
         self._inflight = 0
@@ -354,7 +387,7 @@ class NatsPublisher(EventPublisher):
         try:
             self._nc = self._io.run(connect_nats(url, connect_timeout_s, connect_options))
             self._js = self._nc.jetstream() if self._use_jetstream else None
-            if self._js is not None:
+            if self._js is not None and manage_stream:
                 self._io.run(ensure_stream(self._js, self.stream_limits, who=f"JetStream publisher {source}"))
         except StreamMismatchError:
             _abandon(self._io, getattr(self, "_nc", None))
@@ -385,7 +418,7 @@ class NatsPublisher(EventPublisher):
                 logger.warning("NATS publisher %s: queue full, dropped batch seq=%d", self.source, seq)
                 return
             self._inflight += n
-        item = (payload, {MSG_ID_HEADER: f"{self._msg_id_prefix}:{self.epoch}:{seq}"}, n)  # msg_id of the batch
+        item = (payload, {MSG_ID_HEADER: f"{self._msg_id_prefix}:{self.epoch}:{seq}:{self._msg_id_key}"}, n)
         self._io.loop.call_soon_threadsafe(self._aq.put_nowait, item)
 
     async def _send_loop(self) -> None:
@@ -477,8 +510,9 @@ class NatsPublisher(EventPublisher):
 
 class JetStreamPublisher(NatsPublisher):
     """Like :class:`NatsPublisher`, but each batch is stored in the ``KVADVISOR_EVENTS``
-    JetStream stream (created with ``stream``'s limits if missing, else checked against
-    them) and acknowledged by the server. A batch whose ack does not come is re-sent
+    JetStream stream (a plain publish to the stream's subject with a ``Nats-Msg-Id``
+    header; with ``manage_stream`` the stream is also created with ``stream``'s limits if
+    missing, else checked against them) and acknowledged by the server. A batch whose ack does not come is re-sent
     (exponential back-off, for up to ``retry_for_s`` seconds, e.g. across a server
     restart); the stream de-duplicates re-sent batches by ``Nats-Msg-Id``, so nothing is
     doubled. ``flush`` returns once every batch is acked or given up.

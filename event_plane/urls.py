@@ -28,7 +28,10 @@ URL                                        meaning
                                            publisher and subscriber: ``max_bytes=N``
                                            (bytes) or ``unlimited``, ``max_age=S``
                                            (seconds) or ``unlimited``, ``discard=old|new``,
-                                           ``strict_stream=1|0`` (:class:`StreamLimits`);
+                                           ``strict_stream=1|0`` (:class:`StreamLimits`;
+                                           a publisher applies them with
+                                           ``manage_stream=1`` only: by default it calls no
+                                           JetStream API, docs/security.md);
                                            publisher only: ``partitions=P`` (with
                                            ``trunk_depth=K``, default 1, ``stretch=S``,
                                            default 64) routes each event to its index
@@ -77,7 +80,7 @@ _ALLOWED = {
     "nats": {"namespace"} | NATS_PARAMS,
     "tls": {"namespace"} | NATS_PARAMS,
     "jetstream": {"namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas",
-                  "partitions", "trunk_depth", "stretch"} | NATS_PARAMS,
+                  "partitions", "trunk_depth", "stretch", "manage_stream"} | NATS_PARAMS,
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
                  "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
@@ -319,6 +322,11 @@ def make_publisher(
     connect.update(options)  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
         limits = stream_limits_from_query(query, url, stream)
+        raw = query.get("manage_stream")
+        if raw is not None:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise EventURLError(f"manage_stream must be 1 or 0 in {redact_url(url)!r}, got {raw!r}")
+            connect.setdefault("manage_stream", raw.lower() in ("1", "true", "yes"))
         namespace = query.get("namespace", "default")
         scheme_p = _partition_scheme(query, url)
         if scheme_p is not None:
@@ -402,8 +410,8 @@ def _subscriber(url: str, kw: dict[str, Any]) -> Subscriber:
         curve = _zmq_subscriber_curve(query, url, _allowed_keys(allowed), zmq_secret)
         return ZmqSubscriber([(pub, replay)], query.get("topic", "").encode(), curve=curve, **kw)
     namespace = query.get("namespace", "default")
-    if {"partitions", "trunk_depth", "stretch"} & set(query):
-        raise EventURLError(f"partitions / trunk_depth / stretch are publisher parameters (in {redact_url(url)!r}): "
+    if {"partitions", "trunk_depth", "stretch", "manage_stream"} & set(query):
+        raise EventURLError(f"partitions / trunk_depth / stretch / manage_stream are publisher parameters (in {redact_url(url)!r}): "
                             "a partition's log is the namespace NS-p<k>, or read them all with "
                             "python -m advisor.cluster")
     server, connect = _nats_target(url, query, nats_auth)

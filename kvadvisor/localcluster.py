@@ -5,11 +5,21 @@ loopback ports (docs/design.md §8; ``compose/`` describes the same topology in 
 cluster port, routes to the others, JetStream store directory), starts the installed
 ``nats-server`` binaries, waits until JetStream has a meta leader, and can kill, stop and
 restart single nodes (fault drills).  Only loopback addresses are used.
+
+Authorization is on by default (:class:`NatsUsers`, docs/security.md "Scaled mode"): an
+``advisor`` user with every right (the advisors and the cluster API: streams, consumers,
+the lease bucket, queries) and one user per worker source, which may only publish its own
+subject ``kvadvisor.events.*.<source>`` and read its own inbox ``_INBOX.<source>.>``
+(JetStream acks).  A client without credentials is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -20,7 +30,88 @@ from pathlib import Path
 
 from storage_backends.ports import free_port
 
-__all__ = ["NatsCluster", "free_port"]
+__all__ = ["ADVISOR_USER", "NatsCluster", "NatsUsers", "free_port", "reload_nats", "user_url"]
+
+ADVISOR_USER = "advisor"
+_WORKER = re.compile(r"^[A-Za-z0-9_\-@:+=~]{1,128}$")  # one subject token (event_plane.nats_transport)
+
+
+def user_url(urls: list[str], user: str, password: str) -> str:
+    """``urls`` (``nats://HOST:PORT`` each) with ``user:password@`` in every node, comma-separated
+    (what :func:`event_plane.nats_transport.connect_nats` and the ``--nats`` options take).
+    The result holds a password: pass it through the environment or a 0600 file, never argv
+    or a log."""
+    return ",".join(u.replace("://", f"://{user}:{password}@", 1) for u in urls)
+
+
+class NatsUsers:
+    """The users of an authorized NATS (module docstring), kept in ``path`` (JSON, mode
+    0600: ``{"advisor": PASSWORD, "workers": {source: PASSWORD}}``) and rendered as an
+    ``authorization`` block (:meth:`conf`) that the servers include.
+
+    Passwords are 48 random hex digits (:func:`secrets.token_hex`); they are never logged.
+
+    Raises (``add_worker``): ValueError for a source that is not one subject token or is
+    the advisor's name.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        if self.path.exists():
+            data = json.loads(self.path.read_text())
+            self.advisor_password: str = data["advisor"]
+            self.workers: dict[str, str] = dict(data["workers"])
+        else:
+            self.advisor_password, self.workers = secrets.token_hex(24), {}
+            self.save()
+
+    def add_worker(self, source: str) -> str:
+        """The password of worker ``source`` (made and saved when it is new)."""
+        if not isinstance(source, str) or not _WORKER.match(source) or source == ADVISOR_USER:
+            raise ValueError(f"worker name {source!r} must be one NATS subject token other than {ADVISOR_USER!r}")
+        if source not in self.workers:
+            self.workers[source] = secrets.token_hex(24)
+            self.save()
+        return self.workers[source]
+
+    def save(self) -> None:
+        """Write ``path`` (0600) and the ``authorization`` include next to it (0600)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for path, text in ((self.path, json.dumps({"advisor": self.advisor_password, "workers": self.workers})),
+                           (self.conf_path, self.conf())):
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+
+    @property
+    def conf_path(self) -> Path:
+        """The ``authorization`` block the server configurations include (``auth.conf``)."""
+        return self.path.with_name("auth.conf")
+
+    def conf(self) -> str:
+        """The ``authorization`` block: the advisor with every right, each worker with
+        publish ``kvadvisor.events.*.<source>`` and subscribe ``_INBOX.<source>.>`` only."""
+        users = [f'  {{ user: "{ADVISOR_USER}", password: "{self.advisor_password}" }}']
+        for source, password in sorted(self.workers.items()):
+            users.append(f'  {{ user: "{source}", password: "{password}", permissions: {{\n'
+                         f'      publish: {{ allow: ["kvadvisor.events.*.{source}"] }},\n'
+                         f'      subscribe: {{ allow: ["_INBOX.{source}.>"] }} }} }}')
+        return "authorization {\n users = [\n" + ",\n".join(users) + "\n ]\n}\n"
+
+
+def reload_nats(pids: list[int]) -> None:
+    """Ask each running ``nats-server`` of ``pids`` to reload its configuration (SIGHUP):
+    the authorization include takes effect without a restart.  A pid that is gone, or now
+    belongs to another program (``/proc/<pid>/cmdline`` names no ``nats-server``), is skipped."""
+    for pid in pids:
+        try:
+            if b"nats-server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            os.kill(pid, signal.SIGHUP)
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            pass
 
 
 def _answers(port: int) -> bool:
@@ -40,6 +131,13 @@ class NatsCluster:
         nodes: number of servers (3 gives R3 streams that survive one node's loss).
         name: cluster name.
         exe: the ``nats-server`` binary (default: found on ``PATH`` or ``/usr/sbin``).
+        auth: authorization on (:class:`NatsUsers` in ``root/users.json``); off: any
+            client may do anything (tests that show what authorization stops).
+        workers: worker users made before the start (:meth:`add_worker` adds more).
+
+    :attr:`urls` / :attr:`url` are the bare addresses (a client without credentials);
+    :attr:`advisor_url` carries the advisor's credentials and :meth:`worker_url` a
+    worker's (both hold passwords: never print them or put them on a command line).
 
     Raises (from :meth:`start`): RuntimeError when a server does not come up, or JetStream
     elects no leader, within ``timeout_s``.
@@ -52,6 +150,8 @@ class NatsCluster:
     client_ports: list[int] = field(default_factory=list)
     cluster_ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+    auth: bool = True
+    workers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -60,6 +160,46 @@ class NatsCluster:
             self.client_ports = [free_port() for _ in range(self.nodes)]
             self.cluster_ports = [free_port() for _ in range(self.nodes)]
         self.procs = [None] * self.nodes
+        self.users: NatsUsers | None = None
+        if self.auth:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.chmod(0o700)
+            self.users = NatsUsers(self.root / "users.json")
+            for w in self.workers:
+                self.users.add_worker(w)
+
+    @property
+    def advisor_url(self) -> str:
+        """Every node's URL with the advisor's credentials (:attr:`url` without authorization)."""
+        if self.users is None:
+            return self.url
+        return user_url(self.urls, ADVISOR_USER, self.users.advisor_password)
+
+    def worker_url(self, source: str) -> str:
+        """Every node's URL with worker ``source``'s credentials (made and loaded into the
+        running servers when new: :meth:`add_worker`); :attr:`url` without authorization."""
+        if self.users is None:
+            return self.url
+        return user_url(self.urls, source, self.add_worker(source))
+
+    def add_worker(self, source: str, timeout_s: float = 15.0) -> str:
+        """Make worker user ``source`` (when new), reload the running servers and wait until
+        every one of them accepts it; returns its password.
+
+        Raises:
+            ValueError: authorization is off, or ``source`` is not a valid worker name.
+            RuntimeError: a server does not accept the new user within ``timeout_s``.
+        """
+        if self.users is None:
+            raise ValueError("this NATS cluster runs without authorization")
+        if source in self.users.workers:
+            return self.users.workers[source]
+        password = self.users.add_worker(source)
+        running = [p for p in self.procs if p is not None and p.poll() is None]
+        reload_nats([p.pid for p in running])
+        wait_accepts([u for u, p in zip(self.urls, self.procs) if p is not None and p.poll() is None],
+                     source, password, timeout_s)
+        return password
 
     @property
     def urls(self) -> list[str]:
@@ -80,10 +220,11 @@ class NatsCluster:
         # "JetStream cluster requires configured routes")
         cluster = (f"cluster {{\n  name: {self.name}\n  listen: 127.0.0.1:{self.cluster_ports[i]}\n"
                    f"  routes: [{routes}]\n}}\n") if self.nodes > 1 else ""
+        auth = f'include "{self.users.conf_path.name}"\n' if self.users is not None else ""
         conf.write_text(
             f'server_name: "n{i}"\n'
             f"listen: 127.0.0.1:{self.client_ports[i]}\n"
-            f'jetstream {{ store_dir: "{store}" }}\n' + cluster)
+            f'jetstream {{ store_dir: "{store}" }}\n' + cluster + auth)
         return conf
 
     def start_node(self, i: int) -> None:
@@ -105,7 +246,8 @@ class NatsCluster:
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Wait until every running node answers and JetStream answers account info."""
+        """Wait until every running node answers and JetStream places a stream on all of
+        them (a memory stream with one replica per node, created and deleted)."""
         end = time.monotonic() + timeout_s
         for i, p in enumerate(self.client_ports):
             while self.procs[i] is not None and not _answers(p):
@@ -120,15 +262,23 @@ class NatsCluster:
     async def _js_ready(self) -> bool:
         import nats
 
+        creds = {"user": ADVISOR_USER, "password": self.users.advisor_password} if self.users is not None else {}
         try:
             nc = await nats.connect(self.urls, connect_timeout=1, max_reconnect_attempts=0,
-                                    allow_reconnect=False)
+                                    allow_reconnect=False, error_cb=_quiet, **creds)
         except Exception:  # noqa: BLE001 - not yet
             return False
         try:
-            await nc.jetstream(timeout=1).account_info()
+            js = nc.jetstream(timeout=2)
+            await js.account_info()
+            # every node is a JetStream peer: a stream on all of them can be placed (right
+            # after a start, "no suitable peers for placement" until the routes are up)
+            probe = "KVADVISOR_READY_" + secrets.token_hex(4)
+            await js.add_stream(name=probe, subjects=[f"kvadvisor.ready.{probe}"], storage="memory",
+                                num_replicas=self.nodes if self.nodes in (1, 3, 5) else 1)
+            await js.delete_stream(probe)
             return True
-        except Exception:  # noqa: BLE001 - no meta leader yet
+        except Exception:  # noqa: BLE001 - no meta leader yet, or not every peer known
             return False
         finally:
             await nc.close()
@@ -158,3 +308,32 @@ class NatsCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def _quiet(exc: Exception) -> None:  # nats-py's default logs a traceback per try
+    pass
+
+
+def wait_accepts(urls: list[str], user: str, password: str, timeout_s: float) -> None:
+    """Wait until every server of ``urls`` accepts ``user`` (after a reload).
+
+    Raises:
+        RuntimeError: one still refuses it after ``timeout_s``.
+    """
+    import nats
+
+    async def accepted(url: str) -> bool:
+        try:
+            nc = await nats.connect(url, user=user, password=password, connect_timeout=1,
+                                    max_reconnect_attempts=0, allow_reconnect=False, error_cb=_quiet)
+        except Exception:  # noqa: BLE001 - not reloaded yet
+            return False
+        await nc.close()
+        return True
+
+    end = time.monotonic() + timeout_s
+    for url in urls:
+        while not asyncio.run(accepted(url)):
+            if time.monotonic() > end:
+                raise RuntimeError(f"NATS at {url} did not accept user {user!r} within {timeout_s} s of a reload")
+            time.sleep(0.1)

@@ -32,7 +32,7 @@ from event_plane.urls import make_publisher
 from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read_back, runtime_config, size_tiers
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
-from kvadvisor.up import ClusterUp, load
+from kvadvisor.up import ClusterUp, load, worker_nats_url
 from kvbm_runtime import BlockManager, ServeResult, fill_synthetic_kv
 from storage_backends import StorageAgent
 from storage_backends.redis_catalog import RedisCatalog
@@ -207,21 +207,24 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
                 if v.id in (SLOW, S3):
                     # each run its own object prefix: runs sharing the topology's bucket never overwrite
                     agent.register_volume(dataclasses.replace(v, prefix=f"kv-{run}") if v.id == S3 else v)
-        url = (f"jetstream://{state.nats_urls[0].split('://', 1)[1]}?namespace={state.namespace}"
-               f"&replicas={state.replicas}")
+        query = f"?namespace={state.namespace}&replicas={state.replicas}"
+        url = f"jetstream://{state.nats_urls[0].split('://', 1)[1]}{query}"  # no credentials: for the report
         rcfg = runtime_config(s)
         pubs: list[PartitionedPublisher] = []
         managers: list[BlockManager] = []
         for i in range(s.workers):
             epoch = random.getrandbits(63)
             src = f"worker-{run}-{i}"
-            pub = PartitionedPublisher(scheme, lambda k, src=src, e=epoch: make_publisher(partition_url(url, k), src, epoch=e))
+            # each worker as its own NATS user: it may publish its own subject only (docs/security.md)
+            mine = f"jetstream://{worker_nats_url(state, src).split(',')[0].split('://', 1)[1]}{query}"
+            pub = PartitionedPublisher(scheme, lambda k, src=src, e=epoch, u=mine: make_publisher(partition_url(u, k), src,
+                                                                                                 epoch=e))
             stack.callback(pub.close)
             pubs.append(pub)
             mgr = BlockManager(rcfg, pub, store=agent, g3_volume=SLOW)  # type: ignore[arg-type]
             stack.callback(mgr.close)
             managers.append(mgr)
-        client = ClusterClient(state.nats_url, scheme, state.namespace, timeout_s=5.0)
+        client = ClusterClient(state.advisor_nats_url, scheme, state.namespace, timeout_s=5.0)
         stack.callback(client.close)
         report = DemoReport(requests=len(reqs), workers=s.workers, api_url=state.api_url,
                             event_urls=[url], transport="jetstream (partitioned)")

@@ -3,7 +3,10 @@
 Started from installed binaries, on loopback ports only (docs/design.md §8; ``compose/``
 describes the same topology in containers):
 
-* a NATS JetStream cluster of ``nodes`` servers (:class:`kvadvisor.localcluster.NatsCluster`);
+* a NATS JetStream cluster of ``nodes`` servers (:class:`kvadvisor.localcluster.NatsCluster`)
+  with authorization: the advisors and the API connect as the ``advisor`` user, each worker
+  as a user of its own that may only publish its own subject (``<dir>/nats/users.json``, mode
+  0600; :func:`worker_nats_url` adds one; docs/security.md);
 * ``redis-server`` (snapshots and the placement catalog), with a random password;
 * an S3 endpoint (``moto_server``) with a bucket of its own;
 * ``advisors`` cluster advisors (``python -m advisor.cluster``) sharing ``partitions``
@@ -32,9 +35,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvadvisor.localcluster import NatsCluster, free_port
+from kvadvisor.localcluster import ADVISOR_USER, NatsCluster, NatsUsers, free_port, reload_nats, user_url, wait_accepts
 
-__all__ = ["ClusterUp", "UpError", "down", "load", "up"]
+__all__ = ["ClusterUp", "UpError", "down", "load", "up", "worker_nats_url"]
 
 STATE_FILE = "cluster.json"
 
@@ -58,6 +61,8 @@ class ClusterUp:
         api_url: the cluster's REST API.
         storage: the advisors' storage settings file (``--storage``), which the workers of
             ``kvadvisor demo --scaled`` use too; ``""`` when the advisors move nothing.
+        nats_users: the NATS users file (:class:`~kvadvisor.localcluster.NatsUsers`, 0600);
+            ``""``: NATS without authorization (a topology of an older version).
     """
 
     root: str
@@ -74,11 +79,24 @@ class ClusterUp:
     pids: dict[str, int] = field(default_factory=dict)
     api_url: str = ""
     storage: str = ""
+    nats_users: str = ""
 
     @property
     def nats_url(self) -> str:
-        """All NATS nodes, comma-separated."""
+        """All NATS nodes, comma-separated (no credentials: fit for a message)."""
         return ",".join(self.nats_urls)
+
+    @property
+    def advisor_nats_url(self) -> str:
+        """All NATS nodes with the advisor's credentials (holds a password: never print
+        it or put it on a command line); :attr:`nats_url` without authorization."""
+        if not self.nats_users:
+            return self.nats_url
+        return user_url(self.nats_urls, ADVISOR_USER, NatsUsers(Path(self.nats_users)).advisor_password)
+
+    def nats_pids(self) -> list[int]:
+        """The pids of the NATS servers."""
+        return [pid for name, pid in self.pids.items() if name.startswith("nats-")]
 
 
 def _spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -131,7 +149,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
     logs = root / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     started: dict[str, subprocess.Popen[bytes]] = {}
-    nats = NatsCluster(root / "nats", nodes=nodes)
+    nats = NatsCluster(root / "nats", nodes=nodes)  # authorization on: users in nats/users.json
     try:
         nats.root.mkdir(parents=True, exist_ok=True)
         for i in range(nodes):
@@ -167,24 +185,26 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         storage = _write_storage(root, namespace, endpoint, bucket, access, secret)
         ids = [f"advisor-{i}" for i in range(advisors)]
         # the Redis URL (with its password) goes through the environment, never argv (ps shows argv)
-        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", KVADVISOR_CLUSTER_REDIS_URL=redis_url)
+        # so do the NATS URLs with the advisor's password
+        env = dict(os.environ, NIXL_LOG_LEVEL="WARN", KVADVISOR_CLUSTER_REDIS_URL=redis_url,
+                   KVADVISOR_CLUSTER_NATS_URL=nats.advisor_url)
         repo = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
         for a in ids:
-            started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster", "--nats", nats.url,
+            started[a] = _spawn(a, [sys.executable, "-m", "advisor.cluster",
                                     "--id", a, "--namespace", namespace, "--partitions", str(partitions),
                                     "--replicas", str(3 if nodes >= 3 else 1), "--lease-ttl", "6",
                                     "--heartbeat", "1", "--snapshot-interval", "10", "--storage", str(storage)],
                                 logs, env)
         api_port = free_port()
-        started["api"] = _spawn("api", [sys.executable, "-m", "api.cluster_api", "--nats", nats.url,
+        started["api"] = _spawn("api", [sys.executable, "-m", "api.cluster_api",
                                         "--namespace", namespace, "--partitions", str(partitions),
                                         "--port", str(api_port), "--retry-after", "6"], logs, env)
         state = ClusterUp(root=str(root), nats_urls=nats.urls, redis_url=redis_url, s3_endpoint=endpoint,
                           s3_access_key=access, s3_secret_key=secret, s3_bucket=bucket, namespace=namespace,
                           partitions=partitions, replicas=3 if nodes >= 3 else 1, advisors=ids,
                           pids={k: p.pid for k, p in started.items()}, api_url=f"http://127.0.0.1:{api_port}",
-                          storage=str(storage))
+                          storage=str(storage), nats_users=str(nats.users.path) if nats.users else "")
         _wait_port(api_port, started["api"], "the cluster API", timeout_s)
         _wait_owned(state, started, timeout_s)
         path = root / STATE_FILE
@@ -240,7 +260,7 @@ def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], tim
             if proc.poll() is not None:
                 raise UpError(f"{name} exited with code {proc.returncode} (log: {state.root}/logs/{name}.log)")
         try:
-            owners = lease_owners(state.nats_url)
+            owners = lease_owners(state.advisor_nats_url)
         except LeaseError:
             owners = {}
         if len(owners) == state.partitions:
@@ -248,6 +268,30 @@ def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], tim
         time.sleep(0.3)
     raise UpError(f"only {len(owners)} of {state.partitions} partitions owned after {timeout_s} s "
                   f"(logs: {state.root}/logs/)")
+
+
+def worker_nats_url(state: ClusterUp, source: str, timeout_s: float = 15.0) -> str:
+    """All NATS nodes with worker ``source``'s credentials: the user is made when new (a
+    random password in ``nats_users``), the servers reload their authorization (SIGHUP)
+    and are waited for until each accepts it.  The result holds a password (never print it).
+    Without authorization (``nats_users`` empty): :attr:`ClusterUp.nats_url`.
+
+    Raises:
+        UpError: ``source`` is not a valid worker name, or a server does not accept the
+            new user within ``timeout_s``.
+    """
+    if not state.nats_users:
+        return state.nats_url
+    users = NatsUsers(Path(state.nats_users))
+    try:
+        known = source in users.workers
+        password = users.add_worker(source)
+        if not known:
+            reload_nats(state.nats_pids())
+            wait_accepts(state.nats_urls, source, password, timeout_s)
+    except (ValueError, RuntimeError) as exc:
+        raise UpError(f"NATS worker user {source!r}: {exc}") from exc
+    return user_url(state.nats_urls, source, password)
 
 
 def load(root: Path) -> ClusterUp:

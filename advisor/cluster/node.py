@@ -23,7 +23,8 @@ Pieces, all on the engines the project already runs (no home-made consensus or q
   once and :class:`ClusterClient` raises :class:`PartitionUnavailable` (the API's 503 with
   ``Retry-After``).  An owner still folding the tail it found at acquisition answers
   ``unavailable`` too, so an answer is never older than the log was when the owner took
-  over.  Every answer carries the stream sequence it reflects (``position``).
+  over.  Every answer carries the stream sequence it reflects (``position``).  Once the
+  event stream is found deleted, every answer is ``unavailable`` (:meth:`ClusterNode._stream_watch`).
 
 Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashes (one
 piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
@@ -59,7 +60,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from advisor.cluster.parts import ClusterSettings, Replica
 from advisor.cluster.leases import LeaseKeeper
 from event_plane.nats_auth import redact_url
-from event_plane.nats_transport import connect_nats
+from event_plane.nats_transport import STREAM_NAME, connect_nats
 from event_plane.partition import PartitionScheme, combine_lookups
 
 __all__ = ["ClusterClient", "ClusterNode", "ClusterSettings", "PartitionUnavailable", "query_subject"]
@@ -114,6 +115,7 @@ class ClusterNode:
         self._policy: threading.Thread | None = None
         self.expiry: Any = None  # advisor.cluster.expiry.ClusterExpiry when source_ttl_s > 0
         self.keeper: LeaseKeeper | None = None
+        self.stream_missing = False  # the event stream was found deleted (sticky: _stream_watch)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> ClusterNode:
@@ -135,6 +137,7 @@ class ClusterNode:
         self.keeper.start()
         self._snapshotter = threading.Thread(target=self._snapshot_loop, name="snapshots", daemon=True)
         self._snapshotter.start()
+        threading.Thread(target=self._stream_watch, name="stream-watch", daemon=True).start()
         if self.mover is not None:
             self._policy = threading.Thread(target=self._policy_loop, name="policy", daemon=True)
             self._policy.start()
@@ -255,6 +258,9 @@ class ClusterNode:
                 req = _dec.decode(msg.data)
                 if rep is None:
                     body = {"unavailable": "released"}
+                elif self.stream_missing:
+                    # the fold reads nothing any more: answers would go stale without a sign
+                    body = {"unavailable": f"event stream {STREAM_NAME} missing"}
                 elif isinstance(req, dict):
                     body = rep.op(req)
                 else:
@@ -293,6 +299,35 @@ class ClusterNode:
             except Exception as exc:  # noqa: BLE001 - retried next round
                 logger.warning("advisor %s: policy round failed: %s: %s", self.settings.advisor_id,
                                type(exc).__name__, exc)
+
+    def _stream_watch(self) -> None:
+        """Every ``heartbeat_s``: whether the event stream exists (3 answers "not found" in a
+        row, while this advisor owns a partition, mean it is gone).  A deleted stream (only
+        someone with the advisor's NATS rights can delete it, docs/security.md) takes every
+        fold's consumer with it, and a stream made again restarts its sequence numbers, so
+        the folds never read again: from then on each partition this advisor owns answers
+        ``unavailable`` (the cluster API's health is 503) until the advisor is restarted
+        (it then rebuilds from the snapshots and the new stream).  Logged as an error once."""
+        from nats.js.errors import NotFoundError
+
+        not_found = 0  # answers "not found" in a row: 3 are needed (never a fail-over's blip)
+        while not self._stop.wait(self.settings.heartbeat_s) and not self.stream_missing:
+            with self._lock:
+                owning = bool(self.replicas)  # each replica's log made sure the stream existed
+            if not owning:
+                continue  # the first replica creates it: missing before that is no loss
+            try:
+                self._call(self._nc.jetstream(timeout=5).stream_info(STREAM_NAME), 10)
+                not_found = 0
+            except NotFoundError:
+                not_found += 1
+                if not_found < 3:
+                    continue
+                self.stream_missing = True
+                logger.error("advisor %s: event stream %s is missing: every partition of this advisor answers "
+                             "unavailable until it is restarted", self.settings.advisor_id, STREAM_NAME)
+            except Exception:  # noqa: BLE001 - NATS unreachable now: not known to be missing
+                continue
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.settings.snapshot_interval_s):
@@ -499,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m advisor.cluster", description="one advisor of a scaled cluster")
-    ap.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    ap.add_argument("--nats", default=os.environ.get("KVADVISOR_CLUSTER_NATS_URL"),
+                    help="NATS URL(s), comma-separated, each may carry user:password@ (default: "
+                         "$KVADVISOR_CLUSTER_NATS_URL, which keeps a password off the command line)")
     ap.add_argument("--redis", default=os.environ.get("KVADVISOR_CLUSTER_REDIS_URL"),
                     help="redis://[:PASSWORD@]HOST:PORT/DB for snapshots (default: $KVADVISOR_CLUSTER_REDIS_URL, "
                          "which keeps a password off the command line)")
@@ -525,6 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--metrics-host", default="127.0.0.1",
                     help="address of /metrics (no authentication: 0.0.0.0 only inside a private network)")
     a = ap.parse_args(argv)
+    if not a.nats:
+        ap.error("--nats or KVADVISOR_CLUSTER_NATS_URL is required")
     if not a.redis:
         ap.error("--redis or KVADVISOR_CLUSTER_REDIS_URL is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

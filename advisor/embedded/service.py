@@ -235,8 +235,11 @@ class AdvisorService:
             self._open_storage()
         from event_plane import make_publisher
 
+        # the advisor owns the stream (its NATS user has the rights): its own JetStream
+        # publisher creates or checks it with the advisor's limits, as its log does
+        own = {"manage_stream": True} if s.publish_url.lower().startswith("jetstream://") else {}
         self.publisher = make_publisher(s.publish_url, s.source, on_flush=self._on_own_batch, stream=s.stream_limits(),
-                                        nats_auth=s.nats_auth())
+                                        nats_auth=s.nats_auth(), **own)
         if self.agent is not None:
             from storage_backends.types import BlockKey
 

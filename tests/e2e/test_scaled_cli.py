@@ -46,8 +46,15 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         assert len(state["nats_urls"]) == 3 and len(state["advisors"]) == 3
         assert all(_alive(pid) for pid in state["pids"].values())
         password = state["redis_url"].split("@")[0].rsplit(":", 1)[1]
+        # NATS runs with authorization: the users file is private, its passwords on no command line
+        users_file = Path(state["nats_users"])
+        assert stat.S_IMODE(users_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(users_file.with_name("auth.conf").stat().st_mode) == 0o600
+        nats_password = json.loads(users_file.read_text())["advisor"]
+        assert nats_password not in r.stdout + r.stderr
         for pid in state["pids"].values():  # no secret on any command line (ps shows them to every user)
-            assert password not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            assert password not in cmdline and nats_password not in cmdline
         # a second `up` on the same directory is refused, nothing started twice
         again = _run("up", "--dir", str(root))
         assert again.returncode != 0 and "exists" in again.stderr + again.stdout
@@ -55,6 +62,10 @@ def test_up_scaled_demo_down(tmp_path: Path) -> None:
         r = _run("demo", "--scaled", "--dir", str(root), "--requests", "300")
         out = r.stdout + r.stderr
         assert r.returncode == 0, out
+        # each demo worker published as a NATS user of its own, whose password is never printed
+        workers_users = json.loads(users_file.read_text())["workers"]
+        assert len(workers_users) == 2 and all(w.startswith("worker-") for w in workers_users)
+        assert not any(pw in out for pw in workers_users.values())
         # the cluster's one query face: the same routes as one advisor's API
         api = state["api_url"]
         stats = httpx.get(f"{api}/v1/stats", timeout=30).json()

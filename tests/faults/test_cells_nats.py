@@ -30,7 +30,8 @@ def test_nats_killed_and_restarted_mid_run(tmp_path: Path) -> None:
     proc, _, _ = start_nats_server(port, store)
     url = f"jetstream://127.0.0.1:{port}?namespace=faults"
     s = settings(tmp_path, subscribe_urls=[url], get_timeout_s=0.05)
-    pub = make_publisher(url, "w0", config=PublisherConfig(max_events=1), reconnect_time_wait=0.1)
+    pub = make_publisher(url, "w0", config=PublisherConfig(max_events=1), reconnect_time_wait=0.1,
+                         manage_stream=True)
     svc = AdvisorService(s)
     try:
         svc.start()

@@ -114,7 +114,7 @@ def test_jetstream_log_with_redis_snapshots_resumes_from_the_stream_position(tmp
     ns = "snap"
     host = nats.removeprefix("nats://")
     pub = make_publisher(f"jetstream://{host}?namespace={ns}", "w0", epoch=5,
-                         config=PublisherConfig(max_events=8, max_delay_s=0.02))
+                         config=PublisherConfig(max_events=8, max_delay_s=0.02), manage_stream=True)
     settings = AdvisorSettings(log="jetstream", jetstream_url=nats, jetstream_namespace=ns, snapshot_store="redis",
                                redis_url=redis_url, snapshot_key_prefix=prefix, snapshot_every_batches=5,
                                snapshot_every_s=0, snapshot_on_stop=False, api_enabled=False, get_timeout_s=0.05,

@@ -84,8 +84,9 @@ class Rig:
         self.pubs: dict[str, PartitionedPublisher] = {}
         for w in ("w0", "w1"):
             e = random.getrandbits(63)
+            # the workers announce before any advisor starts: their publishers make the stream
             self.pubs[w] = PartitionedPublisher(self.scheme, lambda k, w=w, e=e: make_publisher(
-                partition_url(base, k), w, epoch=e))
+                partition_url(base, k), w, epoch=e, manage_stream=True))
         self.nodes: list[ClusterNode] = []
 
     # -------------------------------------------------------------- workers

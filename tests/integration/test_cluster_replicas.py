@@ -20,7 +20,8 @@ SCHEME = PartitionScheme(partitions=1)
 
 def test_two_owners_of_one_partition_each_read_the_whole_log(js_url: str, redis_url: str) -> None:
     ns = "r" + uuid.uuid4().hex[:8]
-    pub = make_publisher(partition_url(f"jetstream://{js_url.split('://')[1]}?namespace={ns}", 0), "w0", epoch=3)
+    pub = make_publisher(partition_url(f"jetstream://{js_url.split('://')[1]}?namespace={ns}", 0), "w0", epoch=3,
+                         manage_stream=True)  # first on its server
     reference = PrefixIndex()
 
     def publish(lo: int, hi: int) -> None:

@@ -99,11 +99,12 @@ def _u64(h: int) -> int:
 def _advisor(cluster: NatsCluster, ns: str, name: str, tmp: Path, storage: Path) -> subprocess.Popen[str]:
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - owned by the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "advisor.cluster", "--nats", cluster.url, "--redis", REDIS, "--id", name,
+        [sys.executable, "-m", "advisor.cluster", "--redis", REDIS, "--id", name,
          "--namespace", ns, "--partitions", str(SCHEME.partitions), "--trunk-depth", str(SCHEME.trunk_depth),
          "--stretch", str(SCHEME.stretch), "--lease-ttl", str(TTL), "--heartbeat", "0.5", "--replicas", "3",
          "--snapshot-interval", "2", "--storage", str(storage), "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).resolve().parents[2])
+        stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, KVADVISOR_CLUSTER_NATS_URL=cluster.advisor_url))  # the password off argv
     log.close()
     return proc
 
@@ -210,16 +211,17 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
             for name, proc in advisors.items():
                 assert proc.stdout is not None and proc.stdout.readline().strip() == f"advisor {name} ready", name
                 metrics[name] = proc.stdout.readline().strip().rsplit(" ", 1)[1]
-            # the two workers publish through node 0 (its clients learn the others and fail over)
-            url0 = f"jetstream://127.0.0.1:{cluster.client_ports[0]}?namespace={ns}&replicas=3"
+            # the two workers publish through node 0 (its clients learn the others and fail over),
+            # each as its own NATS user (it may publish its own subjects only)
             pubs, whole = {}, {}
             for w in ("w0", "w1"):
                 epoch = random.getrandbits(63)
-                pubs[w] = PartitionedPublisher(SCHEME, lambda k, w=w, e=epoch: make_publisher(
-                    partition_url(url0, k), w, epoch=e))
-                whole[w] = make_publisher(f"jetstream://127.0.0.1:{cluster.client_ports[0]}?namespace={ns}-all&replicas=3",
-                                          w, epoch=epoch)
-            client = ClusterClient(cluster.url, SCHEME, ns, timeout_s=1.0)
+                node0 = cluster.worker_url(w).split(",")[0].replace("nats://", "jetstream://")
+                url0 = f"{node0}?namespace={ns}&replicas=3"
+                pubs[w] = PartitionedPublisher(SCHEME, lambda k, e=epoch, u=url0, w=w: make_publisher(
+                    partition_url(u, k), w, epoch=e))
+                whole[w] = make_publisher(f"{node0}?namespace={ns}-all&replicas=3", w, epoch=epoch)
+            client = ClusterClient(cluster.advisor_url, SCHEME, ns, timeout_s=1.0)
             answered: list[tuple[int, list[int], dict[str, int], int]] = []  # partition, piece, answer, position
             unavailable = [0]
             stop = threading.Event()
@@ -289,7 +291,7 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                     victim.wait(10)
                     t0 = time.monotonic()
                     while time.monotonic() - t0 < 20:
-                        owners = lease_owners(cluster.url)
+                        owners = lease_owners(cluster.advisor_url)
                         if len(owners) == SCHEME.partitions and "adv-0" not in owners.values():
                             takeover_s = time.monotonic() - t0
                             break
@@ -323,14 +325,14 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
             # every answer = that partition's fold at the answer's position
             for p in range(SCHEME.partitions):
                 mine = [(pos, hs) for q, hs, _, pos in answered if q == p]
-                _, truth = _fold_partition(cluster.url, partition_namespace(ns, p), mine)
+                _, truth = _fold_partition(cluster.advisor_url, partition_namespace(ns, p), mine)
                 got = [locs for q, _, locs, _ in answered if q == p]
                 for i, (g, t) in enumerate(zip(got, truth)):
                     if g != t:
                         pos, hs = mine[i]
                         why = {"answer": g, "log at its position": t, "position": pos, "piece": [f"{h:#x}" for h in hs],
-                               "first block in the partition log": _trail(cluster.url, partition_namespace(ns, p), hs[0]),
-                               "first block in the whole log": _trail(cluster.url, f"{ns}-all", hs[0])}
+                               "first block in the partition log": _trail(cluster.advisor_url, partition_namespace(ns, p), hs[0]),
+                               "first block in the whole log": _trail(cluster.advisor_url, f"{ns}-all", hs[0])}
                         raise AssertionError(f"partition {p}: answer {i} differs from the log at its position: {why}")
             for name in advisors:  # the movers' counters as Prometheus sees them
                 text = httpx.get(metrics[name], timeout=5).text
@@ -352,8 +354,8 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
 
         # union of the partitions (rebuilt as an owner does) == one fold of the whole worker
         # log for the blocks and their worker locations; on the volumes == the catalog
-        reference, _ = _fold_partition(cluster.url, f"{ns}-all", [])
-        parts = [_rebuild(cluster.url, ns, p) for p in range(SCHEME.partitions)]
+        reference, _ = _fold_partition(cluster.advisor_url, f"{ns}-all", [])
+        parts = [_rebuild(cluster.advisor_url, ns, p) for p in range(SCHEME.partitions)]
         ref_hashes = set(reference.hashes())
         assert ref_hashes, "the reference fold is empty"
         volumes = ("fast", "slow", "archive")
@@ -364,11 +366,11 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                 union.add(h)
                 if h not in ref_hashes or {x for x in idx.block(h).locations if x not in volumes} != \
                         {x for x in reference.block(h).locations if x not in volumes}:
-                    plain = fold_log(cluster.url, partition_namespace(ns, p), replicas=3).block(h)
+                    plain = fold_log(cluster.advisor_url, partition_namespace(ns, p), replicas=3).block(h)
                     why = {"partition": p, "rebuilt": idx.block(h), "reference": reference.block(h),
                            "partition log folded from the start": plain,
-                           "partition log": _trail(cluster.url, partition_namespace(ns, p), h),
-                           "whole log": _trail(cluster.url, f"{ns}-all", h)}
+                           "partition log": _trail(cluster.advisor_url, partition_namespace(ns, p), h),
+                           "whole log": _trail(cluster.advisor_url, f"{ns}-all", h)}
                     raise AssertionError(f"block {h:#x}: the partition and one fold of the whole log disagree: {why}")
                 locs = idx.block(h).locations
                 for v in volumes:
@@ -391,7 +393,7 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
                 assert t.numpy().tobytes() == _payload(h), f"block {h:#x} does not read back"
 
         # the movers moved (promotions, demotions to the archive), and no block was moved by two advisors
-        moves = [m for p in range(SCHEME.partitions) for m in _moves(cluster.url, partition_namespace(ns, p))]
+        moves = [m for p in range(SCHEME.partitions) for m in _moves(cluster.advisor_url, partition_namespace(ns, p))]
         reasons = {str(meta.get("reason")) for _, meta in moves}
         assert {"promote", "demote"} <= reasons, reasons
         assert placed["archive"] and placed["fast"], {v: len(x) for v, x in placed.items()}

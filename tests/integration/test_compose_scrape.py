@@ -121,10 +121,11 @@ def test_prometheus_scrapes_every_process_and_every_panel_has_data(tmp_path: Pat
         cluster = stack.enter_context(NatsCluster(tmp_path / "nats", nodes=3))
         cluster_targets = []
         for i in (1, 2, 3):
-            proc = _start(stack, ["-m", "advisor.cluster", "--nats", cluster.url, "--id", f"advisor-{i}",
+            proc = _start(stack, ["-m", "advisor.cluster", "--id", f"advisor-{i}",
                                   "--namespace", ns, "--partitions", "8", "--replicas", "3", "--lease-ttl", "3",
                                   "--heartbeat", "0.5", "--metrics-port", "0"],
-                          tmp_path / f"advisor-{i}.log", {"KVADVISOR_CLUSTER_REDIS_URL": REDIS})
+                          tmp_path / f"advisor-{i}.log", {"KVADVISOR_CLUSTER_REDIS_URL": REDIS,
+                                                          "KVADVISOR_CLUSTER_NATS_URL": cluster.advisor_url})
             _line(proc, f"advisor advisor-{i} ready")
             cluster_targets.append(f"127.0.0.1:{_port(_line(proc, f'advisor advisor-{i} metrics at'))}")
         api_config = json.loads((COMPOSE / "config" / "advisor.json").read_text())
@@ -134,11 +135,15 @@ def test_prometheus_scrapes_every_process_and_every_panel_has_data(tmp_path: Pat
                            "archive_volume": None, "api_host": "127.0.0.1", "api_port": free_port()})
         (tmp_path / "api").mkdir()
         (tmp_path / "api.json").write_text(json.dumps(api_config))
-        api = _start(stack, ["-m", "advisor", "--config", str(tmp_path / "api.json")], tmp_path / "api.log")
+        # the API's advisor reads the stream as the advisor user (compose: the same from compose/.env)
+        api = _start(stack, ["-m", "advisor", "--config", str(tmp_path / "api.json")], tmp_path / "api.log",
+                     {"KVADVISOR_ADVISOR_NATS_USER": "advisor",
+                      "KVADVISOR_ADVISOR_NATS_PASSWORD": cluster.users.advisor_password})
         api_url = _line(api, "ADVISOR READY").split()[-1]
-        sim = _start(stack, ["-m", "kvadvisor.cli", "worker-sim", "--nats", cluster.url, "--namespace", ns,
+        sim = _start(stack, ["-m", "kvadvisor.cli", "worker-sim", "--namespace", ns,
                              "--partitions", "8", "--replicas", "3", "--loop", "--workdir", str(tmp_path / "sim"),
-                             "--metrics-port", "0"], tmp_path / "sim.log")
+                             "--metrics-port", "0"], tmp_path / "sim.log",
+                     {"KVADVISOR_WORKER_SIM_NATS_URL": cluster.worker_url("worker-sim")})
         sim_url = _line(sim, "worker worker-sim ready, metrics:").split()[-1]
         prom_port = free_port()
         cfg = _prometheus_config(tmp_path, {"kvadvisor-api": [f"127.0.0.1:{_port(api_url)}"],
@@ -155,7 +160,7 @@ def test_prometheus_scrapes_every_process_and_every_panel_has_data(tmp_path: Pat
             assert body["status"] == "success", (expr, body)
             return body["data"]["result"]
 
-        client = ClusterClient(cluster.url, SCHEME, ns, timeout_s=2.0)
+        client = ClusterClient(cluster.advisor_url, SCHEME, ns, timeout_s=2.0)
         stack.callback(client.close)
         end = time.monotonic() + 180
         up: dict[str, float] = {}

@@ -120,7 +120,7 @@ def test_url_limits_are_applied_by_whoever_creates_the_stream(tmp_path) -> None:
         try:
             target = f"jetstream://{hostport(url)}?namespace=lim&max_bytes=65536&max_age=90&discard=new"
             if who == "publisher":
-                make_publisher(target, "w0").close()
+                make_publisher(target + "&manage_stream=1", "w0").close()
             else:
                 sub = subscribe(target + "&durable=d")
                 sub.start()
@@ -132,7 +132,7 @@ def test_url_limits_are_applied_by_whoever_creates_the_stream(tmp_path) -> None:
 
 
 def test_unlimited_stream_by_url(js_url: str) -> None:
-    make_publisher(f"jetstream://{hostport(js_url)}?max_bytes=unlimited&max_age=unlimited", "w0").close()
+    make_publisher(f"jetstream://{hostport(js_url)}?max_bytes=unlimited&max_age=unlimited&manage_stream=1", "w0").close()
     assert limits_of(js_url) == (-1, 0.0, "old")
 
 
@@ -143,7 +143,7 @@ def test_an_existing_stream_that_differs_is_named_field_by_field_or_refused(js_u
     sub.start()  # creates the stream: 8 KiB, 24 h, discard new
     sub.close()
     caplog.set_level(logging.WARNING, logger="event_plane.nats_transport")
-    pub = make_publisher(f"jetstream://{host}?namespace=mm&max_age=60", "w0", config=ONE)
+    pub = make_publisher(f"jetstream://{host}?namespace=mm&max_age=60&manage_stream=1", "w0", config=ONE)
     try:
         texts = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(texts) == 1, texts
@@ -159,12 +159,14 @@ def test_an_existing_stream_that_differs_is_named_field_by_field_or_refused(js_u
     assert limits_of(js_url) == (8192, 86400.0, "new")  # nothing was changed
 
     caplog.clear()
-    same = make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=8192&discard=new&strict_stream=1", "w1")
+    same = make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=8192&discard=new&strict_stream=1&manage_stream=1",
+                          "w1")
     same.close()  # the same configuration: no warning, strict or not
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
     with pytest.raises(StreamMismatchError, match="max_bytes: stream has 8192, configured 4096"):
-        make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=4096&discard=new&strict_stream=1", "w2")
+        make_publisher(f"jetstream://{host}?namespace=mm&max_bytes=4096&discard=new&strict_stream=1&manage_stream=1",
+                       "w2")
     strict_sub = subscribe(f"jetstream://{host}?namespace=mm&durable=s&strict_stream=1")
     with pytest.raises(StreamMismatchError, match="discard: stream has new, configured old"):
         strict_sub.start()
@@ -178,8 +180,8 @@ def test_a_stream_larger_than_the_servers_storage_is_a_clear_error(tmp_path) -> 
     proc, url = start_small_store_server(tmp_path, 256 * 1024)
     try:
         with pytest.raises(TransportError, match=r"refused to create stream KVADVISOR_EVENTS \(max_bytes=1073741824"):
-            JetStreamPublisher("w0", url, "big")
-        make_publisher(f"jetstream://{hostport(url)}?namespace=big&max_bytes=65536", "w0").close()  # fits
+            JetStreamPublisher("w0", url, "big", manage_stream=True)
+        make_publisher(f"jetstream://{hostport(url)}?namespace=big&max_bytes=65536&manage_stream=1", "w0").close()  # fits
         assert limits_of(url)[0] == 65536
     finally:
         proc.terminate()

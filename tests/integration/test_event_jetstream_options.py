@@ -39,7 +39,7 @@ def _publish(pub: JetStreamPublisher, idx: range) -> None:
 
 
 def test_replay_from_a_stream_sequence(js_url: str) -> None:
-    pub = JetStreamPublisher("w0", js_url, "seqns", epoch=7, config=ONE)
+    pub = JetStreamPublisher("w0", js_url, "seqns", epoch=7, config=ONE, manage_stream=True)
     try:
         _publish(pub, range(5))  # stream seqs 1..5 hold batch seqs 0..4
         sub = JetStreamSubscriber(js_url, "seqns", durable="from-seq", deliver=("seq", 3))
@@ -56,7 +56,7 @@ def test_replay_from_a_stream_sequence(js_url: str) -> None:
 
 
 def test_replay_from_a_time(js_url: str) -> None:
-    pub = JetStreamPublisher("w0", js_url, "timens", epoch=8, config=ONE)
+    pub = JetStreamPublisher("w0", js_url, "timens", epoch=8, config=ONE, manage_stream=True)
     try:
         _publish(pub, range(3))
         time.sleep(0.3)
@@ -75,7 +75,8 @@ def test_replay_from_a_time(js_url: str) -> None:
 
 
 def test_stream_retention_limits_are_applied(js_url: str) -> None:
-    pub = JetStreamPublisher("w0", js_url, "limns", stream_max_age_s=3600.0, stream_max_bytes=1 << 20)
+    pub = JetStreamPublisher("w0", js_url, "limns", stream_max_age_s=3600.0, stream_max_bytes=1 << 20,
+                             manage_stream=True)
     pub.close()
 
     async def info() -> tuple[float, int]:
@@ -105,7 +106,7 @@ def test_token_credentials_are_passed_to_nats(tmp_path) -> None:  # type: ignore
             JetStreamPublisher("w0", url, "authns", connect_timeout_s=1.0)
         with pytest.raises(TransportError):
             NatsSubscriber(url, "authns", connect_timeout_s=1.0, token="wrong").start()
-        pub = JetStreamPublisher("w0", url, "authns", config=ONE, token="s3cret-token")
+        pub = JetStreamPublisher("w0", url, "authns", config=ONE, token="s3cret-token", manage_stream=True)
         try:
             _publish(pub, range(2))
             sub = JetStreamSubscriber(url, "authns", durable="auth", token="s3cret-token")

@@ -91,7 +91,10 @@ def test_core_pub_sub_exact_order_and_msg_id_header(nats_url: str) -> None:
                 break
             asyncio.run(asyncio.sleep(0.02))
         assert [m[0] for m in tap.msgs] == [f"kvadvisor.events.{ns}.w0"] * 4
-        assert [m[1]["Nats-Msg-Id"] for m in tap.msgs] == [f"{ns}.w0:77:{s}" for s in range(4)]
+        # <namespace>.<source>:<epoch>:<seq>:<the publisher's secret key>, one key for all
+        ids = [m[1]["Nats-Msg-Id"] for m in tap.msgs]
+        assert [i.rsplit(":", 1)[0] for i in ids] == [f"{ns}.w0:77:{s}" for s in range(4)]
+        assert len({i.rsplit(":", 1)[1] for i in ids}) == 1 and len(ids[0].rsplit(":", 1)[1]) == 16
         assert [m[2] for m in tap.msgs] == [encode_batch(b) for b in got]
         assert pub.stats().payload_bytes == sum(len(m[2]) for m in tap.msgs)
     finally:
@@ -152,7 +155,7 @@ def private_nats(tmp_path) -> Iterator[tuple[str, int, str, dict]]:  # type: ign
 
 def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, _, _, _ = private_nats
-    pub = JetStreamPublisher("w0", url, "ns1", epoch=9, config=PublisherConfig(max_events=3))
+    pub = JetStreamPublisher("w0", url, "ns1", epoch=9, config=PublisherConfig(max_events=3), manage_stream=True)
     try:
         pub.publish(evs(7))
         pub.flush()
@@ -173,7 +176,7 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
             async def resend() -> bool:
                 ack = await tap.nc.jetstream().publish(
-                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": "ns1.w0:9:3"}
+                    "kvadvisor.events.ns1.w0", encode_batch(dup), headers={"Nats-Msg-Id": f"ns1.w0:9:3:{pub._msg_id_key}"}
                 )
                 return bool(ack.duplicate)
 
@@ -195,7 +198,8 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
 def test_jetstream_server_restart_mid_stream_loses_and_doubles_nothing(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, port, store_dir, holder = private_nats
-    pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1)
+    pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1,
+                             manage_stream=True)
     try:
         pub.publish(evs(6))
         pub.flush()
@@ -243,7 +247,7 @@ def test_jetstream_publisher_killed_and_restarted_new_epoch(private_nats) -> Non
 def test_jetstream_block_overflow_loses_nothing_in_a_burst(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, _, _, _ = private_nats
     cfg = PublisherConfig(max_events=1, queue_capacity=2, overflow="block")
-    pub = JetStreamPublisher("w0", url, "ns4", config=cfg)
+    pub = JetStreamPublisher("w0", url, "ns4", config=cfg, manage_stream=True)
     try:
         pub.publish(evs(60))  # 60 one-event batches through a 2-event queue
         pub.flush()

@@ -26,7 +26,8 @@ def test_relay_routes_a_vllm_engines_events_to_their_partitions(js_url: str) -> 
     port, rport = free_port(), free_port()
     ns = "v" + uuid.uuid4().hex[:8]
     host = js_url.split("//", 1)[1]
-    dst = f"jetstream://{host}?namespace={ns}&partitions=4&trunk_depth=1&stretch=8"
+    # no advisor runs here to create the stream: the relay's publishers do (manage_stream=1)
+    dst = f"jetstream://{host}?namespace={ns}&partitions=4&trunk_depth=1&stretch=8&manage_stream=1"
     src = f"vllm+zmq://127.0.0.1:{port}?replay={rport}&source=pod-a&bytes_per_token=1024"
     em = PeerEmitter(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}", flavor="vllm", form="map")
     out: list[object] = []

@@ -46,7 +46,9 @@ def _read(url: str, ns: str, durable: str | None, until: int = 0) -> tuple[list[
 def test_a_reader_gets_the_whole_stream_right_after_a_node_restart(tmp_path: Path) -> None:
     ns = "q" + uuid.uuid4().hex[:8]
     with NatsCluster(tmp_path / "nats", nodes=3) as cluster:
-        url0 = f"jetstream://127.0.0.1:{cluster.client_ports[0]}?namespace={ns}&replicas=3"
+        # as the advisor, which makes the R3 stream (a worker's publisher calls no JetStream API)
+        node0 = cluster.advisor_url.split(",")[0].replace("nats://", "jetstream://")
+        url0 = f"{node0}?namespace={ns}&replicas=3&manage_stream=1"
         with make_publisher(url0, "w0", epoch=1) as pub:
             want: list[int] = []
 
@@ -69,9 +71,9 @@ def test_a_reader_gets_the_whole_stream_right_after_a_node_restart(tmp_path: Pat
             # served by a current replica) get it all too, the newest entries perhaps a little
             # later, in order
             for k in range(8):
-                got, _ = _read(cluster.url, ns, None)
+                got, _ = _read(cluster.advisor_url, ns, None)
                 assert got == want, f"read {k}: {len(got)} of {len(want)} events"
             for k in range(3):
-                got, log = _read(cluster.url, ns, f"d{k}-{ns}", until=len(want))
+                got, log = _read(cluster.advisor_url, ns, f"d{k}-{ns}", until=len(want))
                 assert got == want, f"durable read {k}: {len(got)} of {len(want)} events"
                 assert log.misplaced == 0

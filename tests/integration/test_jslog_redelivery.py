@@ -34,7 +34,7 @@ class _LosesOneAck(JetStreamLog):
 def test_a_redelivered_entry_is_dropped_and_the_fold_stays_right(js_url: str) -> None:
     ns = "j" + uuid.uuid4().hex[:8]
     url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"
-    with make_publisher(url, "w0", epoch=3) as pub:
+    with make_publisher(url, "w0", epoch=3, manage_stream=True) as pub:
         pub.publish([store(7, 7, None, 64, "g1")])
         pub.flush()
         pub.publish([remove(7, 7, None, 64, "g1")])
@@ -75,7 +75,7 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
 
     ns = "k" + uuid.uuid4().hex[:8]
     url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}"
-    with make_publisher(url, "w0", epoch=4) as pub:
+    with make_publisher(url, "w0", epoch=4, manage_stream=True) as pub:
         for i in range(6):
             pub.publish([store(100 + i, 100 + i, None, 64, "g1")])
             pub.flush()
@@ -152,7 +152,7 @@ def test_a_lost_delivery_followed_by_a_redelivery_is_read_again_in_order(js_url:
 
     ack_wait = 2.0
     got: list[int] = []
-    with make_publisher(url, "w0", epoch=5) as pub:
+    with make_publisher(url, "w0", epoch=5, manage_stream=True) as pub:
         pub.publish([store(200, 200, None, 64, "g1")])
         pub.flush()
         pub.publish([store(201, 201, None, 64, "g1")])

@@ -25,4 +25,4 @@ def test_a_single_node_serves_jetstream(tmp_path: Path) -> None:
 
     with NatsCluster(tmp_path / "nats", nodes=1) as cluster:
         assert "cluster {" not in (tmp_path / "nats" / "n0.conf").read_text()
-        assert asyncio.run(roundtrip(cluster.url)) == b"block"
+        assert asyncio.run(roundtrip(cluster.advisor_url)) == b"block"

@@ -25,7 +25,7 @@ def test_a_worker_given_a_partitioned_url_feeds_each_partition_its_blocks(js_url
     ns = "u" + uuid.uuid4().hex[:8]
     scheme = PartitionScheme(partitions=4, trunk_depth=1, stretch=2)
     url = f"jetstream://{js_url.split('://')[1]}?namespace={ns}&partitions=4&trunk_depth=1&stretch=2"
-    pub = make_publisher(url, "w0", epoch=11)
+    pub = make_publisher(url, "w0", epoch=11, manage_stream=True)  # first on its server
     assert isinstance(pub, PartitionedPublisher) and (pub.source, pub.epoch) == ("w0", 11)
     cfg = RuntimeConfig(model_name="test/partitioned-url", num_layers=1, outer_dim=2, page_size=512, inner_dim=2,
                         kv_dtype="float16", g1_blocks=2048, g2_blocks=2048)  # nothing evicted

@@ -19,7 +19,8 @@ COMPOSE = ROOT / "compose"
 ADVISORS = ["advisor-1", "advisor-2", "advisor-3"]
 NATS = ["nats-1", "nats-2", "nats-3"]
 SECRETS = ["KVADVISOR_ADMIN_TOKEN", "KVADVISOR_READ_TOKEN", "REDIS_PASSWORD", "MINIO_ROOT_USER",
-           "MINIO_ROOT_PASSWORD", "GRAFANA_ADMIN_PASSWORD"]
+           "MINIO_ROOT_PASSWORD", "GRAFANA_ADMIN_PASSWORD", "NATS_ADVISOR_PASSWORD", "NATS_WORKER_SIM_PASSWORD"]
+NATS_ENV = {"NATS_ADVISOR_PASSWORD": "pw-advisor", "NATS_WORKER_SIM_PASSWORD": "pw-sim"}
 
 
 def _spec() -> dict:
@@ -40,12 +41,16 @@ def test_compose_has_the_scaled_topology() -> None:
     services = _spec()["services"]
     assert set(services) == {*NATS, "redis", "minio", "minio-init", *ADVISORS, "api", "worker-sim",
                              "prometheus", "grafana"}
-    urls = ",".join(f"nats://{n}:4222" for n in NATS)
+    def nats_urls(user: str, var: str) -> str:  # every node, as ``user``, the password from compose/.env
+        return ",".join(f"nats://{user}:${{{var}:?set {var} in compose/.env}}@{n}:4222" for n in NATS)
+
     for a in ADVISORS:
         svc = services[a]
         assert svc["entrypoint"] == ["python", "-m", "advisor.cluster"]
         cmd = svc["command"]
-        assert (_flag(cmd, "--id"), _flag(cmd, "--nats"), _flag(cmd, "--replicas")) == (a, urls, "3")
+        assert (_flag(cmd, "--id"), _flag(cmd, "--replicas")) == (a, "3")
+        assert "--nats" not in cmd  # the URLs with the advisor's password come from the environment
+        assert svc["environment"]["KVADVISOR_CLUSTER_NATS_URL"] == nats_urls("advisor", "NATS_ADVISOR_PASSWORD")
         assert _flag(cmd, "--partitions") == "8" and _flag(cmd, "--metrics-port") == "9100"
         assert "--redis" not in cmd  # the URL with the password comes from the environment
         assert "${REDIS_PASSWORD:?" in svc["environment"]["KVADVISOR_CLUSTER_REDIS_URL"]
@@ -60,7 +65,10 @@ def test_compose_has_the_scaled_topology() -> None:
     sim_svc = services["worker-sim"]
     sim = sim_svc["command"]
     assert sim[0] == "worker-sim" and "--loop" in sim
-    assert (_flag(sim, "--nats"), _flag(sim, "--partitions"), _flag(sim, "--replicas")) == (urls, "8", "3")
+    assert (_flag(sim, "--partitions"), _flag(sim, "--replicas")) == ("8", "3") and "--nats" not in sim
+    # the worker connects as its own NATS user, and never gets the advisor's password
+    assert sim_svc["environment"]["KVADVISOR_WORKER_SIM_NATS_URL"] == nats_urls("worker-sim", "NATS_WORKER_SIM_PASSWORD")
+    assert not any("NATS_ADVISOR_PASSWORD" in str(v) for v in sim_svc["environment"].values())
     # the worker offloads to the advisors' slow volume, in the same Redis catalog
     assert _flag(sim, "--storage") == "/etc/kvadvisor/cluster-storage.json"
     assert "kv-volumes:/var/lib/kvadvisor/volumes" in sim_svc["volumes"]
@@ -87,6 +95,8 @@ def test_nats_cluster_routes_and_jetstream() -> None:
     services = _spec()["services"]
     for n in NATS:
         assert f"./nats/{n}.conf:/etc/nats/nats.conf:ro" in services[n]["volumes"]
+        assert "./nats/auth.conf:/etc/nats/auth.conf:ro" in services[n]["volumes"]
+        assert services[n]["environment"] == {k: f"${{{k}:?set {k} in compose/.env}}" for k in NATS_ENV}
         assert services[n]["command"] == ["-c", "/etc/nats/nats.conf"]
         conf = (COMPOSE / "nats" / f"{n}.conf").read_text()
         assert f'server_name: "{n}"' in conf
@@ -99,8 +109,24 @@ def test_nats_cluster_routes_and_jetstream() -> None:
 @pytest.mark.parametrize("node", NATS)
 def test_nats_configs_parse(node: str) -> None:
     exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
-    r = subprocess.run([exe, "-c", str(COMPOSE / "nats" / f"{node}.conf"), "-t"], capture_output=True, text=True)
+    r = subprocess.run([exe, "-c", str(COMPOSE / "nats" / f"{node}.conf"), "-t"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", **NATS_ENV})
     assert r.returncode == 0 and "is valid" in r.stderr + r.stdout, r.stderr
+    # without the passwords in its environment the server refuses the configuration
+    r = subprocess.run([exe, "-c", str(COMPOSE / "nats" / f"{node}.conf"), "-t"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "NATS_ADVISOR_PASSWORD" in r.stderr + r.stdout, r.stderr
+
+
+def test_nats_authorization_gives_the_worker_its_own_subject_only() -> None:
+    conf = (COMPOSE / "nats" / "auth.conf").read_text()
+    assert 'user: "advisor", password: $NATS_ADVISOR_PASSWORD }' in conf
+    worker = conf[conf.index('user: "worker-sim"'):]
+    assert 'publish: { allow: ["kvadvisor.events.*.worker-sim"] }' in worker
+    assert 'subscribe: { allow: ["_INBOX.worker-sim.>"] }' in worker
+    assert "$JS" not in conf and "$KV" not in conf and "kvadvisor.query" not in conf
+    for n in NATS:
+        assert "include ./auth.conf" in (COMPOSE / "nats" / f"{n}.conf").read_text()
 
 
 def test_prometheus_scrapes_every_process() -> None:
@@ -143,7 +169,8 @@ def test_no_default_passwords_anywhere() -> None:
     assert env["MINIO_ROOT_USER"] == "${MINIO_ROOT_USER:?set MINIO_ROOT_USER in compose/.env}"
     assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")  # never admin/admin
     for key in ("MINIO_ROOT_PASSWORD", "REDIS_PASSWORD", "AWS_SECRET_ACCESS_KEY", "KVADVISOR_API_ADMIN_TOKENS",
-                "KVADVISOR_API_READ_TOKENS", "KVADVISOR_READ_TOKEN"):
+                "KVADVISOR_API_READ_TOKENS", "KVADVISOR_READ_TOKEN", "NATS_ADVISOR_PASSWORD", "NATS_WORKER_SIM_PASSWORD",
+                "KVADVISOR_ADVISOR_NATS_PASSWORD", "KVADVISOR_CLUSTER_NATS_URL", "KVADVISOR_WORKER_SIM_NATS_URL"):
         assert re.search(r"\$\{[A-Z_]+:\?", env[key]), key  # required: no default value
     redis = services["redis"]["command"][0]
     assert 'requirepass "%s"' in redis and "$$REDIS_PASSWORD" in redis  # never an empty password
