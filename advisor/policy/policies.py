@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field, model_validator
 
-from advisor.policy.eviction.experts import EXPERTS
+from advisor.policy.eviction.experts import EXPERTS, SelectorSettings
 from advisor.policy.eviction.live_scoring import BlockFacts, LiveScorer, expert_rank
 from advisor.policy.eviction.prefix_value import PrefixValueSettings
 from advisor.index.prefix_index import PrefixIndex
@@ -85,7 +85,7 @@ class DemotionSettings(BaseModel):
     scoring: Literal["experts", "lru", "prefix_value"] = "experts"
     """Order of the leaves: the default policy (``experts``: the order of the expert the
     selector leads with, :class:`advisor.policy.eviction.experts.LiveSelector` and
-    :func:`advisor.policy.eviction.live_scoring.expert_rank`; ``prefix_value`` while no selector
+    :func:`advisor.policy.eviction.live_scoring.expert_rank`; the first leader while no selector
     runs), one expert alone (``prefix_value``, the evaluator's rule and settings), or least
     recently used (``lru``, the evaluator's baseline)."""
     horizon_s: float = Field(600.0, gt=0.0)
@@ -220,7 +220,8 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
 
     With ``demotion.scoring = "experts"`` (default): the order of the expert ``leader``
     (the live selector's leader, :func:`~advisor.policy.eviction.live_scoring.expert_rank`;
-    ``None`` = the selector's first expert, ``prefix_value``); with ``"prefix_value"``: that
+    ``None`` = the selector's first leader, :attr:`~advisor.policy.eviction.experts.SelectorSettings.initial`);
+    with ``"prefix_value"``: that
     expert alone (:class:`~advisor.policy.eviction.live_scoring.LiveScorer` with
     ``settings.prefix_value`` and ``demotion.horizon_s``), its class counts learned from the
     blocks ``hashes``; with ``"lru"``: the last access time (ns).  A block the index does not
@@ -234,7 +235,7 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
             info = index.block(h)
             return float(info.last_access_ns) if info is not None else 0.0
         return lru
-    expert = (leader or EXPERTS[0]) if settings.demotion.scoring == "experts" else "prefix_value"
+    expert = (leader or SelectorSettings().initial) if settings.demotion.scoring == "experts" else "prefix_value"
     if expert not in EXPERTS:
         raise ValueError(f"unknown expert {expert!r} (one of {', '.join(EXPERTS)})")
     scorer = LiveScorer(settings.prefix_value, settings.demotion.horizon_s)
@@ -620,7 +621,7 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
 
     Promotion and demotion rank blocks with one scorer (:func:`make_scorer`: the order of
     the expert ``leader``, the live selector's choice, by default; ``None`` = the selector's
-    first expert, ``prefix_value``); promotions stop at the demotion
+    first leader, :attr:`advisor.policy.eviction.experts.SelectorSettings.initial`); promotions stop at the demotion
     high watermark, and hot blocks (``hits >= promotion.min_hits``) are demoted only as far
     as that watermark.  When the fast volume has neither demotions of its own nor room for a
     promotion, :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks (also

@@ -11,7 +11,15 @@ from advisor import AdvisorService, AdvisorSettings
 from advisor.index.prefix_index import PrefixIndex
 from advisor.policy.eviction import experts
 from advisor.policy.eviction.compact import compact
-from advisor.policy.policies import DemotionSettings, PolicyInput, PolicySettings, VolumeUsage, plan_demotions
+from advisor.policy.policies import (
+    DemotionSettings,
+    PolicyInput,
+    PolicySettings,
+    SelectorLiveSettings,
+    VolumeUsage,
+    make_scorer,
+    plan_demotions,
+)
 from event_plane.schema import EventBatch, store
 from kvadvisor.synthetic import loop
 from storage_backends.types import BlockKey, Placement
@@ -32,14 +40,30 @@ def loop_case() -> tuple[list[list[int]], int]:
     """40 objects read in a cycle, 12 cycles; a tier of 3/4 of the loop: S3-FIFO keeps part of
     the loop, prefix_value (recency-led) keeps almost nothing that is reused in time."""
     case = loop(0, n_objects=40, n_requests=480)
-    reqs = [[b + 1 for b in r] for r in case.requests]  # sequence hashes are never 0 here
+    reqs = [[b + 10**6 for b in r] for r in case.requests]  # apart from conversations()' ids
     footprint = len({b for r in reqs for b in r[:-1]})
     return reqs, (3 * footprint) // 4
 
 
-def test_live_advisor_switches_expert_on_a_loop_fed_through_real_events(
+def conversations(n_conv: int = 8, turns: int = 30) -> list[list[int]]:
+    """Conversations taking turns in a shuffled round: each request reads its conversation's
+    whole history and adds a 4-block turn (and a fresh block).  The blocks of a turn are next
+    read one round later, after S3-FIFO's small queue has let them go: S3-FIFO loses."""
+    rng = np.random.default_rng(1)
+    nxt = iter(range(1, 10**6))
+    paths = [[next(nxt), next(nxt)] for _ in range(n_conv)]
+    reqs = []
+    for _ in range(turns):
+        for c in rng.permutation(n_conv):
+            paths[c] = paths[c] + [next(nxt) for _ in range(4)]
+            reqs.append(paths[c] + [next(nxt)])
+    return reqs
+
+
+def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
         tmp_path: Path, loop_case: tuple[list[list[int]], int]) -> None:
-    reqs, cap = loop_case
+    loop_reqs, cap = loop_case
+    window = 8_000  # block references: the selector's memory of past phases
     settings = AdvisorSettings(
         journal_path=str(tmp_path / "journal.sqlite"), catalog_path=str(tmp_path / "catalog.sqlite"),
         subscribe_urls=[], api_enabled=False, policy_interval_s=0, snapshot_store="none",
@@ -47,26 +71,42 @@ def test_live_advisor_switches_expert_on_a_loop_fed_through_real_events(
                   "root": str(tmp_path / "fast")},
                  {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30,
                   "root": str(tmp_path / "slow")}],
-        fast_volume="fast", slow_volumes=["slow"])
+        fast_volume="fast", slow_volumes=["slow"],
+        policy=PolicySettings(selector=SelectorLiveSettings(max_window_refs=window)))
     svc = AdvisorService(settings)
     svc.start()
-    try:
-        assert svc.policy_leader() == "prefix_value"  # nothing seen yet: the first expert
-        for seq, r in enumerate(reqs):
+    seq = 0
+
+    def feed(reqs: list[list[int]]) -> None:
+        nonlocal seq
+        for r in reqs:
             assert svc.ingest(EventBatch(1, "w0", 7, seq, 1_000 * (seq + 1), _chain(r)))
+            seq += 1
+
+    def evaluator_leader() -> str:
+        # the evaluator's selection on the requests the selector holds (one implementation)
+        return experts.EXPERTS[experts.next_leader(compact([list(w) for w in svc.selector._window]), cap)[0]]
+
+    try:
+        assert svc.policy_leader() == experts.SelectorSettings().initial == "s3fifo"  # before any evidence
+        conv = conversations()
+        feed(conv)
+        first = svc.policy_leader()
+        assert first != "s3fifo" and first == evaluator_leader()
         # the advisor's own moves (its source) are not requests
-        assert svc.selector.observe_batch(EventBatch(1, settings.source, 1, 0, 1, _chain(reqs[0])),
+        assert svc.selector.observe_batch(EventBatch(1, settings.source, 1, 0, 1, _chain(loop_reqs[0])),
                                           svc._parent_of, settings.source) == 0
-        assert svc.selector.requests == len(reqs)
-        leader = svc.policy_leader()
-        # the evaluator on the same requests at the same capacity: prefix_value loses by far,
-        # and the selection it follows at the end is the live one (one implementation)
-        ct = compact(reqs)
-        run = experts.run(ct, cap)
+        feed(loop_reqs)
+        assert svc.selector.requests == len(conv) + len(loop_reqs)
+        assert svc.selector.stats()["window_refs"] <= window
+        # a loop: the evaluator on the same requests shows the leader of the first phase losing by far
+        run = experts.run(compact(loop_reqs), cap)
         totals = dict(zip(experts.EXPERTS, run.expert_hits.sum(axis=1)))
-        assert totals["s3fifo"] > 2 * totals["prefix_value"]
-        assert leader == experts.EXPERTS[run.leader[-1]] == "s3fifo"
-        assert svc.query().stats()["policy"]["leader"] == "s3fifo"
+        assert totals["s3fifo"] > 2 * max(totals[first], totals["prefix_value"])
+        assert svc.policy_leader() == evaluator_leader() == "s3fifo"
+        assert svc.selector.switches == 2
+        stats = svc.query().stats()["policy"]
+        assert stats["leader"] == "s3fifo" and stats["switches"] == 2
         svc.run_policies_once()  # a round plans with the leader's order (nothing on fast: no moves)
     finally:
         svc.stop()
@@ -102,6 +142,11 @@ def test_live_selector_is_the_evaluators_selection_on_a_window(loop_case: tuple[
     assert 0.35 < sum(half.sampled(x) for x in roots) / len(roots) < 0.65
     with pytest.raises(ValueError):
         experts.LiveSelector(sample_rate=0.0)
+    # sequence hashes are u64: those above the int64 range are replayed too
+    big = experts.LiveSelector()
+    for _ in range(3):
+        big.observe([(1 << 64) - 1, (1 << 63) + 5, 7])
+    assert big.refresh(2) in experts.EXPERTS and big.stats()["window_refs"] == 9
 
 
 def test_demotion_follows_the_leaders_order() -> None:
@@ -118,7 +163,6 @@ def test_demotion_follows_the_leaders_order() -> None:
     s = DemotionSettings(high_watermark=0.8, low_watermark=0.5)
     first = {}
     for leader in ("lru", "s3fifo", "lfu_da"):
-        from advisor.policy.policies import make_scorer
         score = make_scorer(PolicySettings(demotion=s), idx, [1, 2], leader)
         items = plan_demotions(s, pin, idx, score=score)
         first[leader] = items[0].sequence_hash

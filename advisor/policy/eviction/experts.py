@@ -41,7 +41,14 @@ the lead must exceed z standard deviations of the two experts' *difference* (a p
 test; two experts that hit on the same requests differ only where they disagree, so this is
 far more sensitive than a bound on each count's own noise, and it never switches between
 experts that make the same decisions).  The leader for request i+1 is decided from requests ≤ i only (online).
-The first leader is ``prefix_value``.
+The first leader is ``initial`` (S3-FIFO): before any evidence the tier follows the
+expert that needs none — S3-FIFO learns nothing from the trace and is scan- and
+one-hit-resistant by construction (Yang et al., SOSP '23), while ``prefix_value`` learns
+its reuse classes from the trace and, before it has, ranks like LRU, the classic that loops
+and scans defeat.  A loop larger than the tier shows why the first leader matters: an
+expert's lead there appears only once its protected set is reused, a full loop period
+after the start, and following it then costs one more period (the switch cost below), so a
+selector that starts on the recency-led expert loses about two periods of the gain.
 
 **Following without losing contents (mirroring).**  The real tier R holds blocks; the
 leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule).
@@ -84,7 +91,7 @@ from advisor.policy.eviction.compact import CompactTrace, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
 EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru")
-"""Expert policies, in order; the first is the initial leader."""
+"""Expert policies, in order (the first leader is :attr:`SelectorSettings.initial`)."""
 
 _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
     "prefix_value": prefix_value.replay, "arc": arc.replay, "s3fifo": s3fifo.replay, "lfu_da": lfu_da.replay,
@@ -100,14 +107,18 @@ class SelectorSettings:
         half_life: half-life of the scores, in multiples of the capacity (block refs);
             ``inf`` = cumulative counts.
         z: hysteresis in standard deviations of the two scores' difference.
+        initial: the first leader.
     """
 
     half_life: float = 16.0
     z: float = 2.0
+    initial: str = "s3fifo"
+    """The leader before any evidence (one of :data:`EXPERTS`, module docstring)."""
 
     def __post_init__(self) -> None:
-        if not self.half_life > 0 or self.z < 0:
-            raise ValueError(f"need half_life > 0 and z >= 0, got {self.half_life}, {self.z}")
+        if not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS:
+            raise ValueError(f"need half_life > 0, z >= 0 and initial one of {EXPERTS}, got {self.half_life}, "
+                             f"{self.z}, {self.initial!r}")
 
 
 @dataclass
@@ -131,12 +142,12 @@ class SelectorRun:
 
 
 @numba.njit(cache=True)
-def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float) -> np.ndarray:
+def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float, first: int) -> np.ndarray:
     """Leaders ``[requests + 1]``: entry i leads request i; the last entry leads the next request."""
     n_exp, n_req = hits.shape
     score = np.zeros(n_exp)
     var = np.zeros((n_exp, n_exp))  # decayed sum of squared per-request differences, per pair
-    lead = 0
+    lead = first
     leader = np.zeros(n_req + 1, dtype=np.int8)
     for i in range(n_req):
         leader[i] = lead
@@ -161,7 +172,7 @@ def _leaders(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
              settings: SelectorSettings | None) -> np.ndarray:
     s = settings or SelectorSettings()
     return _schedule(np.ascontiguousarray(expert_hits, dtype=np.int64), lengths.astype(np.int64),
-                     float(s.half_life * capacity), float(s.z))
+                     float(s.half_life * capacity), float(s.z), EXPERTS.index(s.initial))
 
 
 def schedule(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
@@ -210,7 +221,7 @@ def next_leader(trace: CompactTrace, capacity: int, settings: SelectorSettings |
     if capacity < 1:
         raise ValueError(f"need capacity >= 1, got {capacity}")
     if trace.requests == 0:
-        return 0, 0
+        return EXPERTS.index((settings or SelectorSettings()).initial), 0
     lead = _leaders(expert_hits(trace, capacity), np.diff(trace.offsets), capacity, settings)
     return int(lead[-1]), int((lead[1:] != lead[:-1]).sum())
 
@@ -377,7 +388,7 @@ class LiveSelector:
     ``min_new_refs`` references arrived since the last refresh.  The replays start cold
     at the window's first request, so the leader is the one of a selector that began
     there; a window shorter than the miniature cache's turnover shows no expert ahead and
-    keeps the first expert, ``prefix_value``.
+    keeps the first leader (``settings.initial``).
 
     Args:
         sample_rate: fraction of prefixes (by root hash) kept, in (0, 1].
@@ -408,7 +419,7 @@ class LiveSelector:
         self._refs = 0
         self._new = 0
         self._lock = threading.Lock()
-        self.leader_index = 0
+        self.leader_index = EXPERTS.index(self.settings.initial)
         self.requests = 0
         """Requests observed (sampled or not)."""
         self.switches = 0
@@ -433,7 +444,8 @@ class LiveSelector:
         self.requests += 1
         if not self.sampled(path[0] if root is None else root):
             return
-        req = tuple(path[: self.max_path])
+        # sequence hashes are u64, the kernels' ids int64: the same bits, read signed
+        req = tuple(h - (1 << 64) if h >= 1 << 63 else h for h in path[: self.max_path])
         with self._lock:
             self._window.append(req)
             self._refs += len(req)
