@@ -73,7 +73,14 @@ pre-switch contents before they turn over.  Hence
 ``hits(R) ≥ max_e G_e − (S + 1)(δ_max + ℓ_max) − S · C · ℓ_max`` for H = ∞; with a finite H
 the same bound holds against the best expert of each spell (a shifting comparator), with
 S unbounded in the worst case (as for any deterministic follow-the-leader). The evaluator
-reports S (``switches``) so the bound can be checked on every trace.
+reports S (``switches``) so the bound can be checked on every trace.  The first leader
+enters the bound only through the first spell: starting on ``initial`` instead of the
+eventual best adds at most one switch (S + 1 → S + 2 spells).
+
+**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 7:
+28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+one replay of the new leader's spell with its eviction log (above).  Live: a refresh
+replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
 
 from __future__ import annotations
