@@ -391,6 +391,11 @@ class StatsResponse(BaseModel):
         description="lookups taken as prefetch hints and the prefetch moves' outcomes: hints, refused, queued, "
                     "issued, skipped, failed, bytes, used, wasted, pending, tracked (advisor.moves.prefetch); empty "
                     "when the advisor does not prefetch")
+    policy: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the default policy's live expert selection: leader (the expert whose order the policy rounds "
+                    "follow), switches, requests observed, window_requests, window_refs "
+                    "(advisor.policy.eviction.experts.LiveSelector)")
 
 
 class PlanResponse(BaseModel):

@@ -42,6 +42,7 @@ from advisor.ops.query import AdvisorQuery
 from advisor.ingest.quotas import QuotaGuard
 from advisor.embedded.run_state import RunStateStore
 from advisor.moves.prefetch import PrefetchCollector, Prefetcher
+from advisor.policy.eviction.experts import LiveSelector
 from advisor.settings import AdvisorSettings
 from advisor.ingest.source_expiry import due, expiry_batch, private_blocks
 from advisor.index.snapshot import (
@@ -135,6 +136,10 @@ class AdvisorService:
         self.mover: Mover | None = None
         self.prefetcher: Prefetcher | None = None
         self.planner = Planner(settings.policy.planner)
+        sel = settings.policy.selector
+        self.selector = LiveSelector(sel.sample_rate, sel.max_window_refs, sel.min_new_refs)
+        """The default policy's expert selection, fed the requests of the event stream
+        (:class:`advisor.policy.eviction.experts.LiveSelector`); each policy round ranks by its leader."""
         self.move_guard = MoveGuard(settings.policy.planner.min_move_interval_s, self._last_access)
         self._heard: dict[str, float] = {}  # source -> monotonic time of its last batch received
         self.full_backoff = FullVolumeBackoff(settings.full_backoff_s, settings.full_backoff_max_s)
@@ -509,6 +514,7 @@ class AdvisorService:
                 self._batches_since_snapshot += 1
                 return False
             self.index.apply_batch(admitted)
+            self.selector.observe_batch(admitted, self._parent_of, self.settings.source)
             n_events = len(admitted.events)
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
@@ -710,6 +716,7 @@ class AdvisorService:
                 self.metrics.duplicate_batches.inc()
                 return False
             self.index.apply_batch(batch)
+            self.selector.observe_batch(batch, self._parent_of, self.settings.source)
             self.position = pos
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
@@ -914,6 +921,26 @@ class AdvisorService:
             inp.segments[vol.id] = list(self.agent.segments(vol.id))
         return inp
 
+    def _parent_of(self, h: int) -> int | None:
+        info = self.index.block(h)
+        return info.parent if info is not None else None
+
+    def policy_leader(self, inp: PolicyInput | None = None) -> str:
+        """The expert the default policy follows now: the selector's leader after replaying
+        its window for the fast volume's capacity in blocks (capacity bytes / the latest
+        Stored block's bytes); the current leader when neither is known yet."""
+        s = self.settings
+        fast = s.fast_volume
+        cap_bytes = 0
+        if inp is not None and fast is not None and fast in inp.usage:
+            cap_bytes = inp.usage[fast].capacity_bytes
+        elif fast is not None:
+            cap_bytes = next((v.capacity_bytes for v in s.volumes if v.id == fast), 0)
+        block = self.selector.block_bytes
+        if cap_bytes <= 0 or block <= 0:
+            return self.selector.leader
+        return self.selector.refresh(max(1, cap_bytes // block))
+
     def run_policies_once(self) -> list[PlanResult]:
         """Run one round now: plan (policies + rate limits), execute, record.
 
@@ -924,8 +951,9 @@ class AdvisorService:
             return []
         with self._round_lock:
             inp = self.policy_input()
+            leader = self.policy_leader(inp)  # replays outside the index lock
             with self.lock:
-                proposed = plan_all(self.settings.policy, inp, self.index)
+                proposed = plan_all(self.settings.policy, inp, self.index, leader)
             results = self._execute_locked(proposed, policy_round=True)
             self.metrics.policy_rounds.inc()
             return results

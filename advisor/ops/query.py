@@ -211,6 +211,7 @@ class AdvisorQuery:
             "namespaces": self.namespaces(),
             "uptime_s": time.monotonic() - svc.started_at if svc.started_at else 0.0,
             "prefetch": svc.prefetcher.stats() if svc.prefetcher is not None else {},
+            "policy": svc.selector.stats(),
         }
 
     def plans(self, limit: int = 100) -> list[PlanResult]:

@@ -15,7 +15,8 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field, model_validator
 
-from advisor.policy.eviction.live_scoring import BlockFacts, LiveScorer
+from advisor.policy.eviction.experts import EXPERTS, SelectorSettings
+from advisor.policy.eviction.live_scoring import BlockFacts, LiveScorer, expert_rank
 from advisor.policy.eviction.prefix_value import PrefixValueSettings
 from advisor.index.prefix_index import PrefixIndex
 from advisor.policy.plan import PlanItem, PlanKind
@@ -81,12 +82,14 @@ class DemotionSettings(BaseModel):
     enabled: bool = True
     high_watermark: float = Field(0.8, gt=0.0, le=1.0)
     low_watermark: float = Field(0.6, ge=0.0, lt=1.0)
-    scoring: Literal["lru", "prefix_value"] = "prefix_value"
-    """Order of the leaves: the default policy's priority (``prefix_value``,
-    :class:`advisor.policy.eviction.live_scoring.LiveScorer`, the evaluator's rule and settings) or
-    least recently used (``lru``, the evaluator's baseline)."""
+    scoring: Literal["experts", "lru", "prefix_value"] = "experts"
+    """Order of the leaves: the default policy (``experts``: the order of the expert the
+    selector leads with, :class:`advisor.policy.eviction.experts.LiveSelector` and
+    :func:`advisor.policy.eviction.live_scoring.expert_rank`; the first leader while no selector
+    runs), one expert alone (``prefix_value``, the evaluator's rule and settings), or least
+    recently used (``lru``, the evaluator's baseline)."""
     horizon_s: float = Field(600.0, gt=0.0)
-    """Horizon of the ``prefix_value`` priority, seconds."""
+    """Horizon of the ranks (``prefix_value``'s priority, the experts' frequency credit), seconds."""
 
     @model_validator(mode="after")
     def _order(self) -> DemotionSettings:
@@ -137,6 +140,23 @@ class PlannerSettings(BaseModel):
     touched it (its last access changed); ``0`` = no limit (:mod:`advisor.moves.move_guard`)."""
 
 
+class SelectorLiveSettings(BaseModel):
+    """The live advisor's expert selection (:class:`advisor.policy.eviction.experts.LiveSelector`;
+    its switching rule is the evaluator's, :class:`advisor.policy.eviction.experts.SelectorSettings`).
+
+    Attributes:
+        sample_rate: fraction of prefixes (by root hash) the shadow caches replay; the
+            shadow caches hold ``sample_rate`` × the fast tier's capacity.
+        max_window_refs: block references of the newest requests kept for the replay
+            (the quota of the selector's state: 8 bytes each).
+        min_new_refs: new references observed before the next replay.
+    """
+
+    sample_rate: float = Field(1.0, gt=0.0, le=1.0)
+    max_window_refs: int = Field(1 << 20, ge=1)
+    min_new_refs: int = Field(1, ge=1)
+
+
 class PolicySettings(BaseModel):
     """All policy knobs (nested in ``AdvisorSettings.policy``)."""
 
@@ -145,8 +165,10 @@ class PolicySettings(BaseModel):
     compaction: CompactionSettings = Field(default_factory=CompactionSettings)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
     prefix_value: PrefixValueSettings = Field(default_factory=PrefixValueSettings)
-    """The default policy's settings, shared with ``kvadvisor evaluate``
+    """The ``prefix_value`` expert's settings, shared with ``kvadvisor evaluate``
     (:class:`advisor.policy.eviction.prefix_value.PrefixValueSettings`)."""
+    selector: SelectorLiveSettings = Field(default_factory=SelectorLiveSettings)
+    """The live expert selection (:class:`advisor.policy.eviction.experts.LiveSelector`)."""
 
 
 @dataclass
@@ -202,19 +224,30 @@ def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
-def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[int]) -> Callable[[int], float]:
+def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[int],
+                leader: str | None = None) -> Callable[[int], float]:
     """The ranking of blocks that promotion and demotion use (higher = hotter).
 
-    With ``demotion.scoring = "prefix_value"`` (default): the default policy's priority
-    (:class:`~advisor.policy.eviction.live_scoring.LiveScorer` with ``settings.prefix_value`` and
-    ``demotion.horizon_s``), its class counts learned from the blocks ``hashes``; with
-    ``"lru"``: the last access time (ns).  A block the index does not know scores 0.
+    With ``demotion.scoring = "experts"`` (default): the order of the expert ``leader``
+    (the live selector's leader, :func:`~advisor.policy.eviction.live_scoring.expert_rank`;
+    ``None`` = the selector's first leader, :attr:`~advisor.policy.eviction.experts.SelectorSettings.initial`);
+    with ``"prefix_value"``: that
+    expert alone (:class:`~advisor.policy.eviction.live_scoring.LiveScorer` with
+    ``settings.prefix_value`` and ``demotion.horizon_s``), its class counts learned from the
+    blocks ``hashes``; with ``"lru"``: the last access time (ns).  A block the index does not
+    know scores 0.
+
+    Raises:
+        ValueError: ``leader`` is not an expert.
     """
     if settings.demotion.scoring == "lru":
         def lru(h: int) -> float:
             info = index.block(h)
             return float(info.last_access_ns) if info is not None else 0.0
         return lru
+    expert = (leader or SelectorSettings().initial) if settings.demotion.scoring == "experts" else "prefix_value"
+    if expert not in EXPERTS:
+        raise ValueError(f"unknown expert {expert!r} (one of {', '.join(EXPERTS)})")
     scorer = LiveScorer(settings.prefix_value, settings.demotion.horizon_s)
     facts: dict[int, BlockFacts] = {}
     for h in hashes:
@@ -222,7 +255,8 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
         if info is not None and h not in facts:
             leaf = not any(c != h for c in index.children(h))
             facts[h] = BlockFacts(info.last_access_ns, info.hits, leaf, info.parent is not None)
-    scorer.learn(facts.values())
+    if expert == "prefix_value":
+        scorer.learn(facts.values())
 
     def score(h: int) -> float:
         f = facts.get(h)
@@ -231,7 +265,8 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
             if info is None:
                 return 0.0
             f = BlockFacts(info.last_access_ns, info.hits, True, info.parent is not None)
-        return scorer.score(f)
+        return expert_rank(expert, f, scorer)
+    score.expert = expert  # type: ignore[attr-defined]  # names the order in plan reasons
     return score
 
 
@@ -410,6 +445,7 @@ def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeU
     items: list[PlanItem] = []
     if need > 0:
         freed = 0
+        rank_name = str(getattr(score, "expert", "ranked")).replace("_", "-")
         for last, h in _leaves_first(on_src, index, score, held):
             if freed >= need:
                 break
@@ -417,7 +453,7 @@ def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeU
             if hot_hits is not None and info is not None and info.hits >= hot_hits and freed >= need_hot:
                 continue  # hot: demoted only as far as the high watermark
             freed += on_src[h].length
-            what = f"prefix-value leaf (score {last:.0f})" if score else f"LRU leaf (last access ts {last})"
+            what = f"{rank_name} leaf (score {last:.0f})" if score else f"LRU leaf (last access ts {last})"
             items.append(item(h, f"{what} moved to '{dst}' until {_pct(settings.low_watermark)} live"))
         return items
     # the excess is dead space: compaction reclaims it if a sparse segment fits in the free space
@@ -458,7 +494,7 @@ def plan_demotions(
     """
     if not settings.enabled:
         return []
-    if score is None and settings.scoring == "prefix_value":
+    if score is None and settings.scoring != "lru":
         pol = PolicySettings(demotion=settings)
         hashes = [p.key.sequence_hash for p in inp.fast_placements]  # type: ignore[attr-defined]
         for ps in inp.placements.values():
@@ -600,11 +636,13 @@ def _swap_level(settings: PromotionSettings, upper: str, sources: list[str], upp
     return items
 
 
-def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> list[PlanItem]:
+def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
+             leader: str | None = None) -> list[PlanItem]:
     """Demotions first (they make room), then promotions, then compactions.
 
-    Promotion and demotion rank blocks with one scorer (:func:`make_scorer`, the default
-    policy's priority unless ``demotion.scoring = "lru"``); promotions stop at the demotion
+    Promotion and demotion rank blocks with one scorer (:func:`make_scorer`: the order of
+    the expert ``leader``, the live selector's choice, by default; ``None`` = the selector's
+    first leader, :attr:`advisor.policy.eviction.experts.SelectorSettings.initial`); promotions stop at the demotion
     high watermark, and hot blocks (``hits >= promotion.min_hits``) are demoted only as far
     as that watermark.  When the fast volume has neither demotions of its own nor room for a
     promotion, :func:`plan_swaps` replaces its lowest-ranked leaves by hotter blocks (also
@@ -615,7 +653,7 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex) -> 
         hashes += [p.key.sequence_hash for p in ps]  # type: ignore[attr-defined]
     for v in list(inp.slow_volumes) + ([inp.archive_volume] if inp.archive_volume else []):
         hashes += list(index.blocks_at(v))
-    score = make_scorer(settings, index, hashes) if settings.demotion.scoring == "prefix_value" else None
+    score = make_scorer(settings, index, hashes, leader) if settings.demotion.scoring != "lru" else None
     hot = settings.promotion.min_hits if settings.promotion.enabled else None
     demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
     promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)

@@ -47,14 +47,18 @@ def test_schedule_switches_on_a_clear_lead_and_not_on_noise() -> None:
     n = 2000
     lengths = np.full(n, 10)
     same = np.tile(np.arange(n) % 7, (3, 1))
-    assert (experts.schedule(same, lengths, 100) == 0).all()  # identical experts: never switch
+    start = experts.SelectorSettings(initial=experts.EXPERTS[0])  # rows 0..2 stand for the first 3 experts
+    assert (experts.schedule(same, lengths, 100, start) == 0).all()  # identical experts: never switch
+    assert (experts.schedule(same, lengths, 100) == experts.EXPERTS.index("s3fifo")).all()  # the default start
     better = same.copy()
     better[2] += (np.arange(n) % 10 == 0)  # expert 2 hits one more block every 10 requests
-    lead = experts.schedule(better, lengths, 100)
+    lead = experts.schedule(better, lengths, 100, start)
     first = int(np.argmax(lead == 2))
     assert lead[-1] == 2 and 0 < first < n // 2 and (lead[first:] == 2).all()
     with pytest.raises(ValueError):
         experts.SelectorSettings(half_life=0)
+    with pytest.raises(ValueError):
+        experts.SelectorSettings(initial="fifo")
 
 
 def test_default_follows_the_best_expert_where_prefix_value_is_weak() -> None:

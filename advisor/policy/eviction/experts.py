@@ -12,11 +12,15 @@ evaluator replays the experts one after another (peak memory: one expert's), the
 each expert that led again, logging its evictions during its spells (16 bytes per
 eviction, at most one per reference) and the blocks it holds at the start of each spell
 (at most C per switch), then runs the mirror below, O(references + C × switches).  The
-live advisor does not run this selection yet: it ranks by ``prefix_value`` alone
-(:mod:`advisor.policy.eviction.live_scoring`).
+live advisor runs the same selection (:class:`LiveSelector`: the same experts, kernels
+and rule, over a window of the event stream on a hashed sample of prefixes) and ranks its
+blocks by the leader's order (:mod:`advisor.policy.eviction.live_scoring`).
 
-**Miniature simulations were considered and not used** (C. A. Waldspurger et al., "Cache
-Modeling and Optimization using Miniature Simulations", USENIX ATC 2017): (1) a hit here
+**Miniature simulations: live only, and off by default** (C. A. Waldspurger et al., "Cache
+Modeling and Optimization using Miniature Simulations", USENIX ATC 2017).  The live
+selector can replay a hashed sample of prefixes (by root block, ``sample_rate``) on caches
+scaled by the same rate; its default rate is 1 (exact), and the evaluator never samples:
+(1) a hit here
 is a *prefix* hit, so a sample of single keys does not see the quantity being chosen
 (SIEVE keeps most sampled keys but loses the roots of long prefixes and with them nearly
 every prefix hit, docs/BENCHMARKS.md); a prefix-closed sample (by subtree) keeps the
@@ -24,7 +28,9 @@ shared roots at full weight in a cache scaled by R, which SHARDS' scaling does n
 (2) the real tier must follow the chosen expert's evictions without losing its contents at
 a switch (below), which needs each expert's full state anyway, and with it the exact
 counts come for free; (3) at the smallest capacities (1,000 blocks × R = 0.01 is 10
-blocks) a miniature cache's hit-count noise is larger than the 0.002 tolerance asked.
+blocks) a miniature cache's hit-count noise is larger than the 0.002 tolerance asked;
+(4) a root sample is all-or-nothing on a workload whose requests share one root (a common
+system prompt).
 
 **Switching rule (follow the leader with a paired noise bound).**  After request i each
 expert's score is its hit count decayed with a half-life of ``H = half_life × capacity``
@@ -35,7 +41,14 @@ the lead must exceed z standard deviations of the two experts' *difference* (a p
 test; two experts that hit on the same requests differ only where they disagree, so this is
 far more sensitive than a bound on each count's own noise, and it never switches between
 experts that make the same decisions).  The leader for request i+1 is decided from requests ≤ i only (online).
-The first leader is ``prefix_value``.
+The first leader is ``initial`` (S3-FIFO): before any evidence the tier follows the
+expert that needs none — S3-FIFO learns nothing from the trace and is scan- and
+one-hit-resistant by construction (Yang et al., SOSP '23), while ``prefix_value`` learns
+its reuse classes from the trace and, before it has, ranks like LRU, the classic that loops
+and scans defeat.  A loop larger than the tier shows why the first leader matters: an
+expert's lead there appears only once its protected set is reused, a full loop period
+after the start, and following it then costs one more period (the switch cost below), so a
+selector that starts on the recency-led expert loses about two periods of the gain.
 
 **Following without losing contents (mirroring).**  The real tier R holds blocks; the
 leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule).
@@ -60,23 +73,32 @@ pre-switch contents before they turn over.  Hence
 ``hits(R) ≥ max_e G_e − (S + 1)(δ_max + ℓ_max) − S · C · ℓ_max`` for H = ∞; with a finite H
 the same bound holds against the best expert of each spell (a shifting comparator), with
 S unbounded in the worst case (as for any deterministic follow-the-leader). The evaluator
-reports S (``switches``) so the bound can be checked on every trace.
+reports S (``switches``) so the bound can be checked on every trace.  The first leader
+enters the bound only through the first spell: starting on ``initial`` instead of the
+eventual best adds at most one switch (S + 1 → S + 2 spells).
+
+**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 7:
+28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+one replay of the new leader's spell with its eviction log (above).  Live: a refresh
+replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 
 from advisor.policy.eviction import arc, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
-from advisor.policy.eviction.compact import CompactTrace
+from advisor.policy.eviction.compact import CompactTrace, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
 EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru")
-"""Expert policies, in order; the first is the initial leader."""
+"""Expert policies, in order (the first leader is :attr:`SelectorSettings.initial`)."""
 
 _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
     "prefix_value": prefix_value.replay, "arc": arc.replay, "s3fifo": s3fifo.replay, "lfu_da": lfu_da.replay,
@@ -92,14 +114,18 @@ class SelectorSettings:
         half_life: half-life of the scores, in multiples of the capacity (block refs);
             ``inf`` = cumulative counts.
         z: hysteresis in standard deviations of the two scores' difference.
+        initial: the first leader.
     """
 
     half_life: float = 16.0
     z: float = 2.0
+    initial: str = "s3fifo"
+    """The leader before any evidence (one of :data:`EXPERTS`, module docstring)."""
 
     def __post_init__(self) -> None:
-        if not self.half_life > 0 or self.z < 0:
-            raise ValueError(f"need half_life > 0 and z >= 0, got {self.half_life}, {self.z}")
+        if not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS:
+            raise ValueError(f"need half_life > 0, z >= 0 and initial one of {EXPERTS}, got {self.half_life}, "
+                             f"{self.z}, {self.initial!r}")
 
 
 @dataclass
@@ -123,12 +149,13 @@ class SelectorRun:
 
 
 @numba.njit(cache=True)
-def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float) -> np.ndarray:
+def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: float, first: int) -> np.ndarray:
+    """Leaders ``[requests + 1]``: entry i leads request i; the last entry leads the next request."""
     n_exp, n_req = hits.shape
     score = np.zeros(n_exp)
     var = np.zeros((n_exp, n_exp))  # decayed sum of squared per-request differences, per pair
-    lead = 0
-    leader = np.zeros(n_req, dtype=np.int8)
+    lead = first
+    leader = np.zeros(n_req + 1, dtype=np.int8)
     for i in range(n_req):
         leader[i] = lead
         decay = 0.5 ** (lengths[i] / half_life_refs) if half_life_refs < np.inf else 1.0
@@ -144,7 +171,15 @@ def _schedule(hits: np.ndarray, lengths: np.ndarray, half_life_refs: float, z: f
                 best = e
         if best != lead and score[best] - score[lead] > z * np.sqrt(var[best, lead] + 1.0):
             lead = best
+    leader[n_req] = lead
     return leader
+
+
+def _leaders(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
+             settings: SelectorSettings | None) -> np.ndarray:
+    s = settings or SelectorSettings()
+    return _schedule(np.ascontiguousarray(expert_hits, dtype=np.int64), lengths.astype(np.int64),
+                     float(s.half_life * capacity), float(s.z), EXPERTS.index(s.initial))
 
 
 def schedule(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
@@ -158,9 +193,44 @@ def schedule(expert_hits: np.ndarray, lengths: np.ndarray, capacity: int,
         capacity: the tier's capacity in blocks (sets the half-life).
         settings: the rule's settings (default :class:`SelectorSettings`).
     """
-    s = settings or SelectorSettings()
-    return _schedule(np.ascontiguousarray(expert_hits, dtype=np.int64), lengths.astype(np.int64),
-                     float(s.half_life * capacity), float(s.z))
+    return _leaders(expert_hits, lengths, capacity, settings)[:-1]
+
+
+def expert_hits(trace: CompactTrace, capacity: int,
+                known: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+    """Each expert's own hits per request (int64 ``[experts, requests]``), every expert
+    replaying the whole trace alone on a cache of ``capacity`` blocks.
+
+    Args:
+        trace: the compact trace.
+        capacity: blocks (>= 1).
+        known: hits per request already replayed at this capacity (by expert name).
+    """
+    known = known or {}
+    none = np.zeros(trace.requests, dtype=np.bool_)
+    hits = np.zeros((len(EXPERTS), trace.requests), dtype=np.int64)
+    for e, name in enumerate(EXPERTS):
+        hits[e] = known[name] if name in known else _REPLAY[name](trace, capacity, none, none)[0]
+    return hits
+
+
+def next_leader(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None) -> tuple[int, int]:
+    """``(leader, switches)``: the expert (index into :data:`EXPERTS`) the switching rule
+    picks for the request after the last of ``trace``, and the leader changes on the way.
+
+    This is the selection of :func:`run` (same experts, same replays, same rule), asked at
+    the end of the trace instead of before each request; the live advisor uses it
+    (:class:`LiveSelector`).
+
+    Raises:
+        ValueError: ``capacity`` < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"need capacity >= 1, got {capacity}")
+    if trace.requests == 0:
+        return EXPERTS.index((settings or SelectorSettings()).initial), 0
+    lead = _leaders(expert_hits(trace, capacity), np.diff(trace.offsets), capacity, settings)
+    return int(lead[-1]), int((lead[1:] != lead[:-1]).sum())
 
 
 @numba.njit(cache=True)
@@ -264,11 +334,7 @@ def run(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = 
     if capacity < 1:
         raise ValueError(f"need capacity >= 1, got {capacity}")
     n_req = trace.requests
-    known = known or {}
-    none = np.zeros(n_req, dtype=np.bool_)
-    hits = np.zeros((len(EXPERTS), n_req), dtype=np.int64)
-    for e, name in enumerate(EXPERTS):
-        hits[e] = known[name] if name in known else _REPLAY[name](trace, capacity, none, none)[0]
+    hits = expert_hits(trace, capacity, known)
     lengths = np.diff(trace.offsets)
     if leader is None:
         leader = schedule(hits, lengths, capacity, settings)
@@ -297,4 +363,174 @@ def simulate(trace: CompactTrace, capacity: int, settings: SelectorSettings | No
     return run(trace, capacity, settings, known).hits
 
 
-__all__ = ["EXPERTS", "SelectorRun", "SelectorSettings", "run", "schedule", "simulate"]
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+class LiveSelector:
+    """The live advisor's expert selection: :func:`next_leader` over a window of the
+    requests the event stream shows, on a hashed sample of prefixes.
+
+    **What is a request.**  A worker Stores the blocks of a request it served, each with
+    its parent; a run of Store events in one batch at an engine tier (``locations``,
+    default ``g1``/``g2``), each the child of the one before, is one request.  Its path is
+    the first block's ancestors (walked back through ``parent_of``, the index, at most
+    ``max_path`` blocks: the prefix the request read) then the run, so a request that
+    stored only its new blocks still references its whole prefix, as in the evaluator's
+    traces.  Batches of ``skip_source`` (the advisor's own moves) are not requests.
+
+    **Shadow caches over a hashed sample.**  A request is kept when the hash of its first
+    block falls in the sample (``sample_rate``, Waldspurger et al., USENIX ATC 2017): the
+    sample is closed under prefixes (a kept request keeps its whole path and every request
+    sharing its root is kept too), so a prefix hit of the sample is a prefix hit of the
+    trace.  Each expert replays the window alone on a cache of ``capacity × sample_rate``
+    blocks (a miniature of the tier) with the evaluator's own kernels, and the evaluator's
+    switching rule (:func:`next_leader`, module docstring) picks the leader after the
+    window's last request.  At ``sample_rate = 1`` the leader is exactly the one
+    ``kvadvisor evaluate`` would follow after the same requests (tested).
+
+    **Cost and quota.**  The window holds at most ``max_window_refs`` block references
+    (the oldest requests leave first; 8 bytes a reference); :meth:`refresh` replays it
+    once per expert (E = 7 compiled replays, O(window) each) and only when
+    ``min_new_refs`` references arrived since the last refresh.  The replays start cold
+    at the window's first request, so the leader is the one of a selector that began
+    there; a window shorter than the miniature cache's turnover shows no expert ahead and
+    keeps the first leader (``settings.initial``).
+
+    Args:
+        sample_rate: fraction of prefixes (by root hash) kept, in (0, 1].
+        max_window_refs: block references kept (>= 1).
+        min_new_refs: references observed between two replays (>= 1).
+        settings: the switching rule (default :class:`SelectorSettings`, the evaluator's).
+        max_path: longest path taken from one request, in blocks.
+        locations: storage locations whose Stores are requests.
+
+    Raises:
+        ValueError: a setting out of range.
+    """
+
+    def __init__(self, sample_rate: float = 1.0, max_window_refs: int = 1 << 20, min_new_refs: int = 1,
+                 settings: SelectorSettings | None = None, max_path: int = 4096,
+                 locations: Iterable[str] = ("g1", "g2")) -> None:
+        if not 0.0 < sample_rate <= 1.0 or max_window_refs < 1 or min_new_refs < 1 or max_path < 1:
+            raise ValueError(f"need 0 < sample_rate <= 1 and max_window_refs, min_new_refs, max_path >= 1, got "
+                             f"{sample_rate}, {max_window_refs}, {min_new_refs}, {max_path}")
+        self.sample_rate = float(sample_rate)
+        self.max_window_refs = int(max_window_refs)
+        self.min_new_refs = int(min_new_refs)
+        self.settings = settings or SelectorSettings()
+        self.max_path = int(max_path)
+        self.locations = frozenset(locations)
+        self._limit = int(self.sample_rate * float(1 << 64)) if sample_rate < 1.0 else 1 << 64
+        self._window: deque[tuple[int, ...]] = deque()
+        self._refs = 0
+        self._new = 0
+        self._lock = threading.Lock()
+        self.leader_index = EXPERTS.index(self.settings.initial)
+        self.requests = 0
+        """Requests observed (sampled or not)."""
+        self.switches = 0
+        """Times :meth:`refresh` changed the leader."""
+        self.block_bytes = 0
+        """Bytes per block of the latest Store seen (0 before any): converts a tier's bytes to blocks."""
+
+    @property
+    def leader(self) -> str:
+        """Name of the expert the live advisor follows (one of :data:`EXPERTS`)."""
+        return EXPERTS[self.leader_index]
+
+    def sampled(self, root: int) -> bool:
+        """Whether prefixes rooted at block ``root`` are in the sample."""
+        return ((root * _GOLDEN) & _MASK) < self._limit
+
+    def observe(self, path: Sequence[int], root: int | None = None) -> None:
+        """One request: its blocks, first block first; kept when its root (``root``, default
+        ``path[0]``) is sampled."""
+        if not path:
+            return
+        self.requests += 1
+        if not self.sampled(path[0] if root is None else root):
+            return
+        # sequence hashes are u64, the kernels' ids int64: the same bits, read signed
+        req = tuple(h - (1 << 64) if h >= 1 << 63 else h for h in path[: self.max_path])
+        with self._lock:
+            self._window.append(req)
+            self._refs += len(req)
+            self._new += len(req)
+            while self._refs > self.max_window_refs and len(self._window) > 1:
+                self._refs -= len(self._window.popleft())
+
+    def observe_batch(self, batch: object, parent_of: Callable[[int], int | None],
+                      skip_source: str | None = None) -> int:
+        """Take the requests of one event batch (class docstring); returns how many.
+
+        The sample is decided on each run's ``prefix_hash`` (its chain's first block)
+        before its ancestors are walked, so an unsampled request costs no index lookups.
+
+        Args:
+            batch: an :class:`event_plane.schema.EventBatch` (``source``, ``events``).
+            parent_of: the parent of a known block (``None``: a first block or unknown).
+            skip_source: a source whose batches are not requests.
+        """
+        if skip_source is not None and getattr(batch, "source", None) == skip_source:
+            return 0
+        runs: list[tuple[int, int | None, list[int]]] = []
+        run: list[int] = []
+        for ev in getattr(batch, "events", ()):
+            if int(ev.type) != 0 or ev.storage_location not in self.locations:  # 0 = STORE
+                continue
+            if block := int(ev.block_size):
+                self.block_bytes = block
+            if run and ev.parent_hash == run[-1]:
+                run.append(ev.sequence_hash)
+                continue
+            run = [ev.sequence_hash]
+            runs.append((int(ev.prefix_hash), ev.parent_hash, run))
+        for root, parent, r in runs:
+            if self.sampled(root):
+                self.observe(self._path(r, parent, parent_of), root)
+            else:
+                self.requests += 1
+        return len(runs)
+
+    def _path(self, run: list[int], parent: int | None, parent_of: Callable[[int], int | None]) -> list[int]:
+        head: list[int] = []
+        seen = set(run)
+        p = parent
+        while p is not None and p not in seen and len(head) + len(run) < self.max_path:
+            seen.add(p)
+            head.append(p)
+            p = parent_of(p)
+        head.reverse()
+        return head + run
+
+    def refresh(self, capacity_blocks: int) -> str:
+        """Replay the window (class docstring) for a tier of ``capacity_blocks`` blocks and
+        return the leader's name; without ``min_new_refs`` new references, the current one.
+
+        Raises:
+            ValueError: ``capacity_blocks`` < 1.
+        """
+        if capacity_blocks < 1:
+            raise ValueError(f"need capacity_blocks >= 1, got {capacity_blocks}")
+        with self._lock:
+            if self._new < self.min_new_refs or not self._window:
+                return self.leader
+            reqs = list(self._window)
+            self._new = 0
+        cap = max(1, round(capacity_blocks * self.sample_rate))
+        lead, _ = next_leader(compact(reqs), cap, self.settings)
+        if lead != self.leader_index:
+            self.switches += 1
+            self.leader_index = lead
+        return self.leader
+
+    def stats(self) -> dict[str, object]:
+        """``leader``, ``switches``, ``requests`` observed, ``window_requests`` and ``window_refs``."""
+        with self._lock:
+            return {"leader": self.leader, "switches": self.switches, "requests": self.requests,
+                    "window_requests": len(self._window), "window_refs": self._refs}
+
+
+__all__ = ["EXPERTS", "LiveSelector", "SelectorRun", "SelectorSettings", "expert_hits", "next_leader", "run",
+           "schedule", "simulate"]

@@ -1,7 +1,10 @@
 """The default policy's priority for the live advisor's blocks (promotion and demotion order).
 
-The live advisor ranks blocks with the same rule and settings as the evaluator
-(:mod:`advisor.policy.eviction.prefix_value`): ``priority = last access + horizon × P(reuse | class)``
+The live advisor follows the expert its selector leads with
+(:class:`advisor.policy.eviction.experts.LiveSelector`, the evaluator's selection) and ranks
+blocks in that expert's eviction order, expressed on what the index knows of a block (its
+last access and hit count, :func:`expert_rank`).  For ``prefix_value`` that is the same rule
+and settings as the evaluator (:mod:`advisor.policy.eviction.prefix_value`): ``priority = last access + horizon × P(reuse | class)``
 computed by :func:`advisor.policy.eviction.prefix_value.priority`, with the class of
 :func:`advisor.policy.eviction.prefix_value.reuse_class`.  What differs is only where the inputs
 come from:
@@ -108,4 +111,33 @@ class LiveScorer:
                 f"{self.horizon_ns:.0f} ns × P(reuse | hits={facts.hits}, leaf={facts.leaf}) {self.p_reuse(facts):.3f}")
 
 
-__all__ = ["BlockFacts", "LiveScorer"]
+def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
+    """Rank of a live block in ``expert``'s eviction order (lower = demoted first).
+
+    Each expert's order on the index's facts (last access ``t``, hits ``h`` = accesses
+    after the first, horizon ``H`` = ``scorer``'s, in ns):
+
+    * ``prefix_value``: :meth:`LiveScorer.score`;
+    * ``lru``, ``prefix_lru``: ``t`` (the planner walks leaves first, which is prefix-LRU);
+    * ``arc``, ``s3fifo``, ``sieve``: ``t + H·[h ≥ 1]`` — a block seen once (ARC's T1,
+      S3-FIFO's small queue, SIEVE's unvisited) leaves before a block seen again that is
+      at most ``H`` older (ARC's T2, S3-FIFO's main queue, SIEVE's visited);
+    * ``lfu_da``: ``t + H·min(h, 4)`` — frequency first, aged by recency (dynamic aging
+      lets an old frequent block go after ``H`` per hit).
+
+    Raises:
+        ValueError: an unknown expert.
+    """
+    t = float(facts.last_access_ns)
+    if expert == "prefix_value":
+        return scorer.score(facts)
+    if expert in ("lru", "prefix_lru"):
+        return t
+    if expert in ("arc", "s3fifo", "sieve"):
+        return t + scorer.horizon_ns * (1.0 if facts.hits >= 1 else 0.0)
+    if expert == "lfu_da":
+        return t + scorer.horizon_ns * float(min(facts.hits, 4))
+    raise ValueError(f"unknown expert {expert!r}")
+
+
+__all__ = ["BlockFacts", "LiveScorer", "expert_rank"]

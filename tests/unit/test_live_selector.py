@@ -1,0 +1,173 @@
+"""The live advisor's default policy: the evaluator's expert selection, fed real events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from advisor import AdvisorService, AdvisorSettings
+from advisor.index.prefix_index import PrefixIndex
+from advisor.policy.eviction import experts
+from advisor.policy.eviction.compact import compact
+from advisor.policy.policies import (
+    DemotionSettings,
+    PolicyInput,
+    PolicySettings,
+    SelectorLiveSettings,
+    VolumeUsage,
+    make_scorer,
+    plan_demotions,
+)
+from event_plane.schema import EventBatch, store
+from kvadvisor.synthetic import loop
+from storage_backends.types import BlockKey, Placement
+
+BLK = 4096  # bytes per block
+
+
+def _chain(path: list[int], loc: str = "g1") -> list:
+    out, parent = [], None
+    for h in path:
+        out.append(store(h, path[0], parent, BLK, loc))
+        parent = h
+    return out
+
+
+@pytest.fixture
+def loop_case() -> tuple[list[list[int]], int]:
+    """40 objects read in a cycle, 12 cycles; a tier of 3/4 of the loop: S3-FIFO keeps part of
+    the loop, prefix_value (recency-led) keeps almost nothing that is reused in time."""
+    case = loop(0, n_objects=40, n_requests=480)
+    reqs = [[b + 10**6 for b in r] for r in case.requests]  # apart from conversations()' ids
+    footprint = len({b for r in reqs for b in r[:-1]})
+    return reqs, (3 * footprint) // 4
+
+
+def conversations(n_conv: int = 8, turns: int = 30) -> list[list[int]]:
+    """Conversations taking turns in a shuffled round: each request reads its conversation's
+    whole history and adds a 4-block turn (and a fresh block).  The blocks of a turn are next
+    read one round later, after S3-FIFO's small queue has let them go: S3-FIFO loses."""
+    rng = np.random.default_rng(1)
+    nxt = iter(range(1, 10**6))
+    paths = [[next(nxt), next(nxt)] for _ in range(n_conv)]
+    reqs = []
+    for _ in range(turns):
+        for c in rng.permutation(n_conv):
+            paths[c] = paths[c] + [next(nxt) for _ in range(4)]
+            reqs.append(paths[c] + [next(nxt)])
+    return reqs
+
+
+def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
+        tmp_path: Path, loop_case: tuple[list[list[int]], int]) -> None:
+    loop_reqs, cap = loop_case
+    window = 8_000  # block references: the selector's memory of past phases
+    settings = AdvisorSettings(
+        journal_path=str(tmp_path / "journal.sqlite"), catalog_path=str(tmp_path / "catalog.sqlite"),
+        subscribe_urls=[], api_enabled=False, policy_interval_s=0, snapshot_store="none",
+        volumes=[{"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": cap * BLK,
+                  "root": str(tmp_path / "fast")},
+                 {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30,
+                  "root": str(tmp_path / "slow")}],
+        fast_volume="fast", slow_volumes=["slow"],
+        policy=PolicySettings(selector=SelectorLiveSettings(max_window_refs=window)))
+    svc = AdvisorService(settings)
+    svc.start()
+    seq = 0
+
+    def feed(reqs: list[list[int]]) -> None:
+        nonlocal seq
+        for r in reqs:
+            assert svc.ingest(EventBatch(1, "w0", 7, seq, 1_000 * (seq + 1), _chain(r)))
+            seq += 1
+
+    def evaluator_leader() -> str:
+        # the evaluator's selection on the requests the selector holds (one implementation)
+        return experts.EXPERTS[experts.next_leader(compact([list(w) for w in svc.selector._window]), cap)[0]]
+
+    try:
+        assert svc.policy_leader() == experts.SelectorSettings().initial == "s3fifo"  # before any evidence
+        conv = conversations()
+        feed(conv)
+        first = svc.policy_leader()
+        assert first != "s3fifo" and first == evaluator_leader()
+        # the advisor's own moves (its source) are not requests
+        assert svc.selector.observe_batch(EventBatch(1, settings.source, 1, 0, 1, _chain(loop_reqs[0])),
+                                          svc._parent_of, settings.source) == 0
+        feed(loop_reqs)
+        assert svc.selector.requests == len(conv) + len(loop_reqs)
+        assert svc.selector.stats()["window_refs"] <= window
+        # a loop: the evaluator on the same requests shows the leader of the first phase losing by far
+        run = experts.run(compact(loop_reqs), cap)
+        totals = dict(zip(experts.EXPERTS, run.expert_hits.sum(axis=1)))
+        assert totals["s3fifo"] > 2 * max(totals[first], totals["prefix_value"])
+        assert svc.policy_leader() == evaluator_leader() == "s3fifo"
+        assert svc.selector.switches == 2
+        stats = svc.query().stats()["policy"]
+        assert stats["leader"] == "s3fifo" and stats["switches"] == 2
+        svc.run_policies_once()  # a round plans with the leader's order (nothing on fast: no moves)
+    finally:
+        svc.stop()
+
+
+def test_live_selector_is_the_evaluators_selection_on_a_window(loop_case: tuple[list[list[int]], int]) -> None:
+    reqs, cap = loop_case
+    sel = experts.LiveSelector(max_window_refs=10**6)
+    idx = PrefixIndex()
+    for seq, r in enumerate(reqs):
+        b = EventBatch(1, "w0", 7, seq, seq + 1, _chain(r))
+        idx.apply_batch(b)
+
+        def parent_of(h: int) -> int | None:
+            info = idx.block(h)
+            return info.parent if info is not None else None
+        sel.observe_batch(b, parent_of)
+    assert sel.refresh(cap) == experts.EXPERTS[experts.next_leader(compact(reqs), cap)[0]] == "s3fifo"
+    # a worker that stores only a request's new blocks still references the whole prefix
+    sel2 = experts.LiveSelector()
+    tail = EventBatch(1, "w0", 7, 999, 1, [store(reqs[0][-1] + 10**6, reqs[0][0], reqs[0][-2], BLK, "g1")])
+    sel2.observe_batch(tail, parent_of)
+    assert list(sel2._window[-1]) == reqs[0][:-1] + [reqs[0][-1] + 10**6]
+    # a hashed sample keeps whole prefixes and about its share of them; the window has a quota
+    many = [[1_000 * (i % 300) + j for j in range(1, 6)] for i in range(900)]  # 300 roots, 3 visits each
+    half = experts.LiveSelector(sample_rate=0.5, max_window_refs=2_000)
+    for r in many:
+        half.observe(r)
+    st = half.stats()
+    assert 1_000 <= st["window_refs"] <= 2_000 and st["requests"] == len(many)
+    assert all(half.sampled(w[0]) and len(w) == 5 for w in half._window)
+    roots = {r[0] for r in many}
+    assert 0.35 < sum(half.sampled(x) for x in roots) / len(roots) < 0.65
+    with pytest.raises(ValueError):
+        experts.LiveSelector(sample_rate=0.0)
+    # sequence hashes are u64: those above the int64 range are replayed too
+    big = experts.LiveSelector()
+    for _ in range(3):
+        big.observe([(1 << 64) - 1, (1 << 63) + 5, 7])
+    assert big.refresh(2) in experts.EXPERTS and big.stats()["window_refs"] == 9
+
+
+def test_demotion_follows_the_leaders_order() -> None:
+    # a block seen once (recent) and a block seen three times (older): recency-led experts
+    # demote the older one, frequency-aware experts the one-hit block
+    idx = PrefixIndex()
+    idx.apply_batch(EventBatch(1, "w0", 1, 0, 1_000, _chain([1], "fast")))
+    for k in range(1, 4):
+        idx.apply_batch(EventBatch(1, "w0", 1, k, 1_000 + k, _chain([1], "g1")))
+    idx.apply_batch(EventBatch(1, "w0", 1, 9, 5_000, _chain([2], "fast")))
+    on_fast = [Placement(BlockKey("ns", h), "fast", 1, i * BLK, BLK, 0) for i, h in enumerate((1, 2))]
+    pin = PolicyInput("fast", ["slow"], None, usage={"fast": VolumeUsage(2 * BLK, 2 * BLK, 2 * BLK)},
+                      fast_placements=on_fast)
+    s = DemotionSettings(high_watermark=0.8, low_watermark=0.5)
+    first = {}
+    for leader in ("lru", "s3fifo", "lfu_da"):
+        score = make_scorer(PolicySettings(demotion=s), idx, [1, 2], leader)
+        items = plan_demotions(s, pin, idx, score=score)
+        first[leader] = items[0].sequence_hash
+        assert leader.replace("_", "-") in items[0].reason
+    assert first == {"lru": 1, "s3fifo": 2, "lfu_da": 2}
+    with pytest.raises(ValueError):
+        make_scorer(PolicySettings(demotion=s), idx, [1], "fifo")
+    assert np.isfinite(make_scorer(PolicySettings(), idx, [1, 2])(1))
