@@ -51,10 +51,29 @@ def as_arrays(log: tuple[list[int], list[int]]) -> tuple[np.ndarray, np.ndarray]
     return k, b
 
 
+@numba.njit(cache=True, inline="always")
+def log_resident(log: tuple[list[int], list[int]], i: int, resident: np.ndarray) -> None:
+    """Record every block with ``resident[x]`` (bool ``[blocks]``) as held before request
+    ``i`` (a snapshot: position 0 of ``i``)."""
+    for x in range(resident.shape[0]):
+        if resident[x]:
+            log_eviction(log, i, 0, x)
+
+
+@numba.njit(cache=True, inline="always")
+def prefix_hit(flat: np.ndarray, a: int, b: int, resident: np.ndarray) -> int:
+    """How many of the request's blocks ``flat[a:b]`` are held from its first one on (the
+    longest cached prefix, in blocks; docs/traces.md, "Hit")."""
+    j = a
+    while j < b and resident[flat[j]]:
+        j += 1
+    return j - a
+
+
 def no_logging(n_requests: int) -> tuple[np.ndarray, np.ndarray]:
     """``(want_evictions, want_snapshot)`` that log nothing (bool ``[requests]`` each)."""
     z = np.zeros(n_requests, dtype=np.bool_)
     return z, z
 
 
-__all__ = ["as_arrays", "log_eviction", "new_log", "no_logging"]
+__all__ = ["as_arrays", "log_eviction", "log_resident", "new_log", "no_logging", "prefix_hit"]

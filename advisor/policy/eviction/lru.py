@@ -12,7 +12,7 @@ import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, log_resident, new_log, no_logging, prefix_hit
 
 
 @numba.njit(cache=True)
@@ -26,13 +26,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
         if want_snap[i]:
-            for x in range(n_blocks):
-                if cached[x]:
-                    log_eviction(snl, i, 0, x)
-        j = a
-        while j < b and cached[flat[j]]:
-            j += 1
-        hits[i] = j - a
+            log_resident(snl, i, cached)
+        hits[i] = prefix_hit(flat, a, b, cached)
         for j in range(a, b):
             x = flat[j]
             if cached[x]:
