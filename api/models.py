@@ -395,7 +395,8 @@ class StatsResponse(BaseModel):
         default_factory=dict,
         description="the default policy's live expert selection: leader (the expert whose order the policy rounds "
                     "follow), switches, requests observed, window_requests, window_refs "
-                    "(advisor.policy.eviction.experts.LiveSelector)")
+                    "(advisor.policy.eviction.experts.LiveSelector); on a partitioned cluster's API "
+                    "{\"partitions\": {partition: those fields}}, each partition's own selection")
 
 
 class PlanResponse(BaseModel):

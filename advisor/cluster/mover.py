@@ -16,6 +16,13 @@ and mover as the embedded advisor (``advisor.policy.policies.plan_all``, :class:
 * **Capacity shares.**  Each partition plans against ``1/P`` of every volume's capacity and
   the bytes its own blocks take there, so P movers together keep the fill watermarks
   without talking to each other.
+* **Ranking.**  Each partition's replica has its own expert selection
+  (:class:`advisor.policy.eviction.experts.LiveSelector`, bounded by ``policy.selector``),
+  fed the worker batches the replica folds (not the movers' own, ``<id>-mover``) through
+  the embedded advisor's code path (:mod:`advisor.policy.live_selection`); each round
+  replays it for the partition's share of the fast volume and ranks that partition's
+  promotions and demotions in its leader's order.  The leader is in the partition's
+  status (``policy``) and the cluster API's ``/v1/stats``.
 * **Fencing.**  On taking partition ``p`` the advisor raises the catalog fence
   ``<namespace>.p<p>`` to its lease token (the JetStream KV revision of its lease,
   :meth:`advisor.cluster.leases.LeaseKeeper.token`, with the bucket's incarnation as the fence's
@@ -60,7 +67,9 @@ from advisor.moves.move_guard import MoveGuard
 from advisor.moves.mover import Mover
 from advisor.policy.plan import PlanKind, PlanResult, PlanStatus
 from advisor.moves.planner import Planner
+from advisor.policy.live_selection import leader_for
 from advisor.policy.policies import PolicyInput, PolicySettings, VolumeUsage, plan_all
+from advisor.cluster.parts import MOVER_SUFFIX
 from advisor.settings import SettingsError, VolumeSettings
 from storage_backends.deployment import check_volume_roles
 from event_plane.config import StreamLimits
@@ -172,7 +181,7 @@ class ClusterMover:
         self.node = node
         self.storage = storage
         self.scheme = s.scheme
-        self.source = f"{s.advisor_id}-mover"
+        self.source = f"{s.advisor_id}{MOVER_SUFFIX}"
         self.epoch = random.getrandbits(63)
         self.catalog = RedisCatalog(s.redis_url, prefix=storage.catalog_prefix)
         self.agent = StorageAgent(self.catalog, name=f"kvadvisor-{s.advisor_id}",
@@ -387,6 +396,10 @@ class ClusterMover:
                 owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
                 if rep.fenced or p not in owned:
                     continue
+                # the partition's own expert selection: replayed outside the index lock, for
+                # the partition's share of the fast volume (module docstring)
+                fast_cap = stats[st.fast_volume].capacity_bytes // parts if st.fast_volume in stats else 0
+                leader = leader_for(rep.selector, fast_cap) if rep.selector is not None else None
                 guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,
                                                             self._last_access(rep)))
                 # the guard's view reads the index unlocked: it is asked under rep.lock
@@ -404,7 +417,7 @@ class ClusterMover:
                         inp.fast_placements = mine[st.fast_volume]
                     inp.placements = {v: mine[v] for v in st.slow_volumes}
                     inp.segments = {v: [sg for sg in segs if sg.segment_id % parts == p] for v, segs in segments.items()}
-                    proposed = plan_all(st.policy, inp, rep.index)
+                    proposed = plan_all(st.policy, inp, rep.index, leader)
                     # every move is of a block of this partition, from where the index places it
                     # (the policies' own filter is inp.movable; this keeps any policy honest)
                     proposed = [it for it in proposed if it.sequence_hash is None

@@ -30,7 +30,8 @@ Wire format of a query (MessagePack): a lookup is an array of u64 sequence hashe
 piece of a chain), answered ``{"locations": {location: n}, "position": int}``;
 ``{"op": "status"}`` is answered ``{"position", "blocks", "applied", "errors", "origin_refused",
 "snapshots_skipped" (snapshots that failed to load when the owner took it), "events", "moves" (the
-mover's results for this partition since its owner took it, ``ClusterMover.partition_moves``),
+mover's results for this partition since its owner took it, ``ClusterMover.partition_moves``), "policy"
+(the partition's expert selection, ``LiveSelector.stats``; ``{}`` without a mover),
 "started_at", "ready_at" (wall-clock s: when the owner took the partition and when its
 rebuild was done), "sources": {source: [epoch, last_seq]}, "source_figures": {source: [batches,
 events, last_ts_ns]} (what this partition applied of each source)}``; ``{"op": "blocks_at", "location": L}`` is answered

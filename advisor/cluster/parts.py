@@ -19,12 +19,13 @@ from advisor.cluster.leases import LeaseKeeper, LeaseSettings
 from advisor.cluster.partition_fold import PartitionFold
 from advisor.index.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
 from advisor.ingest.source_expiry import EXPIRY_SEQ_BASE
-from event_plane.codec import BatchHead, decode_head
+from advisor.policy.live_selection import new_selector, observe
+from event_plane.codec import BatchHead, decode_batch, decode_head
 from event_plane.config import StreamLimits
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import partition_namespace
 
-__all__ = ["ClusterSettings", "NodeParts", "Replica", "foreign_source"]
+__all__ = ["MOVER_SUFFIX", "ClusterSettings", "NodeParts", "Replica", "foreign_source", "is_mover_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,17 @@ class ClusterSettings:
         """The lease settings these settings imply."""
         return LeaseSettings(partitions=self.scheme.partitions, ttl_s=self.lease_ttl_s,
                              heartbeat_s=self.heartbeat_s, replicas=self.replicas)
+
+
+MOVER_SUFFIX = "-mover"
+"""A cluster advisor's mover publishes its moves and repairs under ``<advisor id>-mover``
+(:class:`advisor.cluster.mover.ClusterMover`)."""
+
+
+def is_mover_source(source: str) -> bool:
+    """Whether batches of ``source`` are a cluster mover's moves or repairs (any advisor's:
+    a partition's stream holds those of each of its past owners), not a worker's requests."""
+    return source.endswith(MOVER_SUFFIX)
 
 
 def foreign_source(head: BatchHead | None, subject: str) -> str | None:
@@ -124,6 +136,10 @@ class Replica:
         self.started_mono = time.monotonic()
         self.heard: dict[str, float] = {}  # source -> monotonic s of its last batch folded here
         self.node_mover: Any = node.mover  # advisor.cluster.mover.ClusterMover, or None
+        # the default policy's expert selection for this partition's policy rounds, fed the
+        # worker batches this replica folds from now on (a replica rebuilt from a snapshot
+        # starts its window at the snapshot); only a replica whose advisor moves blocks has one
+        self.selector = new_selector(node.mover.storage.policy.selector) if node.mover is not None else None
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
         self.repaired = False  # the mover compared the catalog with this index
@@ -156,6 +172,8 @@ class Replica:
                         self.applied += 1
                         if head is not None and head.seq < EXPIRY_SEQ_BASE:  # an expiry is no sign of life
                             self.heard[head.source] = time.monotonic()
+                            if self.selector is not None and not is_mover_source(head.source):
+                                observe(self.selector, self.index, decode_batch(payload))
                 except Exception as exc:  # noqa: BLE001 - a bad batch is counted, never fatal
                     self.errors += 1
                     logger.warning("partition %d: batch at stream seq %d refused: %s", self.partition, seq, exc)
@@ -184,6 +202,7 @@ class Replica:
             if request.get("op") == "status":
                 moves = self.node_mover.partition_moves(self.partition) if self.node_mover is not None else {}
                 return {"moves": moves, "duplicates": self.fold.duplicates,
+                        "policy": self.selector.stats() if self.selector is not None else {},
                         "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused,
                         "snapshots_skipped": self.snapshots_skipped, "started_at": self.started_at, "ready_at": self.ready_at,

@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 
 from advisor.cluster.node import ClusterClient
+from advisor.cluster.parts import is_mover_source
 from advisor.index.prefix_index import BlockInfo
 from advisor.policy.plan import PlanResult
 from advisor.ops.query import LookupResult, VolumeView, last_seen_fields
@@ -105,7 +106,10 @@ class ClusterQuery:
 
     def stats(self) -> dict[str, Any]:
         """The shape of :meth:`advisor.ops.query.AdvisorQuery.stats`, summed over partitions (the
-        moves: what each partition's current owner moved since it took the partition)."""
+        moves: what each partition's current owner moved since it took the partition), except
+        ``policy``: ``{"partitions": {"<p>": {"leader", "switches", "requests", "window_requests",
+        "window_refs"}}}``, each partition's expert selection (``{}`` for a partition whose owner
+        runs no mover)."""
         status = self._client.status()
         per_loc = self.locations()
         sources: dict[str, dict[str, int]] = {}
@@ -147,7 +151,7 @@ class ClusterQuery:
                        "errors": sum(int(st["errors"]) for st in status.values()),
                        "registrations_dropped": self._registrations_dropped},
             # the cluster movers publish their moves under "<advisor id>-mover" (advisor.cluster.mover)
-            "advisor_events": sum(v["events"] for k, v in sources.items() if k.endswith("-mover")),
+            "advisor_events": sum(v["events"] for k, v in sources.items() if is_mover_source(k)),
             "promotions": done["promote"], "demotions": done["demote"],
             "compactions": done["compact"], "bytes_moved": nbytes,
             "moves": {"promotions": done["promote"], "demotions": done["demote"], "compactions": done["compact"],
@@ -155,6 +159,9 @@ class ClusterQuery:
                       "bytes_by_kind": moves["bytes_moved"], "blocks_by_kind": zero},
             "subscriber": {},
             "uptime_s": time.monotonic() - self._started,
+            # each partition's owner ranks its moves by its own expert selection
+            # (advisor.cluster.mover, "Ranking"): {"partitions": {p: {"leader", ...}}}
+            "policy": {"partitions": {str(p): dict(st.get("policy", {})) for p, st in sorted(status.items())}},
         }
 
     def _events_rate(self, events_applied: int) -> float:

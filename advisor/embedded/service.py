@@ -42,7 +42,7 @@ from advisor.ops.query import AdvisorQuery
 from advisor.ingest.quotas import QuotaGuard
 from advisor.embedded.run_state import RunStateStore
 from advisor.moves.prefetch import PrefetchCollector, Prefetcher
-from advisor.policy.eviction.experts import LiveSelector
+from advisor.policy.live_selection import leader_for, new_selector, observe
 from advisor.settings import AdvisorSettings
 from advisor.ingest.source_expiry import due, expiry_batch, private_blocks
 from advisor.index.snapshot import (
@@ -136,8 +136,7 @@ class AdvisorService:
         self.mover: Mover | None = None
         self.prefetcher: Prefetcher | None = None
         self.planner = Planner(settings.policy.planner)
-        sel = settings.policy.selector
-        self.selector = LiveSelector(sel.sample_rate, sel.max_window_refs, sel.min_new_refs)
+        self.selector = new_selector(settings.policy.selector)
         """The default policy's expert selection, fed the requests of the event stream
         (:class:`advisor.policy.eviction.experts.LiveSelector`); each policy round ranks by its leader."""
         self.move_guard = MoveGuard(settings.policy.planner.min_move_interval_s, self._last_access)
@@ -514,7 +513,7 @@ class AdvisorService:
                 self._batches_since_snapshot += 1
                 return False
             self.index.apply_batch(admitted)
-            self.selector.observe_batch(admitted, self._parent_of, self.settings.source)
+            observe(self.selector, self.index, admitted, self._is_own_move)
             n_events = len(admitted.events)
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
@@ -716,7 +715,7 @@ class AdvisorService:
                 self.metrics.duplicate_batches.inc()
                 return False
             self.index.apply_batch(batch)
-            self.selector.observe_batch(batch, self._parent_of, self.settings.source)
+            observe(self.selector, self.index, batch, self._is_own_move)
             self.position = pos
             self.counters["ingested_batches"] += 1
             self._batches_since_snapshot += 1
@@ -921,9 +920,9 @@ class AdvisorService:
             inp.segments[vol.id] = list(self.agent.segments(vol.id))
         return inp
 
-    def _parent_of(self, h: int) -> int | None:
-        info = self.index.block(h)
-        return info.parent if info is not None else None
+    def _is_own_move(self, source: str) -> bool:
+        """Whether batches of ``source`` are this advisor's own moves (not requests)."""
+        return source == self.settings.source
 
     def policy_leader(self, inp: PolicyInput | None = None) -> str:
         """The expert the default policy follows now: the selector's leader after replaying
@@ -936,10 +935,7 @@ class AdvisorService:
             cap_bytes = inp.usage[fast].capacity_bytes
         elif fast is not None:
             cap_bytes = next((v.capacity_bytes for v in s.volumes if v.id == fast), 0)
-        block = self.selector.block_bytes
-        if cap_bytes <= 0 or block <= 0:
-            return self.selector.leader
-        return self.selector.refresh(max(1, cap_bytes // block))
+        return leader_for(self.selector, cap_bytes)
 
     def run_policies_once(self) -> list[PlanResult]:
         """Run one round now: plan (policies + rate limits), execute, record.

@@ -11,6 +11,7 @@ from advisor import AdvisorService, AdvisorSettings
 from advisor.index.prefix_index import PrefixIndex
 from advisor.policy.eviction import experts
 from advisor.policy.eviction.compact import compact
+from advisor.policy.live_selection import observe
 from advisor.policy.policies import (
     DemotionSettings,
     PolicyInput,
@@ -94,8 +95,8 @@ def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
         first = svc.policy_leader()
         assert first != "s3fifo" and first == evaluator_leader()
         # the advisor's own moves (its source) are not requests
-        assert svc.selector.observe_batch(EventBatch(1, settings.source, 1, 0, 1, _chain(loop_reqs[0])),
-                                          svc._parent_of, settings.source) == 0
+        assert observe(svc.selector, svc.index, EventBatch(1, settings.source, 1, 0, 1, _chain(loop_reqs[0])),
+                       svc._is_own_move) == 0
         feed(loop_reqs)
         assert svc.selector.requests == len(conv) + len(loop_reqs)
         assert svc.selector.stats()["window_refs"] <= window

@@ -1,0 +1,111 @@
+"""The scaled mover ranks each partition's moves by that partition's own expert selection
+(advisor/cluster/mover.py, "Ranking"), on a private nats-server (JetStream, lease bucket),
+Redis (snapshots, placement catalog) and POSIX volumes through NIXL: one in-process cluster
+advisor over 2 partitions and workers announcing through :class:`PartitionedPublisher`
+(the rig of ``test_cluster_mover_races``).
+
+The workload is the live selector's own case (``tests/unit/test_live_selector.py``,
+``conversations``): conversations taking turns, whose blocks are next read after S3-FIFO's
+small queue let them go, so S3-FIFO, the starting leader, loses.  Checked: each partition's
+selector, fed only the batches its replica folds, leaves S3-FIFO for the leader the
+evaluator's selection gives on the same window (one implementation); a round's demotions
+are ranked in that leader's order (their reasons name it); the cluster API's ``/v1/stats``
+shows each partition's leader; a mover's batches are not requests.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from advisor.cluster.node import ClusterClient, wait_until
+from advisor.cluster.query import ClusterQuery
+from advisor.policy.eviction import experts
+from advisor.policy.eviction.compact import compact
+from advisor.policy.plan import PlanKind
+from api.app import create_app
+from event_plane.partitioned import PartitionedPublisher, partition_url
+from event_plane.schema import store
+from event_plane.urls import make_publisher
+from storage_backends import BlockKey
+from tests.integration.test_cluster_mover_races import BLK, KEY_NS, _chain, _data, rig_factory  # noqa: F401
+from tests.unit.test_live_selector import conversations
+
+
+def _announce_requests(rig: Any, w: str, reqs: list[list[int]]) -> None:
+    """Each request Stores its whole path at g1, as a worker that served it."""
+    for r in reqs:
+        rig.announce(w, [store(h, r[0], r[d - 1] if d else None, BLK, "g1") for d, h in enumerate(r)])
+
+
+def _folded(rig: Any, node: Any, marker: int) -> None:
+    """Announce a one-block chain (a trunk block: every partition folds it) and wait until
+    every replica indexed it, so every partition folded what was announced before."""
+    rig.announce("w0", [store(marker, marker, None, BLK, "g1")])
+
+    def known(rep: Any) -> bool:
+        with rep.lock:
+            return rep.index.block(marker) is not None
+    assert wait_until(lambda: all(known(rep) for rep in node.serving().values()), 60)
+
+
+def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: Any) -> None:  # noqa: F811
+    # fast: 4 MiB = 256 blocks, 128 per partition's share; demote below half of that share
+    rig = rig_factory(partitions=2, demotion={"high_watermark": 0.5, "low_watermark": 0.3})
+    node = rig.start()
+    client = ClusterClient(rig.js_url, rig.scheme, rig.ns, timeout_s=5.0)
+    http = TestClient(create_app(ClusterQuery(client)), base_url="http://127.0.0.1")
+    try:
+        def policy() -> dict[str, Any]:
+            r = http.get("/v1/stats")
+            assert r.status_code == 200, r.text
+            return r.json()["policy"]["partitions"]
+
+        assert {p: st["leader"] for p, st in policy().items()} == {"0": "s3fifo", "1": "s3fifo"}
+        # blocks on fast, announced there: each partition's share is over its watermark
+        rng = random.Random(11)
+        on_fast = [[rng.getrandbits(63) for _ in range(8)] for _ in range(22)]
+        rig.agent.put([(BlockKey(KEY_NS, h), _data(h)) for c in on_fast for h in c], "fast")
+        for c in on_fast:
+            rig.announce("w0", [store(h, c[0], c[d - 1] if d else None, BLK, "fast") for d, h in enumerate(c)])
+        _announce_requests(rig, "w1", conversations())
+        _folded(rig, node, 1 << 62)
+        reps = node.serving()
+        before = {p: rep.selector.stats()["requests"] for p, rep in reps.items()}
+        assert all(n > 0 for n in before.values()), before
+
+        # a mover's batches (any advisor's "<id>-mover") are moves, not requests
+        host = rig.js_url.split("//", 1)[1]
+        base = f"jetstream://{host}?namespace={rig.ns}"
+        mover_pub = PartitionedPublisher(rig.scheme, lambda k: make_publisher(
+            partition_url(base, k), "a9-mover", epoch=5))
+        try:
+            c = _chain(6, 3)
+            mover_pub.publish([store(h, c[0], c[d - 1] if d else None, BLK, "g1") for d, h in enumerate(c)])
+            mover_pub.flush()
+        finally:
+            mover_pub.close()
+        _folded(rig, node, (1 << 62) + 1)  # one worker request (a run) per partition
+        assert {p: rep.selector.stats()["requests"] for p, rep in reps.items()} == {p: n + 1 for p, n in before.items()}
+
+        results = node.mover.run_round()
+        cap = rig.storage.volumes[0].capacity_bytes // rig.scheme.partitions // BLK
+        leaders = {}
+        for p, rep in sorted(reps.items()):
+            # the evaluator's selection on the very requests this partition's selector holds
+            want = experts.EXPERTS[experts.next_leader(compact([list(w) for w in rep.selector._window]), cap)[0]]
+            assert rep.selector.leader == want != "s3fifo", (p, rep.selector.stats())
+            leaders[str(p)] = want
+        stats = policy()
+        assert {p: st["leader"] for p, st in stats.items()} == leaders
+        assert all(st["switches"] >= 1 and st["window_refs"] > 0 for st in stats.values()), stats
+        # the round's demotions are ranked in the partitions' leaders' order, not the starting one's
+        demoted = [r.item.reason for r in results if r.item.kind is PlanKind.DEMOTE]
+        assert demoted, [(r.item.kind, r.status, r.detail) for r in results]
+        names = {ld.replace("_", "-") for ld in leaders.values()}
+        assert all(any(f"{n} leaf" in why for n in names) and "s3fifo" not in why for why in demoted), demoted[:3]
+    finally:
+        http.close()
+        client.close()
