@@ -81,7 +81,6 @@ def test_nats_ingest_and_own_moves_are_not_applied_twice(tmp_path, nats_url: str
     svc.start()
     pub = make_publisher(url, "w7", config=PublisherConfig(max_delay_s=0.05))
     try:
-        time.sleep(0.3)  # core NATS: let the subscription settle
         pub.publish(chain([10, 11, 12], "slow"))
         pub.flush()
         wait_for(lambda: svc.query().stats()["events_applied"] == 3)
@@ -265,7 +264,6 @@ def test_forged_batches_under_the_advisors_source_never_take_a_real_moves_place(
     svc.start()
     forger = make_publisher(url, settings.source, epoch=svc.publisher.epoch, config=PublisherConfig(max_delay_s=0.05))
     try:
-        time.sleep(0.3)  # core NATS: let the subscription settle
         for h in range(5):  # seqs 1..5 of the advisor's own epoch, a block the advisor never moved
             forger.publish([store(900 + h, 900 + h, None, BS, "fast", {"hits": 10**6})])
             forger.flush()

@@ -227,7 +227,7 @@ def _kill_and_recover(db: tuple[str, str, str], root: str, ack_dir: str, modes: 
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and (not os.path.exists(ack_path) or os.path.getsize(ack_path) == 0):
                 time.sleep(0.02)
-            time.sleep(0.4)
+            time.sleep(0.4)  # time passes: the crasher is killed somewhere in its writes
             assert p.is_alive(), "the crasher died on its own"
             os.kill(p.pid, signal.SIGKILL)
         p.join(timeout=60)
