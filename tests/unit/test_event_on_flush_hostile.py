@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD_PRELUDE = """
 import faulthandler, random, sys, threading, time
-faulthandler.dump_traceback_later({hang_s}, exit=True)
 from event_plane import NullPublisher, PublisherClosedError, PublisherConfig, store
 from event_plane.codec import encode_event
 def ev(h):
@@ -34,9 +33,17 @@ def ev(h):
 """
 
 
-def in_child(body: str, hang_s: float = 20) -> subprocess.CompletedProcess:
-    """Run ``body`` in a fresh interpreter; a hang past ``hang_s`` dumps stacks and exits 1."""
-    code = CHILD_PRELUDE.format(hang_s=hang_s) + textwrap.dedent(body)
+def in_child(body: str, hang_s: float = 60) -> subprocess.CompletedProcess:
+    """Run ``body`` in a fresh interpreter; a hang past ``hang_s`` dumps stacks and exits 1.
+
+    The watchdog is armed after the imports (the prelude's and the body's leading ones):
+    it bounds the part that could deadlock, not an import of torch on a loaded machine."""
+    lines = textwrap.dedent(body).lstrip("\n").splitlines()
+    n = 0
+    while n < len(lines) and (lines[n].startswith(("import ", "from ")) or not lines[n].strip()):
+        n += 1
+    arm = f"faulthandler.dump_traceback_later({hang_s}, exit=True)\n"
+    code = CHILD_PRELUDE + "\n".join(lines[:n]) + "\n" + arm + "\n".join(lines[n:]) + "\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=hang_s + 30)
     assert proc.returncode == 0, f"child exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -250,7 +257,6 @@ def test_on_flush_reading_four_pools_from_eight_threads_does_not_deadlock() -> N
         assert flushes[0] > 0
         print("ok", flushes[0], pub.next_seq)
         """,
-        hang_s=25,
     )
     assert proc.stdout.startswith("ok")
 
@@ -319,7 +325,6 @@ def test_close_waits_for_the_timer_threads_slow_on_flush_and_exit_does_not_hang_
         assert inside.wait(5)  # exit while the daemon timer is inside on_flush, never closed
         print("ok")
         """,
-        hang_s=15,
     )
     assert proc.stdout.startswith("ok")
 
@@ -594,6 +599,6 @@ def test_a_pool_is_not_locked_while_its_thread_runs_other_pools_on_flush() -> No
         t1.join()
         pub.close()
         """,
-        hang_s=90,  # a hang bound only: the child imports torch, slow on a loaded machine
+        hang_s=90,  # a hang bound only
     )
     assert "stats_before_end True" in proc.stdout, f"p1.stats() waited for p1's lock until the flood ended: {proc.stdout}"
