@@ -41,6 +41,7 @@ class S3FaultProxy:
         requests: ``"METHOD /path?query"`` of every request, in arrival order.
         injected: the same for the requests answered with an error status.
         log: ``(monotonic time, method, path, action)`` of every request.
+        in_flight: requests read and not yet fully answered (a delayed one counts).
     """
 
     def __init__(self, upstream_port: int, port: int = 0) -> None:
@@ -51,6 +52,7 @@ class S3FaultProxy:
         self.log: list[tuple[float, str, str, object]] = []
         self.requests: list[str] = []
         self.injected: list[str] = []
+        self.in_flight = 0
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +75,15 @@ class S3FaultProxy:
                 return self.rfile.read(n) if n else b""
 
             def _handle(self) -> None:
+                with proxy.lock:
+                    proxy.in_flight += 1
+                try:
+                    self._answer()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+
+            def _answer(self) -> None:
                 body = self._body()
                 path = urlparse(self.path).path
                 with proxy.lock:

@@ -16,6 +16,7 @@ import torch
 from advisor import AdvisorService, AdvisorSettings
 from event_plane.schema import EventBatch, store
 from storage_backends import BlockKey, SqliteCatalog, StorageAgent
+from tests import polling
 
 NS = "ns-faults"
 BLK = 64 << 10  # bytes per block
@@ -140,35 +141,33 @@ def crash_mid_copy(s: AdvisorSettings, hashes: list[int], dst: str) -> None:
 def wait_until(pred: Any, timeout: float = 120.0, what: str = "condition") -> None:
     """Poll ``pred()`` every 50 ms until it is true; fail after ``timeout`` seconds (a
     generous deadline: the machines running the cells are loaded)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout:.0f} s")
+    polling.wait_until(pred, timeout, what)
 
 
 def start_redis(port: int, aof_dir: Path | None = None) -> subprocess.Popen[bytes]:
-    """A private ``redis-server`` on ``127.0.0.1:port``, ready; with ``aof_dir`` it keeps an
-    append-only file there (``appendfsync always``: a restart gets every write back), else
-    nothing is persisted."""
+    """A private ``redis-server`` on ``127.0.0.1:port``, ready: it answers PING (a restart
+    answers ``LOADING`` until its append-only file is read back); with ``aof_dir`` it keeps
+    an append-only file there (``appendfsync always``: a restart gets every write back),
+    else nothing is persisted."""
     import shutil
-    import socket
-    import time
+
+    import redis
 
     exe = shutil.which("redis-server") or "/usr/bin/redis-server"
     persist = ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(aof_dir)] if aof_dir else \
         ["--appendonly", "no"]
     proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *persist],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def answers() -> bool:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("redis-server did not start")
+            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0) as r:
+                return bool(r.ping())
+        except redis.RedisError:  # refused, or BusyLoadingError while the AOF is read
+            return False
+    try:
+        wait_until(answers, 60, "redis-server answering PING")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc

@@ -8,7 +8,6 @@ block reads back byte-exact, and the killed moves' copies are collected
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ def test_redis_catalog_killed_mid_move_and_restarted(tmp_path: Path, js_url: str
             return out
 
         agent.copy_many = copy_then_kill_redis  # type: ignore[method-assign]
-        time.sleep(0.8)  # the Stores are folded
+        rig.folded(node)
         results = node.mover.run_round()  # must not raise
         agent.copy_many = real_copy  # type: ignore[method-assign]
         assert killed, [(r.item, r.status, r.detail) for r in results]

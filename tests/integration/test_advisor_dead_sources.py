@@ -98,7 +98,7 @@ def test_a_stopped_worker_loses_its_g1_g2_after_the_ttl_everywhere_and_keeps_its
         worker.stdin.close()  # the worker stops
         assert worker.wait(timeout=30) == 0
         # not before the TTL: half of it after its last batch, w0 still has its blocks
-        time.sleep(max(0.0, t_seen + TTL_S / 2 - time.monotonic()))
+        time.sleep(max(0.0, t_seen + TTL_S / 2 - time.monotonic()))  # time passes: half the TTL
         assert svc.index.count_at("w0/g1") == 3 and svc.counters["sources_expired"] == 0
         wait_for(lambda: svc.index.count_at("w0/g1") + svc.index.count_at("w0/g2") == 0, timeout=TTL_S + 30.0)
         idx = svc.index

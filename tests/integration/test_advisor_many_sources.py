@@ -58,7 +58,7 @@ def test_snapshot_export_and_import_stay_linear_in_blocks() -> None:
         print(cls.__name__, "export + import s by sources:", times)
 
 
-def test_sigterm_and_restart_with_20k_sources_finish_in_seconds(tmp_path: Path) -> None:
+def test_sigterm_with_20k_sources_stops_before_the_sigkill_and_the_restart_restores_the_index(tmp_path: Path) -> None:
     # the source quota (default 10,000) is raised: this test is about snapshot cost, the
     # quota's own test is tests/security/test_quotas.py
     settings = AdvisorSettings(journal_path=str(tmp_path / "journal.sqlite"), subscribe_urls=[], api_enabled=False,

@@ -17,6 +17,7 @@ from advisor import AdvisorService, AdvisorSettings
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import remove, store
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until as wait_for
 
 BS = 4096
 REPO = Path(__file__).resolve().parents[2]
@@ -28,15 +29,6 @@ def chain(hashes: list[int], loc: str) -> list:
         out.append(store(h, hashes[0], parent, BS, loc))
         parent = h
     return out
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.mark.parametrize("snapshot_store", ["none", "sqlite"])
@@ -89,7 +81,6 @@ def test_nats_ingest_and_own_moves_are_not_applied_twice(tmp_path, nats_url: str
     svc.start()
     pub = make_publisher(url, "w7", config=PublisherConfig(max_delay_s=0.05))
     try:
-        time.sleep(0.3)  # core NATS: let the subscription settle
         pub.publish(chain([10, 11, 12], "slow"))
         pub.flush()
         wait_for(lambda: svc.query().stats()["events_applied"] == 3)
@@ -244,8 +235,7 @@ def test_live_batch_with_too_deep_metadata_is_refused_counted_and_the_restart_re
         for seq, (h, depth) in enumerate([(1, 1), (2, 980), (3, MAX_METADATA_DEPTH + 1), (4, MAX_METADATA_DEPTH)]):
             pub.send_multipart([b"", seq_to_bytes(seq), payload(seq, h, depth)])
         wait_for(lambda: svc.counters["ingested_batches"] == 2)
-        time.sleep(0.2)
-        assert svc.subscriber_stats()["decode_errors"] == 2
+        wait_for(lambda: svc.subscriber_stats()["decode_errors"] == 2)
         assert svc.block_info(1) is not None and svc.block_info(4) is not None
         assert svc.block_info(2) is None and svc.block_info(3) is None
         assert len(svc.journal) == 2
@@ -274,7 +264,6 @@ def test_forged_batches_under_the_advisors_source_never_take_a_real_moves_place(
     svc.start()
     forger = make_publisher(url, settings.source, epoch=svc.publisher.epoch, config=PublisherConfig(max_delay_s=0.05))
     try:
-        time.sleep(0.3)  # core NATS: let the subscription settle
         for h in range(5):  # seqs 1..5 of the advisor's own epoch, a block the advisor never moved
             forger.publish([store(900 + h, 900 + h, None, BS, "fast", {"hits": 10**6})])
             forger.flush()

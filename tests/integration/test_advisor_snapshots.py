@@ -13,6 +13,7 @@ from advisor.index.snapshot import SqliteSnapshotStore
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import EventBatch, cleared, remove, store
 from tests.conftest import start_nats_server
+from tests.polling import wait_until as wait_for
 
 BS = 4096
 
@@ -97,15 +98,6 @@ def test_snapshot_ahead_of_the_journal_is_ignored(tmp_path) -> None:  # noqa: AN
         assert svc.index.dump() == expect.dump()
     finally:
         svc.stop()
-
-
-def wait_for(pred, timeout: float = 15.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def test_jetstream_log_with_redis_snapshots_resumes_from_the_stream_position(tmp_path, redis_url: str) -> None:  # noqa: ANN001

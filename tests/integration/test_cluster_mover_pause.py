@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 import torch
@@ -44,6 +45,7 @@ from advisor.index.prefix_index import PrefixIndex
 from advisor.ingest.jslog import JetStreamLog
 from advisor.cluster.leases import lease_owners
 from advisor.cluster.partition_fold import PartitionFold
+from tests import polling
 from tests.logs import read_log
 from advisor.index.snapshot import RedisSnapshotStore, load_latest
 from event_plane.codec import decode_batch
@@ -91,6 +93,24 @@ def _rebuild(url: str, redis_url: str, ns: str, p: int) -> PrefixIndex:
     for payload in _log(url, partition_namespace(ns, p), pos + 1):
         fold.apply(payload)
     return idx
+
+
+def _mismatches(url: str, redis_url: str, ns: str, catalog: RedisCatalog,
+                deleted: set[int]) -> list[tuple[Any, ...]]:
+    """Where a partition's index (rebuilt as an owner does) and the catalog disagree, per
+    volume: ``(partition, volume, "index-only" | "catalog-only", blocks, note)``."""
+    placed = {v: {pl.key.sequence_hash for pl in catalog.iter_volume(v)} for v in ("fast", "slow")}
+    out: list[tuple[Any, ...]] = []
+    for p in range(SCHEME.partitions):
+        idx = _rebuild(url, redis_url, ns, p)
+        known = set(idx.hashes())
+        for v in ("fast", "slow"):
+            at = idx.blocks_at(v)
+            if at - placed[v]:
+                out.append((p, v, "index-only", len(at - placed[v]), "deleted" if (at - placed[v]) & deleted else ""))
+            if (placed[v] & known) - at:
+                out.append((p, v, "catalog-only", len((placed[v] & known) - at), ""))
+    return out
 
 
 def test_a_paused_owner_lands_nothing_and_the_index_matches_the_catalog(tmp_path: Path, js_url: str,
@@ -192,7 +212,10 @@ def test_a_paused_owner_lands_nothing_and_the_index_matches_the_catalog(tmp_path
         stop.set()
         worker.join(30)
         assert not errors, errors
-        time.sleep(6.0)  # movers finish, and repair what stayed different over two rounds
+        # the movers finish, and repair what stayed different over two rounds (their rounds
+        # run every 0.5 s; the deadline only bounds the wait)
+        polling.wait_until(lambda: not _mismatches(js_url, redis_url, ns, catalog, deleted), 180,
+                           "the partitions' index == the catalog", every=1.0)
     finally:
         stop.set()
         for proc in advisors.values():
@@ -237,17 +260,10 @@ def test_a_paused_owner_lands_nothing_and_the_index_matches_the_catalog(tmp_path
         assert {w for w in token_owner.values()} == {"adv-a", "adv-b"}, token_owner
 
         # each partition (rebuilt as an owner does) == the catalog, per volume
-        placed = {v: {pl.key.sequence_hash for pl in catalog.iter_volume(v)} for v in ("fast", "slow")}
-        for p in range(SCHEME.partitions):
-            idx = _rebuild(js_url, redis_url, ns, p)
-            known = set(idx.hashes())
-            for v in ("fast", "slow"):
-                at = idx.blocks_at(v)
-                assert at <= placed[v], (p, v, "index-only", len(at - placed[v]),
-                                         "deleted" if (at - placed[v]) & deleted else "")
-                assert placed[v] & known <= at, (p, v, "catalog-only", len((placed[v] & known) - at))
+        assert _mismatches(js_url, redis_url, ns, catalog, deleted) == []
 
         # nothing lost, every block byte-exact
+        placed = {v: {pl.key.sequence_hash for pl in catalog.iter_volume(v)} for v in ("fast", "slow")}
         in_catalog = placed["fast"] | placed["slow"]
         assert live <= in_catalog, f"{len(live - in_catalog)} blocks the workers hold are gone"
         assert not (deleted & in_catalog)

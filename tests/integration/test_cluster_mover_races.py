@@ -36,6 +36,7 @@ from event_plane.partitioned import PartitionedPublisher, partition_url
 from event_plane.schema import remove, store
 from event_plane.urls import make_publisher
 from storage_backends import BlockKey, Fence, RedisCatalog, StorageAgent
+from tests import polling
 
 BLK = 16 << 10
 KEY_NS = "m0"
@@ -88,6 +89,7 @@ class Rig:
             self.pubs[w] = PartitionedPublisher(self.scheme, lambda k, w=w, e=e: make_publisher(
                 partition_url(base, k), w, epoch=e, manage_stream=True))
         self.nodes: list[ClusterNode] = []
+        self.started: list[ClusterNode] = []  # every advisor this rig started, stopped ones too
 
     # -------------------------------------------------------------- workers
     def announce(self, w: str, events: list[Any]) -> None:
@@ -113,6 +115,7 @@ class Rig:
             nats_url=self.js_url, redis_url=self.redis_url, advisor_id=adv, scheme=self.scheme,
             namespace=self.ns, lease_ttl_s=3.0, heartbeat_s=0.5, snapshot_interval_s=3600.0), self.storage).start()
         self.nodes.append(node)
+        self.started.append(node)
         assert wait_until(lambda: len(node.serving()) == self.scheme.partitions
                           and all(r.repaired or r.fenced for r in node.serving().values()), 30), node.status()
         return node
@@ -122,6 +125,26 @@ class Rig:
         self.nodes.remove(node)
 
     # -------------------------------------------------------------- checks
+    def folded(self, node: ClusterNode, timeout: float = 60.0) -> None:
+        """Wait until every partition ``node`` serves has folded every batch sent to it so
+        far: the workers' and the movers' of every advisor this rig started (each source's
+        last applied batch seq reaches what its publisher sent)."""
+        feeds = [(k, pub) for w in self.pubs.values() for k, pub in enumerate(w.publishers)]
+        feeds += [(k, pub) for n in self.started for k, pub in enumerate(n.mover._pubs or [])]
+
+        def behind() -> list[tuple[int, str, int, int]]:
+            late = []
+            for p, rep in node.serving().items():
+                with rep.lock:
+                    known = {name: (st.epoch, st.last_seq) for name, st in rep.index.sources().items()}
+                for k, pub in feeds:
+                    sent = pub.next_seq - 1
+                    got = known.get(pub.source)
+                    if k == p and sent >= 0 and (got is None or got[0] != pub.epoch or got[1] < sent):
+                        late.append((p, pub.source, got[1] if got else -1, sent))
+            return late
+        polling.wait_until(lambda: not behind(), timeout, f"the folds of {node.status()['advisor']} ({behind()})")
+
     @staticmethod
     def locations(node: ClusterNode, p: int, h: int) -> set[str] | None:
         rep = node.serving()[p]
@@ -155,9 +178,9 @@ class Rig:
     def settle(self, node: ClusterNode, rounds: int = 3) -> list[tuple[int, str, int, int]]:
         """Policy rounds (each after the log is folded), then the mismatches left."""
         for _ in range(rounds):
-            time.sleep(0.5)
+            self.folded(node)
             node.mover.run_round()
-        time.sleep(0.8)
+        self.folded(node)
         return self.mismatches(node)
 
     def read_back(self) -> None:
@@ -223,7 +246,7 @@ def test_a_worker_delete_landing_after_the_move_commit_leaves_no_resurrected_blo
         return done
 
     node.mover.agent.commit_move = commit_then_worker_deletes  # type: ignore[method-assign]
-    time.sleep(0.8)  # the Stores are folded
+    rig.folded(node)
     results = node.mover.run_round()
     node.mover.agent.commit_move = real_commit  # type: ignore[method-assign]
     assert deleted == [victim], [(r.item.kind.value, r.status.value, r.detail) for r in results]
@@ -244,7 +267,7 @@ def test_a_trunk_move_announced_in_some_partitions_only_is_repaired_everywhere(r
     node = rig.start()
     root = chain[0]  # depth 0: a trunk block, held in both partitions
     home, other = root % 2, 1 - root % 2
-    time.sleep(0.8)
+    rig.folded(node)
     pubs = node.mover._publishers()
     real = pubs[other].publish
     pubs[other].publish = lambda events: None  # type: ignore[method-assign]  # the advisor died before these
@@ -254,12 +277,12 @@ def test_a_trunk_move_announced_in_some_partitions_only_is_repaired_everywhere(r
         pubs[other].publish = real  # type: ignore[method-assign]
     pl = rig.catalog.get(BlockKey(KEY_NS, root))
     assert pl is not None and pl.volume_id == "fast"
-    time.sleep(0.8)
+    rig.folded(node)
     assert "fast" in (rig.locations(node, home, root) or set())
     assert "slow" in (rig.locations(node, other, root) or set())  # the partial announcement
     rig.stop(node)  # its partitions go to the next owner, which repairs on take-over
     node = rig.start("a1")
-    time.sleep(0.8)
+    rig.folded(node)
     assert rig.mismatches(node) == [], "a take-over left a partition's trunk entry stale"
     for p in (home, other):
         assert {"fast", "slow"} & (rig.locations(node, p, root) or set()) == {"fast"}, p
@@ -276,12 +299,12 @@ def test_a_repair_store_is_not_an_access(rig_factory: Any) -> None:
     rig.announce("w0", evs)  # one access each
     h, twin = chain[2], chain[1]  # announced alike, in one batch; only h was put
     rig.agent.put([(BlockKey(KEY_NS, h), _data(h))], "slow")  # never announced
-    time.sleep(0.5)
+    time.sleep(0.5)  # time passes: a Store counted as an access would show in last_access_ns
     node = rig.start()
     p = rig.scheme.owners(chain)[2]
     assert p == rig.scheme.owners(chain)[1]
     assert wait_until(lambda: "slow" in (rig.locations(node, p, h) or set()), 10)
-    time.sleep(0.3)
+    rig.folded(node)
     assert rig.hits(node, p, h) == rig.hits(node, p, twin), "the repair's Store counted as an access"
     assert node.mover.counters["repair_events"] >= 1
 
@@ -294,9 +317,9 @@ def test_a_block_of_an_unmanaged_namespace_is_never_removed_by_the_repair(rig_fa
     chain = _chain(3, 4)
     rig.offload(chain, key_ns="other-model")
     node = rig.start()
-    time.sleep(0.8)
+    rig.folded(node)
     node.mover.run_round()
-    time.sleep(0.8)
+    rig.folded(node)
     for d, h in enumerate(chain):
         for p in range(2):
             locs = rig.locations(node, p, h)
@@ -324,13 +347,13 @@ def test_a_trunk_block_is_moved_by_its_home_partition_only(rig_factory: Any) -> 
         return real_commit(old, new, fence)
 
     node.mover.agent.commit_move = commit  # type: ignore[method-assign]
-    time.sleep(0.8)
+    rig.folded(node)
     node.mover.run_round()
     roots = {c[0] for c in chains}
     assert roots <= fences.keys(), "the hot roots were not promoted"
     wrong = {h: f for h, f in fences.items() if h in roots and set(f) != {node.mover.fence_name(h % 4)}}
     assert not wrong, f"trunk blocks moved under another partition's fence: {wrong}"
-    time.sleep(0.8)
+    rig.folded(node)
     assert rig.settle(node, rounds=2) == []
     rig.read_back()
 
@@ -344,14 +367,14 @@ def test_a_take_over_repair_racing_a_worker_delete_leaves_no_stale_entry(rig_fac
     chain = _chain(4, 7)
     node = rig.start()
     rig.offload(chain, announce_slow=False)  # put, the Store not sent yet
-    time.sleep(0.6)
+    rig.folded(node)
     h = chain[2]
     p = rig.scheme.owners(chain)[2]
     rep = node.serving()[p]
     view = node.mover._catalog_view()  # the repair reads the catalog ...
     assert rig.agent.delete([BlockKey(KEY_NS, h)]) == 1  # ... the worker deletes and says so ...
     rig.announce("w0", [remove(h, chain[0], chain[1], BLK, "slow")])
-    time.sleep(0.6)
+    rig.folded(node)
     with node.mover._lock:
         assert node.mover.repair(rep, view) >= 1  # ... and the repair announces what it read
     assert wait_until(lambda: "slow" in (rig.locations(node, p, h) or set()), 5), "no stale entry was made"
@@ -372,7 +395,7 @@ def test_an_owner_frozen_mid_round_is_fenced_off_by_the_real_lease_tokens(rig_fa
     for c in chains:
         rig.offload(c)
     a0 = rig.start("a0")
-    time.sleep(0.8)
+    rig.folded(a0)
     real_commit = a0.mover.agent.commit_move
     frozen, wake = threading.Event(), threading.Event()
     first: list[Any] = []
@@ -407,7 +430,7 @@ def test_an_owner_frozen_mid_round_is_fenced_off_by_the_real_lease_tokens(rig_fa
     assert rig.catalog.get(old.key) == old, "a stale owner's commit landed"
     fast = {s.volume_id: s for s in rig.agent.stats()}["fast"]
     assert fast.live_bytes == 0, "the fenced copy is still live"
-    time.sleep(0.8)
+    rig.folded(b0)
     done = [r for r in b0.mover.run_round() if r.status.value == "done"]
     assert old.key.sequence_hash in {r.item.sequence_hash for r in done}
     assert rig.settle(b0) == []
@@ -434,7 +457,7 @@ def test_s3_down_mid_demotion_fails_the_items_clearly_and_loses_nothing(rig_fact
     for c in chains:
         rig.offload(c, hot=False)
     node = rig.start()
-    time.sleep(0.8)
+    rig.folded(node)
     before = {pl.key: pl for pl in rig.catalog.iter_volume("slow")}
     proxy.set_rule(lambda m, p, n: 403 if m == "PUT" else None)
     t0 = time.monotonic()
@@ -454,7 +477,7 @@ def test_s3_down_mid_demotion_fails_the_items_clearly_and_loses_nothing(rig_fact
     assert list(rig.catalog.iter_volume("archive")) == []
     assert node.mover.counters["moves_failed"] >= len(failed)
     assert node.mover.counters["moves_skipped"] >= len(rest)
-    time.sleep(0.8)
+    rig.folded(node)
     assert rig.mismatches(node) == []
     rig.read_back()
     proxy.set_rule(lambda m, p, n: None)
@@ -540,7 +563,7 @@ def test_a_recreated_lease_bucket_does_not_fence_off_every_new_owner(rig_factory
     asyncio.run(churn_then(delete=True))  # the lease bucket is lost; the catalog is kept
     b0 = rig.start("b0")
     assert b0.keeper is not None and max(b0.keeper.token(p) or 0 for p in range(2)) < 200
-    time.sleep(0.8)
+    rig.folded(b0)
     done = [r for r in b0.mover.run_round() if r.status.value == "done"]
     assert done, f"no move: partitions fenced {[r.fenced for r in b0.serving().values()]}"
     # and the former bucket's owner, were it still running, is fenced off by b0's fences
@@ -570,7 +593,7 @@ def test_a_partition_released_mid_round_makes_no_more_moves(rig_factory: Any) ->
         return real_commit(old, new, fence)
 
     node.mover.agent.commit_move = commit  # type: ignore[method-assign]
-    time.sleep(0.8)
+    rig.folded(node)
     results = node.mover.run_round()
     assert len(results) > 2, [(r.item.kind.value, r.status.value) for r in results]
     assert len(commits) == 1, f"{len(commits)} commits after the partition was released"
@@ -605,12 +628,12 @@ def test_stop_during_a_round_ends_it_after_the_partition_in_progress(rig_factory
         return real_commit(old, new, fence)
 
     node.mover.agent.commit_move = commit  # type: ignore[method-assign]
-    time.sleep(0.8)
+    rig.folded(node)
     node.mover.run_round()
     assert stopping.is_set()
     assert wait_until(lambda: node not in rig.nodes, 60), "stop did not finish after the round"
     assert set(fences) == {node.mover.fence_name(0)}, f"partitions moved after stop was asked: {sorted(set(fences))}"
     b0 = rig.start("b0")
-    time.sleep(0.8)
+    rig.folded(b0)
     assert rig.mismatches(b0) == []
     rig.read_back()

@@ -22,6 +22,7 @@ from storage_backends import (
     VolumeDescriptor,
     VolumeKind,
 )
+from tests import polling
 
 
 def block(h: int) -> torch.Tensor:
@@ -101,7 +102,9 @@ def test_concurrent_puts_gets_compactions_and_deletes_keep_every_acknowledged_bl
     try:
         for t in threads:
             t.start()
-        time.sleep(4.0)
+        time.sleep(4.0)  # time passes: the threads race (on a loaded machine, until each did a few)
+        polling.wait_until(lambda: errors or counts["put"] > 5 and counts["get"] > 5 and counts["compact"] > 2, 120,
+                           f"a few of each operation ({counts})", every=0.2)
         stop.set()
         for t in threads:
             t.join(30)

@@ -15,6 +15,7 @@ import boto3
 import pytest
 import torch
 from s3_proxy import S3FaultProxy
+from tests import polling
 
 from storage_backends import (
     BlockKey,
@@ -85,7 +86,8 @@ def test_a_wave_whose_one_put_is_denied_while_another_is_slow_leaves_nothing_beh
     with pytest.raises(TransferError) as ei:
         agent.put(items, "cold")
     assert ei.value.stored == []
-    time.sleep(max(0.0, t0 + 3.0 - time.monotonic()))  # every delayed PUT is over by now
+    time.sleep(max(0.0, t0 + 3.0 - time.monotonic()))  # a PUT sent late (1.5 s delay) has reached the proxy
+    polling.wait_until(lambda: proxy.in_flight == 0, 60, "every PUT through the proxy answered")
     assert bucket_keys(local_s3, desc.bucket) == []
     assert agent.catalog.get_many([k for k, _ in items]) == [None] * 16
     assert agent.segments("cold") == []
@@ -120,7 +122,8 @@ def test_a_failed_get_writes_nothing_into_the_callers_tensors_after_it_returned(
     done = time.monotonic()
     for t in out:
         t.fill_(7)  # the caller reuses its buffers for something else
-    time.sleep(max(0.0, 3.5 - (time.monotonic() - done)))  # a GET still in flight lands by now
+    time.sleep(max(0.0, 3.5 - (time.monotonic() - done)))  # a GET sent late (2.5 s delay) has reached the proxy
+    polling.wait_until(lambda: proxy.in_flight == 0, 60, "every GET through the proxy answered")
     assert all(bool((t == 7).all()) for t in out)
     late = [(at, m, p) for at, m, p, _ in proxy.log if at > done]
     assert late == []  # no request of the failed call was still being sent
@@ -256,7 +259,9 @@ def test_concurrent_s3_puts_gets_and_compactions_keep_every_acknowledged_block(
     threads = [threading.Thread(target=loop(f)) for f in (putter, putter, getter, compactor)]
     for t in threads:
         t.start()
-    time.sleep(3.0)
+    time.sleep(3.0)  # time passes: the threads race (on a loaded machine, until each did a few)
+    polling.wait_until(lambda: errors or (done["put"] > 3 and done["get"] > 3 and done["compact"] > 1), 120,
+                       f"a few of each operation ({done})", every=0.2)
     stop.set()
     for t in threads:
         t.join(60)

@@ -223,7 +223,7 @@ def test_an_interrupt_while_the_other_half_copies_is_raised_once_it_is_done(agen
         th.join()
         assert sent and blocker.done()
         after = [o.clone() for o in outs]
-        time.sleep(0.05)
+        time.sleep(0.05)  # time passes: a late write of the other half would land meanwhile
         assert all(torch.equal(a, o) for a, o in zip(after, outs)), "the other half wrote after get ended"
         assert raised, "the interrupt was swallowed: get returned normally"
     finally:

@@ -7,7 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import store
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until as wait_for  # noqa: F401 - the security tests import it from here
 
 BS = 4096
 
@@ -28,16 +29,6 @@ def chain(hashes: list[int], loc: str) -> list[Any]:
     return out
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll ``pred`` until true; fail after ``timeout`` seconds (generous: the machine is shared)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout} s")
-
-
 def per_location(svc: AdvisorService, hashes: list[int]) -> dict[str, int]:
     """How many of ``hashes`` (a chain) the advisor's index holds, per location."""
     return dict(svc.query().lookup(hashes).per_location)
@@ -49,8 +40,6 @@ def settings(tmp_path: Path, urls: list[str], **kw: Any) -> AdvisorSettings:
                             "api_enabled": False, "snapshot_store": "none", "policy_interval_s": 0,
                             "get_timeout_s": 0.05}
     return AdvisorSettings(**{**base, **kw})
-
-
 
 
 def nats_server(tmp_path: Path, body: str) -> Iterator[int]:

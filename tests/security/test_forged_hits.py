@@ -15,18 +15,10 @@ from advisor.settings import AdvisorSettings
 from event_plane import PublisherConfig, make_publisher
 from event_plane.schema import WIRE_VERSION, EventBatch, store
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until as wait_for
 
 BS = 4096
 FORGED = {"hits": 10**6, "tier": "nvme"}
-
-
-def wait_for(pred, timeout: float = 15.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
 
 
 def promoted(settings: AdvisorSettings, index: PrefixIndex) -> list[int]:

@@ -70,7 +70,7 @@ def test_only_authenticated_permitted_publishers_reach_the_index(
         sneaky.flush()
     finally:
         sneaky.close()
-    time.sleep(1.0)
+    time.sleep(1.0)  # time passes: a batch let in by mistake would show below
     assert svc.position == 0 and per_location(svc, [50, 51]) == {}
 
     # with their credentials, w0 and w1 are indexed

@@ -65,7 +65,7 @@ def test_zmq_forged_epoch_from_another_endpoint_changes_nothing_and_survives_res
         forger.publish(chain([1, 2, 3, 4, 5, 6], "g2"))
         forger.flush()
         wait_for(lambda: svc.counters["origin_refused"] >= 2, what="forged batches refused after restart")
-        time.sleep(1.0)
+        time.sleep(1.0)  # time passes: a forged batch applied by mistake would show below
         assert svc.position == position
         assert per_location(svc, [1, 2, 3, 4, 5]) == {f"{VICTIM}/g1": 5}
 
@@ -140,7 +140,7 @@ def test_nats_forged_epoch_from_another_subject_changes_nothing_and_survives_res
         forger.publish(chain([11, 12, 13, 14, 15, 16], "g2"))
         forger.flush()
         wait_for(lambda: svc.counters["origin_refused"] > refused_before, what="refused after restart")
-        time.sleep(0.5)
+        time.sleep(0.5)  # time passes: a forged batch applied by mistake would show below
         assert svc.position == position
         assert per_location(svc, [11, 12, 13, 14]) == {f"{VICTIM}/g1": 4}
     finally:
@@ -173,7 +173,7 @@ def test_jetstream_forged_epoch_from_another_namespace_is_refused_after_restart_
         forger.publish(chain([31, 32, 33, 34], "g2"))
         forger.flush()
         wait_for(lambda: svc.counters["origin_refused"] >= 1, what="refused after restart")
-        time.sleep(0.5)
+        time.sleep(0.5)  # time passes: a forged batch applied by mistake would show below
         assert svc.position == position and per_location(svc, [31, 32, 33]) == {f"{VICTIM}/g1": 3}
     finally:
         victim.close()

@@ -25,6 +25,7 @@ from event_plane.codec import encode_batch
 from event_plane.frames import seq_to_bytes
 from event_plane.schema import WIRE_VERSION, EventBatch, store
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until as until
 
 BS = 4096
 REPO = Path(__file__).resolve().parents[2]
@@ -238,15 +239,6 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def until(pred, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not reached in {timeout} s")
-
-
 def spawn(cfg: Path, tmp: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "NIXL_LOG_LEVEL": "WARN"}
     err = tmp / f"{name}.stderr"
@@ -256,12 +248,13 @@ def spawn(cfg: Path, tmp: Path, name: str) -> tuple[subprocess.Popen[str], Path]
     return proc, err
 
 
-def test_20k_sources_and_1k_locations_over_zmq_stay_under_quota_and_restart_fast(tmp_path: Path) -> None:
+def test_20k_sources_and_1k_locations_over_zmq_stay_under_quota_across_a_restart(tmp_path: Path) -> None:
     """20,000 sources and 1,000 volume names offered over a real ZMQ PUB socket to the advisor
     process (default quotas: 10,000 sources, 256 volume names): the excess is refused and
-    counted, known sources go on, and at ~100k indexed blocks SIGTERM (a snapshot, then
-    exit) and a restart each take under 10 s; after the restart a new source is still
-    refused and a known one still admitted."""
+    counted, known sources go on; at ~100k indexed blocks SIGTERM (a snapshot, then exit 0)
+    and a restart bring back every indexed block, and after the restart a new source is
+    still refused and a known one still admitted.  The stop and restart times are printed,
+    not asserted (the stop's deadline is held by test_advisor_many_sources.py)."""
     port, api_port = free_port(), free_port()
     cfg = tmp_path / "advisor.json"
     cfg.write_text(json.dumps({

@@ -70,7 +70,7 @@ def test_rate_meter_window() -> None:
         r.add(100)
         time.sleep(0.1)
     assert 0 < r.rate() <= 600  # at most 600 events over at least 1 s (the meter floor)
-    time.sleep(1.2)
+    time.sleep(1.2)  # time passes: the 0.5 s window (and the 1 s floor) is over
     assert r.rate() == 0.0
     assert r.total == 600
 

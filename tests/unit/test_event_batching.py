@@ -22,6 +22,7 @@ from event_plane import (
     store,
 )
 from event_plane.codec import encode_event
+from tests import polling
 
 
 class Journal:
@@ -91,7 +92,7 @@ def test_time_limit_flushes_without_help() -> None:
     assert 0.14 <= waited < 1.0
     # the timer restarts for the next batch
     pub.publish(chain(1, start=100))
-    time.sleep(0.4)
+    polling.wait_until(lambda: len(j.batches) == 2, 30, "the second batch flushed by the timer")
     assert [b.seq for b in j.batches] == [0, 1]
     pub.close()
     assert len(j.batches) == 2  # nothing pending: close sends no empty batch

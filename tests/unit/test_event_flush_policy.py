@@ -77,10 +77,13 @@ def test_publisher_time_limit_drops_under_load_and_latency_stays_bounded() -> No
     ages, pub = _run_load(adaptive=True)
     st = pub.stats()
     assert st.event_rate > 2000  # the estimate saw the load
-    assert st.flush_delay_s < 0.1  # time limit lowered from 10 s
+    # a deadline the product promises, computed, not measured: the time limit is lowered from
+    # 10 s to target/rate, under 200 / 2,000 = 0.1 s at the rate just asserted
+    assert st.flush_delay_s < 0.1
     assert len(ages) >= 4  # the timer flushed repeatedly during 0.4 s
-    # every batch left within target/rate (+ scheduling slack on a loaded 2-core machine),
-    # never near the 10 s ceiling
+    # a deadline the product promises: under load the time limit drops to target/rate
+    # (min_delay_s, 0.02 s here), so every batch leaves within it plus the timer's
+    # scheduling; measured 0.05-0.08 s here (0.5 s is over 6x that), never near the 10 s ceiling
     assert max(ages) < 0.5, ages
     pub.close()
     assert pub.stats().batches == len(ages)  # the close flush is reported too; nothing else

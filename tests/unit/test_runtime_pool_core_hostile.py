@@ -1542,9 +1542,9 @@ def test_on_flush_reading_the_pool_does_not_deadlock() -> None:
     proc = run_child(
         """
         import time
-        faulthandler.dump_traceback_later(10, exit=True)  # a deadlock exits 1 with the stacks
         from event_plane.config import PublisherConfig
         from event_plane.urls import make_publisher
+        faulthandler.dump_traceback_later(10, exit=True)  # a deadlock exits 1 with the stacks (imports done)
         pool = None
         flushes = [0]
         def on_flush(batch, payload):

@@ -78,7 +78,7 @@ def test_offload_waits_for_its_step_then_copies_and_publishes_in_order(rig: Rig)
     rig.cap.clear()
     step = StepEvent()
     fut = rig.tm.offload_to_host(rig.items(handles), step)
-    time.sleep(0.05)
+    time.sleep(0.05)  # time passes: a copy that did not wait for its step would be done
     assert not fut.done() and rig.g2.resident() == set()
     assert rig.g2.stats().reset == 8 - 3  # destinations reserved at submit
     step.done()
