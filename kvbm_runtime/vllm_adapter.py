@@ -32,8 +32,10 @@ volume serve a restarted engine too.
 Paths: save G1 → G2 after each step's forward pass (the copy runs behind the step,
 asynchronously), then G2 → the volume through the disk-offload filter; in KVBM's
 disk-only mode (``DYN_KVBM_DISK_CACHE_GB`` without a CPU cache) G1 → volume directly.
-Loads from G2 are synchronous (copied before the step's forward pass); loads that touch
-a volume are asynchronous (``load_async``: vLLM schedules other requests meanwhile).  A
+Loads from G2 and from local POSIX volumes are synchronous (copied before the step's
+forward pass, ``sync_load_volumes``); loads that touch another volume (S3) are asynchronous
+(``load_async``: vLLM schedules other requests meanwhile, and the request waits for a later
+step).  A
 failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
 ``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
 
@@ -44,7 +46,7 @@ time, new ones land on the landing volume, and the scheduler side matches prompt
 catalog past what its own workers hold (blocks other engines stored).
 
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
-``source``, ``storage_config``, ``catalog_url``, ``landing_volume``,
+``source``, ``storage_config``, ``catalog_url``, ``landing_volume``, ``sync_load_volumes``,
 ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
