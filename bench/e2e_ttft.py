@@ -95,7 +95,8 @@ def run_config(key: str, args: argparse.Namespace) -> Any:
     if bound:  # every block of the replay fits: prompt blocks + output blocks of every request
         g1 = max(g1, args.requests * (args.max_model_len // 32 + 1) // args.engines + 64)
     s = EngineDemoSettings(requests=args.requests, warmup=args.warmup, engines=args.engines,
-                           block_tokens=args.block_tokens, time_scale=args.time_scale, g1_blocks=g1,
+                           block_tokens=args.block_tokens, time_scale=args.time_scale,
+                           warmup_time_scale=args.warmup_time_scale, g1_blocks=g1,
                            g2_blocks=args.g2_blocks, fast_capacity_blocks=args.fast_blocks, sample=0,
                            layers=args.layers, hidden=args.hidden, head_dim=args.head_dim, kv_heads=args.kv_heads,
                            intermediate=args.intermediate, max_model_len=args.max_model_len, models_dir=args.models_dir,
@@ -139,12 +140,14 @@ def gap_closed(a: float, x: float, f: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="a,f,d,c,e,d0,b")
+    p.add_argument("--configs", default="a,f,d,d0,c,e,b")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--block-tokens", type=int, default=8)
-    p.add_argument("--time-scale", type=float, default=0.5)
+    p.add_argument("--time-scale", type=float, default=0.25, help="the measured requests' trace time divided by this")
+    p.add_argument("--warmup-time-scale", type=float, default=2.0,
+                   help="the warm-up's (not measured; the engines may queue, the window starts once it is done)")
     p.add_argument("--g1-blocks", type=int, default=64, help="vLLM's KV blocks per engine, (a)-(e)")
     p.add_argument("--g2-blocks", type=int, default=512)
     p.add_argument("--fast-blocks", type=int, default=4096, help="capacity of the fast volume in blocks")
@@ -182,7 +185,8 @@ def main() -> int:
 
     ref = {res.index: res.output for res in reports["a"].results if res.error is None} if "a" in reports else {}
     print(f"\nwindow: requests {args.warmup}..{args.requests - 1} of the Mooncake conversation trace "
-          f"(first {args.warmup} = warm-up), {args.block_tokens} tokens per trace block, time / {args.time_scale:g}, "
+          f"(first {args.warmup} = warm-up, time / {args.warmup_time_scale:g}), {args.block_tokens} tokens per trace block, "
+          f"window time / {args.time_scale:g}, "
           f"{args.engines} engines")
     print(model_line)
     if "f" in reports:

@@ -68,6 +68,8 @@ class EngineDemoSettings(BaseModel):
     trace: Path | None = None
     block_tokens: int = Field(32, ge=1, description="tokens per trace block (the trace's are 512)")
     time_scale: float = Field(10.0, gt=0, description="trace time divided by this")
+    warmup_time_scale: float | None = Field(None, gt=0, description="the warm-up's trace time divided by this "
+                                            "(default: time_scale); the measured requests start once the warm-up is done")
     router: Literal["kv", "round-robin"] = "kv"
     overlap_weight: float = Field(1.0, ge=0)
     mode: Mode = "volumes"
@@ -376,6 +378,8 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         prompts = [trace_prompt(r, s.block_tokens, g.vocab, max_prompt) for r in reqs]
         base = reqs[0].timestamp_ms
         arrivals = [(r.timestamp_ms - base) / 1000.0 / s.time_scale for r in reqs]
+        warm_scale = s.warmup_time_scale or s.time_scale
+        warm_arrivals = [(r.timestamp_ms - base) / 1000.0 / warm_scale for r in reqs[: s.warmup]]
 
         report = EngineDemoReport(requests=len(reqs), engines=s.engines, mode=s.mode, router=s.router,
                                   block_tokens=s.block_tokens, time_scale=s.time_scale, namespace=namespace,
@@ -388,7 +392,7 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
                 urls = [e.spec.url for e in engines]
                 warm: list[RequestResult] = []
                 if s.warmup:
-                    warm = await replay(prompts[: s.warmup], arrivals[: s.warmup], urls, model, router, s.max_tokens)
+                    warm = await replay(prompts[: s.warmup], warm_arrivals, urls, model, router, s.max_tokens)
                     before.update(_snapshot(engines, kvbm_ports))
                 w0 = arrivals[s.warmup] if s.warmup < len(arrivals) else 0.0
                 rest = await replay(prompts[s.warmup:], [a - w0 for a in arrivals[s.warmup:]], urls, model, router,
