@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Time to first token with the whole loop, on the Mooncake conversation trace, side by side.
 
-    python bench/e2e_ttft.py                       # 6 configurations, ~25 minutes here
-    python bench/e2e_ttft.py --configs a,d,f --requests 300 --warmup 150
+    python bench/e2e_ttft.py                       # 7 configurations, ~45 minutes here
+    python bench/e2e_ttft.py --configs a,d,f --requests 300 --warmup 200
 
 Every configuration starts its own engines (``kvadvisor demo --engine vllm``'s harness,
 :mod:`kvadvisor.engine_demo`) and replays the same requests, the same way: the first
@@ -17,7 +17,14 @@ caches and are not measured; the figures are those of the window after them.
     our ``POST /query``);
 (e) (d) with round-robin routing;
 (f) the bound: vLLM alone with a G1 large enough to hold the whole replay, KV-aware
-    routing (what an unlimited GPU memory gives).
+    routing (what an unlimited GPU memory gives);
+(d0) (d) with every volume load asynchronous (``sync_load_volumes: []``, the connector's
+    behaviour before loads from POSIX volumes ran within the engine step): where (d)'s
+    time went.
+
+The model is a random-weight Llama whose prefill FLOPs per KV byte are those of a real
+model (printed at the start, against Llama-2-7B, Llama-3-8B and Llama-3-70B): loading a
+block instead of recomputing it is weighed as on a real model.
 
 The window's reuse share is the prefill tokens (f) saves out of all prompt tokens.  Outputs
 (greedy) of every configuration are compared request by request with (a)'s.
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +55,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "d": {"mode": "volumes", "router": "kv", "moves": True},
     "e": {"mode": "volumes", "router": "round-robin", "moves": True},
     "f": {"mode": "vllm", "router": "kv", "moves": False, "bound": True},
+    "d0": {"mode": "volumes", "router": "kv", "moves": True, "sync_loads": False},
 }
 LABELS = {"a": "vLLM alone", "b": "+ connector, G2", "c": "+ volumes, no moves", "d": "full loop, KV routing",
-          "e": "full loop, round-robin", "f": "bound: G1 holds all"}
+          "e": "full loop, round-robin", "f": "bound: G1 holds all",
+          "d0": "(d), volume loads asynchronous"}
+
+
+def load_now() -> str:
+    """The load average now (1, 5, 15 minutes), as ``uptime`` prints it."""
+    return ", ".join(f"{x:.2f}" for x in load_average())
+
+
+def onboard_row(kvbm: dict[str, float]) -> str:
+    """Blocks onboarded per volume and the mean storage read (the demo report's row)."""
+    from kvadvisor.engine_demo.cli import onboard_row as row
+
+    return row(kvbm)
 
 
 def run_config(key: str, args: argparse.Namespace) -> Any:
@@ -61,11 +83,42 @@ def run_config(key: str, args: argparse.Namespace) -> Any:
     if bound:  # every block of the replay fits: prompt blocks + output blocks of every request
         g1 = max(g1, args.requests * (args.max_model_len // 32 + 1) // args.engines + 64)
     s = EngineDemoSettings(requests=args.requests, warmup=args.warmup, engines=args.engines,
-                           block_tokens=args.block_tokens, time_scale=args.time_scale, g1_blocks=g1,
+                           block_tokens=args.block_tokens, time_scale=args.time_scale,
+                           warmup_time_scale=args.warmup_time_scale, g1_blocks=g1,
                            g2_blocks=args.g2_blocks, fast_capacity_blocks=args.fast_blocks, sample=0,
-                           layers=args.layers, hidden=args.hidden, max_model_len=args.max_model_len,
+                           layers=args.layers, hidden=args.hidden, head_dim=args.head_dim, kv_heads=args.kv_heads,
+                           intermediate=args.intermediate, max_model_len=args.max_model_len, models_dir=args.models_dir,
                            policy_interval_s=args.policy_interval, **c)
     return run_engine_demo(s)
+
+
+def model_report(args: argparse.Namespace) -> str:
+    """One paragraph: the random-weight model's prefill FLOPs and KV bytes per token, and the
+    same ratio for real models (their published shapes, KV cache in bf16), so the reader
+    sees whether loading a block against recomputing it is weighed as on a real model."""
+    from kvbm_runtime.testing.llama_model import LlamaGeometry
+
+    heads = args.hidden // args.head_dim
+    ours = LlamaGeometry(hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=args.kv_heads,
+                         intermediate=args.intermediate, max_positions=args.max_model_len)
+    ctx = args.max_model_len // 4  # causal prefill of a half-length prompt: average context
+    real = {  # config.json of each model on the Hugging Face hub
+        "Llama-2-7B": LlamaGeometry(vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008),
+        "Llama-3-8B": LlamaGeometry(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+        "Llama-3-70B": LlamaGeometry(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672),
+    }
+
+    def per_elem(g: LlamaGeometry) -> float:  # FLOPs per KV element, independent of the KV dtype
+        return g.flops_per_token(ctx) / (g.kv_bytes_per_token(1))
+
+    lines = [f"model: random-weight Llama, {ours.layers} layers, hidden {ours.hidden}, {ours.heads} heads x {ours.head_size}, "
+             f"{ours.kv_heads} KV heads, MLP {ours.intermediate}, vocab {ours.vocab}, fp32: "
+             f"{ours.flops_per_token(ctx) / 1e6:,.0f} MFLOP per prompt token (context {ctx}), "
+             f"{ours.kv_bytes_per_token(4):,} KV bytes per token (fp32) -> {per_elem(ours) / 1e3:,.0f}k FLOP per KV element"]
+    for name, g in real.items():
+        lines.append(f"  vs {name}: {g.flops_per_token(ctx) / 1e9:,.1f} GFLOP, {g.kv_bytes_per_token(2) >> 10:,} KiB KV per token "
+                     f"(bf16) -> {per_elem(g) / 1e3:,.0f}k FLOP per KV element (ours / theirs {per_elem(ours) / per_elem(g):.2f})")
+    return "\n".join(lines)
 
 
 def gap_closed(a: float, x: float, f: float) -> float:
@@ -75,25 +128,37 @@ def gap_closed(a: float, x: float, f: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="a,b,c,d,e,f")
+    p.add_argument("--configs", default="a,f,d,d0,c,e,b")
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--block-tokens", type=int, default=32)
-    p.add_argument("--time-scale", type=float, default=4.0)
-    p.add_argument("--g1-blocks", type=int, default=128, help="vLLM's KV blocks per engine, (a)-(e)")
+    p.add_argument("--block-tokens", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=0.25, help="the measured requests' trace time divided by this")
+    p.add_argument("--warmup-time-scale", type=float, default=2.0,
+                   help="the warm-up's (not measured; the engines may queue, the window starts once it is done)")
+    p.add_argument("--g1-blocks", type=int, default=64, help="vLLM's KV blocks per engine, (a)-(e)")
     p.add_argument("--g2-blocks", type=int, default=512)
     p.add_argument("--fast-blocks", type=int, default=4096, help="capacity of the fast volume in blocks")
     p.add_argument("--policy-interval", type=float, default=3.0)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--models-dir", type=Path, default=None, help="where the model is built once for every configuration")
     add_json_option(p)
     args = p.parse_args()
     keys = [k.strip() for k in args.configs.split(",") if k.strip()]
     report = Report("e2e_ttft", "time to first token of the whole loop (vLLM engines, connector, volumes, advisor, "
                     "KV-aware routing) on the Mooncake trace, against vLLM alone")
     cpu = f"{cpu_model()}, {os.cpu_count()} cores"
+    tmp = None
+    if args.models_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="e2e-ttft-models-")
+        args.models_dir = Path(tmp.name)
+    model_line = model_report(args)
+    print(model_line, flush=True)
     reports: dict[str, Any] = {}
     t0 = time.monotonic()
     for k in keys:
@@ -101,12 +166,18 @@ def main() -> int:
         reports[k] = run_config(k, args)
         r = reports[k]
         print(f"   TTFT mean {r.ttft_s['mean'] * 1000:.0f} ms, p90 {r.ttft_s['p90'] * 1000:.0f} ms, saved "
-              f"{r.prefill_saved:,}/{r.prompt_tokens:,}, failed {r.failed}, {r.wall_s:.0f} s", flush=True)
+              f"{r.prefill_saved:,}/{r.prompt_tokens:,}, failed {r.failed}, {r.wall_s:.0f} s; load {load_now()}",
+              flush=True)
+        if r.kvbm:
+            print(f"   onboarded per volume: {onboard_row(r.kvbm)}; G2 resident at the end: "
+                  + ", ".join(f"{v:,.0f}" for k, v in r.kvbm.items() if k.startswith("kvbm_g2_resident_blocks{")), flush=True)
 
     ref = {res.index: res.output for res in reports["a"].results if res.error is None} if "a" in reports else {}
     print(f"\nwindow: requests {args.warmup}..{args.requests - 1} of the Mooncake conversation trace "
-          f"(first {args.warmup} = warm-up), {args.block_tokens} tokens per trace block, time / {args.time_scale:g}, "
-          f"{args.engines} engines, model {args.layers} layers x {args.hidden}")
+          f"(first {args.warmup} = warm-up, time / {args.warmup_time_scale:g}), {args.block_tokens} tokens per trace block, "
+          f"window time / {args.time_scale:g}, "
+          f"{args.engines} engines")
+    print(model_line)
     if "f" in reports:
         f = reports["f"]
         print(f"reuse share of the window ((f) saved / prompt tokens): {f.prefill_saved / max(f.prompt_tokens, 1):.1%}")
@@ -136,6 +207,15 @@ def main() -> int:
               f"({r.prefill_saved / max(r.prompt_tokens, 1):.1%}) | {c.get('device', 0):,.0f} / {c.get('host', 0):,.0f} / "
               f"{c.get('disk', 0):,.0f} | {mv.get('promotions', 0)}/{mv.get('demotions', 0)}/{mv.get('compactions', 0)} | "
               f"{same}/{checked} |")
+    print("\nwhere the time goes (window): TTFT of requests with a cache hit (vLLM's num_cached_tokens > 0) and "
+          "without; the connector's storage reads")
+    print("| config | hits: n, mean TTFT | misses: n, mean TTFT | onboarded per volume (blocks); reads, mean read |")
+    print("|---|---|---|---|")
+    for k, row in rows.items():
+        hm, mm = row["ttft_hit_mean"], row["ttft_miss_mean"]
+        n_miss = sum(1 for q in row["requests"] if q[0] >= args.warmup and q[3] == 0)
+        print(f"| ({k}) | {row['hits']}, {hm * 1000 if hm is not None else float('nan'):,.0f} ms | "
+              f"{n_miss}, {mm * 1000 if mm is not None else float('nan'):,.0f} ms | {onboard_row(row['kvbm'])} |")
     if {"a", "d", "f"} <= reports.keys():
         a, d, f = reports["a"], reports["d"], reports["f"]
         saved = d.prefill_saved / f.prefill_saved if f.prefill_saved else float("nan")
@@ -143,7 +223,7 @@ def main() -> int:
         g90 = gap_closed(a.ttft_s["p90"], d.ttft_s["p90"], f.ttft_s["p90"])
         print(f"\n(d) saves {saved:.0%} of what (f) saves (goal >= 80 %); closes {gm:.0%} of the mean TTFT gap "
               f"(a)→(f) (goal >= 70 %) and {g90:.0%} at p90 (goal >= 50 %)")
-        for other in ("c", "e"):
+        for other in ("c", "e", "d0"):
             if other in reports:
                 o = reports[other]
                 print(f"(d) vs ({other}): mean {d.ttft_s['mean'] * 1000:.0f} vs {o.ttft_s['mean'] * 1000:.0f} ms, "
@@ -159,8 +239,10 @@ def main() -> int:
     for k, r in reports.items():
         report.add(f"TTFT mean, ({k}) {LABELS[k]}", r.ttft_s["mean"] * 1000, unit="ms", better="lower",
                    headline=not report.figures and k == keys[0])
-    report.extra = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
+    report.extra = {"args": {k: str(v) for k, v in vars(args).items() if k != "json"}, "model": model_line, "rows": rows}
     report.write(args.json)
+    if tmp is not None:
+        tmp.cleanup()
     return 0
 
 

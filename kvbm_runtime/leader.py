@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,10 +37,11 @@ from .residency import HOST, STORAGE, ResidencyDirectory, ResidencyReport
 logger = logging.getLogger(__name__)
 
 
-def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> Callable[[Sequence[int]], list[bool]]:
-    """A :class:`KvbmLeader` ``shared`` function over a placement catalog: per block,
-    whether the catalog holds it under every one of ``namespaces`` (one per
-    tensor-parallel rank).  A catalog that cannot be asked matches nothing (logged).
+def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> Callable[[Sequence[int]], list[str | None]]:
+    """A :class:`KvbmLeader` ``shared`` function over a placement catalog: per block, the
+    volume holding it (rank 0's copy) when the catalog holds it under every one of
+    ``namespaces`` (one per tensor-parallel rank), else ``None``.  A catalog that cannot
+    be asked matches nothing (logged).
 
     Args:
         catalog: ``get_many(keys) -> [Placement | None]`` (a ``storage_backends``
@@ -52,14 +53,15 @@ def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> C
     spaces = list(namespaces)
     n = len(spaces)
 
-    def held(hashes: Sequence[int]) -> list[bool]:
+    def held(hashes: Sequence[int]) -> list[str | None]:
         keys = [BlockKey(ns, h) for h in hashes for ns in spaces]
         try:
             found = catalog.get_many(keys)
         except StorageError as exc:  # the catalog is away: match nothing from it
             logger.warning("placement catalog lookup failed, no shared-volume match this time: %r", exc)
-            return [False] * len(hashes)
-        return [all(p is not None for p in found[i * n : (i + 1) * n]) for i in range(len(hashes))]
+            return [None] * len(hashes)
+        return [found[i * n].volume_id if all(p is not None for p in found[i * n : (i + 1) * n]) else None
+                for i in range(len(hashes))]
 
     return held
 
@@ -94,6 +96,8 @@ class _Match:
     hashes: list[int]
     first: int
     tiers: list[str]
+    volumes: list[str | None]  # per matched block: the volume of a storage block, when known
+    load_async: bool  # what match() told the engine: the planned load must be the same kind
 
 
 @dataclass(slots=True)
@@ -129,21 +133,33 @@ class KvbmLeader:
         salt: salt recorded in the transfers' block identities (informational; the
             engine's hashes already include its own salt).
         world_size: worker ranks that must all hold a block (tensor-parallel size).
-        shared: where the directory ends, ``shared(hashes)`` says per block whether the
-            shared volumes hold it now (the placement catalog the workers and the advisor
-            share: blocks other engines stored, blocks the advisor moved); ``None``: the
-            directory alone.  Called outside the leader's lock.
+        shared: ``shared(hashes)`` says per block which shared volume holds it now
+            (a volume id, or ``None``; ``True`` / ``False`` are read as "held, volume
+            unknown" / "not held"): the placement catalog the workers and the advisor
+            share (blocks other engines stored, blocks the advisor moved).  It extends
+            the match where the directory ends, and names the volume of the directory's
+            own storage blocks.  ``None``: the directory alone.  Called outside the
+            leader's lock.
+        sync_volumes: volumes fast enough to load from within the step (local POSIX
+            volumes: a read of a request's blocks takes milliseconds, less than one
+            engine step).  A load whose storage blocks are all on these volumes is
+            synchronous, like a G2 load: the request is computed in the step that loads
+            it.  Any other storage block (object storage, or a volume not known) makes
+            the load asynchronous: the engine runs other requests meanwhile, and the
+            request waits for the step after the one that sees the load finished.
     """
 
     def __init__(
         self, page_size: int, salt: int = 0, world_size: int = 1,
-        shared: Callable[[Sequence[int]], Sequence[bool]] | None = None,
+        shared: Callable[[Sequence[int]], Sequence[str | bool | None]] | None = None,
+        sync_volumes: Collection[str] = (),
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page = page_size
         self.salt = salt
         self.shared = shared
+        self.sync_volumes = frozenset(sync_volumes)
         self.directory = ResidencyDirectory(world_size)
         self.stats = LeaderStats()
         self._matches: dict[str, _Match] = {}
@@ -170,9 +186,10 @@ class KvbmLeader:
 
         Returns:
             ``(tokens, load_async)``: a multiple of ``page_size``; ``load_async`` is true
-            when part of the match comes from storage (a slow tier: the engine schedules
-            other requests while it loads), false for host-only matches (copied before
-            the step's forward pass) and for no match.
+            when part of the match comes from a storage volume not in ``sync_volumes``
+            (a slow tier: the engine schedules other requests while it loads), false for
+            host-only matches, matches on ``sync_volumes`` (copied before the step's
+            forward pass) and for no match.
 
         Raises:
             ConnectorError: ``num_computed_tokens`` negative or not block-aligned.
@@ -183,19 +200,33 @@ class KvbmLeader:
         last = min(len(sequence_hashes), max(0, num_tokens - 1) // self.page)
         hashes = list(sequence_hashes[:last])
         tiers = self.directory.match(hashes[first:]) if first < last else []
+        volumes: list[str | None] = [None] * len(tiers)
         rest = hashes[first + len(tiers) :]
-        if rest and self.shared is not None:
-            for held in self.shared(rest):
-                if not held:
+        if self.shared is not None:
+            # one catalog query: where the directory's own storage blocks are now, and
+            # how far the shared volumes extend the match
+            own = [k for k, t in enumerate(tiers) if t == STORAGE]
+            query = [hashes[first + k] for k in own] + rest
+            where = list(self.shared(query)) if query else []
+            for k, w in zip(own, where):
+                volumes[k] = w if isinstance(w, str) else None
+            for w in where[len(own) :]:
+                if not w:
                     break
                 tiers.append(STORAGE)
+                volumes.append(w if isinstance(w, str) else None)
+        load_async = self._is_async(tiers, volumes)
         with self._lock:
             self.stats.lookups += 1
             if tiers:
-                self._matches[request_id] = _Match(hashes, first, tiers)
+                self._matches[request_id] = _Match(hashes, first, tiers, volumes, load_async)
             else:
                 self._matches.pop(request_id, None)
-        return len(tiers) * self.page, STORAGE in tiers
+        return len(tiers) * self.page, load_async
+
+    def _is_async(self, tiers: Sequence[str], volumes: Sequence[str | None]) -> bool:
+        """Whether a load of these blocks is asynchronous (see ``sync_volumes``)."""
+        return any(t == STORAGE and (v is None or v not in self.sync_volumes) for t, v in zip(tiers, volumes))
 
     def plan_load(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Plan the loads of the tokens the engine accepted into its ``block_ids``.
@@ -222,7 +253,8 @@ class KvbmLeader:
             BlockTransfer(h, hashes[i - 1] if i else None, hashes[0], self.salt, block_ids[i], match.tiers[i - match.first])
             for i, h in enumerate(hashes[match.first : match.first + n], start=match.first)
         ]
-        load_async = STORAGE in match.tiers[:n]
+        # the engine waits for a finished_recving exactly when match() said asynchronous
+        load_async = match.load_async
         from_host = sum(1 for b in blocks if b.tier == HOST)
         with self._lock:
             self._pending.loads.append(RequestTransfers(request_id, blocks, load_async))

@@ -186,6 +186,7 @@ class BlockManager:
         self.g2 = BlockPool("g2", g2_layout, publisher)
         source = str(getattr(publisher, "source", "worker"))
         self.metrics = metrics or RuntimeMetrics(source, window=config.hit_rate_window)
+        self.metrics.track_g2(self.g2.resident_blocks)
         self.disk_filter: DiskOffloadFilter | None = (
             DiskOffloadFilter(decay_interval_s=config.disk_filter_decay_s)
             if store is not None and config.offload_filter_enabled
@@ -553,6 +554,8 @@ class BlockManager:
                 "errors": t.errors,
                 "block_bytes": self.block_bytes,
                 "pools": {name: vars_of(s) for name, s in pools.items()},
+                "g2_resident_blocks": pools["g2"].registered_hashes,
+                "onboarded_by_volume": self.metrics.onboarded_by_volume(),
                 "host_cache_hit_rate": self.metrics.sample("kvbm_host_cache_hit_rate"),
                 "disk_cache_hit_rate": self.metrics.sample("kvbm_disk_cache_hit_rate"),
             }

@@ -12,6 +12,13 @@
                                            sliding window of requests (0.0–1.0)
 ``kvbm_disk_cache_hit_rate``     gauge     disk (G3 + G4) hits / the same, same window
 ``kvbm_onboard_errors``          counter   failed storage reads while onboarding (case C17)
+``kvbm_onboard_blocks_volume``   counter   blocks onboarded from storage into the engine, per
+                                           ``volume`` (label): the volume each block was
+                                           read from, at read time (after advisor moves)
+``kvbm_onboard_storage_seconds`` histogram time of each storage read job (G3/G4 → G1, the
+                                           reads and the copies into the engine's blocks)
+``kvbm_g2_resident_blocks``      gauge     blocks the host pool (G2) holds now (registered
+                                           under a sequence hash), read at scrape time
 =============================== ========= ================================================
 
 Each :class:`RuntimeMetrics` has its own ``CollectorRegistry`` so several workers can live
@@ -21,11 +28,11 @@ in one process; a label ``worker`` names the source.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
 @dataclass(slots=True)
@@ -64,6 +71,14 @@ class RuntimeMetrics:
         self.onboard_errors = counter("kvbm_onboard_errors", "Failed storage reads while onboarding").labels(worker)
         self.host_hit_rate = gauge("kvbm_host_cache_hit_rate", "Host cache hit rate, sliding window").labels(worker)
         self.disk_hit_rate = gauge("kvbm_disk_cache_hit_rate", "Disk cache hit rate, sliding window").labels(worker)
+        self.onboard_volume = Counter("kvbm_onboard_blocks_volume", "Blocks onboarded from storage, per volume read from",
+                                      ["worker", "volume"], registry=self.registry)
+        self.onboard_storage_seconds = Histogram(
+            "kvbm_onboard_storage_seconds", "Time of each storage read job into the engine", labels, registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        ).labels(worker)
+        self.g2_resident = gauge("kvbm_g2_resident_blocks", "Blocks held by the host pool (G2) now").labels(worker)
+        self._onboarded: dict[str, int] = {}
         self._window: deque[_Window] = deque(maxlen=window)
         self._http: tuple[Any, Any] | None = None
 
@@ -90,6 +105,23 @@ class RuntimeMetrics:
             server.shutdown()
             server.server_close()
             thread.join(timeout=5)
+
+    def count_onboards(self, volumes: Iterable[str]) -> None:
+        """Count blocks onboarded from storage: one volume id per block read."""
+        counts: dict[str, int] = {}
+        for v in volumes:
+            counts[v] = counts.get(v, 0) + 1
+        for v, n in counts.items():
+            self.onboard_volume.labels(self.worker, v).inc(n)
+            self._onboarded[v] = self._onboarded.get(v, 0) + n
+
+    def onboarded_by_volume(self) -> dict[str, int]:
+        """Blocks onboarded from storage since start, per volume (``{volume: blocks}``)."""
+        return dict(self._onboarded)
+
+    def track_g2(self, resident: Callable[[], int]) -> None:
+        """Read ``kvbm_g2_resident_blocks`` from ``resident()`` at every scrape."""
+        self.g2_resident.set_function(resident)
 
     def record_lookup(self, looked_up: int, host_hits: int, disk_hits: int) -> None:
         """Add one request's lookup beyond G1 to the window and refresh the gauges.

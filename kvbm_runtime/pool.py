@@ -268,6 +268,11 @@ class BlockPool:
         with self._lock:
             return len(self._reset) + len(self._inactive)
 
+    def resident_blocks(self) -> int:
+        """Blocks held under a sequence hash now (active or inactive, reusable)."""
+        with self._lock:
+            return len(self._registry)
+
     def stats(self) -> PoolStats:
         """Current counts."""
         with self._lock:

@@ -217,7 +217,7 @@ class BlockStore(Protocol):
 
     def put(self, items: Sequence[tuple[BlockKey, torch.Tensor]], volume_id: str) -> list[Placement]: ...
 
-    def get(self, keys: Sequence[BlockKey], out: Any = None) -> list[torch.Tensor]: ...
+    def get(self, keys: Sequence[BlockKey], out: Any = None, *, sources: list[str] | None = None) -> list[torch.Tensor]: ...
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]: ...
 
@@ -949,18 +949,29 @@ class TransferManager:
     def _read_into(self, keys: list[BlockKey], layout: BlockLayout, dst_ids: list[int]) -> StorageOnboardResult:
         assert self.store is not None
         direct = [direct_host_slot(layout, d) for d in dst_ids]
-        loaded = 0
         chunk = len(keys) if all(s is not None for s in direct) else self.bounce_blocks
+        t0 = time.perf_counter()
+        sources: list[str] = []  # the volume each block was read from (per-volume onboard counters)
+        try:
+            return self._read_chunks(keys, layout, dst_ids, direct, chunk, sources)
+        finally:
+            self.metrics.onboard_storage_seconds.observe(time.perf_counter() - t0)
+            self.metrics.count_onboards(sources)
+
+    def _read_chunks(self, keys: list[BlockKey], layout: BlockLayout, dst_ids: list[int],
+                     direct: list[torch.Tensor | None], chunk: int, sources: list[str]) -> StorageOnboardResult:
+        assert self.store is not None
+        loaded = 0
         for start in range(0, len(keys), chunk):
             ks = keys[start : start + chunk]
             outs = self._outs(direct[start : start + chunk])
             try:
-                self.store.get(ks, out=outs)
+                self.store.get(ks, out=outs, sources=sources)
             except Exception as batch_exc:  # noqa: BLE001 - find the first failing block
                 dropped = list(getattr(batch_exc, "dropped", ()))
                 for k, (key, out) in enumerate(zip(ks, outs, strict=True)):
                     try:
-                        self.store.get([key], out=[out])
+                        self.store.get([key], out=[out], sources=sources)
                     except Exception as exc:  # noqa: BLE001 - reading stops here (C17)
                         dropped.extend(getattr(exc, "dropped", ()))
                         # the failed batch may have quarantined the copy (checksum

@@ -32,8 +32,10 @@ volume serve a restarted engine too.
 Paths: save G1 → G2 after each step's forward pass (the copy runs behind the step,
 asynchronously), then G2 → the volume through the disk-offload filter; in KVBM's
 disk-only mode (``DYN_KVBM_DISK_CACHE_GB`` without a CPU cache) G1 → volume directly.
-Loads from G2 are synchronous (copied before the step's forward pass); loads that touch
-a volume are asynchronous (``load_async``: vLLM schedules other requests meanwhile).  A
+Loads from G2 and from local POSIX volumes are synchronous (copied before the step's
+forward pass, ``sync_load_volumes``); loads that touch another volume (S3) are asynchronous
+(``load_async``: vLLM schedules other requests meanwhile, and the request waits for a later
+step).  A
 failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
 ``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
 
@@ -44,7 +46,7 @@ time, new ones land on the landing volume, and the scheduler side matches prompt
 catalog past what its own workers hold (blocks other engines stored).
 
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
-``source``, ``storage_config``, ``catalog_url``, ``landing_volume``,
+``source``, ``storage_config``, ``catalog_url``, ``landing_volume``, ``sync_load_volumes``,
 ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
@@ -144,6 +146,12 @@ class ConnectorSettings(BaseModel):
         landing_volume: with ``storage_config``: the volume new blocks are written to
             (default: the file's ``fast_volume``, else ``fast``); promotion, demotion and
             compaction are the advisor's.
+        sync_load_volumes: with ``storage_config``: the volumes a prompt's blocks are
+            loaded from within the engine step that computes the rest of the prompt, like
+            G2 blocks (default: every POSIX volume of the file; ``[]``: none).  A load
+            that touches any other volume (S3) is asynchronous: vLLM runs other requests
+            meanwhile and schedules this one once a later step reports the load done,
+            which costs the request at least one more engine step.
         storage_catalog: SQLite placement catalog of the volume (default:
             ``catalog.sqlite`` in a POSIX volume's root; required for S3).
         volume: the offload volume (:class:`VolumeConfig`); without it, a G3 POSIX
@@ -161,6 +169,7 @@ class ConnectorSettings(BaseModel):
     storage_config: str | None = None
     catalog_url: str | None = None
     landing_volume: str | None = None
+    sync_load_volumes: list[str] | None = None
     storage_catalog: str | None = None
     volume: VolumeConfig | None = None
     disk_cache_dir: str | None = None
@@ -199,7 +208,7 @@ class ConnectorSettings(BaseModel):
             ConnectorError: naming the keys.
         """
         if self.storage_config is None:
-            given = [k for k in ("catalog_url", "landing_volume") if getattr(self, k) is not None]
+            given = [k for k in ("catalog_url", "landing_volume", "sync_load_volumes") if getattr(self, k) is not None]
             if given:
                 raise ConnectorError(f"kv_connector_extra_config {given} need \"storage_config\" (the advisors' storage file)")
             return
@@ -303,6 +312,22 @@ def engine_block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int, page
     return out
 
 
+def sync_load_volumes(volumes: Sequence[VolumeDescriptor], chosen: Sequence[str] | None) -> list[str]:
+    """The volumes loaded from within the engine step (``sync_load_volumes`` of
+    :class:`ConnectorSettings`): ``chosen``, or every POSIX volume when ``None``.
+
+    Raises:
+        ConnectorError: ``chosen`` names a volume that is not declared.
+    """
+    ids = [v.id for v in volumes]
+    if chosen is None:
+        return [v.id for v in volumes if v.kind == VolumeKind.POSIX]
+    unknown = sorted(set(chosen) - set(ids))
+    if unknown:
+        raise ConnectorError(f"sync_load_volumes {unknown} are not declared (volumes: {sorted(ids)})")
+    return list(chosen)
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
@@ -379,20 +404,38 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.leader_worker_init_timeout_secs,
             {"page_size": cfg.page_size, "namespace": probe.namespace},
         )
-        shared = self._shared_lookup(probe.namespace, cfg) if self._settings.storage_config is not None else None
-        self._leader = KvbmLeader(cfg.page_size, probe.salt, world, shared)
+        shared, sync = None, ()
+        if self._settings.storage_config is not None:
+            shared, sync = self._shared_lookup(probe.namespace, cfg)
+        self._leader = KvbmLeader(cfg.page_size, probe.salt, world, shared, sync_volumes=sync)
 
-    def _shared_lookup(self, namespace: str, cfg: RuntimeConfig) -> Callable[[Sequence[int]], list[bool]]:
-        """Per block, whether every rank's copy is in the shared placement catalog (the
+    def _shared_lookup(self, namespace: str, cfg: RuntimeConfig) -> tuple[Callable[[Sequence[int]], list[str | None]], list[str]]:
+        """Per block, the volume of every rank's copy in the shared placement catalog (the
         scheduler side opens the catalog, never a volume): blocks other engines stored or
-        the advisor moved are matched, and loaded from wherever they are at read time."""
+        the advisor moved are matched, and loaded from wherever they are at read time.
+        Also returns the volumes loaded from synchronously (``sync_load_volumes``).
+
+        Raises:
+            ConnectorError: the file is invalid, or ``sync_load_volumes`` names a volume
+                it does not declare.
+        """
+        s = self._settings
         try:
-            catalog = DeploymentStorage.load(self._settings.storage_config).open_catalog(self._settings.catalog_url)  # type: ignore[arg-type]
+            dep = DeploymentStorage.load(s.storage_config)  # type: ignore[arg-type]
+            ids = {d.id: d for d in dep.descriptors()}
+            catalog = dep.open_catalog(s.catalog_url)
         except SettingsError as exc:
             raise ConnectorError(f"kv_connector_extra_config \"storage_config\": {exc}") from exc
         self._catalog = catalog
+        try:
+            sync = sync_load_volumes(list(ids.values()), s.sync_load_volumes)
+        except ConnectorError:
+            catalog.close()
+            self._catalog = None
+            raise
         spaces = [namespace + cfg.model_copy(update={"tp_rank": r}).namespace_suffix() for r in range(cfg.tp_size)]
-        return shared_lookup(catalog, spaces)
+        logger.info("KVBM scheduler side: blocks on %s load within the step, others asynchronously", sync or "no volume")
+        return shared_lookup(catalog, spaces), sync
 
     def _open_deployment(self, path: str) -> tuple[StorageAgent, str]:
         """Storage agent over every volume of the advisors' file and their catalog;

@@ -497,7 +497,8 @@ class StorageAgent(ReadPath):
 
     # ================================================================== get
     @gc_paused_call
-    def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def get(self, keys: Sequence[BlockKey], out: Sequence[torch.Tensor] | None = None, *,
+            sources: list[str] | None = None) -> list[torch.Tensor]:
         """Read and verify blocks.
 
         Every block's XXH3-64 is checked before ``get`` returns; a block that fails the
@@ -510,6 +511,9 @@ class StorageAgent(ReadPath):
             keys: blocks to read.
             out: optional destination per key (CPU, contiguous, exactly the block's size in
                 bytes, any dtype); filled and returned instead of new tensors.
+            sources: when given, extended (on success) with the id of the volume each
+                block was read from, in key order: its placement at read time, after any
+                move that happened during the read.
 
         Returns:
             per key (none for no keys), a 1-D uint8 CPU tensor with the block's bytes (or ``out[i]``).  New
@@ -556,7 +560,7 @@ class StorageAgent(ReadPath):
                         raise InvalidRequestError(f"out tensor for {k} must be a contiguous CPU tensor")
                     if t.nbytes != p.length:
                         raise InvalidRequestError(f"out tensor for {k} has {t.nbytes} bytes, the block has {p.length}")
-        results = self._read_verified(places, dests, cols)
+        results = self._read_verified(places, dests, cols, where=sources)
         if out is not None:
             return list(out)
         return results

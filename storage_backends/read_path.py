@@ -143,12 +143,14 @@ class ReadPath:
 
     def _read_verified(
         self, places: list[Placement], dests: list[torch.Tensor] | None, cols: tuple | None = None,
-        deleted: set[int] | None = None,
+        deleted: set[int] | None = None, where: list[str] | None = None,
     ) -> list[torch.Tensor]:
         """Read and verify every placement into ``dests[i]`` (or a new tensor); ``cols``:
         :func:`_readcore.columns` of ``places`` when the caller has them.  ``deleted``: when
         given, the indexes of keys deleted while they were read are added to it (their
-        result is ``None``) instead of raising :class:`BlockNotFoundError`.
+        result is ``None``) instead of raising :class:`BlockNotFoundError`.  ``where``:
+        when given, extended on success with the volume id each block was read from (its
+        placement after the retries).
 
         A failed batch is not given up as a whole.  Every key of it (and every key whose
         checksum failed) is looked up again in the catalog:
@@ -246,6 +248,8 @@ class ReadPath:
             failure.dropped = tuple(dropped)
             raise failure
         assert sum(map(operator.is_, results, itertools.repeat(None))) == len(deleted or ())
+        if where is not None:
+            where.extend(p.volume_id for p in cur)
         return results  # type: ignore[return-value]
 
     @staticmethod

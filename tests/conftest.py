@@ -155,6 +155,42 @@ def proxy(local_s3: LocalS3) -> Iterator[S3FaultProxy]:
     p.close()
 
 
+def deployment_agent(dep: Any, name: str) -> "StorageAgent":
+    """A StorageAgent on a storage declaration's catalog with every volume it declares
+    registered (``dep``: a ``storage_backends.deployment.DeploymentStorage``); the caller
+    closes it."""
+    from storage_backends import StorageAgent
+
+    agent = StorageAgent(dep.open_catalog(), name=name, allowed_roots=dep.volume_roots)
+    for d in dep.descriptors():
+        agent.register_volume(d)
+    return agent
+
+
+def engine_worker(agent: "StorageAgent", source: str, *, layers: int, page: int, inner: int, blocks: int,
+                  landing: str = "fast") -> tuple[Any, Any, list[Any]]:
+    """The connector's worker side as vLLM runs it: a G1-less ``BlockManager`` (G2 of 2
+    blocks, no disk-offload filter) over ``agent`` landing on ``landing``, a
+    ``KvbmConnectorWorker`` reporting residency, and the engine's KV cache it adopted
+    (``layers`` float32 tensors ``[blocks, 2, page, inner]``, named ``l0``, ``l1``, ...).
+    Returns ``(manager, worker, kv)``; the caller closes the worker and the manager."""
+    import torch
+
+    from event_plane import NullPublisher
+    from kvbm_runtime import BlockManager, RuntimeConfig
+    from kvbm_runtime.connector import KvbmConnectorWorker
+    from kvbm_runtime.residency import ReportingSink
+
+    cfg = RuntimeConfig(num_layers=layers, outer_dim=2, page_size=page, inner_dim=inner, kv_dtype="float32",
+                        g1_blocks=blocks, g2_blocks=2, disable_disk_offload_filter=True)
+    sink = ReportingSink(NullPublisher(source))
+    manager = BlockManager(cfg, sink, agent, landing, engine_g1=True)
+    worker = KvbmConnectorWorker(manager, sink)
+    kv = [torch.zeros(blocks, 2, page, inner) for _ in range(layers)]
+    worker.register_kv_caches({f"l{i}": t for i, t in enumerate(kv)})
+    return manager, worker, kv
+
+
 def posix_agent(tmp_path: "os.PathLike[str] | str", name: str, volume_id: str = "fast") -> "StorageAgent":
     """A StorageAgent on a fresh SQLite catalog with one 64 MiB NVMe-class POSIX volume
     (1 MiB segments) under ``tmp_path/volume_id``; the caller closes it."""

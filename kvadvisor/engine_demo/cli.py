@@ -63,6 +63,17 @@ def engine_demo(*, requests: int | None, engines: int, trace: Path | None, block
         fail(f"outputs differ from the engine without the connector: {report.outputs_identical}/{report.outputs_checked} identical")
 
 
+def onboard_row(kvbm: dict[str, float]) -> str:
+    """Blocks onboarded from each volume (read where the block was at read time) and the
+    mean time of a storage read job, from the connector's counters; ``-`` when none."""
+    vols = {k.split("{", 1)[1].rstrip("}"): v for k, v in kvbm.items() if k.startswith("kvbm_onboard_blocks_volume{")}
+    if not vols:
+        return "-"
+    jobs = kvbm.get("kvbm_onboard_storage_seconds_count", 0)
+    mean = kvbm.get("kvbm_onboard_storage_seconds_sum", 0) / jobs * 1000 if jobs else 0.0
+    return " · ".join(f"{v} {n:,.0f}" for v, n in sorted(vols.items())) + f"; {jobs:,.0f} reads, {mean:,.1f} ms each on average"
+
+
 def report_table(r: EngineDemoReport) -> Table:
     """The report as a two-column table."""
     t = Table(title="kvadvisor demo --engine vllm", show_header=False)
@@ -83,6 +94,9 @@ def report_table(r: EngineDemoReport) -> Table:
                                     f"volume→G1 {r.kvbm.get('kvbm_onboard_blocks_d2d', 0):,.0f} · "
                                     f"errors {r.kvbm.get('kvbm_onboard_errors', 0):,.0f}; offloaded G1→G2 "
                                     f"{r.kvbm.get('kvbm_offload_blocks_d2h', 0):,.0f} · G2→volume {r.kvbm.get('kvbm_offload_blocks_h2d', 0):,.0f}"),
+        ("onboarded per volume (ours)", onboard_row(r.kvbm)),
+        ("G2 resident blocks (ours)", ", ".join(f"{k.split('{')[1].rstrip('}')} {v:,.0f}" for k, v in r.kvbm.items()
+                                                 if k.startswith("kvbm_g2_resident_blocks{")) or "-"),
         ("advisor moves", f"{mv.get('promotions', 0):,} promotions · {mv.get('demotions', 0):,} demotions · "
                           f"{mv.get('compactions', 0):,} compactions · {mv.get('bytes_moved', 0):,} B in "
                           f"{mv.get('policy_rounds', 0)} rounds; failed {sum(mv.get('failed', {}).values())}"),

@@ -183,7 +183,7 @@ class EngineProcess:
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sum the samples of a Prometheus text page per metric name (``_total`` dropped), and
-    per ``name{source}`` where a ``source`` label is present."""
+    per ``name{label value}`` where a ``source`` or ``volume`` label is present."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -195,10 +195,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
         except ValueError:
             continue
         out[name] = out.get(name, 0.0) + v
-        if 'source="' in head:
-            src = head.split('source="', 1)[1].split('"', 1)[0]
-            key = f"{name}{{{src}}}"
-            out[key] = out.get(key, 0.0) + v
+        for label in ('source="', 'volume="'):
+            if label in head:
+                src = head.split(label, 1)[1].split('"', 1)[0]
+                key = f"{name}{{{src}}}"
+                out[key] = out.get(key, 0.0) + v
     return out
 
 

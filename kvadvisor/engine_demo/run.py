@@ -68,10 +68,14 @@ class EngineDemoSettings(BaseModel):
     trace: Path | None = None
     block_tokens: int = Field(32, ge=1, description="tokens per trace block (the trace's are 512)")
     time_scale: float = Field(10.0, gt=0, description="trace time divided by this")
+    warmup_time_scale: float | None = Field(None, gt=0, description="the warm-up's trace time divided by this "
+                                            "(default: time_scale); the measured requests start once the warm-up is done")
     router: Literal["kv", "round-robin"] = "kv"
     overlap_weight: float = Field(1.0, ge=0)
     mode: Mode = "volumes"
     moves: bool = True
+    sync_loads: bool = Field(True, description="load from the POSIX volume within the engine step (the connector's "
+                                                "default); False: every volume load asynchronous")
     max_tokens: int = Field(8, ge=1)
     max_model_len: int = Field(2048, ge=PAGE)
     g1_blocks: int = Field(128, ge=2)
@@ -81,16 +85,31 @@ class EngineDemoSettings(BaseModel):
     sample: int = Field(8, ge=0, description="requests checked token-identical against an engine without the connector")
     layers: int = Field(2, ge=1)
     hidden: int = Field(128, ge=32)
+    head_dim: int = Field(32, ge=8, description="width of one attention head; hidden / head_dim heads")
+    kv_heads: int = Field(0, ge=0, description="KV heads (grouped-query attention); 0: half the heads")
+    intermediate: int = Field(0, ge=0, description="MLP width; 0: 2 x hidden")
     workdir: Path | None = None
+    models_dir: Path | None = Field(None, description="build the model here and reuse it across runs (default: the workdir)")
     keep: bool = False
     start_timeout_s: float = Field(600.0, gt=0)
     engine_threads: int = Field(1, ge=1, description="CPU threads per engine (OMP_NUM_THREADS, not bound to cores)")
 
     def geometry(self) -> LlamaGeometry:
-        """The random-weight Llama's shape (``hidden / 32`` heads of 32, half as many KV heads)."""
-        heads = max(2, self.hidden // 32)
-        return LlamaGeometry(hidden=self.hidden, layers=self.layers, heads=heads, kv_heads=heads // 2,
-                             intermediate=2 * self.hidden, max_positions=self.max_model_len)
+        """The random-weight Llama's shape: ``hidden / head_dim`` heads, ``kv_heads`` KV heads
+        (default half the heads), an MLP of ``intermediate`` (default ``2 × hidden``).
+
+        Raises:
+            ValueError: ``hidden`` is not a multiple of ``head_dim``, or the heads are not a
+                multiple of the KV heads.
+        """
+        if self.hidden % self.head_dim:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of head_dim {self.head_dim}")
+        heads = max(2, self.hidden // self.head_dim)
+        kv = self.kv_heads or heads // 2
+        if heads % kv:
+            raise ValueError(f"{heads} attention heads are not a multiple of {kv} KV heads")
+        return LlamaGeometry(hidden=self.hidden, layers=self.layers, heads=heads, kv_heads=kv,
+                             intermediate=self.intermediate or 2 * self.hidden, max_positions=self.max_model_len)
 
 
 @dataclass
@@ -178,6 +197,8 @@ def connector_config(s: EngineDemoSettings, i: int, events_url: str, advisor_jso
     if s.mode == "volumes":
         if _connector_supports("storage_config"):  # one declaration, shared with the advisor
             extra["storage_config"] = str(advisor_json)
+            if not s.sync_loads:
+                extra["sync_load_volumes"] = []
         else:  # the connector registers one volume: the landing one
             d = _descriptor_json(fast)
             extra["volume"] = {k: v for k, v in d.items() if k in ("id", "kind", "media", "capacity_bytes", "root", "segment_bytes")}
@@ -295,7 +316,7 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
     with ExitStack() as stack:
         workdir = open_workdir(stack, s.workdir, s.keep, "kvadvisor-engines-", "kvadvisor demo --engine vllm")
         g = s.geometry()
-        model_dir = build_llama(workdir / f"model-{g.layers}x{g.hidden}", g)
+        model_dir = build_llama((s.models_dir or workdir) / f"model-{g.layers}x{g.hidden}-{g.kv_heads}kv{g.head_size}-{g.intermediate}", g)
         model = str(model_dir)
         block_bytes = g.kv_bytes_per_token() * PAGE
         namespace = connector_namespace(model_dir, g)
@@ -357,6 +378,8 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         prompts = [trace_prompt(r, s.block_tokens, g.vocab, max_prompt) for r in reqs]
         base = reqs[0].timestamp_ms
         arrivals = [(r.timestamp_ms - base) / 1000.0 / s.time_scale for r in reqs]
+        warm_scale = s.warmup_time_scale or s.time_scale
+        warm_arrivals = [(r.timestamp_ms - base) / 1000.0 / warm_scale for r in reqs[: s.warmup]]
 
         report = EngineDemoReport(requests=len(reqs), engines=s.engines, mode=s.mode, router=s.router,
                                   block_tokens=s.block_tokens, time_scale=s.time_scale, namespace=namespace,
@@ -369,7 +392,7 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
                 urls = [e.spec.url for e in engines]
                 warm: list[RequestResult] = []
                 if s.warmup:
-                    warm = await replay(prompts[: s.warmup], arrivals[: s.warmup], urls, model, router, s.max_tokens)
+                    warm = await replay(prompts[: s.warmup], warm_arrivals, urls, model, router, s.max_tokens)
                     before.update(_snapshot(engines, kvbm_ports))
                 w0 = arrivals[s.warmup] if s.warmup < len(arrivals) else 0.0
                 rest = await replay(prompts[s.warmup:], [a - w0 for a in arrivals[s.warmup:]], urls, model, router,
@@ -408,9 +431,15 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
                 for e in engines)
         report.vllm_external_hits = sum(_metric_delta(after[e.spec.name], before[e.spec.name], "vllm:external_prefix_cache_hits")
                                         for e in engines)
-        for name in ("kvbm_offload_blocks_d2h", "kvbm_offload_blocks_h2d", "kvbm_offload_blocks_d2d",
-                     "kvbm_onboard_blocks_h2d", "kvbm_onboard_blocks_d2d", "kvbm_onboard_errors"):
+        names = ["kvbm_offload_blocks_d2h", "kvbm_offload_blocks_h2d", "kvbm_offload_blocks_d2d",
+                 "kvbm_onboard_blocks_h2d", "kvbm_onboard_blocks_d2d", "kvbm_onboard_errors",
+                 "kvbm_onboard_storage_seconds_sum", "kvbm_onboard_storage_seconds_count"]
+        names += sorted({k for i in range(s.engines) for k in after[f"kvbm-{i}"] if k.startswith("kvbm_onboard_blocks_volume{")})
+        for name in names:
             report.kvbm[name] = sum(_metric_delta(after[f"kvbm-{i}"], before[f"kvbm-{i}"], name) for i in range(s.engines))
+        # a gauge: its value at the end, per engine
+        for i in range(s.engines):
+            report.kvbm[f"kvbm_g2_resident_blocks{{engine-{i}}}"] = after[f"kvbm-{i}"].get("kvbm_g2_resident_blocks", 0.0)
 
         t_settle = time.monotonic()
         st = _settle(client)

@@ -43,6 +43,23 @@ class LlamaGeometry:
         """KV-cache bytes of one token: ``2 (K, V) × layers × kv_heads × head_size × itemsize``."""
         return 2 * self.layers * self.kv_heads * self.head_size * itemsize
 
+    def matmul_params(self) -> int:
+        """Weights a token goes through in a forward pass (embedding lookup excluded):
+        per layer Q and O (``hidden × heads × head_size`` each), K and V (``hidden ×
+        kv_heads × head_size`` each), the gated MLP (``3 × hidden × intermediate``); then
+        the LM head (``hidden × vocab``)."""
+        attn = 2 * self.hidden * self.heads * self.head_size + 2 * self.hidden * self.kv_heads * self.head_size
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + self.hidden * self.vocab
+
+    def flops_per_token(self, context: int = 0) -> int:
+        """Forward-pass FLOPs of one prompt token: ``2 × matmul_params()`` (one multiply and
+        one add per weight) plus attention over ``context`` earlier tokens, ``4 × layers ×
+        heads × head_size × context`` (Q·Kᵀ and the weighted sum of V).  The usual
+        ``2 N + 2 n_layer n_ctx d_attn`` estimate (Kaplan et al. 2020, "Scaling laws for
+        neural language models", table 1) with causal prefill's average context."""
+        return 2 * self.matmul_params() + 4 * self.layers * self.heads * self.head_size * context
+
 
 def build_llama(directory: str | Path, geometry: LlamaGeometry = LlamaGeometry(), seed: int = 0) -> Path:
     """Write a random-weight ``LlamaForCausalLM`` (float32) to ``directory`` and return it.

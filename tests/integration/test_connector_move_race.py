@@ -26,12 +26,10 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 from advisor.moves.mover import Mover  # noqa: E402
 from advisor.policy.plan import PlanItem, PlanKind, PlanStatus  # noqa: E402
 from event_plane import NullPublisher  # noqa: E402
-from kvbm_runtime import BlockManager, RuntimeConfig  # noqa: E402
-from kvbm_runtime.connector import KvbmConnectorWorker  # noqa: E402
 from kvbm_runtime.leader import KvbmLeader, shared_lookup  # noqa: E402
-from kvbm_runtime.residency import ReportingSink  # noqa: E402
-from storage_backends import BlockKey, StorageAgent  # noqa: E402
+from storage_backends import BlockKey  # noqa: E402
 from storage_backends.deployment import DeploymentStorage  # noqa: E402
+from conftest import deployment_agent, engine_worker  # noqa: E402
 
 PAGE, LAYERS, INNER, BLOCKS = 4, 2, 64, 40
 N = 12  # blocks per prompt
@@ -73,27 +71,14 @@ def _declaration(tmp: Path) -> Path:
     return path
 
 
-def _agent(dep: DeploymentStorage, name: str) -> StorageAgent:
-    agent = StorageAgent(dep.open_catalog(), name=name, allowed_roots=dep.volume_roots)
-    for d in dep.descriptors():
-        agent.register_volume(d)
-    return agent
-
-
 def test_blocks_moved_during_the_read_load_right_or_fail_never_wrong(tmp_path: Path) -> None:
     dep = DeploymentStorage.load(_declaration(tmp_path))
-    advisor_agent = _agent(dep, "race-advisor")
-    worker_agent = _agent(dep, "race-worker")
+    advisor_agent = deployment_agent(dep, "race-advisor")
+    worker_agent = deployment_agent(dep, "race-worker")
     hooked = _MoveOnLookup(worker_agent.catalog)
     worker_agent.catalog = hooked  # type: ignore[assignment]
-    cfg = RuntimeConfig(num_layers=LAYERS, outer_dim=2, page_size=PAGE, inner_dim=INNER, kv_dtype="float32",
-                        g1_blocks=BLOCKS, g2_blocks=2, disable_disk_offload_filter=True)
-    sink = ReportingSink(NullPublisher("race-worker"))
-    manager = BlockManager(cfg, sink, worker_agent, "fast", engine_g1=True)
-    worker = KvbmConnectorWorker(manager, sink)
-    kv = [torch.zeros(BLOCKS, 2, PAGE, INNER) for _ in range(LAYERS)]
+    manager, worker, kv = engine_worker(worker_agent, "race-worker", layers=LAYERS, page=PAGE, inner=INNER, blocks=BLOCKS)
     names = [f"l{i}" for i in range(LAYERS)]
-    worker.register_kv_caches(dict(zip(names, kv)))
     leader = KvbmLeader(PAGE, shared=shared_lookup(advisor_agent.catalog, [manager.namespace]))
     mover = Mover(advisor_agent, NullPublisher("advisor"), [manager.namespace], lambda h: None, BlockKey)
     hooked.mover = mover

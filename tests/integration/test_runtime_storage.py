@@ -299,3 +299,39 @@ def test_a_lost_segment_publishes_removes_for_all_its_blocks(agent: StorageAgent
     cap = Capture("reader")
     manager(agent, cap).serve(tokens, fill_synthetic_kv)
     assert sorted(_removes(cap.events(), "fast")) == sorted(chain_pairs(hs))
+
+
+def test_onboards_are_counted_per_volume_read_from_and_g2_residency_is_a_gauge(agent: StorageAgent, tmp_path: Path) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def parse_text(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    agent.register_volume(
+        VolumeDescriptor("slow", VolumeKind.POSIX, MediaClass.HDD, 64 << 20, root=str(tmp_path / "slow"), segment_bytes=1 << 20)
+    )
+    t_fast, t_slow = list(range(1, 13)), list(range(101, 109))  # 3 and 2 blocks
+    manager(agent, Capture("w-fast")).serve(t_fast, fill_synthetic_kv)
+    manager(agent, Capture("w-slow"), volume="slow").serve(t_slow, fill_synthetic_kv)
+    reader = manager(agent, Capture("reader"))
+    assert reader.stats()["g2_resident_blocks"] == 0
+    url = reader.metrics.serve_http(0)
+    try:
+        r1 = reader.serve(t_fast + [7], fill_synthetic_kv)
+        r2 = reader.serve(t_slow + [7], fill_synthetic_kv)
+        assert (r1.hits_g3, r1.computed, r2.hits_g3, r2.computed) == (3, 0, 2, 0)
+        st = reader.stats()
+        # each block counted at the volume it was read from
+        assert st["onboarded_by_volume"] == {"fast": 3, "slow": 2}
+        # onboarded blocks are offloaded to G2 behind the request: 5 resident
+        assert st["g2_resident_blocks"] == 5 == st["pools"]["g2"]["registered_hashes"]
+        page = parse_text(httpx.get(url, timeout=10).text)
+    finally:
+        reader.metrics.stop_http()
+        reader.close()
+    assert page[("kvbm_onboard_blocks_volume_total", (("volume", "fast"), ("worker", "reader")))] == 3
+    assert page[("kvbm_onboard_blocks_volume_total", (("volume", "slow"), ("worker", "reader")))] == 2
+    assert page[("kvbm_g2_resident_blocks", (("worker", "reader"),))] == 5
+    assert page[("kvbm_onboard_storage_seconds_count", (("worker", "reader"),))] == 2

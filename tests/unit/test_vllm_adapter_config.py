@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvbm_runtime.connector import ConnectorError
-from kvbm_runtime.vllm_adapter import ConnectorSettings, _rank_url, engine_block_views
+from kvbm_runtime.vllm_adapter import ConnectorSettings, _rank_url, engine_block_views, sync_load_volumes
+from storage_backends.types import MediaClass, VolumeDescriptor, VolumeKind
 
 
 def test_extra_config_splits_settings_from_runtime_fields() -> None:
@@ -67,3 +68,17 @@ def test_a_catalog_url_with_a_password_is_refused_without_echoing_it() -> None:
     with pytest.raises(ConnectorError, match="KVADVISOR_CLUSTER_REDIS_URL") as ei:
         ConnectorSettings.parse({"storage_config": "s.json", "catalog_url": "redis://:hunter2@127.0.0.1:6379/0"})
     assert "hunter2" not in str(ei.value)
+
+
+def test_posix_volumes_load_within_the_step_unless_the_config_names_others() -> None:
+    vols = [VolumeDescriptor("fast", VolumeKind.POSIX, MediaClass.NVME, 1 << 20, root="/v/fast"),
+            VolumeDescriptor("archive", VolumeKind.S3, MediaClass.OBJECT, 1 << 20, endpoint="http://127.0.0.1:9", bucket="b")]
+    assert sync_load_volumes(vols, None) == ["fast"]
+    assert sync_load_volumes(vols, []) == []
+    assert sync_load_volumes(vols, ["archive"]) == ["archive"]
+    with pytest.raises(ConnectorError, match=r"\['cold'\] are not declared"):
+        sync_load_volumes(vols, ["cold"])
+    s, _ = ConnectorSettings.parse({"storage_config": "a.json", "sync_load_volumes": ["fast"]})
+    assert s.sync_load_volumes == ["fast"]
+    with pytest.raises(ConnectorError, match="need \"storage_config\""):
+        ConnectorSettings.parse({"sync_load_volumes": ["fast"]})

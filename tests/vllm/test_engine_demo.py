@@ -39,5 +39,12 @@ def test_engine_demo_exits_0_with_report_and_consistent_index(tmp_path: Path) ->
     assert cons["archive"]["equal"]
     assert all(cons[f"vllm-{i}/g1"]["index"] > 0 and cons[f"vllm-{i}/g1"]["indexer"] > 0 for i in range(2))
     assert r["kvbm"]["kvbm_offload_blocks_h2d"] > 0 and r["kvbm"]["kvbm_onboard_errors"] == 0
+    # the connector's own gauges and per-volume counters reach the report: G2 holds blocks
+    # at the end on each engine, and every block read from a volume is counted at one
+    assert "onboarded per volume (ours)" in proc.stdout and "G2 resident blocks (ours)" in proc.stdout
+    assert all(r["kvbm"][f"kvbm_g2_resident_blocks{{engine-{i}}}"] > 0 for i in range(2))
+    per_volume = {k: v for k, v in r["kvbm"].items() if k.startswith("kvbm_onboard_blocks_volume{")}
+    assert set(per_volume) <= {"kvbm_onboard_blocks_volume{fast}", "kvbm_onboard_blocks_volume{archive}"}
+    assert sum(per_volume.values()) == r["kvbm"]["kvbm_onboard_blocks_d2d"]
     assert r["outputs_checked"] == 2 and r["outputs_identical"] == 2
     assert sum(r["router_choices"]["per_engine"].values()) == 12
