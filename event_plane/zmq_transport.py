@@ -44,6 +44,11 @@ MAX_RECOVERING = 16
 """Default of ``ZmqSubscriber(max_recovering=)``: sources per endpoint whose gap is fetched at once."""
 MAX_PARKED = 10_000
 """Default of ``ZmqSubscriber(max_parked=)``: batches of one source held during its recovery."""
+MAX_PROBE_SOURCES = 4096
+"""Source names remembered per endpoint for the idle probe's start (:meth:`ZmqSubscriber.
+_probe_starts`), the most recently seen kept: one endpoint that sends batches under ever new
+names cannot grow the subscriber without bound. A source past the limit is still ordered and
+delivered; only the probe no longer starts at its position."""
 PROBE_MAX_S = 1.0
 """An idle probe of the replay sockets (``ZmqSubscriber(idle_probe_s=)``) holds the receiver
 thread at most this long, however long the answers keep coming."""
@@ -605,7 +610,7 @@ class ZmqSubscriber(Subscriber):
         self._catch_up = catch_up
         self._catch_up_timeout_s = catch_up_timeout_s
         self._idle_probe_s = idle_probe_s
-        self._sources_at: dict[int, set[str]] = {}
+        self._sources_at: dict[int, dict[str, None]] = {}  # per endpoint, least recently seen first
         if not endpoints:
             raise ConfigError("ZmqSubscriber needs at least one (pub_endpoint, replay_endpoint) pair")
         self._endpoints = [(str(p), None if r is None else str(r)) for p, r in endpoints]
@@ -795,7 +800,11 @@ class ZmqSubscriber(Subscriber):
         if not self._origin_admits(batch, self._origin[i]):
             return
         self._lane = self._origin[i]  # its lane in the fair delivery queue
-        self._sources_at.setdefault(i, set()).add(batch.source)
+        seen = self._sources_at.setdefault(i, {})
+        seen.pop(batch.source, None)
+        seen[batch.source] = None
+        if len(seen) > MAX_PROBE_SOURCES:
+            del seen[next(iter(seen))]
         rec = self._recovering.get(batch.source)
         if rec is None:
             self._feed(i, batch, replayed)

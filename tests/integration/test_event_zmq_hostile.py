@@ -10,11 +10,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
+from event_plane import zmq_transport
 from event_plane import EventBatch, PublisherConfig, ZmqPublisher, ZmqSubscriber, encode_batch, store
 from event_plane.frames import END_SEQ, seq_to_bytes
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 N_BATCHES = 1000
@@ -303,5 +306,29 @@ def test_sources_in_recovery_and_parked_batches_are_bounded_and_counted() -> Non
     finally:
         sub.close()
         other.close()
+        pub.close(linger=0)
+        router.close(linger=0)
+
+
+def test_source_names_remembered_per_endpoint_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One endpoint sending under ever new source names: the subscriber remembers at most
+    MAX_PROBE_SOURCES of them for its idle probe, the most recently seen, and still delivers
+    every batch."""
+    monkeypatch.setattr(zmq_transport, "MAX_PROBE_SOURCES", 8)
+    pub, router, pub_ep, rep_ep = silent_publisher()
+    sub = ZmqSubscriber([(pub_ep, rep_ep)], catch_up=False, idle_probe_s=0)
+    sub.start()
+    try:
+        time.sleep(0.3)  # time passes: the ZMQ slow joiner (a SUB misses what is sent before it joined)
+        names = [f"s{k}" for k in range(40)] + ["s3"]  # s3 seen again last: kept as recent
+        for name in names:
+            pub.send_multipart(forged(name, 0))
+        got = sub.get_many(len(names) - 1, 30.0)  # the repeat is a duplicate (same seq)
+        assert [b.source for b in got] == names[:-1]
+        kept = wait_until(lambda: (k := list(sub._sources_at[0])) and k[-1] == "s3" and k,
+                          what="the repeated name seen last")
+        assert kept == [f"s{k}" for k in range(33, 40)] + ["s3"], kept
+    finally:
+        sub.close()
         pub.close(linger=0)
         router.close(linger=0)
