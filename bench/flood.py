@@ -42,7 +42,7 @@ FULL = {"registrations": 2000, "epochs": 200_000, "sources": 50_000}
 MESSAGE_BYTES = 64 << 20
 LATENCY_GOAL_S = 1.0
 """The product's promise: a well-behaved publisher's batch is indexed within this, flood or not."""
-RSS_BOUND = 512 << 20
+RSS_BOUND = 640 << 20
 """The advisor's peak RSS over all floods at full scale, default quotas (docs/security.md,
 "Flood bounds"): what the quotas let the floods make it hold, plus the process itself."""
 BS = 4096

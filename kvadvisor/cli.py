@@ -422,6 +422,9 @@ def worker_sim(
     source: Annotated[Optional[str], typer.Option(help="this worker's source name")] = None,
     partitions: Annotated[Optional[int], typer.Option(help="the cluster advisors' --partitions")] = None,
     replicas: Annotated[Optional[int], typer.Option(help="JetStream replicas of the events stream")] = None,
+    manage_stream: Annotated[Optional[bool], typer.Option(
+        "--manage-stream/--no-manage-stream",
+        help="create the events stream if missing (a worker alone on a fresh NATS; default: the advisors do)")] = None,
     requests: Annotated[Optional[int], typer.Option(help="requests to replay (default: the whole trace)")] = None,
     loop: Annotated[Optional[bool], typer.Option("--loop/--once", help="start the trace again at its end")] = None,
     workdir: Annotated[Optional[Path], typer.Option(help="G3 volume and its catalog")] = None,
@@ -439,7 +442,8 @@ def worker_sim(
     from kvadvisor.worker_sim import WorkerSimSettings, run_worker_sim
 
     given = {"nats_url": nats, "namespace": namespace, "source": source, "partitions": partitions,
-             "replicas": replicas, "requests": requests, "loop": loop, "workdir": workdir, "storage": storage,
+             "replicas": replicas, "manage_stream": manage_stream, "requests": requests, "loop": loop,
+             "workdir": workdir, "storage": storage,
              "metrics_port": metrics_port, "metrics_host": metrics_host}
     try:
         settings = WorkerSimSettings(**{k: v for k, v in given.items() if v is not None})

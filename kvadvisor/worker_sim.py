@@ -55,6 +55,9 @@ class WorkerSimSettings(BaseSettings):
     trunk_depth: int = Field(1, ge=0)
     stretch: int = Field(64, ge=1)
     replicas: int = Field(1, ge=1, le=5, description="JetStream replicas of the events stream")
+    manage_stream: bool = Field(False, description=(
+        "create the events stream if it is missing (a worker alone on a fresh NATS); off by default: the "
+        "cluster advisors create it, and a worker user of an authorized NATS may not (docs/security.md)"))
     trace: Path | None = Field(None, description="Mooncake jsonl; default: the bundled slice")
     requests: int | None = Field(None, ge=1, description="requests to replay (None: the whole trace)")
     loop: bool = Field(False, description="start the trace again at its end (until stopped)")
@@ -135,13 +138,15 @@ class TeePublisher:
         close_all(self.publishers)
 
 
-def _jetstream_url(server: str, namespace: str, replicas: int) -> str:
+def _jetstream_url(server: str, namespace: str, replicas: int, manage_stream: bool = False) -> str:
     """``jetstream://`` URL of ``namespace`` on the first of ``server``'s comma-separated
-    ``nats://`` URLs (the client learns the other nodes of a cluster from it)."""
+    ``nats://`` URLs (the client learns the other nodes of a cluster from it); with
+    ``manage_stream`` the publisher creates the stream when it is missing."""
     first = server.split(",")[0].strip()
     if not first.startswith("nats://"):
         raise ValueError(f"nats_url must be nats://HOST:PORT[,nats://...], got {first.split('@')[-1]!r}")
-    return "jetstream://" + first[len("nats://"):].rstrip("/") + f"?namespace={namespace}&replicas={replicas}"
+    return ("jetstream://" + first[len("nats://"):].rstrip("/") + f"?namespace={namespace}&replicas={replicas}"
+            + ("&manage_stream=1" if manage_stream else ""))
 
 
 def run_worker_sim(s: WorkerSimSettings, stop: threading.Event | None = None,
@@ -173,7 +178,7 @@ def run_worker_sim(s: WorkerSimSettings, stop: threading.Event | None = None,
     if not reqs:
         raise ValueError(f"the trace {s.trace or bundled_trace()} has no requests")
     scheme = PartitionScheme(s.partitions, s.trunk_depth, s.stretch)
-    url = _jetstream_url(s.nats_url, s.namespace, s.replicas)
+    url = _jetstream_url(s.nats_url, s.namespace, s.replicas, s.manage_stream)
     epoch = random.getrandbits(63)
     cfg = RuntimeConfig(model_name="compose/mooncake-conversation", num_layers=2, outer_dim=2,
                         page_size=s.page_size, inner_dim=4, kv_dtype="float16",

@@ -114,8 +114,10 @@ def test_nats_messages_carry_the_live_bytes_and_the_batch_msg_ids(nats_url: str,
         loop.call_soon_threadsafe(done.set)
         th.join(5)
     assert len(got) == n_batches > 5
+    key = pub._msg_id_key  # the publisher's secret: no other peer can send its next ids first
+    assert len(key) == 16 and int(key, 16) >= 0
     for seq, (msg_id, data) in enumerate(got):
-        assert msg_id == f"{ns}.w-fast:{pub.epoch}:{seq}"
+        assert msg_id == f"{ns}.w-fast:{pub.epoch}:{seq}:{key}"
         batch = decode_batch(data)
         assert batch.seq == seq and batch.source == "w-fast" and batch.epoch == pub.epoch
         assert encode_batch(batch) == data

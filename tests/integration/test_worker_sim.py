@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_worker_sim_publishes_partitioned_and_whole_and_serves_kvbm_metrics(js_url: str, tmp_path: Path) -> None:
     ns = "w" + uuid.uuid4().hex[:8]
-    s = WorkerSimSettings(nats_url=js_url, namespace=ns, source="sim-0", partitions=4, stretch=4, requests=500,
+    s = WorkerSimSettings(nats_url=js_url, namespace=ns, source="sim-0", manage_stream=True,
+                          partitions=4, stretch=4, requests=500,
                           interval_s=0.0, workdir=tmp_path / "sim", g1_blocks=64, g2_blocks=128, metrics_port=0)
     scraped: dict[str, float] = {}
     urls: list[str | None] = []
@@ -79,7 +80,8 @@ def test_worker_sim_offloads_into_the_cluster_catalog_with_storage(js_url: str, 
     (tmp_path / "vols" / "slow").mkdir(parents=True)
     storage = tmp_path / "storage.json"
     storage.write_text(json.dumps(conf))
-    s = WorkerSimSettings(nats_url=js_url, namespace=ns, source="sim-1", partitions=2, requests=120, interval_s=0.0,
+    s = WorkerSimSettings(nats_url=js_url, namespace=ns, source="sim-1", manage_stream=True,
+                          partitions=2, requests=120, interval_s=0.0,
                           workdir=tmp_path / "sim", g1_blocks=64, g2_blocks=64, metrics_port=None,
                           storage=storage, redis_url=redis_url)
     assert run_worker_sim(s) > 0
