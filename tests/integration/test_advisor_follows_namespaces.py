@@ -19,7 +19,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from advisor import AdvisorService  # noqa: E402
-from advisor.cluster.node import wait_until  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 from advisor.settings import AdvisorSettings  # noqa: E402
 from api import create_app  # noqa: E402
 from event_plane import make_publisher  # noqa: E402
@@ -78,10 +78,11 @@ def test_an_advisor_on_the_default_namespace_drains_the_workers_volume(tmp_path:
         worker.serve(8)
         on_fast = lambda: {p.key.sequence_hash for p in worker.catalog.iter_volume("fast")}  # noqa: E731
         assert on_fast() and all(p.key.namespace == ns for p in worker.catalog.iter_volume("fast"))
-        assert wait_until(lambda: svc.query().stats()["blocks_per_location"].get("fast", 0) == len(on_fast()), 60)
+        wait_until(lambda: svc.query().stats()["blocks_per_location"].get("fast", 0) == len(on_fast()), 60,
+                   "the index places every stored block on 'fast'")
         c = TestClient(create_app(svc.query()), base_url="http://127.0.0.1")
         # /v1/stats looks at the catalog's namespaces every few seconds
-        assert wait_until(lambda: ns in c.get("/v1/stats").json()["namespaces"]["managed"], 60)
+        wait_until(lambda: ns in c.get("/v1/stats").json()["namespaces"]["managed"], 60, "the worker's namespace managed")
         nss = c.get("/v1/stats").json()["namespaces"]
         assert nss["managed"] == ["default", ns] and nss["left"] == {}, nss
         stored = on_fast()
@@ -90,7 +91,7 @@ def test_an_advisor_on_the_default_namespace_drains_the_workers_volume(tmp_path:
         assert r["hint"] is None and r["other_namespaces"] == {}
         assert on_fast() == set() and stored <= {p.key.sequence_hash for p in worker.catalog.iter_volume("slow")}
         # the index follows the moves (the advisor's own events), the worker reads its blocks from slow
-        assert wait_until(lambda: svc.query().stats()["blocks_per_location"].get("fast", 0) == 0, 60)
+        wait_until(lambda: svc.query().stats()["blocks_per_location"].get("fast", 0) == 0, 60, "'fast' drained in the index")
         # a drain that finds nothing says what it looked for and what the catalog holds
         r = c.post("/v1/volumes/fast/drain", json={"to": "slow"}).json()
         assert r["counts"] == {"done": 0, "skipped": 0, "failed": 0}

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from advisor.cluster.node import ClusterClient, wait_until
+from advisor.cluster.node import ClusterClient
 from advisor.cluster.query import ClusterQuery
 from advisor.policy.eviction import experts
 from advisor.policy.eviction.compact import compact
@@ -31,6 +31,7 @@ from event_plane.schema import store
 from event_plane.urls import make_publisher
 from storage_backends import BlockKey
 from tests.integration.test_cluster_mover_races import BLK, KEY_NS, _chain, _data, rig_factory  # noqa: F401
+from tests.polling import wait_until
 from tests.unit.test_live_selector import conversations
 
 
@@ -48,7 +49,7 @@ def _folded(rig: Any, node: Any, marker: int) -> None:
     def known(rep: Any) -> bool:
         with rep.lock:
             return rep.index.block(marker) is not None
-    assert wait_until(lambda: all(known(rep) for rep in node.serving().values()), 60)
+    wait_until(lambda: all(known(rep) for rep in node.serving().values()), 60, "every partition known")
 
 
 def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: Any) -> None:  # noqa: F811
