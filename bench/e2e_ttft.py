@@ -3,6 +3,7 @@
 
     python bench/e2e_ttft.py                       # 7 configurations, ~45 minutes here
     python bench/e2e_ttft.py --configs a,d,f --requests 300 --warmup 200
+    python bench/e2e_ttft.py --configs a,f,d,e --repeat 2   # each configuration twice, in turn
 
 Every configuration starts its own engines (``kvadvisor demo --engine vllm``'s harness,
 :mod:`kvadvisor.engine_demo`) and replays the same requests, the same way: the first
@@ -26,6 +27,14 @@ The model is a random-weight Llama whose prefill FLOPs per KV byte are those of 
 model (printed at the start, against Llama-2-7B, Llama-3-8B and Llama-3-70B): loading a
 block instead of recomputing it is weighed as on a real model.
 
+With ``--repeat N`` the configurations run N times in turn (a, f, d, ..., a, f, d, ...), so a
+drift of the machine's load reaches every configuration alike; each figure is then taken over
+the measured requests of every repetition pooled (mean and percentiles of all of them; tokens
+per repetition), and the spread of the per-repetition means is printed beside it.  One
+repetition of 100 measured requests moved the mean TTFT of one unchanged configuration by up
+to 15 % between two runs on a quiet machine (docs/BENCHMARKS.md): more than the effect the
+goals below ask to resolve.
+
 The window's reuse share is the prefill tokens (f) saves out of all prompt tokens.  Outputs
 (greedy) of every configuration are compared request by request with (a)'s.
 
@@ -41,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +131,63 @@ def model_report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class Pooled:
+    """One configuration's figures over every repetition (the fields :func:`main` reads of
+    ``kvadvisor.engine_demo.run.EngineDemoReport``).
+
+    ``ttft_s`` (seconds: mean, p50, p90, p99) is taken over the measured requests of every
+    repetition together; ``prefill_saved``, ``prompt_tokens`` and ``vllm_cached_by_source``
+    (tokens) are per repetition (their mean); ``kvbm`` counters and ``moves`` are summed;
+    ``means_s`` is each repetition's mean TTFT, in run order.
+    """
+
+    runs: list[Any]
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    prefill_saved: float = 0.0
+    prompt_tokens: float = 0.0
+    vllm_cached_by_source: dict[str, float] = field(default_factory=dict)
+    kvbm: dict[str, float] = field(default_factory=dict)
+    moves: dict[str, Any] = field(default_factory=dict)
+    router_choices: list[Any] = field(default_factory=list)
+    means_s: list[float] = field(default_factory=list)
+    failed: int = 0
+    wall_s: float = 0.0
+    replay_s: float = 0.0
+
+    @classmethod
+    def of(cls, runs: list[Any], warmup: int) -> "Pooled":
+        """Pool the reports ``runs`` (one per repetition; non-empty)."""
+        from kvadvisor.engine_demo.replay import percentile
+
+        n = len(runs)
+        ttfts = [res.ttft_s for r in runs for res in r.results if res.error is None and res.index >= warmup]
+        p = cls(runs)
+        p.ttft_s = {"mean": sum(ttfts) / len(ttfts) if ttfts else 0.0, "p50": percentile(ttfts, 50),
+                    "p90": percentile(ttfts, 90), "p99": percentile(ttfts, 99)}
+        p.prefill_saved = sum(r.prefill_saved for r in runs) / n
+        p.prompt_tokens = sum(r.prompt_tokens for r in runs) / n
+        for r in runs:
+            for k, v in r.vllm_cached_by_source.items():
+                p.vllm_cached_by_source[k] = p.vllm_cached_by_source.get(k, 0.0) + v / n
+            for k, v in r.kvbm.items():
+                p.kvbm[k] = p.kvbm.get(k, 0.0) + v
+            for k, v in r.moves.items():
+                if isinstance(v, (int, float)):
+                    p.moves[k] = p.moves.get(k, 0) + v
+        p.router_choices = [r.router_choices for r in runs]
+        p.means_s = [r.ttft_s["mean"] for r in runs]
+        p.failed = sum(r.failed for r in runs)
+        p.wall_s = sum(r.wall_s for r in runs)
+        p.replay_s = sum(r.replay_s for r in runs)
+        return p
+
+    @property
+    def results(self) -> list[Any]:
+        """Every repetition's per-request results, in run order."""
+        return [res for r in self.runs for res in r.results]
+
+
 def gap_closed(a: float, x: float, f: float) -> float:
     """Share of the (a) → (f) gap that x closes: ``(a - x) / (a - f)``."""
     return (a - x) / (a - f) if a != f else float("nan")
@@ -129,6 +196,8 @@ def gap_closed(a: float, x: float, f: float) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="a,f,d,d0,c,e,b")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the configurations this many times, in turn; figures pool every repetition")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--engines", type=int, default=2)
@@ -159,12 +228,13 @@ def main() -> int:
         args.models_dir = Path(tmp.name)
     model_line = model_report(args)
     print(model_line, flush=True)
-    reports: dict[str, Any] = {}
+    runs: dict[str, list[Any]] = {k: [] for k in keys}
     t0 = time.monotonic()
-    for k in keys:
-        print(f"== ({k}) {LABELS[k]} ...", flush=True)
-        reports[k] = run_config(k, args)
-        r = reports[k]
+    for rep, k in ((rep, k) for rep in range(args.repeat) for k in keys):
+        print(f"== ({k}) {LABELS[k]}" + (f", repetition {rep + 1}/{args.repeat}" if args.repeat > 1 else "") + " ...",
+              flush=True)
+        runs[k].append(run_config(k, args))
+        r = runs[k][-1]
         print(f"   TTFT mean {r.ttft_s['mean'] * 1000:.0f} ms, p90 {r.ttft_s['p90'] * 1000:.0f} ms, saved "
               f"{r.prefill_saved:,}/{r.prompt_tokens:,}, failed {r.failed}, {r.wall_s:.0f} s; load {load_now()}",
               flush=True)
@@ -172,11 +242,12 @@ def main() -> int:
             print(f"   onboarded per volume: {onboard_row(r.kvbm)}; G2 resident at the end: "
                   + ", ".join(f"{v:,.0f}" for k, v in r.kvbm.items() if k.startswith("kvbm_g2_resident_blocks{")), flush=True)
 
+    reports = {k: Pooled.of(v, args.warmup) for k, v in runs.items()}
     ref = {res.index: res.output for res in reports["a"].results if res.error is None} if "a" in reports else {}
     print(f"\nwindow: requests {args.warmup}..{args.requests - 1} of the Mooncake conversation trace "
           f"(first {args.warmup} = warm-up, time / {args.warmup_time_scale:g}), {args.block_tokens} tokens per trace block, "
           f"window time / {args.time_scale:g}, "
-          f"{args.engines} engines")
+          f"{args.engines} engines" + (f"; {args.repeat} repetitions in turn, figures pooled" if args.repeat > 1 else ""))
     print(model_line)
     if "f" in reports:
         f = reports["f"]
@@ -203,10 +274,13 @@ def main() -> int:
                    "ttft": r.ttft_s, "saved": r.prefill_saved, "prompt": r.prompt_tokens, "same": same, "checked": checked,
                    "failed": r.failed, "cached_by_source": c, "moves": mv, "router": r.router_choices}
         print(f"| ({k}) {LABELS[k]} | {r.ttft_s['mean'] * 1000:.0f} ms | {r.ttft_s['p50'] * 1000:.0f} | "
-              f"{r.ttft_s['p90'] * 1000:.0f} | {r.ttft_s['p99'] * 1000:.0f} | {r.prefill_saved:,} "
+              f"{r.ttft_s['p90'] * 1000:.0f} | {r.ttft_s['p99'] * 1000:.0f} | {r.prefill_saved:,.0f} "
               f"({r.prefill_saved / max(r.prompt_tokens, 1):.1%}) | {c.get('device', 0):,.0f} / {c.get('host', 0):,.0f} / "
               f"{c.get('disk', 0):,.0f} | {mv.get('promotions', 0)}/{mv.get('demotions', 0)}/{mv.get('compactions', 0)} | "
               f"{same}/{checked} |")
+    if args.repeat > 1:
+        print("\nmean TTFT of each repetition (ms, in run order): "
+              + "; ".join(f"({k}) " + " / ".join(f"{m * 1000:.0f}" for m in r.means_s) for k, r in reports.items()))
     print("\nwhere the time goes (window): TTFT of requests with a cache hit (vLLM's num_cached_tokens > 0) and "
           "without; the connector's storage reads")
     print("| config | hits: n, mean TTFT | misses: n, mean TTFT | onboarded per volume (blocks); reads, mean read |")
