@@ -15,7 +15,9 @@
 * ``relay SRC DST``: publish every batch read from SRC again to the publisher URL DST, one
   publisher per source (a vLLM or SGLang engine's ZMQ events into a partitioned JetStream
   cluster: ``vllm+zmq://…`` to ``jetstream://…?namespace=NS&partitions=P``); ends with one
-  JSON line of counts.
+  JSON line of counts. NATS credentials of DST: its own (``password_file=`` in the URL), else
+  ``--password-file`` or ``$KVADVISOR_NATS_PASSWORD_FILE`` (a file ``kvadvisor nats
+  add-worker`` wrote): never a password on the command line.
 * ``keygen DIR [--name NAME]``: write a new CURVE keypair, ``DIR/NAME.key`` (public, give
   it to the other side) and ``DIR/NAME.key_secret`` (mode 0600, keep it), in the ZeroMQ
   certificate format (:func:`event_plane.curve.keygen`); prints the public key's path and
@@ -38,10 +40,10 @@ import typer
 
 from event_plane.codec import encode_batch
 from event_plane.errors import ConfigError, EventPlaneError
-from event_plane.nats_auth import redact_url
+from event_plane.nats_auth import PASSWORD_FILE_ENV, NatsAuth, redact_url
 from event_plane.partitioned import close_all
 from event_plane.schema import EventBatch, EventType, KVEvent
-from event_plane.urls import make_publisher, subscribe
+from event_plane.urls import make_publisher, nats_connection, subscribe
 
 events_app = typer.Typer(no_args_is_help=True, help="Watch KV-event streams (tail, stats), relay them (relay); CURVE keys (keygen).")
 
@@ -214,6 +216,10 @@ def relay(
     count: Annotated[Optional[int], typer.Option("--count", "-n", min=1, help="stop after N events")] = None,
     max_sources: Annotated[int, typer.Option("--max-sources", min=1, help="publishers held at once (one per source); "
                                              "batches of further sources are skipped and counted")] = 256,
+    password_file: Annotated[Optional[Path], typer.Option(
+        "--password-file", envvar=PASSWORD_FILE_ENV, show_default=False,
+        help="NATS password file of DST (mode 0600; `kvadvisor nats add-worker` writes one), unless DST "
+             "carries credentials")] = None,
 ) -> None:
     """Publish every batch read from SRC again to DST, one publisher per source.
 
@@ -227,7 +233,19 @@ def relay(
     skipped alone (``bad_sources``); a destination that cannot be reached ends the relay
     (status 2).  Ends with one JSON line: batches, events, sources, the source side's
     unrecovered gaps, the publishers' dropped events and those skipped batches.
+
+    A NATS worker user (docs/security.md) may publish its own source only: relay one
+    engine (``source=`` of its adapter URL) per worker user.  A NATS destination's
+    credentials are checked before anything is read: a password file that cannot be read,
+    or that group or others may read, ends the relay at once (status 2).
     """
+    nats_auth = NatsAuth(password_file=str(password_file)) if password_file is not None else None
+    if dst.split("://", 1)[0].lower() in ("nats", "tls", "jetstream"):
+        try:
+            nats_connection(dst, nats_auth)  # reads the credential files; connects nowhere
+        except EventPlaneError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
     sub = _open(src)
     pubs: dict[str, Any] = {}
     epochs: dict[str, int] = {}
@@ -261,7 +279,7 @@ def relay(
                     continue
                 pubs.pop(batch.source, None)
                 try:
-                    pub = make_publisher(dst, batch.source, epoch=batch.epoch)
+                    pub = make_publisher(dst, batch.source, epoch=batch.epoch, nats_auth=nats_auth)
                 except ConfigError as exc:  # this source's name, not the destination
                     bad_batches += 1
                     if len(bad) < max_sources:

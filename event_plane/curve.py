@@ -16,7 +16,6 @@ logged; errors name the file only. See ``docs/operations.md`` ("Authentication a
 from __future__ import annotations
 
 import os
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import zmq.auth
 import zmq.utils.z85
 
 from event_plane.errors import ConfigError
+from event_plane.secret_files import check_private_file
 
 Z85_KEY_LEN = 40
 """Length of a CURVE key in Z85 text (32 bytes)."""
@@ -52,23 +52,14 @@ def _is_z85_key(text: str) -> bool:
 
 
 def check_secret_mode(path: str | os.PathLike[str]) -> None:
-    """Refuse a secret key file that group or others may read or write.
+    """Refuse a secret key file that group or others may read or write
+    (:func:`event_plane.secret_files.check_private_file`).
 
     Raises:
         ConfigError: the file is missing, not a regular file, or its mode has any of the
             ``0o077`` bits (fix: ``chmod 600 FILE``).
     """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the CURVE secret key file {path}: {exc.strerror}") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"CURVE secret key file {path} is not a regular file")
-    if st.st_mode & 0o077:
-        raise ConfigError(
-            f"CURVE secret key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users may read it; "
-            f"run chmod 600 {path}"
-        )
+    check_private_file(path, "CURVE secret key file")
 
 
 def load_secret(path: str | os.PathLike[str]) -> CurveKeys:

@@ -1,21 +1,29 @@
 """NATS credentials and TLS, and URL redaction for messages.
 
 :class:`NatsAuth` holds the connection options a NATS publisher or subscriber may need
-(user / password, token, token file, ``.creds`` file, nkey seed file, TLS with a CA file,
-a client certificate and key, a server host name) and turns them into ``nats.connect``
-keywords (:meth:`NatsAuth.connect_options`). :func:`auth_from_url` reads them from a
-``nats://`` / ``tls://`` / ``jetstream://`` URL; :meth:`NatsAuth.over` layers a URL's
-values over defaults (e.g. the advisor's settings).
+(user / password, password file, token, token file, ``.creds`` file, nkey seed file, TLS
+with a CA file, a client certificate and key, a server host name) and turns them into
+``nats.connect`` keywords (:meth:`NatsAuth.connect_options`). :func:`auth_from_url` reads
+them from a ``nats://`` / ``tls://`` / ``jetstream://`` URL; :meth:`NatsAuth.over` layers a
+URL's values over defaults (e.g. the advisor's settings).
+
+A password file (:func:`write_password_file`, :func:`read_password_file`) holds one NATS
+user's name and password as JSON, mode 0600: ``kvadvisor nats add-worker`` writes one per
+worker, and a publisher takes it as ``password_file=PATH`` in its URL or from
+``$KVADVISOR_NATS_PASSWORD_FILE`` (:func:`publisher_defaults`), so the password is never on
+a command line or in a URL. Every secret file read here (password, token, creds, nkey
+seed) must be mode 0600 or stricter (:func:`event_plane.secret_files.check_private_file`).
 
 :func:`redact_url` is the one function that formats a URL for an error message or a log
 line: the password (and a NATS token given as the user part) become ``***``, and so does
 the value of any query parameter that is not a known, non-secret one.
 
-Imports nothing else of ours but :mod:`event_plane.errors`.
+Imports nothing else of ours but :mod:`event_plane.errors` and :mod:`event_plane.secret_files`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import ssl
@@ -24,11 +32,16 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from event_plane.errors import ConfigError, EventURLError
+from event_plane.secret_files import check_private_file, write_private_file
 
 MASK = "***"
 
+PASSWORD_FILE_ENV = "KVADVISOR_NATS_PASSWORD_FILE"
+"""The environment variable naming a NATS password file (:func:`read_password_file`) for
+publishers whose URL and caller set no authentication (:func:`publisher_defaults`)."""
+
 NATS_PARAMS = frozenset({
-    "token_file", "creds", "nkey_seed", "tls", "tls_ca", "tls_cert", "tls_key", "tls_hostname",
+    "password_file", "token_file", "creds", "nkey_seed", "tls", "tls_ca", "tls_cert", "tls_key", "tls_hostname",
 })
 """Query parameters of ``nats://``, ``tls://`` and ``jetstream://`` URLs that set
 credentials or TLS (file paths, a flag and a host name: none holds a secret itself)."""
@@ -83,10 +96,11 @@ def redact_url(url: object) -> str:
 class NatsAuth:
     """Credentials and TLS of a NATS connection (all optional).
 
-    Authentication (at most one way): ``user`` + ``password``; ``token`` or
+    Authentication (at most one way): ``user`` + ``password``; ``password_file`` (a
+    password file holding user and password, :func:`read_password_file`); ``token`` or
     ``token_file`` (a file holding the token); ``creds_file`` (a ``.creds`` file: JWT and
     nkey seed); ``nkey_seed_file`` (an nkey seed file). ``creds_file`` and
-    ``nkey_seed_file`` need the ``nkeys`` package.
+    ``nkey_seed_file`` need the ``nkeys`` package. Each file must be mode 0600 or stricter.
 
     TLS: ``tls`` turns it on (implied by any ``tls_*`` file); ``tls_ca_file`` verifies the
     server (default: the system's CAs); ``tls_cert_file`` + ``tls_key_file`` are the
@@ -102,6 +116,7 @@ class NatsAuth:
 
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    password_file: str | None = None
     token: str | None = field(default=None, repr=False)
     token_file: str | None = None
     creds_file: str | None = None
@@ -117,6 +132,7 @@ class NatsAuth:
             raise ConfigError("a NATS password needs a user")
         ways = [name for name, on in (
             ("user/password", self.user is not None),
+            ("password file", self.password_file is not None),
             ("token", self.token is not None),
             ("token file", self.token_file is not None),
             ("creds file", self.creds_file is not None),
@@ -130,8 +146,8 @@ class NatsAuth:
     @property
     def has_auth(self) -> bool:
         """Whether any way of authentication is set."""
-        return any(v is not None for v in (self.user, self.token, self.token_file, self.creds_file,
-                                            self.nkey_seed_file))
+        return any(v is not None for v in (self.user, self.password_file, self.token, self.token_file,
+                                            self.creds_file, self.nkey_seed_file))
 
     @property
     def uses_tls(self) -> bool:
@@ -154,21 +170,25 @@ class NatsAuth:
         return replace(auth, **tls)
 
     def connect_options(self) -> dict[str, Any]:
-        """The ``nats.connect`` keywords: ``user`` / ``password`` (and ``inbox_prefix``,
-        :func:`inbox_prefix`), ``token`` (read from
+        """The ``nats.connect`` keywords: ``user`` / ``password`` (given, or read from
+        ``password_file``; with ``inbox_prefix``, :func:`inbox_prefix`), ``token`` (read from
         ``token_file``), ``user_credentials``, ``nkeys_seed``, ``tls`` (an
         :class:`ssl.SSLContext`) and ``tls_hostname``.
 
         Raises:
-            ConfigError: a file cannot be read or is empty, or TLS cannot load the CA /
-                certificate / key (the message names the file, never its content).
+            ConfigError: a file cannot be read, is empty or malformed, or group or others
+                may read it (``chmod 600``), or TLS cannot load the CA / certificate / key
+                (the message names the file, never its content).
         """
         opts: dict[str, Any] = {}
-        if self.user is not None:
-            opts["user"] = self.user
-            if self.password is not None:
-                opts["password"] = self.password
-            prefix = inbox_prefix(self.user)
+        user, password = self.user, self.password
+        if self.password_file is not None:
+            user, password = read_password_file(self.password_file)
+        if user is not None:
+            opts["user"] = user
+            if password is not None:
+                opts["password"] = password
+            prefix = inbox_prefix(user)
             if prefix is not None:
                 opts["inbox_prefix"] = prefix
         if self.token is not None:
@@ -180,6 +200,7 @@ class NatsAuth:
             if path is not None:
                 if not os.path.isfile(path):
                     raise ConfigError(f"NATS {what} {path} does not exist or is not a file")
+                check_private_file(path, f"NATS {what}")
                 opts[key] = path
         if self.uses_tls:
             opts["tls"] = self.ssl_context()
@@ -221,6 +242,7 @@ def inbox_prefix(user: str) -> str | None:
 
 
 def _read_secret_file(path: str, what: str) -> str:
+    check_private_file(path, f"NATS {what}")
     try:
         with open(path, encoding="utf-8") as fh:
             value = fh.read().strip()
@@ -233,7 +255,7 @@ def _read_secret_file(path: str, what: str) -> str:
 
 def auth_from_url(url: str, query: dict[str, str]) -> NatsAuth:
     """The :class:`NatsAuth` a NATS URL names: ``user:password@`` or ``token@`` in the
-    host part (percent-decoded), ``token_file``, ``creds``, ``nkey_seed``, ``tls``
+    host part (percent-decoded), ``password_file``, ``token_file``, ``creds``, ``nkey_seed``, ``tls``
     (``1``/``0``; the ``tls://`` scheme sets it), ``tls_ca``, ``tls_cert``, ``tls_key``,
     ``tls_hostname`` from ``query``.
 
@@ -256,7 +278,8 @@ def auth_from_url(url: str, query: dict[str, str]) -> NatsAuth:
     tls = parts.scheme.lower() == "tls" or (raw_tls is not None and _BOOLS[raw_tls.lower()])
     try:
         return NatsAuth(
-            user=user, password=password, token=token, token_file=query.get("token_file"),
+            user=user, password=password, password_file=query.get("password_file"), token=token,
+            token_file=query.get("token_file"),
             creds_file=query.get("creds"), nkey_seed_file=query.get("nkey_seed"), tls=tls,
             tls_ca_file=query.get("tls_ca"), tls_cert_file=query.get("tls_cert"), tls_key_file=query.get("tls_key"),
             tls_hostname=query.get("tls_hostname"),
@@ -270,3 +293,51 @@ def server_url(url: str, auth: NatsAuth) -> str:
     ``auth`` uses TLS), without the user part: credentials travel as options."""
     hostport = urlsplit(url).netloc.rsplit("@", 1)[-1]
     return f"{'tls' if auth.uses_tls else 'nats'}://{hostport}"
+
+
+def read_password_file(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(user, password)`` from a NATS password file: JSON ``{"user": NAME, "password":
+    SECRET}`` (what :func:`write_password_file` and ``kvadvisor nats add-worker`` write),
+    mode 0600 or stricter.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, group or others may read it
+            (``chmod 600``), or it is not such an object with two non-empty strings (the
+            message names the file, never its content).
+    """
+    what = "NATS password file"
+    check_private_file(path, what)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {type(exc).__name__}") from exc
+    except ValueError:
+        data = None  # the message below: never the parser's, which may quote the content
+    user = data.get("user") if isinstance(data, dict) else None
+    password = data.get("password") if isinstance(data, dict) else None
+    if not (isinstance(user, str) and user and isinstance(password, str) and password):
+        raise ConfigError(f'{what} {path} must hold JSON {{"user": NAME, "password": SECRET}} '
+                          "(kvadvisor nats add-worker writes one)")
+    return user, password
+
+
+def write_password_file(path: str | os.PathLike[str], user: str, password: str) -> None:
+    """Write the NATS password file ``path`` of ``user`` (read by :func:`read_password_file`),
+    mode 0600, atomically (:func:`event_plane.secret_files.write_private_file`).
+
+    Raises:
+        OSError: the directory does not exist or cannot be written.
+    """
+    write_private_file(path, json.dumps({"user": user, "password": password}) + "\n")
+
+
+def publisher_defaults(auth: NatsAuth | None) -> NatsAuth | None:
+    """The NATS defaults of a publisher: ``auth`` when it sets authentication, else the
+    password file that ``$KVADVISOR_NATS_PASSWORD_FILE`` names (with ``auth``'s TLS
+    fields), else ``auth``. A URL's own credentials still win over the result
+    (:meth:`NatsAuth.over`). The file is read when the publisher connects."""
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if not path or (auth is not None and auth.has_auth):
+        return auth
+    return NatsAuth(password_file=path).over(auth)

@@ -19,7 +19,8 @@ URL                                        meaning
                                            [``curve_secret=FILE``]
                                            [``allowed_publishers=DIR``]
 ``nats://[user:pass@]HOST:PORT?namespace=NS``  core NATS (``tls://``: over TLS); NATS
-                                           URLs also take ``token_file``, ``creds``,
+                                           URLs also take ``password_file``,
+                                           ``token_file``, ``creds``,
                                            ``nkey_seed``, ``tls=1``, ``tls_ca``,
                                            ``tls_cert``, ``tls_key``, ``tls_hostname``
                                            (:mod:`event_plane.nats_auth`)
@@ -51,8 +52,10 @@ publishers (URL ``allowed_publishers=DIR`` or ``subscribe(zmq_allowed_publishers
 refuses a ``zmq://`` URL without CURVE or whose ``curve_server_key`` is not on the list.
 
 NATS credentials go to ``nats.connect`` as options (the server address passed on carries
-none); prefer the file parameters to a password or token in the URL. Every URL in an
-error message is shown through :func:`~event_plane.nats_auth.redact_url`.
+none); prefer the file parameters to a password or token in the URL. A publisher whose URL
+and caller set no NATS authentication takes the password file named by
+``$KVADVISOR_NATS_PASSWORD_FILE`` (:func:`~event_plane.nats_auth.publisher_defaults`). Every
+URL in an error message is shown through :func:`~event_plane.nats_auth.redact_url`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from dataclasses import replace
 from event_plane.config import PublisherConfig, StreamLimits
 from event_plane.curve import CurveClient, ephemeral_keys, load_allowed, load_public, load_secret
 from event_plane.errors import ConfigError, EventURLError
-from event_plane.nats_auth import NATS_PARAMS, NatsAuth, auth_from_url, redact_url, server_url
+from event_plane.nats_auth import NATS_PARAMS, NatsAuth, auth_from_url, publisher_defaults, redact_url, server_url
 from event_plane.nats_transport import JetStreamPublisher, JetStreamSubscriber, NatsPublisher, NatsSubscriber
 from event_plane.publisher import EventPublisher, FlushCallback, NullPublisher
 from event_plane.subscriber import MultiSubscriber, Subscriber
@@ -290,11 +293,15 @@ def make_publisher(
             the URL's ``max_bytes`` / ``max_age`` / ``discard`` / ``strict_stream``
             override field by field (``None``: :class:`StreamLimits` defaults).
         nats_auth: NATS URLs only: credentials / TLS used where the URL sets none
-            (the URL's own authentication wins as a whole, its TLS values field by field).
+            (the URL's own authentication wins as a whole, its TLS values field by field);
+            without authentication here, the password file of
+            ``$KVADVISOR_NATS_PASSWORD_FILE`` when set
+            (:func:`~event_plane.nats_auth.publisher_defaults`).
         **options: transport keywords (``nats.connect`` keywords win over the URL's).
 
     Raises:
-        EventURLError: malformed or unsupported URL.
+        EventURLError: malformed or unsupported URL; a NATS credential file that cannot be
+            read, is malformed or that group or others may read (``chmod 600``).
         TransportError: the endpoint cannot be bound / the server reached.
     """
     scheme, host, port, query, netloc = _parse(url)
@@ -318,7 +325,7 @@ def make_publisher(
             )
         return ZmqPublisher(source, pub, replay, query.get("topic", ""), **common, allow_remote=allow_remote,
                             **curve, **options)
-    server, connect = _nats_target(url, query, nats_auth)
+    server, connect = _nats_target(url, query, publisher_defaults(nats_auth))
     connect.update(options)  # a caller's explicit nats.connect keywords win
     if scheme == "jetstream":
         limits = stream_limits_from_query(query, url, stream)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import Annotated, Optional, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -19,7 +20,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="KV-cache blo
 advisor_app = typer.Typer(no_args_is_help=True, help="Run the advisor service.")
 app.add_typer(advisor_app, name="advisor")
 app.add_typer(events_app, name="events")
+nats_app = typer.Typer(no_args_is_help=True, help="NATS worker users of the topology `kvadvisor up` started.")
+app.add_typer(nats_app, name="nats")
 console = Console(stderr=False)
+T = TypeVar("T")
 
 
 def _fail(msg: str) -> None:
@@ -37,6 +41,27 @@ def _check_output(path: Path | None, what: str) -> None:
         _fail(f"{what}: directory {parent} does not exist")
     if path.exists() and path.is_dir():
         _fail(f"{what}: {path} is a directory")
+
+
+_CLUSTER_DIR_HELP = "the directory given to `kvadvisor up`"
+
+
+def _up_call(call: Callable[[], T]) -> T:
+    """``call()`` (a function of :mod:`kvadvisor.up`); its ``UpError`` ends the command with
+    ``error: …`` and status 2 (:func:`_fail`)."""
+    from kvadvisor.up import UpError
+
+    try:
+        return call()
+    except UpError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
+
+
+def _load_cluster(cluster_dir: Path):  # noqa: ANN202 - kvadvisor.up.ClusterUp, imported lazily
+    from kvadvisor.up import load
+
+    return _up_call(lambda: load(cluster_dir))
 
 
 @app.command()
@@ -255,36 +280,78 @@ def up(
 ) -> None:
     """Start the scaled topology on loopback without Docker: a NATS JetStream cluster,
     redis-server, an S3 endpoint and cluster advisors (they keep running; `kvadvisor down`)."""
-    from kvadvisor.up import UpError
     from kvadvisor.up import up as start
 
-    try:
-        st = start(cluster_dir, nodes=nodes, advisors=advisors, partitions=partitions)
-    except UpError as exc:
-        _fail(str(exc))
-        return
+    st = _up_call(lambda: start(cluster_dir, nodes=nodes, advisors=advisors, partitions=partitions))
     console.print(f"NATS cluster {st.nats_url} · Redis 127.0.0.1 · S3 {st.s3_endpoint} · "
                   f"{len(st.advisors)} advisors own {st.partitions} partitions")
     console.print(f"API {st.api_url} (dashboard: {st.api_url}/dashboard)")
     console.print(f"state: {Path(st.root) / 'cluster.json'} (mode 0600) · logs: {Path(st.root) / 'logs'}")
     console.print(f"next: kvadvisor demo --scaled --dir {cluster_dir}    figures: kvadvisor status --dir {cluster_dir}    "
                   f"stop: kvadvisor down --dir {cluster_dir}", soft_wrap=True)
+    console.print(f"a NATS user for a worker of your own (vLLM connector, events relay): "
+                  f"kvadvisor nats add-worker SOURCE --dir {cluster_dir}", soft_wrap=True)
 
 
 @app.command()
 def down(
-    cluster_dir: Annotated[Path, typer.Option("--dir", help="the directory given to `kvadvisor up`")] = Path("runs/cluster"),
+    cluster_dir: Annotated[Path, typer.Option("--dir", help=_CLUSTER_DIR_HELP)] = Path("runs/cluster"),
 ) -> None:
     """Stop the topology `kvadvisor up` started (advisors first, then the servers)."""
-    from kvadvisor.up import UpError
     from kvadvisor.up import down as stop
 
-    try:
-        names = stop(cluster_dir)
-    except UpError as exc:
-        _fail(str(exc))
-        return
+    names = _up_call(lambda: stop(cluster_dir))
     console.print(f"stopped: {', '.join(names)}")
+
+
+@nats_app.command("add-worker")
+def nats_add_worker(
+    source: Annotated[str, typer.Argument(help="the worker's source name (its events' `source`), which is its NATS user")],
+    cluster_dir: Annotated[Path, typer.Option("--dir", help=_CLUSTER_DIR_HELP)] = Path("runs/cluster"),
+) -> None:
+    """Make a NATS user for a worker of your own (a vLLM engine with the connector, `kvadvisor
+    events relay`, `kvadvisor worker-sim`): it may publish only its own source's subject
+    (`kvadvisor.events.*.SOURCE`). The running servers reload; its password file (mode 0600)
+    is written and its path printed, never the password. An existing worker keeps its password."""
+    from kvadvisor.up import add_worker
+
+    state = _load_cluster(cluster_dir)
+    user = _up_call(lambda: add_worker(state, source))
+    typer.echo(f"password file: {user.password_file} (mode 0600, user {user.source})")
+    typer.echo(f"publisher URL: {user.publisher_url}")
+    typer.echo(f"or: export KVADVISOR_NATS_PASSWORD_FILE={user.password_file} (for a URL without credentials)")
+
+
+@nats_app.command("remove-worker")
+def nats_remove_worker(
+    source: Annotated[str, typer.Argument(help="the worker's source name")],
+    cluster_dir: Annotated[Path, typer.Option("--dir", help=_CLUSTER_DIR_HELP)] = Path("runs/cluster"),
+) -> None:
+    """Remove a worker's NATS user: the running servers reload and refuse it from then on
+    (its connections are closed); its password file is deleted. Exit status 1 when there
+    was no such worker."""
+    from kvadvisor.up import remove_worker
+
+    state = _load_cluster(cluster_dir)
+    removed = _up_call(lambda: remove_worker(state, source))
+    if not removed:
+        typer.echo(f"no NATS worker user {source!r}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"removed NATS worker user {source}")
+
+
+@nats_app.command("list-workers")
+def nats_list_workers(
+    cluster_dir: Annotated[Path, typer.Option("--dir", help=_CLUSTER_DIR_HELP)] = Path("runs/cluster"),
+) -> None:
+    """List the worker users (one name a line, with its password file when
+    `add-worker` wrote one); never a password."""
+    from kvadvisor.up import list_workers, password_file_path
+
+    state = _load_cluster(cluster_dir)
+    for source in list_workers(state):
+        path = password_file_path(state, source)
+        typer.echo(f"{source}\t{path if path.exists() else '-'}")
 
 
 @app.command()
@@ -399,12 +466,7 @@ def status(
     from kvadvisor.status import StatusError, fetch_status, print_status
 
     if cluster_dir is not None:
-        from kvadvisor.up import UpError, load
-
-        try:
-            url = load(cluster_dir).api_url
-        except UpError as exc:
-            _fail(str(exc))
+        url = _load_cluster(cluster_dir).api_url
 
     try:
         st = fetch_status(url, token)
@@ -418,6 +480,10 @@ def status(
 @app.command("worker-sim")
 def worker_sim(
     nats: Annotated[Optional[str], typer.Option(help="NATS server(s), comma-separated")] = None,
+    password_file: Annotated[Optional[Path], typer.Option(
+        "--password-file", show_default=False,
+        help="NATS password file of this worker's user (mode 0600; `kvadvisor nats add-worker` writes one; "
+             "default $KVADVISOR_NATS_PASSWORD_FILE)")] = None,
     namespace: Annotated[Optional[str], typer.Option(help="event namespace of the cluster")] = None,
     source: Annotated[Optional[str], typer.Option(help="this worker's source name")] = None,
     partitions: Annotated[Optional[int], typer.Option(help="the cluster advisors' --partitions")] = None,
@@ -441,7 +507,7 @@ def worker_sim(
 
     from kvadvisor.worker_sim import WorkerSimSettings, run_worker_sim
 
-    given = {"nats_url": nats, "namespace": namespace, "source": source, "partitions": partitions,
+    given = {"nats_url": nats, "password_file": password_file, "namespace": namespace, "source": source, "partitions": partitions,
              "replicas": replicas, "manage_stream": manage_stream, "requests": requests, "loop": loop,
              "workdir": workdir, "storage": storage,
              "metrics_port": metrics_port, "metrics_host": metrics_host}

@@ -28,12 +28,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage_backends.ports import free_port
+from filelock import FileLock
+
+from event_plane.secret_files import write_private_file
 
 __all__ = ["ADVISOR_USER", "NatsCluster", "NatsUsers", "free_port", "reload_nats", "user_url"]
 
 ADVISOR_USER = "advisor"
+LOCK_TIMEOUT_S = 60.0
+"""Seconds a change of the users waits for the lock (each holder keeps it for one small
+read and two small writes)."""
 _WORKER = re.compile(r"^[A-Za-z0-9_\-@:+=~]{1,128}$")  # one subject token (event_plane.nats_transport)
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """:func:`storage_backends.ports.free_port`, imported at the first call: the
+    ``storage_backends`` package imports torch, which ``kvadvisor nats`` never needs (each
+    command would take seconds longer to start)."""
+    from storage_backends.ports import free_port as pick
+
+    return pick(host, count)
 
 
 def user_url(urls: list[str], user: str, password: str) -> str:
@@ -50,40 +64,69 @@ class NatsUsers:
     ``authorization`` block (:meth:`conf`) that the servers include.
 
     Passwords are 48 random hex digits (:func:`secrets.token_hex`); they are never logged.
+    Every change is a read-modify-write under an exclusive lock (``users.json.lock``, a
+    :class:`filelock.FileLock`: an ``flock`` the kernel drops when its holder dies), and
+    both files are replaced atomically: processes adding workers at once (``kvadvisor nats
+    add-worker``, ``kvadvisor demo --scaled``) lose none of them.
 
-    Raises (``add_worker``): ValueError for a source that is not one subject token or is
-    the advisor's name.
+    Raises (``add_worker``, ``remove_worker``): ValueError for a source that is not one
+    subject token or is the advisor's name; (any change) filelock.Timeout when the lock is
+    not free within :data:`LOCK_TIMEOUT_S` seconds.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        if self.path.exists():
-            data = json.loads(self.path.read_text())
-            self.advisor_password: str = data["advisor"]
-            self.workers: dict[str, str] = dict(data["workers"])
-        else:
-            self.advisor_password, self.workers = secrets.token_hex(24), {}
-            self.save()
+        self.advisor_password = ""
+        self.workers: dict[str, str] = {}
+        if not self.path.exists():
+            with self._locked():  # made once, by whoever comes first
+                if not self.path.exists():
+                    self.advisor_password = secrets.token_hex(24)
+                    self._write()
+                    return
+        self._load()
+
+    @property
+    def lock_path(self) -> Path:
+        """The lock file of every change (``users.json.lock``, mode 0600)."""
+        return self.path.with_name(self.path.name + ".lock")
+
+    def _locked(self) -> FileLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.lock_path), timeout=LOCK_TIMEOUT_S, mode=0o600)
+
+    def _load(self) -> None:
+        data = json.loads(self.path.read_text())
+        self.advisor_password = data["advisor"]
+        self.workers = dict(data["workers"])
+
+    def _write(self) -> None:
+        """Write ``path`` and the ``authorization`` include next to it (both 0600, atomic);
+        the caller holds the lock."""
+        write_private_file(self.path, json.dumps({"advisor": self.advisor_password, "workers": self.workers}))
+        write_private_file(self.conf_path, self.conf())
 
     def add_worker(self, source: str) -> str:
-        """The password of worker ``source`` (made and saved when it is new)."""
-        if not isinstance(source, str) or not _WORKER.match(source) or source == ADVISOR_USER:
-            raise ValueError(f"worker name {source!r} must be one NATS subject token other than {ADVISOR_USER!r}")
-        if source not in self.workers:
-            self.workers[source] = secrets.token_hex(24)
-            self.save()
-        return self.workers[source]
+        """The password of worker ``source`` (made and saved when it is new; the users
+        other processes added meanwhile are read first and kept)."""
+        _check_worker(source)
+        with self._locked():
+            self._load()
+            if source not in self.workers:
+                self.workers[source] = secrets.token_hex(24)
+                self._write()
+            return self.workers[source]
 
-    def save(self) -> None:
-        """Write ``path`` (0600) and the ``authorization`` include next to it (0600)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for path, text in ((self.path, json.dumps({"advisor": self.advisor_password, "workers": self.workers})),
-                           (self.conf_path, self.conf())):
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
+    def remove_worker(self, source: str) -> str | None:
+        """Remove worker ``source``; returns the password it had (``None``: there was no
+        such worker). The users other processes added meanwhile are read first and kept."""
+        _check_worker(source)
+        with self._locked():
+            self._load()
+            password = self.workers.pop(source, None)
+            if password is not None:
+                self._write()
+            return password
 
     @property
     def conf_path(self) -> Path:
@@ -99,6 +142,11 @@ class NatsUsers:
                          f'      publish: {{ allow: ["kvadvisor.events.*.{source}"] }},\n'
                          f'      subscribe: {{ allow: ["_INBOX.{source}.>"] }} }} }}')
         return "authorization {\n users = [\n" + ",\n".join(users) + "\n ]\n}\n"
+
+
+def _check_worker(source: str) -> None:
+    if not isinstance(source, str) or not _WORKER.match(source) or source == ADVISOR_USER:
+        raise ValueError(f"worker name {source!r} must be one NATS subject token other than {ADVISOR_USER!r}")
 
 
 def reload_nats(pids: list[int]) -> None:
@@ -314,15 +362,17 @@ async def _quiet(exc: Exception) -> None:  # nats-py's default logs a traceback 
     pass
 
 
-def wait_accepts(urls: list[str], user: str, password: str, timeout_s: float) -> None:
-    """Wait until every server of ``urls`` accepts ``user`` (after a reload).
+def wait_accepts(urls: list[str], user: str, password: str, timeout_s: float, accepted: bool = True) -> None:
+    """Wait until every server of ``urls`` accepts ``user`` with ``password`` (after a
+    reload that added it); ``accepted=False``: until every one refuses it (after a reload
+    that removed it).
 
     Raises:
-        RuntimeError: one still refuses it after ``timeout_s``.
+        RuntimeError: one still refuses (accepts) it after ``timeout_s``.
     """
     import nats
 
-    async def accepted(url: str) -> bool:
+    async def accepts(url: str) -> bool:
         try:
             nc = await nats.connect(url, user=user, password=password, connect_timeout=1,
                                     max_reconnect_attempts=0, allow_reconnect=False, error_cb=_quiet)
@@ -333,7 +383,8 @@ def wait_accepts(urls: list[str], user: str, password: str, timeout_s: float) ->
 
     end = time.monotonic() + timeout_s
     for url in urls:
-        while not asyncio.run(accepted(url)):
+        while asyncio.run(accepts(url)) != accepted:
             if time.monotonic() > end:
-                raise RuntimeError(f"NATS at {url} did not accept user {user!r} within {timeout_s} s of a reload")
+                raise RuntimeError(f"NATS at {url} still {'refuses' if accepted else 'accepts'} user {user!r} "
+                                   f"{timeout_s} s after a reload")
             time.sleep(0.1)

@@ -6,7 +6,9 @@ describes the same topology in containers):
 * a NATS JetStream cluster of ``nodes`` servers (:class:`kvadvisor.localcluster.NatsCluster`)
   with authorization: the advisors and the API connect as the ``advisor`` user, each worker
   as a user of its own that may only publish its own subject (``<dir>/nats/users.json``, mode
-  0600; :func:`worker_nats_url` adds one; docs/security.md);
+  0600; :func:`add_worker` adds one and writes its password file for the worker's own
+  process, ``kvadvisor nats add-worker``; :func:`worker_nats_url` one for a worker in this
+  process; docs/security.md);
 * ``redis-server`` (snapshots and the placement catalog), with a random password;
 * an S3 endpoint (``moto_server``) with a bucket of its own;
 * ``advisors`` cluster advisors (``python -m advisor.cluster``) sharing ``partitions``
@@ -34,10 +36,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlencode
 
+from event_plane.nats_auth import write_password_file
 from kvadvisor.localcluster import ADVISOR_USER, NatsCluster, NatsUsers, free_port, reload_nats, user_url, wait_accepts
 
-__all__ = ["ClusterUp", "UpError", "down", "load", "up", "worker_nats_url"]
+__all__ = ["ClusterUp", "UpError", "WorkerUser", "add_worker", "down", "list_workers", "load", "password_file_path",
+           "remove_worker", "up", "worker_nats_url"]
 
 STATE_FILE = "cluster.json"
 
@@ -273,7 +278,8 @@ def _wait_owned(state: ClusterUp, procs: dict[str, subprocess.Popen[bytes]], tim
 def worker_nats_url(state: ClusterUp, source: str, timeout_s: float = 15.0) -> str:
     """All NATS nodes with worker ``source``'s credentials: the user is made when new (a
     random password in ``nats_users``), the servers reload their authorization (SIGHUP)
-    and are waited for until each accepts it.  The result holds a password (never print it).
+    and are waited for until each accepts it.  The result holds a password (never print it;
+    for a worker in another process, :func:`add_worker` writes a password file instead).
     Without authorization (``nats_users`` empty): :attr:`ClusterUp.nats_url`.
 
     Raises:
@@ -282,16 +288,100 @@ def worker_nats_url(state: ClusterUp, source: str, timeout_s: float = 15.0) -> s
     """
     if not state.nats_users:
         return state.nats_url
+    return user_url(state.nats_urls, source, _worker_password(state, source, timeout_s))
+
+
+def _worker_password(state: ClusterUp, source: str, timeout_s: float, reload: bool = False) -> str:
+    """Worker ``source``'s password, the user made when new and loaded by every server
+    (``reload``: the servers reload and are waited for even when the user exists)."""
     users = NatsUsers(Path(state.nats_users))
     try:
         known = source in users.workers
         password = users.add_worker(source)
-        if not known:
+        if reload or not known:
             reload_nats(state.nats_pids())
             wait_accepts(state.nats_urls, source, password, timeout_s)
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, TimeoutError) as exc:  # TimeoutError: the users file stayed locked
         raise UpError(f"NATS worker user {source!r}: {exc}") from exc
-    return user_url(state.nats_urls, source, password)
+    return password
+
+
+@dataclass(frozen=True)
+class WorkerUser:
+    """A NATS worker user of a topology, as :func:`add_worker` made it.
+
+    Attributes:
+        source: the user name, which is the source name it may publish (one subject token).
+        password_file: its password file (JSON user and password, mode 0600;
+            :func:`event_plane.nats_auth.read_password_file`).
+        publisher_url: a ``jetstream://`` publisher URL of the topology's partitions for
+            it: the first NATS node, the namespace, partitions and replicas of ``up``, and
+            ``password_file=`` (no secret in it: fit for a command line).
+    """
+
+    source: str
+    password_file: Path
+    publisher_url: str
+
+
+def password_file_path(state: ClusterUp, source: str) -> Path:
+    """Where :func:`add_worker` writes worker ``source``'s password file:
+    ``<dir>/nats/workers/<source>.json``."""
+    return Path(state.nats_users).parent / "workers" / f"{source}.json"
+
+
+def add_worker(state: ClusterUp, source: str, timeout_s: float = 15.0) -> WorkerUser:
+    """Make NATS worker user ``source`` for a worker in a process of its own (a vLLM engine
+    with the connector, ``kvadvisor events relay``, ``kvadvisor worker-sim``): the user may
+    publish ``kvadvisor.events.*.<source>`` and read ``_INBOX.<source>.>`` only; the
+    running servers reload their authorization (SIGHUP) and are waited for until each
+    accepts it; its password file is written (mode 0600, :func:`password_file_path`).
+    A worker that exists keeps its password (the servers reload all the same, and its file
+    is written again).  Safe to run in
+    several processes at once (:class:`~kvadvisor.localcluster.NatsUsers` locks).
+
+    Raises:
+        UpError: the topology's NATS runs without authorization, ``source`` is not a valid
+            worker name, or a server does not accept the user within ``timeout_s``.
+    """
+    if not state.nats_users:
+        raise UpError(f"the NATS of {state.root} runs without authorization: any client may publish")
+    password = _worker_password(state, source, timeout_s, reload=True)
+    path = password_file_path(state, source)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    write_password_file(path, source, password)
+    query = urlencode({"namespace": state.namespace, "partitions": state.partitions, "replicas": state.replicas,
+                       "password_file": str(path)}, safe="/")
+    return WorkerUser(source, path, f"jetstream://{state.nats_urls[0].split('://', 1)[1]}?{query}")
+
+
+def remove_worker(state: ClusterUp, source: str, timeout_s: float = 15.0) -> bool:
+    """Remove NATS worker user ``source``: the running servers reload their authorization
+    (its connections are closed) and are waited for until each refuses it; its password
+    file is deleted.  Returns whether the user existed.
+
+    Raises:
+        UpError: the topology's NATS runs without authorization, ``source`` is not a valid
+            worker name, or a server still accepts the user ``timeout_s`` after the reload.
+    """
+    if not state.nats_users:
+        raise UpError(f"the NATS of {state.root} runs without authorization: it has no users")
+    try:
+        password = NatsUsers(Path(state.nats_users)).remove_worker(source)
+        if password is not None:
+            reload_nats(state.nats_pids())
+            wait_accepts(state.nats_urls, source, password, timeout_s, accepted=False)
+    except (ValueError, RuntimeError, TimeoutError) as exc:  # TimeoutError: the users file stayed locked
+        raise UpError(f"NATS worker user {source!r}: {exc}") from exc
+    password_file_path(state, source).unlink(missing_ok=True)
+    return password is not None
+
+
+def list_workers(state: ClusterUp) -> list[str]:
+    """The NATS worker users of the topology, sorted (``[]`` without authorization)."""
+    if not state.nats_users:
+        return []
+    return sorted(NatsUsers(Path(state.nats_users)).workers)
 
 
 def load(root: Path) -> ClusterUp:

@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from event_plane.partition import PartitionScheme
 from event_plane.partitioned import PartitionedPublisher, close_all, partition_url
+from event_plane.nats_auth import NatsAuth
 from event_plane.schema import KVEvent
 from event_plane.urls import make_publisher
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
@@ -49,6 +50,10 @@ class WorkerSimSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVADVISOR_WORKER_SIM_", extra="forbid")
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server(s), comma-separated")
+    password_file: Path | None = Field(None, description=(
+        "NATS password file of this worker's user (mode 0600; `kvadvisor nats add-worker` writes one), "
+        "unless nats_url carries credentials; default: $KVADVISOR_NATS_PASSWORD_FILE when set "
+        "(event_plane.nats_auth.publisher_defaults)"))
     namespace: str = Field("default", min_length=1, description="event namespace of the cluster")
     source: str = Field("worker-sim", min_length=1, max_length=255)
     partitions: int = Field(8, ge=1)
@@ -187,10 +192,12 @@ def run_worker_sim(s: WorkerSimSettings, stop: threading.Event | None = None,
     workdir = Path(s.workdir).resolve()
     (workdir / "volume").mkdir(parents=True, exist_ok=True)
     served = 0
+    auth = NatsAuth(password_file=str(s.password_file)) if s.password_file is not None else None
     with ExitStack() as stack:
-        whole = make_publisher(url, s.source, epoch=epoch)
+        whole = make_publisher(url, s.source, epoch=epoch, nats_auth=auth)
         stack.callback(whole.close)
-        parts = PartitionedPublisher(scheme, lambda k: make_publisher(partition_url(url, k), s.source, epoch=epoch))
+        parts = PartitionedPublisher(scheme, lambda k: make_publisher(partition_url(url, k), s.source, epoch=epoch,
+                                                                      nats_auth=auth))
         stack.callback(parts.close)
         tee = TeePublisher([parts, whole])
         if s.storage is not None:

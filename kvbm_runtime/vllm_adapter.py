@@ -50,7 +50,10 @@ catalog past what its own workers hold (blocks other engines stored).
 ``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
-config (vLLM logs it): S3 credentials come from the AWS environment / credential chain.
+config (vLLM logs it): S3 credentials come from the AWS environment / credential chain, a
+NATS ``events_url``'s from a password file (``password_file=PATH`` in the URL, or
+``$KVADVISOR_NATS_PASSWORD_FILE`` in the engine's environment; ``kvadvisor nats add-worker``
+writes one, docs/security.md).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -132,7 +136,10 @@ class ConnectorSettings(BaseModel):
     Attributes:
         events_url: where the workers publish their Store / Remove events (``null://``,
             ``zmq://host:port?replay=port``, ``nats://...``); rank r > 0 of a ``zmq://``
-            URL adds r to both ports.
+            URL adds r to both ports.  A NATS URL carries no password or token (vLLM logs
+            this config): its credentials come from ``password_file=PATH`` in the URL or
+            ``$KVADVISOR_NATS_PASSWORD_FILE`` (a NATS worker user publishes one source
+            only: with tensor parallelism, rank r > 0 publishes as ``<source>-r``).
         source: event source name of rank 0 (rank r appends ``-r``).
         storage_config: the advisors' storage declaration, read with
             :class:`storage_backends.deployment.DeploymentStorage`: the embedded advisor's
@@ -192,6 +199,12 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             raise ConnectorError(f"invalid kv_connector_extra_config: {exc}") from exc
         settings._check_storage_keys()
+        if "@" in urlsplit(settings.events_url).netloc:  # user:password@ or token@
+            raise ConnectorError(
+                "kv_connector_extra_config \"events_url\" must not carry a password or token (vLLM logs it): "
+                "give the NATS user's password file as password_file=PATH in the URL, or in "
+                "$KVADVISOR_NATS_PASSWORD_FILE (kvadvisor nats add-worker writes one)"
+            )
         runtime = dict(settings.model_extra or {})
         unknown = sorted(set(runtime) - set(RuntimeConfig.model_fields))
         if unknown:
@@ -218,8 +231,6 @@ class ConnectorSettings(BaseModel):
                 f"kv_connector_extra_config: \"storage_config\" declares the volumes and the catalog; drop {clash}"
             )
         if self.catalog_url is not None:
-            from urllib.parse import urlsplit
-
             if "://" in self.catalog_url and urlsplit(self.catalog_url).password:
                 raise ConnectorError(
                     "kv_connector_extra_config \"catalog_url\" must not carry a password (vLLM logs it): "
@@ -339,8 +350,6 @@ def _tp_rank() -> int:
 
 def _redacted(url: str) -> str:
     """``url`` without a password (``scheme://user:***@host``)."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     if not parts.password:
         return url

@@ -18,7 +18,7 @@ from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import EventURLError, PublisherConfig, TransportError, make_publisher, store, subscribe
 from event_plane.errors import ConfigError
-from event_plane.nats_auth import NatsAuth, redact_url
+from event_plane.nats_auth import PASSWORD_FILE_ENV, NatsAuth, publisher_defaults, redact_url, write_password_file
 from event_plane.urls import _ALLOWED, nats_connection
 from storage_backends.local_s3 import free_port
 
@@ -124,6 +124,29 @@ def test_connect_options_from_url_and_precedence(tmp_path: Path) -> None:
     assert nats_connection(f"jetstream://127.0.0.1:1?nkey_seed={nkey}")[1] == {"nkeys_seed": str(nkey)}
     with pytest.raises(ConfigError):
         NatsAuth(password="only")
+
+
+def test_a_password_file_gives_user_and_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    password = "pw-" + secrets.token_hex(8)
+    path = tmp_path / "w0.json"
+    write_password_file(path, "w0", password)
+    assert path.stat().st_mode & 0o777 == 0o600
+    _server, opts = nats_connection(f"jetstream://127.0.0.1:1?namespace=ns&password_file={path}")
+    assert (opts["user"], opts["password"], opts["inbox_prefix"]) == ("w0", password, "_INBOX.w0")
+    assert redact_url(f"nats://h:1?password_file={path}") == f"nats://h:1?password_file={path}"
+    assert password not in repr(NatsAuth(password_file=str(path)))
+    with pytest.raises(EventURLError, match="give one of"):
+        nats_connection(f"nats://u:p@127.0.0.1:1?password_file={path}")
+    bad = _write_private(tmp_path / "bad.json", password)  # the bare password: not the file's format
+    with pytest.raises(EventURLError, match="must hold JSON") as info:
+        nats_connection(f"nats://127.0.0.1:1?password_file={bad}")
+    assert password not in str(info.value)
+    # $KVADVISOR_NATS_PASSWORD_FILE: a publisher's default where its caller sets no authentication
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(path))
+    assert publisher_defaults(None) == NatsAuth(password_file=str(path))
+    assert publisher_defaults(NatsAuth(token="t")) == NatsAuth(token="t")
+    tls = publisher_defaults(NatsAuth(tls_hostname="nats.example"))
+    assert tls is not None and (tls.password_file, tls.tls_hostname) == (str(path), "nats.example")
 
 
 def test_settings_validate_and_hide_nats_secrets(password: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ from typing import Any
 from advisor.embedded.service import AdvisorService
 from advisor.settings import AdvisorSettings
 from event_plane import store
+from event_plane.nats_transport import connect_nats
 from storage_backends.local_s3 import free_port
 from tests.polling import wait_until as wait_for  # noqa: F401 - the security tests import it from here
 
@@ -27,6 +29,20 @@ def chain(hashes: list[int], loc: str) -> list[Any]:
         out.append(store(h, hashes[0], parent, BS, loc))
         parent = h
     return out
+
+
+def as_advisor(cluster: Any, act: Any) -> Any:
+    """``await act(nc)`` on a NATS connection as the advisor user of ``cluster`` (a
+    :class:`kvadvisor.localcluster.NatsCluster`); its result."""
+
+    async def run() -> Any:
+        nc = await connect_nats(cluster.advisor_url, 5.0, {})
+        try:
+            return await act(nc)
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
 
 
 def per_location(svc: AdvisorService, hashes: list[int]) -> dict[str, int]:

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import nats
 import pytest
-from security_helpers import chain
+from security_helpers import as_advisor, chain
 
 from advisor.cluster.node import ClusterClient, PartitionUnavailable, query_subject
 from event_plane import PublisherConfig, make_publisher
@@ -102,17 +102,6 @@ def _attack(c: NatsCluster, who: str, act: Any) -> str:
     return asyncio.run(run())
 
 
-def _as_advisor(c: NatsCluster, act: Any) -> Any:
-    async def run() -> Any:
-        nc = await connect_nats(c.advisor_url, 5.0, {})
-        try:
-            return await act(nc)
-        finally:
-            await nc.close()
-
-    return asyncio.run(run())
-
-
 def _batch(source: str, epoch: int, seq: int) -> bytes:
     return encode_batch(EventBatch(1, source, epoch, seq, 1, []))
 
@@ -131,18 +120,18 @@ def test_no_one_but_an_advisor_purges_deletes_or_reads_the_stream(cluster: NatsC
         await nc.jetstream().publish(subject_for(NS, "w1"), _batch("w1", 5, 0))
         return int((await nc.jetstream().stream_info(STREAM_NAME)).state.messages)
 
-    before = _as_advisor(cluster, seed)
+    before = as_advisor(cluster, seed)
     assert before > 0
     read = _attack(cluster, who, lambda nc: nc.jetstream(timeout=REFUSED_S).get_last_msg(STREAM_NAME,
                                                                                           subject_for(NS, "w1")))
     purged = _attack(cluster, who, lambda nc: nc.jetstream(timeout=REFUSED_S).purge_stream(STREAM_NAME))
-    after_purge = _as_advisor(cluster, lambda nc: nc.jetstream().stream_info(STREAM_NAME))
+    after_purge = as_advisor(cluster, lambda nc: nc.jetstream().stream_info(STREAM_NAME))
     if _authorized(cluster):
         assert read != "done" and purged != "done"
         assert after_purge.state.messages >= before  # nothing lost
         deleted = _attack(cluster, who, lambda nc: nc.jetstream(timeout=REFUSED_S).delete_stream(STREAM_NAME))
         assert deleted != "done"
-        assert _as_advisor(cluster, lambda nc: nc.jetstream().stream_info(STREAM_NAME)).config.name == STREAM_NAME
+        assert as_advisor(cluster, lambda nc: nc.jetstream().stream_info(STREAM_NAME)).config.name == STREAM_NAME
     else:
         assert read == "done" and purged == "done" and after_purge.state.messages == 0
 
@@ -160,15 +149,15 @@ def test_no_one_but_an_advisor_touches_the_lease_bucket(cluster: NatsCluster, wh
         return bytes((await (await nc.jetstream().key_value(BUCKET)).get("p0")).value)
 
     results = [_attack(cluster, who, rewrite), _attack(cluster, who, raw_put)]
-    held = _as_advisor(cluster, lease)
+    held = as_advisor(cluster, lease)
     if _authorized(cluster):
         assert results[0] != "done" and held == b"advisor-0"
         gone = _attack(cluster, who, lambda nc: nc.jetstream(timeout=REFUSED_S).delete_key_value(BUCKET))
         assert gone != "done"
-        assert _as_advisor(cluster, lease) == b"advisor-0"
+        assert as_advisor(cluster, lease) == b"advisor-0"
     else:
         assert results == ["done", "done"] and held == b"intruder"
-        _as_advisor(cluster, lambda nc: _put_back(nc))
+        as_advisor(cluster, lambda nc: _put_back(nc))
 
 
 async def _put_back(nc: Any) -> None:
@@ -217,9 +206,9 @@ def test_no_one_publishes_as_another_worker(cluster: NatsCluster, who: str) -> N
         info = await nc.jetstream().stream_info(STREAM_NAME, subjects_filter=subject)
         return int((info.state.subjects or {}).get(subject, 0))
 
-    before = _as_advisor(cluster, count)
+    before = as_advisor(cluster, count)
     got = _attack(cluster, who, lambda nc: nc.jetstream().publish(subject, _batch("w1", 9, 0), timeout=REFUSED_S))
-    after = _as_advisor(cluster, count)
+    after = as_advisor(cluster, count)
     if _authorized(cluster):
         assert got != "done" and after == before
     else:
@@ -250,7 +239,7 @@ def test_ids_sent_first_by_another_worker_do_not_drop_a_workers_batches(cluster:
         info = await nc.jetstream().stream_info(STREAM_NAME, subjects_filter=subject_for(ns, "w1"))
         return int((info.state.subjects or {}).get(subject_for(ns, "w1"), 0))
 
-    assert _as_advisor(cluster, w1_batches) == 3  # none was taken for a duplicate
+    assert as_advisor(cluster, w1_batches) == 3  # none was taken for a duplicate
 
 
 def test_a_worker_user_publishes_to_jetstream_without_the_jetstream_api(cluster: NatsCluster) -> None:
@@ -267,7 +256,7 @@ def test_a_worker_user_publishes_to_jetstream_without_the_jetstream_api(cluster:
     async def stored(nc: Any) -> Any:
         return await nc.jetstream().get_last_msg(STREAM_NAME, subject_for(ns, "w0"))
 
-    assert _as_advisor(cluster, stored).data  # the batch is in the stream, acked to the worker
+    assert as_advisor(cluster, stored).data  # the batch is in the stream, acked to the worker
 
 
 def test_a_worker_added_to_running_servers_gets_its_own_subject_only(cluster: NatsCluster) -> None:

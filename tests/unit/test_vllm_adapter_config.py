@@ -28,6 +28,15 @@ def test_secrets_in_the_extra_config_are_refused(extra: dict) -> None:
         ConnectorSettings.parse(extra)
 
 
+def test_an_events_url_takes_a_password_file_never_a_password_or_token() -> None:
+    for url in ("jetstream://w0:s3cr3t@127.0.0.1:4222?namespace=ns", "nats://s3cr3t@127.0.0.1:4222"):
+        with pytest.raises(ConnectorError, match="password_file=PATH") as info:
+            ConnectorSettings.parse({"events_url": url})
+        assert "s3cr3t" not in str(info.value)
+    url = "jetstream://127.0.0.1:4222?namespace=ns&partitions=8&password_file=/run/secrets/w0.json"
+    assert ConnectorSettings.parse({"events_url": url})[0].events_url == url
+
+
 def test_unknown_keys_and_bad_volumes_are_named() -> None:
     with pytest.raises(ConnectorError, match="g2_blokcs"):
         ConnectorSettings.parse({"g2_blokcs": 3})
