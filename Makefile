@@ -3,7 +3,8 @@
 #               advisor, volumes (two directories + a local S3 endpoint) and the REST API
 #   make test   run the whole test suite against real services
 #   make fuzz   run each coverage-guided fuzz target (tests/fuzz/) for FUZZ_TIME seconds
-#   make stress moves racing evictions and compactions (NIXL, POSIX) for STRESS_SECONDS seconds
+#   make stress moves racing evictions and compactions, then NIXL registrations racing deletes
+#               (POSIX), for STRESS_SECONDS seconds each
 #   make flood  the acceptance floods against a real advisor at FLOOD_SCALE (1 = full size)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -59,13 +60,16 @@ fuzz: $(STAMP)
 flood: $(STAMP)
 	NIXL_LOG_LEVEL=WARN $(BIN)/python bench/flood.py --scale $(FLOOD_SCALE)
 
-# moves racing evictions and compactions on one storage agent (POSIX volumes, NIXL), under
-# faulthandler; fails on a storage error it does not expect, a NIXL deregistration error or a crash
+# moves racing evictions and compactions on one storage agent (POSIX volumes, NIXL), then
+# segment files registered and deregistered by threads on two volumes of one agent racing
+# deletes, under faulthandler; fails on a storage error it does not expect, a NIXL
+# deregistration error or a crash
 stress: $(STAMP)
-	@NIXL_LOG_LEVEL=WARN $(BIN)/python -X faulthandler -m tests.faults.stress_moves --seconds $(STRESS_SECONDS) \
-	  --seed $(STRESS_SEED) --max-open 1 2>.stress.err; rc=$$?; cat .stress.err >&2; \
+	@for mod in "stress_moves --max-open 1" stress_registrations; do \
+	  NIXL_LOG_LEVEL=WARN $(BIN)/python -X faulthandler -m tests.faults.$$mod --seconds $(STRESS_SECONDS) \
+	    --seed $(STRESS_SEED) 2>.stress.err; rc=$$?; cat .stress.err >&2; \
 	  if grep -q NIXL_ERR_NOT_FOUND .stress.err; then echo "stress: NIXL_ERR_NOT_FOUND (see above)"; rc=1; fi; \
-	  rm -f .stress.err; exit $$rc
+	  rm -f .stress.err; [ $$rc -eq 0 ] || exit $$rc; done
 
 # on a machine with an NVIDIA GPU, from a fresh clone: the runtime and vLLM-connector tests
 # on CUDA, then bench/runtime.py, into gpu-check.log; without CUDA it says so and exits 0

@@ -61,14 +61,15 @@ class NixlEngine:
 
     Callers hold :attr:`lock` while they use the staging buffer and run transfers with it.
 
-    Every call into the nixl agent (register, deregister, transfer) is made holding
-    :attr:`lock`, the agent's lock (shared by the engines of one agent): the agents are
-    created without NIXL's own thread synchronisation (``nixl_agent_config`` without a
-    listener thread gives ``NIXL_THREAD_SYNC_NONE``), and the bindings release the GIL, so a
-    deregistration on one thread (a segment file closed when its segment is deleted) racing
-    a registration or transfer on another corrupted the agent's memory sections: a
-    ``deregisterMem ... NIXL_ERR_NOT_FOUND`` and then a segmentation fault
-    (``tests/faults/stress_moves.py``).
+    Every call into the nixl agent (register, deregister, transfer, and
+    :meth:`NixlHub.engine` adding a backend) is made holding :attr:`lock`, the agent's lock
+    (shared by the engines of one agent): the agents are created without NIXL's own thread
+    synchronisation (``nixl_agent_config`` without a listener thread gives
+    ``NIXL_THREAD_SYNC_NONE``), and the bindings release the GIL, so a deregistration on one
+    thread (a segment file closed when its segment is deleted) racing a registration or
+    transfer on another corrupted the agent's memory sections: a ``deregisterMem ...
+    NIXL_ERR_NOT_FOUND`` and then a segmentation fault or a heap-corruption abort
+    (``tests/faults/stress_registrations.py`` reproduces it within seconds without the lock).
     """
 
     #: OBJ transfers of several descriptors run as one NIXL request per descriptor, all
@@ -455,7 +456,10 @@ class NixlHub:
                 self._agents.append(slot)
             agent, agent_name, lock, used = slot
             try:
-                agent.create_backend(backend, dict(params or {}))
+                # the agent's lock: an agent that already has a backend may be transferring
+                # on another thread (an S3 volume registered at run time beside POSIX ones)
+                with lock:
+                    agent.create_backend(backend, dict(params or {}))
             except Exception as exc:
                 raise TransferError(f"NIXL cannot create backend {backend}: {exc}") from exc
             used.add(backend)

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,6 +56,86 @@ class DeregisterErrors(logging.Handler):
             self.count += 1
 
 
+class Threads:
+    """The threads of a stress: counters, the stop flag and the failures they share.
+
+    Each body runs in a loop on its own thread with its own ``random.Random`` (seeded from
+    the run's seed and the body's name, so a run can be repeated); a
+    :class:`~storage_backends.types.StorageError` (a race the storage layer reports) is
+    counted as ``<name>:<error type>``, any other exception is a failure: counted as
+    ``errors``, kept in :attr:`failures`, and every thread stops.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+
+    def note(self, what: str) -> None:
+        """Count one ``what``."""
+        with self.lock:
+            self.counts[what] += 1
+
+    def _guarded(self, name: str, body: Callable[[random.Random], None]) -> None:
+        rng = random.Random(f"{self.seed}-{name}")
+        while not self.stop.is_set():
+            try:
+                body(rng)
+            except StorageError as exc:  # a race the storage layer reports: expected
+                self.note(f"{name}:{type(exc).__name__}")
+            except Exception as exc:  # noqa: BLE001 - anything else fails the run
+                self.failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                self.note("errors")
+                self.stop.set()
+
+    def run(self, bodies: dict[str, Callable[[random.Random], None]], seconds: float) -> None:
+        """Run every body for ``seconds`` (or until one fails), then wait for the threads."""
+        threads = [threading.Thread(target=self._guarded, args=(n, b), name=f"stress-{n}", daemon=True)
+                   for n, b in bodies.items()]
+        for t in threads:
+            t.start()
+        self.stop.wait(seconds)
+        self.stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+    def report(self) -> dict[str, int]:
+        """Print the first failures to stderr; return the counters."""
+        for f in self.failures[:10]:
+            print("FAILURE:", f, file=sys.stderr, flush=True)
+        return dict(self.counts)
+
+
+def stress_main(doc: str, default_seconds: float, run_one: Callable[[Path, argparse.Namespace], dict[str, int]],
+                add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """The command line of a stress module (``--seconds``, ``--seed``, ``--root``, and the
+    module's own options from ``add_args``): runs ``run_one(working directory, arguments)``
+    under ``faulthandler``, counts the engine's ``deregister failed`` warnings, prints the
+    counters as ``key=value`` on one line.
+
+    Returns:
+        the exit status: 1 when the run counted ``errors`` or a deregistration failed, else 0.
+    """
+    faulthandler.enable(all_threads=True)
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=default_seconds)
+    ap.add_argument("--seed", type=int, default=1)
+    if add_args is not None:
+        add_args(ap)
+    ap.add_argument("--root", type=Path, help="working directory (default: a temporary one)")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    dereg = DeregisterErrors()
+    logging.getLogger("storage_backends").addHandler(dereg)
+    with tempfile.TemporaryDirectory(prefix="kvadvisor-stress-", dir=a.root) as tmp:
+        counts = run_one(Path(tmp), a)
+    counts["deregister_failed"] = dereg.count
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+    return 1 if counts.get("errors") or dereg.count else 0
+
+
 def run(root: Path, seconds: float, seed: int, max_open: int = 4) -> dict[str, int]:
     """Run the stress for ``seconds``; returns the counters (``errors`` > 0: it failed).
 
@@ -72,15 +153,9 @@ def run(root: Path, seconds: float, seed: int, max_open: int = 4) -> dict[str, i
                                                segment_bytes=8 * BLK))
         for v in a._volumes.values():
             v.max_open = max_open  # type: ignore[attr-defined]
-    counts: Counter[str] = Counter()
-    lock = threading.Lock()
-    stop = threading.Event()
+    stress = Threads(seed)
+    note, lock = stress.note, stress.lock
     next_h = [1]
-    failures: list[str] = []
-
-    def note(what: str) -> None:
-        with lock:
-            counts[what] += 1
 
     def new_hashes(n: int) -> list[int]:
         with lock:
@@ -92,18 +167,6 @@ def run(root: Path, seconds: float, seed: int, max_open: int = 4) -> dict[str, i
         with lock:
             top = next_h[0]
         return [BlockKey(NS, rng.randrange(1, top)) for _ in range(n)] if top > 1 else []
-
-    def guarded(name: str, body) -> None:  # noqa: ANN001
-        rng = random.Random(f"{seed}-{name}")
-        while not stop.is_set():
-            try:
-                body(rng)
-            except StorageError as exc:  # a race the storage layer reports: expected
-                note(f"{name}:{type(exc).__name__}")
-            except Exception as exc:  # noqa: BLE001 - anything else fails the run
-                failures.append(f"{name}: {type(exc).__name__}: {exc}")
-                note("errors")
-                stop.set()
 
     def writer(rng: random.Random) -> None:
         hs = new_hashes(rng.randint(1, 12))
@@ -155,47 +218,28 @@ def run(root: Path, seconds: float, seed: int, max_open: int = 4) -> dict[str, i
 
     bodies = {"writer": writer, "up": mover("slow", "fast"), "down": mover("fast", "slow"), "evictor": evictor,
               "compactor": compactor, "reader": reader, "gc": gc}
-    threads = [threading.Thread(target=guarded, args=(n, b), name=f"stress-{n}", daemon=True) for n, b in bodies.items()]
-    for t in threads:
-        t.start()
-    stop.wait(seconds)
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    stress.run(bodies, seconds)
     # every block still in the catalog reads back byte-exact
     keys = [p.key for v in ("fast", "slow") for p in catalog.iter_volume(v)]
     for i in range(0, len(keys), 256):
         chunk = keys[i : i + 256]
         for k, t in zip(chunk, agent.get(chunk)):
             if not torch.equal(t, block(k.sequence_hash)):
-                failures.append(f"{k} does not read back at the end")
-                counts["errors"] += 1
-    counts["blocks_at_end"] = len(keys)
+                stress.failures.append(f"{k} does not read back at the end")
+                note("errors")
+    stress.counts["blocks_at_end"] = len(keys)
     agent.close()
     worker.close()
     worker.catalog.close()
     catalog.close()
-    for f in failures[:10]:
-        print("FAILURE:", f, file=sys.stderr, flush=True)
-    return dict(counts)
+    return stress.report()
 
 
 def main() -> int:
-    faulthandler.enable(all_threads=True)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--max-open", type=int, default=4, help="segment files kept open per volume")
-    ap.add_argument("--root", type=Path, help="working directory (default: a temporary one)")
-    a = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    dereg = DeregisterErrors()
-    logging.getLogger("storage_backends").addHandler(dereg)
-    with tempfile.TemporaryDirectory(prefix="kvadvisor-stress-", dir=a.root) as tmp:
-        counts = run(Path(tmp), a.seconds, a.seed, a.max_open)
-    counts["deregister_failed"] = dereg.count
-    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
-    return 1 if counts.get("errors") or dereg.count else 0
+    def options(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--max-open", type=int, default=4, help="segment files kept open per volume")
+
+    return stress_main(__doc__, 60.0, lambda root, a: run(root, a.seconds, a.seed, a.max_open), options)
 
 
 if __name__ == "__main__":
