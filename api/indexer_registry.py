@@ -9,7 +9,9 @@ model_name, tenant_id)`` subscribes to the worker's vLLM- or SGLang-format ZMQ p
 given) and applies its events, in seq order, to that index:
 a ``BlockStored`` needs its ``token_ids`` (one full block each) to key the blocks by
 tokens (:mod:`api.token_hashes`); media map to tiers ``g1`` (GPU), ``g2`` (CPU,
-CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).
+CPU_PINNED), ``g3`` (DISK), ``g4`` (EXTERNAL).  ``AllBlocksCleared`` (a reset of the engine's
+prefix cache) clears the worker's ``g1`` copies only: the G2 and volume copies an offloading
+connector publishes in the same stream stay.
 
 With a :class:`RegistrationStore` (the advisor's run state, :mod:`advisor.embedded.run_state`) every
 accepted registration is stored before ``/register`` answers, a deregistration removes it,
@@ -143,7 +145,7 @@ class _IndexingSubscriber(PeerSubscriber):
             elif ev.type == EventType.REMOVE:
                 idx.removed(w, [ev.sequence_hash], ev.storage_location)
             elif ev.type == EventType.CLEARED:
-                idx.cleared(w)
+                idx.cleared(w, ev.storage_location)  # the engine's g1 alone
         self._answered.set()
         self._stats.batches += 1
         self._stats.events += len(batch.events)

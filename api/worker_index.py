@@ -148,10 +148,18 @@ class WorkerIndex:
             self.counters.removed_blocks += n
         return n
 
-    def cleared(self, worker: WorkerKey) -> None:
-        """The worker emptied its cache (``AllBlocksCleared``) or left: forget all its blocks."""
+    def cleared(self, worker: WorkerKey, medium: str | None = None) -> None:
+        """The worker emptied its cache (``AllBlocksCleared``): forget its copies on
+        ``medium`` (vLLM's reset of its prefix cache clears ``g1``; its G2 and volume
+        copies, published by an offloading connector, stay), or all its blocks (``None``)."""
         with self._lock:
-            self._forget(worker)
+            if medium is None:
+                self._forget(worker)
+            else:
+                blocks = self._workers.get(worker, {})
+                for h, rec in list(blocks.items()):
+                    if medium in rec.copies:
+                        self._drop_copy(worker, blocks, h, rec, medium, rec.copies[medium])
             self.counters.cleared += 1
 
     def remove_worker(self, worker: WorkerKey) -> None:
@@ -170,16 +178,18 @@ class WorkerIndex:
         if worker in self._workers:
             self._workers[worker] = {}
 
-    def _drop_copy(self, worker: WorkerKey, blocks: dict[int, _Block], h: int, rec: _Block, medium: str) -> None:
-        left = rec.copies[medium] - 1
-        if left:
+    def _drop_copy(self, worker: WorkerKey, blocks: dict[int, _Block], h: int, rec: _Block, medium: str,
+                   count: int = 1) -> None:
+        """Drop ``count`` copies of block ``h`` on ``medium`` (at most the ones held)."""
+        left = rec.copies[medium] - count
+        if left > 0:
             rec.copies[medium] = left
         else:
             del rec.copies[medium]
         holders = self._holders.get(rec.chain, {})
         media = holders.get(worker, {})
-        if media.get(medium, 0) > 1:
-            media[medium] -= 1
+        if media.get(medium, 0) > count:
+            media[medium] -= count
         else:
             media.pop(medium, None)
         if not media:

@@ -49,7 +49,7 @@ credentials or TLS (file paths, a flag and a host name: none holds a secret itse
 _SAFE_PARAMS = NATS_PARAMS | frozenset({
     "namespace", "durable", "max_bytes", "max_age", "discard", "strict_stream", "replicas",
     "replay", "topic", "replay_timeout", "allow_remote", "source", "bytes_per_token", "model", "kv_dtype",
-    "num_layers", "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields",
+    "num_layers", "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields", "media",
     # ZMQ CURVE (event_plane.curve): file / directory paths and a public key, no secret itself
     "curve_secret", "curve_clients", "curve_server_key", "allowed_publishers",
     # the index partitions a publisher routes to (event_plane.partitioned): numbers

@@ -86,7 +86,7 @@ _ALLOWED = {
                   "partitions", "trunk_depth", "stretch", "manage_stream"} | NATS_PARAMS,
     # = event_plane.adapters.urls.PEER_PARAMS (not imported: adapters load lazily; a test pins both)
     "vllm+zmq": {"replay", "topic", "replay_timeout", "source", "bytes_per_token", "model", "kv_dtype", "num_layers",
-                 "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields"},
+                 "num_kv_heads", "head_size", "disk_volume", "external_volume", "keep_peer_fields", "media"},
 }
 _ALLOWED["sglang+zmq"] = _ALLOWED["vllm+zmq"]
 _PEER_SCHEMES = {"vllm+zmq": "vllm", "sglang+zmq": "sglang"}

@@ -32,12 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .connector import BlockTransfer, ConnectorError, KvConnectorMetadata, RequestTransfers
-from .residency import HOST, STORAGE, ResidencyDirectory, ResidencyReport
+from .residency import HOST, STORAGE, ResidencyDirectory, ResidencyReport, Transition
 
 logger = logging.getLogger(__name__)
 
 
-def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> Callable[[Sequence[int]], list[str | None]]:
+def shared_lookup(
+    catalog: PlacementCatalogView, namespaces: Sequence[str],
+    observe: Callable[[Sequence[int], Sequence[str | None]], None] | None = None,
+) -> Callable[[Sequence[int]], list[str | None]]:
     """A :class:`KvbmLeader` ``shared`` function over a placement catalog: per block, the
     volume holding it (rank 0's copy) when the catalog holds it under every one of
     ``namespaces`` (one per tensor-parallel rank), else ``None``.  A catalog that cannot
@@ -47,6 +50,9 @@ def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> C
         catalog: ``get_many(keys) -> [Placement | None]`` (a ``storage_backends``
             catalog; only read).
         namespaces: the storage key namespaces of the ranks.
+        observe: called with ``(hashes, volumes)`` after each lookup the catalog answered
+            (not after a failed one): what the catalog says now, e.g. for
+            :meth:`kvbm_runtime.tier_events.TierEventLog.catalog`.
     """
     from storage_backends.types import BlockKey, StorageError
 
@@ -60,8 +66,11 @@ def shared_lookup(catalog: PlacementCatalogView, namespaces: Sequence[str]) -> C
         except StorageError as exc:  # the catalog is away: match nothing from it
             logger.warning("placement catalog lookup failed, no shared-volume match this time: %r", exc)
             return [None] * len(hashes)
-        return [found[i * n].volume_id if all(p is not None for p in found[i * n : (i + 1) * n]) else None
-                for i in range(len(hashes))]
+        out = [found[i * n].volume_id if all(p is not None for p in found[i * n : (i + 1) * n]) else None
+               for i in range(len(hashes))]
+        if observe is not None:
+            observe(hashes, out)
+        return out
 
     return held
 
@@ -89,6 +98,14 @@ class StepRequest:
     block_ids: Sequence[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+
+    def saved_blocks(self, page_size: int) -> range:
+        """The blocks the step completes, which :meth:`KvbmLeader.build_meta` lists for
+        saving: ``[ceil(computed / page), (computed + scheduled) // page)``, bounded by the
+        hashes known (loaded blocks and the engine's own prefix hits are not saved again)."""
+        lo = -(-self.num_computed_tokens // page_size)
+        hi = min((self.num_computed_tokens + self.num_scheduled_tokens) // page_size, len(self.sequence_hashes))
+        return range(lo, max(lo, hi))
 
 
 @dataclass(slots=True)
@@ -272,9 +289,7 @@ class KvbmLeader:
     def build_meta(self, step: Sequence[StepRequest]) -> KvConnectorMetadata:
         """The loads planned since the last call and the saves of the blocks ``step`` fills.
 
-        A block is saved in the step that completes it: blocks ``[ceil(computed / page),
-        (computed + scheduled) // page)``, bounded by the hashes known (loaded blocks and
-        the engine's own prefix hits are not saved again).
+        A block is saved in the step that completes it (:meth:`StepRequest.saved_blocks`).
 
         Raises:
             ConnectorError: a request with fewer block ids than blocks to save.
@@ -284,8 +299,8 @@ class KvbmLeader:
         meta = KvConnectorMetadata(loads=pending.loads)
         page = self.page
         for sr in step:
-            lo = -(-sr.num_computed_tokens // page)
-            hi = min((sr.num_computed_tokens + sr.num_scheduled_tokens) // page, len(sr.sequence_hashes))
+            saved = sr.saved_blocks(page)
+            lo, hi = saved.start, saved.stop
             if hi <= lo:
                 continue
             if len(sr.block_ids) < hi:
@@ -302,16 +317,19 @@ class KvbmLeader:
                 self.stats.saves += len(blocks)
         return meta
 
-    def apply_report(self, report: ResidencyReport) -> None:
-        """Fold a worker step report (possibly merged over ranks) into the directory.
+    def apply_report(self, report: ResidencyReport) -> list[Transition]:
+        """Fold a worker step report (possibly merged over ranks) into the directory;
+        returns the residency changes it made, in order
+        (:meth:`~kvbm_runtime.residency.ResidencyDirectory.apply`).
 
         Raises:
             ValueError: a rank or tier the directory does not know.
         """
-        self.directory.apply(report)
+        changed = self.directory.apply(report)
         with self._lock:
             self.stats.reports += 1
             self.stats.load_failures += sum(r.load_failures for r in report.flatten())
+        return changed
 
     def finished(self, request_id: str) -> bool:
         """The request ended; ``True`` when saves of it were listed (its blocks must stay

@@ -45,8 +45,28 @@ REMOVED = "remove"
 """Operation of a :class:`ResidencyReport` change: the blocks are no longer held there."""
 
 Change = tuple[str, str, list[int]]
-"""``(operation, tier, sequence hashes)``: :data:`STORED` or :data:`REMOVED`, ``"g2"`` or
-``"storage"``, the blocks in the order the worker saw them."""
+"""``(operation, tier, sequence hashes)``: :data:`STORED` or :data:`REMOVED`; ``"g2"``, the
+id of the volume a storage change happened on, or ``"storage"`` (a storage block whose
+volume is not known: a failed load); the blocks in the order the worker saw them."""
+
+Transition = tuple[str, str, int]
+"""``(operation, tier, sequence hash)``: one block that became held at a tier by every rank
+(:data:`STORED`) or stopped being (:data:`REMOVED`); ``tier`` as in the :data:`Change`
+that made it (``"g2"``, a volume id, or ``"storage"``)."""
+
+
+def directory_tier(tier: str) -> str:
+    """The directory's tier of a change's tier: ``"g2"`` stays, a volume id (or
+    ``"storage"``) is ``"storage"``.
+
+    Raises:
+        ValueError: an empty tier, or ``"g1"`` (the engine's own tier is never reported).
+    """
+    if tier == HOST or tier == STORAGE:
+        return tier
+    if not isinstance(tier, str) or not tier or tier == "g1":
+        raise ValueError(f"unknown tier {tier!r} (expected {HOST!r}, {STORAGE!r} or a volume id)")
+    return STORAGE
 
 
 @dataclass(slots=True)
@@ -103,13 +123,20 @@ class ResidencyDirectory:
         self._ranks: dict[str, dict[int, int]] = {HOST: {}, STORAGE: {}}
         self._lock = threading.Lock()
 
-    def apply(self, report: ResidencyReport) -> None:
+    def apply(self, report: ResidencyReport) -> list[Transition]:
         """Fold one (possibly merged) report in, each rank's changes in the order they
         happened (a Remove then a Store of one block leaves it held).
+
+        Returns:
+            The blocks whose residency changed, in the order they did (:data:`Transition`):
+            held at a tier by every rank now, or no longer.  A Store of a block held
+            already, or a Remove of one not held, is no transition.
 
         Raises:
             ValueError: a rank outside ``[0, world_size)``, an unknown tier or operation.
         """
+        out: list[Transition] = []
+        full = self._full
         with self._lock:
             for r in report.flatten():
                 if not 0 <= r.rank < self.world_size:
@@ -119,22 +146,26 @@ class ResidencyDirectory:
                     ranks = self._tier(tier)
                     if op == STORED:
                         for h in hashes:
-                            ranks[h] = ranks.get(h, 0) | bit
+                            before = ranks.get(h, 0)
+                            ranks[h] = before | bit
+                            if before != full and before | bit == full:
+                                out.append((STORED, tier, h))
                     elif op == REMOVED:
                         for h in hashes:
-                            left = ranks.get(h, 0) & ~bit
+                            before = ranks.get(h, 0)
+                            left = before & ~bit
                             if left:
                                 ranks[h] = left
                             else:
                                 ranks.pop(h, None)
+                            if before == full and left != full:
+                                out.append((REMOVED, tier, h))
                     else:
                         raise ValueError(f"unknown residency operation {op!r} (expected {STORED!r} or {REMOVED!r})")
+        return out
 
     def _tier(self, tier: str) -> dict[int, int]:
-        try:
-            return self._ranks[tier]
-        except KeyError:
-            raise ValueError(f"unknown tier {tier!r} (expected {HOST!r} or {STORAGE!r})") from None
+        return self._ranks[directory_tier(tier)]
 
     def tier_of(self, sequence_hash: int) -> str | None:
         """``"g2"`` when every rank holds the block in G2, else ``"storage"`` when every rank
@@ -159,7 +190,8 @@ class ResidencyDirectory:
         return out
 
     def held(self, tier: str) -> set[int]:
-        """Sequence hashes every rank holds at ``tier`` (a copy).
+        """Sequence hashes every rank holds at ``tier`` (``"g2"``, or ``"storage"``: every
+        volume; a copy).
 
         Raises:
             ValueError: unknown tier.
@@ -178,7 +210,8 @@ class ReportingSink:
     :class:`ResidencyReport`.
 
     Store / Remove at ``"g2"`` are host changes; at any other location but ``"g1"`` (a
-    volume id) storage changes.  ``g1`` events and Cleared are forwarded only.
+    volume id) storage changes, recorded under the volume id.  ``g1`` events and Cleared
+    are forwarded only.
 
     Args:
         publisher: the worker's ``event_plane`` publisher (``publish``, ``flush``).
@@ -208,8 +241,7 @@ class ReportingSink:
                 loc = ev.storage_location
                 if loc == "g1" or ev.type == EventType.CLEARED:
                     continue
-                self._record(STORED if ev.type == EventType.STORE else REMOVED, HOST if loc == HOST else STORAGE,
-                             ev.sequence_hash)
+                self._record(STORED if ev.type == EventType.STORE else REMOVED, loc, ev.sequence_hash)
         self.publisher.publish(events)
 
     def lost(self, tier: str, hashes: Iterable[int], failures: int = 0) -> None:

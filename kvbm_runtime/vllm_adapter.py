@@ -39,6 +39,14 @@ step).  A
 failed load is reported through ``get_block_ids_with_load_errors``; with vLLM's
 ``kv_load_failure_policy="recompute"`` the engine recomputes those blocks.
 
+Tiers in vLLM's KV events.  When vLLM publishes KV events (``--kv-events-config``), the
+scheduler side publishes what the workers hold in G2 and on the volumes in the same stream,
+through vLLM's ``take_events()`` (:mod:`kvbm_runtime.tier_events`): ``BlockStored`` /
+``BlockRemoved`` with medium ``CPU`` (G2), ``DISK`` (a POSIX volume) or ``EXTERNAL`` (S3), the
+block's vLLM hash, parent and token ids, so a KV-aware router that indexes vLLM's events
+sees a prefix G1 has evicted but the connector would load (``kv_events``: false turns this
+off).
+
 Shared volumes.  With ``storage_config`` (the advisors' own storage file, see
 :class:`ConnectorSettings`) every volume of the deployment is registered and the placement
 catalog is the advisors': blocks are read from wherever the catalog places them at read
@@ -47,7 +55,8 @@ catalog past what its own workers hold (blocks other engines stored).
 
 ``kv_connector_extra_config`` keys (:class:`ConnectorSettings`): ``events_url``,
 ``source``, ``storage_config``, ``catalog_url``, ``landing_volume``, ``sync_load_volumes``,
-``storage_catalog``, ``volume``, ``disk_cache_dir`` and any
+``storage_catalog``, ``volume``, ``disk_cache_dir``, ``kv_events``, ``kv_events_max_blocks``,
+``kv_events_max_pending`` and any
 :class:`~kvbm_runtime.config.RuntimeConfig` field (``g2_blocks``, ...).  Sizes also come
 from the ``DYN_KVBM_*`` variables (docs/operations.md).  Secrets never go into the extra
 config (vLLM logs it): S3 credentials come from the AWS environment / credential chain, a
@@ -73,6 +82,7 @@ try:
         KVConnectorRole,
         KVConnectorWorkerMetadata,
     )
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent  # type: ignore[import-not-found]
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore[import-not-found]
 except ImportError as exc:  # pragma: no branch - depends on the environment
     raise ImportError(
@@ -94,7 +104,8 @@ from .connector import ConnectorError, KvbmConnectorWorker
 from .handshake import WorkerEndpoint, WorkerProgress, endpoint_path, join_workers
 from .leader import KvbmLeader, StepRequest, shared_lookup
 from .manager import BlockManager
-from .residency import ReportingSink, ResidencyReport
+from .residency import STORED, ReportingSink, ResidencyReport
+from .tier_events import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_PENDING, TierEvent, TierEventLog, volume_medium
 
 logger = logging.getLogger(f"vllm.{__name__}")
 """Under vLLM's ``vllm`` logger, so these lines (the storage namespace at start, above
@@ -165,6 +176,12 @@ class ConnectorSettings(BaseModel):
             volume comes from ``DYN_KVBM_DISK_CACHE_GB`` when set, else there is no G3.
         disk_cache_dir: directory of that G3 volume (default ``DYN_KVBM_DISK_CACHE_DIR``,
             else ``<tmp>/kvbm-disk-<uid>``).
+        kv_events: when vLLM publishes KV events, publish the workers' G2 and volume
+            holdings in the same stream (module doc; :mod:`kvbm_runtime.tier_events`).
+        kv_events_max_blocks: blocks whose token ids the scheduler side remembers for
+            those Stores (LRU; about 370 B per 32-token block).
+        kv_events_max_pending: blocks in those events between two engine steps; more are
+            dropped and counted.
         runtime: :class:`~kvbm_runtime.config.RuntimeConfig` fields (every other key of
             the extra config lands here, e.g. ``g2_blocks``).
     """
@@ -180,6 +197,9 @@ class ConnectorSettings(BaseModel):
     storage_catalog: str | None = None
     volume: VolumeConfig | None = None
     disk_cache_dir: str | None = None
+    kv_events: bool = True
+    kv_events_max_blocks: int = Field(DEFAULT_MAX_BLOCKS, ge=1)
+    kv_events_max_pending: int = Field(DEFAULT_MAX_PENDING, ge=1)
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
@@ -339,6 +359,15 @@ def sync_load_volumes(volumes: Sequence[VolumeDescriptor], chosen: Sequence[str]
     return list(chosen)
 
 
+def _vllm_event(ev: TierEvent, block_size: int) -> KVCacheEvent:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` of one :class:`TierEvent` (group 0: one
+    KV-cache group is supported)."""
+    if ev.op == STORED:
+        return BlockStored(block_hashes=list(ev.hashes), parent_block_hash=ev.parent, token_ids=list(ev.token_ids),
+                           block_size=block_size, lora_id=None, medium=ev.medium, lora_name=ev.lora_name, group_idx=0)
+    return BlockRemoved(block_hashes=list(ev.hashes), medium=ev.medium, group_idx=0)
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore[import-not-found]
@@ -393,6 +422,7 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}
         self._hashes: dict[str, list[int]] = {}
         self._blocks: dict[str, list[int]] = {}
+        self._tier_events: TierEventLog | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._start_leader(vllm_config)
 
@@ -413,10 +443,25 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.leader_worker_init_timeout_secs,
             {"page_size": cfg.page_size, "namespace": probe.namespace},
         )
+        self._tier_events = self._make_tier_events(vllm_config, cfg)
         shared, sync = None, ()
         if self._settings.storage_config is not None:
             shared, sync = self._shared_lookup(probe.namespace, cfg)
         self._leader = KvbmLeader(cfg.page_size, probe.salt, world, shared, sync_volumes=sync)
+
+    def _make_tier_events(self, vllm_config: Any, cfg: RuntimeConfig) -> TierEventLog | None:
+        """The log of G2 / volume events for vLLM's KV-event stream, or ``None`` when vLLM
+        publishes no KV events or ``kv_events`` is off.  Volume media: the single
+        ``volume`` or ``kvbm-disk`` here; :meth:`_shared_lookup` adds the file's."""
+        s = self._settings
+        kvc = getattr(vllm_config, "kv_events_config", None)
+        if not s.kv_events or kvc is None or not getattr(kvc, "enable_kv_cache_events", False):
+            return None
+        media = {DISK_VOLUME: volume_medium("posix")}
+        if s.volume is not None:
+            media[s.volume.id] = volume_medium(s.volume.kind)
+        logger.info("KVBM: G2 and volume blocks are published in vLLM's KV events (media CPU, DISK, EXTERNAL)")
+        return TierEventLog(cfg.page_size, media, max_blocks=s.kv_events_max_blocks, max_pending=s.kv_events_max_pending)
 
     def _shared_lookup(self, namespace: str, cfg: RuntimeConfig) -> tuple[Callable[[Sequence[int]], list[str | None]], list[str]]:
         """Per block, the volume of every rank's copy in the shared placement catalog (the
@@ -444,7 +489,10 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise
         spaces = [namespace + cfg.model_copy(update={"tp_rank": r}).namespace_suffix() for r in range(cfg.tp_size)]
         logger.info("KVBM scheduler side: blocks on %s load within the step, others asynchronously", sync or "no volume")
-        return shared_lookup(catalog, spaces), sync
+        events = self._tier_events
+        if events is not None:
+            events.volume_media.update({i: volume_medium(d.kind) for i, d in ids.items()})
+        return shared_lookup(catalog, spaces, events.catalog if events is not None else None), sync
 
     def _open_deployment(self, path: str) -> tuple[StorageAgent, str]:
         """Storage agent over every volume of the advisors' file and their catalog;
@@ -564,13 +612,36 @@ class KvbmVllmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             req = self._requests.get(rid)
             if req is not None:
                 step.append(StepRequest(rid, self._sequence_hashes(req), self._blocks[rid], cached.num_computed_tokens[i], n_sched[rid]))
-        return KvbmVllmMetadata(leader.build_meta(step))
+        meta = leader.build_meta(step)
+        if self._tier_events is not None:
+            self._remember_tokens(step)
+        return KvbmVllmMetadata(meta)
+
+    def _remember_tokens(self, step: Sequence[StepRequest]) -> None:
+        """Token ids of the blocks the step saves, for their Stores in vLLM's KV events."""
+        assert self._tier_events is not None
+        for sr in step:
+            saved = sr.saved_blocks(self._config.page_size)
+            req = self._requests.get(sr.request_id)
+            if saved and req is not None:
+                lora = req.lora_request.name if getattr(req, "lora_request", None) else None
+                self._tier_events.remember(sr.sequence_hashes, req.all_token_ids, saved, lora)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Fold the workers' residency reports into the leader's directory."""
+        """Fold the workers' residency reports into the leader's directory (and its
+        changes into the events :meth:`take_events` hands vLLM)."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KvbmWorkerMeta) and self._leader is not None:
-            self._leader.apply_report(meta.report)
+            changed = self._leader.apply_report(meta.report)
+            if self._tier_events is not None and changed:
+                self._tier_events.residency(changed)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM's KV events of the workers' G2 and volume changes since the last call, in
+        order (vLLM publishes them after its own events of the step; module doc)."""
+        if self._tier_events is None:
+            return []
+        return [_vllm_event(ev, self._config.page_size) for ev in self._tier_events.take()]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """``(True, None)`` while saves of the request may still read its blocks."""

@@ -5,7 +5,7 @@ through URLs: ``event_plane.subscribe("vllm+zmq://HOST:5557?replay=5558&source=p
 or ``sglang+zmq://...`` (parameters: ``replay``, ``topic``, ``source``,
 ``bytes_per_token`` or the KV geometry ``model``, ``kv_dtype``, ``num_layers``,
 ``num_kv_heads``, ``head_size`` (:mod:`event_plane.adapters.geometry`), ``disk_volume``,
-``external_volume``, ``keep_peer_fields``).
+``external_volume``, ``keep_peer_fields``, ``media``).
 Mapping rules: :mod:`event_plane.adapters.peer` and ``docs/events.md`` §10.
 """
 

@@ -24,7 +24,10 @@ Mapping (one peer batch → one KVEvent v1 batch with the peer's seq, the adapte
   recorded at Store time, else nil / the hash / 0);
 * ``AllBlocksCleared`` → one Cleared per ``cleared_locations`` (``g1`` by default);
 * ``medium`` → ``storage_location``: GPU (or absent) → ``g1``; CPU, CPU_PINNED → ``g2``;
-  DISK → ``disk_volume``; EXTERNAL → ``external_volume``; anything else → its lower-case name.
+  DISK → ``disk_volume``; EXTERNAL → ``external_volume``; anything else → its lower-case name;
+* ``only_media``: Stores and Removes of any other medium are skipped and counted
+  (``other_media_events``), e.g. ``("GPU",)`` for a receiver that gets an offloading
+  connector's tiers from the connector's own publisher.
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ class PeerConfig:
         prefix_memory: hashes whose (parent, prefix, size) the adapter remembers, LRU.
         digest_rule: see :func:`hash_to_u64`.
         epoch: KVEvent epoch of the first peer process seen (random when ``None``).
+        only_media: when not empty, the peer media (upper-case; ``GPU`` also stands for an
+            absent medium) whose Stores and Removes are converted; the others are skipped
+            and counted (``other_media_events``).  ``AllBlocksCleared`` is always converted.
 
     Raises:
         ConfigError: an empty / over-long source or location, a negative or non-int size.
@@ -119,6 +125,7 @@ class PeerConfig:
     prefix_memory: int = 262_144
     digest_rule: DigestRule = "last8"
     epoch: int | None = None
+    only_media: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("source", "disk_volume", "external_volume"):
@@ -136,6 +143,9 @@ class PeerConfig:
             raise ConfigError(f"PeerConfig.digest_rule must be 'last8' or 'first8', got {self.digest_rule!r}")
         if self.epoch is not None and (type(self.epoch) is not int or not 0 <= self.epoch <= U64_MAX):  # noqa: E721
             raise ConfigError(f"PeerConfig.epoch must be a u64, got {self.epoch!r}")
+        if not isinstance(self.only_media, tuple) or not all(isinstance(m, str) and m and m == m.upper()
+                                                              for m in self.only_media):
+            raise ConfigError(f"PeerConfig.only_media must be a tuple of upper-case medium names, got {self.only_media!r}")
 
 
 @dataclass
@@ -149,6 +159,7 @@ class PeerStats:
         invalid_events: peer events skipped as malformed (:class:`PeerFormatError`).
         unknown_events: peer events of an unknown tag, skipped.
         restarts: peer restarts detected (live seq went backwards) → new epoch.
+        other_media_events: Stores and Removes skipped for their medium (``only_media``).
     """
 
     batches: int = 0
@@ -157,6 +168,7 @@ class PeerStats:
     invalid_events: int = 0
     unknown_events: int = 0
     restarts: int = 0
+    other_media_events: int = 0
 
 
 _decoder = msgspec.msgpack.Decoder()
@@ -278,6 +290,9 @@ class PeerConverter:
             PeerFormatError: malformed event (an unknown tag returns ``[]`` and is counted).
         """
         tag, f = self._fields_of(ev)
+        if tag in (STORED, REMOVED) and self.config.only_media and not self._kept(f.get("medium")):
+            self.stats.other_media_events += 1
+            return []
         if tag == STORED:
             return self._stored(f, dp_rank)
         if tag == REMOVED:
@@ -299,6 +314,11 @@ class PeerConverter:
                 raise PeerFormatError("map-form event without a str 'type'")
             return tag, ev
         raise PeerFormatError(f"event must be an array or a map, got {type(ev).__name__}")
+
+    def _kept(self, medium: object) -> bool:
+        """Whether ``only_media`` keeps an event of ``medium`` (absent = ``GPU``)."""
+        name = "GPU" if medium is None else medium.upper() if isinstance(medium, str) else None
+        return name in self.config.only_media
 
     def _location(self, medium: object) -> str:
         if medium is None:

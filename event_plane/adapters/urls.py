@@ -26,6 +26,7 @@ PEER_PARAMS = frozenset(
         "disk_volume",
         "external_volume",
         "keep_peer_fields",
+        "media",
     }
 )
 """Query parameters an adapter URL may carry."""
@@ -108,6 +109,11 @@ def peer_subscriber(
     for name in ("disk_volume", "external_volume"):
         if name in query:
             options[name] = query[name]
+    if "media" in query:
+        media = tuple(m.strip().upper() for m in query["media"].split(",") if m.strip())
+        if not media:
+            raise EventURLError(f"media must name at least one medium (e.g. media=GPU) in {redact_url(url)!r}")
+        options["only_media"] = media
     if "keep_peer_fields" in query:
         flag = query["keep_peer_fields"].lower()
         if flag not in ("1", "0", "true", "false", "yes", "no"):

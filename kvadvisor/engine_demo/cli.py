@@ -102,7 +102,8 @@ def report_table(r: EngineDemoReport) -> Table:
                           f"{mv.get('policy_rounds', 0)} rounds; failed {sum(mv.get('failed', {}).values())}"),
         ("router", f"{r.router_choices.get('router')}: " + ", ".join(f"{k} {v}" for k, v in r.router_choices.get("per_engine", {}).items())
                    + f"; {r.router_choices.get('to_best_overlap', 0)}/{r.router_choices.get('with_overlap', 0)} "
-                     "requests with an overlap sent to the best one"),
+                     f"requests with an overlap sent to the best one ({r.router_choices.get('with_shared_overlap', 0)} "
+                     "on a shared volume)"),
         ("index == catalog (blocks)", ", ".join(f"{k} {v['index']}/{v['held']}{'' if v['equal'] else ' DIFFERS'}"
                                                 for k, v in r.consistency.items() if "equal" in v)),
         ("G1: advisor's fold / indexer's (vLLM events)", ", ".join(

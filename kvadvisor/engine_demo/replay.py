@@ -73,8 +73,10 @@ class RequestResult:
     error: str | None = None
 
 
-async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Sequence[int], max_tokens: int) -> tuple[float, float, list[int], int]:
-    """One streamed greedy completion of a token-id prompt.
+async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Sequence[int], max_tokens: int,
+                   on_first_token: Callable[[], None] | None = None) -> tuple[float, float, list[int], int]:
+    """One streamed greedy completion of a token-id prompt; ``on_first_token`` is called
+    when the first chunk carrying a token arrives.
 
     Returns:
         ``(ttft_s, latency_s, output token ids, cached prompt tokens)``.
@@ -99,6 +101,8 @@ async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Sequen
                 ids = choice.get("token_ids") or []
                 if ids and ttft is None:
                     ttft = time.perf_counter() - t0
+                    if on_first_token is not None:
+                        on_first_token()
                 out.extend(ids)
             usage = chunk.get("usage")
             if usage:
@@ -117,8 +121,9 @@ async def replay(
     max_tokens: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[RequestResult]:
-    """Send every prompt at its arrival time (seconds from the start), routed by ``router``,
-    and wait for all of them.  A failed request is recorded with its ``error``."""
+    """Send every prompt at its arrival time (seconds from the start), routed by ``router``
+    (told of each request's first token and end), and wait for all of them.  A failed
+    request is recorded with its ``error``."""
     results: list[RequestResult | None] = [None] * len(prompts)
     done = 0
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -129,7 +134,7 @@ async def replay(
             res = RequestResult(i, choice.engine, len(prompts[i]), overlap_tokens=choice.overlap_tokens)
             try:
                 res.ttft_s, res.latency_s, out, res.cached_tokens = await complete(
-                    http, engine_urls[choice.engine], model, prompts[i], max_tokens)
+                    http, engine_urls[choice.engine], model, prompts[i], max_tokens, lambda: router.first_token(choice))
                 res.output = tuple(out)
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 res.error = f"{type(exc).__name__}: {exc}"

@@ -4,7 +4,8 @@ Topology (docs/design.md §1, embedded mode, with real engines in place of the s
 workers of :mod:`kvadvisor.demo`)::
 
     replay client ──HTTP (stream)──▶ vllm serve engine-i  (kvbm connector: G2, volumes)
-        │  POST /query                 │ vLLM KV events (G1)   │ connector events (G2, volumes)
+        │  POST /query                 │ vLLM KV events        │ connector events (G2, volumes)
+        │                              │ (G1; G2 and volumes as CPU / DISK / EXTERNAL)
         ▼                              ▼                       ▼
     advisor (python -m advisor): journal → index → policies → mover; REST + indexer API
                           volumes: fast (POSIX) · archive (S3 on a local moto endpoint)
@@ -270,11 +271,11 @@ def check_consistency(client: AdvisorClient, catalog_path: Path, n_engines: int,
     * each volume: the index's blocks at ``fast`` / ``archive`` against the placement
       catalog's (sets of sequence hashes);
     * each engine's G1, for information: the advisor's index at ``vllm-<i>/g1`` (folded from
-      vLLM's KV events) against the indexer's count for that engine (``tree_sizes`` of
-      ``/query``, the same events folded by the router's index, which counts each physical
-      copy of a block: vLLM may hold two copies of one hash and evict one).  vLLM does not
-      say what its G1 holds, so this row compares two folds, not a fold with the truth, and
-      does not decide the check.
+      vLLM's KV events) against the indexer's ``g1`` blocks of that engine (``GET /dump``,
+      the same events folded by the router's index, which counts each physical copy of a
+      block: vLLM may hold two copies of one hash and evict one).  vLLM does not say what
+      its G1 holds, so this row compares two folds, not a fold with the truth, and does not
+      decide the check.
 
     Returns ``{volume: {"index": n, "held": n, "equal": bool}, "vllm-<i>/g1": {"index": n,
     "indexer": n, "agree": bool}}``.
@@ -289,13 +290,29 @@ def check_consistency(client: AdvisorClient, catalog_path: Path, n_engines: int,
                 out[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
         finally:
             cat.close()
-    r = client.http.post("/query", json={"token_ids": [1] * PAGE, "model_name": model_name})
-    sizes = r.json().get("tree_sizes", {}) if r.status_code == 200 else {}
+    held = indexer_blocks(client, model_name, "g1")
     for i in range(n_engines):
         idx = client.blocks_at(f"vllm-{i}/g1")
-        held = int(sum(sizes.get(str(i), {}).values()))
-        out[f"vllm-{i}/g1"] = {"index": len(idx), "indexer": held, "agree": len(idx) == held}
+        n = len(held.get(i, ()))
+        out[f"vllm-{i}/g1"] = {"index": len(idx), "indexer": n, "agree": len(idx) == n}
     return out
+
+
+def indexer_blocks(client: AdvisorClient, model_name: str, tier: str) -> dict[int, set[int]]:
+    """Per instance id, the block hashes the indexer API's index of ``model_name`` holds on
+    ``tier`` (``g1`` ... ``g4``), walking ``GET /dump``'s pages."""
+    out: dict[int, set[int]] = {}
+    cursor: str | None = None
+    while True:
+        r = client.http.get("/dump", params={"limit": 1000, **({"cursor": cursor} if cursor else {})})
+        r.raise_for_status()
+        for ev in r.json().get(f"{model_name}:default", []):
+            st = ev["event"]["stored"]
+            if st["medium"] == tier:
+                out.setdefault(int(ev["instance_id"]), set()).update(int(b["block_hash"]) for b in st["blocks"])
+        cursor = r.headers.get("X-Next-Cursor")
+        if not cursor:
+            return out
 
 
 def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] | None = None,
@@ -327,7 +344,9 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         volumes = _volumes(workdir, s, block_bytes, s3.endpoint, s3.access_key, s3.secret_key)
         kv_ports = [(free_port(), free_port()) for _ in range(s.engines)]  # (events, replay)
         conn_urls = [f"zmq://127.0.0.1:{free_port()}?replay={free_port()}" for _ in range(s.engines)]
-        subs = [f"vllm+zmq://127.0.0.1:{p}?replay={q}&source=vllm-{i}&topic=kv&model={model}"
+        # vLLM's stream also carries the connector's G2 / volume blocks (for the router's
+        # index); the advisor takes those from the connector's own stream, under its volume ids
+        subs = [f"vllm+zmq://127.0.0.1:{p}?replay={q}&source=vllm-{i}&topic=kv&model={model}&media=GPU"
                 for i, (p, q) in enumerate(kv_ports)]
         if s.mode != "vllm":
             subs += conn_urls
@@ -450,7 +469,8 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
             report.moves["round_errors"] = rounds.errors[:5]
         stats = getattr(router, "stats")
         report.router_choices = {"router": router.name, "per_engine": {f"engine-{k}": v for k, v in sorted(stats.per_engine.items())},
-                                 "with_overlap": stats.with_overlap, "to_best_overlap": stats.to_best_overlap,
+                                 "with_overlap": stats.with_overlap, "with_shared_overlap": stats.with_shared_overlap,
+                                 "to_best_overlap": stats.to_best_overlap,
                                  "query_errors": stats.query_errors}
         report.consistency = check_consistency(client, catalog, s.engines, model, s.mode)
 

@@ -1,6 +1,6 @@
-"""The engine demo's KV-aware router (Dynamo's rule: overlap weighed against load) against
-the advisor's real indexer API: two vLLM-format ZMQ publishers, a uvicorn server, POST
-/register and POST /query."""
+"""The engine demo's KV-aware router (Dynamo's rule: overlap weighed against load, blocks on
+a shared volume held by every engine) against the advisor's real indexer API: two
+vLLM-format ZMQ publishers, a uvicorn server, POST /register and POST /query."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from api import serve_query
 from event_plane.adapters import PeerEmitter
 from kvadvisor.engine_demo.router import KvRouter, RoundRobinRouter
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until
 
 BS = 32
 MODEL = "tiny-llama"
@@ -56,14 +57,18 @@ def test_kv_router_sends_to_the_overlap_unless_its_load_outweighs_it(api: str) -
             router = KvRouter(http, MODEL, [0, 1], BS)
             first = await router.choose(PROMPT)
             assert first.engine == 1 and first.overlap_tokens == (0, 6 * BS)
-            # engine 1 now serves 8 blocks: 2 prefill blocks + 8 active (10) vs 8 + 0 on engine 0
+            assert first.prefill_blocks == 2 and router.queued_prefill == [0, 2]
+            # engine 1 now has 2 prefill blocks queued and 8 decode blocks: (2 + 2) + (8 + 8) = 20
+            # against (0 + 8) + (0 + 8) = 16 on engine 0
             second = await router.choose(PROMPT)
             assert second.engine == 0
+            router.first_token(first)
+            assert router.queued_prefill == [8, 0]
             router.finished(first, PROMPT)
             router.finished(second, PROMPT)
-            assert router.active_blocks == [0, 0] and router.in_flight == [0, 0]
+            assert router.decode_blocks == [0, 0] and router.queued_prefill == [0, 0] and router.in_flight == [0, 0]
             # a heavy overlap weight follows the overlap whatever the load
-            heavy = KvRouter(http, MODEL, [0, 1], BS, overlap_weight=10.0)  # 10 x 2 + 8 < 10 x 8 + 0
+            heavy = KvRouter(http, MODEL, [0, 1], BS, overlap_weight=10.0)  # 10 x (2 + 2) + 16 < 10 x 8 + 8
             assert [(await heavy.choose(PROMPT)).engine for _ in range(2)] == [1, 1]
             stats = router.stats
             assert stats.per_engine == {1: 1, 0: 1} and stats.with_overlap == 2 and stats.to_best_overlap == 1
@@ -73,8 +78,23 @@ def test_kv_router_sends_to_the_overlap_unless_its_load_outweighs_it(api: str) -
             rr = RoundRobinRouter(2)
             assert [(await rr.choose(PROMPT)).engine for _ in range(4)] == [0, 1, 0, 1]
 
+    async def shared() -> None:
+        async with httpx.AsyncClient(base_url=api, timeout=10.0) as http:
+            router = KvRouter(http, MODEL, [0, 1], BS)
+            # engine 0's connector put the whole prompt on a shared volume (medium DISK, tier
+            # g3): engine 1 loads it from there too, past the 6 blocks its G1 holds
+            assert await router.overlaps(PROMPT) == ([8 * BS, 8 * BS], 8 * BS)
+            c = await router.choose(PROMPT)
+            assert c.prefill_blocks == 0 and router.stats.with_shared_overlap == 1
+
     try:
         asyncio.run(go())
+        em = emitters[0]
+        em.send([em.stored([21, 22, 23, 24, 25, 26, 27, 28], None, block_size=BS, token_ids=PROMPT, medium="DISK")])
+        with httpx.Client(base_url=api, timeout=10.0) as c:
+            wait_until(lambda: c.post("/query", json={"token_ids": PROMPT, "model_name": MODEL}).json()["tiers"].get("0")
+                       == {"0": {"g3": 8 * BS}}, what="the index places engine 0's blocks on g3")
+        asyncio.run(shared())
     finally:
         for em in emitters:
             em.close()

@@ -50,3 +50,20 @@ def test_dump_then_load_gives_the_same_answers() -> None:
     b = WorkerIndex(BS)
     assert b.load(a.dump()) == 3 + 1 + 2 - 1
     assert b.overlap(L) == a.overlap(L) and b.dump() == a.dump() and b.tree_sizes() == a.tree_sizes()
+
+
+def test_a_cleared_medium_leaves_the_other_media() -> None:
+    """vLLM's ``AllBlocksCleared`` (a reset of its prefix cache) empties g1; the G2 and volume
+    copies its connector published in the same stream still count."""
+    idx = WorkerIndex(BS)
+    idx.stored((1, 0), [11, 12, 13], None, L[:3], medium="g1")
+    idx.stored((1, 0), [11, 12], None, L[:2], medium="g2")
+    idx.stored((1, 0), [12], 11, L[1:2], medium="g2")  # a second G2 copy of block 1
+    idx.stored((2, 0), [21], None, L[:1], medium="g1")
+    idx.cleared((1, 0), "g1")
+    ov = idx.overlap(L)
+    assert ov.blocks == {(1, 0): 2, (2, 0): 1} and ov.tiers == {(1, 0): {"g2": 2}, (2, 0): {"g1": 1}}
+    assert idx.tree_sizes() == {(1, 0): 2, (2, 0): 1}  # block 2 was on g1 only
+    assert idx.removed((1, 0), [12], "g2") == 1 and idx.overlap(L).blocks[(1, 0)] == 2  # one copy left
+    idx.cleared((1, 0))  # no medium: everything
+    assert idx.overlap(L).blocks == {(2, 0): 1}

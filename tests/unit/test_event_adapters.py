@@ -247,3 +247,28 @@ def test_keep_peer_fields_copies_only_fields_of_their_documented_types() -> None
     # without keep_peer_fields those fields are not read at all
     plain = vllm_converter(vllm_config("v", epoch=1)).convert(0, enc([1.0, [*bad, good]]))
     assert [e.sequence_hash for e in plain.events] == [1, 1, 1, 2]
+
+
+def test_media_keeps_the_named_media_only() -> None:
+    """``media=GPU``: an advisor that takes an offloading connector's tiers from the
+    connector's own publisher skips them in vLLM's stream (counted); Cleared always passes."""
+    sub = subscribe("vllm+zmq://127.0.0.1:5557?source=v&media=gpu")
+    conv = sub.converter  # type: ignore[attr-defined]
+    assert conv.config.only_media == ("GPU",)
+    batch = conv.convert(0, peer_batch([
+        ["BlockStored", [1], None, [], 1, None, "GPU"],
+        ["BlockStored", [1], None, [], 1, None, "CPU"],
+        ["BlockStored", [2], None, [], 1, None],  # no medium: GPU
+        ["BlockRemoved", [1], "DISK"],
+        ["BlockRemoved", [2], "GPU"],
+        ["AllBlocksCleared"],
+    ]))
+    assert [(e.type, e.sequence_hash, e.storage_location) for e in batch.events] == [
+        (S, 1, "g1"), (S, 2, "g1"), (R, 2, "g1"), (C, 0, "g1")]
+    assert conv.stats.other_media_events == 2
+    both = vllm_converter(vllm_config("v", only_media=("GPU", "CPU"), epoch=1))
+    assert len(both.convert(0, peer_batch([["BlockStored", [1], None, [], 1, None, "CPU"]])).events) == 1
+    with pytest.raises(EventURLError):
+        subscribe("vllm+zmq://127.0.0.1:5557?media=,")
+    with pytest.raises(ConfigError):
+        vllm_config("v", only_media=("gpu",))

@@ -42,12 +42,14 @@ def _vllm_hashes(tokens: list[int], n_blocks: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """An advisor subscribed to vLLM's KV events (``vllm+zmq://``) and to the connector's
-    (``zmq://``), and a vLLM engine with the connector (G2 of 256 blocks)."""
+    """An advisor subscribed to vLLM's KV events (``vllm+zmq://``, GPU only: vLLM's stream
+    carries the connector's G2 blocks too, which the advisor takes from the connector's own
+    stream) and to the connector's (``zmq://``), and a vLLM engine with the connector (G2 of
+    256 blocks)."""
     work = tmp_path_factory.mktemp("vllm-host")
     vport, kport = free_port(count=2), free_port()  # vLLM replays on vport + 1
     kvbm_url = f"zmq://127.0.0.1:{kport}?replay={free_port()}"
-    vllm_url = f"vllm+zmq://127.0.0.1:{vport}?replay={vport + 1}&source={VLLM_SOURCE}&topic=kv&model={llama_dir}"
+    vllm_url = f"vllm+zmq://127.0.0.1:{vport}?replay={vport + 1}&source={VLLM_SOURCE}&topic=kv&model={llama_dir}&media=GPU"
     settings = AdvisorSettings(
         journal_path=str(work / "journal.sqlite"), subscribe_urls=[vllm_url, kvbm_url], api_enabled=False,
         get_timeout_s=0.05,
@@ -110,6 +112,7 @@ def test_advisor_index_shows_vllm_g1_and_connector_g2_for_the_same_blocks(stack:
     for h in expected:
         info = index.block(h)
         assert info is not None and {g1, g2} <= set(info.locations)
+        assert f"{VLLM_SOURCE}/g2" not in info.locations  # once, from the connector's stream
         assert info.size == 32 * 1024  # bytes, from the model geometry (vllm+zmq ...&model=)
     # lineage: each block's parent is the previous block of its prompt
     chain = _vllm_hashes(PROMPTS["c"], n)

@@ -38,7 +38,7 @@ def loop(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, local_s3: Lo
     ns = engine_namespace(llama_dir)
     kvbm_a, kvbm_b = (f"zmq://127.0.0.1:{free_port()}?replay={free_port()}" for _ in range(2))
     vb = free_port(count=2)  # vLLM replays on vb + 1
-    vllm_b = f"vllm+zmq://127.0.0.1:{vb}?replay={vb + 1}&source=vllm-b&topic=kv&model={llama_dir}"
+    vllm_b = f"vllm+zmq://127.0.0.1:{vb}?replay={vb + 1}&source=vllm-b&topic=kv&model={llama_dir}&media=GPU"
     config = write_private_json(work / "advisor.json", {
         "journal_path": str(work / "journal.sqlite"), "catalog_path": str(work / "catalog.sqlite"),
         "volume_roots": [str(work / "volumes")], "namespace": ns,

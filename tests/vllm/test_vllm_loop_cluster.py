@@ -68,7 +68,7 @@ def cluster_loop(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, loca
     vb = free_port(count=2)  # vLLM replays on vb + 1
     relay = subprocess.Popen(
         [sys.executable, "-c", "from kvadvisor.cli import app; app()", "events", "relay",
-         f"vllm+zmq://127.0.0.1:{vb}?replay={vb + 1}&source=vllm-b&topic=kv&model={llama_dir}", jetstream],
+         f"vllm+zmq://127.0.0.1:{vb}?replay={vb + 1}&source=vllm-b&topic=kv&model={llama_dir}&media=GPU", jetstream],
         stdout=subprocess.DEVNULL, stderr=open(work / "relay.log", "w"))  # noqa: SIM115 - owned by the process
     catalog = RedisCatalog(redis_url, prefix=prefix)
     pa, pb = free_port(), free_port()
