@@ -3,6 +3,7 @@
     taskset -c 0 python bench/evaluator.py                      # WEKA traces, 10k/50k/200k blocks
     taskset -c 0 python bench/evaluator.py --split              # plus the first and second halves
     taskset -c 0 python bench/evaluator.py --full               # every table of the policy section, timed
+    python bench/evaluator.py --robustness 1000,2000,3000       # the synthetic suite and its variants, other seeds
 
 Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Belady and the
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
@@ -18,6 +19,9 @@ half (warm start).  The default policy's settings (:class:`advisor.policy.evicti
 SelectorSettings` and its experts' own) are one set chosen on neither half: the switching
 rule's two settings were set from the synthetic suite (docs/traces.md).  The trace is
 ``--trace`` (WEKA directory or Mooncake jsonl) or ``$KVADVISOR_TRACES/claude_code_weka``.
+``--robustness SEEDS`` replays the synthetic suite and its variants (the same generators
+with other parameters, :data:`kvadvisor.synthetic.VARIANTS`) generated with each seed: the
+acceptance (every row >= best - 0.002) on traces no setting was chosen on.
 """
 
 from __future__ import annotations
@@ -115,6 +119,29 @@ def full_evaluation(report: Report, json_path: Path | None) -> int:
     return 0
 
 
+def robustness(report: Report, seeds: Sequence[int], json_path: Path | None) -> int:
+    """The synthetic suite and its variants generated with each of ``seeds``: one summary
+    table, the rows below best - 0.002 counted."""
+    from kvadvisor.evaluate import evaluate_synthetic, summary_markdown
+
+    t0 = time.perf_counter()
+    evs = []
+    for seed in seeds:
+        for variants in (False, True):
+            for ev in evaluate_synthetic(seed, variants=variants):
+                ev.trace = f"{ev.trace}, seed {seed}"
+                evs.append(ev)
+    print(summary_markdown(evs))
+    rows = [r for ev in evs for r in ev.results]
+    below = sum(r.margin(DEFAULT_POLICY) < -0.002 for r in rows)
+    print(f"seeds {', '.join(map(str, seeds))}, suite and variants: {time.perf_counter() - t0:.1f} s")
+    report.add(f"synthetic suite and variants, seeds {', '.join(map(str, seeds))}: rows below best - 0.002",
+               below, unit="rows", goal="0", met=below == 0, better="lower")
+    report.extra.setdefault("evaluations", []).extend(ev.as_dict() for ev in evs)
+    report.write(json_path)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(os.environ["KVADVISOR_TRACES"]) / "claude_code_weka" if "KVADVISOR_TRACES" in os.environ else None
@@ -127,11 +154,16 @@ def main() -> int:
                          "traces from $KVADVISOR_TRACES (goal < 300 s on one core)")
     ap.add_argument("--reference-requests", type=int, default=2000,
                     help="requests replayed by the slow prefix-value reference")
+    ap.add_argument("--robustness", metavar="SEEDS", type=lambda t: [int(x) for x in t.split(",")],
+                    help="replay the synthetic suite and its variants generated with each of these seeds "
+                         "(comma-separated) and count the rows below best - 0.002")
     add_json_option(ap)
     args = ap.parse_args()
     report = Report("evaluator", WHAT)
     if args.full:
         return full_evaluation(report, args.json)
+    if args.robustness:
+        return robustness(report, args.robustness, args.json)
     if args.trace is None:
         ap.error("pass --trace or set KVADVISOR_TRACES")
     caps = parse_capacities(args.capacity)

@@ -361,6 +361,8 @@ def evaluate(
     synthetic: Annotated[bool, typer.Option("--synthetic", help="evaluate the seeded synthetic robustness suite "
                                             "(docs/traces.md) at its own capacities, instead of --trace")] = False,
     seed: Annotated[int, typer.Option(help="--synthetic: seed of the generated traces")] = 0,
+    variants: Annotated[bool, typer.Option("--variants", help="--synthetic: the same generators with other "
+                                           "parameters (docs/traces.md), instead of the suite")] = False,
     format: Annotated[Optional[str], typer.Option("--format", help="mooncake | weka (default: from the name)")] = None,
     policies: Annotated[str, typer.Option(help="our policies to compare, comma-separated (adaptive = the default policy)")] = "adaptive",
     baselines: Annotated[str, typer.Option(help="online baselines, comma-separated (LRU always runs)")] = ",".join(
@@ -391,7 +393,8 @@ def evaluate(
             _fail("--synthetic replays generated traces at their own capacities: drop --trace and --capacity")
         try:
             evs = ev_mod.evaluate_synthetic(seed, [p.strip() for p in policies.split(",") if p.strip()],
-                                            [p.strip() for p in baselines.split(",") if p.strip()])
+                                            [p.strip() for p in baselines.split(",") if p.strip()],
+                                            variants=variants)
         except ev_mod.EvaluateError as exc:
             _fail(str(exc))
             return
@@ -401,6 +404,9 @@ def evaluate(
         console.print(f"replayed in {sum(ev.seconds for ev in evs):.1f} s")
         if json_out:
             json_out.write_text(json.dumps([ev.as_dict() for ev in evs], indent=2))
+        return
+    if variants:
+        _fail("--variants goes with --synthetic")
         return
     if trace is None or capacity is None:
         _fail("pass --trace and --capacity (or --synthetic)")

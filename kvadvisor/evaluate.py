@@ -198,6 +198,10 @@ class CapacityResult:
     baselines: tuple[str, ...] = BASELINES
     switches: dict[str, int] = field(default_factory=dict)
     """Leader changes of the default policy's selector (:mod:`advisor.policy.eviction.experts`), by column."""
+    refill: dict[str, float] = field(default_factory=dict)
+    """The selector's refill cost, by column: hits the followed experts took that the real
+    tier missed after its switches, net, as a share of the counted block references (a
+    share of the margin over the best baseline; the rest is lag, following a worse expert)."""
     infinite: float = 1.0
     """Hit rate of an infinite tier (every block referenced before is a hit): the ceiling
     of a policy that sees the next requests and promotes their blocks ahead of use."""
@@ -248,7 +252,8 @@ class Evaluation:
             "results": [{"capacity": r.capacity, "hit_rate": r.hit_rate,
                          "best_baseline": r.best_baseline()[0],
                          "gap_closed": {p: r.gap_closed(p) for p in (*self.baselines, *self.policies)},
-                         "margin": {p: r.margin(p) for p in self.policies}, "switches": r.switches}
+                         "margin": {p: r.margin(p) for p in self.policies}, "switches": r.switches,
+                         "refill": r.refill}
                         for r in self.results],
         }
 
@@ -312,6 +317,7 @@ def evaluate(requests: Requests | CompactTrace, capacities: Sequence[int],
                 run = experts.run(ct, cap, known=done)
                 hits = run.hits
                 res.switches[col] = run.switches
+                res.refill[col] = float((run.followed[first:end] - hits[first:end]).sum()) / refs if refs else 0.0
             else:
                 hits = POLICIES[p](ct, cap, k, promote)
             if k == 0:
@@ -346,6 +352,7 @@ def render_table(ev: Evaluation) -> Any:
         t.add_row("  vs best baseline", *[f"{r.margin(p):+.4f}" for r in ev.results])
         if any(p in r.switches for r in ev.results):
             t.add_row("  leader switches", *[str(r.switches.get(p, "—")) for r in ev.results])
+            t.add_row("  refill cost", *[f"{-r.refill[p] or 0.0:+.4f}" if p in r.refill else "—" for r in ev.results])
     return t
 
 
@@ -403,31 +410,45 @@ def plot(ev: Evaluation, out: str | Path) -> Path:
 
 def evaluate_synthetic(seed: int = 0, policies: Sequence[str] = (DEFAULT_POLICY,),
                        baselines: Sequence[str] = BASELINES,
-                       progress: Callable[[str, int], None] | None = None) -> list[Evaluation]:
+                       progress: Callable[[str, int], None] | None = None,
+                       variants: bool = False) -> list[Evaluation]:
     """Evaluate every case of the synthetic robustness suite (:mod:`kvadvisor.synthetic`,
     docs/traces.md) at its capacities; one :class:`Evaluation` per case (``trace`` = its name).
+
+    Args:
+        variants: the generators with other parameters (:data:`kvadvisor.synthetic.VARIANTS`)
+            instead of the suite.
 
     Raises:
         EvaluateError: an unknown policy.
     """
-    from kvadvisor.synthetic import suite
+    from kvadvisor import synthetic
 
+    cases = synthetic.variants(seed) if variants else synthetic.suite(seed)
     return [evaluate(c.requests, c.capacities, policies, (0,), baselines, trace=c.name, progress=progress)
-            for c in suite(seed)]
+            for c in cases]
 
 
 def summary_markdown(evs: Sequence[Evaluation], policy: str = DEFAULT_POLICY) -> str:
     """One row per trace and capacity: the best baseline, Belady, ``policy``, its margin
-    over the best baseline (the robustness acceptance: ≥ −0.002 on every row) and the
-    selector's leader switches (the default policy)."""
-    lines = [f"| trace | capacity (blocks) | LRU | best baseline | Belady | {_label(policy)} | vs best | switches |",
-             "|---|---|---|---|---|---|---|---|"]
+    over the best baseline (the robustness acceptance: ≥ −0.002 on every row), the
+    selector's leader switches and their refill cost (the default policy; the margin's
+    part lost to refills, :attr:`CapacityResult.refill`), then a line counting the rows
+    below −0.002."""
+    lines = [f"| trace | capacity (blocks) | LRU | best baseline | Belady | {_label(policy)} | vs best | switches "
+             "| refill cost |", "|---|---|---|---|---|---|---|---|---|"]
+    margins = []
     for ev in evs:
         for r in ev.results:
             name, best = r.best_baseline()
+            margins.append(r.margin(policy))
+            refill = f"{-r.refill[policy] or 0.0:+.4f}" if policy in r.refill else "—"
             lines.append(f"| {ev.trace} | {r.capacity:,} | {r.hit_rate[LRU]:.4f} | {best:.4f} ({_label(name)}) | "
                          f"{r.hit_rate[BELADY]:.4f} | {r.hit_rate[policy]:.4f} | {r.margin(policy):+.4f} | "
-                         f"{r.switches.get(policy, '—')} |")
+                         f"{r.switches.get(policy, '—')} | {refill} |")
+    if margins:
+        below = sum(m < -0.002 for m in margins)
+        lines.append(f"\n{below} of {len(margins)} rows below best − 0.002 (worst {min(margins):+.4f})")
     return "\n".join(lines)
 
 

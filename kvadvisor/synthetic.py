@@ -16,7 +16,7 @@ than, about a third of, and close to its working set.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -192,5 +192,27 @@ def suite(seed: int = 0) -> list[SyntheticCase]:
     return [make(seed + k) for k, make in enumerate(CASES)]
 
 
-__all__ = ["CASES", "SyntheticCase", "conversation_tree", "loop", "one_hit_flood", "scan_hot", "shifting",
-           "suite", "zipf"]
+def _named(name: str, case: SyntheticCase) -> SyntheticCase:
+    return replace(case, name=name)
+
+
+VARIANTS: tuple[Callable[[int], SyntheticCase], ...] = (
+    lambda s: _named("zipf-0.9/1k", zipf(0.9, s, n_objects=1000)),
+    lambda s: _named("zipf-1.1/4k", zipf(1.1, s, n_objects=4000)),
+    lambda s: _named("scan+hot/40%", scan_hot(s, n_objects=800, scan_share=0.4, scan_len=24)),
+    lambda s: _named("loop/600", loop(s, n_objects=600)),
+    lambda s: _named("shifting/8", shifting(s, phases=8, n_objects=300, per_phase=REQUESTS // 8)),
+    lambda s: _named("flood/200", one_hit_flood(s, n_objects=800, window=200, flood_share=0.6)),
+    lambda s: conversation_tree(s, branching=3, n_conv=200),
+)
+"""The same generators with other parameters (docs/traces.md): a robustness check on traces
+no setting was chosen on (``kvadvisor evaluate --synthetic --variants``)."""
+
+
+def variants(seed: int = 0) -> list[SyntheticCase]:
+    """Every case of :data:`VARIANTS`, generated with ``seed`` (case k uses ``seed + k``)."""
+    return [make(seed + k) for k, make in enumerate(VARIANTS)]
+
+
+__all__ = ["CASES", "SyntheticCase", "VARIANTS", "conversation_tree", "loop", "one_hit_flood", "scan_hot",
+           "shifting", "suite", "variants", "zipf"]

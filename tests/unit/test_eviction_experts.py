@@ -43,6 +43,51 @@ def test_switches_lose_no_contents_and_converge_to_the_new_leader() -> None:
     assert (run2.hits[200:] >= 0).all() and run2.fallbacks == 0
 
 
+def test_the_refill_cost_is_what_the_tier_missed_of_the_leaders_it_followed() -> None:
+    case = synthetic.zipf(1.0, 2, n_objects=200, n_requests=2000)
+    ct = compact(case.requests)
+    cap = case.capacities[1]
+    for e in range(len(experts.EXPERTS)):  # one leader all along: R is that leader, nothing to refill
+        run = experts.run(ct, cap, leader=np.full(ct.requests, e, np.int8))
+        assert (run.followed == run.hits).all()
+    rng = np.random.default_rng(5)
+    lead = np.repeat(rng.integers(0, len(experts.EXPERTS), ct.requests // 100 + 1), 100)[:ct.requests]
+    run = experts.run(ct, cap, leader=lead.astype(np.int8))
+    assert (run.followed == run.expert_hits[lead, np.arange(ct.requests)]).all()
+    assert (run.followed - run.hits).sum() > 0  # the switches cost hits here
+    # each switch's refill: at most one broken request prefix per block the new leader held and R did not
+    longest = int(np.diff(ct.offsets).max())
+    starts = [0, *np.flatnonzero(lead[1:] != lead[:-1]) + 1, ct.requests]
+    for a, b in zip(starts, starts[1:]):
+        assert (run.followed[a:b] - run.hits[a:b]).sum() <= cap * longest
+    ev = evaluate(ct, [cap], [DEFAULT_POLICY])
+    default = experts.run(ct, cap)
+    refs = int(ct.offsets[-1])
+    assert ev.results[0].refill[DEFAULT_POLICY] == pytest.approx((default.followed - default.hits).sum() / refs)
+    assert ev.as_dict()["results"][0]["refill"] == ev.results[0].refill
+
+
+def test_the_regret_bound_of_the_docstring_holds_with_undecayed_scores() -> None:
+    # hits(R) >= max_e G_e - (S + 1)(theta_max + l_max) - S * C * l_max, and the followed
+    # leaders' hits alone >= max_e G_e - (S + 1)(theta_max + l_max) (module docstring, "Regret")
+    case = synthetic.shifting(3, phases=4, n_objects=100, per_phase=500)
+    ct = compact(case.requests)
+    settings = experts.SelectorSettings(half_life=float("inf"))
+    longest = int(np.diff(ct.offsets).max())
+    switched = 0
+    for cap in case.capacities:
+        run = experts.run(ct, cap, settings)
+        g = run.expert_hits.astype(np.float64)
+        d = g[:, None, :] - g[None, :, :]
+        theta = settings.z * np.sqrt((d * d).sum(axis=2).max() + 1.0)  # V only grows when H is infinite
+        s = run.switches
+        switched += s
+        assert run.fallbacks == 0
+        assert run.followed.sum() >= g.sum(axis=1).max() - (s + 1) * (theta + longest)
+        assert run.hits.sum() >= g.sum(axis=1).max() - (s + 1) * (theta + longest) - s * cap * longest
+    assert switched > 0  # the phases make it switch: the bound is not only the static case
+
+
 def test_schedule_switches_on_a_clear_lead_and_not_on_noise() -> None:
     n = 2000
     lengths = np.full(n, 10)
@@ -89,15 +134,38 @@ def test_synthetic_suite_is_seeded_and_prefix_chained() -> None:
     assert synthetic.suite(1)[0].requests != a[0].requests
 
 
+def test_synthetic_variants_are_other_cases_seeded_and_prefix_chained() -> None:
+    a, b = synthetic.variants(7), synthetic.variants(7)
+    names = [c.name for c in a]
+    assert len(set(names)) == len(synthetic.VARIANTS) and not set(names) & {c.name for c in synthetic.suite(7)}
+    for x, y in zip(a, b):
+        assert x.requests == y.requests and x.capacities == y.capacities and len(x.capacities) == 3
+        parent: dict[int, int] = {}
+        for r in x.requests:
+            for p, q in zip([-1, *r[:-1]], r):
+                assert parent.setdefault(q, p) == p
+    assert synthetic.variants(8)[0].requests != a[0].requests
+
+
 def test_cli_synthetic_prints_the_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     small = [lambda s: synthetic.zipf(1.0, s, n_objects=200, n_requests=800)]
     monkeypatch.setattr(synthetic, "CASES", tuple(small))
     res = CliRunner().invoke(app, ["evaluate", "--synthetic", "--json", str(tmp_path / "s.json")])
     assert res.exit_code == 0, res.output
-    assert "| zipf-1 |" in res.output and "vs best" in res.output
+    assert "| zipf-1 |" in res.output and "vs best" in res.output and "refill cost" in res.output
+    below = sum(float(row.split("|")[7]) < -0.002 for row in res.output.splitlines() if row.startswith("| zipf-1 |"))
+    assert f"{below} of 3 rows below best" in res.output
     data = json.loads((tmp_path / "s.json").read_text())
     assert data[0]["trace"] == "zipf-1" and len(data[0]["results"]) == 3
+    assert set(data[0]["results"][0]["refill"]) == {DEFAULT_POLICY}
     bad = CliRunner().invoke(app, ["evaluate", "--synthetic", "--capacity", "10"])
+    assert bad.exit_code == 2 and "--synthetic" in bad.output
+    other = [lambda s: synthetic.scan_hot(s, n_objects=60, n_requests=600)]
+    monkeypatch.setattr(synthetic, "VARIANTS", tuple(other))
+    res = CliRunner().invoke(app, ["evaluate", "--synthetic", "--variants", "--seed", "4"])
+    assert res.exit_code == 0, res.output
+    assert "| scan+hot |" in res.output and "| zipf-1 |" not in res.output
+    bad = CliRunner().invoke(app, ["evaluate", "--variants"])
     assert bad.exit_code == 2 and "--synthetic" in bad.output
 
 
