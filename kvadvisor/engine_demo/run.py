@@ -31,6 +31,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from event_plane import PublisherConfig
 from kvadvisor.demo import (
     AdvisorClient,
     DemoError,
@@ -238,8 +239,11 @@ class _PolicyRounds:
 
 
 def _settle(client: AdvisorClient, quiet_s: float = 1.5, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Wait until the advisor's sources stop advancing for ``quiet_s`` (the engines are idle,
-    their last events folded); return the last stats."""
+    """Wait until the advisor's sources stop advancing for ``quiet_s``; return the last stats.
+
+    Quiet sources do not mean that every event was folded: a connector's publisher may
+    still hold its last batch (up to its flush time limit, :data:`DRAIN_TIMEOUT_S`); what
+    the volumes hold is waited for by :func:`volume_agreement`."""
     last: Any = None
     since = time.monotonic()
     deadline = since + timeout_s
@@ -265,11 +269,69 @@ def _kvbm_metrics(port: int) -> dict[str, float]:
         return {}
 
 
-def check_consistency(client: AdvisorClient, catalog_path: Path, n_engines: int, model_name: str, mode: Mode) -> dict[str, Any]:
+DRAIN_TIMEOUT_S = 3 * PublisherConfig().max_delay_s
+"""Seconds the volume check waits for the advisor's index to agree with the placement catalog.
+
+The connector writes a block to a volume (the catalog has it at once) and publishes its
+Store; its publisher sends the pending batch after the flush time limit, which grows to
+``max_delay_s`` (10 s) when the event rate falls (docs/events.md §3.1), as it does at the
+end of a replay.  So the engines' last Stores reach the advisor up to that long after the
+last request; three times that leaves room for the last offloads and a loaded machine.  A
+lost event is never folded: the check still fails, after this long."""
+
+SHOWN_HASHES = 10
+"""Sequence hashes a disagreeing volume lists (``missing``, ``extra``)."""
+
+
+def volume_agreement(client: AdvisorClient, catalog_path: Path, volumes: tuple[str, ...] = (FAST, ARCHIVE),
+                     timeout_s: float = DRAIN_TIMEOUT_S, poll_s: float = 0.25) -> dict[str, dict[str, Any]]:
+    """Compare the advisor's index with the placement catalog on each volume, once the event
+    pipeline has drained: read both (sets of sequence hashes) every ``poll_s`` seconds until
+    they are equal on every volume or ``timeout_s`` seconds have passed.
+
+    The catalog is written before the Store that announces a write is published, and the
+    publisher may hold that Store for its flush time limit (:data:`DRAIN_TIMEOUT_S`): an
+    index behind the catalog catches up, a lost or misordered event leaves it different.
+
+    Returns:
+        ``{volume: {"index": n, "held": n, "equal": bool, "waited_s": s}}``: blocks the index
+        and the catalog place there, whether the sets are equal, and the seconds waited
+        until they were (or until the timeout); a volume left unequal also has ``missing``
+        (in the catalog, not in the index) and ``extra`` (in the index, not in the catalog):
+        at most :data:`SHOWN_HASHES` ``0x`` hashes each, the smallest first.
+
+    Raises:
+        httpx.HTTPError: the advisor's API did not answer or refused a read.
+        sqlite3.Error: the catalog cannot be read.
+    """
+    t0 = time.monotonic()
+    cat = SqliteCatalog(catalog_path)
+    try:
+        while True:
+            sets = {v: (client.blocks_at(v), {p.key.sequence_hash for p in cat.iter_volume(v)}) for v in volumes}
+            waited = time.monotonic() - t0
+            if all(idx == held for idx, held in sets.values()) or waited >= timeout_s:
+                break
+            time.sleep(poll_s)
+    finally:
+        cat.close()
+    out: dict[str, dict[str, Any]] = {}
+    for v, (idx, held) in sets.items():
+        row: dict[str, Any] = {"index": len(idx), "held": len(held), "equal": idx == held, "waited_s": round(waited, 2)}
+        if idx != held:
+            row["missing"] = [f"{h:#018x}" for h in sorted(held - idx)[:SHOWN_HASHES]]
+            row["extra"] = [f"{h:#018x}" for h in sorted(idx - held)[:SHOWN_HASHES]]
+        out[v] = row
+    return out
+
+
+def check_consistency(client: AdvisorClient, catalog_path: Path, n_engines: int, model_name: str, mode: Mode,
+                      timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, Any]:
     """Compare the advisor's index with what holds the blocks.
 
     * each volume: the index's blocks at ``fast`` / ``archive`` against the placement
-      catalog's (sets of sequence hashes);
+      catalog's (sets of sequence hashes), once the engines' last events reached the
+      advisor (:func:`volume_agreement`, which waits up to ``timeout_s`` seconds);
     * each engine's G1, for information: the advisor's index at ``vllm-<i>/g1`` (folded from
       vLLM's KV events) against the indexer's ``g1`` blocks of that engine (``GET /dump``,
       the same events folded by the router's index, which counts each physical copy of a
@@ -277,19 +339,13 @@ def check_consistency(client: AdvisorClient, catalog_path: Path, n_engines: int,
       its G1 holds, so this row compares two folds, not a fold with the truth, and does not
       decide the check.
 
-    Returns ``{volume: {"index": n, "held": n, "equal": bool}, "vllm-<i>/g1": {"index": n,
-    "indexer": n, "agree": bool}}``.
+    Returns ``{volume: {"index": n, "held": n, "equal": bool, "waited_s": s, ...},
+    "vllm-<i>/g1": {"index": n, "indexer": n, "agree": bool}}`` (the volume rows as
+    :func:`volume_agreement` gives them).
     """
     out: dict[str, Any] = {}
     if mode == "volumes":
-        cat = SqliteCatalog(catalog_path)
-        try:
-            for v in (FAST, ARCHIVE):
-                held = {p.key.sequence_hash for p in cat.iter_volume(v)}
-                idx = client.blocks_at(v)
-                out[v] = {"index": len(idx), "held": len(held), "equal": idx == held}
-        finally:
-            cat.close()
+        out.update(volume_agreement(client, catalog_path, timeout_s=timeout_s))
     held = indexer_blocks(client, model_name, "g1")
     for i in range(n_engines):
         idx = client.blocks_at(f"vllm-{i}/g1")
@@ -426,7 +482,8 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
             with _PolicyRounds(client, s.policy_interval_s) as rounds:
                 results, router = asyncio.run(run_replay())
             _settle(client)
-            rounds.once()  # the replay's last blocks too
+            volume_agreement(client, catalog)  # the connectors' last Stores are folded
+            rounds.once()  # so this round sees the replay's last blocks too
         else:
             rounds = None
             results, router = asyncio.run(run_replay())
