@@ -277,12 +277,15 @@ def up(
     nodes: Annotated[int, typer.Option(help="NATS servers (1: a single JetStream server; 3 or more: a cluster with 3 replicas)", min=1)] = 3,
     advisors: Annotated[int, typer.Option(help="cluster advisors")] = 3,
     partitions: Annotated[int, typer.Option(help="partitions of the prefix index")] = 8,
+    policy_interval: Annotated[float, typer.Option(
+        help="seconds between the advisors' policy rounds (a scaled demo waits for their rounds)", min=0.1)] = 5.0,
 ) -> None:
     """Start the scaled topology on loopback without Docker: a NATS JetStream cluster,
     redis-server, an S3 endpoint and cluster advisors (they keep running; `kvadvisor down`)."""
     from kvadvisor.up import up as start
 
-    st = _up_call(lambda: start(cluster_dir, nodes=nodes, advisors=advisors, partitions=partitions))
+    st = _up_call(lambda: start(cluster_dir, nodes=nodes, advisors=advisors, partitions=partitions,
+                                policy_interval_s=policy_interval))
     console.print(f"NATS cluster {st.nats_url} · Redis 127.0.0.1 · S3 {st.s3_endpoint} · "
                   f"{len(st.advisors)} advisors own {st.partitions} partitions")
     console.print(f"API {st.api_url} (dashboard: {st.api_url}/dashboard)")

@@ -128,8 +128,12 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: f
 
 
 def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, namespace: str = "demo",
-       timeout_s: float = 90.0) -> ClusterUp:
+       policy_interval_s: float = 5.0, timeout_s: float = 90.0) -> ClusterUp:
     """Start the scaled topology under ``root`` and return what runs.
+
+    ``policy_interval_s`` (seconds, > 0) is the advisors' time between policy rounds (the
+    ``policy_interval_s`` of ``storage.json``): ``kvadvisor demo --scaled`` waits for the
+    movers' rounds after its replay, so it also sets how long that wait lasts.
 
     A stopped topology's NATS stores and volumes under ``root`` (``nats/``, ``volumes/``) are
     removed first: its placement catalog, snapshots and S3 objects lived in the memory of
@@ -138,9 +142,12 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
     offload then failed with "File exists").
 
     Raises:
-        UpError: ``root`` already holds a running topology, a binary is missing, or a
-            process does not come up within ``timeout_s`` (everything started is stopped).
+        UpError: ``root`` already holds a running topology, ``policy_interval_s`` is not
+            > 0, a binary is missing, or a process does not come up within ``timeout_s``
+            (everything started is stopped).
     """
+    if not policy_interval_s > 0:
+        raise UpError(f"policy interval must be > 0 seconds, got {policy_interval_s}")
     root = Path(root).resolve()
     if (root / STATE_FILE).exists():
         raise UpError(f"{root / STATE_FILE} exists: a topology runs there (kvadvisor down --dir {root} first)")
@@ -187,7 +194,7 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=access, aws_secret_access_key=secret,
                      region_name="us-east-1").create_bucket(Bucket=bucket)
 
-        storage = _write_storage(root, namespace, endpoint, bucket, access, secret)
+        storage = _write_storage(root, namespace, endpoint, bucket, access, secret, policy_interval_s)
         ids = [f"advisor-{i}" for i in range(advisors)]
         # the Redis URL (with its password) goes through the environment, never argv (ps shows argv)
         # so do the NATS URLs with the advisor's password
@@ -224,7 +231,8 @@ def up(root: Path, *, nodes: int = 3, advisors: int = 3, partitions: int = 8, na
         raise
 
 
-def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, access: str, secret: str) -> Path:
+def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, access: str, secret: str,
+                   policy_interval_s: float) -> Path:
     """Write ``<root>/storage.json`` (the advisors' and the demo workers' volumes and policy)
     and the S3 secret key file it names (both mode 0600); returns the settings file."""
     vols = root / "volumes"
@@ -246,7 +254,7 @@ def _write_storage(root: Path, namespace: str, endpoint: str, bucket: str, acces
         ],
         "fast_volume": "fast", "slow_volumes": ["slow"], "archive_volume": "s3",
         "volume_roots": [str(vols)],
-        "policy_interval_s": 5.0,
+        "policy_interval_s": policy_interval_s,
     }
     path = root / "storage.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

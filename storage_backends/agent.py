@@ -207,7 +207,7 @@ class StorageAgent(ReadPath):
                 )
             cls = volume_class(desc.kind)
             backend, params = cls.engine_spec(desc)
-            vol = cls(desc, self._hub.engine(backend, params))
+            vol = cls(desc, self._hub.engine(backend, params, cls.engine_env(desc)))
             try:
                 vol.bind_catalog(self.catalog.catalog_id())
             except BaseException:

@@ -58,6 +58,9 @@ class VolumeSettings(BaseModel):
     access_key: str | None = None
     secret_key: SecretStr | None = None
     secret_key_file: str | None = None
+    s3_sdk_max_attempts: int | None = Field(None, ge=1)
+    s3_connect_timeout_s: float = Field(60.0, gt=0)
+    s3_read_timeout_s: float = Field(60.0, gt=0)
 
     @model_validator(mode="after")
     def _one_secret(self) -> VolumeSettings:
@@ -106,6 +109,9 @@ class VolumeSettings(BaseModel):
             segment_bytes=self.segment_bytes,
             access_key=self.access_key,
             secret_key=self.secret(),
+            s3_sdk_max_attempts=self.s3_sdk_max_attempts,
+            s3_connect_timeout_s=self.s3_connect_timeout_s,
+            s3_read_timeout_s=self.s3_read_timeout_s,
         )
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .environ import environment
 from .gcpause import gc_pause_yield
 from .types import TransferError
 
@@ -419,6 +420,11 @@ class DramRegions:
         self._dirty = True
 
 
+_ENV_LOCK = threading.Lock()
+"""Held while a backend is created, with its environment variables set (the process
+environment is shared: two creations at once would see each other's)."""
+
+
 class NixlHub:
     """The NIXL agents of one storage agent, handing out one :class:`NixlEngine` per
     (backend type, parameters).
@@ -433,13 +439,19 @@ class NixlHub:
         self._engines: dict[tuple[str, tuple[tuple[str, str], ...]], NixlEngine] = {}
         self._lock = threading.Lock()
 
-    def engine(self, backend: str, params: dict[str, str] | None = None) -> NixlEngine:
+    def engine(self, backend: str, params: dict[str, str] | None = None,
+               env: dict[str, str] | None = None) -> NixlEngine:
         """The engine for ``backend`` with ``params``, created on first use.
+
+        Args:
+            env: environment variables set while NIXL creates the backend (and restored
+                after), for settings its libraries read from the environment only (the
+                aws-sdk retry strategy of OBJ); part of what tells engines apart.
 
         Raises:
             TransferError: NIXL cannot create the backend (message from NIXL).
         """
-        key = (backend, tuple(sorted((params or {}).items())))
+        key = (backend, tuple(sorted((params or {}).items())) + tuple(sorted((env or {}).items())))
         with self._lock:
             eng = self._engines.get(key)
             if eng is not None:
@@ -458,7 +470,7 @@ class NixlHub:
             try:
                 # the agent's lock: an agent that already has a backend may be transferring
                 # on another thread (an S3 volume registered at run time beside POSIX ones)
-                with lock:
+                with lock, _ENV_LOCK, environment(env):
                     agent.create_backend(backend, dict(params or {}))
             except Exception as exc:
                 raise TransferError(f"NIXL cannot create backend {backend}: {exc}") from exc

@@ -152,7 +152,9 @@ class S3Volume(Volume):
         self.client = boto3.client(
             "s3", endpoint_url=desc.endpoint, region_name=desc.region,
             aws_access_key_id=ak, aws_secret_access_key=sk, aws_session_token=token,
-            config=Config(retries={"total_max_attempts": 1, "mode": "standard"}, s3={"addressing_style": "path"}),  # tenacity retries
+            config=Config(connect_timeout=desc.s3_connect_timeout_s, read_timeout=desc.s3_read_timeout_s,
+                          retries={"total_max_attempts": 1, "mode": "standard"},  # tenacity retries
+                          s3={"addressing_style": "path"}),
         )
         self._lock = threading.Lock()
         self.scope = ""
@@ -229,6 +231,13 @@ class S3Volume(Volume):
         key = segment_object_key(desc.prefix, desc.id, 10**15, "f" * 32)  # with a catalog id as scope
         if len(key.encode("utf-8")) > MAX_OBJECT_KEY_BYTES:  # pragma: no cover - checked inside
             raise VolumeConfigError(f"s3 volume {desc.id!r}: object keys would exceed 1024 bytes")
+        n = desc.s3_sdk_max_attempts
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise VolumeConfigError(f"s3 volume {desc.id!r}: s3_sdk_max_attempts must be an int >= 1 or None, got {n!r}")
+        for name in ("s3_connect_timeout_s", "s3_read_timeout_s"):
+            t = getattr(desc, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise VolumeConfigError(f"s3 volume {desc.id!r}: {name} must be a number of seconds > 0, got {t!r}")
 
     #: aws-sdk-cpp request checksums of the NIXL OBJ backend: ``"required"`` computes them
     #: only for operations that need one, so a PUT is a plain signed body instead of an
@@ -269,6 +278,16 @@ class S3Volume(Volume):
         if token:
             params["session_token"] = token
         return "OBJ", params
+
+    @classmethod
+    def engine_env(cls, desc: VolumeDescriptor) -> dict[str, str]:
+        """With ``desc.s3_sdk_max_attempts`` set: ``AWS_RETRY_MODE=standard`` and
+        ``AWS_MAX_ATTEMPTS`` (the aws-sdk-cpp client inside NIXL OBJ reads its retry
+        strategy from them when it is created, and NIXL takes no parameter for it);
+        otherwise nothing (the process environment or the SDK's default applies)."""
+        if desc.s3_sdk_max_attempts is None:
+            return {}
+        return {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": str(desc.s3_sdk_max_attempts)}
 
     # ------------------------------------------------------------------ admin
     def _ensure_bucket(self) -> None:

@@ -223,6 +223,16 @@ class VolumeDescriptor:
             segment so its space is really allocated before the write (``True``), or only
             extend the file (``ftruncate``: no allocation, ENOSPC can surface during the
             write; logged once per volume); KVBM's ``DYN_KVBM_DISK_ZEROFILL_FALLBACK``.
+        s3_sdk_max_attempts: s3 volumes: tries of one request by the aws-sdk inside NIXL OBJ
+            (the data path: segment PUTs and ranged GETs), in its ``standard`` retry mode;
+            1 = no retry of its own (the volume still tries each transfer
+            ``S3Volume.attempts`` times with its backoff).  ``None`` (default): the SDK's
+            own choice, i.e. the ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS`` environment, else
+            its legacy strategy (10 retries over about 25 s, so a refused connection
+            fails a transfer after about 25 s a try).
+        s3_connect_timeout_s / s3_read_timeout_s: s3 volumes: seconds the boto3 client of
+            the admin calls (bucket, ``HEAD`` of a segment, listing, deletes) waits to
+            connect and for an answer (> 0; default 60 each, botocore's own).
     """
 
     id: str
@@ -241,6 +251,9 @@ class VolumeDescriptor:
     secret_key: str | None = field(default=None, repr=False)
     require_o_direct: bool = False
     zerofill_fallback: bool = True
+    s3_sdk_max_attempts: int | None = None
+    s3_connect_timeout_s: float = 60.0
+    s3_read_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,6 +213,12 @@ class Volume(ABC):
     def engine_spec(cls, desc: VolumeDescriptor) -> tuple[str, dict[str, str]]:
         """NIXL backend type and parameters this volume needs."""
 
+    @classmethod
+    def engine_env(cls, desc: VolumeDescriptor) -> dict[str, str]:
+        """Environment variables the NIXL backend must see while it is created (settings
+        its libraries read from the environment only); none by default."""
+        return {}
+
     # ------------------------------------------------------------------ layout
     @property
     def block_alignment(self) -> int:

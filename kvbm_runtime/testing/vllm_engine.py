@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from storage_backends.environ import environment
 
 CONNECTOR = "KvbmVllmConnector"
 CONNECTOR_MODULE = "kvbm_runtime.vllm_adapter"
@@ -47,22 +48,6 @@ def kv_transfer_config(extra: Mapping[str, Any] | None = None, *, failure_policy
         kv_load_failure_policy=failure_policy,
         kv_connector_extra_config=dict(extra or {}),
     )
-
-
-@contextlib.contextmanager
-def environment(env: Mapping[str, str] | None) -> Iterator[None]:
-    """Set ``env`` in ``os.environ`` for the block (vLLM's processes inherit it), then
-    restore the previous values."""
-    old = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager

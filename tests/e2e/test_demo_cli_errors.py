@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -82,39 +83,45 @@ def test_a_negative_request_count_is_refused_with_the_rule_the_help_gives() -> N
     assert "--requests must be >= 0" in line and "0 = all" in line and "-1" in line
 
 
-def test_asking_for_more_requests_than_the_trace_holds_says_how_many_were_replayed(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def short_demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One ``kvadvisor demo`` on the first 4 requests of the bundled trace, asked for 50, run
+    from a fresh directory with a relative ``--workdir runs/w`` (its own S3 endpoint, gone
+    with it): ``result`` (click's), ``dir`` (where it ran), ``workdir``.  Three tests below
+    read it (a demo costs seconds of start and stop; they ran one each)."""
     from kvadvisor.trace import bundled_trace
 
-    trace = tmp_path / "short.jsonl"
+    tmp = tmp_path_factory.mktemp("short-demo")
+    trace = tmp / "short.jsonl"
     with open(bundled_trace()) as f:
         trace.write_text("".join(next(f) for _ in range(4)))
-    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--requests", "50", "--workdir", str(tmp_path / "w")])
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--requests", "50", "--workdir", "runs/w"])
+    finally:
+        os.chdir(cwd)
     assert result.exit_code == 0, result.output
-    out = " ".join(result.output.split())  # the console wraps long lines
+    return {"result": result, "dir": tmp, "workdir": tmp / "runs" / "w"}
+
+
+def test_asking_for_more_requests_than_the_trace_holds_says_how_many_were_replayed(short_demo: dict[str, Any]) -> None:
+    out = " ".join(short_demo["result"].output.split())  # the console wraps long lines
     assert "note: the trace holds 4 requests; all of them were replayed (--requests asked for 50)" in out
 
 
-def test_a_relative_workdir_leaves_an_advisor_json_that_works_from_any_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_relative_workdir_leaves_an_advisor_json_that_works_from_any_directory(short_demo: dict[str, Any]) -> None:
     """A README check found it: `demo --workdir runs/demo2` wrote its paths relative to the
     directory it ran in, so `advisor run --config advisor.json` started from inside the
     workdir silently opened a new, empty journal and catalog.  The paths are absolute now."""
     import json
 
-    from kvadvisor.trace import bundled_trace
-
-    trace = tmp_path / "short.jsonl"
-    with open(bundled_trace()) as f:
-        trace.write_text("".join(next(f) for _ in range(4)))
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--requests", "4", "--workdir", "runs/w"])
-    assert result.exit_code == 0, result.output
-    cfg = json.loads((tmp_path / "runs" / "w" / "advisor.json").read_text())
+    workdir = short_demo["workdir"]  # runs/w, given relative to the directory the demo ran in
+    cfg = json.loads((workdir / "advisor.json").read_text())
     paths = [v for k, v in cfg.items() if k.endswith("_path") and isinstance(v, str)]
     paths += [v["root"] for v in cfg.get("volumes", []) if isinstance(v, dict) and v.get("root")]
     assert paths and all(Path(p).is_absolute() for p in paths), paths
-    assert all(Path(p).resolve().is_relative_to((tmp_path / "runs" / "w").resolve()) for p in paths), paths
+    assert all(Path(p).resolve().is_relative_to(workdir.resolve()) for p in paths), paths
 
 
 # --- every error a new user hit: one line, the cause first, a hint, exit != 0, no traceback,
@@ -177,19 +184,12 @@ def test_status_without_an_api_hints_at_url() -> None:
     assert "--url" in line
 
 
-def test_advisor_run_and_check_on_a_workdir_whose_s3_is_gone_say_so_and_what_to_do(tmp_path: Path) -> None:
+def test_advisor_run_and_check_on_a_workdir_whose_s3_is_gone_say_so_and_what_to_do(short_demo: dict[str, Any]) -> None:
     """A plain `demo --workdir` kept its s3 blocks in the demo's own S3, gone with it."""
     import subprocess
     import sys
 
-    from kvadvisor.trace import bundled_trace
-
-    trace = tmp_path / "short.jsonl"
-    with open(bundled_trace()) as f:
-        trace.write_text("".join(next(f) for _ in range(6)))
-    workdir = tmp_path / "d1"
-    result = CliRunner().invoke(app, ["demo", "--trace", str(trace), "--workdir", str(workdir)])
-    assert result.exit_code == 0, result.output
+    workdir = short_demo["workdir"]
     cfg = workdir / "advisor.json"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for args in (["advisor", "run", "--config", str(cfg)], ["check", "--workdir", str(workdir), "--deep"]):

@@ -13,6 +13,10 @@ What is changed, and only this, so that the suite stays affordable and uses free
   ``--requests 0``, a whole file, is kept: ``$KVADVISOR_TRACES`` holds a 60-request
   ``conversation_trace.jsonl`` cut from the bundled slice);
 * the README's S3 port 9000 becomes a free port, its NATS 127.0.0.1:4222 the suite's server;
+* ``events stats ... --duration S`` measures for at most :data:`STATS_S` seconds (the
+  command's work is the same; only its measuring window is shorter);
+* ``kvadvisor up`` gets ``--policy-interval`` :data:`ROUND_S` (its advisors' policy rounds;
+  5 s by default): the scaled demo after it waits for about four of them;
 * a command ending in ``&`` runs in the background until the end; ``advisor run`` (it
   serves until Ctrl-C) must print ``ADVISOR READY`` and then exit 0 on SIGTERM.
 
@@ -40,6 +44,10 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 SMALL = 20
 """Requests a README demo replays here."""
+STATS_S = 2
+"""Seconds a README ``events stats`` measures here."""
+ROUND_S = 1
+"""Seconds between the policy rounds of the advisors a README ``kvadvisor up`` starts here."""
 
 NOT_RUN: dict[str, str] = {
     "make test": "the whole suite, of which this test is a part",
@@ -116,6 +124,12 @@ def _rewrite(cmd: str, s3_port: int, nats: str) -> str:
             cmd = cmd.replace(n.group(0), f"--requests {SMALL}")
         if re.search(r"--transport (nats|mixed)", cmd):
             cmd += f" --nats-url {nats}"
+    if re.match(r"\.venv/bin/kvadvisor up\b", cmd) and "--policy-interval" not in cmd:
+        cmd += f" --policy-interval {ROUND_S}"
+    if re.search(r"(^|\s)\.venv/bin/kvadvisor events stats\b", cmd):
+        d = re.search(r"--duration (\d+(?:\.\d+)?)", cmd)
+        if d is not None and float(d.group(1)) > STATS_S:
+            cmd = cmd.replace(d.group(0), f"--duration {STATS_S}")
     return cmd.strip()
 
 

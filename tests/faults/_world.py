@@ -39,7 +39,9 @@ def chain(hashes: list[int], loc: str) -> list:
 
 
 def settings(tmp: Path, fast_root: Path | None = None, fast_blocks: int = 100, **kw: Any) -> AdvisorSettings:
-    """Advisor settings: ``fast`` (posix, ``fast_blocks`` blocks) and ``slow`` under ``tmp``."""
+    """Advisor settings: ``fast`` (posix, ``fast_blocks`` blocks) and ``slow`` under ``tmp``;
+    ``archive=(endpoint, access key, secret key)`` adds an S3 archive volume ``s3``, with
+    ``archive_options`` (further fields of its volume settings) when given."""
     fast_root = fast_root or tmp / "fast"
     base: dict[str, Any] = dict(
         journal_path=str(tmp / "journal.sqlite"),
@@ -59,11 +61,12 @@ def settings(tmp: Path, fast_root: Path | None = None, fast_blocks: int = 100, *
         volume_roots=[str(tmp)],
     )
     archive = kw.pop("archive", None)  # (endpoint, access key, secret key): an S3 archive volume
+    archive_options = kw.pop("archive_options", {})
     if archive is not None:
         endpoint, ak, sk = archive
         base["volumes"].append({"id": "s3", "kind": "s3", "media": "object", "capacity_bytes": 1 << 30,
                                 "endpoint": endpoint, "bucket": f"faults-{uuid.uuid4().hex[:12]}", "prefix": "kv",
-                                "segment_bytes": 1 << 20, "access_key": ak, "secret_key": sk})
+                                "segment_bytes": 1 << 20, "access_key": ak, "secret_key": sk, **archive_options})
         base["archive_volume"] = "s3"
     base.update(kw)
     return AdvisorSettings(**base)

@@ -111,8 +111,12 @@ def test_dropping_s3_during_promotion_from_the_archive(tmp_path: Path, local_s3:
 def test_s3_endpoint_killed_mid_run_and_restarted(tmp_path: Path, local_s3: LocalS3, proxy: S3FaultProxy) -> None:
     """The archive's endpoint goes away (connections refused) during a round of demotions and
     comes back on the same address with its objects: the round's moves fail and lose nothing,
-    and the next round demotes by itself."""
+    and the next round demotes by itself.
+
+    The aws-sdk inside NIXL makes one try per request (``s3_sdk_max_attempts=1``): the volume's
+    own 4 tries with backoff still run, without the SDK's 10 retries over about 25 s each."""
     s = settings(tmp_path, fast_blocks=20, archive=(proxy.endpoint, local_s3.access_key, local_s3.secret_key),
+                 archive_options={"s3_sdk_max_attempts": 1},
                  slow_volumes=[])  # fast demotes straight to the archive (no slow tier in between)
     w = Worker(s)
     try:

@@ -93,6 +93,43 @@ def test_nixl_obj_transfers_survive_throttling(agent: StorageAgent, local_s3: Lo
     assert all(torch.equal(g, block(i)) for i, g in enumerate(got))
 
 
+def test_the_sdk_inside_nixl_tries_as_often_as_configured(
+    agent: StorageAgent, local_s3: LocalS3, proxy: S3FaultProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``s3_sdk_max_attempts=1``: the aws-sdk inside NIXL OBJ sends a throttled segment PUT
+    once, and the volume's own backoff sends the wave again (counted in ``s3_retries``); by
+    default the SDK sends it again by itself and the volume sees no failure.  The
+    environment the SDK read its retry strategy from is the process's again afterwards."""
+    import os
+
+    for var in ("AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
+        monkeypatch.delenv(var, raising=False)
+    default = agent.register_volume(desc(proxy.endpoint, local_s3, vid="sdk-default"))
+    one = agent.register_volume(replace(desc(proxy.endpoint, local_s3, vid="sdk-one"), s3_sdk_max_attempts=1))
+    assert "AWS_RETRY_MODE" not in os.environ and "AWS_MAX_ATTEMPTS" not in os.environ
+    for vol, h in ((default, 1), (one, 2)):
+        proxy.fail(1, {"PUT"})
+        agent.put([(BlockKey("ns", h), block(h))], vol.desc.id)
+        assert len(proxy.injected) == 1 and proxy.injected[0].startswith("PUT /")
+        assert torch.equal(agent.get([BlockKey("ns", h)])[0], block(h))
+    assert default.counters.extra.get("s3_retries", 0) == 0  # the SDK sent the PUT again
+    assert one.counters.extra["s3_retries"] == 1  # the volume did
+
+
+def test_s3_client_timeouts_and_sdk_attempts_are_checked_and_used(agent: StorageAgent, local_s3: LocalS3) -> None:
+    vol = agent.register_volume(replace(desc(local_s3.endpoint, local_s3), s3_connect_timeout_s=2.5,
+                                        s3_read_timeout_s=7))
+    assert isinstance(vol, S3Volume)
+    assert (vol.client.meta.config.connect_timeout, vol.client.meta.config.read_timeout) == (2.5, 7)
+    assert S3Volume.engine_env(vol.desc) == {}
+    assert S3Volume.engine_env(replace(vol.desc, s3_sdk_max_attempts=3)) == {
+        "AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "3"}
+    for bad in ({"s3_sdk_max_attempts": 0}, {"s3_sdk_max_attempts": True}, {"s3_connect_timeout_s": 0},
+                {"s3_read_timeout_s": -1.0}, {"s3_read_timeout_s": "5"}):
+        with pytest.raises(VolumeConfigError, match=next(iter(bad))):
+            agent.register_volume(replace(desc(local_s3.endpoint, local_s3, vid="bad"), **bad))
+
+
 def test_configure_lifecycle_keeps_other_rules(agent: StorageAgent, local_s3: LocalS3) -> None:
     bucket = f"kvadvisor-lc-{next(_ids)}"
     a = agent.register_volume(desc(local_s3.endpoint, local_s3, vid="a", prefix="kv", bucket=bucket))

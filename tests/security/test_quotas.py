@@ -24,6 +24,7 @@ from advisor.settings import AdvisorSettings
 from event_plane.codec import encode_batch
 from event_plane.frames import seq_to_bytes
 from event_plane.schema import WIRE_VERSION, EventBatch, store
+from storage_backends.environ import environment
 from storage_backends.local_s3 import free_port
 from tests.polling import wait_until as until
 
@@ -201,16 +202,8 @@ def test_settings_refuse_a_bucket_smaller_than_a_batch() -> None:
     with pytest.raises(ValueError, match="quota_source_burst"):
         AdvisorSettings(quota_source_burst=10, quota_max_batch_events=11)
     env = {"KVADVISOR_ADVISOR_QUOTA_MAX_SOURCES": "7", "KVADVISOR_ADVISOR_REPORTED_HITS_SOURCES": '["cache-a"]'}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         lim = AdvisorSettings().quota_limits()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     assert lim.max_sources == 7 and lim.reported_hits_sources == frozenset({"cache-a"})
     assert QuotaLimits().max_sources == 10_000 and QuotaLimits().max_locations == 256
 
