@@ -6,46 +6,124 @@ Rooms, lowest first (each imports only rooms below it): ``index``; ``ingest`` an
 re-exports what a user imports most (``advisor.PrefixIndex``, ``advisor.AdvisorService``...);
 ``python -m advisor`` runs the embedded service, ``python -m advisor.cluster`` one cluster
 advisor.  The package imports ``event_plane`` and ``storage_backends`` only.
+
+The face is lazy (PEP 562 ``__getattr__``): ``import advisor.index`` loads the index room
+alone, not the embedded service with it; a name of the face loads its room on first use.
 """
 
-from advisor.embedded import AdvisorError, AdvisorService, main
-from advisor.index import (
-    BlockInfo,
-    FrequencySettings,
-    FrequencySketch,
-    IndexCounters,
-    PrefixIndex,
-    RedisSnapshotStore,
-    Snapshot,
-    SnapshotError,
-    SqliteSnapshotStore,
-    SsdAdmissionFilter,
-    load_latest,
-)
-from advisor.ingest import BadPayloadError, JournalError, SqliteJournal
-from advisor.moves import Mover, Plan, Planner, TokenBucket
-from advisor.ops import AdvisorQuery, LookupResult, VolumeView
-from advisor.policy import (
-    CompactionSettings,
-    DemotionSettings,
-    PlanItem,
-    PlanKind,
-    PlannerSettings,
-    PlanResult,
-    PlanStatus,
-    PolicyInput,
-    PolicySettings,
-    PrefixPolicySettings,
-    PrefixValueCache,
-    PromotionSettings,
-    ReuseStats,
-    VolumeUsage,
-    plan_all,
-    plan_compactions,
-    plan_demotions,
-    plan_promotions,
-)
-from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from advisor.embedded import AdvisorError, AdvisorService, main
+    from advisor.index import (
+        BlockInfo,
+        FrequencySettings,
+        FrequencySketch,
+        IndexCounters,
+        PrefixIndex,
+        RedisSnapshotStore,
+        Snapshot,
+        SnapshotError,
+        SqliteSnapshotStore,
+        SsdAdmissionFilter,
+        load_latest,
+    )
+    from advisor.ingest import BadPayloadError, JournalError, SqliteJournal
+    from advisor.moves import Mover, Plan, Planner, TokenBucket
+    from advisor.ops import AdvisorQuery, LookupResult, VolumeView
+    from advisor.policy import (
+        CompactionSettings,
+        DemotionSettings,
+        PlanItem,
+        PlanKind,
+        PlannerSettings,
+        PlanResult,
+        PlanStatus,
+        PolicyInput,
+        PolicySettings,
+        PrefixPolicySettings,
+        PrefixValueCache,
+        PromotionSettings,
+        ReuseStats,
+        VolumeUsage,
+        plan_all,
+        plan_compactions,
+        plan_demotions,
+        plan_promotions,
+    )
+    from advisor.settings import AdvisorSettings, SettingsError, VolumeSettings
+
+_FACE: dict[str, str] = {
+    "AdvisorError": "advisor.embedded",
+    "AdvisorService": "advisor.embedded",
+    "main": "advisor.embedded",
+    "BlockInfo": "advisor.index",
+    "FrequencySettings": "advisor.index",
+    "FrequencySketch": "advisor.index",
+    "IndexCounters": "advisor.index",
+    "PrefixIndex": "advisor.index",
+    "RedisSnapshotStore": "advisor.index",
+    "Snapshot": "advisor.index",
+    "SnapshotError": "advisor.index",
+    "SqliteSnapshotStore": "advisor.index",
+    "SsdAdmissionFilter": "advisor.index",
+    "load_latest": "advisor.index",
+    "BadPayloadError": "advisor.ingest",
+    "JournalError": "advisor.ingest",
+    "SqliteJournal": "advisor.ingest",
+    "Mover": "advisor.moves",
+    "Plan": "advisor.moves",
+    "Planner": "advisor.moves",
+    "TokenBucket": "advisor.moves",
+    "AdvisorQuery": "advisor.ops",
+    "LookupResult": "advisor.ops",
+    "VolumeView": "advisor.ops",
+    "CompactionSettings": "advisor.policy",
+    "DemotionSettings": "advisor.policy",
+    "PlanItem": "advisor.policy",
+    "PlanKind": "advisor.policy",
+    "PlannerSettings": "advisor.policy",
+    "PlanResult": "advisor.policy",
+    "PlanStatus": "advisor.policy",
+    "PolicyInput": "advisor.policy",
+    "PolicySettings": "advisor.policy",
+    "PrefixPolicySettings": "advisor.policy",
+    "PrefixValueCache": "advisor.policy",
+    "PromotionSettings": "advisor.policy",
+    "ReuseStats": "advisor.policy",
+    "VolumeUsage": "advisor.policy",
+    "plan_all": "advisor.policy",
+    "plan_compactions": "advisor.policy",
+    "plan_demotions": "advisor.policy",
+    "plan_promotions": "advisor.policy",
+    "AdvisorSettings": "advisor.settings",
+    "SettingsError": "advisor.settings",
+    "VolumeSettings": "advisor.settings",
+}
+"""Each name of the face and the room that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``name`` of the face from its room on first use (PEP 562).
+
+    Raises:
+        AttributeError: ``name`` is not on the face.
+    """
+    room = _FACE.get(name)
+    if room is None:
+        raise AttributeError(f"module 'advisor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(room), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names and every name of the face."""
+    return sorted(set(globals()) | set(_FACE))
+
 
 __all__ = [
     "RedisSnapshotStore",

@@ -188,6 +188,40 @@ class Pooled:
         return [res for r in self.runs for res in r.results]
 
 
+def queue_ahead(runs: list[Any], warmup: int) -> dict[str, Any]:
+    """The queue the window's requests met on their engine when sent, hits and misses apart.
+
+    Per request: ``served`` and ``prefilling`` are the client's counts at send
+    (``RequestResult.ahead_at_send`` / ``prefilling_at_send``); ``tokens`` is the prompt
+    tokens still to compute (prompt − cached) of the requests on the same engine, of the same
+    repetition, sent before it and without their first token yet (from each one's ``sent_s``
+    and ``ttft_s``).  Returns the means of each (``{"hit": {...}, "miss": {...}}``) and
+    ``computed_share``: each engine's share of the window's computed prompt tokens.
+    """
+    acc = {"hit": [0, 0.0, 0.0, 0.0], "miss": [0, 0.0, 0.0, 0.0]}
+    computed: dict[int, int] = {}
+    for r in runs:
+        ok = [res for res in r.results if res.error is None]
+        for res in ok:
+            if res.index < warmup:
+                continue
+            computed[res.engine] = computed.get(res.engine, 0) + res.prompt_tokens - res.cached_tokens
+            ahead = sum(o.prompt_tokens - o.cached_tokens for o in ok
+                        if o.engine == res.engine and o.sent_s < res.sent_s < o.sent_s + o.ttft_s)
+            a = acc["hit" if res.cached_tokens > 0 else "miss"]
+            a[0] += 1
+            a[1] += res.ahead_at_send
+            a[2] += res.prefilling_at_send
+            a[3] += ahead
+    out: dict[str, Any] = {k: {"n": v[0], "served": v[1] / max(v[0], 1), "prefilling": v[2] / max(v[0], 1),
+                               "tokens": v[3] / max(v[0], 1)} for k, v in acc.items()}
+    routes = [res.route_s for r in runs for res in r.results if res.error is None and res.index >= warmup]
+    out["route_ms"] = {"mean": 1000 * sum(routes) / max(len(routes), 1), "max": 1000 * max(routes, default=0.0)}
+    total = sum(computed.values()) or 1
+    out["computed_share"] = [computed[e] / total for e in sorted(computed)]
+    return out
+
+
 def gap_closed(a: float, x: float, f: float) -> float:
     """Share of the (a) → (f) gap that x closes: ``(a - x) / (a - f)``."""
     return (a - x) / (a - f) if a != f else float("nan")
@@ -268,8 +302,11 @@ def main() -> int:
         miss = [res.ttft_s for res in win if res.cached_tokens == 0]
         rows[k] = {"ttft_hit_mean": sum(hit) / len(hit) if hit else None, "hits": len(hit),
                    "ttft_miss_mean": sum(miss) / len(miss) if miss else None,
-                   "requests": [(res.index, res.engine, res.prompt_tokens, res.cached_tokens, round(res.ttft_s, 4))
+                   "requests": [(res.index, res.engine, res.prompt_tokens, res.cached_tokens, round(res.ttft_s, 4),
+                                 round(res.sent_s, 4), res.ahead_at_send, res.prefilling_at_send, round(res.route_s, 4),
+                                 res.burst)
                                 for res in r.results if res.error is None],
+                   "queue": queue_ahead(r.runs, args.warmup),
                    "kvbm": r.kvbm, "wall_s": r.wall_s, "replay_s": r.replay_s,
                    "ttft": r.ttft_s, "saved": r.prefill_saved, "prompt": r.prompt_tokens, "same": same, "checked": checked,
                    "failed": r.failed, "cached_by_source": c, "moves": mv, "router": r.router_choices}
@@ -290,6 +327,18 @@ def main() -> int:
         n_miss = sum(1 for q in row["requests"] if q[0] >= args.warmup and q[3] == 0)
         print(f"| ({k}) | {row['hits']}, {hm * 1000 if hm is not None else float('nan'):,.0f} ms | "
               f"{n_miss}, {mm * 1000 if mm is not None else float('nan'):,.0f} ms | {onboard_row(row['kvbm'])} |")
+    print("\nthe queue each request met on its engine when it was sent (window; means): requests being served, "
+          "of them still before their first token, and their prompt tokens left to compute (prompt - cached); "
+          "engines' share of the computed prompt tokens; the router's time (arrival to sending, part of TTFT)")
+    print("| config | hits: served / prefilling / tokens ahead | misses: served / prefilling / tokens ahead "
+          "| computed tokens per engine | routing mean / max |")
+    print("|---|---|---|---|---|")
+    for k, row in rows.items():
+        q = row["queue"]
+        print(f"| ({k}) | {q['hit']['served']:.2f} / {q['hit']['prefilling']:.2f} / {q['hit']['tokens']:,.0f} | "
+              f"{q['miss']['served']:.2f} / {q['miss']['prefilling']:.2f} / {q['miss']['tokens']:,.0f} | "
+              + " / ".join(f"{x:.0%}" for x in q["computed_share"])
+              + f" | {q['route_ms']['mean']:.1f} / {q['route_ms']['max']:.0f} ms |")
     if {"a", "d", "f"} <= reports.keys():
         a, d, f = reports["a"], reports["d"], reports["f"]
         saved = d.prefill_saved / f.prefill_saved if f.prefill_saved else float("nan")

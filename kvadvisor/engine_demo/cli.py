@@ -103,7 +103,10 @@ def report_table(r: EngineDemoReport) -> Table:
         ("router", f"{r.router_choices.get('router')}: " + ", ".join(f"{k} {v}" for k, v in r.router_choices.get("per_engine", {}).items())
                    + f"; {r.router_choices.get('to_best_overlap', 0)}/{r.router_choices.get('with_overlap', 0)} "
                      f"requests with an overlap sent to the best one ({r.router_choices.get('with_shared_overlap', 0)} "
-                     "on a shared volume)"),
+                     "on a shared volume); "
+                     f"{r.router_choices.get('bursts', 0)} bursts routed together (largest "
+                     f"{r.router_choices.get('largest_burst', 0)}), routing {r.router_choices.get('route_ms_mean', 0):.1f} ms "
+                     f"mean, {r.router_choices.get('route_ms_max', 0):.0f} ms max"),
         ("index == catalog (blocks)", ", ".join(f"{k} {v['index']}/{v['held']}{'' if v['equal'] else ' DIFFERS'}"
                                                 for k, v in r.consistency.items() if "equal" in v)),
         ("G1: advisor's fold / indexer's (vLLM events)", ", ".join(

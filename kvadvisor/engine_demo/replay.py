@@ -55,10 +55,15 @@ class RequestResult:
         engine: index of the engine that served it.
         prompt_tokens: prompt length.
         cached_tokens: prompt tokens vLLM did not compute (module doc).
-        ttft_s: time to the first token.
-        latency_s: time to the last token.
+        ttft_s: time to the first token, from the request's arrival (routing included).
+        latency_s: time to the last token, from its arrival.
+        route_s: from its arrival to its sending (the router's decision).
+        burst: trace index of the first request routed together with it (its own when alone).
         output: generated token ids.
         overlap_tokens: the router's view of each engine's overlap (KV-aware only).
+        sent_s: when it was sent, seconds from the start of the replay.
+        ahead_at_send: requests the same engine was serving when it was sent (its queue).
+        prefilling_at_send: of those, requests still waiting for their first token.
         error: why the request failed (``None`` when it did not).
     """
 
@@ -70,6 +75,11 @@ class RequestResult:
     latency_s: float = 0.0
     output: tuple[int, ...] = ()
     overlap_tokens: tuple[int, ...] = ()
+    route_s: float = 0.0
+    burst: int = 0
+    sent_s: float = 0.0
+    ahead_at_send: int = 0
+    prefilling_at_send: int = 0
     error: str | None = None
 
 
@@ -122,23 +132,49 @@ async def replay(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[RequestResult]:
     """Send every prompt at its arrival time (seconds from the start), routed by ``router``
-    (told of each request's first token and end), and wait for all of them.  A failed
-    request is recorded with its ``error``."""
+    (told of each request's first token and end), and wait for all of them.
+
+    The prompts due at one moment (a trace's timestamps come in bursts: the Mooncake
+    conversation trace's are multiples of 3 s) are routed together
+    (:meth:`Router.choose_many`) and sent together.  Times count from each request's arrival,
+    so the router's decision is part of its TTFT, as a client sees it.  A failed request is
+    recorded with its ``error``; each result records the queue it met on its engine
+    (``ahead_at_send``, ``prefilling_at_send``: the client's own count, whatever the
+    router)."""
     results: list[RequestResult | None] = [None] * len(prompts)
     done = 0
+    serving = [0] * len(engine_urls)
+    prefilling = [0] * len(engine_urls)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
 
-        async def one(i: int, choice: Choice) -> None:
+        async def one(i: int, choice: Choice, burst: int) -> None:
             nonlocal done
-            res = RequestResult(i, choice.engine, len(prompts[i]), overlap_tokens=choice.overlap_tokens)
+            e = choice.engine
+            now = time.monotonic() - t0
+            res = RequestResult(i, e, len(prompts[i]), overlap_tokens=choice.overlap_tokens,
+                                route_s=max(0.0, now - arrivals_s[i]), burst=burst, sent_s=now,
+                                ahead_at_send=serving[e], prefilling_at_send=prefilling[e])
+            serving[e] += 1
+            prefilling[e] += 1
+            first = False
+
+            def on_first_token() -> None:
+                nonlocal first
+                first = True
+                prefilling[e] -= 1
+                router.first_token(choice)
+
             try:
-                res.ttft_s, res.latency_s, out, res.cached_tokens = await complete(
-                    http, engine_urls[choice.engine], model, prompts[i], max_tokens, lambda: router.first_token(choice))
-                res.output = tuple(out)
+                ttft, latency, out, res.cached_tokens = await complete(
+                    http, engine_urls[e], model, prompts[i], max_tokens, on_first_token)
+                res.ttft_s, res.latency_s, res.output = res.route_s + ttft, res.route_s + latency, tuple(out)
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 res.error = f"{type(exc).__name__}: {exc}"
             finally:
+                serving[e] -= 1
+                if not first:
+                    prefilling[e] -= 1
                 router.finished(choice, prompts[i])
             results[i] = res
             done += 1
@@ -147,12 +183,18 @@ async def replay(
 
         t0 = time.monotonic()
         tasks = []
-        for i, p in enumerate(prompts):
+        i = 0
+        while i < len(prompts):
             delay = arrivals_s[i] - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            choice = await router.choose(p)
-            tasks.append(asyncio.create_task(one(i, choice)))
+            now = time.monotonic() - t0
+            j = i + 1
+            while j < len(prompts) and arrivals_s[j] <= now:  # every prompt due by now, in order
+                j += 1
+            choices = await router.choose_many(prompts[i:j])
+            tasks += [asyncio.create_task(one(k, c, i)) for k, c in zip(range(i, j), choices)]
+            i = j
         await asyncio.gather(*tasks)
     return [r for r in results if r is not None]
 

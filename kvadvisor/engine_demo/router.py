@@ -31,10 +31,18 @@ potential active blocks).  For each engine ``w`` and a prompt of ``B`` blocks::
 
 The lowest cost wins; ties go to the engine with fewer requests in flight, then to the next
 one in round-robin order.
+
+Requests that arrive together are routed together (:meth:`Router.choose_many`): their
+queries run at once, then each is picked in arrival order, seeing the load of those before
+it.  Dynamo's router holds its index in its own process and decides in microseconds; ours
+asks the advisor over HTTP, and one query after the other would send a burst out over their
+round trips (up to 370 ms for a burst of 10 on a loaded 2-core machine), so an engine starts a
+step with the burst's first prompt while the rest wait behind it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -75,6 +83,8 @@ class Router(Protocol):
 
     async def choose(self, tokens: Sequence[int]) -> Choice: ...
 
+    async def choose_many(self, prompts: Sequence[Sequence[int]]) -> list[Choice]: ...
+
     def first_token(self, choice: Choice) -> None: ...
 
     def finished(self, choice: Choice, tokens: Sequence[int]) -> None: ...
@@ -112,6 +122,10 @@ class RoundRobinRouter:
         c = Choice(next(self._next))
         self.stats.per_engine[c.engine] += 1
         return c
+
+    async def choose_many(self, prompts: Sequence[Sequence[int]]) -> list[Choice]:
+        """:meth:`choose` for each prompt, in order."""
+        return [await self.choose(p) for p in prompts]
 
     def first_token(self, choice: Choice) -> None:
         """Nothing to track."""
@@ -195,6 +209,19 @@ class KvRouter:
         """The engine of lowest cost (module doc) for ``tokens``, its load counted."""
         overlap, shared = await self.overlaps(tokens)
         return self.pick(len(tokens), overlap, shared)
+
+    async def choose_many(self, prompts: Sequence[Sequence[int]]) -> list[Choice]:
+        """Route requests that arrived together: every ``POST /query`` at once, then
+        :meth:`pick` for each prompt in order (each sees the load of those before it).
+
+        A router whose index lives in its process (Dynamo's) decides a burst in microseconds,
+        so the requests of a burst reach their engines together.  One query after the other
+        over HTTP would spread the burst by the queries' round trips, and an engine would
+        start a step with the burst's first prompt alone while the rest wait for that step
+        (docs/BENCHMARKS.md, the whole loop with vLLM).
+        """
+        answers = await asyncio.gather(*(self.overlaps(p) for p in prompts))
+        return [self.pick(len(p), overlap, shared) for p, (overlap, shared) in zip(prompts, answers)]
 
     def pick(self, n_tokens: int, overlap: Sequence[int], shared: int = 0) -> Choice:
         """Choose for a prompt of ``n_tokens`` tokens given each engine's overlap in tokens

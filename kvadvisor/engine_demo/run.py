@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -474,6 +475,7 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
                                     s.max_tokens, progress)
                 for r in rest:
                     r.index += s.warmup
+                    r.burst += s.warmup
                 return warm + rest, router
 
         before: dict[str, dict[str, float]] = _snapshot(engines, kvbm_ports)
@@ -528,7 +530,13 @@ def run_engine_demo(s: EngineDemoSettings, progress: Callable[[int, int], None] 
         report.router_choices = {"router": router.name, "per_engine": {f"engine-{k}": v for k, v in sorted(stats.per_engine.items())},
                                  "with_overlap": stats.with_overlap, "with_shared_overlap": stats.with_shared_overlap,
                                  "to_best_overlap": stats.to_best_overlap,
-                                 "query_errors": stats.query_errors}
+                                 "query_errors": stats.query_errors,
+                                 # requests routed together (arrived at one moment; every
+                                 # request), and the router's share of TTFT (route_s, window)
+                                 "bursts": len({r.burst for r in results}),
+                                 "largest_burst": max(Counter(r.burst for r in results).values(), default=0),
+                                 "route_ms_mean": 1000 * sum(r.route_s for r in ok) / max(len(ok), 1),
+                                 "route_ms_max": 1000 * max((r.route_s for r in ok), default=0.0)}
         report.consistency = check_consistency(client, catalog, s.engines, model, s.mode)
 
         if reference is not None:

@@ -77,6 +77,15 @@ def test_kv_router_sends_to_the_overlap_unless_its_load_outweighs_it(api: str) -
             assert (await other.choose(PROMPT)).overlap_tokens == (0, 0) and other.stats.query_errors == 0
             rr = RoundRobinRouter(2)
             assert [(await rr.choose(PROMPT)).engine for _ in range(4)] == [0, 1, 0, 1]
+            assert [c.engine for c in await rr.choose_many([PROMPT] * 3)] == [0, 1, 0]
+            # a burst is routed as one: its queries run together, then each request is
+            # picked in order and sees the load of those before it (the same choices as one
+            # by one above: the overlap, then the idle engine)
+            burst = KvRouter(http, MODEL, [0, 1], BS)
+            both = await burst.choose_many([PROMPT, PROMPT])
+            assert [c.engine for c in both] == [1, 0] and [c.prefill_blocks for c in both] == [2, 8]
+            assert burst.in_flight == [1, 1] and burst.stats.with_overlap == 2
+            assert await burst.choose_many([]) == []
 
     async def shared() -> None:
         async with httpx.AsyncClient(base_url=api, timeout=10.0) as http:

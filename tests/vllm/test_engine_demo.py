@@ -48,3 +48,7 @@ def test_engine_demo_exits_0_with_report_and_consistent_index(tmp_path: Path) ->
     assert sum(per_volume.values()) == r["kvbm"]["kvbm_onboard_blocks_d2d"]
     assert r["outputs_checked"] == 2 and r["outputs_identical"] == 2
     assert sum(r["router_choices"]["per_engine"].values()) == 12
+    # the trace's first 10 requests share one timestamp: they are routed and sent together
+    # (one POST /query after the other would spread them by the queries' round trips)
+    assert r["router_choices"]["largest_burst"] == 10 and r["router_choices"]["bursts"] == 2
+    assert r["router_choices"]["route_ms_max"] >= r["router_choices"]["route_ms_mean"] >= 0
