@@ -359,6 +359,13 @@ def main() -> int:
                    better="lower")
         report.add("prefill tokens saved, (d) full loop", d.prefill_saved, f.prefill_saved, unit="tokens",
                    reference_name="(f) G1 holds the replay", goal=">= 80 %", met=saved >= 0.8)
+        for other in ("c", "e"):
+            if other in reports:
+                o = reports[other]
+                for stat in ("mean", "p90"):
+                    report.add(f"TTFT {stat}, (d) against ({other})", d.ttft_s[stat] * 1000, o.ttft_s[stat] * 1000,
+                               unit="ms", reference_name=f"({other}) {LABELS[other]}", goal="not worse",
+                               met=d.ttft_s[stat] <= o.ttft_s[stat], better="lower")
     for k, r in reports.items():
         report.add(f"TTFT mean, ({k}) {LABELS[k]}", r.ttft_s["mean"] * 1000, unit="ms", better="lower",
                    headline=not report.figures and k == keys[0])
