@@ -20,6 +20,7 @@ from event_plane.nats_transport import MSG_ID_HEADER, subject_for
 from kvbm_runtime import BlockMeta, BlockPool, LayoutConfig
 from kvbm_runtime.layout import FullyContiguous
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until
 
 CFG = LayoutConfig(num_layers=1, outer_dim=1, page_size=4, inner_dim=8, dtype=torch.float16)
 
@@ -82,6 +83,7 @@ def test_nats_messages_carry_the_live_bytes_and_the_batch_msg_ids(nats_url: str,
     async def collect(ready: asyncio.Event, done: asyncio.Event) -> None:
         nc = await nats.connect(nats_url)
         sub = await nc.subscribe(subject_for(ns, "w-fast"))
+        await nc.flush()  # the server has the subscription before the publisher starts
         ready.set()
         try:
             while not done.is_set():
@@ -97,18 +99,14 @@ def test_nats_messages_carry_the_live_bytes_and_the_batch_msg_ids(nats_url: str,
     ready, done = asyncio.Event(), asyncio.Event()
     th = threading.Thread(target=loop.run_until_complete, args=(collect(ready, done),), daemon=True)
     th.start()
-    deadline = time.monotonic() + 5
-    while not ready.is_set() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(ready.is_set, what="the subscriber ready")
     pub = make_publisher(url, "w-fast", config=PublisherConfig(max_events=3, max_delay_s=60.0))
     try:
         assert pub._payload_only  # the fast path, no EventBatch
         _traffic(pub)
         pub.flush()
         n_batches = pub.next_seq
-        deadline = time.monotonic() + 5
-        while len(got) < n_batches and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(got) >= n_batches, what=f"{n_batches} batches received")
     finally:
         pub.close()
         loop.call_soon_threadsafe(done.set)

@@ -19,6 +19,7 @@ from event_plane import (
 )
 from event_plane.frames import END_SEQ, seq_to_bytes
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until
 
 ONE = PublisherConfig(max_events=1)
 
@@ -253,9 +254,7 @@ def test_full_delivery_queue_counts_drops() -> None:
     try:
         for i in range(20):
             pub.publish([ev(i)])
-        deadline = time.monotonic() + 5
-        while sub.stats().dropped + sub.stats().batches < 20 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: sub.stats().dropped + sub.stats().batches >= 20, what="20 batches received or dropped")
         st = sub.stats()
         assert (st.batches, st.dropped) == (5, 15)
         assert [b.seq for b in sub.get_many(10, 0.5)] == [0, 1, 2, 3, 4]

@@ -209,14 +209,10 @@ def test_a_client_that_stops_reading_gets_one_answer_at_a_time_and_is_abandoned(
         other.send_multipart([b"", seq_to_bytes(3999)])
         assert read_answer(other) == [seq_to_bytes(3999), END_SEQ]
         other.close(linger=0)  # (only the stalled client stays connected)
-        deadline = time.monotonic() + 5
-        while pub.replay_stats()["stalled"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: pub.replay_stats()["stalled"] > 0, what="a stalled replay client counted")
         st = pub.replay_stats()
         assert (st["refused_busy"], st["stalled"], st["served"]) == (1, 1, 1), st
-        deadline = time.monotonic() + 5
-        while pub.replay_stats()["recycles"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: pub.replay_stats()["recycles"] > 0, what="the replay socket recycled")
         assert pub.replay_stats()["recycles"] == 1
         assert not tcp_peers_of(rep_ep), "the stalled client's connection was kept"
         late = replay_client(ctx, rep_ep, dealers)

@@ -68,8 +68,12 @@ def test_peers_that_never_read_cannot_stop_a_reading_peer_s_replay() -> None:
         st = pub.replay_stats()
         assert [b.seq for b in got] == list(range(N + 1)), (len(got), st, sub.stats())
         assert sub.stats().unrecovered == 0
-        # the limits did the work: hostile requests refused per address / for not reading
-        assert st["refused_peer_active"] > 0, st
+        # the limits did the work: hostile requests refused (per address, for not reading,
+        # by the request rates) or their answers preempted for the reading peer; which one
+        # acts first depends on the machine's load (on a loaded one the rates act first)
+        fair = ("refused_peer_active", "refused_active", "refused_peer_rate", "refused_total_rate", "preempted")
+        assert sum(st[k] for k in fair) > 0, st
+        assert st["served"] < st["requests"], st
     finally:
         stop.set()
         for t in threads:

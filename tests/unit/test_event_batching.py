@@ -263,15 +263,11 @@ def test_publish_valid_time_limit_still_flushes(max_event_bytes: int | None) -> 
     pub = NullPublisher("w0", config=PublisherConfig(max_delay_s=0.1, adaptive_delay=False), on_flush=j)
     pub.publish_valid(chain(3), max_event_bytes)
     pub.publish_valid(chain(2, 10), max_event_bytes)
-    deadline = time.monotonic() + 5.0
-    while not j.batches and time.monotonic() < deadline:
-        time.sleep(0.01)
+    polling.wait_until(lambda: j.batches, what="the timer's first batch")
     assert [len(b.events) for b in j.batches] == [5]
     # a second batch, opened while the timer sleeps: sent by the timer too
     pub.publish_valid(chain(1, 20), max_event_bytes)
-    deadline = time.monotonic() + 5.0
-    while len(j.batches) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    polling.wait_until(lambda: len(j.batches) >= 2, what="the timer's second batch")
     assert [len(b.events) for b in j.batches] == [5, 1]
     pub.close()
 

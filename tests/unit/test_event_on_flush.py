@@ -11,6 +11,7 @@ import time
 import pytest
 
 from event_plane import EventBatch, NullPublisher, PublisherClosedError, PublisherConfig, store
+from tests.polling import wait_until
 
 
 def ev(h: int) -> list:
@@ -168,9 +169,7 @@ def test_flush_and_close_from_inside_on_flush_do_not_wait_for_themselves() -> No
     t.start()
     t.join(5)
     assert not t.is_alive()  # the outer flush() returned once seq 0 ran
-    deadline = time.monotonic() + 5
-    while ran != [0, 1] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: ran == [0, 1], what="on_flush ran for seqs 0 and 1")
     assert ran == [0, 1]  # seq 1, sent from inside on_flush, ran next (delivery thread)
     with pytest.raises(PublisherClosedError):
         pub.publish(ev(8))

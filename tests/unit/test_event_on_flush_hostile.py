@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from event_plane import EventBatch, NullPublisher, PublisherClosedError, PublisherConfig, store
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -515,9 +516,7 @@ def test_a_base_exception_in_on_flush_on_the_timer_thread_does_not_stop_timed_fl
                         on_flush=on_flush)
     try:
         pub.publish(ev(1))
-        deadline = time.monotonic() + 5
-        while not ran and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: ran, what="on_flush ran")
         assert ran == [0]
         time.sleep(0.05)
         pub.publish(ev(2))  # one event, far below max_events: only the timer sends it
