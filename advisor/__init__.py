@@ -13,8 +13,9 @@ alone, not the embedded service with it; a name of the face loads its room on fi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from event_plane.lazy_face import lazy_getattr
 
 if TYPE_CHECKING:
     from advisor.embedded import AdvisorError, AdvisorService, main
@@ -106,18 +107,7 @@ _FACE: dict[str, str] = {
 """Each name of the face and the room that defines it."""
 
 
-def __getattr__(name: str) -> Any:
-    """Load ``name`` of the face from its room on first use (PEP 562).
-
-    Raises:
-        AttributeError: ``name`` is not on the face.
-    """
-    room = _FACE.get(name)
-    if room is None:
-        raise AttributeError(f"module 'advisor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(room), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _FACE)
 
 
 def __dir__() -> list[str]:

@@ -11,8 +11,7 @@ Mapping rules: :mod:`event_plane.adapters.peer` and ``docs/events.md`` §10.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from event_plane.lazy_face import lazy_getattr
 
 _EXPORTS = {
     "PeerConfig": "event_plane.adapters.peer",
@@ -38,13 +37,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'event_plane.adapters' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
