@@ -16,14 +16,21 @@ its index latency. Each row prints that latency's p50 / p99 / max during the flo
 ``--tail-s`` after it was sent) beside the same figures with no flood, and the advisor's
 peak RSS (``VmHWM``, reset after start) against the documented bound.
 
+When a good batch is still not indexed after the 1 s goal, the bench asks the advisor for its
+threads' stacks (SIGUSR1, :func:`advisor.embedded.stacks.dump_stacks`) and takes its own (the prober's side), at most
+:data:`MAX_STALL_DUMPS` times a run: :attr:`Result.stalls` keeps them and :func:`table` prints
+them, so a slow batch names where it waited.
+
 Run: ``python bench/flood.py [--scale 1.0] [--json out.json]`` (``make flood``).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,10 +39,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from advisor.embedded.stacks import dump_stacks  # noqa: E402
 from bench._report import Report, add_json_option  # noqa: E402
 
 FULL = {"registrations": 2000, "epochs": 200_000, "sources": 50_000}
@@ -46,6 +55,8 @@ RSS_BOUND = 640 << 20
 """The advisor's peak RSS over all floods at full scale, default quotas (docs/security.md,
 "Flood bounds"): what the quotas let the floods make it hold, plus the process itself."""
 BS = 4096
+MAX_STALL_DUMPS = 3
+"""Stack dumps taken per run, at most (each is the advisor's and the prober's threads)."""
 
 
 # ---------------------------------------------------------------- the hostile child
@@ -127,6 +138,9 @@ class Result:
     """The advisor's ingest counters at the end (quota refusals, drops...)."""
     dropped: int = 0
     """Batches its subscriber dropped (a source's or an origin's queue full) at the end."""
+    stalls: list[str] = field(default_factory=list)
+    """Per good batch past the 1 s goal (at most :data:`MAX_STALL_DUMPS`): the flood, how
+    long it had waited, the advisor's thread stacks and the prober's."""
 
 
 def _status(pid: int, key: str) -> int:
@@ -140,7 +154,7 @@ class Prober:
     """The well-behaved publisher: one Store every ``interval_s``, then poll the API until
     it is indexed; keeps each latency (seconds) with its publish time."""
 
-    def __init__(self, url: str, api: str, interval_s: float) -> None:
+    def __init__(self, url: str, api: str, interval_s: float, on_stall: Any = None) -> None:
         import httpx
 
         from event_plane import PublisherConfig, make_publisher
@@ -153,6 +167,22 @@ class Prober:
         self._h = 1 << 40
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._outstanding: float | None = None  # publish time of the batch being waited for
+        self._on_stall = on_stall
+        self._closed = threading.Event()
+        self._watch = threading.Thread(target=self._watchdog, name="flood-watchdog", daemon=True)
+        self._watch.start()
+
+    def _watchdog(self) -> None:
+        """Call ``on_stall(waited_s)`` once per batch that is past the goal."""
+        reported: float | None = None
+        while not self._closed.wait(0.05):
+            t0 = self._outstanding
+            if self._on_stall is not None and t0 is not None and t0 != reported:
+                waited = time.monotonic() - t0
+                if waited > LATENCY_GOAL_S:
+                    reported = t0
+                    self._on_stall(waited)
 
     def one(self, deadline_s: float = 30.0) -> float | None:
         """Publish one Store and wait until it is indexed; its latency (None: not within ``deadline_s``)."""
@@ -161,15 +191,19 @@ class Prober:
         self._h += 1
         h = self._h
         t0 = time.monotonic()
-        self.pub.publish([store(h, h, None, BS, "g1")])
-        while time.monotonic() - t0 < deadline_s:
-            if self.http.get(f"/v1/blocks/{h}").status_code == 200:
-                lat = time.monotonic() - t0
-                self.samples.append((t0, lat))
-                return lat
-            time.sleep(0.002)
-        self.unindexed += 1
-        return None
+        self._outstanding = t0
+        try:
+            self.pub.publish([store(h, h, None, BS, "g1")])
+            while time.monotonic() - t0 < deadline_s:
+                if self.http.get(f"/v1/blocks/{h}").status_code == 200:
+                    lat = time.monotonic() - t0
+                    self.samples.append((t0, lat))
+                    return lat
+                time.sleep(0.002)
+            self.unindexed += 1
+            return None
+        finally:
+            self._outstanding = None
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -190,6 +224,8 @@ class Prober:
         return [lat for _, lat in self.samples]
 
     def close(self) -> None:
+        self._closed.set()
+        self._watch.join()
         self.pub.close()
         self.http.close()
 
@@ -220,12 +256,34 @@ def run(scale: float = 1.0, *, interval_s: float = 0.05, tail_s: float = 2.0, ba
            "api_enabled": True, "api_port": api_port, "snapshot_store": "none", "policy_interval_s": 0}
     Path(tmp.name, "advisor.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"}
+    adv_log = open(Path(tmp.name, "advisor.stderr"), "w+")  # noqa: SIM115 - closed in finally
     adv = subprocess.Popen([sys.executable, "-m", "advisor", "--config", f"{tmp.name}/advisor.json"],
-                           cwd=advisor_root, env={**env, "PYTHONPATH": str(advisor_root)}, stdout=subprocess.PIPE, text=True)
+                           cwd=advisor_root, env={**env, "PYTHONPATH": str(advisor_root)}, stdout=subprocess.PIPE,
+                           stderr=adv_log, text=True)
     bad = subprocess.Popen([sys.executable, __file__, "--hostile", str(bad_port)], cwd=ROOT, env=env,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     prober = None
     res = Result(scale)
+    flood_now = ["start"]
+
+    def on_stall(waited_s: float) -> None:
+        """The advisor's stacks (SIGUSR1 → its stderr) and this process's, for one slow batch."""
+        if len(res.stalls) >= MAX_STALL_DUMPS:
+            return
+        at = adv_log.seek(0, io.SEEK_END)
+        adv.send_signal(signal.SIGUSR1)
+        mine = io.StringIO()
+        dump_stacks(mine)
+        deadline = time.monotonic() + 10  # the advisor writes its dump when its main thread runs
+        while True:
+            adv_log.seek(at)
+            theirs = adv_log.read()
+            if "=== end of stacks" in theirs or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        res.stalls.append(f"--- {flood_now[0]}: a good batch not indexed after {waited_s:.2f} s\n"
+                          f"advisor (python -m advisor), stderr since:\n{theirs[-20000:]}\n"
+                          f"prober (this process):\n{mine.getvalue()[-20000:]}")
 
     def say(*words: str) -> None:
         assert bad.stdin is not None
@@ -245,10 +303,11 @@ def run(scale: float = 1.0, *, interval_s: float = 0.05, tail_s: float = 2.0, ba
         assert adv.stdout is not None and bad.stdout is not None
         line = adv.stdout.readline().split()
         if line[:2] != ["ADVISOR", "READY"]:
-            raise RuntimeError(f"advisor did not start: {line}")
+            adv_log.seek(0)
+            raise RuntimeError(f"advisor did not start: {line}; its stderr: {adv_log.read()[-4000:]}")
         api = line[2]
         assert bad.stdout.readline().strip() == "ready"
-        prober = Prober(good_url, api, interval_s)
+        prober = Prober(good_url, api, interval_s, on_stall)
         deadline = time.monotonic() + 60
         while prober.one(deadline_s=0.5) is None:  # the SUBs join late: a PUB drops what came before
             if time.monotonic() > deadline:
@@ -263,6 +322,8 @@ def run(scale: float = 1.0, *, interval_s: float = 0.05, tail_s: float = 2.0, ba
             time.sleep(0.1)
         prober.samples.clear()
         prober.unindexed = 0
+        res.stalls.clear()  # the SUBs joining late are not stalls
+        flood_now[0] = "no flood"
         Path(f"/proc/{adv.pid}/clear_refs").write_text("5")
         res.base_rss_mib = _status(adv.pid, "VmHWM") / (1 << 20)
         prober.start()
@@ -275,6 +336,7 @@ def run(scale: float = 1.0, *, interval_s: float = 0.05, tail_s: float = 2.0, ba
                   ("message", MESSAGE_BYTES, ["message", str(MESSAGE_BYTES)])]
         for name, size, cmd in floods:
             cmd = [str(size) if a is None else a for a in cmd]
+            flood_now[0] = name
             prober.samples.clear()
             prober.start()
             t0 = time.monotonic()
@@ -308,6 +370,7 @@ def run(scale: float = 1.0, *, interval_s: float = 0.05, tail_s: float = 2.0, ba
         except subprocess.TimeoutExpired:
             adv.kill()
             adv.wait()
+        adv_log.close()
         tmp.cleanup()
 
 
@@ -324,6 +387,10 @@ def table(res: Result) -> str:
                f"(bound {res.rss_bound_mib:.0f} MiB); good batches not indexed: {res.unindexed}; sources known "
                f"{res.sources}, refused by the source quota {res.counters.get('quota_refused_batches_sources', 0)}, "
                f"dropped on full queues {res.dropped}")
+    if res.counters.get("journal_failures"):
+        out.append(f"journal appends failed (retried): {res.counters['journal_failures']}")
+    for dump in res.stalls:
+        out.append(dump)
     return "\n".join(out)
 
 

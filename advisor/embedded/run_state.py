@@ -15,6 +15,7 @@ import sqlite3
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -47,15 +48,26 @@ class RunStateStore:
     Args:
         path: the SQLite file (the advisor's journal file).
         keep_plans: plan results kept (older ones are deleted when new ones are saved).
+        synchronous: SQLite ``synchronous`` pragma, the journal's own
+            (``AdvisorSettings.journal_synchronous``). It is a setting of each connection,
+            and SQLite's default, ``FULL``, fsyncs the WAL in every commit while holding the
+            file's one write lock, which the journal's appends (under the advisor's state
+            lock) then wait for: with ``NORMAL`` a commit survives a crash of the process,
+            as the journal's do.
 
     Raises:
         sqlite3.Error: the file cannot be opened.
+        ValueError: ``synchronous`` is neither ``"NORMAL"`` nor ``"FULL"``.
     """
 
-    def __init__(self, path: str | Path, keep_plans: int = 1000) -> None:
+    def __init__(self, path: str | Path, keep_plans: int = 1000, *,
+                 synchronous: Literal["NORMAL", "FULL"] = "NORMAL") -> None:
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be NORMAL or FULL, got {synchronous!r}")
         self.keep_plans = keep_plans
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
 

@@ -231,7 +231,8 @@ class AdvisorService:
             self.journal = _open_file("journal", s.journal_path, SqliteJournal, s.journal_path, synchronous=s.journal_synchronous)
             self._load_snapshot(self.journal.last_position())
             self._replay_journal()
-            self.run_state = _open_file("run state", s.journal_path, RunStateStore, s.journal_path)
+            self.run_state = _open_file("run state", s.journal_path, RunStateStore, s.journal_path,
+                                        synchronous=s.journal_synchronous)
         else:
             self._load_snapshot(None)
             self._open_stream_log()
@@ -1262,7 +1263,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the advisor as its own process: ``python -m advisor --config FILE.json``.
 
     Prints ``ADVISOR READY http://HOST:PORT`` (or ``ADVISOR READY -`` without API) on
-    stdout once it is subscribed and serving; SIGTERM / SIGINT stop it cleanly.
+    stdout once it is subscribed and serving; SIGTERM / SIGINT stop it cleanly; SIGUSR1 writes
+    every thread's Python stack to stderr and goes on (:func:`advisor.embedded.stacks.dump_stacks`),
+    to see where a stuck or slow advisor waits (docs/operations.md, "Failure behaviour").
 
     Returns:
         Exit status: 0 after a clean stop, 2 on a configuration error, 1 on a start error.
@@ -1271,6 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import sys
 
+    from advisor.embedded.stacks import dump_stacks
     from advisor.settings import SettingsError
 
     parser = argparse.ArgumentParser(prog="python -m advisor", description="kvadvisor advisor service")
@@ -1290,6 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGUSR1, lambda *_: dump_stacks(sys.stderr))
     try:
         service.start()
     except Exception as exc:  # noqa: BLE001 - report any start failure and exit non-zero

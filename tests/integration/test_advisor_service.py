@@ -127,6 +127,14 @@ def test_advisor_runs_as_its_own_process(tmp_path) -> None:  # noqa: ANN001
         wait_for(lambda: httpx.get(base + "/v1/stats").json()["blocks"] == 3)
         body = httpx.post(base + "/v1/lookup", json={"sequence_hashes": [7, 8, 9]}).json()
         assert body["prefix_blocks"] == {"w0/g1": 3}
+        # SIGUSR1: every thread's stack on stderr, and the advisor goes on serving
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "=== end of stacks" in err.read_text())
+        dump = err.read_text()
+        assert "kvevents-zmq-sub" in dump and "zmq_transport.py" in dump, dump[-3000:]  # the subscriber
+        assert "MainThread" in dump and "run_forever" in dump, dump[-3000:]
+        assert proc.poll() is None
+        assert httpx.get(base + "/v1/stats").json()["blocks"] == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
