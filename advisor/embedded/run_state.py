@@ -68,6 +68,9 @@ class RunStateStore:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
+        # the journal's checkpoint thread copies the shared WAL back (advisor.ingest.journal);
+        # SQLite's automatic one would run in whichever commit crosses 1,000 pages, this one's too
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
 

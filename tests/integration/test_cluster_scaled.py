@@ -153,6 +153,24 @@ def _trail(url: str, ns: str, h: int) -> list[tuple[int, str, int, str, str]]:
     return out
 
 
+def _placement_mismatch(vol: str, indexed: set[int], placed: set[int], catalog: RedisCatalog, url: str, ns: str,
+                        tmp: Path) -> str:
+    """A failure message for the partitions and the catalog disagreeing on ``vol``: counts,
+    then for a few blocks their catalog placement and their trail in their partition's log
+    and in the whole log, then the advisors' warnings and errors."""
+    out = [f"volume {vol}: {len(indexed - placed)} blocks indexed there, not in the catalog; "
+           f"{len(placed - indexed)} in the catalog, not indexed there"]
+    for h in sorted(indexed ^ placed)[:3]:
+        pl = [(x.volume_id, x.version) for x in catalog.get_many([BlockKey(KEY_NS, h)]) if x is not None]
+        trails = {p: t for p in range(SCHEME.partitions) if (t := _trail(url, partition_namespace(ns, p), h))}
+        out.append(f"block {h:#x}: catalog {pl}; partition logs {trails}; whole log {_trail(url, f'{ns}-all', h)}")
+    for log in sorted(tmp.glob("adv-*.log")):
+        lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                 if (" WARNING " in ln or " ERROR " in ln) and "nats_transport" not in ln]
+        out.append(f"{log.name}: " + "\n  ".join(lines[-40:]))
+    return "\n".join(out)
+
+
 def _rebuild(url: str, ns: str, p: int) -> PrefixIndex:
     """Partition ``p`` as a new owner rebuilds it: newest Redis snapshot + stream tail."""
     snaps = RedisSnapshotStore(REDIS, key_prefix=f"kvadvisor:{ns}:p{p}")
@@ -379,7 +397,9 @@ def test_cluster_survives_advisor_and_nats_kills(tmp_path: Path, local_s3: Local
         assert union == ref_hashes
         placed = {v: {pl.key.sequence_hash for pl in catalog.iter_volume(v)} for v in volumes}
         for v in volumes:
-            assert on_volume[v] == placed[v], (v, len(on_volume[v] - placed[v]), len(placed[v] - on_volume[v]))
+            if on_volume[v] != placed[v]:
+                raise AssertionError(_placement_mismatch(v, on_volume[v], placed[v], catalog, cluster.advisor_url, ns,
+                                                         tmp_path))
 
         # nothing the workers stored was lost, and every block reads back byte for byte
         assert stored and full[0] < len(requests) // 4, (len(stored), full[0])

@@ -101,6 +101,7 @@ def test_the_run_state_commits_with_the_journals_synchronous_setting(tmp_path: P
     j = SqliteJournal(path)
     rs = RunStateStore(path, synchronous=setting)  # type: ignore[arg-type]
     assert rs._db.execute("PRAGMA synchronous").fetchone()[0] == level
+    assert rs._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0  # the journal's thread checkpoints
     rs.save_admin({"registrations": [{"instance_id": 1}]})
     assert rs.admin() == {"registrations": [{"instance_id": 1}]}
     rs.close()
