@@ -17,8 +17,8 @@ its index latency. Each row prints that latency's p50 / p99 / max during the flo
 peak RSS (``VmHWM``, reset after start) against the documented bound.
 
 When a good batch is still not indexed after the 1 s goal, the bench asks the advisor for its
-threads' stacks (SIGUSR1, :func:`advisor.embedded.stacks.dump_stacks`) and takes its own (the prober's side), at most
-:data:`MAX_STALL_DUMPS` times a run: :attr:`Result.stalls` keeps them and :func:`table` prints
+threads' stacks (SIGUSR1, :func:`advisor.embedded.stacks.dump_stacks`) and takes its own
+(the prober's side), at most :data:`MAX_STALL_DUMPS` times a run: :attr:`Result.stalls` keeps them and :func:`table` prints
 them, so a slow batch names where it waited.
 
 Run: ``python bench/flood.py [--scale 1.0] [--json out.json]`` (``make flood``).
@@ -37,9 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -154,7 +154,8 @@ class Prober:
     """The well-behaved publisher: one Store every ``interval_s``, then poll the API until
     it is indexed; keeps each latency (seconds) with its publish time."""
 
-    def __init__(self, url: str, api: str, interval_s: float, on_stall: Any = None) -> None:
+    def __init__(self, url: str, api: str, interval_s: float,
+                 on_stall: Callable[[float], None] | None = None) -> None:
         import httpx
 
         from event_plane import PublisherConfig, make_publisher
