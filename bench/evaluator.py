@@ -4,6 +4,7 @@
     taskset -c 0 python bench/evaluator.py --split              # plus the first and second halves
     taskset -c 0 python bench/evaluator.py --full               # every table of the policy section, timed
     python bench/evaluator.py --robustness 1000,2000,3000       # the synthetic suite and its variants, other seeds
+    python bench/evaluator.py --supersessions --trace …         # superseded branches, and those read again
 
 Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Belady and the
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
@@ -119,6 +120,48 @@ def full_evaluation(report: Report, json_path: Path | None) -> int:
     return 0
 
 
+def supersessions(trace: Path, max_fork: int) -> tuple[int, int, int, int]:
+    """``(branches, reused, blocks, blocks reused)``: the superseded branches of ``trace`` by
+    ``prefix_value``'s rule (module docstring of :mod:`advisor.policy.eviction.prefix_value`,
+    "Superseded branches" and its fork test): a request that continues a known prefix
+    (more than its first block) and leaves it at a block ``d`` that had fewer than
+    ``max_fork`` children supersedes the path the latest earlier request through ``d`` took
+    from ``d``'s child on; counted: those branches, those of them with a block referenced
+    again later in the trace, their blocks, and the blocks referenced again."""
+    import numpy as np
+
+    ct = compact(load_trace(trace))
+    flat, off, n = ct.flat, ct.offsets, ct.requests
+    next_use = ct.next_use()
+    last_req = np.full(ct.n_blocks, -1, dtype=np.int64)
+    last_ref = np.zeros(ct.n_blocks, dtype=np.int64)
+    taken = np.full(ct.n_blocks, -1, dtype=np.int64)
+    children = np.zeros(ct.n_blocks, dtype=np.int64)
+    branches = reused = blocks = blocks_reused = 0
+    for i in range(n):
+        a, b = int(off[i]), int(off[i + 1])
+        req = flat[a:b].tolist()
+        known = 0
+        while known < len(req) and last_req[req[known]] >= 0:
+            known += 1
+        if 1 < known < len(req) and children[req[known - 1]] < max_fork:
+            y, r, again = int(taken[req[known - 1]]), last_req[req[known - 1]], 0
+            if y >= 0:
+                branches += 1
+                while y >= 0 and last_req[y] == r:
+                    blocks += 1
+                    again += int(next_use[last_ref[y]] < n)
+                    y = int(taken[y])
+                reused += int(again > 0)
+                blocks_reused += again
+        for j, x in enumerate(req):
+            if j and last_req[x] < 0:
+                children[req[j - 1]] += 1
+            last_req[x], last_ref[x] = i, a + j
+            taken[x] = req[j + 1] if j + 1 < len(req) else -1
+    return branches, reused, blocks, blocks_reused
+
+
 def robustness(report: Report, seeds: Sequence[int], json_path: Path | None) -> int:
     """The synthetic suite and its variants generated with each of ``seeds``: one summary
     table, the rows below best - 0.002 counted."""
@@ -157,6 +200,8 @@ def main() -> int:
     ap.add_argument("--robustness", metavar="SEEDS", type=lambda t: [int(x) for x in t.split(",")],
                     help="replay the synthetic suite and its variants generated with each of these seeds "
                          "(comma-separated) and count the rows below best - 0.002")
+    ap.add_argument("--supersessions", action="store_true",
+                    help="count the trace's superseded branches (prefix_value's rule) and those read again")
     add_json_option(ap)
     args = ap.parse_args()
     report = Report("evaluator", WHAT)
@@ -166,6 +211,15 @@ def main() -> int:
         return robustness(report, args.robustness, args.json)
     if args.trace is None:
         ap.error("pass --trace or set KVADVISOR_TRACES")
+    if args.supersessions:
+        from advisor.policy.eviction.prefix_value import PrefixValueSettings
+
+        fork = PrefixValueSettings().supersede_max_fork
+        for label, max_fork in ((f"at forks (< {fork} children)", fork), ("at every block", 1 << 62)):
+            br, again, blk, blk_again = supersessions(args.trace, max_fork)
+            print(f"{args.trace.name}, superseded branches {label}: {br:,}, {br - again:,} never read again; "
+                  f"{blk:,} blocks, {blk - blk_again:,} ({(blk - blk_again) / max(blk, 1):.1%}) never read again")
+        return 0
     caps = parse_capacities(args.capacity)
     t0 = time.perf_counter()
     reqs = load_trace(args.trace)

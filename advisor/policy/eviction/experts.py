@@ -72,9 +72,10 @@ spell k is the followed leader's hits minus R's over the spell (:attr:`SelectorR
 the evaluator reports it per capacity, ``refill``).  It grows with the tier's turnover time
 (C / miss ratio, block references): on the synthetic suite a switch costs a median of 44
 hits, and up to about 400 (0.0015 of a trace) for a tier of 9/10 of the footprint, which
-turns over slowly.  The threshold has no term for it, by measurement (docs/BENCHMARKS.md,
-"Advisor policies"): switching only when the lead also exceeds an estimate κ of the refill
-(``S_b − S_lead > z·sqrt(V) + κ``, the ski-rental rule of metrical task systems, Borodin,
+turns over slowly.  The threshold has no term for it, by measurement
+(docs/benchmarks-history.md, "Switching rules measured against the default's"):
+switching only when the lead also exceeds an estimate κ of the refill (``S_b − S_lead >
+z·sqrt(V) + κ``, the ski-rental rule of metrical task systems, Borodin,
 Linial and Saks, JACM 1992; κ = the challenger's lead rate × its turnover time, or its
 excess hits over one turnover), a batch-means variance over one turnover, scores decayed by
 misses instead of references, a minimum dwell, restarts when the leader's hit rate drops,

@@ -34,12 +34,38 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   earlier request through ``d`` took (its *branch*) is superseded: the conversation went
   on along another path.  The superseded block moves to a class of its own (one for a
   block referenced once, one for a block referenced more often), learned online like the
-  others (each supersession counts as a trial at once, not censored), and its priority is
-  recomputed from its last reference with that class's ``P(reuse)``; evicting it takes its
-  cached descendants (cascade below).  On the Mooncake
+  others, and its priority is recomputed from its last reference with that class's
+  ``P(reuse)``; evicting it takes its cached descendants (cascade below).  On the Mooncake
   conversation trace a child of ``d`` that had been referenced once is referenced again after
   such a request in 7 of 5,337 cases (0.13 %), against 28 % for a new block of a new request
   (docs/BENCHMARKS.md, "The `prefix_value` expert").
+* **Superseded first**: while the superseded class's learned ``P(reuse)`` is below
+  ``supersede_first_below``, a newly superseded branch leaves before every other block
+  (priority ``last − SUPERSEDED_FIRST``), not a horizon-weighted amount earlier.  A branch
+  of a conversation that went on elsewhere (a context compacted or edited below its system
+  prompt, a finished sub-agent) holds blocks that recency ranks with the live ones; on the
+  WEKA agentic-coding traces 494 of the 504 branches superseded at a fork (98 % of their
+  blocks) were never referenced again (``bench/evaluator.py --supersessions``), and acting
+  on it takes the 200,000-block tier from 17.6 % to 41 % of the LRU→Belady gap
+  (docs/BENCHMARKS.md, "Advisor policies").  The gate's estimate
+  is censored on the superseded blocks' own clock: a supersession counts as a miss only
+  once ``censor_after`` × the mean distance at which superseded blocks were referenced
+  again (``initial_horizon`` before any was) has passed without a reference, and as a
+  reuse when it is referenced.  Blocks that share a multi-block header with others
+  (several objects or users under one system prompt) are "superseded" whenever a sibling
+  is read and come back a whole cycle later; the mean reuse distance of all blocks is
+  dominated by the header's short one, so counting on it judged them dead before they
+  returned, and the rule acted like MRU on a loop (−0.015 on the synthetic loop at 9/10 of
+  its footprint, as the selector followed it and back).  The class's own distance waits
+  for them (tested).  The rule acts only at a fork: where ``d`` had fewer than
+  ``supersede_max_fork`` children before the request.  A conversation forks a few times
+  below its system prompt (compactions, sub-agents); a header that many requests share has
+  as many children as requests that read it, and a sibling read there says nothing of the
+  others (tested).  Without the fork test, the rule evicted a new working set's live
+  siblings before the old set's dead blocks after each shift of the synthetic "shifting"
+  case (−0.0080 against −0.0037 at 9/10 of its footprint, seed 4,000).  In the trial
+  counts that rank a superseded block when the rule does not act, each supersession still
+  counts as a trial at once.
 * Prefix structure: within a request a block's priority never exceeds its parent's
   (leaves go first, a parent is worth at least its children), and evicting a block evicts
   its cached descendants (a block without its parent can never be hit).
@@ -60,6 +86,7 @@ from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
 
 BIG = 1.0e18
+SUPERSEDED_FIRST = 1.0e17  # a superseded branch's priority: its last reference minus this
 N_INST = 3  # 0 = the real tier, 1 = shadow with window / step, 2 = shadow with window × step
 
 
@@ -84,6 +111,15 @@ class PrefixValueSettings:
             than this × the mean observed reuse distance (0 = at once, the former estimator).
         adapt_z: the window moves only when the shadows' hit counts differ by more than
             this × sqrt(their sum + 1) (0 = on any difference, counts restarted every period).
+        supersede_first_below: a superseded branch leaves before every other block while
+            its class's learned ``P(reuse)`` is below this (0 = never: it keeps the
+            priority of its class, like any block; module docstring).
+        supersede_censor_after: for that gate, a superseded branch not referenced again
+            counts as a miss once older than this × the mean distance at which superseded
+            blocks were referenced again (module docstring).
+        supersede_max_fork: that gate acts only where the fork block ``d`` had fewer than
+            this many children before the request (a conversation's fork, not a header
+            shared by many requests; module docstring).
     """
 
     horizon_multiplier: float = 8.0
@@ -100,6 +136,9 @@ class PrefixValueSettings:
     supersede: bool = True
     censor_after: float = 2.0
     adapt_z: float = 2.0
+    supersede_first_below: float = 0.05
+    supersede_censor_after: float = 4.0
+    supersede_max_fork: int = 4
 
     def __post_init__(self) -> None:
         if not (self.horizon_multiplier > 0 and self.initial_horizon > 0 and self.prior_weight > 0):
@@ -112,6 +151,11 @@ class PrefixValueSettings:
             raise ValueError("adapt_step must be > 1 and adapt_every > 0")
         if self.censor_after < 0 or self.adapt_z < 0:
             raise ValueError("censor_after and adapt_z must be >= 0")
+        if not 0.0 <= self.supersede_first_below <= 1.0:
+            raise ValueError(f"supersede_first_below must be in [0, 1], got {self.supersede_first_below}")
+        if not self.supersede_censor_after > 0 or self.supersede_max_fork < 1:
+            raise ValueError(f"need supersede_censor_after > 0 and supersede_max_fork >= 1, got "
+                             f"{self.supersede_censor_after}, {self.supersede_max_fork}")
         if (self.max_seen + 1) * (self.max_from_end + 1) * 2 + 2 > 32767:
             raise ValueError("max_seen and max_from_end too large (the kernel keeps a class in an int16)")
 
@@ -236,6 +280,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     step, adapt_every = params[9], params[10]
     supersede = params[11] != 0.0
     censor_after, adapt_z = params[12], params[13]
+    first_below, sup_censor_after, max_fork = params[14], params[15], int(params[16])
     n_fe = max_from_end + 1
     n_cls = (max_seen + 1) * n_fe * 2 + 2  # regular classes, then the two superseded ones
     n_req = offsets.shape[0] - 1
@@ -257,6 +302,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     last = np.zeros(n_blocks, dtype=np.int64)
     ever = np.zeros(n_blocks, dtype=np.bool_)
     branch = np.full(n_blocks, -1, dtype=np.int32)  # the child the latest request through a block took
+    n_children = np.zeros(n_blocks, dtype=np.int32)  # distinct children seen so far
     first_child = np.full(n_blocks, -1, dtype=np.int32)
     sibling = np.full(n_blocks, -1, dtype=np.int32)
     for x in range(n_blocks):
@@ -274,6 +320,15 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     prev_ref = np.full(n_blocks if censor else 0, -1, dtype=np.int64)
     misses = np.zeros((N_INST, n_cls))
     open_from = np.zeros(N_INST, dtype=np.int64)
+    n_sup_max = n_req if censor and supersede else 0  # supersessions: at most one per request
+    sup_t = np.zeros(n_sup_max, dtype=np.int64)
+    sup_blk = np.zeros(n_sup_max, dtype=np.int64)
+    sup_cls = np.zeros((N_INST, n_sup_max), dtype=np.int32)
+    sup_open = np.zeros(N_INST, dtype=np.int64)
+    sup_dist_sum = np.zeros(N_INST)  # reuse distances of superseded blocks referenced again
+    sup_dist_n = np.zeros(N_INST)
+    n_regular = (max_seen + 1) * n_fe * 2
+    n_sup = 0
     hits = np.zeros(n_req, dtype=np.int64)
     shadow_hits = np.zeros(N_INST)
     windows = np.array([window, window / step, window * step])
@@ -317,17 +372,29 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
         cont = 1 if known > 1 else 0
         if supersede and cont == 1 and known < n:
             old = branch[flat[a + known - 1]]  # the branch this request leaves
+            fork = n_children[flat[a + known - 1]] < max_fork  # not (yet) a header many requests share
             if old >= 0:
+                if censor:  # its outcome is counted once it is known (below)
+                    sup_t[n_sup] = clock
+                    sup_blk[n_sup] = old
                 for k in range(N_INST):
                     sc = superseded_class(seen[k, old], max_seen, max_from_end)
                     cls_of[k, old] = sc
                     ins[k, sc] += 1.0
+                    if censor:
+                        sup_cls[k, n_sup] = sc
                     if not np.isnan(prio[k, old]) and prio[k, old] < BIG:  # cached and not due in the lookahead
                         horizon = initial_horizon if dist_n[k] == 0 else horizon_mult * dist_sum[k] / dist_n[k]
-                        q = priority(last[old], horizon, reu[k, sc], ins[k, sc], prior, prior_w, 0)
+                        known_sc = reu[k, sc] + misses[k, sc] if censor else ins[k, sc]
+                        if fork and (reu[k, sc] + prior_w * prior) / (known_sc + prior_w) < first_below:
+                            q = last[old] - SUPERSEDED_FIRST  # below every regular priority
+                        else:
+                            q = priority(last[old], horizon, reu[k, sc], ins[k, sc], prior, prior_w, 0)
                         if q < prio[k, old]:
                             prio[k, old] = q
                             _push(hkey, hid, hsize, k, q, old)
+                if censor:
+                    n_sup += 1
         for k in range(N_INST):
             forget = windows[k] * capacity if windows[k] < max_window else np.inf
             horizon = initial_horizon if dist_n[k] == 0 else horizon_mult * dist_sum[k] / dist_n[k]
@@ -340,6 +407,9 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     s = 0  # forgotten: counts as a new block
                 if s > 0:
                     reu[k, cls_of[k, x]] += 1.0
+                    if cls_of[k, x] >= n_regular:
+                        sup_dist_sum[k] += clock - last[x]
+                        sup_dist_n[k] += 1.0
                     if censor:
                         ref_reused[k, prev_ref[x]] = True
                     dist_sum[k] += clock - last[x]
@@ -367,6 +437,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 prio[k, x] = q
                 _push(hkey, hid, hsize, k, q, x)
         for jj in range(a, b):
+            if jj > a and not ever[flat[jj]]:
+                n_children[flat[jj - 1]] += 1
             last[flat[jj]] = clock
             ever[flat[jj]] = True
             if jj + 1 < b:
@@ -381,6 +453,12 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     if not ref_reused[k, r]:
                         misses[k, ref_cls[k, r]] += 1.0
                     open_from[k] = r + 1
+                d_sup = sup_censor_after * (sup_dist_sum[k] / sup_dist_n[k] if sup_dist_n[k] > 0 else initial_horizon)
+                while sup_open[k] < n_sup and clock - sup_t[sup_open[k]] > d_sup:
+                    t = sup_open[k]
+                    if last[sup_blk[t]] <= sup_t[t]:  # not referenced since it was superseded
+                        misses[k, sup_cls[k, t]] += 1.0
+                    sup_open[k] = t + 1
         clock += n
         for k in range(N_INST):
             while size[k] > capacity:
