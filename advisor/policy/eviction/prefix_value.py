@@ -47,11 +47,17 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   WEKA agentic-coding traces 494 of the 504 branches superseded at a fork (98 % of their
   blocks) were never referenced again (``bench/evaluator.py --supersessions``), and acting
   on it takes the 200,000-block tier from 17.6 % to 41 % of the LRU→Belady gap
-  (docs/BENCHMARKS.md, "Advisor policies").  The gate's estimate
-  is censored on the superseded blocks' own clock: a supersession counts as a miss only
-  once ``censor_after`` × the mean distance at which superseded blocks were referenced
+  (docs/BENCHMARKS.md, "Advisor policies").  The gate's estimate is censored on the
+  superseded blocks' own clock: a supersession counts as a miss only once
+  ``supersede_censor_after`` × the mean distance at which superseded blocks were referenced
   again (``initial_horizon`` before any was) has passed without a reference, and as a
-  reuse when it is referenced.  Blocks that share a multi-block header with others
+  reuse when it is referenced (with ``censor_after = 0`` every supersession counts as a
+  trial at once, as the former estimator).  The factor 4, twice ``censor_after``, waits
+  for returns with a longer tail than ordinary reuses; it was chosen on the synthetic
+  suite and variants at seeds 1,000–3,000, before the fork test below (rows below best −
+  0.002: 16 of 144 with 2, 14 with 4, 13 without the rule; with 2 the selector followed
+  ``prefix_value`` into Zipf α = 1.2 near-ties it then lost), and checked with the fork test
+  on seeds 4,000–6,000 (18 of 144, as without the rule).  Blocks that share a multi-block header with others
   (several objects or users under one system prompt) are "superseded" whenever a sibling
   is read and come back a whole cycle later; the mean reuse distance of all blocks is
   dominated by the header's short one, so counting on it judged them dead before they
