@@ -120,14 +120,19 @@ def full_evaluation(report: Report, json_path: Path | None) -> int:
     return 0
 
 
-def supersessions(trace: Path, max_fork: int) -> tuple[int, int, int, int]:
-    """``(branches, reused, blocks, blocks reused)``: the superseded branches of ``trace`` by
-    ``prefix_value``'s rule (module docstring of :mod:`advisor.policy.eviction.prefix_value`,
-    "Superseded branches" and its fork test): a request that continues a known prefix
-    (more than its first block) and leaves it at a block ``d`` that had fewer than
-    ``max_fork`` children supersedes the path the latest earlier request through ``d`` took
-    from ``d``'s child on; counted: those branches, those of them with a block referenced
-    again later in the trace, their blocks, and the blocks referenced again."""
+def supersessions(trace: Path, max_fork: int) -> dict[str, tuple[int, int, int, int]]:
+    """Superseded branches of ``trace`` by ``prefix_value``'s rule (module docstring of
+    :mod:`advisor.policy.eviction.prefix_value`, "Superseded branches" and "Superseded
+    first"): a request that continues a known prefix (more than its first block) and leaves
+    it at a block ``d`` that had fewer than ``max_fork`` children supersedes the path the
+    latest earlier request through ``d`` took from ``d``'s child on.
+
+    Returns:
+        By kind (``"last block"``: the previous request's one-off last block; ``"branch"``:
+        more than one block), ``(branches, reused, blocks, blocks reused)``: those
+        branches, those with a block referenced again later in the trace, their blocks,
+        and the blocks referenced again.
+    """
     import numpy as np
 
     ct = compact(load_trace(trace))
@@ -137,7 +142,7 @@ def supersessions(trace: Path, max_fork: int) -> tuple[int, int, int, int]:
     last_ref = np.zeros(ct.n_blocks, dtype=np.int64)
     taken = np.full(ct.n_blocks, -1, dtype=np.int64)
     children = np.zeros(ct.n_blocks, dtype=np.int64)
-    branches = reused = blocks = blocks_reused = 0
+    counts = {"last block": [0, 0, 0, 0], "branch": [0, 0, 0, 0]}
     for i in range(n):
         a, b = int(off[i]), int(off[i + 1])
         req = flat[a:b].tolist()
@@ -147,19 +152,20 @@ def supersessions(trace: Path, max_fork: int) -> tuple[int, int, int, int]:
         if 1 < known < len(req) and children[req[known - 1]] < max_fork:
             y, r, again = int(taken[req[known - 1]]), last_req[req[known - 1]], 0
             if y >= 0:
-                branches += 1
+                c = counts["branch" if taken[y] >= 0 else "last block"]
+                c[0] += 1
                 while y >= 0 and last_req[y] == r:
-                    blocks += 1
+                    c[2] += 1
                     again += int(next_use[last_ref[y]] < n)
                     y = int(taken[y])
-                reused += int(again > 0)
-                blocks_reused += again
+                c[1] += int(again > 0)
+                c[3] += again
         for j, x in enumerate(req):
             if j and last_req[x] < 0:
                 children[req[j - 1]] += 1
             last_req[x], last_ref[x] = i, a + j
             taken[x] = req[j + 1] if j + 1 < len(req) else -1
-    return branches, reused, blocks, blocks_reused
+    return {k: (v[0], v[1], v[2], v[3]) for k, v in counts.items()}
 
 
 def robustness(report: Report, seeds: Sequence[int], json_path: Path | None) -> int:
@@ -216,9 +222,9 @@ def main() -> int:
 
         fork = PrefixValueSettings().supersede_max_fork
         for label, max_fork in ((f"at forks (< {fork} children)", fork), ("at every block", 1 << 62)):
-            br, again, blk, blk_again = supersessions(args.trace, max_fork)
-            print(f"{args.trace.name}, superseded branches {label}: {br:,}, {br - again:,} never read again; "
-                  f"{blk:,} blocks, {blk - blk_again:,} ({(blk - blk_again) / max(blk, 1):.1%}) never read again")
+            for kind, (br, again, blk, blk_again) in supersessions(args.trace, max_fork).items():
+                print(f"{args.trace.name}, superseded {kind.replace('branch', 'branche')}s {label}: {br:,}, {br - again:,} never read again; "
+                      f"{blk:,} blocks, {blk - blk_again:,} ({(blk - blk_again) / max(blk, 1):.1%}) never read again")
         return 0
     caps = parse_capacities(args.capacity)
     t0 = time.perf_counter()

@@ -93,6 +93,34 @@ def test_once_superseded_branches_prove_dead_they_leave_first() -> None:
         assert on.sum() == off.sum() + 1
 
 
+def test_one_off_last_blocks_do_not_judge_real_branches() -> None:
+    # forty short chats whose second turn replaces the first turn's one-off last block (a
+    # dead one-block "branch" each), then a real 4-block branch superseded at a fork, a new
+    # request that needs room, and the branch's return. The gate keeps one estimate per
+    # kind, so forty dead last blocks say nothing of branches: the branch is ranked by its
+    # class, as with the rule off, and comes back whole (7 blocks). Pooled, the last blocks
+    # opened the gate for the branch, which was evicted first (3 blocks: only the fork)
+    next_id = [1000]
+
+    def take(k: int) -> list[int]:
+        next_id[0] += k
+        return list(range(next_id[0] - k, next_id[0]))
+
+    reqs = []
+    for _ in range(40):
+        root = take(2)
+        reqs += [root + take(1), root + take(2)]
+    fork = take(3)
+    branch = fork + take(4)
+    reqs += [branch, fork + take(2), take(3), branch]
+    ct = compact(reqs)
+    for cap in (12, 14, 16):
+        on = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0))
+        off = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0,
+                                                                          supersede_first_below=0.0))
+        assert on[-1] == off[-1] == len(branch)
+
+
 def test_a_header_many_requests_share_is_no_fork() -> None:
     # after the same twelve dead compactions, six objects under one 2-block header are read
     # in turn (each read "supersedes" the sibling read before it), a new request needs room,

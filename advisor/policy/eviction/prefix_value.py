@@ -39,39 +39,47 @@ priority(block) = last reference clock + horizon × P(reuse | class of the block
   conversation trace a child of ``d`` that had been referenced once is referenced again after
   such a request in 7 of 5,337 cases (0.13 %), against 28 % for a new block of a new request
   (docs/BENCHMARKS.md, "The `prefix_value` expert").
-* **Superseded first**: while the superseded class's learned ``P(reuse)`` is below
-  ``supersede_first_below``, a newly superseded branch leaves before every other block
-  (priority ``last − SUPERSEDED_FIRST``), not a horizon-weighted amount earlier.  A branch
-  of a conversation that went on elsewhere (a context compacted or edited below its system
-  prompt, a finished sub-agent) holds blocks that recency ranks with the live ones; on the
-  WEKA agentic-coding traces 494 of the 504 branches superseded at a fork (98 % of their
-  blocks) were never referenced again (``bench/evaluator.py --supersessions``), and acting
-  on it takes the 200,000-block tier from 17.6 % to 41 % of the LRU→Belady gap
-  (docs/BENCHMARKS.md, "Advisor policies").  The gate's estimate is censored on the
-  superseded blocks' own clock: a supersession counts as a miss only once
-  ``supersede_censor_after`` × the mean distance at which superseded blocks were referenced
-  again (``initial_horizon`` before any was) has passed without a reference, and as a
-  reuse when it is referenced (with ``censor_after = 0`` every supersession counts as a
-  trial at once, as the former estimator).  The factor 4, twice ``censor_after``, waits
-  for returns with a longer tail than ordinary reuses; it was chosen on the synthetic
-  suite and variants at seeds 1,000–3,000, before the fork test below (rows below best −
-  0.002: 16 of 144 with 2, 14 with 4, 13 without the rule; with 2 the selector followed
-  ``prefix_value`` into Zipf α = 1.2 near-ties it then lost), and checked with the fork test
-  on seeds 4,000–6,000 (18 of 144, as without the rule).  Blocks that share a multi-block header with others
-  (several objects or users under one system prompt) are "superseded" whenever a sibling
-  is read and come back a whole cycle later; the mean reuse distance of all blocks is
-  dominated by the header's short one, so counting on it judged them dead before they
-  returned, and the rule acted like MRU on a loop (−0.015 on the synthetic loop at 9/10 of
-  its footprint, as the selector followed it and back).  The class's own distance waits
-  for them (tested).  The rule acts only at a fork: where ``d`` had fewer than
-  ``supersede_max_fork`` children before the request.  A conversation forks a few times
-  below its system prompt (compactions, sub-agents); a header that many requests share has
-  as many children as requests that read it, and a sibling read there says nothing of the
-  others (tested).  Without the fork test, the rule evicted a new working set's live
-  siblings before the old set's dead blocks after each shift of the synthetic "shifting"
-  case (−0.0080 against −0.0037 at 9/10 of its footprint, seed 4,000).  In the trial
-  counts that rank a superseded block when the rule does not act, each supersession still
-  counts as a trial at once.
+* **Superseded first**: a newly superseded branch leaves before every other block
+  (priority ``last − SUPERSEDED_FIRST``), not a horizon-weighted amount earlier, when
+  three tests pass.  Why: a branch of a conversation that went on elsewhere (a context
+  compacted or edited below its system prompt, a finished sub-agent) holds blocks that
+  recency ranks with the live ones; on the WEKA agentic-coding traces 197 of the 207
+  branches of more than one block superseded at a fork (98 % of their 253,863 blocks)
+  were never referenced again (``bench/evaluator.py --supersessions``), and acting on it
+  takes the 200,000-block tier from 17.6 % to 43 % of the LRU→Belady gap
+  (docs/BENCHMARKS.md, "Advisor policies").  The tests:
+
+  1. *Its kind has proved dead*: the gate's ``P(reuse)`` for the kind of the branch is
+     below ``supersede_first_below``.  Two kinds, each with its own estimate: the previous
+     request's one-off last block (a chat turn's, replaced by the next turn's full block)
+     and a branch of more than one block.  Pooled, thousands of dead last blocks opened
+     the gate for the few real branches, a third of which came back (tree-of-thought
+     samples, sub-agents under chat traffic: up to −0.0063 at a third of the footprint;
+     tested).  One estimate per trace (the three instances share it): a supersession's
+     outcome is decided once ``supersede_censor_after`` × the mean distance at which
+     superseded blocks of its kind were referenced again (``initial_horizon`` before any
+     was) has passed, a reuse if it was referenced in between, else a miss, with the
+     class prior.  The wait is the superseded blocks' own: siblings under a header of
+     several blocks are "superseded" whenever another is read and come back a whole cycle
+     later, and waiting for the mean reuse distance of all blocks (the header's short one)
+     judged them dead first, so the rule acted like MRU on a loop (−0.015 on the synthetic
+     loop at 9/10 of its footprint; tested).  The factor 4 (twice ``censor_after``) waits
+     for returns with a longer tail than ordinary reuses; it was chosen on the synthetic
+     suite and variants at seeds 1,000–3,000 (rows below best − 0.002, measured before the
+     other two tests: 16 of 144 with 2, 14 with 4, 13 without the rule) and checked with
+     all three on seeds 4,000–6,000 (18 of 144, as without the rule).
+  2. *At a fork*: ``d`` had fewer than ``supersede_max_fork`` children before the request.
+     A conversation forks a few times below its system prompt (compactions, sub-agents); a
+     header that many requests share has as many children as requests that read it, and a
+     sibling read there says nothing of the others (tested).  Without this test the rule
+     evicted a new working set's live siblings before the old set's dead blocks after each
+     shift of the synthetic "shifting" case (−0.0080 against −0.0037 at 9/10 of its
+     footprint, seed 4,000).
+  3. Supersession itself (above): the request continued a known prefix of more than one
+     block.
+
+  Where the rule does not act, the branch keeps its class's priority, and that class's
+  trial counts take each supersession at once (as before the rule).
 * Prefix structure: within a request a block's priority never exceeds its parent's
   (leaves go first, a parent is worth at least its children), and evicting a block evicts
   its cached descendants (a block without its parent can never be hit).
@@ -118,12 +126,13 @@ class PrefixValueSettings:
         adapt_z: the window moves only when the shadows' hit counts differ by more than
             this × sqrt(their sum + 1) (0 = on any difference, counts restarted every period).
         supersede_first_below: a superseded branch leaves before every other block while
-            its class's learned ``P(reuse)`` is below this (0 = never: it keeps the
-            priority of its class, like any block; module docstring).
-        supersede_censor_after: for that gate, a superseded branch not referenced again
-            counts as a miss once older than this × the mean distance at which superseded
-            blocks were referenced again (module docstring).
-        supersede_max_fork: that gate acts only where the fork block ``d`` had fewer than
+            the learned ``P(reuse)`` of its kind (one-off last block, or longer branch) is
+            below this (0 = never: it keeps the priority of its class, like any block;
+            module docstring, "Superseded first").
+        supersede_censor_after: for that estimate, a supersession's outcome is decided
+            after this × the mean distance at which superseded blocks of its kind were
+            referenced again (module docstring).
+        supersede_max_fork: the rule acts only where the fork block ``d`` had fewer than
             this many children before the request (a conversation's fork, not a header
             shared by many requests; module docstring).
     """
@@ -326,15 +335,19 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     prev_ref = np.full(n_blocks if censor else 0, -1, dtype=np.int64)
     misses = np.zeros((N_INST, n_cls))
     open_from = np.zeros(N_INST, dtype=np.int64)
-    n_sup_max = n_req if censor and supersede else 0  # supersessions: at most one per request
-    sup_t = np.zeros(n_sup_max, dtype=np.int64)
-    sup_blk = np.zeros(n_sup_max, dtype=np.int64)
-    sup_cls = np.zeros((N_INST, n_sup_max), dtype=np.int32)
-    sup_open = np.zeros(N_INST, dtype=np.int64)
-    sup_dist_sum = np.zeros(N_INST)  # reuse distances of superseded blocks referenced again
-    sup_dist_n = np.zeros(N_INST)
-    n_regular = (max_seen + 1) * n_fe * 2
-    n_sup = 0
+    # the superseded-first gate, per kind (0 = the previous request's one-off last block,
+    # 1 = a branch of more than one block): trials queued by kind, outcome known at maturity
+    n_trials = n_req if supersede else 0  # at most one supersession per request
+    trial_t = np.zeros((2, n_trials), dtype=np.int64)
+    trial_blk = np.zeros((2, n_trials), dtype=np.int64)
+    n_trial = np.zeros(2, dtype=np.int64)
+    trial_open = np.zeros(2, dtype=np.int64)
+    gate_reu = np.zeros(2)
+    gate_miss = np.zeros(2)
+    ret_sum = np.zeros(2)  # superseded blocks referenced again: distance from their supersession
+    ret_n = np.zeros(2)
+    sup_kind = np.full(n_blocks if supersede else 0, -1, dtype=np.int8)
+    sup_since = np.zeros(n_blocks if supersede else 0, dtype=np.int64)
     hits = np.zeros(n_req, dtype=np.int64)
     shadow_hits = np.zeros(N_INST)
     windows = np.array([window, window / step, window * step])
@@ -380,27 +393,27 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             old = branch[flat[a + known - 1]]  # the branch this request leaves
             fork = n_children[flat[a + known - 1]] < max_fork  # not (yet) a header many requests share
             if old >= 0:
-                if censor:  # its outcome is counted once it is known (below)
-                    sup_t[n_sup] = clock
-                    sup_blk[n_sup] = old
+                kind = 1 if branch[old] >= 0 else 0  # more than one block, or a one-off last block
+                p_gate = (gate_reu[kind] + prior_w * prior) / (gate_reu[kind] + gate_miss[kind] + prior_w)
+                act = fork and p_gate < first_below
+                trial_t[kind, n_trial[kind]] = clock
+                trial_blk[kind, n_trial[kind]] = old
+                n_trial[kind] += 1
+                sup_kind[old] = kind
+                sup_since[old] = clock
                 for k in range(N_INST):
                     sc = superseded_class(seen[k, old], max_seen, max_from_end)
                     cls_of[k, old] = sc
                     ins[k, sc] += 1.0
-                    if censor:
-                        sup_cls[k, n_sup] = sc
                     if not np.isnan(prio[k, old]) and prio[k, old] < BIG:  # cached and not due in the lookahead
                         horizon = initial_horizon if dist_n[k] == 0 else horizon_mult * dist_sum[k] / dist_n[k]
-                        known_sc = reu[k, sc] + misses[k, sc] if censor else ins[k, sc]
-                        if fork and (reu[k, sc] + prior_w * prior) / (known_sc + prior_w) < first_below:
+                        if act:
                             q = last[old] - SUPERSEDED_FIRST  # below every regular priority
                         else:
                             q = priority(last[old], horizon, reu[k, sc], ins[k, sc], prior, prior_w, 0)
                         if q < prio[k, old]:
                             prio[k, old] = q
                             _push(hkey, hid, hsize, k, q, old)
-                if censor:
-                    n_sup += 1
         for k in range(N_INST):
             forget = windows[k] * capacity if windows[k] < max_window else np.inf
             horizon = initial_horizon if dist_n[k] == 0 else horizon_mult * dist_sum[k] / dist_n[k]
@@ -413,9 +426,6 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     s = 0  # forgotten: counts as a new block
                 if s > 0:
                     reu[k, cls_of[k, x]] += 1.0
-                    if cls_of[k, x] >= n_regular:
-                        sup_dist_sum[k] += clock - last[x]
-                        sup_dist_n[k] += 1.0
                     if censor:
                         ref_reused[k, prev_ref[x]] = True
                     dist_sum[k] += clock - last[x]
@@ -445,6 +455,10 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
         for jj in range(a, b):
             if jj > a and not ever[flat[jj]]:
                 n_children[flat[jj - 1]] += 1
+            if supersede and sup_kind[flat[jj]] >= 0:  # a superseded block referenced again
+                ret_sum[sup_kind[flat[jj]]] += clock - sup_since[flat[jj]]
+                ret_n[sup_kind[flat[jj]]] += 1.0
+                sup_kind[flat[jj]] = -1
             last[flat[jj]] = clock
             ever[flat[jj]] = True
             if jj + 1 < b:
@@ -459,12 +473,15 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                     if not ref_reused[k, r]:
                         misses[k, ref_cls[k, r]] += 1.0
                     open_from[k] = r + 1
-                d_sup = sup_censor_after * (sup_dist_sum[k] / sup_dist_n[k] if sup_dist_n[k] > 0 else initial_horizon)
-                while sup_open[k] < n_sup and clock - sup_t[sup_open[k]] > d_sup:
-                    t = sup_open[k]
-                    if last[sup_blk[t]] <= sup_t[t]:  # not referenced since it was superseded
-                        misses[k, sup_cls[k, t]] += 1.0
-                    sup_open[k] = t + 1
+        for kind in range(2):  # gate trials whose outcome is known: referenced again, or not within the wait
+            wait = sup_censor_after * (ret_sum[kind] / ret_n[kind] if ret_n[kind] > 0 else initial_horizon)
+            while trial_open[kind] < n_trial[kind] and clock - trial_t[kind, trial_open[kind]] > wait:
+                t = trial_open[kind]
+                if last[trial_blk[kind, t]] > trial_t[kind, t]:
+                    gate_reu[kind] += 1.0
+                else:
+                    gate_miss[kind] += 1.0
+                trial_open[kind] = t + 1
         clock += n
         for k in range(N_INST):
             while size[k] > capacity:
