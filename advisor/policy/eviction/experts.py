@@ -110,7 +110,7 @@ bound only through the first spell: starting on ``initial`` instead of the event
 adds at most one switch (S + 1 → S + 2 spells).
 
 **Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 7:
-28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+21 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
 one replay of the new leader's spell with its eviction log (above).  Live: a refresh
 replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
