@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 
 from storage_backends import ports
-from storage_backends.ports import _ephemeral_low, free_port
+from storage_backends.ports import _bindable, _ephemeral_low, free_port
 
 
 def test_ports_sit_below_the_ephemeral_range_where_no_connect_can_take_them() -> None:
@@ -39,8 +39,13 @@ def test_ports_not_yet_bound_are_not_handed_out_twice(monkeypatch: pytest.Monkey
 
 
 def test_a_taken_port_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the draws below are the held port's neighbours: pick a port whose neighbours are free
+    # now (another process may hold any fixed port while the whole suite runs)
+    start = next((p for p in (free_port(count=2) for _ in range(50))
+                  if all(_bindable("127.0.0.1", q) for q in (p - 2, p - 1, p + 2))), None)
+    assert start is not None, "no free port with free neighbours in 50 draws"
     with socket.socket() as held:
-        held.bind(("127.0.0.1", free_port(count=2)))
+        held.bind(("127.0.0.1", start))
         taken = held.getsockname()[1]
         # the taken port itself, then a free one; a run that covers the taken port, then a free run
         draws = iter([taken, taken - 2, taken - 1, taken + 1])
