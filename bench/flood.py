@@ -18,8 +18,8 @@ peak RSS (``VmHWM``, reset after start) against the documented bound.
 
 When a good batch is still not indexed after the 1 s goal, the bench asks the advisor for its
 threads' stacks (SIGUSR1, :func:`advisor.embedded.stacks.dump_stacks`) and takes its own
-(the prober's side), at most :data:`MAX_STALL_DUMPS` times a run: :attr:`Result.stalls` keeps them and :func:`table` prints
-them, so a slow batch names where it waited.
+(the prober's side), at most :data:`MAX_STALL_DUMPS` times a run: :attr:`Result.stalls` keeps
+them and :func:`table` prints them, so a slow batch names where it waited.
 
 Run: ``python bench/flood.py [--scale 1.0] [--json out.json]`` (``make flood``).
 """

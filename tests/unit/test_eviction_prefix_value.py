@@ -4,11 +4,14 @@ and S3-FIFO on a real slice."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from advisor.policy.eviction import lru, prefix_value, s3fifo
-from advisor.policy.eviction.compact import compact
+from advisor.policy.eviction.compact import CompactTrace, compact
 from advisor.policy.eviction.prefix_value import PrefixValueSettings, reuse_class, superseded_class
 from kvadvisor.evaluate import load_trace
 from kvadvisor.trace import bundled_trace
@@ -59,15 +62,25 @@ def test_a_new_request_that_shares_only_its_first_block_supersedes_nothing() -> 
     assert prefix_value.simulate(ct, 5, settings=off).tolist() == [0, 5, 2, 2]
 
 
+def _fresh_ids() -> Callable[[int], list[int]]:
+    """``take(k)``: the next ``k`` block ids never handed out before (from 1000 on)."""
+    ids = itertools.count(1000)
+    return lambda k: list(itertools.islice(ids, k))
+
+
+def _rule_on_off(ct: CompactTrace, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hits per request with superseded-first on and off (``supersede_first_below=0``), both
+    with a short initial horizon so the gate's trials are decided within a small trace."""
+    on = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0))
+    off = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0, supersede_first_below=0.0))
+    return on, off
+
+
 def _compacting_conversations() -> tuple[list[list[int]], list[int]]:
     """Twelve conversations that each compact their context once (the old 6-block branch
     is never read again), then a request B, a conversation A that compacts an 8-block
     branch, a new request, and B again."""
-    next_id = [1000]
-
-    def take(k: int) -> list[int]:
-        next_id[0] += k
-        return list(range(next_id[0] - k, next_id[0]))
+    take = _fresh_ids()
 
     reqs = []
     for _ in range(12):
@@ -86,9 +99,7 @@ def test_once_superseded_branches_prove_dead_they_leave_first() -> None:
     reqs, b = _compacting_conversations()
     ct = compact(reqs)
     for cap in (16, 18, 20):
-        on = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0))
-        off = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0,
-                                                                          supersede_first_below=0.0))
+        on, off = _rule_on_off(ct, cap)
         assert on[-1] == len(b) and off[-1] == len(b) - 1
         assert on.sum() == off.sum() + 1
 
@@ -100,11 +111,7 @@ def test_one_off_last_blocks_do_not_judge_real_branches() -> None:
     # kind, so forty dead last blocks say nothing of branches: the branch is ranked by its
     # class, as with the rule off, and comes back whole (7 blocks). Pooled, the last blocks
     # opened the gate for the branch, which was evicted first (3 blocks: only the fork)
-    next_id = [1000]
-
-    def take(k: int) -> list[int]:
-        next_id[0] += k
-        return list(range(next_id[0] - k, next_id[0]))
+    take = _fresh_ids()
 
     reqs = []
     for _ in range(40):
@@ -115,9 +122,7 @@ def test_one_off_last_blocks_do_not_judge_real_branches() -> None:
     reqs += [branch, fork + take(2), take(3), branch]
     ct = compact(reqs)
     for cap in (12, 14, 16):
-        on = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0))
-        off = prefix_value.simulate(ct, cap, settings=PrefixValueSettings(initial_horizon=20.0,
-                                                                          supersede_first_below=0.0))
+        on, off = _rule_on_off(ct, cap)
         assert on[-1] == off[-1] == len(branch)
 
 
