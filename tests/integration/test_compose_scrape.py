@@ -156,10 +156,22 @@ def test_prometheus_scrapes_every_process_and_every_panel_has_data(tmp_path: Pat
         http = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{prom_port}", timeout=10))
 
         def query(expr: str) -> list[dict]:
-            body = http.get("/api/v1/query", params={"query": expr}).json()
+            # raise_for_status: a starting Prometheus answers 503 "Service Unavailable" (not JSON) until its
+            # TSDB is open; the loops below retry an HTTPError, so a slow start is waited out, not a failure
+            resp = http.get("/api/v1/query", params={"query": expr})
+            resp.raise_for_status()
+            body = resp.json()
             assert body["status"] == "success", (expr, body)
             return body["data"]["result"]
 
+        ready_by = time.monotonic() + 120
+        while time.monotonic() < ready_by:  # /-/ready: 200 once the TSDB is open and the API serves queries
+            try:
+                if http.get("/-/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
         client = ClusterClient(cluster.advisor_url, SCHEME, ns, timeout_s=2.0)
         stack.callback(client.close)
         end = time.monotonic() + 180
