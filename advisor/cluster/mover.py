@@ -405,7 +405,8 @@ class ClusterMover:
                 # the guard's view reads the index unlocked: it is asked under rep.lock
                 inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
                                   movable=lambda h, rep=rep: self._mine(rep, h),  # type: ignore[misc]
-                                  held=guard.view(self._last_access(rep, locked=False)))
+                                  held=guard.view(self._last_access(rep, locked=False)),
+                                  superseded=rep.selector.superseded if rep.selector is not None else frozenset())
                 with rep.lock:
                     mine = {v: [pl for pl in pls if self._mine(rep, pl.key.sequence_hash, v)]
                             for v, pls in placements.items()}

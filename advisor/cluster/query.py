@@ -108,7 +108,7 @@ class ClusterQuery:
         """The shape of :meth:`advisor.ops.query.AdvisorQuery.stats`, summed over partitions (the
         moves: what each partition's current owner moved since it took the partition), except
         ``policy``: ``{"partitions": {"<p>": {"leader", "switches", "requests", "window_requests",
-        "window_refs"}}}``, each partition's expert selection (``{}`` for a partition whose owner
+        "window_refs", "superseded_blocks"}}}``, each partition's expert selection (``{}`` for a partition whose owner
         runs no mover)."""
         status = self._client.status()
         per_loc = self.locations()

@@ -949,6 +949,7 @@ class AdvisorService:
         with self._round_lock:
             inp = self.policy_input()
             leader = self.policy_leader(inp)  # replays outside the index lock
+            inp.superseded = self.selector.superseded  # that replay's superseded branches
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index, leader)
             results = self._execute_locked(proposed, policy_round=True)

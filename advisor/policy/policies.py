@@ -9,8 +9,8 @@ each with a ``reason``; the planner then applies rate limits and the mover execu
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field, model_validator
@@ -203,6 +203,9 @@ class PolicyInput:
             A held block is neither a candidate nor a victim of any policy: promotions,
             demotions and swaps take the next best blocks instead, and a held leaf keeps
             its ancestors where they are (a prefix is never cut under it).
+        superseded: sequence hashes the live selector's ``prefix_value`` replay ranks below
+            every other block (:attr:`advisor.policy.eviction.experts.LiveSelector.superseded`);
+            used while the ranking follows ``prefix_value`` (:func:`make_scorer`).
     """
 
     fast_volume: str | None
@@ -214,6 +217,7 @@ class PolicyInput:
     placements: dict[str, Sequence[PlacementLike]] = field(default_factory=dict)
     movable: Callable[[int], bool] | None = None
     held: Callable[[int], bool] | None = None
+    superseded: Container[int] = frozenset()
 
     def is_held(self, h: int) -> bool:
         """Whether the move guard holds block ``h`` (see ``held``)."""
@@ -225,7 +229,7 @@ def _pct(x: float) -> str:
 
 
 def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[int],
-                leader: str | None = None) -> Callable[[int], float]:
+                leader: str | None = None, superseded: Container[int] = frozenset()) -> Callable[[int], float]:
     """The ranking of blocks that promotion and demotion use (higher = hotter).
 
     With ``demotion.scoring = "experts"`` (default): the order of the expert ``leader``
@@ -235,7 +239,9 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
     expert alone (:class:`~advisor.policy.eviction.live_scoring.LiveScorer` with
     ``settings.prefix_value`` and ``demotion.horizon_s``), its class counts learned from the
     blocks ``hashes``; with ``"lru"``: the last access time (ns).  A block the index does not
-    know scores 0.
+    know scores 0.  Under ``prefix_value`` a block in ``superseded`` (the live selector's
+    verdict, :attr:`PolicyInput.superseded`) ranks below every other block
+    (:mod:`advisor.policy.eviction.live_scoring`, "Superseded first").
 
     Raises:
         ValueError: ``leader`` is not an expert.
@@ -249,6 +255,7 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
     if expert not in EXPERTS:
         raise ValueError(f"unknown expert {expert!r} (one of {', '.join(EXPERTS)})")
     scorer = LiveScorer(settings.prefix_value, settings.demotion.horizon_s)
+    sup = superseded if expert == "prefix_value" else frozenset()
     facts: dict[int, BlockFacts] = {}
     for h in hashes:
         info = index.block(h)
@@ -256,7 +263,7 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
             leaf = not any(c != h for c in index.children(h))
             facts[h] = BlockFacts(info.last_access_ns, info.hits, leaf, info.parent is not None)
     if expert == "prefix_value":
-        scorer.learn(facts.values())
+        scorer.learn(facts.values())  # the class counts: superseded blocks were referenced as any other
 
     def score(h: int) -> float:
         f = facts.get(h)
@@ -265,8 +272,11 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
             if info is None:
                 return 0.0
             f = BlockFacts(info.last_access_ns, info.hits, True, info.parent is not None)
+        if h in sup:
+            f = replace(f, superseded=True)
         return expert_rank(expert, f, scorer)
     score.expert = expert  # type: ignore[attr-defined]  # names the order in plan reasons
+    score.superseded = sup  # type: ignore[attr-defined]
     return score
 
 
@@ -279,14 +289,16 @@ def _fill_budget(usage: VolumeUsage | None, max_fill: float) -> float:
 def _promote_level(settings: PromotionSettings, sources: Sequence[str], dst: str, budget: float,
                    index: PrefixIndex, score: Callable[[int], float] | None, skip: Callable[[int], bool],
                    max_fill: float) -> list[PlanItem]:
-    """Hot blocks of ``sources`` (not held by ``dst`` and not ``skip``-ped) up to ``dst``,
-    hottest first, ancestors first, while ``budget`` bytes last."""
+    """Hot blocks of ``sources`` (not held by ``dst``, not ``skip``-ped and not of a superseded
+    branch, ``score.superseded``) up to ``dst``, hottest first, ancestors first, while
+    ``budget`` bytes last."""
     if budget <= 0:
         return []
     cand: dict[int, tuple[str, int, float, int]] = {}  # h -> (src, hits, rank, size)
+    superseded = getattr(score, "superseded", ())  # the ranking would demote them first: never promoted
     for src in sources:
         for h in index.blocks_at(src):
-            if h in cand or index.holds(h, dst) or skip(h):
+            if h in cand or index.holds(h, dst) or skip(h) or h in superseded:
                 continue
             info = index.block(h)
             if info is not None and info.hits >= settings.min_hits:
@@ -450,10 +462,13 @@ def _demote_level(settings: DemotionSettings, src: str, dst: str, usage: VolumeU
             if freed >= need:
                 break
             info = index.block(h)
-            if hot_hits is not None and info is not None and info.hits >= hot_hits and freed >= need_hot:
-                continue  # hot: demoted only as far as the high watermark
+            superseded = h in getattr(score, "superseded", ())
+            if (hot_hits is not None and info is not None and info.hits >= hot_hits and freed >= need_hot
+                    and not superseded):
+                continue  # hot: demoted only as far as the high watermark (a superseded branch is not hot)
             freed += on_src[h].length
-            what = f"{rank_name} leaf (score {last:.0f})" if score else f"LRU leaf (last access ts {last})"
+            sup = " of a superseded branch" if superseded else ""
+            what = f"{rank_name} leaf{sup} (score {last:.0f})" if score else f"LRU leaf (last access ts {last})"
             items.append(item(h, f"{what} moved to '{dst}' until {_pct(settings.low_watermark)} live"))
         return items
     # the excess is dead space: compaction reclaims it if a sparse segment fits in the free space
@@ -653,7 +668,7 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
         hashes += [p.key.sequence_hash for p in ps]  # type: ignore[attr-defined]
     for v in list(inp.slow_volumes) + ([inp.archive_volume] if inp.archive_volume else []):
         hashes += list(index.blocks_at(v))
-    score = make_scorer(settings, index, hashes, leader) if settings.demotion.scoring != "lru" else None
+    score = make_scorer(settings, index, hashes, leader, inp.superseded) if settings.demotion.scoring != "lru" else None
     hot = settings.promotion.min_hits if settings.promotion.enabled else None
     demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
     promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)

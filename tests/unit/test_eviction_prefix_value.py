@@ -145,6 +145,40 @@ def test_a_header_many_requests_share_is_no_fork() -> None:
         assert forks[-1] == 5 and every[-1] == 2
 
 
+def test_superseded_first_names_the_blocks_the_rule_ranks_first() -> None:
+    # one branch that comes back at once (the gate's wait is its return distance), then
+    # forty conversations that each compact once and never read the old 6-block branch
+    # again. Once the gate has matured enough misses it acts: from then on each old branch
+    # (its root, and the root's descendants) is named, the earlier ones are not (they were
+    # ranked by their class), and a branch read again is named no more
+    take = _fresh_ids()
+    root, br = take(2), take(3)
+    reqs = [root + br, root + take(3), root + br]
+    dead, new = [], []
+    for _ in range(40):
+        r, old = take(2), take(6)
+        new.append(r + take(3))
+        reqs += [r + old, new[-1]]
+        dead.append(old)
+    ct = compact(reqs)
+    _, sup = prefix_value.superseded_first(ct, 20)
+    assert ct.keys is not None
+    named = set(ct.keys[sup].tolist())
+    per_branch = [sum(b in named for b in old) for old in dead]
+    assert set(per_branch) == {0, 6} and per_branch[0] == 0 and per_branch[-1] == 6
+    assert per_branch == sorted(per_branch)  # the gate closes once and stays closed
+    assert named == {b for old in dead for b in old if b in named}  # only dead branches
+    # the last conversation goes back to its old branch (and on): that branch is live again
+    ct2 = compact(reqs + [new[-1][:2] + dead[-1] + take(2)])
+    _, sup2 = prefix_value.superseded_first(ct2, 20)
+    assert ct2.keys is not None
+    assert set(ct2.keys[sup2].tolist()) == named - set(dead[-1])
+    # the rule off: nothing is named
+    assert not prefix_value.superseded_first(ct, 20, PrefixValueSettings(supersede_first_below=0.0))[1].any()
+    with pytest.raises(ValueError):
+        prefix_value.superseded_first(ct, 0)
+
+
 def test_superseded_blocks_that_come_back_a_cycle_later_are_not_judged_dead() -> None:
     # a loop over objects that share multi-block headers: reading an object "supersedes" the
     # sibling read before it under the same header, and every sibling comes back one cycle

@@ -9,17 +9,19 @@ import pytest
 
 from advisor import AdvisorService, AdvisorSettings
 from advisor.index.prefix_index import PrefixIndex
-from advisor.policy.eviction import experts
+from advisor.policy.eviction import experts, prefix_value
 from advisor.policy.eviction.compact import compact
 from advisor.policy.live_selection import observe
 from advisor.policy.policies import (
     DemotionSettings,
     PolicyInput,
     PolicySettings,
+    PromotionSettings,
     SelectorLiveSettings,
     VolumeUsage,
     make_scorer,
     plan_demotions,
+    plan_promotions,
 )
 from event_plane.schema import EventBatch, store
 from kvadvisor.synthetic import loop
@@ -172,3 +174,118 @@ def test_demotion_follows_the_leaders_order() -> None:
     with pytest.raises(ValueError):
         make_scorer(PolicySettings(demotion=s), idx, [1], "fifo")
     assert np.isfinite(make_scorer(PolicySettings(), idx, [1, 2])(1))
+
+
+def compactions(first: int, n_conv: int = 40) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """``(requests, dead, replacements)``: one branch that comes back at once, then
+    ``n_conv`` conversations that each compact once (``dead[i]``, 6 blocks, never read
+    again; ``replacements[i]`` the request that replaced it); ids from ``first`` on."""
+    ids = iter(range(first, first + 10**6))
+
+    def take(k: int) -> list[int]:
+        return [next(ids) for _ in range(k)]
+    root, br = take(2), take(3)
+    reqs = [root + br, root + take(3), root + br]
+    dead, new = [], []
+    for _ in range(n_conv):
+        r, old = take(2), take(6)
+        new.append(r + take(3))
+        reqs += [r + old, new[-1]]
+        dead.append(old)
+    return reqs, dead, new
+
+
+def test_live_ranking_puts_the_kernels_superseded_branches_first() -> None:
+    # sequence hashes above the int64 range: the selector replays them signed and names them u64
+    reqs, dead, new = compactions((1 << 63) + 7)
+    sel = experts.LiveSelector()
+    idx = PrefixIndex()
+    for seq, r in enumerate(reqs):
+        b = EventBatch(1, "w0", 7, seq, 1_000 * (seq + 1), _chain(r))
+        idx.apply_batch(b)
+        sel.observe_batch(b, lambda h: (i.parent if (i := idx.block(h)) is not None else None))
+    assert sel.superseded == frozenset()  # before any replay
+    sel.refresh(20)
+    # the kernel's verdict on the same requests, read back as sequence hashes (one implementation)
+    ct = compact([[h - (1 << 64) for h in r] for r in reqs])
+    _, flags = prefix_value.superseded_first(ct, 20)
+    assert ct.keys is not None
+    assert sel.superseded == {int(k) & ((1 << 64) - 1) for k in ct.keys[flags]}
+    assert set(dead[-1]) <= sel.superseded and not set(dead[0]) & sel.superseded
+    assert sel.stats()["superseded_blocks"] == len(sel.superseded)
+    # the fast volume holds the last dead branch and an older live branch: under prefix_value
+    # the dead branch's leaves go first; without the verdict, or under another expert's
+    # order, recency sends the older live branch first
+    live = new[0][2:]
+    on_fast = [Placement(BlockKey("ns", h), "fast", 1, i * BLK, BLK, 0) for i, h in enumerate(dead[-1] + live)]
+    s = DemotionSettings(high_watermark=0.8, low_watermark=0.7)
+    first = {}
+    for leader, sup in (("prefix_value", sel.superseded), ("prefix_value", frozenset()), ("lru", sel.superseded)):
+        pin = PolicyInput("fast", ["slow"], None, usage={"fast": VolumeUsage(10 * BLK, 9 * BLK, 9 * BLK)},
+                          fast_placements=on_fast, superseded=sup)
+        score = make_scorer(PolicySettings(demotion=s), idx, dead[-1] + live, leader, pin.superseded)
+        items = plan_demotions(s, pin, idx, score=score)
+        first[(leader, bool(sup))] = [it.sequence_hash for it in items]
+        if leader == "prefix_value" and sup:
+            assert all("superseded branch" in it.reason for it in items)
+            assert max(score(h) for h in dead[-1]) < min(score(h) for h in live)
+    assert first[("prefix_value", True)] == dead[-1][::-1][:2]
+    assert first[("prefix_value", False)] == first[("lru", True)] == live[::-1][:2]
+    # a hot block of a superseded branch on a slow volume is not promoted (it would go first)
+    for w in ("w1", "w2"):
+        idx.apply_batch(EventBatch(1, w, 7, 0, 10**9, _chain(dead[-1])))
+    idx.apply_batch(EventBatch(1, "w0", 7, 10**6, 10**9 + 1, _chain(dead[-1], "slow")))
+    promoted = {}
+    for sup in (sel.superseded, frozenset()):
+        pin = PolicyInput("fast", ["slow"], None, usage={"fast": VolumeUsage(100 * BLK, 0, 0)}, superseded=sup)
+        score = make_scorer(PolicySettings(), idx, dead[-1], "prefix_value", pin.superseded)
+        promoted[bool(sup)] = [it.sequence_hash for it in plan_promotions(PromotionSettings(), pin, idx, 1.0, score)]
+    assert promoted == {True: [], False: dead[-1]}
+
+
+def test_the_embedded_advisor_demotes_superseded_branches_first(tmp_path: Path) -> None:
+    # the service end to end on real volumes: its policy round hands the selector's verdict
+    # to the planner, so the fast volume's first demotions are the dead branch's leaves,
+    # though the live branch beside it was accessed earlier
+    import torch
+
+    from storage_backends import SqliteCatalog, StorageAgent
+
+    reqs, dead, new = compactions(5_000)
+    live = new[0][2:]
+    demote = DemotionSettings(scoring="prefix_value", high_watermark=0.8, low_watermark=0.7)
+    settings = AdvisorSettings(
+        journal_path=str(tmp_path / "journal.sqlite"), catalog_path=str(tmp_path / "catalog.sqlite"),
+        namespace="ns", subscribe_urls=[], api_enabled=False, policy_interval_s=0, snapshot_store="none",
+        volumes=[{"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 10 * BLK,
+                  "root": str(tmp_path / "fast")},
+                 {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30,
+                  "root": str(tmp_path / "slow")}],
+        fast_volume="fast", slow_volumes=["slow"], policy=PolicySettings(demotion=demote))
+    svc = AdvisorService(settings)
+    svc.start()
+    catalog = SqliteCatalog(tmp_path / "catalog.sqlite")
+    worker = StorageAgent(catalog, name="worker")
+    try:
+        for v in settings.volumes:
+            worker.register_volume(v.to_descriptor())
+        seq = 0
+
+        def batch(events: list) -> None:
+            nonlocal seq
+            assert svc.ingest(EventBatch(1, "w0", 7, seq, 1_000 * (seq + 1), events))
+            seq += 1
+        for r in reqs:
+            batch(_chain(r))
+        for branch in (live, dead[-1]):  # offloaded to fast: the live branch first
+            worker.put([(BlockKey("ns", h), torch.full((BLK,), h % 251, dtype=torch.uint8)) for h in branch], "fast")
+            batch(_chain(branch, "fast"))
+        results = svc.run_policies_once()
+        assert set(dead[-1]) <= svc.selector.superseded
+        demoted = [r.item.sequence_hash for r in results if r.item.src_volume == "fast"]
+        assert demoted == dead[-1][::-1][:2], [r.item.reason for r in results]
+        assert all("superseded branch" in r.item.reason for r in results if r.item.src_volume == "fast")
+    finally:
+        svc.stop()
+        worker.close()
+        catalog.close()

@@ -58,6 +58,8 @@ class CompactTrace:
     offsets: np.ndarray
     n_blocks: int
     parent: np.ndarray
+    keys: np.ndarray | None = field(default=None, repr=False)
+    """int64 ``[blocks]``: the original id of each dense id (sorted), ``None`` when not kept."""
     _next_use: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -106,7 +108,7 @@ def compact(requests: Sequence[Sequence[int]]) -> CompactTrace:
     uniq, inv = np.unique(raw, return_inverse=True)
     flat = inv.astype(np.int32).reshape(-1)
     n_blocks = int(uniq.shape[0])
-    return CompactTrace(flat, offsets, n_blocks, _parents(flat, offsets, n_blocks))
+    return CompactTrace(flat, offsets, n_blocks, _parents(flat, offsets, n_blocks), uniq)
 
 
 __all__ = ["CompactTrace", "compact"]

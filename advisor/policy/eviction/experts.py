@@ -269,6 +269,41 @@ def next_leader(trace: CompactTrace, capacity: int, settings: SelectorSettings |
     return int(lead[-1]), int((lead[1:] != lead[:-1]).sum())
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What the live advisor takes from one replay of its window (:func:`select`).
+
+    Attributes:
+        leader: index into :data:`EXPERTS` of the expert to follow after the trace.
+        switches: leader changes on the way.
+        superseded: bool ``[blocks]`` by dense id: the blocks ``prefix_value`` ranks below
+            every other block at the end of the trace (its "Superseded first" rule,
+            :func:`advisor.policy.eviction.prefix_value.superseded_first`).
+    """
+
+    leader: int
+    switches: int
+    superseded: np.ndarray
+
+
+def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None) -> Selection:
+    """:func:`next_leader` and, from the same replay of ``prefix_value``, the blocks its
+    superseded-first rule ranks first (one replay per expert, as :func:`next_leader`).
+
+    Raises:
+        ValueError: ``capacity`` < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"need capacity >= 1, got {capacity}")
+    if trace.requests == 0:
+        return Selection(EXPERTS.index((settings or SelectorSettings()).initial), 0,
+                         np.zeros(trace.n_blocks, dtype=np.bool_))
+    pv_hits, superseded = prefix_value.superseded_first(trace, capacity)
+    lead = _leaders(expert_hits(trace, capacity, {"prefix_value": pv_hits}), np.diff(trace.offsets), capacity,
+                    settings)
+    return Selection(int(lead[-1]), int((lead[1:] != lead[:-1]).sum()), superseded)
+
+
 @numba.njit(cache=True)
 def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, leader: np.ndarray,
             ev_key: np.ndarray, ev_blk: np.ndarray, sn_key: np.ndarray, sn_blk: np.ndarray) -> tuple:
@@ -434,6 +469,13 @@ class LiveSelector:
     there; a window shorter than the miniature cache's turnover shows no expert ahead and
     keeps the first leader (``settings.initial``).
 
+    **Superseded branches.**  The same replay of ``prefix_value`` tells which of the
+    window's blocks its "Superseded first" rule ranks below every other block
+    (:func:`select`); :attr:`superseded` holds their sequence hashes after each refresh (at
+    most the window's distinct blocks), and the live ranking puts them first when it
+    follows ``prefix_value`` (:mod:`advisor.policy.eviction.live_scoring`), as the
+    evaluator's tier does.  Blocks of unsampled prefixes are never in it.
+
     Args:
         sample_rate: fraction of prefixes (by root hash) kept, in (0, 1].
         max_window_refs: block references kept (>= 1).
@@ -470,6 +512,8 @@ class LiveSelector:
         """Times :meth:`refresh` changed the leader."""
         self.block_bytes = 0
         """Bytes per block of the latest Store seen (0 before any): converts a tier's bytes to blocks."""
+        self.superseded: frozenset[int] = frozenset()
+        """Sequence hashes (u64) that ``prefix_value`` ranks first after the latest refresh (class docstring)."""
 
     @property
     def leader(self) -> str:
@@ -556,18 +600,24 @@ class LiveSelector:
             reqs = list(self._window)
             self._new = 0
         cap = max(1, round(capacity_blocks * self.sample_rate))
-        lead, _ = next_leader(compact(reqs), cap, self.settings)
+        trace = compact(reqs)
+        sel = select(trace, cap, self.settings)
+        lead = sel.leader
+        assert trace.keys is not None
+        self.superseded = frozenset(int(k) & _MASK for k in trace.keys[sel.superseded])  # back to u64
         if lead != self.leader_index:
             self.switches += 1
             self.leader_index = lead
         return self.leader
 
     def stats(self) -> dict[str, object]:
-        """``leader``, ``switches``, ``requests`` observed, ``window_requests`` and ``window_refs``."""
+        """``leader``, ``switches``, ``requests`` observed, ``window_requests``, ``window_refs``
+        and ``superseded_blocks`` (blocks ranked first when ``prefix_value`` leads)."""
         with self._lock:
             return {"leader": self.leader, "switches": self.switches, "requests": self.requests,
-                    "window_requests": len(self._window), "window_refs": self._refs}
+                    "window_requests": len(self._window), "window_refs": self._refs,
+                    "superseded_blocks": len(self.superseded)}
 
 
-__all__ = ["EXPERTS", "LiveSelector", "SelectorRun", "SelectorSettings", "expert_hits", "next_leader", "run",
-           "schedule", "simulate"]
+__all__ = ["EXPERTS", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings", "expert_hits", "next_leader",
+           "run", "schedule", "select", "simulate"]

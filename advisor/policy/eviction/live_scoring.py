@@ -19,10 +19,15 @@ come from:
 * ``pos`` (position in a request) is 0: the callers walk the blocks leaves first
   (:func:`advisor.policy.policies._leaves_first`), which keeps the leaves-first rule.
 
-The kernel's superseded-branch classes
-(:func:`advisor.policy.eviction.prefix_value.superseded_class`) are not used here: the index keeps
-no record of which child the latest request through a block took, so a live block is
-always ranked in its regular class.
+**Superseded first.**  A block whose ``superseded`` fact is set ranks below every other
+block (``last access − 2^62`` ns, below 0 for any ns clock before 2116), by last access
+among themselves: the blocks the evaluator's ``prefix_value`` tier evicts first, read from
+the live selector's replay of its window
+(:attr:`advisor.policy.eviction.experts.LiveSelector.superseded`, the kernel's own verdict:
+one implementation).  The kernel's other superseded-branch classes
+(:func:`advisor.policy.eviction.prefix_value.superseded_class`, a horizon-weighted demotion
+where the rule does not act) are not used: the index keeps no record of which child the
+latest request through a block took, so such a block is ranked in its regular class.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ import numpy as np
 
 from advisor.policy.eviction.prefix_value import PrefixValueSettings, priority, reuse_class
 
+SUPERSEDED_FIRST_NS = float(1 << 62)
+"""Subtracted from a superseded block's last access (ns): below every regular rank (module docstring)."""
+
 
 @dataclass(frozen=True)
 class BlockFacts:
@@ -44,12 +52,14 @@ class BlockFacts:
         hits: accesses after its first (the index's hit counter).
         leaf: no child of it is indexed.
         has_parent: it continues a prefix (not the first block of a request).
+        superseded: ``prefix_value`` ranks it first (module docstring, "Superseded first").
     """
 
     last_access_ns: int
     hits: int
     leaf: bool
     has_parent: bool
+    superseded: bool = False
 
 
 class LiveScorer:
@@ -100,6 +110,8 @@ class LiveScorer:
             facts: the block.
             depth: its distance from the leaves of its chain on the tier (0 = leaf).
         """
+        if facts.superseded:
+            return float(facts.last_access_ns) - SUPERSEDED_FIRST_NS
         s = self.settings
         c = self._cls(facts.hits, facts)
         return float(priority(float(facts.last_access_ns), self.horizon_ns, self.reuses[c], self.inserts[c],
@@ -107,6 +119,9 @@ class LiveScorer:
 
     def explain(self, facts: BlockFacts) -> str:
         """The score and its parts, for a plan item's reason."""
+        if facts.superseded:
+            return (f"prefix value {self.score(facts):.0f} = last access {facts.last_access_ns} − 2^62: a superseded "
+                    f"branch (ranked first)")
         return (f"prefix value {self.score(facts):.0f} = last access {facts.last_access_ns} + horizon "
                 f"{self.horizon_ns:.0f} ns × P(reuse | hits={facts.hits}, leaf={facts.leaf}) {self.p_reuse(facts):.3f}")
 
@@ -140,4 +155,4 @@ def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
     raise ValueError(f"unknown expert {expert!r}")
 
 
-__all__ = ["BlockFacts", "LiveScorer", "expert_rank"]
+__all__ = ["SUPERSEDED_FIRST_NS", "BlockFacts", "LiveScorer", "expert_rank"]

@@ -348,6 +348,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
     ret_n = np.zeros(2)
     sup_kind = np.full(n_blocks if supersede else 0, -1, dtype=np.int8)
     sup_since = np.zeros(n_blocks if supersede else 0, dtype=np.int64)
+    sup_first = np.zeros(n_blocks if supersede else 0, dtype=np.bool_)  # acted on, not referenced since
     hits = np.zeros(n_req, dtype=np.int64)
     shadow_hits = np.zeros(N_INST)
     windows = np.array([window, window / step, window * step])
@@ -401,6 +402,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 n_trial[kind] += 1
                 sup_kind[old] = kind
                 sup_since[old] = clock
+                sup_first[old] = act
                 for k in range(N_INST):
                     sc = superseded_class(seen[k, old], max_seen, max_from_end)
                     cls_of[k, old] = sc
@@ -459,6 +461,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
                 ret_sum[sup_kind[flat[jj]]] += clock - sup_since[flat[jj]]
                 ret_n[sup_kind[flat[jj]]] += 1.0
                 sup_kind[flat[jj]] = -1
+            if supersede:
+                sup_first[flat[jj]] = False
             last[flat[jj]] = clock
             ever[flat[jj]] = True
             if jj + 1 < b:
@@ -526,7 +530,15 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             windows[0], windows[1], windows[2] = window, max(window / step, min_window), min(window * step, max_window)
             if moved or adapt_z == 0.0:
                 shadow_hits[:] = 0.0
-    return hits, as_arrays(evl), as_arrays(snl)
+    if supersede:  # a superseded-first branch takes its descendants (a block's parent comes first in flat)
+        done = np.zeros(n_blocks, dtype=np.bool_)
+        for jj in range(n_refs):
+            x = flat[jj]
+            if not done[x]:
+                done[x] = True
+                if parent[x] >= 0 and sup_first[parent[x]]:
+                    sup_first[x] = True
+    return hits, as_arrays(evl), as_arrays(snl), sup_first
 
 
 def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
@@ -593,8 +605,32 @@ def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: n
     p = PrefixValueSettings().as_array()
     nu = np.zeros(trace.refs, dtype=np.int64)
     return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent, nu, 0, True, p, None,
-                want_ev, want_snap, np.zeros(0, dtype=np.bool_))
+                want_ev, want_snap, np.zeros(0, dtype=np.bool_))[:3]
+
+
+def superseded_first(trace: CompactTrace, capacity: int,
+                     settings: PrefixValueSettings | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(hits per request, superseded)`` after replaying ``trace``: ``superseded`` (bool
+    ``[blocks]``, by dense id) marks each block that "Superseded first" (module docstring)
+    ranks below every other block at the end of the trace: the root of a branch the rule
+    acted on and not referenced since, and every block below such a root.
+
+    The verdict depends on the trace alone, not on ``capacity`` (the gate is one estimate
+    per trace, shared by the three instances); ``capacity`` sizes the replay whose hits
+    are returned with it.  The live advisor ranks its blocks with it
+    (:mod:`advisor.policy.eviction.live_scoring`).  With ``settings.supersede`` off, none.
+
+    Raises:
+        ValueError: ``capacity`` < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"need capacity >= 1, got {capacity}")
+    none = np.zeros(trace.requests, dtype=np.bool_)
+    hits, _, _, sup = _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent,
+                           np.zeros(trace.refs, dtype=np.int64), 0, True, (settings or PrefixValueSettings()).as_array(),
+                           None, none, none, np.zeros(0, dtype=np.bool_))
+    return hits, sup if sup.shape[0] else np.zeros(trace.n_blocks, dtype=np.bool_)
 
 
 __all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "simulate_promotions",
-           "superseded_class"]
+           "superseded_class", "superseded_first"]
