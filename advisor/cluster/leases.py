@@ -50,7 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KV_DEL, KV_PURGE
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.errors import APIError
 
@@ -151,6 +153,7 @@ class LeaseKeeper:
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
     _stop: asyncio.Event | None = field(default=None, init=False, repr=False)
+    _js: Any = field(default=None, init=False, repr=False)  # the keeper thread's JetStream context
     _crash: bool = field(default=False, init=False, repr=False)
     _ready: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
@@ -244,6 +247,7 @@ class LeaseKeeper:
         nc = await connect_nats(self.url, s.connect_timeout_s, dict(self.connect_options))
         try:
             js = nc.jetstream(timeout=s.connect_timeout_s)
+            self._js = js
             # a replicated bucket just created (by us or a peer) answers once its stream has a
             # leader: retry the first round for a while before calling the start failed
             deadline = time.monotonic() + s.connect_timeout_s + 10.0
@@ -314,7 +318,7 @@ class LeaseKeeper:
         if self._joined_at is None:
             self._joined_at = time.monotonic()
         await self._renew(kv)
-        members, owners = _parse(await _entries(kv))
+        members, owners = _parse(await _entries(self._js, kv, s.bucket, s.connect_timeout_s))
         target = math.ceil(s.partitions / max(1, len(members)))
         mine = self.owned()
         if len(mine) > target:
@@ -428,17 +432,40 @@ async def _bucket_epoch(kv: Any) -> int:
     return int(created.timestamp() * 1_000_000) if created is not None else 0
 
 
-async def _entries(kv: Any) -> dict[str, bytes]:
+async def _entries(js: Any, kv: Any, bucket: str, timeout_s: float) -> dict[str, bytes]:
     """Every live ``key -> value`` of the bucket, read once through one ordered watcher
-    (nats-py's ``keys(filters=...)`` matches substrings; a 2.9 server has no multi-filter)."""
-    watcher = await kv.watchall(ignore_deletes=True)
+    (nats-py's ``keys(filters=...)`` matches substrings; a 2.9 server has no multi-filter).
+
+    The watcher delivers each key's last message, deletes included, and the read ends with
+    the delivery whose metadata counts nothing pending after it (``delta == 0``).  nats-py's
+    own end marker (a ``None`` update) is trusted only when the bucket's stream (``KV_<bucket>``,
+    NATS ADR-8) holds no message: the library sends it when the consumer's info reports
+    nothing pending and no delivery has arrived yet, which is also the case while the
+    deliveries are on their way (a consumer's messages and an API answer travel different
+    paths, and the answer can arrive first: the read returned no lease at all, seen in a
+    test run; ``tests/nats_proxy.py`` reproduces it).
+
+    Raises:
+        LeaseError: nothing arrived within ``timeout_s`` while the stream holds messages.
+    """
+    watcher = await kv.watchall()
     out: dict[str, bytes] = {}
     try:
-        async for entry in watcher:
+        while True:
+            try:
+                entry = await watcher.updates(timeout_s)
+            except nats.errors.TimeoutError:
+                raise LeaseError(f"lease bucket {bucket!r}: no entry arrived within {timeout_s} s") from None
             if entry is None:
-                break
-            if entry.value:
+                if out or (await js.stream_info(f"KV_{bucket}")).state.messages == 0:
+                    break
+                continue  # an early marker: the deliveries are still on their way
+            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                out.pop(entry.key, None)
+            else:
                 out[entry.key] = entry.value
+            if entry.delta == 0:
+                break
     finally:
         await watcher.stop()
     return out
@@ -471,8 +498,9 @@ def lease_owners(url: str, bucket: str = "KVADVISOR_LEASES", timeout_s: float = 
     async def read() -> dict[int, str]:
         nc = await connect_nats(url, timeout_s, connect_options)
         try:
-            kv = await nc.jetstream(timeout=timeout_s).key_value(bucket)
-            return _parse(await _entries(kv))[1]
+            js = nc.jetstream(timeout=timeout_s)
+            kv = await js.key_value(bucket)
+            return _parse(await _entries(js, kv, bucket, timeout_s))[1]
         finally:
             await nc.close()
 

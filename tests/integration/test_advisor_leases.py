@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from advisor.cluster.leases import LeaseError, LeaseKeeper, LeaseSettings, lease_owners
+from tests.nats_proxy import NatsDeliveryDelayProxy
 
 P = 8
 SETTINGS = LeaseSettings(partitions=P, ttl_s=3.0, heartbeat_s=0.5)
@@ -103,6 +104,32 @@ def test_leases_balance_take_over_and_rebalance(js_url: str) -> None:
         for k in ks:
             k.stop()
     assert rec.overlaps == []
+
+
+def test_a_read_of_the_bucket_waits_for_deliveries_that_arrive_after_the_consumer_info(js_url: str) -> None:
+    # through a proxy that hands JetStream deliveries over 0.5 s late, the answer to the
+    # watcher's consumer info (nothing pending) comes first: a read that trusted nats-py's
+    # end marker saw an empty bucket (no owner at all, as seen in a full-suite run); it now
+    # waits for the delivery that says nothing is pending after it
+    ks = [LeaseKeeper(js_url, f"adv-{i}", SETTINGS).start() for i in range(2)]
+    try:
+        _wait(lambda: _balanced(ks), 15, "2 advisors to share 8 partitions")
+        direct = lease_owners(js_url)
+        assert sorted(direct) == list(range(P))
+        with NatsDeliveryDelayProxy(int(js_url.rsplit(":", 1)[1]), 0.5) as proxy:
+            assert lease_owners(proxy.url) == direct
+            assert proxy.delayed > 0
+            # a keeper whose reads come late sees every member: it gets its share, and the
+            # others hand theirs over (a read of no member would aim at all 8 partitions)
+            ks.append(LeaseKeeper(proxy.url, "adv-late", SETTINGS).start())
+            _wait(lambda: _balanced(ks) and len(ks[-1].owned()) >= 2, 20, "a rebalance to the late reader")
+            for k in ks:
+                k.stop()
+            # a bucket whose every key was deleted holds only delete markers: read as empty
+            assert lease_owners(proxy.url) == {}
+    finally:
+        for k in ks:
+            k.stop()
 
 
 def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> None:
