@@ -394,7 +394,8 @@ class StatsResponse(BaseModel):
     policy: dict[str, Any] = Field(
         default_factory=dict,
         description="the default policy's live expert selection: leader (the expert whose order the policy rounds "
-                    "follow), switches, requests observed, window_requests, window_refs "
+                    "follow), switches, requests observed, window_requests, window_refs, superseded_blocks (blocks "
+                    "the rounds rank first while they follow prefix_value) "
                     "(advisor.policy.eviction.experts.LiveSelector); on a partitioned cluster's API "
                     "{\"partitions\": {partition: those fields}}, each partition's own selection")
 
