@@ -156,6 +156,13 @@ class ClusterNode:
         if self._policy is not None:  # no move after the leases go: the round in progress ends first
             self._policy.join(120)
         if self.mover is not None:
+            # the leases are still held: leave each partition's log matching the catalog
+            # (ClusterMover.repair_before_stop), then flush and close the publishers
+            try:
+                self.mover.repair_before_stop(max(2.0, self.settings.lease_ttl_s))
+            except Exception as exc:  # noqa: BLE001 - stopping: the next owner repairs on take-over
+                logger.warning("advisor %s: last repairs before the stop failed: %s: %s", self.settings.advisor_id,
+                               type(exc).__name__, exc)
             self.mover.close()
         if self.keeper is not None:
             self.keeper.stop()

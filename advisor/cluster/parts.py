@@ -183,6 +183,18 @@ class Replica:
                 self.ready_at = time.time()
                 self.ready.set()
 
+    def caught_up(self, timeout_s: float = 0.5) -> bool:
+        """Whether the fold has applied everything the partition's log held a moment ago:
+        nothing left on the server for this replica's consumer nor in its queue, and every
+        entry handed out folded (a server that does not answer within ``timeout_s`` counts
+        as not caught up)."""
+        if not self.ready.is_set() or self.stop_flag.is_set():
+            return False
+        if self.log.backlog(timeout=timeout_s) != 0:
+            return False
+        with self.lock:
+            return self.position >= self.log.handed_out
+
     def lookup(self, hashes: Sequence[int]) -> dict[str, Any]:
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}

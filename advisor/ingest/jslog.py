@@ -74,7 +74,8 @@ class JetStreamLog:
     show as a jump in the consumer's delivery sequence: the log then reads again from the
     first entry it has not handed out (:attr:`resets`), the way JetStream's ordered
     consumers recover, instead of going on with the newer entries and getting the lost
-    ones after ``ack_wait_s``, out of order.  Every jump counts, a jump onto a redelivery
+    ones after ``ack_wait_s``, out of order.  The first delivery of each consumer the log
+    makes must be delivery 1, so a lost first one counts too.  Every jump counts, a jump onto a redelivery
     included (a lost acknowledgement and a lost delivery in one fail-over): only the
     delivery sequence shows that something was missed.
 
@@ -128,6 +129,7 @@ class JetStreamLog:
         self._nc: Any = None
         self._js: Any = None
         self._task: Any = None
+        self._psub: Any = None  # the pull subscription reading now (made again after a gap)
         self._durable = durable
         self._keep_subjects = keep_subjects
         self.pending_at_start = 0  # entries of this namespace the stream held past start_seq at start()
@@ -161,6 +163,7 @@ class JetStreamLog:
         self._js = self._nc.jetstream()
         await ensure_stream(self._js, self.stream_limits, who="advisor JetStream log")
         psub = await self._consumer(self.start_seq)
+        self._psub = psub
         self.pending_at_start = int((await psub.consumer_info()).num_pending or 0)
         first = int((await self._js.stream_info(STREAM_NAME)).state.first_seq or 0)
         if first > self.start_seq:
@@ -266,7 +269,15 @@ class JetStreamLog:
             gap = False
             async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream log"):
                 seq, dseq = int(msg.metadata.sequence.stream), int(msg.metadata.sequence.consumer)
-                if last_dseq and dseq != last_dseq + 1:
+                if dseq != last_dseq + 1:
+                    # A consumer made for this read (at start, or again after a gap) delivers
+                    # from consumer sequence 1: its first delivery is checked too.  A first
+                    # delivery lost in transit (most likely right after a fail-over, when the
+                    # consumer was just made again) would otherwise let the second one through
+                    # and skip the first for good (its redelivery comes behind, handed out
+                    # already).  Likewise nats-py's pull_subscribe binds to a consumer of this
+                    # durable name that exists already (found by its consumer info) instead of
+                    # making one from ``start_seq``: a first delivery other than 1 shows it.
                     # deliveries were lost in transit (a fetch answer lost in a fail-over): the
                     # server counts them as delivered and would send them again only after
                     # their own ack_wait, behind newer entries.  Read again from the first
@@ -309,6 +320,7 @@ class JetStreamLog:
                     except Exception:  # noqa: BLE001 - the old subscription may be gone already
                         pass
                     psub = await self._consumer(max(self._last_seq + 1, self.start_seq))
+                    self._psub = psub
                     last_dseq = 0
                     break
                 except Exception as exc:  # noqa: BLE001 - a server failing over: try again shortly
@@ -332,6 +344,26 @@ class JetStreamLog:
             return int(self._run(_info()))
         except Exception as exc:
             raise JetStreamLogError(f"stream info failed: {exc}") from exc
+
+    @property
+    def handed_out(self) -> int:
+        """The highest stream sequence handed out by :meth:`get` so far (0: none)."""
+        return self._last_seq
+
+    def backlog(self, timeout: float = 5.0) -> int | None:
+        """Entries of this namespace not handed out yet, as far as the server and this log
+        know: what the server still holds for the consumer (``num_pending``), what it sent
+        and has no acknowledgement for (``num_ack_pending``: on its way, or lost in transit
+        and not noticed yet) and what waits in the local queue; ``None`` when the server
+        does not answer within ``timeout`` s (a fail-over) or the log is closed."""
+        psub = self._psub
+        if self._loop is None or psub is None or self._closed.is_set():
+            return None
+        try:
+            info = self._run(psub.consumer_info(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - not known: the caller waits or gives up
+            return None
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0) + self._queue.qsize()
 
     def subject_of(self, seq: int) -> str | None:
         """The subject of the entry at stream sequence ``seq`` (once; ``keep_subjects`` only)."""

@@ -10,6 +10,8 @@ import time
 import uuid
 from typing import Any
 
+import pytest
+
 from advisor.index.prefix_index import PrefixIndex
 from advisor.ingest.jslog import JetStreamLog
 from event_plane.codec import decode_batch
@@ -67,10 +69,18 @@ def test_a_redelivered_entry_is_dropped_and_the_fold_stays_right(js_url: str) ->
     assert log.lost and log.redelivered >= 1  # the server did deliver it again
 
 
-def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("lost_at", [2, 0])
+def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypatch: Any, lost_at: int) -> None:
     """A message the server sent but the reader never got (a fetch answer lost in a
     fail-over) is delivered again only after ack_wait, behind newer ones: the log notices
-    the jump in delivery sequence and reads again from the first entry not handed out."""
+    the jump in delivery sequence and reads again from the first entry not handed out.
+
+    ``lost_at = 0``: the first delivery of a consumer the log just made (at start, or again
+    after a gap, in the middle of a fail-over).  The jump from nothing to delivery 2 is a
+    gap like any other: without checking the first delivery, the log handed out the second
+    entry, and the first came back only as a redelivery behind it and was dropped, so every
+    fold of this reader missed it for good (a replica answering without a Store its log
+    holds at a position it claims, seen in the scaled drill)."""
     import advisor.ingest.jslog as jslog
 
     ns = "k" + uuid.uuid4().hex[:8]
@@ -91,8 +101,8 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
 
     async def loses_one(psub: Any, *a: Any, **kw: Any) -> Any:
         async for msg in real(psub, *a, **kw):
-            if int(msg.metadata.sequence.stream) == seqs[2] and not lost:
-                lost.append(seqs[2])  # sent by the server, never seen here
+            if int(msg.metadata.sequence.stream) == seqs[lost_at] and not lost:
+                lost.append(seqs[lost_at])  # sent by the server, never seen here
                 continue
             yield msg
 
@@ -101,7 +111,7 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
     log.start()
     got: list[int] = []
     try:
-        end = time.monotonic() + 4.0
+        end = time.monotonic() + 10.0
         while time.monotonic() < end and len(got) < 6:
             item = log.get(timeout=0.2)
             if item is not None:
@@ -111,7 +121,7 @@ def test_a_delivery_lost_in_transit_is_read_again_in_order(js_url: str, monkeypa
             got.append(item[0])
     finally:
         log.close()
-    assert lost == [seqs[2]]
+    assert lost == [seqs[lost_at]]
     assert got == seqs  # none skipped, in order, once each
     assert log.resets >= 1
 
@@ -190,3 +200,4 @@ def test_a_lost_delivery_followed_by_a_redelivery_is_read_again_in_order(js_url:
     assert log.lost and log.redelivered >= 1
     assert got == [200, 201, 202, 203]  # none skipped, in order, once each
     assert log.resets >= 1
+
