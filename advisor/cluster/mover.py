@@ -474,7 +474,7 @@ class ClusterMover:
                 fast_cap = stats[st.fast_volume].capacity_bytes // parts if st.fast_volume in stats else 0
                 leader = leader_for(rep.selector, fast_cap) if rep.selector is not None else None
                 guard = self.guards.setdefault(p, MoveGuard(st.policy.planner.min_move_interval_s,
-                                                            self._last_access(rep)))
+                                                            self._serving_last_access(p)))
                 # the guard's view reads the index unlocked: it is asked under rep.lock
                 inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
                                   movable=lambda h, rep=rep: self._mine(rep, h),  # type: ignore[misc]
@@ -566,6 +566,17 @@ class ClusterMover:
                 with rep.lock:
                     b = rep.index.block(h)
             return b.last_access_ns if b is not None else None
+        return last
+
+    def _serving_last_access(self, p: int) -> Any:
+        """A reader of a block's last access (ns) in the replica that serves partition ``p``
+        when it is called (``None`` while none does).  A partition's move guard outlives its
+        replicas (its record of recent moves holds across a release and a take-back): bound
+        to the first replica it read, it compared the accesses of a stopped index, and kept
+        that whole index in memory."""
+        def last(h: int) -> int | None:
+            rep = self.node.serving().get(p)
+            return self._last_access(rep)(h) if rep is not None else None
         return last
 
     def partition_moves(self, partition: int) -> dict[str, dict[str, int]]:

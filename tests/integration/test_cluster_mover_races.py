@@ -734,3 +734,32 @@ def test_a_fold_lagging_behind_its_log_makes_no_repairs(rig_factory: Any) -> Non
     rig.folded(node)
     assert rig.mismatches(node) == []
     rig.read_back()
+
+
+def test_a_partition_taken_back_is_guarded_with_its_new_index(rig_factory: Any) -> None:
+    """A partition's move guard outlives its replica (its record of recent moves holds across
+    a release and a take-back).  It must read block accesses from the replica that serves
+    the partition now: bound to the first one, it compared a stopped index's accesses and
+    kept that whole index alive."""
+    import gc
+    import weakref
+
+    rig = rig_factory(partitions=1)
+    rig.offload(_chain(3, 120))
+    node = rig.start()
+    rig.folded(node)
+    node.mover.run_round()  # the partition's guard is made here
+    first = weakref.ref(node.serving()[0])
+    node._release(0, "rebalance")
+    assert node._acquire(0)
+    assert wait_until(lambda: 0 in node.serving(), 60), "the partition served again"
+    rig.folded(node)
+    node.mover.run_round()
+    gc.collect()
+    assert first() is None, "the stopped replica is still referenced"
+    h = _chain(3, 120)[0]
+    with node.serving()[0].lock:
+        want = node.serving()[0].index.block(h)
+    assert want is not None
+    assert node.mover.guards[0]._last_access(h) == want.last_access_ns
+    rig.read_back()
