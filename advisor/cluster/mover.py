@@ -230,6 +230,30 @@ class ClusterMover:
             logger.warning("partition %d: fence at %d above this lease's %d (epoch %d); no moves", rep.partition,
                            stored, token, epoch)
 
+    def retake(self, rep: Replica) -> None:
+        """Raise the fence again for a replica whose fence could not be raised when its
+        partition was taken (``rep.take_failed``: the catalog did not answer, the lease's
+        token was not known yet).  Such a replica serves lookups and makes no moves; without
+        a retry it made none for as long as this advisor held the lease, possibly for good
+        on a stable cluster.  Each repair pass and policy round tries once; a failure is
+        logged and leaves the replica fenced."""
+        if not rep.take_failed:
+            return
+        keeper = self.node.keeper
+        token = keeper.token(rep.partition) if keeper is not None else None
+        epoch = keeper.epoch(rep.partition) if keeper is not None else None
+        if token is None:
+            return
+        try:
+            self.take(rep, token, epoch or 0)
+        except Exception as exc:  # noqa: BLE001 - still fenced: the next round tries again
+            logger.warning("partition %d: raising the catalog fence failed again: %s: %s", rep.partition,
+                           type(exc).__name__, exc)
+            return
+        rep.take_failed = False
+        logger.info("partition %d: catalog fence raised on a retry%s", rep.partition,
+                    "; a newer owner holds it, no moves" if rep.fenced else "")
+
     def _mine(self, rep: Replica, h: int, volume: str | None = None) -> bool:
         """Whether ``h`` is a block of ``rep``'s partition to act on (module docstring); with
         ``volume``, also whether the index already places it there: a block whose Store has
@@ -423,6 +447,8 @@ class ClusterMover:
         n = 0
         owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
         for p, rep in sorted(reps.items()):
+            if p in owned:
+                self.retake(rep)
             if rep.fenced or p not in owned:
                 continue
             if not rep.repaired:

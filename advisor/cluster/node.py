@@ -228,10 +228,11 @@ class ClusterNode:
                 if token is None:
                     raise RuntimeError("the lease is gone already")
                 self.mover.take(rep, token, epoch or 0)
-            except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves
+            except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves until a retry succeeds
                 rep.fenced = True
-                logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves: %s",
-                             self.settings.advisor_id, p, exc)
+                rep.take_failed = True
+                logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves until a retry "
+                             "succeeds: %s", self.settings.advisor_id, p, exc)
         with self._lock:
             self.replicas[p] = rep
         try:

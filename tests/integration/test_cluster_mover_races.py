@@ -696,6 +696,17 @@ def test_a_move_whose_announcement_was_lost_is_in_the_log_after_a_graceful_stop(
     rig.read_back()
 
 
+def _one_partition_started(rig_factory: Any, seed: int) -> tuple[Rig, ClusterNode, Any]:
+    """A one-partition rig with three hot 3-block chains offloaded (chains ``seed`` ..
+    ``seed + 2``), its advisor started and folded: ``(rig, node, the partition's replica)``."""
+    rig = rig_factory(partitions=1)
+    for i in range(3):
+        rig.offload(_chain(3, seed + i))
+    node = rig.start()
+    rig.folded(node)
+    return rig, node, node.serving()[0]
+
+
 def test_a_fold_lagging_behind_its_log_makes_no_repairs(rig_factory: Any) -> None:
     """Attack 5 (seen in the scaled drill: a partition's consumer delivers nothing for
     seconds after a fail-over, while the owner's rounds go on): the owner's moves are in
@@ -704,12 +715,7 @@ def test_a_fold_lagging_behind_its_log_makes_no_repairs(rig_factory: Any) -> Non
     folded, not a lost announcement, and the anti-entropy must not publish catalog reads
     into the log again for it (each round, as long as the fold lags).  Once the fold
     catches up, index == catalog without any repair."""
-    rig = rig_factory(partitions=1)
-    for i in range(3):
-        rig.offload(_chain(3, 110 + i))
-    node = rig.start()
-    rig.folded(node)
-    rep = node.serving()[0]
+    rig, node, rep = _one_partition_started(rig_factory, 110)
     real_get = rep.log.get
     stalled = threading.Event()
     stalled.set()
@@ -762,4 +768,30 @@ def test_a_partition_taken_back_is_guarded_with_its_new_index(rig_factory: Any) 
         want = node.serving()[0].index.block(h)
     assert want is not None
     assert node.mover.guards[0]._last_access(h) == want.last_access_ns
+    rig.read_back()
+
+
+def test_a_fence_that_could_not_be_raised_at_take_over_is_raised_on_a_later_round(
+        rig_factory: Any, monkeypatch: Any) -> None:
+    """The catalog does not answer when a partition is taken (a Redis hiccup): the replica
+    serves lookups and makes no moves.  Without a retry it made none for as long as the
+    advisor held the lease; the next round raises the fence and moves."""
+    real = RedisCatalog.raise_fence
+    calls: list[str] = []
+
+    def fails_once(self: Any, fence: Any) -> int:
+        calls.append(fence.name)
+        if len(calls) == 1:
+            raise ConnectionError("redis did not answer")
+        return real(self, fence)
+
+    monkeypatch.setattr(RedisCatalog, "raise_fence", fails_once)
+    rig, node, rep = _one_partition_started(rig_factory, 130)
+    assert rep.fenced and rep.take_failed and len(calls) == 1
+    results = node.mover.run_round()
+    assert not rep.fenced and not rep.take_failed and len(calls) == 2
+    assert any(r.status.value == "done" and r.item.kind.value == "promote" for r in results), \
+        [(r.item.kind.value, r.status.value, r.detail) for r in results]
+    rig.folded(node)
+    assert rig.mismatches(node) == []
     rig.read_back()
