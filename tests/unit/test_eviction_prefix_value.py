@@ -62,9 +62,9 @@ def test_a_new_request_that_shares_only_its_first_block_supersedes_nothing() -> 
     assert prefix_value.simulate(ct, 5, settings=off).tolist() == [0, 5, 2, 2]
 
 
-def _fresh_ids() -> Callable[[int], list[int]]:
-    """``take(k)``: the next ``k`` block ids never handed out before (from 1000 on)."""
-    ids = itertools.count(1000)
+def _fresh_ids(first: int = 1000) -> Callable[[int], list[int]]:
+    """``take(k)``: the next ``k`` block ids never handed out before (from ``first`` on)."""
+    ids = itertools.count(first)
     return lambda k: list(itertools.islice(ids, k))
 
 
@@ -145,21 +145,29 @@ def test_a_header_many_requests_share_is_no_fork() -> None:
         assert forks[-1] == 5 and every[-1] == 2
 
 
+def compactions(first: int, n_conv: int = 40) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """``(requests, dead, replacements)``: one branch that comes back at once, then
+    ``n_conv`` conversations that each compact once (``dead[i]``, 6 blocks, never read
+    again; ``replacements[i]`` the request that replaced it); ids from ``first`` on."""
+    take = _fresh_ids(first)
+    root, br = take(2), take(3)
+    reqs = [root + br, root + take(3), root + br]
+    dead, new = [], []
+    for _ in range(n_conv):
+        r, old = take(2), take(6)
+        new.append(r + take(3))
+        reqs += [r + old, new[-1]]
+        dead.append(old)
+    return reqs, dead, new
+
+
 def test_superseded_first_names_the_blocks_the_rule_ranks_first() -> None:
     # one branch that comes back at once (the gate's wait is its return distance), then
     # forty conversations that each compact once and never read the old 6-block branch
     # again. Once the gate has matured enough misses it acts: from then on each old branch
     # (its root, and the root's descendants) is named, the earlier ones are not (they were
     # ranked by their class), and a branch read again is named no more
-    take = _fresh_ids()
-    root, br = take(2), take(3)
-    reqs = [root + br, root + take(3), root + br]
-    dead, new = [], []
-    for _ in range(40):
-        r, old = take(2), take(6)
-        new.append(r + take(3))
-        reqs += [r + old, new[-1]]
-        dead.append(old)
+    reqs, dead, new = compactions(1000)
     ct = compact(reqs)
     _, sup = prefix_value.superseded_first(ct, 20)
     assert ct.keys is not None
@@ -169,7 +177,7 @@ def test_superseded_first_names_the_blocks_the_rule_ranks_first() -> None:
     assert per_branch == sorted(per_branch)  # the gate closes once and stays closed
     assert named == {b for old in dead for b in old if b in named}  # only dead branches
     # the last conversation goes back to its old branch (and on): that branch is live again
-    ct2 = compact(reqs + [new[-1][:2] + dead[-1] + take(2)])
+    ct2 = compact(reqs + [new[-1][:2] + dead[-1] + [5000, 5001]])  # two new blocks
     _, sup2 = prefix_value.superseded_first(ct2, 20)
     assert ct2.keys is not None
     assert set(ct2.keys[sup2].tolist()) == named - set(dead[-1])

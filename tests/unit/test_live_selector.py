@@ -26,6 +26,7 @@ from advisor.policy.policies import (
 from event_plane.schema import EventBatch, store
 from kvadvisor.synthetic import loop
 from storage_backends.types import BlockKey, Placement
+from tests.unit.test_eviction_prefix_value import compactions
 
 BLK = 4096  # bytes per block
 
@@ -174,25 +175,6 @@ def test_demotion_follows_the_leaders_order() -> None:
     with pytest.raises(ValueError):
         make_scorer(PolicySettings(demotion=s), idx, [1], "fifo")
     assert np.isfinite(make_scorer(PolicySettings(), idx, [1, 2])(1))
-
-
-def compactions(first: int, n_conv: int = 40) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """``(requests, dead, replacements)``: one branch that comes back at once, then
-    ``n_conv`` conversations that each compact once (``dead[i]``, 6 blocks, never read
-    again; ``replacements[i]`` the request that replaced it); ids from ``first`` on."""
-    ids = iter(range(first, first + 10**6))
-
-    def take(k: int) -> list[int]:
-        return [next(ids) for _ in range(k)]
-    root, br = take(2), take(3)
-    reqs = [root + br, root + take(3), root + br]
-    dead, new = [], []
-    for _ in range(n_conv):
-        r, old = take(2), take(6)
-        new.append(r + take(3))
-        reqs += [r + old, new[-1]]
-        dead.append(old)
-    return reqs, dead, new
 
 
 def test_live_ranking_puts_the_kernels_superseded_branches_first() -> None:

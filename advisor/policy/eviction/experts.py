@@ -261,12 +261,8 @@ def next_leader(trace: CompactTrace, capacity: int, settings: SelectorSettings |
     Raises:
         ValueError: ``capacity`` < 1.
     """
-    if capacity < 1:
-        raise ValueError(f"need capacity >= 1, got {capacity}")
-    if trace.requests == 0:
-        return EXPERTS.index((settings or SelectorSettings()).initial), 0
-    lead = _leaders(expert_hits(trace, capacity), np.diff(trace.offsets), capacity, settings)
-    return int(lead[-1]), int((lead[1:] != lead[:-1]).sum())
+    sel = select(trace, capacity, settings)
+    return sel.leader, sel.switches
 
 
 @dataclass(frozen=True)
@@ -287,8 +283,8 @@ class Selection:
 
 
 def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None) -> Selection:
-    """:func:`next_leader` and, from the same replay of ``prefix_value``, the blocks its
-    superseded-first rule ranks first (one replay per expert, as :func:`next_leader`).
+    """:func:`next_leader`'s leader and switches and, from the same replay of
+    ``prefix_value``, the blocks its superseded-first rule ranks first (one replay per expert).
 
     Raises:
         ValueError: ``capacity`` < 1.

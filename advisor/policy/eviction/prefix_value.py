@@ -457,11 +457,11 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
         for jj in range(a, b):
             if jj > a and not ever[flat[jj]]:
                 n_children[flat[jj - 1]] += 1
-            if supersede and sup_kind[flat[jj]] >= 0:  # a superseded block referenced again
-                ret_sum[sup_kind[flat[jj]]] += clock - sup_since[flat[jj]]
-                ret_n[sup_kind[flat[jj]]] += 1.0
-                sup_kind[flat[jj]] = -1
             if supersede:
+                if sup_kind[flat[jj]] >= 0:  # a superseded block referenced again
+                    ret_sum[sup_kind[flat[jj]]] += clock - sup_since[flat[jj]]
+                    ret_n[sup_kind[flat[jj]]] += 1.0
+                    sup_kind[flat[jj]] = -1
                 sup_first[flat[jj]] = False
             last[flat[jj]] = clock
             ever[flat[jj]] = True
@@ -530,15 +530,23 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             windows[0], windows[1], windows[2] = window, max(window / step, min_window), min(window * step, max_window)
             if moved or adapt_z == 0.0:
                 shadow_hits[:] = 0.0
-    if supersede:  # a superseded-first branch takes its descendants (a block's parent comes first in flat)
-        done = np.zeros(n_blocks, dtype=np.bool_)
-        for jj in range(n_refs):
-            x = flat[jj]
-            if not done[x]:
-                done[x] = True
-                if parent[x] >= 0 and sup_first[parent[x]]:
-                    sup_first[x] = True
     return hits, as_arrays(evl), as_arrays(snl), sup_first
+
+
+@numba.njit(cache=True)
+def _with_descendants(flat: np.ndarray, parent: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """``roots`` (bool ``[blocks]``) and every block below one of them: a block's parent is
+    referenced before it, so one pass over ``flat`` in order reaches each block after its
+    parent's mark is final."""
+    out = roots.copy()
+    done = np.zeros(roots.shape[0], dtype=np.bool_)
+    for jj in range(flat.shape[0]):
+        x = flat[jj]
+        if not done[x]:
+            done[x] = True
+            if parent[x] >= 0 and out[parent[x]]:
+                out[x] = True
+    return out
 
 
 def simulate(trace: CompactTrace, capacity: int, lookahead: int = 0,
@@ -629,7 +637,9 @@ def superseded_first(trace: CompactTrace, capacity: int,
     hits, _, _, sup = _run(trace.flat, trace.offsets, trace.n_blocks, capacity, trace.parent,
                            np.zeros(trace.refs, dtype=np.int64), 0, True, (settings or PrefixValueSettings()).as_array(),
                            None, none, none, np.zeros(0, dtype=np.bool_))
-    return hits, sup if sup.shape[0] else np.zeros(trace.n_blocks, dtype=np.bool_)
+    if not sup.shape[0]:  # the rule is off
+        return hits, np.zeros(trace.n_blocks, dtype=np.bool_)
+    return hits, _with_descendants(trace.flat, trace.parent, sup)
 
 
 __all__ = ["PrefixValueSettings", "priority", "replay", "reuse_class", "simulate", "simulate_promotions",
