@@ -230,29 +230,32 @@ class ClusterMover:
             logger.warning("partition %d: fence at %d above this lease's %d (epoch %d); no moves", rep.partition,
                            stored, token, epoch)
 
-    def retake(self, rep: Replica) -> None:
-        """Raise the fence again for a replica whose fence could not be raised when its
-        partition was taken (``rep.take_failed``: the catalog did not answer, the lease's
-        token was not known yet).  Such a replica serves lookups and makes no moves; without
-        a retry it made none for as long as this advisor held the lease, possibly for good
-        on a stable cluster.  Each repair pass and policy round tries once; a failure is
-        logged and leaves the replica fenced."""
-        if not rep.take_failed:
-            return
+    def raise_fence(self, rep: Replica) -> None:
+        """:meth:`take` with the token and epoch of this advisor's lease on ``rep``'s partition,
+        when the partition is taken and again while that failed (``rep.take_failed``).
+
+        A replica whose fence could not be raised (the catalog did not answer, the lease was
+        gone) serves lookups and makes no moves (``rep.fenced``); each later repair pass and
+        policy round calls this again (:meth:`_repairs`).  Without the retry it made none
+        for as long as this advisor held the lease, for good on a stable cluster."""
         keeper = self.node.keeper
         token = keeper.token(rep.partition) if keeper is not None else None
         epoch = keeper.epoch(rep.partition) if keeper is not None else None
-        if token is None:
-            return
+        retry = rep.take_failed
         try:
+            if token is None:
+                raise RuntimeError("the lease is gone already")
             self.take(rep, token, epoch or 0)
-        except Exception as exc:  # noqa: BLE001 - still fenced: the next round tries again
-            logger.warning("partition %d: raising the catalog fence failed again: %s: %s", rep.partition,
-                           type(exc).__name__, exc)
+        except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves until a retry succeeds
+            rep.fenced = rep.take_failed = True
+            (logger.warning if retry else logger.error)(
+                "advisor %s: partition %d: cannot raise its catalog fence, no moves until a retry succeeds: %s",
+                self.node.settings.advisor_id, rep.partition, exc)
             return
         rep.take_failed = False
-        logger.info("partition %d: catalog fence raised on a retry%s", rep.partition,
-                    "; a newer owner holds it, no moves" if rep.fenced else "")
+        if retry:
+            logger.info("partition %d: catalog fence raised on a retry%s", rep.partition,
+                        "; a newer owner holds it, no moves" if rep.fenced else "")
 
     def _mine(self, rep: Replica, h: int, volume: str | None = None) -> bool:
         """Whether ``h`` is a block of ``rep``'s partition to act on (module docstring); with
@@ -447,8 +450,8 @@ class ClusterMover:
         n = 0
         owned = self.node.keeper.owned() if self.node.keeper is not None else frozenset()
         for p, rep in sorted(reps.items()):
-            if p in owned:
-                self.retake(rep)
+            if p in owned and rep.take_failed:
+                self.raise_fence(rep)
             if rep.fenced or p not in owned:
                 continue
             if not rep.repaired:

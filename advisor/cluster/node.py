@@ -222,17 +222,7 @@ class ClusterNode:
                          self.settings.advisor_id, p, exc)
             return False
         if self.mover is not None:
-            token = self.keeper.token(p) if self.keeper is not None else None
-            epoch = self.keeper.epoch(p) if self.keeper is not None else None
-            try:
-                if token is None:
-                    raise RuntimeError("the lease is gone already")
-                self.mover.take(rep, token, epoch or 0)
-            except Exception as exc:  # noqa: BLE001 - serve lookups, make no moves until a retry succeeds
-                rep.fenced = True
-                rep.take_failed = True
-                logger.error("advisor %s: partition %d: cannot raise its catalog fence, no moves until a retry "
-                             "succeeds: %s", self.settings.advisor_id, p, exc)
+            self.mover.raise_fence(rep)  # on failure: lookups only, retried by later rounds
         with self._lock:
             self.replicas[p] = rep
         try:

@@ -142,7 +142,7 @@ class Replica:
         self.selector = new_selector(node.mover.storage.policy.selector) if node.mover is not None else None
         self.fence: Any = None  # storage_backends.Fence of this ownership (cluster mover)
         self.fenced = False  # a newer owner raised the fence: no more moves
-        self.take_failed = False  # the fence could not be raised at take-over: retried (ClusterMover.retake)
+        self.take_failed = False  # the fence could not be raised at take-over: retried (ClusterMover.raise_fence)
         self.repaired = False  # the mover compared the catalog with this index
         self.suspects: set[tuple[str, int, str]] = set()  # differences the last periodic repair saw
         self.applied = 0
