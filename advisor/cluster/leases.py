@@ -32,10 +32,17 @@ most recently acquired first) when it holds more, so a joining advisor gets part
 a dead one's are taken over after the TTL.  A new member takes nothing during its first
 ``join_delay_s``: advisors started together split the partitions at once.
 
-Callbacks ``on_acquire(partition)`` and ``on_release(partition, reason)`` run on the
-keeper's thread, one at a time, in order; ``reason`` is ``"rebalance"``, ``"lost"`` (a
-renewal failed or the local expiry passed), ``"stop"``, or ``"failed"``: ``on_acquire``
-returned ``False`` (it cannot serve the partition), and the lease is handed back at once.
+Callbacks ``on_acquire(partition)`` and ``on_release(partition, reason)`` run one at a
+time, in the order they were queued, on a worker thread of the keeper's loop; ``reason``
+is ``"rebalance"``, ``"lost"`` (a renewal failed or the local expiry passed), ``"stop"``,
+or ``"failed"``: ``on_acquire`` returned ``False`` or raised (it cannot serve the
+partition), and the lease is handed back at once.  Renewals (and the member entry) run in
+a task of their own every ``heartbeat_s`` and never wait for a callback: an owner that
+takes long to open a partition (a slow stream, a large snapshot) or to close one (its last
+snapshot) keeps every lease it holds, that one included, instead of letting them expire
+locally and churning them to its peers.  A lease being released is no longer
+:meth:`LeaseKeeper.owned` once its ``on_release`` is queued, and stays renewed until it
+returns; then its entry is deleted.
 """
 
 from __future__ import annotations
@@ -123,6 +130,7 @@ class _Lease:
     acquired_at: float
     token: int = 0  # the revision the lease was created at (a fencing token: only grows)
     epoch: int = 0  # the bucket's creation time (µs) when the lease was created: its incarnation
+    releasing: bool = False  # on_release is running: no longer owned(), still renewed until deleted
 
 
 @dataclass
@@ -158,6 +166,11 @@ class LeaseKeeper:
     _ready: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
     _joined_at: float | None = field(default=None, init=False, repr=False)
+    _kv: Any = field(default=None, init=False, repr=False)  # the bound bucket (rebound after a failed round)
+    # asyncio objects bind to the loop that first waits on them (the keeper thread's)
+    _kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
+    _calls: asyncio.Queue[Any] = field(default_factory=asyncio.Queue, init=False, repr=False)
+    _renew_stop: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     counters: dict[str, int] = field(default_factory=lambda: {
         "acquired": 0, "released": 0, "lost": 0, "renewals": 0, "errors": 0, "refused": 0}, init=False)
 
@@ -186,7 +199,8 @@ class LeaseKeeper:
         now = time.monotonic()
         limit = self.settings.ttl_s * self.settings.safety
         with self._lock:
-            return frozenset(p for p, lease in self._leases.items() if now - lease.renewed_at < limit)
+            return frozenset(p for p, lease in self._leases.items()
+                             if now - lease.renewed_at < limit and not lease.releasing)
 
     def token(self, partition: int) -> int | None:
         """The fencing token of this advisor's lease on ``partition``: the bucket revision
@@ -245,16 +259,23 @@ class LeaseKeeper:
         s = self.settings
         self._stop = asyncio.Event()
         nc = await connect_nats(self.url, s.connect_timeout_s, dict(self.connect_options))
+        caller = asyncio.create_task(self._run_callbacks())
+        renewer: asyncio.Task[None] | None = None
         try:
             js = nc.jetstream(timeout=s.connect_timeout_s)
             self._js = js
             # a replicated bucket just created (by us or a peer) answers once its stream has a
             # leader: retry the first round for a while before calling the start failed
             deadline = time.monotonic() + s.connect_timeout_s + 10.0
+            first = True
             while True:
                 try:
-                    kv = await self._bucket(js)
-                    await self._heartbeat(kv)
+                    if first:
+                        self._kv = await self._bucket(js)
+                        await self._keepalive(self._kv)
+                        first = False
+                        renewer = asyncio.create_task(self._renew_loop())
+                    await self._balance(self._kv)
                     break
                 except LeaseError:
                     raise
@@ -264,15 +285,9 @@ class LeaseKeeper:
                     logger.info("lease keeper %s: bucket not ready yet (%s), retrying", self.advisor_id, exc)
                     await asyncio.sleep(0.3)
             self._ready.set()
-            while not self._stop.is_set():
+            while not await _set_within(self._stop, s.heartbeat_s):
                 try:
-                    await asyncio.wait_for(self._stop.wait(), s.heartbeat_s)
-                except asyncio.TimeoutError:
-                    pass
-                if self._stop.is_set():
-                    break
-                try:
-                    await self._heartbeat(kv)
+                    await self._balance(self._kv)
                 except Exception as exc:  # noqa: BLE001 - a round failed: leases expire locally
                     self.counters["errors"] += 1
                     logger.warning("lease keeper %s: round failed: %s", self.advisor_id, exc)
@@ -281,12 +296,22 @@ class LeaseKeeper:
                     # bind it again, creating it if needed, so the next round can succeed
                     # (a new bucket has a new epoch, so no old lease fences a new one)
                     try:
-                        kv = await self._bucket(js)
+                        self._kv = await self._bucket(js)
                     except Exception as again:  # noqa: BLE001 - the next round tries again
                         logger.warning("lease keeper %s: cannot bind the lease bucket: %s", self.advisor_id, again)
             if not self._crash:
-                await self._leave(kv)
+                for p in sorted(set(self._leases)):  # renewed meanwhile: the last ones do not lapse
+                    await self._release(self._kv, p, "stop")
+            renewer = await self._stop_renewer(renewer)
+            if not self._crash:
+                try:
+                    await self._kv.delete(f"member.{self.advisor_id}")
+                except Exception:  # noqa: BLE001 - the entry expires anyway
+                    pass
         finally:
+            await self._stop_renewer(renewer)
+            self._calls.put_nowait(None)  # the callbacks already queued run first
+            await caller
             if self._crash:
                 # a crashed process says nothing: drop the connection without a goodbye
                 with self._lock:
@@ -312,12 +337,96 @@ class LeaseKeeper:
         except APIError:
             return await js.key_value(s.bucket)  # another advisor created it meanwhile
 
-    async def _heartbeat(self, kv: Any) -> None:
-        s = self.settings
+    # -- callbacks: one task runs them on a worker thread, one at a time, in queue order
+    async def _run_callbacks(self) -> None:
+        while (item := await self._calls.get()) is not None:
+            fn, args, done = item
+            try:
+                result = await asyncio.to_thread(fn, *args)
+            except Exception:  # noqa: BLE001 - the owner's error: logged, an acquisition counts as refused
+                logger.exception("lease keeper %s: %s%r failed", self.advisor_id, getattr(fn, "__name__", fn), args)
+                result = False
+            if done is not None and not done.done():
+                done.set_result(result)
+
+    def _queue_callback(self, fn: Callable[..., Any] | None, *args: Any) -> asyncio.Future[Any] | None:
+        """Queue ``fn(*args)`` for the callback task; a future of its result, ``None`` without ``fn``."""
+        if fn is None:
+            return None
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.put_nowait((fn, args, done))
+        return done
+
+    # -- renewals: a task of their own, never waiting for a callback
+    async def _renew_loop(self) -> None:
+        """Renew the held leases and the member entry every ``heartbeat_s`` (module docstring)."""
+        while not await _set_within(self._renew_stop, self.settings.heartbeat_s):
+            try:
+                await self._keepalive(self._kv)
+            except Exception as exc:  # noqa: BLE001 - a failed renewal: the leases expire locally
+                self.counters["errors"] += 1
+                logger.warning("lease keeper %s: renewal failed: %s", self.advisor_id, exc)
+                self._expire_local()
+
+    async def _stop_renewer(self, renewer: asyncio.Task[None] | None) -> None:
+        """Stop the renewals between two passes (never in the middle of an update, whose new
+        revision a later delete needs); returns ``None`` for the caller's handle."""
+        if renewer is not None:
+            self._renew_stop.set()
+            await asyncio.gather(renewer, return_exceptions=True)
+        return None
+
+    async def _keepalive(self, kv: Any) -> None:
         await kv.put(f"member.{self.advisor_id}", json.dumps({"since_ns": time.time_ns()}).encode())
         if self._joined_at is None:
             self._joined_at = time.monotonic()
         await self._renew(kv)
+
+    async def _renew(self, kv: Any) -> None:
+        with self._lock:
+            held = list(self._leases)
+        for p in held:
+            async with self._kv_lock:  # a release deletes with the revision it reads under it
+                with self._lock:
+                    lease = self._leases.get(p)
+                if lease is None:
+                    continue
+                t0 = time.monotonic()
+                if t0 - lease.renewed_at >= self.settings.ttl_s * self.settings.safety:
+                    self._lose(p, lease)
+                    continue
+                try:
+                    rev = await kv.update(f"part.{p}", self._value(), last=lease.revision)
+                except (KeyWrongLastSequenceError, KeyNotFoundError, APIError) as exc:
+                    logger.warning("lease keeper %s: lost partition %d (%s)", self.advisor_id, p, exc)
+                    self._lose(p, lease)
+                    continue
+                with self._lock:
+                    lease.revision = rev
+                    lease.renewed_at = t0
+            self.counters["renewals"] += 1
+
+    def _lose(self, p: int, lease: _Lease) -> None:
+        """Forget ``lease`` on ``p`` (if it is still the one held) and queue ``on_release(p, "lost")``."""
+        with self._lock:
+            if self._leases.get(p) is not lease:
+                return  # released, or lost and taken again, meanwhile: not this lease
+            del self._leases[p]
+        self.counters["lost"] += 1
+        if not lease.releasing:  # else its on_release is queued already
+            self._queue_callback(self.on_release, p, "lost")
+
+    def _expire_local(self) -> None:
+        now = time.monotonic()
+        limit = self.settings.ttl_s * self.settings.safety
+        with self._lock:
+            gone = [(p, lease) for p, lease in self._leases.items() if now - lease.renewed_at >= limit]
+        for p, lease in gone:
+            self._lose(p, lease)
+
+    # -- balance: the main loop
+    async def _balance(self, kv: Any) -> None:
+        s = self.settings
         members, owners = _parse(await _entries(self._js, kv, s.bucket, s.connect_timeout_s))
         target = math.ceil(s.partitions / max(1, len(members)))
         mine = self.owned()
@@ -326,33 +435,16 @@ class LeaseKeeper:
                 extra = sorted(mine, key=lambda p: -self._leases[p].acquired_at)[: len(mine) - target]
             for p in extra:
                 await self._release(kv, p, "rebalance")
-        elif len(mine) < target and time.monotonic() - self._joined_at >= self._join_delay():
-            free = [p for p in range(s.partitions) if p not in owners]
+        elif len(mine) < target and self._joined_at is not None \
+                and time.monotonic() - self._joined_at >= self._join_delay():
+            free = [p for p in range(s.partitions) if p not in owners and p not in self._leases]
             # start at an offset of our own so joiners do not all race for partition 0
             off = sum(map(ord, self.advisor_id)) % s.partitions
             free.sort(key=lambda p: (p - off) % s.partitions)
             for p in free[: target - len(mine)]:
+                if self._stop is not None and self._stop.is_set():
+                    break
                 await self._acquire(kv, p)
-
-    async def _renew(self, kv: Any) -> None:
-        with self._lock:
-            held = dict(self._leases)
-        for p, lease in held.items():
-            t0 = time.monotonic()
-            if t0 - lease.renewed_at >= self.settings.ttl_s * self.settings.safety:
-                await self._drop(p, "lost")
-                continue
-            try:
-                rev = await kv.update(f"part.{p}", self._value(), last=lease.revision)
-            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError) as exc:
-                logger.warning("lease keeper %s: lost partition %d (%s)", self.advisor_id, p, exc)
-                await self._drop(p, "lost")
-                continue
-            with self._lock:
-                if p in self._leases:
-                    self._leases[p].revision = rev
-                    self._leases[p].renewed_at = t0
-            self.counters["renewals"] += 1
 
     async def _acquire(self, kv: Any, p: int) -> None:
         t0 = time.monotonic()
@@ -365,7 +457,8 @@ class LeaseKeeper:
             self._leases[p] = _Lease(rev, t0, t0, rev, epoch)
         self.counters["acquired"] += 1
         logger.info("lease keeper %s: acquired partition %d", self.advisor_id, p)
-        if self.on_acquire is not None and self.on_acquire(p) is False:
+        done = self._queue_callback(self.on_acquire, p)
+        if done is not None and await done is False:
             # the owner could not serve it (e.g. the stream did not answer in time): hand the
             # lease back at once instead of holding a partition nobody serves; it is taken
             # again (by anyone) at a later round
@@ -374,45 +467,25 @@ class LeaseKeeper:
             await self._release(kv, p, "failed")
 
     async def _release(self, kv: Any, p: int, reason: str) -> None:
+        """Stop using ``p`` (``on_release``, the lease still renewed meanwhile), then delete its entry."""
         with self._lock:
             lease = self._leases.get(p)
-        if lease is None:
-            return
-        await self._drop(p, reason)  # stop using it before anyone else may take it
-        try:
-            await kv.delete(f"part.{p}", last=lease.revision)
-        except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
-            pass  # expired or taken meanwhile: nothing of ours to delete
-        self.counters["released"] += 1
-
-    async def _drop(self, p: int, reason: str) -> None:
-        with self._lock:
-            had = self._leases.pop(p, None) is not None
-        if had:
-            if reason == "lost":
-                self.counters["lost"] += 1
-            if self.on_release is not None:
-                self.on_release(p, reason)
-
-    def _expire_local(self) -> None:
-        now = time.monotonic()
-        limit = self.settings.ttl_s * self.settings.safety
-        with self._lock:
-            gone = [p for p, lease in self._leases.items() if now - lease.renewed_at >= limit]
-        for p in gone:
+            if lease is None or lease.releasing:
+                return
+            lease.releasing = True
+        done = self._queue_callback(self.on_release, p, reason)
+        if done is not None:
+            await done  # stop using it before anyone else may take it
+        async with self._kv_lock:  # no renewal between this read of the revision and the delete
             with self._lock:
-                self._leases.pop(p, None)
-            self.counters["lost"] += 1
-            if self.on_release is not None:
-                self.on_release(p, "lost")
-
-    async def _leave(self, kv: Any) -> None:
-        for p in sorted(self.owned() | set(self._leases)):
-            await self._release(kv, p, "stop")
-        try:
-            await kv.delete(f"member.{self.advisor_id}")
-        except Exception:  # noqa: BLE001 - the entry expires anyway
-            pass
+                if self._leases.get(p) is not lease:
+                    return  # lost meanwhile: nothing of ours to delete
+                del self._leases[p]
+            try:
+                await kv.delete(f"part.{p}", last=lease.revision)
+            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
+                pass  # expired or taken meanwhile: nothing of ours to delete
+        self.counters["released"] += 1
 
     def _join_delay(self) -> float:
         d = self.settings.join_delay_s
@@ -420,6 +493,15 @@ class LeaseKeeper:
 
     def _value(self) -> bytes:
         return json.dumps({"owner": self.advisor_id, "since_ns": time.time_ns()}).encode()
+
+
+async def _set_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``event`` is set within ``timeout_s`` seconds (at once when it already is)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    return event.is_set()
 
 
 async def _bucket_epoch(kv: Any) -> int:

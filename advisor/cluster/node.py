@@ -215,11 +215,16 @@ class ClusterNode:
     # ------------------------------------------------------------------ leases
     def _acquire(self, p: int) -> bool:
         """Serve partition ``p`` (keeper callback); ``False`` hands the lease back."""
+        if self.stopping():
+            return False
         try:
             rep = Replica(self, p)
         except Exception as exc:  # noqa: BLE001 - without a replica the lease is useless: give it back
             logger.error("advisor %s: cannot serve partition %d (lease handed back): %s",
                          self.settings.advisor_id, p, exc)
+            return False
+        if self.stopping():  # stop() may have swept the replicas while this one opened
+            rep.stop(save=False)
             return False
         if self.mover is not None:
             self.mover.raise_fence(rep)  # on failure: lookups only, retried by later rounds

@@ -118,11 +118,11 @@ class Replica:
             s.nats_url, partition_namespace(s.namespace, partition), start_seq=self.position + 1,
             stream=StreamLimits(replicas=s.replicas), durable=f"kvadvisor-{s.namespace}-p{partition}-{s.advisor_id}",
             keep_subjects=True,
-            # the replica is made on the lease keeper's thread, several in one round: waiting
-            # for a current copy of the stream (right after a NATS node restart) must leave
-            # the keeper time to renew its other leases before their local expiry (ttl x 0.8);
-            # past the wait the fold reads from the copy it got (a warning, counted in the
-            # log's ``misplaced``)
+            # the replicas of one lease round are made one after another (the keeper renews
+            # its leases beside them): waiting for a current copy of the stream (right after a
+            # NATS node restart) is kept short so the round's other partitions are served
+            # soon; past the wait the fold reads from the copy it got (a warning, counted in
+            # the log's ``misplaced``)
             placement_wait_s=s.lease_ttl_s * 0.1,
             connect_timeout_s=5.0, **s.connect_options)
         self.log.start()

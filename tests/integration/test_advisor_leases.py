@@ -5,6 +5,7 @@ partitions to the others."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import nats
 import pytest
 
 from advisor.cluster.leases import LeaseError, LeaseKeeper, LeaseSettings, lease_owners
@@ -183,6 +185,76 @@ def test_a_partition_its_owner_cannot_serve_is_handed_back_at_once(js_url: str) 
         assert k.counters["refused"] == 1
     finally:
         k.stop()
+
+
+def _delete_key(url: str, key: str, bucket: str = "KVADVISOR_LEASES") -> None:
+    async def go() -> None:
+        nc = await nats.connect(url)
+        try:
+            await (await nc.jetstream().key_value(bucket)).delete(key)
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+
+
+def test_an_owner_that_takes_longer_than_the_ttl_to_open_a_partition_keeps_its_leases(js_url: str) -> None:
+    """Opening a partition (on_acquire: rebuilding its replica from a slow stream) may take
+    longer than the lease TTL, and another lease may be lost meanwhile.  The renewals go on
+    beside the callback: the owner keeps the leases it held and the one being opened, the
+    bucket keeps their entries (no peer could take them), the lost one is reported once, after
+    the slow callback (callbacks never overlap), and every entry is gone after the stop.
+    (When the keeper ran the callbacks between its renewals, every lease expired locally
+    during a slow open; when the renewals waited for a queued callback, a single loss did the same.)"""
+    settings = LeaseSettings(partitions=3, ttl_s=3.0, heartbeat_s=0.5, join_delay_s=0)
+    events: list[tuple[str, int]] = []
+    running = threading.Lock()
+    overlaps = []
+    slow = threading.Event()
+
+    def acq(p: int) -> None:
+        if not running.acquire(blocking=False):
+            overlaps.append(("acquire", p))
+            return
+        try:
+            events.append(("acquire", p))
+            if sum(e == "acquire" for e, _ in events) == 3:  # the third opens slowly: twice the TTL
+                slow.set()
+                time.sleep(2 * settings.ttl_s)
+            events.append(("opened", p))
+        finally:
+            running.release()
+
+    def rel(p: int, reason: str) -> None:
+        if not running.acquire(blocking=False):
+            overlaps.append((reason, p))
+            return
+        events.append((reason, p))
+        running.release()
+
+    k = LeaseKeeper(js_url, "adv-slow", settings, on_acquire=acq, on_release=rel)
+    starter = threading.Thread(target=k.start)
+    starter.start()
+    try:
+        assert slow.wait(30), events
+        first = events[0][1]
+        _delete_key(js_url, f"part.{first}")  # lost while the third one opens
+        starter.join(30)
+        _wait(lambda: k.counters["lost"] == 1, 15, "the deleted lease reported lost")
+        second, slow_p = events[2][1], events[4][1]
+        assert events[:6] == [("acquire", first), ("opened", first), ("acquire", second), ("opened", second),
+                              ("acquire", slow_p), ("opened", slow_p)], events
+        _wait(lambda: ("lost", first) in events, 15, "on_release(lost)")
+        assert events.index(("lost", first)) > events.index(("opened", slow_p))
+        time.sleep(settings.ttl_s)  # past the TTL once more: the bucket would have dropped a stale entry
+        assert k.counters["lost"] == 1 and not overlaps, (k.counters, overlaps)
+        owners = lease_owners(js_url)
+        assert {p for p, o in owners.items() if o == "adv-slow"} >= {second, slow_p}, owners
+        assert k.owned() >= {second, slow_p}
+    finally:
+        starter.join(30)
+        k.stop(30)
+    assert lease_owners(js_url) == {}
 
 
 _CHILD = textwrap.dedent("""
