@@ -10,7 +10,8 @@ small queue let them go, so S3-FIFO, the starting leader, loses.  Checked: each 
 selector, fed only the batches its replica folds, leaves S3-FIFO for the leader the
 evaluator's selection gives on the same window (one implementation); a round's demotions
 are ranked in that leader's order (their reasons name it); the cluster API's ``/v1/stats``
-shows each partition's leader; a mover's batches are not requests.
+shows each partition's leader; a mover's batches are not requests; and a partition's round
+demotes the branches its selector names superseded first (``LiveSelector.superseded``).
 """
 
 from __future__ import annotations
@@ -110,3 +111,31 @@ def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: A
     finally:
         http.close()
         client.close()
+
+
+def test_a_partition_demotes_the_superseded_branch_first(rig_factory: Any) -> None:  # noqa: F811
+    # the scaled twin of the embedded service's test (tests/unit/test_live_selector.py): one
+    # partition's selector, fed the requests its replica folds, names the branches its
+    # prefix_value replay ranks first (conversations that compacted and left them), and the
+    # partition's round hands that verdict to the planner: the first demotions from fast are
+    # the dead branch's leaves, though the live branch beside it was accessed earlier
+    from tests.unit.test_eviction_prefix_value import compactions
+
+    cap = (4 << 20) // BLK  # the one partition's share of fast, in blocks
+    rig = rig_factory(partitions=1, demotion={"scoring": "prefix_value", "high_watermark": 8.5 / cap,
+                                              "low_watermark": 7 / cap})
+    node = rig.start()
+    reqs, dead, new = compactions(5_000)
+    live = new[0][2:]
+    _announce_requests(rig, "w1", reqs)
+    for branch in (live, dead[-1]):  # offloaded to fast: the live branch first
+        rig.agent.put([(BlockKey(KEY_NS, h), _data(h)) for h in branch], "fast")
+        rig.announce("w0", [store(h, branch[0], branch[d - 1] if d else None, BLK, "fast")
+                            for d, h in enumerate(branch)])
+    _folded(rig, node, 1 << 62)
+    (rep,) = node.serving().values()
+    results = node.mover.run_round()
+    assert set(dead[-1]) <= rep.selector.superseded and not set(live) & rep.selector.superseded
+    demoted = [r.item.sequence_hash for r in results if r.item.kind is PlanKind.DEMOTE]
+    assert demoted == dead[-1][::-1][:2], [(r.item.sequence_hash, r.item.reason) for r in results]
+    assert all("superseded branch" in r.item.reason for r in results if r.item.kind is PlanKind.DEMOTE)
