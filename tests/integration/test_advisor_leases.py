@@ -246,7 +246,7 @@ def test_an_owner_that_takes_longer_than_the_ttl_to_open_a_partition_keeps_its_l
                               ("acquire", slow_p), ("opened", slow_p)], events
         _wait(lambda: ("lost", first) in events, 15, "on_release(lost)")
         assert events.index(("lost", first)) > events.index(("opened", slow_p))
-        time.sleep(settings.ttl_s)  # past the TTL once more: the bucket would have dropped a stale entry
+        time.sleep(settings.ttl_s)  # time passes: a TTL more, after which the bucket would have dropped a stale entry
         assert k.counters["lost"] == 1 and not overlaps, (k.counters, overlaps)
         owners = lease_owners(js_url)
         assert {p for p, o in owners.items() if o == "adv-slow"} >= {second, slow_p}, owners
