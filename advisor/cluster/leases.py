@@ -197,10 +197,13 @@ class LeaseKeeper:
     def owned(self) -> frozenset[int]:
         """Partitions this advisor holds now (leases within their local expiry)."""
         now = time.monotonic()
-        limit = self.settings.ttl_s * self.settings.safety
         with self._lock:
             return frozenset(p for p, lease in self._leases.items()
-                             if now - lease.renewed_at < limit and not lease.releasing)
+                             if not self._lapsed(lease, now) and not lease.releasing)
+
+    def _lapsed(self, lease: _Lease, now: float) -> bool:
+        """Whether ``lease`` is past its local expiry at ``now`` (monotonic; module docstring)."""
+        return now - lease.renewed_at >= self.settings.ttl_s * self.settings.safety
 
     def token(self, partition: int) -> int | None:
         """The fencing token of this advisor's lease on ``partition``: the bucket revision
@@ -302,7 +305,7 @@ class LeaseKeeper:
             if not self._crash:
                 for p in sorted(set(self._leases)):  # renewed meanwhile: the last ones do not lapse
                     await self._release(self._kv, p, "stop")
-            renewer = await self._stop_renewer(renewer)
+            await self._stop_renewer(renewer)
             if not self._crash:
                 try:
                     await self._kv.delete(f"member.{self.advisor_id}")
@@ -346,7 +349,7 @@ class LeaseKeeper:
             except Exception:  # noqa: BLE001 - the owner's error: logged, an acquisition counts as refused
                 logger.exception("lease keeper %s: %s%r failed", self.advisor_id, getattr(fn, "__name__", fn), args)
                 result = False
-            if done is not None and not done.done():
+            if not done.done():
                 done.set_result(result)
 
     def _queue_callback(self, fn: Callable[..., Any] | None, *args: Any) -> asyncio.Future[Any] | None:
@@ -370,11 +373,10 @@ class LeaseKeeper:
 
     async def _stop_renewer(self, renewer: asyncio.Task[None] | None) -> None:
         """Stop the renewals between two passes (never in the middle of an update, whose new
-        revision a later delete needs); returns ``None`` for the caller's handle."""
+        revision a later delete needs); again once stopped, it returns at once."""
         if renewer is not None:
             self._renew_stop.set()
             await asyncio.gather(renewer, return_exceptions=True)
-        return None
 
     async def _keepalive(self, kv: Any) -> None:
         await kv.put(f"member.{self.advisor_id}", json.dumps({"since_ns": time.time_ns()}).encode())
@@ -392,7 +394,7 @@ class LeaseKeeper:
                 if lease is None:
                     continue
                 t0 = time.monotonic()
-                if t0 - lease.renewed_at >= self.settings.ttl_s * self.settings.safety:
+                if self._lapsed(lease, t0):
                     self._lose(p, lease)
                     continue
                 try:
@@ -418,9 +420,8 @@ class LeaseKeeper:
 
     def _expire_local(self) -> None:
         now = time.monotonic()
-        limit = self.settings.ttl_s * self.settings.safety
         with self._lock:
-            gone = [(p, lease) for p, lease in self._leases.items() if now - lease.renewed_at >= limit]
+            gone = [(p, lease) for p, lease in self._leases.items() if self._lapsed(lease, now)]
         for p, lease in gone:
             self._lose(p, lease)
 
@@ -435,8 +436,7 @@ class LeaseKeeper:
                 extra = sorted(mine, key=lambda p: -self._leases[p].acquired_at)[: len(mine) - target]
             for p in extra:
                 await self._release(kv, p, "rebalance")
-        elif len(mine) < target and self._joined_at is not None \
-                and time.monotonic() - self._joined_at >= self._join_delay():
+        elif len(mine) < target and time.monotonic() - self._joined_at >= self._join_delay():
             free = [p for p in range(s.partitions) if p not in owners and p not in self._leases]
             # start at an offset of our own so joiners do not all race for partition 0
             off = sum(map(ord, self.advisor_id)) % s.partitions
