@@ -12,6 +12,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# the suite runs in TEST_WORKERS pytest-xdist processes, each test file whole on one worker
+# (module fixtures such as a vLLM engine start once); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
 FUZZ_TIME ?= 600
 FUZZ_TARGETS ?= codec adapters journal
 FUZZ_OUT ?= .fuzz
@@ -40,7 +43,7 @@ services:
 	@bash .ci/services.sh
 
 test: $(STAMP) services
-	NIXL_LOG_LEVEL=WARN $(BIN)/python -m pytest $(PYTEST_ARGS)
+	NIXL_LOG_LEVEL=WARN $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # New inputs go to $(FUZZ_OUT)/<target>/corpus, crashers to $(FUZZ_OUT)/<target>/crashes/
 # (docs/operations.md, "Fuzzing"); every target runs, the exit status says whether any crashed.

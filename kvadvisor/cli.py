@@ -26,6 +26,15 @@ console = Console(stderr=False)
 T = TypeVar("T")
 
 
+@app.callback()
+def _each_invocation() -> None:
+    """Build the output console for this invocation, so the terminal width it uses is the
+    environment's now (``COLUMNS``), not the one at import (rich fixes the width when a
+    ``Console`` is made with ``COLUMNS`` set)."""
+    global console  # noqa: PLW0603 - one console per invocation, read by every command
+    console = Console(stderr=False)
+
+
 def _fail(msg: str) -> None:
     """Print ``error: msg`` on one line of stderr and exit with status 2."""
     typer.echo(f"error: {' '.join(str(msg).split())}", err=True)
