@@ -453,6 +453,18 @@ class LeaseKeeper:
         except (KeyWrongLastSequenceError, APIError):
             return  # someone else took it first
         epoch = await _bucket_epoch(kv)
+        if epoch is None:
+            # without its incarnation the lease would fence with epoch 0, which loses to every
+            # fence a former incarnation left, so the owner could write nothing for the whole
+            # ownership: hand it back at once; it is taken again (by anyone) at a later round
+            self.counters["refused"] += 1
+            logger.warning("lease keeper %s: partition %d: the bucket's creation time could not be read; "
+                           "lease released", self.advisor_id, p)
+            try:
+                await kv.delete(f"part.{p}", last=rev)
+            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
+                pass  # expired or taken meanwhile: nothing of ours to delete
+            return
         with self._lock:
             self._leases[p] = _Lease(rev, t0, t0, rev, epoch)
         self.counters["acquired"] += 1
@@ -504,14 +516,20 @@ async def _set_within(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
-async def _bucket_epoch(kv: Any) -> int:
-    """The bucket's stream creation time in microseconds (``0`` when not reported)."""
-    try:
-        created = (await kv.status()).stream_info.created
-    except Exception as exc:  # noqa: BLE001 - an epoch of 0 still fences within the bucket
-        logger.warning("lease bucket: cannot read its creation time: %s", exc)
-        return 0
-    return int(created.timestamp() * 1_000_000) if created is not None else 0
+async def _bucket_epoch(kv: Any, attempts: int = 3, backoff_s: float = 0.2) -> int | None:
+    """The bucket's stream creation time in microseconds: ``0`` when the server does not
+    report one (then every lease of the bucket has epoch 0 and tokens alone order them),
+    ``None`` when it cannot be read in ``attempts`` tries, ``backoff_s`` × the try apart."""
+    for attempt in range(1, attempts + 1):
+        try:
+            created = (await kv.status()).stream_info.created
+        except Exception as exc:  # noqa: BLE001 - any failure of the read is retried, then reported
+            logger.warning("lease bucket: cannot read its creation time (try %d of %d): %s", attempt, attempts, exc)
+            if attempt < attempts:
+                await asyncio.sleep(backoff_s * attempt)
+            continue
+        return int(created.timestamp() * 1_000_000) if created is not None else 0
+    return None
 
 
 async def _entries(js: Any, kv: Any, bucket: str, timeout_s: float) -> dict[str, bytes]:

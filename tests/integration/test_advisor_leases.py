@@ -308,3 +308,44 @@ def test_a_bucket_with_another_ttl_is_refused(js_url: str) -> None:
             LeaseKeeper(js_url, "b", LeaseSettings(partitions=P, ttl_s=6.0, heartbeat_s=1.0)).start()
     finally:
         k.stop()
+
+
+def test_a_lease_whose_epoch_cannot_be_read_is_handed_back_not_held_with_epoch_0(js_url: str,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bucket's creation time is each lease's epoch (its fence ranks by (epoch, token)).
+    When reading it fails right after a lease was created (here: as many reads in a row as
+    the keeper tries), the keeper must hand that lease back, not hold it with epoch 0, which
+    loses to every fence a former bucket left: the owner would write nothing for the whole
+    ownership."""
+    from nats.js.kv import KeyValue
+
+    real_status = KeyValue.status
+    calls = {"pass": 1, "fail": 3, "failed": 0}  # the keeper's bucket check passes, then 3 reads fail
+
+    async def flaky_status(self: KeyValue) -> KeyValue.BucketStatus:
+        if calls["pass"] > 0:
+            calls["pass"] -= 1
+        elif calls["fail"] > 0:
+            calls["fail"] -= 1
+            calls["failed"] += 1
+            raise nats.errors.TimeoutError
+        return await real_status(self)
+
+    monkeypatch.setattr(KeyValue, "status", flaky_status)
+
+    async def created_us() -> int:
+        nc = await nats.connect(js_url)
+        try:
+            info = await nc.jetstream().stream_info("KV_KVADVISOR_LEASES")
+            return int(info.created.timestamp() * 1_000_000)
+        finally:
+            await nc.close()
+
+    k = LeaseKeeper(js_url, "adv-e", SETTINGS).start()
+    try:
+        _wait(lambda: k.owned() == frozenset(range(P)), 20, "all partitions owned")
+        assert calls["failed"] == 3 and k.counters["refused"] == 1
+        epoch = asyncio.run(created_us())
+        assert epoch > 0 and {p: k.epoch(p) for p in range(P)} == dict.fromkeys(range(P), epoch)
+    finally:
+        k.stop()
