@@ -53,6 +53,8 @@ class MoverPublisher(Protocol):
 
     def publish(self, events: Sequence[Any]) -> None: ...
     def flush(self) -> None: ...
+    def stats(self) -> Any: ...
+    """Counters with ``dropped``: events the transport gave up on (``event_plane.PublisherStats``)."""
 
 
 @dataclass
@@ -288,6 +290,7 @@ class Mover:
             assert dst is not None
             todo, news, fault = self._copy_group(group, todo, dst, out)  # verified, not committed
             used: dict[int, tuple[MoverPublisher, list[int]]] = {}  # publisher -> (it, items it announced)
+            dropped_before: dict[int, int] = {}  # publisher -> its dropped events before this group
             for (n, old), new in zip(todo, news):
                 it = group[n]
                 why = self._stopped()
@@ -321,6 +324,7 @@ class Mover:
                 detail = f"{src} -> {dst} (catalog version {committed.version})"
                 try:
                     for pub in self._publishers(h):
+                        dropped_before.setdefault(id(pub), pub.stats().dropped)
                         pub.publish([store(h, prefix, parent, size, dst, meta)])
                         pub.publish([remove(h, prefix, parent, size, src)])
                         used.setdefault(id(pub), (pub, []))[1].append(n)
@@ -330,13 +334,23 @@ class Mover:
                               "from the catalog"
                     logger.warning("mover: block %#x moved %s -> %s but not announced: %s", h, src, dst, exc)
                 out[n] = PlanResult(it, PlanStatus.DONE, detail, bytes_moved=size, blocks_moved=1)
-            for pub, members in used.values():
+            for key, (pub, members) in used.items():
                 try:
                     pub.flush()
                 except Exception as exc:  # noqa: BLE001 - the moves are committed; the publisher may still deliver
                     self.announce_failed += len(members)
                     logger.warning("mover: flushing the announcements of %d moves failed (%s); the index is "
                                    "repaired from the catalog if they are lost", len(members), exc)
+                    continue
+                # a transport that gives a batch up (JetStream: no ack within retry_for_s, or a
+                # full stream) counts it in stats().dropped and flush() returns normally; each
+                # move published two events, so the dropped events bound the moves not announced
+                lost = pub.stats().dropped - dropped_before[key]
+                if lost > 0:
+                    n_lost = min(len(members), lost)
+                    self.announce_failed += n_lost
+                    logger.warning("mover: the publisher dropped %d events of %d moves' announcements; the index "
+                                   "is repaired from the catalog", lost, len(members))
         return [r for r in out if r is not None], fault
 
     def _copy_group(

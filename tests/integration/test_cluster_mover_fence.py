@@ -154,3 +154,38 @@ def test_a_committed_move_whose_announcement_fails_stays_done(agent: StorageAgen
     assert all("announcing it failed" in r.detail for r in results)
     assert mover.announce_failed == len(hs)
     assert [p.volume_id for p in agent.locate([BlockKey(NS, h) for h in hs])] == ["fast"] * len(hs)
+
+
+def test_announcements_the_publisher_gives_up_on_are_counted_not_announced(agent: StorageAgent, js_url: str) -> None:
+    """A JetStream publisher that gives a batch up (here the stream refuses it: full, with
+    ``discard=new``) counts it in ``stats().dropped`` and its ``flush()`` returns normally;
+    the mover must still count those committed moves as not announced, so the operator's
+    ``announce_failed`` says the index waits for the catalog repair."""
+    import asyncio
+
+    import nats
+    from nats.js import api
+
+    async def full_stream() -> None:
+        nc = await nats.connect(js_url)
+        try:
+            await nc.jetstream().add_stream(api.StreamConfig(
+                name="KVADVISOR_EVENTS", subjects=["kvadvisor.events.>"], max_bytes=64,
+                discard=api.DiscardPolicy.NEW))
+        finally:
+            await nc.close()
+
+    asyncio.run(full_stream())
+    hs = [0x3000 + i for i in range(4)]
+    agent.put([(BlockKey(NS, h), _data(h)) for h in hs], "slow")
+    pub = make_publisher(f"jetstream://{js_url.removeprefix('nats://')}?namespace={NS}", "adv-full-mover")
+    try:
+        mover = Mover(agent, pub, [NS], lambda h: None, BlockKey, fence=Fence(f"{NS}.p2", 1),
+                      metadata={"mover": "adv-full", "fence": 1})
+        results = mover.execute_many([PlanItem(PlanKind.PROMOTE, "hot", "slow", "fast", h, NS, bytes=BLK)
+                                      for h in hs])
+        assert [r.status for r in results] == [PlanStatus.DONE] * len(hs)
+        assert pub.stats().dropped >= len(hs)
+        assert mover.announce_failed == len(hs)
+    finally:
+        pub.close()
