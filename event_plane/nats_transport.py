@@ -684,6 +684,7 @@ class JetStreamSubscriber(NatsSubscriber):
         # (unless the stream deleted what it was to read: _check_discarded).
         self._tracker = self._make_tracker(first_seq_gap=False)
         self._task: Any = None
+        self._psub: Any = None  # the pull subscription (unsubscribed before the connection closes)
 
     def start(self) -> None:
         """Connect, create or check the stream, create or resume the durable, start pulling.
@@ -726,6 +727,7 @@ class JetStreamSubscriber(NatsSubscriber):
             self.subject, durable=self._durable, stream=STREAM_NAME, config=self._consumer_config()
         )
         await self._check_discarded(js, before)
+        self._psub = psub
         self._task = asyncio.get_running_loop().create_task(self._pull_loop(psub))
 
     async def _check_discarded(self, js: Any, before: Any) -> None:
@@ -794,8 +796,18 @@ class JetStreamSubscriber(NatsSubscriber):
                         await self._task
                     except (asyncio.CancelledError, Exception):  # noqa: BLE001
                         pass
-                # drain() waits on the pull subscription's inbox forever; acks are already
-                # written, so flush them and close.
+                # The server keeps this subscriber's last pull request waiting until it
+                # expires, and hands a message published meanwhile to it unless the request's
+                # inbox has no interest any more; the next run of this durable would then get
+                # the later batches first and that one only after the ack wait (30 s).  So
+                # the inbox is unsubscribed, and the flush's round trip returns once the
+                # server has removed it (with the acks already written) before the close.
+                # (drain() would wait on the pull subscription's inbox forever.)
+                if self._psub is not None:
+                    try:
+                        await self._psub.unsubscribe()
+                    except Exception as exc:  # noqa: BLE001 - closing anyway
+                        logger.warning("JetStream subscriber: unsubscribe failed: %s", describe(exc))
                 await self._nc.flush(timeout=5)
                 await self._nc.close()
 

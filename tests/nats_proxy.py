@@ -7,7 +7,9 @@ everything was sent) before it reads the messages that were sent.  This proxy ma
 order happen on loopback: every frame from the server that carries a JetStream delivery
 (``MSG``/``HMSG`` whose reply subject starts with ``$JS.ACK.``) reaches the client
 ``delay_s`` later, in order; every other frame passes at once.  The client side is
-forwarded unchanged.
+forwarded unchanged, and a client that closes its connection is not passed on: the server
+keeps that connection, with its subscriptions and pending pull requests, until ``close()``
+(a server that has not processed a client's close yet).
 
 Frames follow the NATS client protocol (docs.nats.io, "Client Protocol": ``MSG <subject>
 <sid> [reply-to] <#bytes>``, ``HMSG <subject> <sid> [reply-to] <#header bytes> <#total

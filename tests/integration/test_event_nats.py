@@ -196,6 +196,38 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
         pub.close()
 
 
+def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -> None:  # type: ignore[no-untyped-def]
+    """A subscriber's last pull request outlives its close on the server until it expires
+    (here: the server has not yet seen the connection go, through a proxy that keeps the
+    upstream connection open, as a loaded server that has not processed the close yet).
+    A batch published meanwhile must not go to that dead request: the durable's next run
+    would get the later batches first and that one only after the ack wait (30 s)."""
+    from nats_proxy import NatsDeliveryDelayProxy
+
+    url, port, _, _ = private_nats
+    pub = JetStreamPublisher("w0", url, "nsr", epoch=4, config=PublisherConfig(max_events=1), manage_stream=True)
+    try:
+        with NatsDeliveryDelayProxy(port, 0.0) as proxy:
+            for k in range(3):
+                pub.publish(evs(1, 10 * k + 1))
+                pub.flush()
+                sub = JetStreamSubscriber(proxy.url, "nsr", durable="resumes")
+                sub.start()
+                got = sub.get_many(1, 5.0)
+                sub.close()
+                assert [b.seq for b in got] == [k], f"run {k} got {[b.seq for b in got]}"
+            pub.publish(evs(1, 100))
+            pub.flush()
+            sub = JetStreamSubscriber(url, "nsr", durable="resumes")
+            sub.start()
+            try:
+                assert [b.seq for b in sub.get_many(10, 1.5)] == [3]
+            finally:
+                sub.close()
+    finally:
+        pub.close()
+
+
 def test_jetstream_server_restart_mid_stream_loses_and_doubles_nothing(private_nats) -> None:  # type: ignore[no-untyped-def]
     url, port, store_dir, holder = private_nats
     pub = JetStreamPublisher("w0", url, "ns2", config=PublisherConfig(max_events=2), reconnect_time_wait=0.1,
