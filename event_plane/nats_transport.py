@@ -620,12 +620,27 @@ class NatsSubscriber(Subscriber):
         self._closed.set()
 
 
+_STOP_PULL_S = 2.0
+"""Seconds ``JetStreamSubscriber.close`` waits for its pull loop to end by itself."""
+
+
+async def _hand_back(msg: Any) -> None:
+    """Negatively acknowledge a fetched JetStream message (``-NAK``), so the consumer
+    delivers it again at once; errors are logged (it then comes back after the ack wait)."""
+    try:
+        await msg.nak()
+    except Exception as exc:  # noqa: BLE001 - the ack wait still redelivers it
+        logger.warning("JetStream subscriber: handing a message back failed: %s", describe(exc))
+
+
 class JetStreamSubscriber(NatsSubscriber):
     """Reads the ``KVADVISOR_EVENTS`` stream through a durable pull consumer with explicit ack.
 
     Each batch is acknowledged once it is in this subscriber's queue (or known to be a
     duplicate); when the queue is full the consumer waits instead of dropping, so a restarted subscriber with the same ``durable`` name resumes after the
-    last acknowledged batch. ``deliver`` chooses where a *new* durable starts: ``"all"``
+    last acknowledged batch; ``close`` hands back (``-NAK``) what was fetched and not yet
+    queued, and unsubscribes before it disconnects, so that run reads it at once and in
+    order, not after the ack wait. ``deliver`` chooses where a *new* durable starts: ``"all"``
     (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
 
     Messages the consumer was to read but the stream had already deleted (its limits)
@@ -778,7 +793,10 @@ class JetStreamSubscriber(NatsSubscriber):
             while self._queue.full() and not self._closed.is_set():
                 await asyncio.sleep(0.005)
             if self._closed.is_set():
-                return  # unacked: redelivered to the next run of this durable
+                # handed back (nak), with the rest of the fetched batch: the next run of this
+                # durable reads them first, not after the ack wait (30 s) behind later ones
+                await _hand_back(msg)
+                continue
             try:
                 self._on_payload(msg.data, msg.subject)
             except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
@@ -791,11 +809,16 @@ class JetStreamSubscriber(NatsSubscriber):
 
             async def _stop() -> None:
                 if self._task is not None:
-                    self._task.cancel()
+                    # the pull loop sees _closed within one fetch (0.2 s) and hands back what
+                    # it fetched and did not queue; cancelled only if it does not end
                     try:
-                        await self._task
-                    except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                        pass
+                        await asyncio.wait_for(asyncio.shield(self._task), _STOP_PULL_S)
+                    except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
+                        self._task.cancel()
+                        try:
+                            await self._task
+                        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                            pass
                 # The server keeps this subscriber's last pull request waiting until it
                 # expires, and hands a message published meanwhile to it unless the request's
                 # inbox has no interest any more; the next run of this durable would then get

@@ -25,6 +25,7 @@ from event_plane import (
     subscribe,
 )
 from storage_backends.local_s3 import free_port
+from tests.polling import wait_until
 
 
 def evs(n: int, start: int = 1) -> list:
@@ -224,6 +225,42 @@ def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -
                 assert [b.seq for b in sub.get_many(10, 1.5)] == [3]
             finally:
                 sub.close()
+    finally:
+        pub.close()
+
+
+def test_batches_fetched_but_not_queued_at_close_go_to_the_next_run_first(private_nats) -> None:  # type: ignore[no-untyped-def]
+    """A subscriber whose queue is full holds a fetched batch of messages it has not queued
+    (nor acknowledged).  Closing it hands them back, so the durable's next run reads them at
+    once and in order, not after the ack wait (30 s)."""
+    url, _, _, _ = private_nats
+    pub = JetStreamPublisher("w0", url, "nsq", epoch=5, config=PublisherConfig(max_events=1), manage_stream=True)
+    try:
+        for i in range(10):
+            pub.publish(evs(1, 200 + i))
+        pub.flush()
+        sub = JetStreamSubscriber(url, "nsq", durable="full", queue_capacity=2)
+        sub.start()
+
+        async def unacked() -> int:
+            nc = await nats.connect(url)
+            try:
+                return int((await nc.jetstream().consumer_info("KVADVISOR_EVENTS", "full")).num_ack_pending)
+            finally:
+                await nc.close()
+
+        # the first batch fills its source's share of the queue; the other nine are fetched,
+        # unacknowledged, while the pull loop waits for room
+        wait_until(lambda: asyncio.run(unacked()) == 9, 20, "nine batches fetched and not acknowledged")
+        assert sub._queue.qsize() == 1
+        sub.close()  # the queued (and acknowledged) batch is this run's; the nine fetched go back
+        sub = JetStreamSubscriber(url, "nsq", durable="full")
+        sub.start()
+        try:
+            assert [b.seq for b in sub.get_many(10, 3.0)] == list(range(1, 10))
+            assert sub.stats().gaps == 0
+        finally:
+            sub.close()
     finally:
         pub.close()
 
