@@ -533,42 +533,47 @@ async def _bucket_epoch(kv: Any, attempts: int = 3, backoff_s: float = 0.2) -> i
 
 
 async def _entries(js: Any, kv: Any, bucket: str, timeout_s: float) -> dict[str, bytes]:
-    """Every live ``key -> value`` of the bucket, read once through one ordered watcher
-    (nats-py's ``keys(filters=...)`` matches substrings; a 2.9 server has no multi-filter).
+    """Every live ``key -> value`` of the bucket: its keys from the bucket stream's subject
+    list (``KV_<bucket>``, subjects ``$KV.<bucket>.<key>``, NATS ADR-8; one stream-info
+    request with a subject filter), then each key's value (``kv.get``, concurrently).  A
+    key deleted or expired in between is left out.
 
-    The watcher delivers each key's last message, deletes included, and the read ends with
-    the delivery whose metadata counts nothing pending after it (``delta == 0``).  nats-py's
-    own end marker (a ``None`` update) is trusted only when the bucket's stream (``KV_<bucket>``,
-    NATS ADR-8) holds no message: the library sends it when the consumer's info reports
-    nothing pending and no delivery has arrived yet, which is also the case while the
-    deliveries are on their way (a consumer's messages and an API answer travel different
-    paths, and the answer can arrive first: the read returned no lease at all, seen in a
-    test run; ``tests/nats_proxy.py`` reproduces it).
+    Not a watcher (``kv.watchall()``, an ordered consumer delivering each key's last
+    message): a key rewritten while the watcher reads (``history=1`` deletes its older
+    message before delivery) can be left out, and the last delivery still reports nothing
+    pending.  Every entry here is rewritten each heartbeat (renewals, member entries), and
+    with two keys rewritten in a loop beside it 2,986 of 4,828 watcher reads missed one
+    (nats-server 2.9.10, nats-py); an advisor that missed a member entry counted too few
+    members, took more than its share and handed it back (seen in a loaded test run).  This
+    read missed none of 12,170 under the same writes
+    (``tests/integration/test_advisor_leases.py`` reads under such writes).
 
     Raises:
-        LeaseError: nothing arrived within ``timeout_s`` while the stream holds messages.
+        LeaseError: the bucket's subjects or a value cannot be read within ``timeout_s``.
     """
-    watcher = await kv.watchall()
-    out: dict[str, bytes] = {}
+    prefix = f"$KV.{bucket}."
     try:
-        while True:
-            try:
-                entry = await watcher.updates(timeout_s)
-            except nats.errors.TimeoutError:
-                raise LeaseError(f"lease bucket {bucket!r}: no entry arrived within {timeout_s} s") from None
-            if entry is None:
-                if out or (await js.stream_info(f"KV_{bucket}")).state.messages == 0:
-                    break
-                continue  # an early marker: the deliveries are still on their way
-            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                out.pop(entry.key, None)
-            else:
-                out[entry.key] = entry.value
-            if entry.delta == 0:
-                break
-    finally:
-        await watcher.stop()
-    return out
+        state = (await asyncio.wait_for(js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>"),
+                                        timeout_s)).state
+    except (asyncio.TimeoutError, nats.errors.TimeoutError):
+        raise LeaseError(f"lease bucket {bucket!r}: its keys could not be listed within {timeout_s} s") from None
+    subjects = state.subjects or {}
+    if not subjects and state.messages:
+        raise LeaseError(f"lease bucket {bucket!r}: the server listed no keys for {state.messages} messages")
+
+    async def value(key: str) -> bytes | None:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # deleted (KeyDeletedError) or expired since the listing
+            return None
+        return entry.value if entry.operation not in (KV_DEL, KV_PURGE) and entry.value else None
+
+    keys = [subject[len(prefix):] for subject in subjects if subject.startswith(prefix)]
+    try:
+        values = await asyncio.wait_for(asyncio.gather(*(value(k) for k in keys)), timeout_s)
+    except (asyncio.TimeoutError, nats.errors.TimeoutError):
+        raise LeaseError(f"lease bucket {bucket!r}: {len(keys)} values could not be read within {timeout_s} s") from None
+    return {k: v for k, v in zip(keys, values) if v is not None}
 
 
 def _parse(entries: dict[str, bytes]) -> tuple[list[str], dict[int, str]]:
