@@ -261,6 +261,8 @@ def _print_report(r) -> None:  # noqa: ANN001 - DemoReport, imported lazily
         ("FAILED promotions / demotions / compactions",
          " / ".join(f"{r.failed_moves.get(k, 0):,}" for k in ("promote", "demote", "compact"))
          + (f" ({r.deferred_volume_full:,} held back: volume full)" if r.deferred_volume_full else "")),
+        ("blocks the workers could not offload (kept on G1/G2)",
+         ", ".join(f"{k}={v:,}" for k, v in sorted(r.offload_failed.items())) or "0"),
         ("index blocks per location", ", ".join(f"{k}={v:,}" for k, v in sorted(r.index_blocks.items()))),
         ("wall time", f"{r.wall_s:.1f} s"),
     ]

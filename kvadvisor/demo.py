@@ -91,6 +91,10 @@ class DemoReport:
     block_bytes: int = 0
     failed_moves: dict[str, int] = field(default_factory=lambda: {"promote": 0, "demote": 0, "compact": 0})
     deferred_volume_full: int = 0
+    offload_failed: dict[str, int] = field(default_factory=dict)
+    """Blocks the workers could not offload to their G3 volume, by error type (e.g.
+    ``VolumeFullError`` while the advisor had not yet demoted enough to S3): the blocks stay
+    on G1/G2 and are computed again if evicted there; nothing stored is lost."""
     advisor_events_per_s: float = 0.0
     ingest_basis: str = "journal + apply, busy time"
     """What ``advisor_events_per_s`` divides by (the embedded advisor's busy time; scaled mode:
@@ -106,6 +110,17 @@ class DemoReport:
     """Per event source of this run, ``{"batches", "events"}`` (scaled mode: each worker as its
     publishers counted, each cluster mover as the partitions applied it; ``GET /v1/stats``
     ``sources`` lists the same figures as the advisor side applied them)."""
+
+    def add_served(self, res: ServeResult) -> None:
+        """Count one served request: its blocks, the computed ones, hits per tier and the
+        blocks whose offload failed (``res.errors`` of stage ``"offload"``)."""
+        self.blocks += res.num_blocks
+        self.computed_blocks += res.computed
+        for tier in ("g1", "g2", "g3", "g4"):
+            self.hits[tier] += getattr(res, f"hits_{tier}")
+        for err in res.errors:
+            if err.stage == "offload":
+                self.offload_failed[err.error] = self.offload_failed.get(err.error, 0) + 1
 
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-serialisable)."""
@@ -580,13 +595,7 @@ def run_demo(
             if s.router_lookups:
                 # what a KV-aware router asks before it routes: counted in the API's hit rates
                 client.lookup_tokens(tokens, fingerprint)
-            res: ServeResult = mgr.serve(tokens, fill_synthetic_kv)
-            report.blocks += res.num_blocks
-            report.computed_blocks += res.computed
-            report.hits["g1"] += res.hits_g1
-            report.hits["g2"] += res.hits_g2
-            report.hits["g3"] += res.hits_g3
-            report.hits["g4"] += res.hits_g4
+            report.add_served(mgr.serve(tokens, fill_synthetic_kv))
             if n % s.policy_every == 0 or n == len(reqs):
                 for p in publishers:
                     p.flush()

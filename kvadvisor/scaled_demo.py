@@ -33,7 +33,7 @@ from kvadvisor.demo import FAST, S3, SLOW, DemoError, DemoReport, _volumes, read
 from kvadvisor.settings import DemoSettings
 from kvadvisor.trace import bundled_trace, read_mooncake, request_tokens
 from kvadvisor.up import ClusterUp, load, worker_nats_url
-from kvbm_runtime import BlockManager, ServeResult, fill_synthetic_kv
+from kvbm_runtime import BlockManager, fill_synthetic_kv
 from storage_backends import StorageAgent
 from storage_backends.redis_catalog import RedisCatalog
 
@@ -237,11 +237,7 @@ def run_scaled_demo(s: DemoSettings, cluster_dir: Path,
         sources_before = _sources([], before)
         for n, req in enumerate(reqs, 1):
             mgr = managers[(n - 1) % s.workers]
-            res: ServeResult = mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv)
-            report.blocks += res.num_blocks
-            report.computed_blocks += res.computed
-            for tier in ("g1", "g2", "g3", "g4"):
-                report.hits[tier] += getattr(res, f"hits_{tier}")
+            report.add_served(mgr.serve(request_tokens(req, s.page_size), fill_synthetic_kv))
             if progress:
                 progress(n, len(reqs))
         for p in pubs:

@@ -57,8 +57,9 @@ def test_demo_report_names_failed_moves(capsys, monkeypatch) -> None:  # noqa: A
     monkeypatch.setattr(cli, "console", Console(width=200))
 
     r = DemoReport(requests=1, workers=1, blocks=1, failed_moves={"promote": 256, "demote": 0, "compact": 0},
-                   deferred_volume_full=512)
+                   deferred_volume_full=512, offload_failed={"VolumeFullError": 16})
     _print_report(r)
     out = capsys.readouterr().out
+    assert "blocks the workers could not offload (kept on G1/G2)" in out and "VolumeFullError=16" in out
     assert "FAILED promotions / demotions / compactions" in out and "256 / 0 / 0" in out
     assert "512 held back: volume full" in out

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from event_plane import KVEvent, NullPublisher
+from kvadvisor.demo import DemoReport
 from kvbm_runtime import BlockManager, RuntimeConfig, fill_synthetic_kv
 from storage_backends import SqliteCatalog, StorageAgent, VolumeFullError
 from test_storage_enospc import _CAN_MOUNT, _agent, _inject_short_writer, small_fs  # noqa: F401 - fixture
@@ -51,6 +52,10 @@ def test_c14_offload_filling_the_volume_publishes_stores_only_for_landed_blocks(
             (3, hs[3], "offload", VolumeFullError.__name__)
         ]
         assert "[Errno 28]" in r.errors[0].message and errno.ENOSPC == 28
+        # the demo's report counts it among the blocks the workers could not offload
+        report = DemoReport()
+        report.add_served(r)
+        assert (report.blocks, report.computed_blocks, report.offload_failed) == (4, 4, {VolumeFullError.__name__: 1})
         # the host copy of every block stays registered (block 3 is only there)
         assert mgr.resident("g2") == set(hs)
         # a later worker gets blocks 0-2 from the volume and recomputes block 3
