@@ -17,6 +17,7 @@ limits and the others check theirs against it (:func:`ensure_stream`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import secrets
@@ -211,6 +212,8 @@ async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, wha
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - reconnects are nats-py's job; keep pulling
+            if closed.is_set():
+                return  # the reader is closing (its subscription may be gone already)
             logger.warning("%s: fetch failed: %s", what, describe(exc))
             await asyncio.sleep(0.1)
             continue
@@ -624,6 +627,15 @@ _STOP_PULL_S = 2.0
 """Seconds ``JetStreamSubscriber.close`` waits for its pull loop to end by itself."""
 
 
+async def _acknowledge(msg: Any) -> None:
+    """Acknowledge a JetStream message whose batch was handed out; errors are logged (the
+    batch then comes again after the ack wait, and a live subscriber drops it as a duplicate)."""
+    try:
+        await msg.ack()
+    except Exception as exc:  # noqa: BLE001 - the ack wait still settles it
+        logger.warning("JetStream subscriber: acknowledging a batch failed: %s", describe(exc))
+
+
 async def _hand_back(msg: Any) -> None:
     """Negatively acknowledge a fetched JetStream message (``-NAK``), so the consumer
     delivers it again at once; errors are logged (it then comes back after the ack wait)."""
@@ -636,9 +648,11 @@ async def _hand_back(msg: Any) -> None:
 class JetStreamSubscriber(NatsSubscriber):
     """Reads the ``KVADVISOR_EVENTS`` stream through a durable pull consumer with explicit ack.
 
-    Each batch is acknowledged once it is in this subscriber's queue (or known to be a
-    duplicate); when the queue is full the consumer waits instead of dropping, so a restarted subscriber with the same ``durable`` name resumes after the
-    last acknowledged batch; ``close`` hands back (``-NAK``) what was fetched and not yet
+    Each batch is acknowledged when :meth:`get` hands it out (a duplicate or a batch that
+    is refused, at once); when the queue is full the consumer waits instead of dropping, so
+    a restarted subscriber with the same ``durable`` name resumes after the last batch its
+    previous run handed out: batches queued and not read (or read after ``close``) come
+    again (at least once); ``close`` hands back (``-NAK``) what was fetched and not yet
     queued, and unsubscribes before it disconnects, so that run reads it at once and in
     order, not after the ack wait. ``deliver`` chooses where a *new* durable starts: ``"all"``
     (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
@@ -700,6 +714,9 @@ class JetStreamSubscriber(NatsSubscriber):
         self._tracker = self._make_tracker(first_seq_gap=False)
         self._task: Any = None
         self._psub: Any = None  # the pull subscription (unsubscribed before the connection closes)
+        self._just_queued: list[EventBatch] = []  # batches the payload being handled queued
+        self._unacked: dict[int, Any] = {}  # id(queued batch) -> its message, until handed out
+        self._left: list[Any] = []  # messages fetched and not queued when close() began
 
     def start(self) -> None:
         """Connect, create or check the stream, create or resume the durable, start pulling.
@@ -793,24 +810,69 @@ class JetStreamSubscriber(NatsSubscriber):
             while self._queue.full() and not self._closed.is_set():
                 await asyncio.sleep(0.005)
             if self._closed.is_set():
-                # handed back (nak), with the rest of the fetched batch: the next run of this
-                # durable reads them first, not after the ack wait (30 s) behind later ones
-                await _hand_back(msg)
+                # left for close() to hand back (nak), with the rest of the fetched batch,
+                # after the batches queued before them: the next run of this durable reads
+                # them first and in order, not after the ack wait (30 s) behind later ones
+                self._left.append(msg)
                 continue
-            try:
-                self._on_payload(msg.data, msg.subject)
-            except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
-                logger.exception("JetStream subscriber: batch could not be applied")
-            await msg.ack()
+            self._just_queued = []
+            queued = False
+            with self._on_taken.lock:  # get() finds the batch's hook once it can take the batch
+                if self._closed.is_set():  # close() is collecting what to hand back
+                    self._left.append(msg)
+                    continue
+                try:
+                    batch = self._on_payload(msg.data, msg.subject)
+                except Exception:  # noqa: BLE001 - one bad batch must not stop the consumer
+                    logger.exception("JetStream subscriber: batch could not be applied")
+                    batch = None
+                if batch is not None and any(b is batch for b in self._just_queued):
+                    self._unacked[id(batch)] = msg
+                    self._on_taken.add(batch, functools.partial(self._taken, batch))
+                    queued = True
+            if not queued:  # nothing of it to hand out (a duplicate, refused, or parked)
+                await msg.ack()
+
+    def _deliver(self, batch: EventBatch) -> None:
+        self._just_queued.append(batch)
+        super()._deliver(batch)
+
+    def _taken(self, batch: EventBatch) -> None:
+        """``get`` handed ``batch`` out: acknowledge its message from the I/O loop (``get``
+        runs on the caller's thread); after ``close`` it was handed back instead, and the
+        durable's next run gets the batch again."""
+        msg = self._unacked.pop(id(batch), None)
+        io = self._io
+        if msg is None:
+            return
+        if io is None or io.loop.is_closed():
+            return
+        try:
+            io.loop.call_soon_threadsafe(lambda: io.loop.create_task(_acknowledge(msg)))
+        except RuntimeError:  # the loop closed meanwhile
+            pass
 
     def close(self) -> None:
         if self._io is not None and not self._io.loop.is_closed() and not self._closed.is_set():
             self._closed.set()
 
             async def _stop() -> None:
+                # 1. The server keeps this run's last pull request waiting until it expires
+                # (0.2 s) and hands it any message that becomes available meanwhile, a new one
+                # or one handed back below, unless the request's inbox has no interest any
+                # more; the durable's next run would then get that batch only after the ack
+                # wait (30 s), behind later ones.  So the inbox is unsubscribed first, and the
+                # flush's round trip returns once the server has removed it.
+                # (drain() would wait on the pull subscription's inbox forever.)
+                if self._psub is not None:
+                    try:
+                        await self._psub.unsubscribe()
+                        await self._nc.flush(timeout=5)
+                    except Exception as exc:  # noqa: BLE001 - closing anyway
+                        logger.warning("JetStream subscriber: unsubscribe failed: %s", describe(exc))
+                # 2. The pull loop sees _closed and leaves what it fetched and did not queue
+                # in _left; cancelled only if it does not end
                 if self._task is not None:
-                    # the pull loop sees _closed within one fetch (0.2 s) and hands back what
-                    # it fetched and did not queue; cancelled only if it does not end
                     try:
                         await asyncio.wait_for(asyncio.shield(self._task), _STOP_PULL_S)
                     except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
@@ -819,18 +881,15 @@ class JetStreamSubscriber(NatsSubscriber):
                             await self._task
                         except (asyncio.CancelledError, Exception):  # noqa: BLE001
                             pass
-                # The server keeps this subscriber's last pull request waiting until it
-                # expires, and hands a message published meanwhile to it unless the request's
-                # inbox has no interest any more; the next run of this durable would then get
-                # the later batches first and that one only after the ack wait (30 s).  So
-                # the inbox is unsubscribed, and the flush's round trip returns once the
-                # server has removed it (with the acks already written) before the close.
-                # (drain() would wait on the pull subscription's inbox forever.)
-                if self._psub is not None:
-                    try:
-                        await self._psub.unsubscribe()
-                    except Exception as exc:  # noqa: BLE001 - closing anyway
-                        logger.warning("JetStream subscriber: unsubscribe failed: %s", describe(exc))
+                # 3. Hand back, in stream order, the batches queued and not handed out (they
+                # stay readable here, and come again: at least once), then what the pull loop
+                # fetched and did not queue; the server redelivers them in that order
+                with self._on_taken.lock:
+                    back = [*self._unacked.values(), *self._left]
+                    self._unacked.clear()
+                    self._left.clear()
+                for msg in back:
+                    await _hand_back(msg)
                 await self._nc.flush(timeout=5)
                 await self._nc.close()
 

@@ -37,6 +37,31 @@ ResyncCallback = Callable[[str], None]
 """``on_resync(source)``: called once when ``source`` enters ``resync_needed``."""
 
 
+class TakenHooks:
+    """``batch -> hook`` for queued batches, run once when :meth:`Subscriber.get` hands the
+    batch out.  A transport registers a hook while it holds :attr:`lock` from before it
+    queues the batch, so ``get`` (which takes the lock to find the hook) cannot hand the
+    batch out before its hook is there."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._hooks: dict[int, Callable[[], None]] = {}
+
+    def add(self, batch: EventBatch, hook: Callable[[], None]) -> None:
+        """Run ``hook`` when ``batch`` (queued, by identity) is handed out; call under :attr:`lock`."""
+        self._hooks[id(batch)] = hook
+
+    def run(self, batch: EventBatch) -> None:
+        """Run and forget ``batch``'s hook, if any (errors are logged)."""
+        with self.lock:
+            hook = self._hooks.pop(id(batch), None)
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a failed acknowledgement is redelivered later
+                logger.exception("subscriber: the hook of a handed-out batch failed")
+
+
 class Subscriber(abc.ABC):
     """Receives batches from one or more publishers and delivers them in per-source order.
 
@@ -72,6 +97,9 @@ class Subscriber(abc.ABC):
         if source_capacity is None:
             source_capacity = max(1, queue_capacity // 4)
         self._queue = FairQueue(queue_capacity, source_capacity, lane_capacity=max(1, queue_capacity // 4))
+        self._on_taken = TakenHooks()
+        """Hooks run when :meth:`get` hands a queued batch out (a durable transport
+        acknowledges it then); a :class:`MultiSubscriber`'s children share it, as the queue."""
         self._stats = SubscriberStats()
         self._on_gap = on_gap
         self._on_resync = on_resync
@@ -179,10 +207,13 @@ class Subscriber(abc.ABC):
         while True:
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             try:
-                return self._queue.get(timeout=max(wait, 0.0))
+                batch = self._queue.get(timeout=max(wait, 0.0))
             except queue.Empty:
                 if self._closed.is_set() or (deadline is not None and time.monotonic() >= deadline):
                     return None
+                continue
+            self._on_taken.run(batch)
+            return batch
 
     def get_many(self, count: int, timeout: float) -> list[EventBatch]:
         """Up to ``count`` batches, waiting at most ``timeout`` seconds in total."""
@@ -272,6 +303,7 @@ class MultiSubscriber(Subscriber):
         self._children = list(children)
         for child in self._children:
             child._queue = self._queue
+            child._on_taken = self._on_taken
             if on_resync is not None and child._on_resync is None:
                 child._on_resync = on_resync
 

@@ -229,18 +229,19 @@ def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -
         pub.close()
 
 
-def test_batches_fetched_but_not_queued_at_close_go_to_the_next_run_first(private_nats) -> None:  # type: ignore[no-untyped-def]
-    """A subscriber whose queue is full holds a fetched batch of messages it has not queued
-    (nor acknowledged).  Closing it hands them back, so the durable's next run reads them at
-    once and in order, not after the ack wait (30 s)."""
+def test_batches_not_handed_out_at_close_go_to_the_next_run_first(private_nats) -> None:  # type: ignore[no-untyped-def]
+    """A subscriber whose queue is full holds one queued batch nobody read and a fetch of
+    messages it could not queue, none acknowledged (a batch is acknowledged when ``get``
+    hands it out).  Closing it hands them all back, so the durable's next run reads them at
+    once and in order: nothing lost, nothing after the ack wait (30 s)."""
     url, _, _, _ = private_nats
     pub = JetStreamPublisher("w0", url, "nsq", epoch=5, config=PublisherConfig(max_events=1), manage_stream=True)
     try:
         for i in range(10):
             pub.publish(evs(1, 200 + i))
         pub.flush()
-        sub = JetStreamSubscriber(url, "nsq", durable="full", queue_capacity=2)
-        sub.start()
+        first = JetStreamSubscriber(url, "nsq", durable="full", queue_capacity=2)
+        first.start()
 
         async def unacked() -> int:
             nc = await nats.connect(url)
@@ -249,11 +250,15 @@ def test_batches_fetched_but_not_queued_at_close_go_to_the_next_run_first(privat
             finally:
                 await nc.close()
 
-        # the first batch fills its source's share of the queue; the other nine are fetched,
-        # unacknowledged, while the pull loop waits for room
-        wait_until(lambda: asyncio.run(unacked()) == 9, 20, "nine batches fetched and not acknowledged")
-        assert sub._queue.qsize() == 1
-        sub.close()  # the queued (and acknowledged) batch is this run's; the nine fetched go back
+        try:
+            # the first batch fills its source's share of the queue; the other nine are
+            # fetched while the pull loop waits for room: none is acknowledged yet
+            wait_until(lambda: asyncio.run(unacked()) == 10, 20, "ten batches fetched and not acknowledged")
+            assert [b.seq for b in first.get_many(1, 5.0)] == [0]  # handed out: acknowledged
+            wait_until(lambda: asyncio.run(unacked()) == 9, 20, "the batch handed out acknowledged")
+            wait_until(lambda: first._queue.qsize() == 1, 20, "the next batch queued")
+        finally:
+            first.close()  # the batch queued and never read goes back, with the eight fetched
         sub = JetStreamSubscriber(url, "nsq", durable="full")
         sub.start()
         try:
