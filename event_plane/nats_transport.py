@@ -627,22 +627,16 @@ _STOP_PULL_S = 2.0
 """Seconds ``JetStreamSubscriber.close`` waits for its pull loop to end by itself."""
 
 
-async def _acknowledge(msg: Any) -> None:
-    """Acknowledge a JetStream message whose batch was handed out; errors are logged (the
-    batch then comes again after the ack wait, and a live subscriber drops it as a duplicate)."""
+async def _settle(msg: Any, hand_back: bool = False) -> None:
+    """Acknowledge a fetched JetStream message whose batch was handed out, or with
+    ``hand_back`` negatively acknowledge it (``-NAK``: the consumer delivers it again at
+    once).  Errors are logged: the message then comes again after the ack wait (a live
+    subscriber drops it as a duplicate)."""
     try:
-        await msg.ack()
+        await (msg.nak() if hand_back else msg.ack())
     except Exception as exc:  # noqa: BLE001 - the ack wait still settles it
-        logger.warning("JetStream subscriber: acknowledging a batch failed: %s", describe(exc))
-
-
-async def _hand_back(msg: Any) -> None:
-    """Negatively acknowledge a fetched JetStream message (``-NAK``), so the consumer
-    delivers it again at once; errors are logged (it then comes back after the ack wait)."""
-    try:
-        await msg.nak()
-    except Exception as exc:  # noqa: BLE001 - the ack wait still redelivers it
-        logger.warning("JetStream subscriber: handing a message back failed: %s", describe(exc))
+        logger.warning("JetStream subscriber: %s a message failed: %s",
+                       "handing back" if hand_back else "acknowledging", describe(exc))
 
 
 class JetStreamSubscriber(NatsSubscriber):
@@ -652,9 +646,9 @@ class JetStreamSubscriber(NatsSubscriber):
     is refused, at once); when the queue is full the consumer waits instead of dropping, so
     a restarted subscriber with the same ``durable`` name resumes after the last batch its
     previous run handed out: batches queued and not read (or read after ``close``) come
-    again (at least once); ``close`` hands back (``-NAK``) what was fetched and not yet
-    queued, and unsubscribes before it disconnects, so that run reads it at once and in
-    order, not after the ack wait. ``deliver`` chooses where a *new* durable starts: ``"all"``
+    again (at least once).  ``close`` unsubscribes the pull inbox, then hands back
+    (``-NAK``), in stream order, the batches queued and not read and the messages fetched
+    and not queued, so the next run reads them at once and in order, not after the ack wait. ``deliver`` chooses where a *new* durable starts: ``"all"``
     (whole stream), ``"new"``, ``("seq", n)`` (stream sequence) or ``("time", iso8601)``.
 
     Messages the consumer was to read but the stream had already deleted (its limits)
@@ -809,16 +803,13 @@ class JetStreamSubscriber(NatsSubscriber):
             # The stream is durable: wait for room instead of dropping (back-pressure).
             while self._queue.full() and not self._closed.is_set():
                 await asyncio.sleep(0.005)
-            if self._closed.is_set():
-                # left for close() to hand back (nak), with the rest of the fetched batch,
-                # after the batches queued before them: the next run of this durable reads
-                # them first and in order, not after the ack wait (30 s) behind later ones
-                self._left.append(msg)
-                continue
             self._just_queued = []
             queued = False
             with self._on_taken.lock:  # get() finds the batch's hook once it can take the batch
-                if self._closed.is_set():  # close() is collecting what to hand back
+                if self._closed.is_set():
+                    # left for close() to hand back (nak), with the rest of the fetched
+                    # batch, after the batches queued before them: the next run of this
+                    # durable reads them first and in order, not after the ack wait (30 s)
                     self._left.append(msg)
                     continue
                 try:
@@ -843,12 +834,10 @@ class JetStreamSubscriber(NatsSubscriber):
         durable's next run gets the batch again."""
         msg = self._unacked.pop(id(batch), None)
         io = self._io
-        if msg is None:
-            return
-        if io is None or io.loop.is_closed():
+        if msg is None or io is None or io.loop.is_closed():
             return
         try:
-            io.loop.call_soon_threadsafe(lambda: io.loop.create_task(_acknowledge(msg)))
+            io.loop.call_soon_threadsafe(lambda: io.loop.create_task(_settle(msg)))
         except RuntimeError:  # the loop closed meanwhile
             pass
 
@@ -889,7 +878,7 @@ class JetStreamSubscriber(NatsSubscriber):
                     self._unacked.clear()
                     self._left.clear()
                 for msg in back:
-                    await _hand_back(msg)
+                    await _settle(msg, hand_back=True)
                 await self._nc.flush(timeout=5)
                 await self._nc.close()
 

@@ -59,7 +59,6 @@ from typing import Any
 
 import nats.errors
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.kv import KV_DEL, KV_PURGE
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.errors import APIError
 
@@ -460,10 +459,7 @@ class LeaseKeeper:
             self.counters["refused"] += 1
             logger.warning("lease keeper %s: partition %d: the bucket's creation time could not be read; "
                            "lease released", self.advisor_id, p)
-            try:
-                await kv.delete(f"part.{p}", last=rev)
-            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
-                pass  # expired or taken meanwhile: nothing of ours to delete
+            await _delete_lease(kv, p, rev)
             return
         with self._lock:
             self._leases[p] = _Lease(rev, t0, t0, rev, epoch)
@@ -493,10 +489,7 @@ class LeaseKeeper:
                 if self._leases.get(p) is not lease:
                     return  # lost meanwhile: nothing of ours to delete
                 del self._leases[p]
-            try:
-                await kv.delete(f"part.{p}", last=lease.revision)
-            except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
-                pass  # expired or taken meanwhile: nothing of ours to delete
+            await _delete_lease(kv, p, lease.revision)
         self.counters["released"] += 1
 
     def _join_delay(self) -> float:
@@ -514,6 +507,15 @@ async def _set_within(event: asyncio.Event, timeout_s: float) -> bool:
     except asyncio.TimeoutError:
         pass
     return event.is_set()
+
+
+async def _delete_lease(kv: Any, p: int, revision: int) -> None:
+    """Delete ``part.<p>`` if it is still at ``revision`` (ours); expired or taken meanwhile,
+    there is nothing of ours to delete."""
+    try:
+        await kv.delete(f"part.{p}", last=revision)
+    except (KeyWrongLastSequenceError, KeyNotFoundError, APIError):
+        pass
 
 
 async def _bucket_epoch(kv: Any, attempts: int = 3, backoff_s: float = 0.2) -> int | None:
@@ -564,9 +566,9 @@ async def _entries(js: Any, kv: Any, bucket: str, timeout_s: float) -> dict[str,
     async def value(key: str) -> bytes | None:
         try:
             entry = await kv.get(key)
-        except KeyNotFoundError:  # deleted (KeyDeletedError) or expired since the listing
+        except KeyNotFoundError:  # a delete marker (nats-py raises it for KV_DEL / KV_PURGE) or expired
             return None
-        return entry.value if entry.operation not in (KV_DEL, KV_PURGE) and entry.value else None
+        return entry.value or None
 
     keys = [subject[len(prefix):] for subject in subjects if subject.startswith(prefix)]
     try:

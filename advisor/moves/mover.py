@@ -324,7 +324,8 @@ class Mover:
                 detail = f"{src} -> {dst} (catalog version {committed.version})"
                 try:
                     for pub in self._publishers(h):
-                        dropped_before.setdefault(id(pub), pub.stats().dropped)
+                        if id(pub) not in dropped_before:  # once per publisher and group
+                            dropped_before[id(pub)] = pub.stats().dropped
                         pub.publish([store(h, prefix, parent, size, dst, meta)])
                         pub.publish([remove(h, prefix, parent, size, src)])
                         used.setdefault(id(pub), (pub, []))[1].append(n)
