@@ -136,6 +136,28 @@ class LookupRequest(BaseModel):
         return self
 
 
+class FinishedRequest(LookupRequest):
+    """A router's word that a request finished, and how: the request's prompt in either
+    form of :class:`LookupRequest`, and its ``finish_reason`` as the serving API named it
+    (``tool_calls``, ``stop``, ``length``; Anthropic's ``tool_use``, ``end_turn``,
+    ``max_tokens``).  The default policy's ``finish_aware`` expert keeps the prefixes of
+    sessions waiting on a tool call over those that ended their turn
+    (:mod:`advisor.policy.eviction.finish_aware`)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"sequence_hashes": ["0xf000000000000001", 11], "finish_reason": "tool_calls"},
+    ]})
+
+    finish_reason: StrictStr = Field(min_length=1, max_length=64)
+
+
+class FinishedResponse(BaseModel):
+    """Whether the hint was taken, and the finish-reason class it counts in."""
+
+    taken: bool
+    finish_class: str
+
+
 class LookupResponse(BaseModel):
     """Longest cached prefix, in blocks, per location, per tier and per worker."""
 
@@ -395,7 +417,8 @@ class StatsResponse(BaseModel):
         default_factory=dict,
         description="the default policy's live expert selection: leader (the expert whose order the policy rounds "
                     "follow), switches, requests observed, window_requests, window_refs, superseded_blocks (blocks "
-                    "the rounds rank first while they follow prefix_value) "
+                    "the rounds rank first while they follow prefix_value), finish_hints and finish_hints_dropped "
+                    "(routers' POST /v1/finished hints kept, and dropped by their quota) "
                     "(advisor.policy.eviction.experts.LiveSelector); on a partitioned cluster's API "
                     "{\"partitions\": {partition: those fields}}, each partition's own selection")
 

@@ -5,6 +5,7 @@
     taskset -c 0 python bench/evaluator.py --full               # every table of the policy section, timed
     python bench/evaluator.py --robustness 1000,2000,3000       # the synthetic suite and its variants, other seeds
     python bench/evaluator.py --supersessions --trace …         # superseded branches, and those read again
+    python bench/evaluator.py --finish-gaps                     # WEKA: time to a session's next request, by finish reason
 
 Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Belady and the
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
@@ -42,7 +43,8 @@ from advisor.policy.eviction.registry import DEFAULT_POLICY  # noqa: E402
 from advisor.policy.prefix_policy import PrefixValueCache  # noqa: E402
 from advisor.policy.eviction.compact import compact  # noqa: E402
 from bench._report import Report, add_json_option  # noqa: E402
-from kvadvisor.evaluate import Evaluation, evaluate, load_trace, markdown_table, parse_capacities  # noqa: E402
+from kvadvisor.evaluate import (  # noqa: E402
+    Evaluation, evaluate, load_trace, load_trace_finishes, markdown_table, parse_capacities)
 
 WHAT = "eviction policies: the default policy's hit rate against the best online baseline, and replay speed"
 
@@ -83,7 +85,7 @@ def full_evaluation(report: Report, json_path: Path | None) -> int:
     import numpy as np
 
     from kvadvisor import timemodel
-    from kvadvisor.evaluate import evaluate_synthetic, load_trace_times, summary_markdown
+    from kvadvisor.evaluate import evaluate_synthetic, load_compact, load_trace_times, summary_markdown
 
     if "KVADVISOR_TRACES" not in os.environ:
         print("set KVADVISOR_TRACES to the directory of the traces", file=sys.stderr)
@@ -98,7 +100,7 @@ def full_evaluation(report: Report, json_path: Path | None) -> int:
     add_hit_rates(report, ev, "Mooncake")
     times["Mooncake"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    weka = compact(load_trace(root / "claude_code_weka", "weka"))
+    weka = load_compact(root / "claude_code_weka", "weka")
     ev = evaluate(weka, [10000, 50000, 200000], trace="WEKA")
     print(markdown_table(ev))
     add_hit_rates(report, ev, "WEKA")
@@ -191,6 +193,47 @@ def robustness(report: Report, seeds: Sequence[int], json_path: Path | None) -> 
     return 0
 
 
+def finish_gaps(trace: Path) -> dict[str, tuple[int, int, float, float, float]]:
+    """Time from each request's finish to its session's next request, by finish reason
+    (the input the finish-aware expert learns, :mod:`advisor.policy.eviction.finish_aware`).
+
+    A session's next request is the next request that continues it (the deepest of its
+    blocks seen before was last read by this one), as the expert sees it online.
+
+    Returns:
+        By finish class name, ``(requests, never continued, p10, median, p90 of the gap in s)``.
+    """
+    import numpy as np
+
+    from advisor.policy.eviction.finish_aware import FINISH_CLASS_NAMES
+    from kvadvisor.evaluate import load_compact
+
+    ct = load_compact(trace)
+    fin = ct.finishes
+    if fin is None:
+        raise SystemExit(f"{trace} records no finish reasons")
+    last: dict[int, int] = {}
+    gaps: dict[int, list[float]] = {}
+    continued = np.zeros(ct.requests, dtype=bool)
+    for i in range(ct.requests):
+        blocks = ct.flat[ct.offsets[i]:ct.offsets[i + 1]].tolist()
+        prev = [last[b] for b in blocks if b in last]
+        if prev and not continued[prev[-1]]:
+            r = prev[-1]
+            continued[r] = True
+            gaps.setdefault(int(fin.reason[r]), []).append(max(float(fin.arrival[i] - fin.finish[r]), 0.0))
+        for b in blocks:
+            last[b] = i
+    out = {}
+    for c, name in enumerate(FINISH_CLASS_NAMES):
+        n = int((fin.reason == c).sum())
+        if n:
+            g = np.array(gaps.get(c, [0.0]))
+            p10, p50, p90 = np.percentile(g, [10, 50, 90])
+            out[name] = (n, int(n - continued[fin.reason == c].sum()), float(p10), float(p50), float(p90))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = Path(os.environ["KVADVISOR_TRACES"]) / "claude_code_weka" if "KVADVISOR_TRACES" in os.environ else None
@@ -206,6 +249,8 @@ def main() -> int:
     ap.add_argument("--robustness", metavar="SEEDS", type=lambda t: [int(x) for x in t.split(",")],
                     help="replay the synthetic suite and its variants generated with each of these seeds "
                          "(comma-separated) and count the rows below best - 0.002")
+    ap.add_argument("--finish-gaps", action="store_true",
+                    help="time from a request's finish to its session's next request, by finish reason")
     ap.add_argument("--supersessions", action="store_true",
                     help="count the trace's superseded branches (prefix_value's rule) and those read again")
     add_json_option(ap)
@@ -217,6 +262,11 @@ def main() -> int:
         return robustness(report, args.robustness, args.json)
     if args.trace is None:
         ap.error("pass --trace or set KVADVISOR_TRACES")
+    if args.finish_gaps:
+        print("| finish reason | requests | never continued | gap p10 (s) | median (s) | p90 (s) |\n|---|---|---|---|---|---|")
+        for name, (n, never, p10, p50, p90) in finish_gaps(args.trace).items():
+            print(f"| {name} | {n:,} | {never:,} | {p10:.0f} | {p50:.0f} | {p90:.0f} |")
+        return 0
     if args.supersessions:
         from advisor.policy.eviction.prefix_value import PrefixValueSettings
 
@@ -229,9 +279,10 @@ def main() -> int:
     caps = parse_capacities(args.capacity)
     t0 = time.perf_counter()
     reqs = load_trace(args.trace)
+    finishes = load_trace_finishes(args.trace)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ct = compact(reqs)
+    ct = compact(reqs, finishes)
     t_compact = time.perf_counter() - t0
     ev = evaluate(ct, caps, trace=args.trace.name)
     print(markdown_table(ev))

@@ -428,8 +428,9 @@ def evaluate(
     try:
         caps = ev_mod.parse_capacities(capacity)
         ks = ev_mod.parse_lookaheads(lookahead)
-        reqs = ev_mod.load_trace(trace, format, limit, stagger_s)  # type: ignore[arg-type]
-        result = ev_mod.evaluate(reqs, caps, [p.strip() for p in policies.split(",") if p.strip()], ks,
+        ct = ev_mod.load_compact(trace, format, limit, stagger_s)  # type: ignore[arg-type]
+        result = ev_mod.evaluate(ct, caps,
+                                 [p.strip() for p in policies.split(",") if p.strip()], ks,
                                  [p.strip() for p in baselines.split(",") if p.strip()], trace=trace.name,
                                  promote=promote)
     except (ev_mod.EvaluateError, TraceFormatError, FileNotFoundError) as exc:
@@ -448,7 +449,6 @@ def evaluate(
 
         import numpy as np
 
-        from advisor.policy.eviction.compact import compact
         from kvadvisor import timemodel
 
         try:
@@ -458,7 +458,6 @@ def evaluate(
             _fail(str(exc))
             return
         t0 = _time.perf_counter()
-        ct = compact(reqs)
         console.print(f"time model: {timemodel.describe(model)}")
         for cap in caps:
             rows = timemodel.evaluate_timed(ct, times, cap, ks, model)

@@ -37,7 +37,8 @@ from typing import Any, Literal
 import numpy as np
 
 from advisor.policy.eviction import experts
-from advisor.policy.eviction.compact import CompactTrace, compact
+from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compact
+from advisor.policy.eviction.finish_aware import finish_class
 from advisor.policy.eviction.registry import BASELINES, BELADY, DEFAULT_POLICY, LABELS, LRU, POLICIES
 from kvadvisor.trace import TraceFormatError, read_mooncake
 
@@ -70,7 +71,7 @@ def _weka_files(path: Path) -> list[Path]:
     return files
 
 
-def _weka_flatten(reqs: Iterable[dict[str, Any]], t0: float, out: list[tuple[float, list[int]]],
+def _weka_flatten(reqs: Iterable[dict[str, Any]], t0: float, out: list[tuple[float, list[int], float, str]],
                   file_tag: int, where: str) -> None:
     for r in reqs:
         try:
@@ -79,9 +80,10 @@ def _weka_flatten(reqs: Iterable[dict[str, Any]], t0: float, out: list[tuple[flo
                 _weka_flatten(r["requests"], t, out, file_tag, where)
                 continue
             ids = [file_tag | int(h) for h in r["hash_ids"]]
+            api = max(float(r.get("api_time") or 0.0), 0.0)
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceFormatError(f"{where}: not a WEKA request ({exc!r})") from exc
-        out.append((t, ids))
+        out.append((t, ids, api, str(r.get("stop") or "")))
 
 
 def load_weka(path: str | Path, stagger_s: float = 60.0, limit: int | None = None) -> list[list[int]]:
@@ -103,7 +105,13 @@ def load_weka_timed(path: str | Path, stagger_s: float = 60.0,
         EvaluateError: no trace files found.
         TraceFormatError: a file is not a WEKA conversation.
     """
-    timed: list[tuple[float, int, list[int]]] = []
+    return [(t, k, ids) for t, k, ids, _, _ in _weka_requests(path, stagger_s, limit)]
+
+
+def _weka_requests(path: str | Path, stagger_s: float,
+                   limit: int | None) -> list[tuple[float, int, list[int], float, str]]:
+    """:func:`load_weka_timed`'s tuples with each request's ``api_time`` (s) and ``stop`` reason."""
+    timed: list[tuple[float, int, list[int], float, str]] = []
     for k, f in enumerate(_weka_files(Path(path))):
         m = re.search(r"(\d+)", f.name)
         tag = (int(m.group(1)) if m else k) << 32
@@ -114,19 +122,47 @@ def load_weka_timed(path: str | Path, stagger_s: float = 60.0,
             reqs = obj["requests"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise TraceFormatError(f"{f}: not a WEKA conversation file ({exc!r})") from exc
-        flat: list[tuple[float, list[int]]] = []
+        flat: list[tuple[float, list[int], float, str]] = []
         _weka_flatten(reqs, k * stagger_s, flat, tag, str(f))
-        timed.extend((t, len(timed) + i, ids) for i, (t, ids) in enumerate(flat))
+        timed.extend((t, len(timed) + i, ids, api, stop) for i, (t, ids, api, stop) in enumerate(flat))
     timed.sort(key=lambda x: (x[0], x[1]))
     return timed[:limit] if limit is not None else timed
+
+
+def _format(p: Path, fmt: TraceFormat | None) -> TraceFormat:
+    """``fmt``, or guessed from the name (``.jsonl`` = mooncake, else weka)."""
+    if fmt is not None:
+        return fmt
+    return "mooncake" if p.suffix == ".jsonl" else "weka"
+
+
+def load_trace_finishes(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
+                        stagger_s: float = 60.0) -> RequestFinishes | None:
+    """Arrival, finish and finish-reason class of each request of :func:`load_trace`, for
+    the finish-aware expert (:mod:`advisor.policy.eviction.finish_aware`); ``None`` for a
+    format that records no finish reasons (Mooncake).
+
+    WEKA: arrival = ``t`` (s, conversation ``k`` starting at ``k × stagger_s``), finish =
+    arrival + ``api_time``, reason = ``stop`` (``tool_use``, ``end_turn``, or empty:
+    unknown; :func:`~advisor.policy.eviction.finish_aware.finish_class`).
+
+    Raises:
+        EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
+    """
+    p = Path(path)
+    fmt = _format(p, fmt)
+    if fmt == "mooncake":
+        return None
+    if fmt != "weka":
+        raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
+    return load_compact(p, fmt, limit, stagger_s).finishes
 
 
 def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
                stagger_s: float = 60.0) -> list[list[int]]:
     """Load a trace; ``fmt=None`` guesses from the name (``.jsonl`` = mooncake, else weka)."""
     p = Path(path)
-    if fmt is None:
-        fmt = "mooncake" if p.suffix == ".jsonl" else "weka"
+    fmt = _format(p, fmt)
     if fmt == "mooncake":
         return load_mooncake(p, limit)
     if fmt == "weka":
@@ -142,13 +178,30 @@ def load_trace_times(path: str | Path, fmt: TraceFormat | None = None, limit: in
         EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
     """
     p = Path(path)
-    if fmt is None:
-        fmt = "mooncake" if p.suffix == ".jsonl" else "weka"
+    fmt = _format(p, fmt)
     if fmt == "mooncake":
         return [r.timestamp_ms / 1e3 for r in read_mooncake(p, limit)]
     if fmt == "weka":
         return [t for t, _, _ in load_weka_timed(p, stagger_s, limit)]
     raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
+
+
+def load_compact(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
+                 stagger_s: float = 60.0) -> CompactTrace:
+    """:func:`load_trace` and :func:`load_trace_finishes` in one read, compacted.
+
+    Raises:
+        EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
+    """
+    p = Path(path)
+    fmt = _format(p, fmt)
+    if fmt != "weka":
+        return compact(load_trace(p, fmt, limit, stagger_s))
+    reqs = _weka_requests(p, stagger_s, limit)
+    arrival = np.array([r[0] for r in reqs], dtype=np.float64)
+    finish = arrival + np.array([r[3] for r in reqs], dtype=np.float64)
+    reason = np.array([finish_class(r[4]) for r in reqs], dtype=np.int8)
+    return compact([r[2] for r in reqs], RequestFinishes(arrival, finish, reason))
 
 
 # ---------------------------------------------------------------------------- policies
@@ -425,8 +478,8 @@ def evaluate_synthetic(seed: int = 0, policies: Sequence[str] = (DEFAULT_POLICY,
     from kvadvisor import synthetic
 
     cases = synthetic.variants(seed) if variants else synthetic.suite(seed)
-    return [evaluate(c.requests, c.capacities, policies, (0,), baselines, trace=c.name, progress=progress)
-            for c in cases]
+    return [evaluate(compact(c.requests, c.finishes), c.capacities, policies, (0,), baselines, trace=c.name,
+                     progress=progress) for c in cases]
 
 
 def summary_markdown(evs: Sequence[Evaluation], policy: str = DEFAULT_POLICY) -> str:
@@ -487,7 +540,8 @@ def parse_lookaheads(text: str) -> list[int]:
 
 __all__ = [
     "CapacityResult", "EvaluateError", "Evaluation", "column", "evaluate", "load_mooncake", "load_trace",
-    "load_trace_times", "load_weka", "load_weka_timed", "markdown_table", "next_uses", "parse_capacities",
+    "load_compact", "load_trace_finishes", "load_trace_times", "load_weka", "load_weka_timed", "markdown_table",
+    "next_uses", "parse_capacities",
     "parse_lookaheads", "plot", "render_table",
     "simulate_belady", "simulate_lru", "simulate_prefix_value", "evaluate_synthetic", "summary_markdown",
 ]

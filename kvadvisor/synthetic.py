@@ -15,10 +15,14 @@ than, about a third of, and close to its working set.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from advisor.policy.eviction.compact import RequestFinishes
+from advisor.policy.eviction.finish_aware import FINISH_END_TURN, FINISH_TOOL_CALL
 
 HEADER = 2
 GROUP = 16
@@ -35,12 +39,15 @@ class SyntheticCase:
         description: what it is and which classic cache it favours.
         requests: block id lists in arrival order.
         capacities: tier capacities (blocks) it is evaluated at.
+        finishes: arrival, finish and finish reason of each request, for a case that
+            has them (``None``: the trace records none, as the Mooncake trace).
     """
 
     name: str
     description: str
     requests: list[list[int]]
     capacities: tuple[int, ...]
+    finishes: RequestFinishes | None = None
 
 
 class _Ids:
@@ -181,9 +188,62 @@ def conversation_tree(seed: int, branching: int = 2, n_conv: int = 400, n_reques
                          f"(branching {branching}, {turn_blocks}-block turns)", reqs, _caps(fp))
 
 
+def agent_sessions(seed: int, n_active: int = 40, n_requests: int = REQUESTS, turn_blocks: int = 4,
+                   system_blocks: int = 4, p_tool: float = 0.75, p_end: float = 0.3, tool_gap_s: float = 8.0,
+                   user_gap_s: float = 300.0, answer_s: float = 2.0, informative: bool = True) -> SyntheticCase:
+    """Agent sessions as the WEKA Claude Code traces show them (docs/traces.md): ``n_active``
+    sessions at a time, each from a shared system prompt; each request reads its session's
+    whole context and adds a turn of ``turn_blocks`` blocks; its answer (``answer_s`` long)
+    stops on a tool call with probability ``p_tool`` and the next request follows after an
+    exponential gap of mean ``tool_gap_s``, or it ends the turn, and the session either ends
+    (``p_end``; a new one starts) or its next request follows after a gap of mean
+    ``user_gap_s``.  The requests carry their arrival, finish and finish reason;
+    ``informative = False`` shuffles the reasons over the requests (the same times and
+    shares, reasons that tell nothing)."""
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.take(system_blocks)
+    ctx: dict[int, list[int]] = {}
+    queue: list[tuple[float, int]] = []
+    for s in range(n_active):
+        ctx[s] = list(system)
+        queue.append((float(rng.uniform(0.0, user_gap_s)), s))
+    heapq.heapify(queue)
+    nxt = n_active
+    reqs: list[list[int]] = []
+    arrival, reason = [], []
+    while len(reqs) < n_requests:
+        t, s = heapq.heappop(queue)
+        ctx[s] = ctx[s] + ids.take(turn_blocks)
+        reqs.append(list(ctx[s]))
+        arrival.append(t)
+        done = t + answer_s
+        if rng.random() < p_tool:
+            reason.append(FINISH_TOOL_CALL)
+            heapq.heappush(queue, (done + float(rng.exponential(tool_gap_s)), s))
+            continue
+        reason.append(FINISH_END_TURN)
+        if rng.random() < p_end:
+            del ctx[s]
+            s, nxt = nxt, nxt + 1
+            ctx[s] = list(system)
+        heapq.heappush(queue, (done + float(rng.exponential(user_gap_s)), s))
+    a = np.array(arrival)
+    why = np.array(reason, dtype=np.int8)
+    if not informative:
+        why = rng.permutation(why)
+    # the live working set (sessions at a time x their mean context), not the footprint: an
+    # ended session's blocks are never read again, so the footprint overstates what a tier needs
+    ws = int(n_active * np.mean([len(r) for r in reqs]))
+    name = "agent" if informative else "agent/shuffled"
+    return SyntheticCase(name, f"{n_requests:,} requests of agent sessions, {n_active} at a time ({p_tool:.0%} of "
+                         f"answers stop on a tool call{'' if informative else '; reasons shuffled'})", reqs,
+                         (ws // 8, ws // 3, 9 * ws // 10), RequestFinishes(a, a + answer_s, why))
+
+
 CASES: tuple[Callable[[int], SyntheticCase], ...] = (
     lambda s: zipf(0.6, s), lambda s: zipf(0.8, s), lambda s: zipf(1.0, s), lambda s: zipf(1.2, s),
-    scan_hot, loop, shifting, one_hit_flood, conversation_tree,
+    scan_hot, loop, shifting, one_hit_flood, conversation_tree, agent_sessions,
 )
 
 
@@ -204,6 +264,7 @@ VARIANTS: tuple[Callable[[int], SyntheticCase], ...] = (
     lambda s: _named("shifting/8", shifting(s, phases=8, n_objects=300, per_phase=REQUESTS // 8)),
     lambda s: _named("flood/200", one_hit_flood(s, n_objects=800, window=200, flood_share=0.6)),
     lambda s: conversation_tree(s, branching=3, n_conv=200),
+    lambda s: agent_sessions(s, n_active=60, p_tool=0.6, informative=False),
 )
 """The same generators with other parameters (docs/traces.md): a robustness check on traces
 no setting was chosen on (``kvadvisor evaluate --synthetic --variants``)."""
@@ -214,5 +275,5 @@ def variants(seed: int = 0) -> list[SyntheticCase]:
     return [make(seed + k) for k, make in enumerate(VARIANTS)]
 
 
-__all__ = ["CASES", "SyntheticCase", "VARIANTS", "conversation_tree", "loop", "one_hit_flood", "scan_hot",
+__all__ = ["CASES", "SyntheticCase", "VARIANTS", "agent_sessions", "conversation_tree", "loop", "one_hit_flood", "scan_hot",
            "shifting", "suite", "variants", "zipf"]

@@ -73,6 +73,7 @@ from advisor.moves.move_guard import MoveGuard
 from advisor.moves.mover import Mover
 from advisor.policy.plan import PlanKind, PlanResult, PlanStatus
 from advisor.moves.planner import Planner
+from advisor.policy.eviction.live_scoring import FinishView
 from advisor.policy.live_selection import leader_for
 from advisor.policy.policies import PolicyInput, PolicySettings, VolumeUsage, plan_all
 from advisor.cluster.parts import MOVER_SUFFIX
@@ -508,7 +509,10 @@ class ClusterMover:
                 inp = PolicyInput(st.fast_volume, list(st.slow_volumes), st.archive_volume,
                                   movable=lambda h, rep=rep: self._mine(rep, h),  # type: ignore[misc]
                                   held=guard.view(self._last_access(rep, locked=False)),
-                                  superseded=rep.selector.superseded if rep.selector is not None else frozenset())
+                                  superseded=rep.selector.superseded if rep.selector is not None else frozenset(),
+                                  finish=(FinishView(rep.selector.finish_states(), rep.selector.returns,
+                                                     rep.selector.latest_s)
+                                          if rep.selector is not None else None))
                 with rep.lock:
                     mine = {v: [pl for pl in pls if self._mine(rep, pl.key.sequence_hash, v)]
                             for v, pls in placements.items()}

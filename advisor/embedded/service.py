@@ -42,6 +42,7 @@ from advisor.ops.query import AdvisorQuery
 from advisor.ingest.quotas import QuotaGuard
 from advisor.embedded.run_state import RunStateStore
 from advisor.moves.prefetch import PrefetchCollector, Prefetcher
+from advisor.policy.eviction.live_scoring import FinishView
 from advisor.policy.live_selection import leader_for, new_selector, observe
 from advisor.settings import AdvisorSettings
 from advisor.ingest.source_expiry import due, expiry_batch, private_blocks
@@ -950,6 +951,7 @@ class AdvisorService:
             inp = self.policy_input()
             leader = self.policy_leader(inp)  # replays outside the index lock
             inp.superseded = self.selector.superseded  # that replay's superseded branches
+            inp.finish = FinishView(self.selector.finish_states(), self.selector.returns, self.selector.latest_s)
             with self.lock:
                 proposed = plan_all(self.settings.policy, inp, self.index, leader)
             results = self._execute_locked(proposed, policy_round=True)

@@ -110,6 +110,12 @@ class AdvisorQuery:
         p = self._svc.prefetcher
         return p.hint(hashes) if p is not None else False
 
+    def finish_hint(self, hashes: Sequence[int], finish_reason: str) -> bool:
+        """Take a router's word that the request with prompt ``hashes`` finished
+        (:meth:`advisor.policy.eviction.experts.LiveSelector.finished`); ``False`` for an
+        empty prompt or with hints off (``policy.selector.max_finish_hints = 0``)."""
+        return self._svc.selector.finished(hashes, finish_reason)
+
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""
         s = self._svc.settings

@@ -30,8 +30,9 @@ class _Index(Protocol):
 
 def new_selector(settings: SelectorLiveSettings) -> LiveSelector:
     """A selector bounded by ``settings`` (sample rate, window quota in block references,
-    references between two replays)."""
-    return LiveSelector(settings.sample_rate, settings.max_window_refs, settings.min_new_refs)
+    references between two replays, finish hints kept)."""
+    return LiveSelector(settings.sample_rate, settings.max_window_refs, settings.min_new_refs,
+                        max_hints=settings.max_finish_hints)
 
 
 def observe(selector: LiveSelector, index: _Index, batch: object,

@@ -9,6 +9,7 @@ each with a ``reason``; the planner then applies rate limits and the mover execu
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
@@ -16,7 +17,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, Field, model_validator
 
 from advisor.policy.eviction.experts import EXPERTS, SelectorSettings
-from advisor.policy.eviction.live_scoring import BlockFacts, LiveScorer, expert_rank
+from advisor.policy.eviction.live_scoring import BlockFacts, FinishView, LiveScorer, expert_rank
 from advisor.policy.eviction.prefix_value import PrefixValueSettings
 from advisor.index.prefix_index import PrefixIndex
 from advisor.policy.plan import PlanItem, PlanKind
@@ -150,11 +151,14 @@ class SelectorLiveSettings(BaseModel):
         max_window_refs: block references of the newest requests kept for the replay
             (the quota of the selector's state: 8 bytes each).
         min_new_refs: new references observed before the next replay.
+        max_finish_hints: routers' finish hints kept (``POST /v1/finished``, oldest
+            dropped first; 0 = none taken).
     """
 
     sample_rate: float = Field(1.0, gt=0.0, le=1.0)
     max_window_refs: int = Field(1 << 20, ge=1)
     min_new_refs: int = Field(1, ge=1)
+    max_finish_hints: int = Field(1 << 16, ge=0)
 
 
 class PolicySettings(BaseModel):
@@ -206,6 +210,8 @@ class PolicyInput:
         superseded: sequence hashes the live selector's ``prefix_value`` replay ranks below
             every other block (:attr:`advisor.policy.eviction.experts.LiveSelector.superseded`);
             used while the ranking follows ``prefix_value`` (:func:`make_scorer`).
+        finish: the live selector's ``finish_aware`` verdict (block states, learned gaps),
+            used while the ranking follows ``finish_aware``; ``None``: prefix-LRU's order.
     """
 
     fast_volume: str | None
@@ -218,6 +224,7 @@ class PolicyInput:
     movable: Callable[[int], bool] | None = None
     held: Callable[[int], bool] | None = None
     superseded: Container[int] = frozenset()
+    finish: FinishView | None = None
 
     def is_held(self, h: int) -> bool:
         """Whether the move guard holds block ``h`` (see ``held``)."""
@@ -229,7 +236,8 @@ def _pct(x: float) -> str:
 
 
 def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[int],
-                leader: str | None = None, superseded: Container[int] = frozenset()) -> Callable[[int], float]:
+                leader: str | None = None, superseded: Container[int] = frozenset(),
+                finish: FinishView | None = None) -> Callable[[int], float]:
     """The ranking of blocks that promotion and demotion use (higher = hotter).
 
     With ``demotion.scoring = "experts"`` (default): the order of the expert ``leader``
@@ -241,7 +249,9 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
     blocks ``hashes``; with ``"lru"``: the last access time (ns).  A block the index does not
     know scores 0.  Under ``prefix_value`` a block in ``superseded`` (the live selector's
     verdict, :attr:`PolicyInput.superseded`) ranks below every other block
-    (:mod:`advisor.policy.eviction.live_scoring`, "Superseded first").
+    (:mod:`advisor.policy.eviction.live_scoring`, "Superseded first").  Under
+    ``finish_aware`` each block ranks by its session's expected return (``finish``, the
+    live selector's verdict; ranked now, wall clock).
 
     Raises:
         ValueError: ``leader`` is not an expert.
@@ -265,6 +275,9 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
     if expert == "prefix_value":
         scorer.learn(facts.values())  # the class counts: superseded blocks were referenced as any other
 
+    view = finish if expert == "finish_aware" else None
+    now_s = view.now_s if view is not None and view.now_s is not None else time.time()
+
     def score(h: int) -> float:
         f = facts.get(h)
         if f is None:
@@ -274,6 +287,8 @@ def make_scorer(settings: PolicySettings, index: PrefixIndex, hashes: Iterable[i
             f = BlockFacts(info.last_access_ns, info.hits, True, info.parent is not None)
         if h in sup:
             f = replace(f, superseded=True)
+        if view is not None:
+            f = replace(f, residual_s=view.residual_s(h, f.last_access_ns, now_s))
         return expert_rank(expert, f, scorer)
     score.expert = expert  # type: ignore[attr-defined]  # names the order in plan reasons
     score.superseded = sup  # type: ignore[attr-defined]
@@ -668,7 +683,8 @@ def plan_all(settings: PolicySettings, inp: PolicyInput, index: PrefixIndex,
         hashes += [p.key.sequence_hash for p in ps]  # type: ignore[attr-defined]
     for v in list(inp.slow_volumes) + ([inp.archive_volume] if inp.archive_volume else []):
         hashes += list(index.blocks_at(v))
-    score = make_scorer(settings, index, hashes, leader, inp.superseded) if settings.demotion.scoring != "lru" else None
+    score = (make_scorer(settings, index, hashes, leader, inp.superseded, inp.finish)
+             if settings.demotion.scoring != "lru" else None)
     hot = settings.promotion.min_hits if settings.promotion.enabled else None
     demotions = plan_demotions(settings.demotion, inp, index, settings.compaction.live_fraction, score, hot)
     promotions = plan_promotions(settings.promotion, inp, index, settings.demotion.high_watermark, score)

@@ -1,5 +1,6 @@
-"""Blocks and lookups: ``GET /v1/blocks/{sequence_hash}``, ``POST /v1/lookup``, ``GET
-/v1/locations``, ``GET /v1/locations/{loc}/blocks`` (docs/operations.md, "REST API")."""
+"""Blocks and lookups: ``GET /v1/blocks/{sequence_hash}``, ``POST /v1/lookup``, ``POST
+/v1/finished``, ``GET /v1/locations``, ``GET /v1/locations/{loc}/blocks`` (docs/operations.md,
+"REST API")."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from api.errors import ApiError, json_response
 from api.hit_rates import HitRates, served_per_tier
 from api.models import (
     BlockResponse,
+    FinishedRequest,
+    FinishedResponse,
     HashParseError,
     LocationBlocksResponse,
     LocationsResponse,
@@ -23,6 +26,7 @@ from api.models import (
     hex64,
     parse_sequence_hash,
 )
+from advisor.policy.eviction.finish_aware import FINISH_CLASS_NAMES, finish_class
 from api.paging import MAX_PAGE, page
 from kvbm_runtime.hashing import ModelFingerprint, TokenIdError, salt_hash, sequence_hashes
 
@@ -96,20 +100,36 @@ def blocks_router(query: AdvisorQuery, lookup_rates: HitRates, read: Sequence[An
             children_hex=[hex64(c) for c in children],
         )
 
+    def hashes_of(req: LookupRequest) -> tuple[list[int], list[int] | None]:
+        """``(sequence hashes, those computed from token ids or None)`` of a request body."""
+        if req.token_ids is None:
+            return list(req.sequence_hashes or ()), None  # type: ignore[arg-type]  # validated to ints
+        m = req.model
+        assert m is not None  # the model validator requires it
+        fp = ModelFingerprint(m.name, m.dtype, m.layout, m.block_size, m.revision)
+        try:
+            computed = sequence_hashes(req.token_ids, m.block_size, salt_hash(fp, req.lora_name, req.cache_salt))
+        except TokenIdError as exc:
+            raise ApiError(422, "invalid_request", f"token_ids: {exc}") from None
+        return computed, computed
+
+    @router.post("/v1/finished", response_model=FinishedResponse, dependencies=read)
+    def finished(req: FinishedRequest) -> FinishedResponse:
+        """A router reports that a request finished and how (``finish_reason``): the default
+        policy keeps sessions waiting on a tool call (:mod:`advisor.policy.eviction.finish_aware`)."""
+        hint = getattr(query, "finish_hint", None)
+        if hint is None:
+            raise ApiError(501, "not_supported", "this API's advisor takes no finish hints (a partitioned "
+                                                 "cluster's API does not forward them yet)")
+        hashes, _ = hashes_of(req)
+        return FinishedResponse(taken=bool(hint(hashes, req.finish_reason)),
+                                finish_class=FINISH_CLASS_NAMES[finish_class(req.finish_reason)])
+
     @router.post("/v1/lookup", response_model=LookupResponse, dependencies=read)
     async def lookup(req: LookupRequest) -> Response:
         # async and a pre-encoded body: the hot route of routers runs on the event loop (the
         # index lookup takes microseconds) and skips FastAPI's second validation pass
-        computed: list[int] | None = None
-        if req.token_ids is not None:
-            m = req.model
-            assert m is not None  # the model validator requires it
-            fp = ModelFingerprint(m.name, m.dtype, m.layout, m.block_size, m.revision)
-            try:
-                computed = sequence_hashes(req.token_ids, m.block_size, salt_hash(fp, req.lora_name, req.cache_salt))
-            except TokenIdError as exc:
-                raise ApiError(422, "invalid_request", f"token_ids: {exc}") from None
-        hashes = computed if computed is not None else req.sequence_hashes
+        hashes, computed = hashes_of(req)
         res = query.lookup(hashes)  # type: ignore[arg-type]  # validated to ints
         hint = getattr(query, "prefetch_hint", None)  # a router asks before it dispatches: prefetch
         if hint is not None:

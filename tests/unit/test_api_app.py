@@ -280,3 +280,17 @@ def test_invalidate_without_storage_is_a_clear_409(client: TestClient) -> None:
 def test_segments_of_an_unknown_volume_are_a_404(client: TestClient) -> None:
     r = client.get("/v1/volumes/nope/segments")
     assert r.status_code == 404 and r.json()["error"] == "unknown_volume"
+
+
+def test_a_router_reports_how_a_request_finished(service: AdvisorService, client: TestClient) -> None:
+    r = client.post("/v1/finished", json={"sequence_hashes": [hex(h) for h in H], "finish_reason": "tool_calls"})
+    assert r.status_code == 200 and r.json() == {"taken": True, "finish_class": "tool_call"}
+    r = client.post("/v1/finished", json={"sequence_hashes": [11, 12], "finish_reason": "end_turn"})
+    assert r.json() == {"taken": True, "finish_class": "end_turn"}
+    assert service.selector.stats()["finish_hints"] == 2
+    # an empty prompt is no hint; a missing, empty or oversized reason is a clear 422
+    assert client.post("/v1/finished", json={"sequence_hashes": [], "finish_reason": "stop"}).json()["taken"] is False
+    for bad in ({"sequence_hashes": [11]}, {"sequence_hashes": [11], "finish_reason": ""},
+                {"sequence_hashes": [11], "finish_reason": "x" * 65}):
+        assert client.post("/v1/finished", json=bad).status_code == 422
+    assert service.selector.stats()["finish_hints"] == 2

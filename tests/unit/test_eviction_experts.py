@@ -124,9 +124,13 @@ def test_default_follows_the_best_expert_where_prefix_value_is_weak() -> None:
 def test_synthetic_suite_is_seeded_and_prefix_chained() -> None:
     a, b = synthetic.suite(0), synthetic.suite(0)
     assert [c.name for c in a] == ["zipf-0.6", "zipf-0.8", "zipf-1", "zipf-1.2", "scan+hot", "loop", "shifting",
-                                   "one-hit-flood", "conv-tree-b2"]
+                                   "one-hit-flood", "conv-tree-b2", "agent"]
     for x, y in zip(a, b):
         assert x.requests == y.requests and x.capacities == y.capacities and len(x.capacities) == 3
+        assert (x.finishes is None) == (x.name != "agent")  # only the agent sessions record finishes
+        if x.finishes is not None:
+            assert x.finishes.arrival.shape == (len(x.requests),)
+            assert np.array_equal(x.finishes.reason, y.finishes.reason)
         parent: dict[int, int] = {}
         for r in x.requests:  # a block always follows the same block: ids are prefix-chained
             for p, q in zip([-1, *r[:-1]], r):

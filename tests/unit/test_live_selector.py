@@ -225,21 +225,15 @@ def test_live_ranking_puts_the_kernels_superseded_branches_first() -> None:
     assert promoted == {True: [], False: dead[-1]}
 
 
-def test_the_embedded_advisor_demotes_superseded_branches_first(tmp_path: Path) -> None:
-    # the service end to end on real volumes: its policy round hands the selector's verdict
-    # to the planner, so the fast volume's first demotions are the dead branch's leaves,
-    # though the live branch beside it was accessed earlier
-    import torch
-
+def _advisor(tmp_path: Path, fast_bytes: int, demote: DemotionSettings) -> tuple:
+    """An embedded advisor on a fast and a slow POSIX volume, and a worker's storage agent on
+    the same catalog: ``(settings, service, catalog, worker)``; the caller closes them."""
     from storage_backends import SqliteCatalog, StorageAgent
 
-    reqs, dead, new = compactions(5_000)
-    live = new[0][2:]
-    demote = DemotionSettings(scoring="prefix_value", high_watermark=0.8, low_watermark=0.7)
     settings = AdvisorSettings(
         journal_path=str(tmp_path / "journal.sqlite"), catalog_path=str(tmp_path / "catalog.sqlite"),
         namespace="ns", subscribe_urls=[], api_enabled=False, policy_interval_s=0, snapshot_store="none",
-        volumes=[{"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": 10 * BLK,
+        volumes=[{"id": "fast", "kind": "posix", "media": "nvme", "capacity_bytes": fast_bytes,
                   "root": str(tmp_path / "fast")},
                  {"id": "slow", "kind": "posix", "media": "hdd", "capacity_bytes": 1 << 30,
                   "root": str(tmp_path / "slow")}],
@@ -248,9 +242,22 @@ def test_the_embedded_advisor_demotes_superseded_branches_first(tmp_path: Path) 
     svc.start()
     catalog = SqliteCatalog(tmp_path / "catalog.sqlite")
     worker = StorageAgent(catalog, name="worker")
+    for v in settings.volumes:
+        worker.register_volume(v.to_descriptor())
+    return settings, svc, catalog, worker
+
+
+def test_the_embedded_advisor_demotes_superseded_branches_first(tmp_path: Path) -> None:
+    # the service end to end on real volumes: its policy round hands the selector's verdict
+    # to the planner, so the fast volume's first demotions are the dead branch's leaves,
+    # though the live branch beside it was accessed earlier
+    import torch
+
+    reqs, dead, new = compactions(5_000)
+    live = new[0][2:]
+    demote = DemotionSettings(scoring="prefix_value", high_watermark=0.8, low_watermark=0.7)
+    settings, svc, catalog, worker = _advisor(tmp_path, 10 * BLK, demote)
     try:
-        for v in settings.volumes:
-            worker.register_volume(v.to_descriptor())
         seq = 0
 
         def batch(events: list) -> None:
@@ -267,6 +274,112 @@ def test_the_embedded_advisor_demotes_superseded_branches_first(tmp_path: Path) 
         demoted = [r.item.sequence_hash for r in results if r.item.src_volume == "fast"]
         assert demoted == dead[-1][::-1][:2], [r.item.reason for r in results]
         assert all("superseded branch" in r.item.reason for r in results if r.item.src_volume == "fast")
+    finally:
+        svc.stop()
+        worker.close()
+        catalog.close()
+
+
+def _agent_batches(reqs: list[list[int]], arrival: np.ndarray) -> list[EventBatch]:
+    """Each request as a worker's batch at its arrival: its new blocks, chained to its prefix."""
+    seen: set[int] = set()
+    out = []
+    for seq, (r, t) in enumerate(zip(reqs, arrival)):
+        new = [h for h in r if h not in seen]
+        seen.update(new)
+        parent = r[len(r) - len(new) - 1] if len(new) < len(r) else None
+        evs = []
+        for h in new:
+            evs.append(store(h, r[0], parent, BLK, "g1"))
+            parent = h
+        out.append(EventBatch(1, "w0", 7, seq, int(t * 1e9) + 1, evs))
+    return out
+
+
+def test_routers_finish_hints_make_the_live_selector_the_evaluators_finish_aware_one() -> None:
+    from advisor.policy.eviction.compact import RequestFinishes
+    from advisor.policy.eviction.live_scoring import FinishView
+    from tests.unit.test_eviction_finish_aware import agent_sessions
+
+    reqs, fin, cap = agent_sessions(0, steps=900)
+    index = PrefixIndex()
+    sel = experts.LiveSelector()
+    reasons = {1: "tool_calls", 2: "stop"}
+    for r, b, f, c in zip(reqs, _agent_batches(reqs, fin.arrival), fin.finish, fin.reason):
+        index.apply_batch(b)
+        observe(sel, index, b)
+        assert sel.finished(r, reasons[int(c)], at_s=f)  # the router, once the answer is out
+    assert sel.refresh(cap) == "finish_aware"
+    # the evaluator's selection on the same requests, arrivals (the batches' clock) and finishes
+    arr = np.array([b.ts_ns / 1e9 for b in _agent_batches(reqs, fin.arrival)])
+    expect = experts.next_leader(compact(reqs, RequestFinishes(arr, np.maximum(fin.finish, arr), fin.reason)), cap)
+    assert experts.EXPERTS[expect[0]] == sel.leader
+    # the ranking: of two leaves idle as long, the one whose session ended its turn goes first
+    states = sel.finish_states()
+    latest = {h: k for k, r in enumerate(reqs) for h in r}  # block -> the latest request that read it
+    done = {int(fin.reason[k]): h for h, k in latest.items() if fin.finish[k] <= arr[-1]}  # finished by the end
+    flying = [h for h, k in latest.items() if fin.finish[k] > arr[-1]]
+    tool, turn = done[1], done[2]
+    assert states[tool] == (1, fin.finish[latest[tool]]) and states[turn] == (2, fin.finish[latest[turn]])
+    assert flying and all(states[h][0] == 4 for h in flying)  # in flight
+    view = FinishView({tool: (1, 100.0), turn: (2, 100.0)}, sel.returns, now_s=110.0)
+    assert view.residual_s(turn, 0, 110.0) > view.residual_s(tool, 0, 110.0)
+    settings = PolicySettings(demotion=DemotionSettings(scoring="experts"))
+    score = make_scorer(settings, index, [tool, turn], "finish_aware", finish=view)
+    assert score(turn) < score(tool)  # lower = demoted first
+
+
+def test_finish_hints_have_a_quota_and_stores_can_carry_the_reason() -> None:
+    sel = experts.LiveSelector(max_hints=2)
+    for h in (1, 2, 3):
+        assert sel.finished([h], "tool_calls", at_s=1.0)
+    assert sel.stats()["finish_hints"] == 2 and sel.hints_dropped == 1
+    assert not sel.finished([], "stop") and not experts.LiveSelector(max_hints=0).finished([1], "stop")
+    # a worker that knows how a request ended says so on its Stores
+    index = PrefixIndex()
+    evs = _chain([10, 11, 12])
+    evs[-1] = store(12, 10, 11, BLK, "g1", {"finish_reason": "tool_calls"})
+    b = EventBatch(1, "w0", 7, 0, 5 * 10**9, evs)
+    index.apply_batch(b)
+    observe(sel, index, b)
+    assert list(sel._meta)[-1] == (5.0, 0, 5.0, 1)  # arrival, run start, finish, tool call
+
+
+def test_the_embedded_advisor_demotes_the_session_that_ended_its_turn_first(tmp_path: Path) -> None:
+    # the service end to end: routers' finish hints reach its selector, the selector leads with
+    # finish_aware, and the policy round demotes from the fast volume the blocks of a session
+    # that ended its turn before those of a session waiting on a tool call that finished earlier
+    import torch
+
+    from advisor.policy.eviction.live_scoring import FinishView
+    from tests.unit.test_eviction_finish_aware import agent_sessions
+
+    reqs, fin, _ = agent_sessions(0, steps=900)
+    base = 1.7e9  # the batches' clock; the ranking's "now" is the latest batch, not the host's clock
+    latest = {r[4]: k for k, r in enumerate(reqs)}  # a session's first own block -> its latest request
+    done = [k for k in latest.values() if fin.finish[k] <= fin.arrival[-1]]
+    turn = max((k for k in done if fin.reason[k] == 2), key=lambda k: fin.finish[k])
+    tool = max((k for k in done if fin.reason[k] == 1 and fin.finish[k] < fin.finish[turn]), key=lambda k: fin.finish[k])
+    # seed 0: they finished 18.5 s and 2.9 s before the last arrival
+    a, b = reqs[tool], reqs[turn]  # A waits on a tool call (finished earlier), B ended its turn (later)
+    n_fast = len(set(a) | set(b))
+    demote = DemotionSettings(scoring="experts", high_watermark=0.8, low_watermark=0.6)
+    settings, svc, catalog, worker = _advisor(tmp_path, int(n_fast / 0.9) * BLK, demote)
+    try:
+        batches = _agent_batches(reqs, base + fin.arrival)
+        for r, bt, f, c in zip(reqs, batches, fin.finish, fin.reason):
+            assert svc.ingest(bt)
+            assert svc.selector.finished(r, {1: "tool_calls", 2: "end_turn"}[int(c)], at_s=base + f)
+        blocks = list(dict.fromkeys(a + b))
+        worker.put([(BlockKey("ns", h), torch.full((BLK,), h % 251, dtype=torch.uint8)) for h in blocks], "fast")
+        assert svc.ingest(EventBatch(1, "w0", 7, len(batches), int((base + fin.arrival[-1]) * 1e9), _chain(blocks, "fast")))
+        results = svc.run_policies_once()
+        assert svc.selector.leader == "finish_aware"
+        view = FinishView(svc.selector.finish_states(), svc.selector.returns)
+        now = svc.selector.latest_s
+        assert view.residual_s(b[-1], 0, now) > view.residual_s(a[-1], 0, now)
+        demoted = [r.item.sequence_hash for r in results if r.item.src_volume == "fast"]
+        assert demoted and set(demoted) <= set(b) - set(a), [r.item.reason for r in results]
     finally:
         svc.stop()
         worker.close()

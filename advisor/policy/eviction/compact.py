@@ -9,7 +9,9 @@ a trace's own ids, any int64).  Kernels want dense ids and flat arrays:
 * ``parent``: int32 ``[n_blocks]``, the block before it in the first request that used it
   (``-1`` for a first block): its prefix parent;
 * ``next_use``: int64 ``[refs]``, for each reference the index of the next request using
-  the same block (``requests`` = never), built on demand (Belady, lookahead).
+  the same block (``requests`` = never), built on demand (Belady, lookahead);
+* ``finishes``: when the trace has them, each request's arrival and finish times and the
+  class of its finish reason (:class:`RequestFinishes`, the finish-aware expert's input).
 """
 
 from __future__ import annotations
@@ -50,6 +52,65 @@ def _next_uses(flat: np.ndarray, offsets: np.ndarray, n_blocks: int) -> np.ndarr
     return out
 
 
+@numba.njit(cache=True, inline="always")
+def add_block(x: int, cached: np.ndarray, children: np.ndarray, parent: np.ndarray) -> int:
+    """Cache block ``x`` in the prefix tree (see :func:`drop_leaf`); returns 1 when it was
+    not cached (the tier holds one block more), else 0."""
+    if cached[x]:
+        return 0
+    cached[x] = True
+    p = parent[x]
+    if p >= 0:
+        children[p] += 1
+    return 1
+
+
+@numba.njit(cache=True, inline="always")
+def drop_leaf(v: int, cached: np.ndarray, children: np.ndarray, parent: np.ndarray) -> int:
+    """Un-cache leaf ``v`` of the cached prefix tree (``cached`` bool, ``children`` int32
+    counts of cached children, ``parent`` as :attr:`CompactTrace.parent`); returns its
+    parent when that is cached and has become a leaf (a new eviction candidate), else -1."""
+    cached[v] = False
+    p = parent[v]
+    if p < 0:
+        return -1
+    children[p] -= 1
+    return p if cached[p] and children[p] == 0 else -1
+
+
+@dataclass(frozen=True)
+class RequestFinishes:
+    """When each request arrived and finished, and how its answer ended.
+
+    Attributes:
+        arrival: float64 ``[requests]``, seconds from the trace's start, non-decreasing.
+        finish: float64 ``[requests]``, seconds; ``finish >= arrival`` (equal: unknown).
+        reason: int8 ``[requests]``, the finish reason's class
+            (:data:`advisor.policy.eviction.finish_aware.FINISH_CLASSES`, 0 = unknown).
+
+    Raises:
+        ValueError: shapes differ, a finish precedes its arrival, arrivals go back in
+            time, or a class is outside 0..3.
+    """
+
+    arrival: np.ndarray
+    finish: np.ndarray
+    reason: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = self.arrival.shape
+        if self.finish.shape != n or self.reason.shape != n or len(n) != 1:
+            raise ValueError(f"arrival, finish and reason must be 1-d of one length, got {n}, "
+                             f"{self.finish.shape}, {self.reason.shape}")
+        if n[0] and ((self.finish < self.arrival).any() or (np.diff(self.arrival) < 0).any()
+                     or self.reason.min() < 0 or self.reason.max() > 3):
+            raise ValueError("need finish >= arrival, arrivals in order and reason classes in 0..3")
+
+    def slice(self, first: int, end: int) -> RequestFinishes:
+        """Requests ``first .. end - 1``."""
+        return RequestFinishes(self.arrival[first:end], self.finish[first:end], self.reason[first:end])
+
+
 @dataclass
 class CompactTrace:
     """A trace as flat arrays (see the module docstring for shapes)."""
@@ -60,6 +121,8 @@ class CompactTrace:
     parent: np.ndarray
     keys: np.ndarray | None = field(default=None, repr=False)
     """int64 ``[blocks]``: the original id of each dense id (sorted), ``None`` when not kept."""
+    finishes: RequestFinishes | None = field(default=None, repr=False)
+    """Arrival, finish and finish reason of each request, ``None`` when the trace has none."""
     _next_use: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -79,18 +142,22 @@ class CompactTrace:
         return self._next_use
 
 
-def compact(requests: Sequence[Sequence[int]]) -> CompactTrace:
+def compact(requests: Sequence[Sequence[int]], finishes: RequestFinishes | None = None) -> CompactTrace:
     """Remap a trace's block ids to dense ids and flatten it.
 
     Args:
         requests: block id lists (int64 range) in arrival order.
+        finishes: each request's arrival, finish and finish reason, when known.
 
     Returns:
         The :class:`CompactTrace`; dense ids keep the order of the original ids.
 
     Raises:
-        ValueError: a block id is not an integer in int64 range (the message names the request).
+        ValueError: a block id is not an integer in int64 range (the message names the
+            request), or ``finishes`` has another number of requests.
     """
+    if finishes is not None and finishes.arrival.shape[0] != len(requests):
+        raise ValueError(f"finishes cover {finishes.arrival.shape[0]} requests, the trace has {len(requests)}")
     lengths = np.fromiter((len(r) for r in requests), dtype=np.int64, count=len(requests))
     offsets = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -108,7 +175,7 @@ def compact(requests: Sequence[Sequence[int]]) -> CompactTrace:
     uniq, inv = np.unique(raw, return_inverse=True)
     flat = inv.astype(np.int32).reshape(-1)
     n_blocks = int(uniq.shape[0])
-    return CompactTrace(flat, offsets, n_blocks, _parents(flat, offsets, n_blocks), uniq)
+    return CompactTrace(flat, offsets, n_blocks, _parents(flat, offsets, n_blocks), uniq, finishes)
 
 
-__all__ = ["CompactTrace", "compact"]
+__all__ = ["CompactTrace", "RequestFinishes", "add_block", "compact", "drop_leaf"]

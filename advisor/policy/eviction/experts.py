@@ -2,11 +2,14 @@
 
 Experts (:data:`EXPERTS`): ``prefix_value`` (:mod:`advisor.policy.eviction.prefix_value`), ARC,
 S3-FIFO, LFU-DA, LRU, SIEVE and prefix-LRU — every online baseline the evaluator reports,
-so no baseline can be strong on a workload without the selector seeing it.
+so no baseline can be strong on a workload without the selector seeing it — and
+``finish_aware`` (:mod:`advisor.policy.eviction.finish_aware`: prefix-LRU where requests
+carry no finish reason, sessions waiting on a tool call kept over those that ended their
+turn where they do).
 
 **Experts run whole.**  Every expert replays every request on a cache of its own with the
 tier's full capacity (its own metadata and ghost lists over all keys, exactly as it runs
-alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 7)
+alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 8)
 and E updates per block reference, i.e. E times one policy's memory and time.  The
 evaluator replays the experts one after another (peak memory: one expert's), then replays
 each expert that led again, logging its evictions during its spells (16 bytes per
@@ -109,8 +112,8 @@ switch: the trade measured above.  The evaluator reports S (``switches``) and Σ
 bound only through the first spell: starting on ``initial`` instead of the eventual best
 adds at most one switch (S + 1 → S + 2 spells).
 
-**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 7:
-21 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 8:
+28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
 one replay of the new leader's spell with its eviction log (above).  Live: a refresh
 replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
@@ -118,23 +121,24 @@ replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 from __future__ import annotations
 
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 
-from advisor.policy.eviction import arc, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
-from advisor.policy.eviction.compact import CompactTrace, compact
+from advisor.policy.eviction import arc, finish_aware, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
+from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
-EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru")
+EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru", "finish_aware")
 """Expert policies, in order (the first leader is :attr:`SelectorSettings.initial`)."""
 
 _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
     "prefix_value": prefix_value.replay, "arc": arc.replay, "s3fifo": s3fifo.replay, "lfu_da": lfu_da.replay,
-    "lru": lru.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay,
+    "lru": lru.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay, "finish_aware": finish_aware.replay,
 }
 
 
@@ -275,11 +279,14 @@ class Selection:
         superseded: bool ``[blocks]`` by dense id: the blocks ``prefix_value`` ranks below
             every other block at the end of the trace (its "Superseded first" rule,
             :func:`advisor.policy.eviction.prefix_value.superseded_first`).
+        returns: the gaps ``finish_aware`` learned (its ranking's input,
+            :class:`advisor.policy.eviction.finish_aware.ReturnTimes`).
     """
 
     leader: int
     switches: int
     superseded: np.ndarray
+    returns: finish_aware.ReturnTimes | None = None
 
 
 def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None) -> Selection:
@@ -295,9 +302,10 @@ def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None
         return Selection(EXPERTS.index((settings or SelectorSettings()).initial), 0,
                          np.zeros(trace.n_blocks, dtype=np.bool_))
     pv_hits, superseded = prefix_value.superseded_first(trace, capacity)
-    lead = _leaders(expert_hits(trace, capacity, {"prefix_value": pv_hits}), np.diff(trace.offsets), capacity,
-                    settings)
-    return Selection(int(lead[-1]), int((lead[1:] != lead[:-1]).sum()), superseded)
+    fa_hits, returns = finish_aware.learn(trace, capacity)
+    lead = _leaders(expert_hits(trace, capacity, {"prefix_value": pv_hits, "finish_aware": fa_hits}),
+                    np.diff(trace.offsets), capacity, settings)
+    return Selection(int(lead[-1]), int((lead[1:] != lead[:-1]).sum()), superseded, returns)
 
 
 @numba.njit(cache=True)
@@ -435,6 +443,17 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
+def _block_states(reqs: list[tuple[int, ...]], finishes: RequestFinishes) -> dict[int, tuple[int, float]]:
+    """``{u64 hash: (state, since s)}`` at the end of the window (:meth:`LiveSelector.finish_states`)."""
+    end = float(finishes.arrival[-1]) if len(reqs) else 0.0
+    out: dict[int, tuple[int, float]] = {}
+    for req, a, f, c in zip(reqs, finishes.arrival.tolist(), finishes.finish.tolist(), finishes.reason.tolist()):
+        st = (finish_aware.IN_FLIGHT, a) if f > end else (int(c), f)
+        for h in req:
+            out[h & _MASK] = st
+    return out
+
+
 class LiveSelector:
     """The live advisor's expert selection: :func:`next_leader` over a window of the
     requests the event stream shows, on a hashed sample of prefixes.
@@ -459,11 +478,23 @@ class LiveSelector:
 
     **Cost and quota.**  The window holds at most ``max_window_refs`` block references
     (the oldest requests leave first; 8 bytes a reference); :meth:`refresh` replays it
-    once per expert (E = 7 compiled replays, O(window) each) and only when
+    once per expert (E = 8 compiled replays, O(window) each) and only when
     ``min_new_refs`` references arrived since the last refresh.  The replays start cold
     at the window's first request, so the leader is the one of a selector that began
     there; a window shorter than the miniature cache's turnover shows no expert ahead and
     keeps the first leader (``settings.initial``).
+
+    **Finish reasons.**  The ``finish_aware`` expert replays each window request with its
+    arrival (the batch's ``ts_ns``), finish time and finish-reason class
+    (:mod:`advisor.policy.eviction.finish_aware`).  A finish comes either in the batch (a
+    Store of the run with ``extra_metadata = {"finish_reason": ...}``: the request
+    finished when it was stored) or later from a router (:meth:`finished`, ``POST
+    /v1/finished``: the prompt's sequence hashes, matched to the window request whose Store
+    run holds the deepest of them).  At most ``max_hints`` router hints are kept, oldest
+    dropped first (the quota of that state); a request without either has finished with
+    no reason known at its arrival (the ``unknown`` state, prefix-LRU's order).
+    :attr:`returns` holds the gaps the expert learned and :meth:`finish_states` each
+    window block's state, the live ranking's inputs when it leads.
 
     **Superseded branches.**  The same replay of ``prefix_value`` tells which of the
     window's blocks its "Superseded first" rule ranks below every other block
@@ -479,6 +510,7 @@ class LiveSelector:
         settings: the switching rule (default :class:`SelectorSettings`, the evaluator's).
         max_path: longest path taken from one request, in blocks.
         locations: storage locations whose Stores are requests.
+        max_hints: router finish hints kept (:meth:`finished`).
 
     Raises:
         ValueError: a setting out of range.
@@ -486,10 +518,11 @@ class LiveSelector:
 
     def __init__(self, sample_rate: float = 1.0, max_window_refs: int = 1 << 20, min_new_refs: int = 1,
                  settings: SelectorSettings | None = None, max_path: int = 4096,
-                 locations: Iterable[str] = ("g1", "g2")) -> None:
-        if not 0.0 < sample_rate <= 1.0 or max_window_refs < 1 or min_new_refs < 1 or max_path < 1:
-            raise ValueError(f"need 0 < sample_rate <= 1 and max_window_refs, min_new_refs, max_path >= 1, got "
-                             f"{sample_rate}, {max_window_refs}, {min_new_refs}, {max_path}")
+                 locations: Iterable[str] = ("g1", "g2"), max_hints: int = 1 << 16) -> None:
+        if not 0.0 < sample_rate <= 1.0 or max_window_refs < 1 or min_new_refs < 1 or max_path < 1 or max_hints < 0:
+            raise ValueError(f"need 0 < sample_rate <= 1, max_window_refs, min_new_refs, max_path >= 1 and "
+                             f"max_hints >= 0, got {sample_rate}, {max_window_refs}, {min_new_refs}, {max_path}, "
+                             f"{max_hints}")
         self.sample_rate = float(sample_rate)
         self.max_window_refs = int(max_window_refs)
         self.min_new_refs = int(min_new_refs)
@@ -498,6 +531,16 @@ class LiveSelector:
         self.locations = frozenset(locations)
         self._limit = int(self.sample_rate * float(1 << 64)) if sample_rate < 1.0 else 1 << 64
         self._window: deque[tuple[int, ...]] = deque()
+        self._meta: deque[tuple[float, int, float, int]] = deque()  # arrival s, run start, finish s (-1: none), class
+        self.max_hints = int(max_hints)
+        self._hints: OrderedDict[int, tuple[float, int]] = OrderedDict()  # deepest prompt hash -> (finish s, class)
+        self.hints_dropped = 0
+        """Router finish hints dropped by the ``max_hints`` quota."""
+        self.returns: finish_aware.ReturnTimes | None = None
+        """The gaps ``finish_aware`` learned in the latest refresh (class docstring)."""
+        self._states: dict[int, tuple[int, float]] | None = None
+        self.latest_s = 0.0
+        """Latest arrival observed (s, the batches' clock): "now" of the live ranking's ages."""
         self._refs = 0
         self._new = 0
         self._lock = threading.Lock()
@@ -520,9 +563,18 @@ class LiveSelector:
         """Whether prefixes rooted at block ``root`` are in the sample."""
         return ((root * _GOLDEN) & _MASK) < self._limit
 
-    def observe(self, path: Sequence[int], root: int | None = None) -> None:
+    def observe(self, path: Sequence[int], root: int | None = None, arrival_s: float | None = None,
+                run_start: int = 0, finish_reason: str | None = None) -> None:
         """One request: its blocks, first block first; kept when its root (``root``, default
-        ``path[0]``) is sampled."""
+        ``path[0]``) is sampled.
+
+        Args:
+            path: sequence hashes (u64), the prefix read then the blocks stored.
+            root: the hash that decides the sample (default ``path[0]``).
+            arrival_s: when it was seen (s, Unix epoch; default now).
+            run_start: index in ``path`` of its first stored block (before it: ancestors).
+            finish_reason: how its answer ended, when the batch says so (it has finished).
+        """
         if not path:
             return
         self.requests += 1
@@ -530,12 +582,56 @@ class LiveSelector:
             return
         # sequence hashes are u64, the kernels' ids int64: the same bits, read signed
         req = tuple(h - (1 << 64) if h >= 1 << 63 else h for h in path[: self.max_path])
+        t = time.time() if arrival_s is None else float(arrival_s)
+        meta = (t, min(max(int(run_start), 0), len(req)), t if finish_reason is not None else -1.0,
+                finish_aware.finish_class(finish_reason))
         with self._lock:
+            self.latest_s = max(self.latest_s, t)
             self._window.append(req)
+            self._meta.append(meta)
             self._refs += len(req)
             self._new += len(req)
             while self._refs > self.max_window_refs and len(self._window) > 1:
                 self._refs -= len(self._window.popleft())
+                self._meta.popleft()
+
+    def finished(self, hashes: Sequence[int], finish_reason: str | None, at_s: float | None = None) -> bool:
+        """A router's word that the request whose prompt is ``hashes`` finished, and how
+        (class docstring, "Finish reasons"); ``False`` when ``hashes`` is empty.
+
+        Args:
+            hashes: the prompt's sequence hashes (u64), first block first.
+            finish_reason: ``tool_calls``, ``stop``, ``length``, ... (:data:`finish_aware.FINISH_CLASSES`).
+            at_s: when it finished (s, Unix epoch; default now).
+        """
+        if not hashes or self.max_hints == 0:
+            return False
+        h = int(hashes[-1])
+        key = h - (1 << 64) if h >= 1 << 63 else h
+        with self._lock:
+            self._hints[key] = (time.time() if at_s is None else float(at_s), finish_aware.finish_class(finish_reason))
+            self._hints.move_to_end(key)
+            while len(self._hints) > self.max_hints:
+                self._hints.popitem(last=False)
+                self.hints_dropped += 1
+        return True
+
+    def _finishes(self, reqs: list[tuple[int, ...]], meta: list[tuple[float, int, float, int]],
+                  hints: Mapping[int, tuple[float, int]]) -> RequestFinishes:
+        n = len(reqs)
+        arrival = np.maximum.accumulate(np.array([m[0] for m in meta], dtype=np.float64)) if n else np.zeros(0)
+        finish = arrival.copy()
+        reason = np.zeros(n, dtype=np.int8)
+        for k, (req, (_, start, fin, cls)) in enumerate(zip(reqs, meta)):
+            if fin >= 0:
+                finish[k], reason[k] = max(fin, arrival[k]), cls
+            elif hints:
+                for h in reversed(req[start:]):
+                    hint = hints.get(h)
+                    if hint is not None:
+                        finish[k], reason[k] = max(hint[0], arrival[k]), hint[1]
+                        break
+        return RequestFinishes(arrival, finish, reason)
 
     def observe_batch(self, batch: object, parent_of: Callable[[int], int | None],
                       skip_source: str | None = None) -> int:
@@ -553,19 +649,26 @@ class LiveSelector:
             return 0
         runs: list[tuple[int, int | None, list[int]]] = []
         run: list[int] = []
+        reasons: dict[int, str] = {}  # run number -> finish reason of a Store of the run
+        ts = getattr(batch, "ts_ns", None)
+        arrival = ts / 1e9 if isinstance(ts, int) and ts > 0 else None
         for ev in getattr(batch, "events", ()):
             if int(ev.type) != 0 or ev.storage_location not in self.locations:  # 0 = STORE
                 continue
             if block := int(ev.block_size):
                 self.block_bytes = block
-            if run and ev.parent_hash == run[-1]:
+            if not (run and ev.parent_hash == run[-1]):
+                run = [ev.sequence_hash]
+                runs.append((int(ev.prefix_hash), ev.parent_hash, run))
+            else:
                 run.append(ev.sequence_hash)
-                continue
-            run = [ev.sequence_hash]
-            runs.append((int(ev.prefix_hash), ev.parent_hash, run))
-        for root, parent, r in runs:
+            meta = ev.extra_metadata
+            if meta and isinstance(why := meta.get("finish_reason"), str):
+                reasons[len(runs) - 1] = why[:64]
+        for k, (root, parent, r) in enumerate(runs):
             if self.sampled(root):
-                self.observe(self._path(r, parent, parent_of), root)
+                path = self._path(r, parent, parent_of)
+                self.observe(path, root, arrival, len(path) - len(r), reasons.get(k))
             else:
                 self.requests += 1
         return len(runs)
@@ -594,17 +697,30 @@ class LiveSelector:
             if self._new < self.min_new_refs or not self._window:
                 return self.leader
             reqs = list(self._window)
+            meta = list(self._meta)
+            hints = dict(self._hints)
             self._new = 0
         cap = max(1, round(capacity_blocks * self.sample_rate))
-        trace = compact(reqs)
+        finishes = self._finishes(reqs, meta, hints)
+        trace = compact(reqs, finishes)
         sel = select(trace, cap, self.settings)
         lead = sel.leader
         assert trace.keys is not None
         self.superseded = frozenset(int(k) & _MASK for k in trace.keys[sel.superseded])  # back to u64
+        self.returns = sel.returns
+        self._states = _block_states(reqs, finishes) if EXPERTS[lead] == "finish_aware" else None
         if lead != self.leader_index:
             self.switches += 1
             self.leader_index = lead
         return self.leader
+
+    def finish_states(self) -> Mapping[int, tuple[int, float]]:
+        """Sequence hash (u64) → ``(state, since s)`` of each window block after the latest
+        refresh that ``finish_aware`` led: the state of the latest request that referenced
+        it (:data:`finish_aware.IN_FLIGHT` or a finish class) and that request's finish
+        (arrival while in flight), as its kernel sees them at the window's end.  Empty
+        when another expert leads."""
+        return self._states or {}
 
     def stats(self) -> dict[str, object]:
         """``leader``, ``switches``, ``requests`` observed, ``window_requests``, ``window_refs``
@@ -612,7 +728,8 @@ class LiveSelector:
         with self._lock:
             return {"leader": self.leader, "switches": self.switches, "requests": self.requests,
                     "window_requests": len(self._window), "window_refs": self._refs,
-                    "superseded_blocks": len(self.superseded)}
+                    "superseded_blocks": len(self.superseded), "finish_hints": len(self._hints),
+                    "finish_hints_dropped": self.hints_dropped}
 
 
 __all__ = ["EXPERTS", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings", "expert_hits", "next_leader",

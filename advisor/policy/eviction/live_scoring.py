@@ -32,11 +32,12 @@ latest request through a block took, so such a block is ranked in its regular cl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from advisor.policy.eviction.finish_aware import FINISH_UNKNOWN, ReturnTimes
 from advisor.policy.eviction.prefix_value import PrefixValueSettings, priority, reuse_class
 
 SUPERSEDED_FIRST_NS = float(1 << 62)
@@ -53,6 +54,8 @@ class BlockFacts:
         leaf: no child of it is indexed.
         has_parent: it continues a prefix (not the first block of a request).
         superseded: ``prefix_value`` ranks it first (module docstring, "Superseded first").
+        residual_s: ``finish_aware``'s expected time (s) until its session's next request
+            (:meth:`FinishView.residual_s`); ``None``: not known (that order is then prefix-LRU's).
     """
 
     last_access_ns: int
@@ -60,6 +63,33 @@ class BlockFacts:
     leaf: bool
     has_parent: bool
     superseded: bool = False
+    residual_s: float | None = None
+
+
+@dataclass(frozen=True)
+class FinishView:
+    """The live selector's ``finish_aware`` verdict: each window block's state and the gaps
+    learned (:meth:`advisor.policy.eviction.experts.LiveSelector.finish_states`, ``returns``).
+
+    Attributes:
+        states: sequence hash → ``(state, since s)``; a block not in it is in the
+            ``unknown`` state since its last access.
+        returns: the learned gaps; ``None``: none learned (every block ranks by its age).
+        now_s: the clock of the ranking (s, the batches' clock: the live selector's latest
+            arrival, so a ranking depends on the events alone); ``None``: the host's clock.
+    """
+
+    states: Mapping[int, tuple[int, float]] = field(default_factory=dict)
+    returns: ReturnTimes | None = None
+    now_s: float | None = None
+
+    def residual_s(self, sequence_hash: int, last_access_ns: int, now_s: float) -> float:
+        """Expected seconds until the block's session returns, the kernel's eviction key
+        (:func:`advisor.policy.eviction.finish_aware.ReturnTimes.residual_life`; the age
+        itself without learned gaps)."""
+        state, since = self.states.get(sequence_hash, (FINISH_UNKNOWN, last_access_ns / 1e9))
+        age = max(now_s - since, 0.0)
+        return age if self.returns is None else self.returns.residual_life(state, age)
 
 
 class LiveScorer:
@@ -138,7 +168,9 @@ def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
       S3-FIFO's small queue, SIEVE's unvisited) leaves before a block seen again that is
       at most ``H`` older (ARC's T2, S3-FIFO's main queue, SIEVE's visited);
     * ``lfu_da``: ``t + H·min(h, 4)`` — frequency first, aged by recency (dynamic aging
-      lets an old frequent block go after ``H`` per hit).
+      lets an old frequent block go after ``H`` per hit);
+    * ``finish_aware``: ``−residual_s`` (the expected time until the block's session
+      returns, longest first out; :class:`FinishView`), or ``t`` where it is not known.
 
     Raises:
         ValueError: an unknown expert.
@@ -152,7 +184,9 @@ def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
         return t + scorer.horizon_ns * (1.0 if facts.hits >= 1 else 0.0)
     if expert == "lfu_da":
         return t + scorer.horizon_ns * float(min(facts.hits, 4))
+    if expert == "finish_aware":
+        return t if facts.residual_s is None else -facts.residual_s
     raise ValueError(f"unknown expert {expert!r}")
 
 
-__all__ = ["SUPERSEDED_FIRST_NS", "BlockFacts", "LiveScorer", "expert_rank"]
+__all__ = ["SUPERSEDED_FIRST_NS", "BlockFacts", "FinishView", "LiveScorer", "expert_rank"]

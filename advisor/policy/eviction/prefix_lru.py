@@ -15,7 +15,7 @@ import heapq
 import numba
 import numpy as np
 
-from advisor.policy.eviction.compact import CompactTrace
+from advisor.policy.eviction.compact import CompactTrace, add_block, drop_leaf
 from advisor.policy.eviction.evlog import as_arrays, log_eviction, log_resident, new_log, no_logging, prefix_hit
 
 
@@ -41,26 +41,18 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, pa
             x = flat[j]
             clock += 1
             last[x] = clock
-            if not cached[x]:
-                cached[x] = True
-                size += 1
-                p = parent[x]
-                if p >= 0:
-                    children[p] += 1
+            size += add_block(x, cached, children, parent)
             if children[x] == 0:
                 heapq.heappush(heap, (clock, np.int64(x)))
             while size > capacity:
                 t, v = heapq.heappop(heap)
                 if cached[v] and children[v] == 0 and last[v] == t:
-                    cached[v] = False
                     size -= 1
                     if want_ev[i]:
                         log_eviction(evl, i, j - a, v)
-                    p = parent[v]
+                    p = drop_leaf(v, cached, children, parent)
                     if p >= 0:
-                        children[p] -= 1
-                        if cached[p] and children[p] == 0:
-                            heapq.heappush(heap, (last[p], np.int64(p)))
+                        heapq.heappush(heap, (last[p], np.int64(p)))
             if len(heap) > 4 * capacity + 1024:
                 heap = [(last[v], np.int64(v)) for v in range(n_blocks) if cached[v] and children[v] == 0]
                 heapq.heapify(heap)

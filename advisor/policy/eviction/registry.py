@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from advisor.policy.eviction import arc, belady, experts, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
+from advisor.policy.eviction import (arc, belady, experts, finish_aware, lfu_da, lru, prefix_lru, prefix_value, s3fifo,
+                                     sieve)
 from advisor.policy.eviction.compact import CompactTrace
 
 Simulator = Callable[[CompactTrace, int, int, bool], np.ndarray]
@@ -26,7 +27,7 @@ BASELINES: tuple[str, ...] = ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix
 LABELS: dict[str, str] = {
     "lru": "LRU", "arc": "ARC", "lfu_da": "LFU-DA", "s3fifo": "S3-FIFO", "sieve": "SIEVE",
     "prefix_lru": "prefix-LRU", "belady": "Belady", "prefix_value": "prefix_value",
-    "adaptive": "default",
+    "finish_aware": "finish-aware", "adaptive": "default",
 }
 
 
@@ -44,6 +45,7 @@ POLICIES: dict[str, Simulator] = {
     "sieve": _no_hints(sieve),
     "prefix_lru": _no_hints(prefix_lru),
     "belady": _no_hints(belady),
+    "finish_aware": _no_hints(finish_aware),
     "prefix_value": lambda trace, capacity, lookahead=0, promote=True: prefix_value.simulate(
         trace, capacity, lookahead, promote=promote),
     "adaptive": lambda trace, capacity, lookahead=0, promote=True: (
