@@ -32,7 +32,7 @@ def new_selector(settings: SelectorLiveSettings) -> LiveSelector:
     """A selector bounded by ``settings`` (sample rate, window quota in block references,
     references between two replays, finish hints kept)."""
     return LiveSelector(settings.sample_rate, settings.max_window_refs, settings.min_new_refs,
-                        max_hints=settings.max_finish_hints)
+                        max_hints=settings.max_finish_hints, finish_sources=settings.finish_reason_sources)
 
 
 def observe(selector: LiveSelector, index: _Index, batch: object,

@@ -153,12 +153,16 @@ class SelectorLiveSettings(BaseModel):
         min_new_refs: new references observed before the next replay.
         max_finish_hints: routers' finish hints kept (``POST /v1/finished``, oldest
             dropped first; 0 = none taken).
+        finish_reason_sources: publishers (``source``) whose Stores may carry a request's
+            ``finish_reason`` in ``extra_metadata``; the others' is ignored (default none:
+            a publisher could mark its own prefixes ``tool_calls`` to keep them cached).
     """
 
     sample_rate: float = Field(1.0, gt=0.0, le=1.0)
     max_window_refs: int = Field(1 << 20, ge=1)
     min_new_refs: int = Field(1, ge=1)
     max_finish_hints: int = Field(1 << 16, ge=0)
+    finish_reason_sources: list[str] = Field(default_factory=list, max_length=4096)
 
 
 class PolicySettings(BaseModel):

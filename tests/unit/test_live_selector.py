@@ -335,14 +335,17 @@ def test_finish_hints_have_a_quota_and_stores_can_carry_the_reason() -> None:
         assert sel.finished([h], "tool_calls", at_s=1.0)
     assert sel.stats()["finish_hints"] == 2 and sel.hints_dropped == 1
     assert not sel.finished([], "stop") and not experts.LiveSelector(max_hints=0).finished([1], "stop")
-    # a worker that knows how a request ended says so on its Stores
+    # a worker that knows how a request ended says so on its Stores; only a publisher
+    # trusted with finish reasons is heard (another could keep its own prefixes that way)
+    sel = experts.LiveSelector(finish_sources={"w0"})
     index = PrefixIndex()
-    evs = _chain([10, 11, 12])
-    evs[-1] = store(12, 10, 11, BLK, "g1", {"finish_reason": "tool_calls"})
-    b = EventBatch(1, "w0", 7, 0, 5 * 10**9, evs)
-    index.apply_batch(b)
-    observe(sel, index, b)
-    assert list(sel._meta)[-1] == (5.0, 0, 5.0, 1)  # arrival, run start, finish, tool call
+    for source, root, expect in (("w0", 10, 1), ("w1", 20, 0)):
+        evs = _chain([root, root + 1, root + 2])
+        evs[-1] = store(root + 2, root, root + 1, BLK, "g1", {"finish_reason": "tool_calls"})
+        b = EventBatch(1, source, 7, 0, 5 * 10**9, evs)
+        index.apply_batch(b)
+        observe(sel, index, b)
+        assert list(sel._meta)[-1] == (5.0, 0, 5.0 if expect else -1.0, expect)  # arrival, run start, finish, class
 
 
 def test_the_embedded_advisor_demotes_the_session_that_ended_its_turn_first(tmp_path: Path) -> None:

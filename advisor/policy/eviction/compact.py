@@ -89,8 +89,8 @@ class RequestFinishes:
             (:data:`advisor.policy.eviction.finish_aware.FINISH_CLASSES`, 0 = unknown).
 
     Raises:
-        ValueError: shapes differ, a finish precedes its arrival, arrivals go back in
-            time, or a class is outside 0..3.
+        ValueError: shapes differ, a time is not finite, a finish precedes its arrival,
+            arrivals go back in time, or a class is outside 0..3.
     """
 
     arrival: np.ndarray
@@ -102,6 +102,8 @@ class RequestFinishes:
         if self.finish.shape != n or self.reason.shape != n or len(n) != 1:
             raise ValueError(f"arrival, finish and reason must be 1-d of one length, got {n}, "
                              f"{self.finish.shape}, {self.reason.shape}")
+        if n[0] and not (np.isfinite(self.arrival).all() and np.isfinite(self.finish).all()):
+            raise ValueError("arrival and finish times must be finite numbers")
         if n[0] and ((self.finish < self.arrival).any() or (np.diff(self.arrival) < 0).any()
                      or self.reason.min() < 0 or self.reason.max() > 3):
             raise ValueError("need finish >= arrival, arrivals in order and reason classes in 0..3")

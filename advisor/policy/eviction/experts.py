@@ -120,6 +120,7 @@ replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -441,6 +442,8 @@ def simulate(trace: CompactTrace, capacity: int, settings: SelectorSettings | No
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
+CLOCK_AHEAD_S = 5.0
+"""An arrival further ahead of the host's clock than this (s) is not taken (:meth:`LiveSelector.observe`)."""
 
 
 def _block_states(reqs: list[tuple[int, ...]], finishes: RequestFinishes) -> dict[int, tuple[int, float]]:
@@ -487,10 +490,12 @@ class LiveSelector:
     **Finish reasons.**  The ``finish_aware`` expert replays each window request with its
     arrival (the batch's ``ts_ns``), finish time and finish-reason class
     (:mod:`advisor.policy.eviction.finish_aware`).  A finish comes either in the batch (a
-    Store of the run with ``extra_metadata = {"finish_reason": ...}``: the request
-    finished when it was stored) or later from a router (:meth:`finished`, ``POST
-    /v1/finished``: the prompt's sequence hashes, matched to the window request whose Store
-    run holds the deepest of them).  At most ``max_hints`` router hints are kept, oldest
+    Store of the run with ``extra_metadata = {"finish_reason": ...}`` from a publisher of
+    ``finish_sources``: the request finished when it was stored) or later from a router
+    (:meth:`finished`, ``POST /v1/finished``: the prompt's sequence hashes, matched to the
+    latest window request that arrived by then and whose Store run holds the deepest of
+    them; one request per hint).  Arrivals, hints and the ranking's "now" are on one
+    clock, the batches' (:meth:`clock_now`).  At most ``max_hints`` router hints are kept, oldest
     dropped first (the quota of that state); a request without either has finished with
     no reason known at its arrival (the ``unknown`` state, prefix-LRU's order).
     :attr:`returns` holds the gaps the expert learned and :meth:`finish_states` each
@@ -511,6 +516,8 @@ class LiveSelector:
         max_path: longest path taken from one request, in blocks.
         locations: storage locations whose Stores are requests.
         max_hints: router finish hints kept (:meth:`finished`).
+        finish_sources: publishers whose Stores' ``finish_reason`` is taken (the others'
+            is ignored: a publisher could mark its own prefixes ``tool_calls`` to keep them).
 
     Raises:
         ValueError: a setting out of range.
@@ -518,7 +525,8 @@ class LiveSelector:
 
     def __init__(self, sample_rate: float = 1.0, max_window_refs: int = 1 << 20, min_new_refs: int = 1,
                  settings: SelectorSettings | None = None, max_path: int = 4096,
-                 locations: Iterable[str] = ("g1", "g2"), max_hints: int = 1 << 16) -> None:
+                 locations: Iterable[str] = ("g1", "g2"), max_hints: int = 1 << 16,
+                 finish_sources: Iterable[str] = ()) -> None:
         if not 0.0 < sample_rate <= 1.0 or max_window_refs < 1 or min_new_refs < 1 or max_path < 1 or max_hints < 0:
             raise ValueError(f"need 0 < sample_rate <= 1, max_window_refs, min_new_refs, max_path >= 1 and "
                              f"max_hints >= 0, got {sample_rate}, {max_window_refs}, {min_new_refs}, {max_path}, "
@@ -539,8 +547,12 @@ class LiveSelector:
         self.returns: finish_aware.ReturnTimes | None = None
         """The gaps ``finish_aware`` learned in the latest refresh (class docstring)."""
         self._states: dict[int, tuple[int, float]] | None = None
+        self.finish_sources = frozenset(finish_sources)
         self.latest_s = 0.0
         """Latest arrival observed (s, the batches' clock): "now" of the live ranking's ages."""
+        self._latest_at = 0.0  # host time when latest_s last advanced
+        self.clock_refused = 0
+        """Arrivals not taken: more than :data:`CLOCK_AHEAD_S` ahead of the host's clock, or not a number."""
         self._refs = 0
         self._new = 0
         self._lock = threading.Lock()
@@ -571,7 +583,11 @@ class LiveSelector:
         Args:
             path: sequence hashes (u64), the prefix read then the blocks stored.
             root: the hash that decides the sample (default ``path[0]``).
-            arrival_s: when it was seen (s, Unix epoch; default now).
+            arrival_s: when it was seen (s, the batches' clock, Unix epoch; default: that
+                clock now, :meth:`clock_now`); one more than :data:`CLOCK_AHEAD_S` ahead
+                of the host's clock, or not a number, is taken as the latest arrival
+                instead (one publisher's clock cannot move the others' ages or erase
+                their gaps), and counted in ``clock_refused``.
             run_start: index in ``path`` of its first stored block (before it: ancestors).
             finish_reason: how its answer ended, when the batch says so (it has finished).
         """
@@ -582,11 +598,10 @@ class LiveSelector:
             return
         # sequence hashes are u64, the kernels' ids int64: the same bits, read signed
         req = tuple(h - (1 << 64) if h >= 1 << 63 else h for h in path[: self.max_path])
-        t = time.time() if arrival_s is None else float(arrival_s)
-        meta = (t, min(max(int(run_start), 0), len(req)), t if finish_reason is not None else -1.0,
-                finish_aware.finish_class(finish_reason))
         with self._lock:
-            self.latest_s = max(self.latest_s, t)
+            t = self._arrival(arrival_s)
+            meta = (t, min(max(int(run_start), 0), len(req)), t if finish_reason is not None else -1.0,
+                    finish_aware.finish_class(finish_reason))
             self._window.append(req)
             self._meta.append(meta)
             self._refs += len(req)
@@ -602,35 +617,69 @@ class LiveSelector:
         Args:
             hashes: the prompt's sequence hashes (u64), first block first.
             finish_reason: ``tool_calls``, ``stop``, ``length``, ... (:data:`finish_aware.FINISH_CLASSES`).
-            at_s: when it finished (s, Unix epoch; default now).
+            at_s: when it finished (s, the batches' clock; default: that clock now,
+                :meth:`clock_now`, so a router's hint and the workers' Stores share one clock).
         """
-        if not hashes or self.max_hints == 0:
+        if not hashes or self.max_hints == 0 or (at_s is not None and not math.isfinite(at_s)):
             return False
         h = int(hashes[-1])
         key = h - (1 << 64) if h >= 1 << 63 else h
         with self._lock:
-            self._hints[key] = (time.time() if at_s is None else float(at_s), finish_aware.finish_class(finish_reason))
+            t = self._clock_now() if at_s is None else float(at_s)
+            self._hints[key] = (t, finish_aware.finish_class(finish_reason))
             self._hints.move_to_end(key)
             while len(self._hints) > self.max_hints:
                 self._hints.popitem(last=False)
                 self.hints_dropped += 1
         return True
 
+    def clock_now(self) -> float:
+        """The batches' clock now (s): the latest arrival, moved on by the host time passed
+        since it was seen (the host's clock before any arrival)."""
+        with self._lock:
+            return self._clock_now()
+
+    def _clock_now(self) -> float:
+        host = time.time()
+        return host if self._latest_at == 0.0 else self.latest_s + max(host - self._latest_at, 0.0)
+
+    def _arrival(self, arrival_s: float | None) -> float:
+        """The arrival kept for a request (caller holds the lock; :meth:`observe`)."""
+        host = time.time()
+        if arrival_s is None:
+            t = self._clock_now()
+        elif not math.isfinite(arrival_s) or arrival_s > host + CLOCK_AHEAD_S:
+            self.clock_refused += 1
+            t = self.latest_s if self._latest_at else host
+        else:
+            t = float(arrival_s)
+        if t > self.latest_s or not self._latest_at:
+            self.latest_s, self._latest_at = max(t, self.latest_s), host
+        return t
+
     def _finishes(self, reqs: list[tuple[int, ...]], meta: list[tuple[float, int, float, int]],
                   hints: Mapping[int, tuple[float, int]]) -> RequestFinishes:
+        """Each window request's arrival (made non-decreasing), finish and reason: its own
+        (a Store's ``finish_reason``), else the router hint on the deepest hash of its Store
+        run, taken by the latest request that arrived by the hint's time and by no other."""
         n = len(reqs)
         arrival = np.maximum.accumulate(np.array([m[0] for m in meta], dtype=np.float64)) if n else np.zeros(0)
         finish = arrival.copy()
         reason = np.zeros(n, dtype=np.int8)
-        for k, (req, (_, start, fin, cls)) in enumerate(zip(reqs, meta)):
+        taken: set[int] = set()
+        for k in range(n - 1, -1, -1):
+            _, start, fin, cls = meta[k]
             if fin >= 0:
                 finish[k], reason[k] = max(fin, arrival[k]), cls
-            elif hints:
-                for h in reversed(req[start:]):
-                    hint = hints.get(h)
-                    if hint is not None:
-                        finish[k], reason[k] = max(hint[0], arrival[k]), hint[1]
-                        break
+                continue
+            if not hints:
+                continue
+            for h in reversed(reqs[k][start:]):
+                hint = hints.get(h)
+                if hint is not None and h not in taken and hint[0] >= arrival[k]:
+                    taken.add(h)
+                    finish[k], reason[k] = hint[0], hint[1]
+                    break
         return RequestFinishes(arrival, finish, reason)
 
     def observe_batch(self, batch: object, parent_of: Callable[[int], int | None],
@@ -652,6 +701,7 @@ class LiveSelector:
         reasons: dict[int, str] = {}  # run number -> finish reason of a Store of the run
         ts = getattr(batch, "ts_ns", None)
         arrival = ts / 1e9 if isinstance(ts, int) and ts > 0 else None
+        trusted = getattr(batch, "source", None) in self.finish_sources
         for ev in getattr(batch, "events", ()):
             if int(ev.type) != 0 or ev.storage_location not in self.locations:  # 0 = STORE
                 continue
@@ -663,7 +713,7 @@ class LiveSelector:
             else:
                 run.append(ev.sequence_hash)
             meta = ev.extra_metadata
-            if meta and isinstance(why := meta.get("finish_reason"), str):
+            if meta and trusted and isinstance(why := meta.get("finish_reason"), str):
                 reasons[len(runs) - 1] = why[:64]
         for k, (root, parent, r) in enumerate(runs):
             if self.sampled(root):
@@ -729,8 +779,8 @@ class LiveSelector:
             return {"leader": self.leader, "switches": self.switches, "requests": self.requests,
                     "window_requests": len(self._window), "window_refs": self._refs,
                     "superseded_blocks": len(self.superseded), "finish_hints": len(self._hints),
-                    "finish_hints_dropped": self.hints_dropped}
+                    "finish_hints_dropped": self.hints_dropped, "clock_refused": self.clock_refused}
 
 
-__all__ = ["EXPERTS", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings", "expert_hits", "next_leader",
-           "run", "schedule", "select", "simulate"]
+__all__ = ["CLOCK_AHEAD_S", "EXPERTS", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings", "expert_hits",
+           "next_leader", "run", "schedule", "select", "simulate"]

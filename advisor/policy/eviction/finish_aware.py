@@ -16,8 +16,8 @@ expert learns the waiting times instead of taking a tool's duration as given.
 **Rule.**  The cached prefixes form a tree and only leaves are evicted (prefix-LRU, SGLang's
 RadixAttention).  Each leaf has the *state* of the latest request that referenced it: in
 flight (arrived, not finished), or finished with a reason class (:data:`FINISH_CLASSES`).
-Within a state, leaves leave least recently used first (by finish time, then by position:
-the tail of a request before its head).  Across states, the leaf evicted is the oldest leaf
+Within a state, leaves leave least recently used first (by the time their request
+finished; arrived, in flight).  Across states, the leaf evicted is the oldest leaf
 of the state whose *mean residual life* is longest: the expected time until the session's
 next request, given the state and the time ``a`` since the leaf's request finished
 (arrived, for in flight), ``MRL_s(a) = E[G − a | G > a]`` over the gaps ``G`` observed
@@ -34,7 +34,8 @@ is in the one state ``unknown`` and no request is in flight, so the order is pre
 exactly (tested): the expert costs nothing where it has nothing to learn from.
 
 **Cost.**  One binary heap of leaves per state (5), O(log C) per reference; an eviction
-compares the 5 heads, O(5 × bins).  Memory O(C + references) as prefix-LRU's.
+compares the 5 heads, each ``MRL`` read from suffix sums in O(1); a learned gap costs
+O(bins) once per continued request.  Memory O(blocks + requests), as prefix-LRU's.
 
 **Online.**  A request's finish reason and finish time are used only once the replay's
 clock (the arrival of the request being served) has passed its finish; until then its
@@ -92,6 +93,8 @@ def finish_class(reason: str | None) -> int:
 def _bin(gap: float) -> int:
     if gap < 1.0:
         return 0
+    if not gap < _MAX_TIME:  # inf and NaN: past every bin
+        return _BINS - 1
     return min(int(np.log2(gap) * 4.0) + 1, _BINS - 1)
 
 
@@ -281,10 +284,13 @@ class ReturnTimes:
         than :data:`MIN_GAPS` gaps of the state exceed ``age_s``.
 
         Raises:
-            ValueError: ``state`` outside ``0 .. N_FINISH`` (``N_FINISH`` = in flight).
+            ValueError: ``state`` outside ``0 .. N_FINISH`` (``N_FINISH`` = in flight), or
+                ``age_s`` not a number.
         """
         if not 0 <= state <= N_FINISH:
             raise ValueError(f"state must be in 0..{N_FINISH}, got {state}")
+        if age_s != age_s:
+            raise ValueError("age_s is not a number")
         return float(_residual(self.count, self.total, int(state), max(float(age_s), 0.0)))
 
 
