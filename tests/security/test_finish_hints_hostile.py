@@ -436,3 +436,20 @@ def test_residual_life_of_an_unbounded_age_is_past_every_gap() -> None:
         except ValueError:
             continue
         assert not math.isnan(r), state
+
+
+def test_a_one_byte_block_size_does_not_make_the_selector_replay_a_tier_of_a_trillion_blocks() -> None:
+    # Found in review: the selector converts the fast tier's bytes to blocks with the latest
+    # Store's block_size, any publisher's; block_size = 1 turned a 1 TB tier into 10^12
+    # blocks and the replay's allocations failed (MemoryError), taking the policy round down
+    from advisor.policy.live_selection import leader_for
+
+    sel = experts.LiveSelector()
+    index = PrefixIndex()
+    for k in range(50):
+        r = 1_000 + 10 * k
+        b = EventBatch(1, "evil", 1, k, 10**9 + k, [store(r, r, None, 1, "g1"), store(r + 1, r, r, 1, "g1")])
+        index.apply_batch(b)
+        observe(sel, index, b)
+    assert sel.block_bytes == 1
+    assert leader_for(sel, 1 << 40) in experts.EXPERTS  # a tier of 2^40 blocks, replayed as the window's 100

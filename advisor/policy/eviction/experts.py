@@ -750,9 +750,12 @@ class LiveSelector:
             meta = list(self._meta)
             hints = dict(self._hints)
             self._new = 0
-        cap = max(1, round(capacity_blocks * self.sample_rate))
         finishes = self._finishes(reqs, meta, hints)
         trace = compact(reqs, finishes)
+        # a tier larger than the window's distinct blocks never evicts: replay no larger one
+        # (the block size comes from the latest Store, any publisher's: 1 byte would ask for
+        # a tier of 10^12 blocks)
+        cap = max(1, min(round(capacity_blocks * self.sample_rate), trace.n_blocks))
         sel = select(trace, cap, self.settings)
         lead = sel.leader
         assert trace.keys is not None
