@@ -278,8 +278,7 @@ def main() -> int:
         return 0
     caps = parse_capacities(args.capacity)
     t0 = time.perf_counter()
-    reqs = load_trace(args.trace)
-    finishes = load_trace_finishes(args.trace)
+    reqs, finishes = load_trace_finishes(args.trace)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     ct = compact(reqs, finishes)

@@ -137,10 +137,10 @@ def _format(p: Path, fmt: TraceFormat | None) -> TraceFormat:
 
 
 def load_trace_finishes(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
-                        stagger_s: float = 60.0) -> RequestFinishes | None:
-    """Arrival, finish and finish-reason class of each request of :func:`load_trace`, for
-    the finish-aware expert (:mod:`advisor.policy.eviction.finish_aware`); ``None`` for a
-    format that records no finish reasons (Mooncake).
+                        stagger_s: float = 60.0) -> tuple[list[list[int]], RequestFinishes | None]:
+    """:func:`load_trace`'s requests and, in the same read, each one's arrival, finish and
+    finish-reason class for the finish-aware expert (:mod:`advisor.policy.eviction.finish_aware`);
+    ``None`` for a format that records no finish reasons (Mooncake).
 
     WEKA: arrival = ``t`` (s, conversation ``k`` starting at ``k × stagger_s``), finish =
     arrival + ``api_time``, reason = ``stop`` (``tool_use``, ``end_turn``, or empty:
@@ -151,11 +151,13 @@ def load_trace_finishes(path: str | Path, fmt: TraceFormat | None = None, limit:
     """
     p = Path(path)
     fmt = _format(p, fmt)
-    if fmt == "mooncake":
-        return None
     if fmt != "weka":
-        raise EvaluateError(f"unknown trace format {fmt!r} (mooncake | weka)")
-    return load_compact(p, fmt, limit, stagger_s).finishes
+        return load_trace(p, fmt, limit, stagger_s), None
+    reqs = _weka_requests(p, stagger_s, limit)
+    arrival = np.array([r[0] for r in reqs], dtype=np.float64)
+    finish = arrival + np.array([r[3] for r in reqs], dtype=np.float64)
+    reason = np.array([finish_class(r[4]) for r in reqs], dtype=np.int8)
+    return [r[2] for r in reqs], RequestFinishes(arrival, finish, reason)
 
 
 def load_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
@@ -188,20 +190,12 @@ def load_trace_times(path: str | Path, fmt: TraceFormat | None = None, limit: in
 
 def load_compact(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None,
                  stagger_s: float = 60.0) -> CompactTrace:
-    """:func:`load_trace` and :func:`load_trace_finishes` in one read, compacted.
+    """:func:`load_trace_finishes`' requests and finishes, compacted.
 
     Raises:
         EvaluateError, TraceFormatError, FileNotFoundError: as :func:`load_trace`.
     """
-    p = Path(path)
-    fmt = _format(p, fmt)
-    if fmt != "weka":
-        return compact(load_trace(p, fmt, limit, stagger_s))
-    reqs = _weka_requests(p, stagger_s, limit)
-    arrival = np.array([r[0] for r in reqs], dtype=np.float64)
-    finish = arrival + np.array([r[3] for r in reqs], dtype=np.float64)
-    reason = np.array([finish_class(r[4]) for r in reqs], dtype=np.int8)
-    return compact([r[2] for r in reqs], RequestFinishes(arrival, finish, reason))
+    return compact(*load_trace_finishes(path, fmt, limit, stagger_s))
 
 
 # ---------------------------------------------------------------------------- policies

@@ -108,10 +108,6 @@ class RequestFinishes:
                      or self.reason.min() < 0 or self.reason.max() > 3):
             raise ValueError("need finish >= arrival, arrivals in order and reason classes in 0..3")
 
-    def slice(self, first: int, end: int) -> RequestFinishes:
-        """Requests ``first .. end - 1``."""
-        return RequestFinishes(self.arrival[first:end], self.finish[first:end], self.reason[first:end])
-
 
 @dataclass
 class CompactTrace:
