@@ -6,6 +6,7 @@
     python bench/evaluator.py --robustness 1000,2000,3000       # the synthetic suite and its variants, other seeds
     python bench/evaluator.py --supersessions --trace …         # superseded branches, and those read again
     python bench/evaluator.py --finish-gaps                     # WEKA: time to a session's next request, by finish reason
+    python bench/evaluator.py --tail-first 0,1000,2000          # ARC, S3-FIFO, LFU-DA, LRU, SIEVE: tail first vs block order
 
 Prints the wall time of ``kvadvisor.evaluate.evaluate`` with every baseline, Belady and the
 default policy (goal: < 120 s for the WEKA traces at 3 capacities), and ours vs two
@@ -24,6 +25,11 @@ rule's two settings were set from the synthetic suite (docs/traces.md).  The tra
 ``--robustness SEEDS`` replays the synthetic suite and its variants (the same generators
 with other parameters, :data:`kvadvisor.synthetic.VARIANTS`) generated with each seed: the
 acceptance (every row >= best - 0.002) on traces no setting was chosen on.
+``--tail-first SEEDS`` replays each block-level baseline in its classic block-by-block
+order and tail first (a request's blocks last first, the order the default's experts use,
+:mod:`advisor.policy.eviction.experts`, "Tail first") on Mooncake, WEKA (from
+``$KVADVISOR_TRACES``) and the synthetic suite and variants of each seed, and prints, per
+policy, the hit rates side by side and the spread of tail first − classic.
 """
 
 from __future__ import annotations
@@ -193,6 +199,59 @@ def robustness(report: Report, seeds: Sequence[int], json_path: Path | None) -> 
     return 0
 
 
+TAIL_FIRST_POLICIES = ("arc", "s3fifo", "lfu_da", "lru", "sieve")
+
+
+def tail_first(report: Report, seeds: Sequence[int], json_path: Path | None) -> int:
+    """Each block-level baseline tail first against its classic order, on the same rows
+    (Mooncake and WEKA at their capacities when ``$KVADVISOR_TRACES`` is set, the synthetic
+    suite and variants of each of ``seeds``); prints every row and, per policy, the rows,
+    the smallest and largest difference (hit rate) and the rows more than 0.002 below."""
+    import numpy as np
+
+    from advisor.policy.eviction import arc, lfu_da, s3fifo, sieve
+    from kvadvisor import synthetic
+    from kvadvisor.evaluate import load_compact
+
+    mods = {"arc": arc, "s3fifo": s3fifo, "lfu_da": lfu_da, "lru": lru, "sieve": sieve}
+    items = []
+    if "KVADVISOR_TRACES" in os.environ:
+        root = Path(os.environ["KVADVISOR_TRACES"])
+        items.append(("Mooncake", load_compact(root / "conversation_trace.jsonl"), (1000, 5859, 10000, 30000)))
+        items.append(("WEKA", load_compact(root / "claude_code_weka"), (10000, 50000, 200000)))
+    for seed in seeds:
+        for c in synthetic.suite(seed) + synthetic.variants(seed):
+            items.append((f"{c.name}, seed {seed}", compact(c.requests, c.finishes), c.capacities))
+    diffs: dict[str, list[float]] = {p: [] for p in TAIL_FIRST_POLICIES}
+    rates: dict[str, list[tuple[float, float]]] = {p: [] for p in TAIL_FIRST_POLICIES}
+    print("| trace | capacity | " + " | ".join(f"{p} classic / tail first" for p in TAIL_FIRST_POLICIES) + " |")
+    print("|---|---|" + "---|" * len(TAIL_FIRST_POLICIES))
+    for name, ct, caps in items:
+        refs = float(ct.flat.shape[0])
+        for cap in caps:
+            cells = []
+            for p in TAIL_FIRST_POLICIES:
+                classic = float(mods[p].simulate(ct, cap).sum()) / refs
+                tail = float(mods[p].simulate(ct, cap, tail_first=True).sum()) / refs
+                diffs[p].append(tail - classic)
+                rates[p].append((tail, classic))
+                cells.append(f"{classic:.4f} / {tail:.4f}")
+            print(f"| {name} | {cap:,} | " + " | ".join(cells) + " |", flush=True)
+    print()
+    for p, d in diffs.items():
+        a = np.array(d)
+        below = int((a < -0.002).sum())
+        print(f"{p}: {a.size} rows, tail first - classic from {a.min():+.4f} to {a.max():+.4f} "
+              f"(median {np.median(a):+.4f}), {below} rows more than 0.002 below")
+        tail_mean, classic_mean = np.mean(rates[p], axis=0)
+        report.add(f"{p} mean hit rate over the rows, tail first vs classic order", float(tail_mean),
+                   float(classic_mean), unit="hit rate", reference_name="classic block-by-block order")
+        report.add(f"{p} tail first: rows more than 0.002 below the classic order", below, unit="rows",
+                   better="lower")
+    report.write(json_path)
+    return 0
+
+
 def finish_gaps(trace: Path) -> dict[str, tuple[int, int, float, float, float]]:
     """Time from each request's finish to its session's next request, by finish reason
     (the input the finish-aware expert learns, :mod:`advisor.policy.eviction.finish_aware`).
@@ -249,6 +308,9 @@ def main() -> int:
     ap.add_argument("--robustness", metavar="SEEDS", type=lambda t: [int(x) for x in t.split(",")],
                     help="replay the synthetic suite and its variants generated with each of these seeds "
                          "(comma-separated) and count the rows below best - 0.002")
+    ap.add_argument("--tail-first", metavar="SEEDS", type=lambda t: [int(x) for x in t.split(",")],
+                    help="each block-level baseline tail first against its classic order, on the visible "
+                         "traces and the synthetic suite and variants of these seeds")
     ap.add_argument("--finish-gaps", action="store_true",
                     help="time from a request's finish to its session's next request, by finish reason")
     ap.add_argument("--supersessions", action="store_true",
@@ -260,6 +322,8 @@ def main() -> int:
         return full_evaluation(report, args.json)
     if args.robustness:
         return robustness(report, args.robustness, args.json)
+    if args.tail_first:
+        return tail_first(report, args.tail_first, args.json)
     if args.trace is None:
         ap.error("pass --trace or set KVADVISOR_TRACES")
     if args.finish_gaps:

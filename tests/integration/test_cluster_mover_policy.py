@@ -65,7 +65,7 @@ def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: A
             assert r.status_code == 200, r.text
             return r.json()["policy"]["partitions"]
 
-        assert {p: st["leader"] for p, st in policy().items()} == {"0": "s3fifo", "1": "s3fifo"}
+        assert {p: st["leader"] for p, st in policy().items()} == {"0": "s3fifo_tail", "1": "s3fifo_tail"}
         # blocks on fast, announced there: each partition's share is over its watermark
         rng = random.Random(11)
         on_fast = [[rng.getrandbits(63) for _ in range(8)] for _ in range(22)]
@@ -98,7 +98,7 @@ def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: A
         for p, rep in sorted(reps.items()):
             # the evaluator's selection on the very requests this partition's selector holds
             want = experts.EXPERTS[experts.next_leader(compact([list(w) for w in rep.selector._window]), cap)[0]]
-            assert rep.selector.leader == want != "s3fifo", (p, rep.selector.stats())
+            assert rep.selector.leader == want != "s3fifo_tail", (p, rep.selector.stats())
             leaders[str(p)] = want
         stats = policy()
         assert {p: st["leader"] for p, st in stats.items()} == leaders
@@ -107,7 +107,7 @@ def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: A
         demoted = [r.item.reason for r in results if r.item.kind is PlanKind.DEMOTE]
         assert demoted, [(r.item.kind, r.status, r.detail) for r in results]
         names = {ld.replace("_", "-") for ld in leaders.values()}
-        assert all(any(f"{n} leaf" in why for n in names) and "s3fifo" not in why for why in demoted), demoted[:3]
+        assert all(any(f"{n} leaf" in why for n in names) and "s3fifo-tail" not in why for why in demoted), demoted[:3]
     finally:
         http.close()
         client.close()

@@ -36,9 +36,9 @@ def test_switches_lose_no_contents_and_converge_to_the_new_leader() -> None:
     assert run.switches > 5 and run.fallbacks == 0  # never evicted a block the leader holds
     # a long final spell: after the leader's pre-switch contents turn over, the tier is the leader
     lead2 = lead.copy()
-    lead2[200:] = experts.EXPERTS.index("lru")
+    lead2[200:] = experts.EXPERTS.index("lru_tail")
     run2 = experts.run(SLICE, 300, leader=lead2.astype(np.int8))
-    lru = POLICIES["lru"](SLICE, 300, 0, True)
+    lru = POLICIES["lru_tail"](SLICE, 300, 0, True)
     assert (run2.hits[-200:] == lru[-200:]).all()
     assert (run2.hits[200:] >= 0).all() and run2.fallbacks == 0
 
@@ -94,7 +94,7 @@ def test_schedule_switches_on_a_clear_lead_and_not_on_noise() -> None:
     same = np.tile(np.arange(n) % 7, (3, 1))
     start = experts.SelectorSettings(initial=experts.EXPERTS[0])  # rows 0..2 stand for the first 3 experts
     assert (experts.schedule(same, lengths, 100, start) == 0).all()  # identical experts: never switch
-    assert (experts.schedule(same, lengths, 100) == experts.EXPERTS.index("s3fifo")).all()  # the default start
+    assert (experts.schedule(same, lengths, 100) == experts.EXPERTS.index("s3fifo_tail")).all()  # the default start
     better = same.copy()
     better[2] += (np.arange(n) % 10 == 0)  # expert 2 hits one more block every 10 requests
     lead = experts.schedule(better, lengths, 100, start)
@@ -118,7 +118,7 @@ def test_default_follows_the_best_expert_where_prefix_value_is_weak() -> None:
     # it pays one turn of the loop for the switch (R did not hold S3-FIFO's blocks), 1/20 of the trace here
     assert r.hit_rate[DEFAULT_POLICY] > best - 0.02 and r.hit_rate[DEFAULT_POLICY] > r.hit_rate["prefix_value"] + 0.2
     run = experts.run(ct, cap)
-    assert experts.EXPERTS[run.leader[-1]] in BASELINES
+    assert experts.EXPERTS[run.leader[-1]].removesuffix("_tail") in BASELINES  # a classic policy leads
 
 
 def test_synthetic_suite_is_seeded_and_prefix_chained() -> None:
@@ -178,3 +178,27 @@ def test_evaluate_reports_the_selectors_switches() -> None:
     r = ev.results[0]
     assert r.switches == {DEFAULT_POLICY: experts.run(SLICE, 60).switches}
     assert ev.as_dict()["results"][0]["switches"] == r.switches
+
+
+@pytest.mark.parametrize("cap", [3, 7])
+def test_a_tail_first_leader_is_reproduced_where_requests_outgrow_the_tier(cap: int) -> None:
+    # requests longer than the tier evict their own blocks while being served; the mirror
+    # must read a tail-first leader's eviction steps in that leader's order
+    case = synthetic.conversation_tree(4, n_conv=30, n_requests=300)
+    ct = compact(case.requests)
+    assert int(np.diff(ct.offsets).max()) > cap
+    for name in sorted(experts.TAIL_FIRST):
+        run = experts.run(ct, cap, leader=np.full(ct.requests, experts.EXPERTS.index(name), np.int8))
+        assert run.fallbacks == 0, name
+        assert (run.hits == POLICIES[name](ct, cap, 0, True)).all(), name
+
+
+def test_tail_first_keeps_a_prefix_head_that_block_order_loses() -> None:
+    # two requests share a 3-block head; a 4-block tier: served block by block, the new
+    # request's blocks push out the oldest, which is the shared head; tail first, the head
+    # is the most recent and the tail leaves first, so the third request hits the head
+    ct = compact([[1, 2, 3], [4, 5], [1, 2, 3]])
+    for name in ("lru", "arc", "s3fifo", "lfu_da"):
+        fwd = POLICIES[name](ct, 4, 0, True)
+        tail = POLICIES[f"{name}_tail"](ct, 4, 0, True)
+        assert tail[2] > fwd[2], (name, fwd, tail)

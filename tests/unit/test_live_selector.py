@@ -92,11 +92,11 @@ def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
         return experts.EXPERTS[experts.next_leader(compact([list(w) for w in svc.selector._window]), cap)[0]]
 
     try:
-        assert svc.policy_leader() == experts.SelectorSettings().initial == "s3fifo"  # before any evidence
+        assert svc.policy_leader() == experts.SelectorSettings().initial == "s3fifo_tail"  # before any evidence
         conv = conversations()
         feed(conv)
         first = svc.policy_leader()
-        assert first != "s3fifo" and first == evaluator_leader()
+        assert first != "s3fifo_tail" and first == evaluator_leader()
         # the advisor's own moves (its source) are not requests
         assert observe(svc.selector, svc.index, EventBatch(1, settings.source, 1, 0, 1, _chain(loop_reqs[0])),
                        svc._is_own_move) == 0
@@ -106,11 +106,11 @@ def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
         # a loop: the evaluator on the same requests shows the leader of the first phase losing by far
         run = experts.run(compact(loop_reqs), cap)
         totals = dict(zip(experts.EXPERTS, run.expert_hits.sum(axis=1)))
-        assert totals["s3fifo"] > 2 * max(totals[first], totals["prefix_value"])
-        assert svc.policy_leader() == evaluator_leader() == "s3fifo"
+        assert totals["s3fifo_tail"] > 2 * max(totals[first], totals["prefix_value"])
+        assert svc.policy_leader() == evaluator_leader() == "s3fifo_tail"
         assert svc.selector.switches == 2
         stats = svc.query().stats()["policy"]
-        assert stats["leader"] == "s3fifo" and stats["switches"] == 2
+        assert stats["leader"] == "s3fifo_tail" and stats["switches"] == 2
         svc.run_policies_once()  # a round plans with the leader's order (nothing on fast: no moves)
     finally:
         svc.stop()
@@ -128,7 +128,7 @@ def test_live_selector_is_the_evaluators_selection_on_a_window(loop_case: tuple[
             info = idx.block(h)
             return info.parent if info is not None else None
         sel.observe_batch(b, parent_of)
-    assert sel.refresh(cap) == experts.EXPERTS[experts.next_leader(compact(reqs), cap)[0]] == "s3fifo"
+    assert sel.refresh(cap) == experts.EXPERTS[experts.next_leader(compact(reqs), cap)[0]] == "s3fifo_tail"
     # a worker that stores only a request's new blocks still references the whole prefix
     sel2 = experts.LiveSelector()
     tail = EventBatch(1, "w0", 7, 999, 1, [store(reqs[0][-1] + 10**6, reqs[0][0], reqs[0][-2], BLK, "g1")])
@@ -166,12 +166,12 @@ def test_demotion_follows_the_leaders_order() -> None:
                       fast_placements=on_fast)
     s = DemotionSettings(high_watermark=0.8, low_watermark=0.5)
     first = {}
-    for leader in ("lru", "s3fifo", "lfu_da"):
+    for leader in ("lru_tail", "s3fifo_tail", "lfu_da_tail"):
         score = make_scorer(PolicySettings(demotion=s), idx, [1, 2], leader)
         items = plan_demotions(s, pin, idx, score=score)
         first[leader] = items[0].sequence_hash
         assert leader.replace("_", "-") in items[0].reason
-    assert first == {"lru": 1, "s3fifo": 2, "lfu_da": 2}
+    assert first == {"lru_tail": 1, "s3fifo_tail": 2, "lfu_da_tail": 2}
     with pytest.raises(ValueError):
         make_scorer(PolicySettings(demotion=s), idx, [1], "fifo")
     assert np.isfinite(make_scorer(PolicySettings(), idx, [1, 2])(1))
@@ -202,7 +202,7 @@ def test_live_ranking_puts_the_kernels_superseded_branches_first() -> None:
     on_fast = [Placement(BlockKey("ns", h), "fast", 1, i * BLK, BLK, 0) for i, h in enumerate(dead[-1] + live)]
     s = DemotionSettings(high_watermark=0.8, low_watermark=0.7)
     first = {}
-    for leader, sup in (("prefix_value", sel.superseded), ("prefix_value", frozenset()), ("lru", sel.superseded)):
+    for leader, sup in (("prefix_value", sel.superseded), ("prefix_value", frozenset()), ("lru_tail", sel.superseded)):
         pin = PolicyInput("fast", ["slow"], None, usage={"fast": VolumeUsage(10 * BLK, 9 * BLK, 9 * BLK)},
                           fast_placements=on_fast, superseded=sup)
         score = make_scorer(PolicySettings(demotion=s), idx, dead[-1] + live, leader, pin.superseded)
@@ -212,7 +212,7 @@ def test_live_ranking_puts_the_kernels_superseded_branches_first() -> None:
             assert all("superseded branch" in it.reason for it in items)
             assert max(score(h) for h in dead[-1]) < min(score(h) for h in live)
     assert first[("prefix_value", True)] == dead[-1][::-1][:2]
-    assert first[("prefix_value", False)] == first[("lru", True)] == live[::-1][:2]
+    assert first[("prefix_value", False)] == first[("lru_tail", True)] == live[::-1][:2]
     # a hot block of a superseded branch on a slow volume is not promoted (it would go first)
     for w in ("w1", "w2"):
         idx.apply_batch(EventBatch(1, w, 7, 0, 10**9, _chain(dead[-1])))

@@ -16,7 +16,7 @@ import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging, served
 
 T1, T2, B1, B2 = 0, 1, 2, 3
 
@@ -40,7 +40,7 @@ def _replace(prev: np.ndarray, nxt: np.ndarray, head: np.ndarray, tail: np.ndarr
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: np.ndarray,
-         want_snap: np.ndarray) -> tuple:
+         want_snap: np.ndarray, tail_first: bool) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 4)
     where = np.full(n_blocks, -1, dtype=np.int8)
     n_req = offsets.shape[0] - 1
@@ -58,7 +58,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
         while j < b and (where[flat[j]] == T1 or where[flat[j]] == T2):
             j += 1
         hits[i] = j - a
-        for j in range(a, b):
+        for step in range(b - a):
+            j = served(a, b, step, tail_first)
             x = flat[j]
             w = where[x]
             if w == T1 or w == T2:  # case I
@@ -67,13 +68,13 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
                 p = min(float(c), p + max(size[B2] / size[B1], 1.0))
                 v = _replace(prev, nxt, head, tail, size, where, p, False)
                 if log:
-                    log_eviction(evl, i, j - a, v)
+                    log_eviction(evl, i, step, v)
                 unlink(prev, nxt, head, tail, size, B1, x)
             elif w == B2:  # case III
                 p = max(0.0, p - max(size[B1] / size[B2], 1.0))
                 v = _replace(prev, nxt, head, tail, size, where, p, True)
                 if log:
-                    log_eviction(evl, i, j - a, v)
+                    log_eviction(evl, i, step, v)
                 unlink(prev, nxt, head, tail, size, B2, x)
             else:  # case IV
                 l1 = size[T1] + size[B1]
@@ -88,7 +89,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
                         unlink(prev, nxt, head, tail, size, T1, v)
                         where[v] = -1
                     if log:
-                        log_eviction(evl, i, j - a, v)
+                        log_eviction(evl, i, step, v)
                 else:
                     total = l1 + size[T2] + size[B2]
                     if total >= c:
@@ -98,7 +99,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
                             where[v] = -1
                         v = _replace(prev, nxt, head, tail, size, where, p, False)
                         if log:
-                            log_eviction(evl, i, j - a, v)
+                            log_eviction(evl, i, step, v)
                 push_head(prev, nxt, head, tail, size, T1, x)
                 where[x] = T1
                 continue
@@ -107,14 +108,17 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
     return hits, as_arrays(evl), as_arrays(snl)
 
 
-def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
-    """Hit blocks per request (int64 ``[requests]``) under ARC with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests))[0]
+def simulate(trace: CompactTrace, capacity: int, tail_first: bool = False) -> np.ndarray:
+    """Hit blocks per request (int64 ``[requests]``) under ARC with ``capacity`` blocks, its
+    references in the order of :func:`~advisor.policy.eviction.evlog.served`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests), tail_first)[0]
 
 
-def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
-    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap)
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray,
+           tail_first: bool = False) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`;
+    ``tail_first`` as for :func:`simulate`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap, tail_first)
 
 
 __all__ = ["replay", "simulate"]

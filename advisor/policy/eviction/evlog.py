@@ -7,9 +7,11 @@ at the first request of each of its turns as leader, the blocks it holds.
 
 A log is a pair of int64 lists kept in the kernel and returned as arrays:
 
-* evictions: ``(request << 32) | position`` and the block id, where ``position`` is the
-  index within the request of the reference being served when the block was evicted
-  (``len(request)`` for a policy that evicts after the whole request);
+* evictions: ``(request << 32) | step`` and the block id, where ``step`` is the index,
+  in the order the policy serves the request's references, of the one being served when
+  the block was evicted (its position in the request, or ``len(request) - 1 - position``
+  for a kernel run tail first; ``len(request)`` for a policy that evicts after the whole
+  request);
 * snapshots: the request index and the block id of every block held just before it.
 
 ``want`` (bool ``[requests]``) says which requests to log; a kernel run for hit rates
@@ -34,7 +36,7 @@ def new_log() -> tuple[list[int], list[int]]:
 
 @numba.njit(cache=True, inline="always")
 def log_eviction(log: tuple[list[int], list[int]], i: int, pos: int, v: int) -> None:
-    """Record that block ``v`` was evicted at position ``pos`` of request ``i``."""
+    """Record that block ``v`` was evicted at step ``pos`` of request ``i`` (module docstring)."""
     log[0].append((np.int64(i) << 32) | np.int64(pos))
     log[1].append(np.int64(v))
 
@@ -70,10 +72,20 @@ def prefix_hit(flat: np.ndarray, a: int, b: int, resident: np.ndarray) -> int:
     return j - a
 
 
+@numba.njit(cache=True, inline="always")
+def served(a: int, b: int, step: int, tail_first: bool) -> int:
+    """Index in ``flat`` of the reference a kernel serves at ``step`` (0-based) of the request
+    ``flat[a:b]``: block by block (the classic order of the baselines), or with
+    ``tail_first`` last block first, the order in which vLLM returns a finished request's
+    blocks to its free queue (``KVCacheManager.free``: "so that the tail blocks are evicted
+    first"; :mod:`advisor.policy.eviction.experts`, "Tail first")."""
+    return b - 1 - step if tail_first else a + step
+
+
 def no_logging(n_requests: int) -> tuple[np.ndarray, np.ndarray]:
     """``(want_evictions, want_snapshot)`` that log nothing (bool ``[requests]`` each)."""
     z = np.zeros(n_requests, dtype=np.bool_)
     return z, z
 
 
-__all__ = ["as_arrays", "log_eviction", "log_resident", "new_log", "no_logging", "prefix_hit"]
+__all__ = ["as_arrays", "log_eviction", "log_resident", "new_log", "no_logging", "prefix_hit", "served"]

@@ -1,15 +1,31 @@
 """The default policy: the real tier follows, online, the best of a set of expert policies.
 
 Experts (:data:`EXPERTS`): ``prefix_value`` (:mod:`advisor.policy.eviction.prefix_value`), ARC,
-S3-FIFO, LFU-DA, LRU, SIEVE and prefix-LRU — every online baseline the evaluator reports,
-so no baseline can be strong on a workload without the selector seeing it — and
-``finish_aware`` (:mod:`advisor.policy.eviction.finish_aware`: prefix-LRU where requests
-carry no finish reason, sessions waiting on a tool call kept over those that ended their
-turn where they do).
+S3-FIFO, LFU-DA and LRU served tail first (below), SIEVE, prefix-LRU, ``finish_aware``
+(:mod:`advisor.policy.eviction.finish_aware`: prefix-LRU where requests carry no finish
+reason, sessions waiting on a tool call kept over those that ended their turn where they
+do) and S3-FIFO in the classic order.  Every online baseline the evaluator reports is an
+expert or is dominated by one on every row measured (ARC, LFU-DA and LRU by their tail-first
+forms, below), so no baseline can be strong on a workload without the selector seeing it.
+
+**Tail first.**  The block-level experts ARC, S3-FIFO, LFU-DA and LRU (:data:`TAIL_FIRST`)
+take each request's blocks last block first, the order in which vLLM returns a finished
+request's blocks to its free queue (``KVCacheManager.free``: "We free the blocks in reverse
+order so that the tail blocks are evicted first when caching is enabled"): a prefix's first
+blocks are then its most recent, and a policy that evicts oldest first takes a prefix's
+tail before its head, the only order in which the blocks left can still be hit (a prefix
+hit stops at its first missing block).  The baselines keep the classic block-by-block order (``tail_first=False``).
+Measured over 169 rows (Mooncake, WEKA, the synthetic suite and variants of seeds 0, 1,000
+and 2,000; ``python bench/evaluator.py --tail-first 0,1000,2000``, docs/BENCHMARKS.md), tail
+first minus classic is +0.0000 to +0.099 for ARC, +0.0000 to +0.085 for LRU and −0.0019 to
++0.102 for LFU-DA, so their classic forms are not experts; S3-FIFO's is −0.017 to +0.21
+(below on Mooncake at 5,859 blocks and on agent sessions at an eighth of their working set),
+so S3-FIFO is an expert in both orders; SIEVE's is −0.56 to +0.16 (its hand keeps "visited"
+blocks anywhere in the queue), so SIEVE keeps the classic order only.
 
 **Experts run whole.**  Every expert replays every request on a cache of its own with the
 tier's full capacity (its own metadata and ghost lists over all keys, exactly as it runs
-alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 8)
+alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 9)
 and E updates per block reference, i.e. E times one policy's memory and time.  The
 evaluator replays the experts one after another (peak memory: one expert's), then replays
 each expert that led again, logging its evictions during its spells (16 bytes per
@@ -48,7 +64,7 @@ variance of the decayed difference weighs it by the square of its weight, so onc
 window is full ``V`` is about twice that variance: z = 2 tests at about 2.8 standard
 deviations of independent per-request differences (at 2 while the weights are near 1).
 The leader for request i+1 is decided from requests ≤ i only (online).
-The first leader is ``initial`` (S3-FIFO): before any evidence the tier follows the
+The first leader is ``initial`` (S3-FIFO, tail first): before any evidence the tier follows the
 expert that needs none — S3-FIFO learns nothing from the trace and is scan- and
 one-hit-resistant by construction (Yang et al., SOSP '23), while ``prefix_value`` learns
 its reuse classes from the trace and, before it has, ranks like LRU, the classic that loops
@@ -58,7 +74,7 @@ after the start, and following it then costs one more period (the switch cost be
 selector that starts on the recency-led expert loses about two periods of the gain.
 
 **Following without losing contents (mirroring).**  The real tier R holds blocks; the
-leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule).
+leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule), in the leader's order.
 When L evicts a block that R holds, the block becomes an *orphan* of R (held, but not
 wanted by the leader); R evicts only orphans, oldest first, and only when it is over
 capacity.  At a switch the blocks of R the new leader does not hold become orphans, and
@@ -112,14 +128,15 @@ switch: the trade measured above.  The evaluator reports S (``switches``) and Σ
 bound only through the first spell: starting on ``initial`` instead of the eventual best
 adds at most one switch (S + 1 → S + 2 spells).
 
-**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 8:
-28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 9:
+36 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
 one replay of the new leader's spell with its eviction log (above).  Live: a refresh
 replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -134,13 +151,20 @@ from advisor.policy.eviction import arc, finish_aware, lfu_da, lru, prefix_lru, 
 from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
-EXPERTS: tuple[str, ...] = ("prefix_value", "arc", "s3fifo", "lfu_da", "lru", "sieve", "prefix_lru", "finish_aware")
+EXPERTS: tuple[str, ...] = ("prefix_value", "arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru",
+                            "finish_aware", "s3fifo")
 """Expert policies, in order (the first leader is :attr:`SelectorSettings.initial`)."""
 
 _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
-    "prefix_value": prefix_value.replay, "arc": arc.replay, "s3fifo": s3fifo.replay, "lfu_da": lfu_da.replay,
-    "lru": lru.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay, "finish_aware": finish_aware.replay,
+    "prefix_value": prefix_value.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay,
+    "finish_aware": finish_aware.replay, "s3fifo": s3fifo.replay,
+    "arc_tail": functools.partial(arc.replay, tail_first=True),
+    "s3fifo_tail": functools.partial(s3fifo.replay, tail_first=True),
+    "lfu_da_tail": functools.partial(lfu_da.replay, tail_first=True),
+    "lru_tail": functools.partial(lru.replay, tail_first=True),
 }
+TAIL_FIRST: frozenset[str] = frozenset({"arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail"})
+"""Experts that serve each request's blocks last block first (module docstring, "Tail first")."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +180,7 @@ class SelectorSettings:
 
     half_life: float = 16.0
     z: float = 2.0
-    initial: str = "s3fifo"
+    initial: str = "s3fifo_tail"
     """The leader before any evidence (one of :data:`EXPERTS`, module docstring)."""
 
     def __post_init__(self) -> None:
@@ -311,11 +335,13 @@ def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None
 
 @numba.njit(cache=True)
 def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, leader: np.ndarray,
-            ev_key: np.ndarray, ev_blk: np.ndarray, sn_key: np.ndarray, sn_blk: np.ndarray) -> tuple:
+            tail_first: np.ndarray, ev_key: np.ndarray, ev_blk: np.ndarray, sn_key: np.ndarray,
+            sn_blk: np.ndarray) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 2)  # 0 = held and wanted by the leader, 1 = orphans
     state = np.zeros(n_blocks, dtype=np.int8)  # 0 = not held, 1 = wanted, 2 = orphan
     mark = np.zeros(n_blocks, dtype=np.int64)  # == gen: the leader holds it
-    refpos = np.full(n_blocks, -1, dtype=np.int64)
+    refpos = np.zeros(n_blocks, dtype=np.int64)
+    refseen = np.full(n_blocks, -1, dtype=np.int64)  # the request of refpos
     n_req = offsets.shape[0] - 1
     hits = np.zeros(n_req, dtype=np.int64)
     gen = 0
@@ -351,9 +377,11 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                     push_head(prev, nxt, head, tail, size, 1, x)
                     state[x] = 2
                 x = p
-        for j in range(a, b):
-            x = flat[j]
-            refpos[x] = j
+        tf = tail_first[leader[i]]
+        for k in range(b - a):  # in the leader's order; refpos: the step of x's last reference
+            x = flat[b - 1 - k if tf else a + k]
+            refpos[x] = k
+            refseen[x] = i
             if state[x] != 0:
                 unlink(prev, nxt, head, tail, size, state[x] - 1, x)
             push_head(prev, nxt, head, tail, size, 0, x)
@@ -365,7 +393,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
             v = ev_blk[e]
             pos = ev_key[e] & 0xFFFFFFFF
             e += 1
-            if refpos[v] >= a and refpos[v] - a > pos:
+            if refseen[v] == i and refpos[v] > pos:
                 continue  # referenced again later in the same request: the leader holds it
             mark[v] = 0
             if state[v] == 1:
@@ -428,7 +456,8 @@ def run(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = 
             sns.append(sn)
     ev_key, ev_blk = _sorted_log(evs)
     sn_key, sn_blk = _sorted_log(sns)
-    real, fallbacks = _mirror(trace.flat, trace.offsets, trace.n_blocks, capacity, leader, ev_key, ev_blk,
+    tail_first = np.array([name in TAIL_FIRST for name in EXPERTS], dtype=np.bool_)
+    real, fallbacks = _mirror(trace.flat, trace.offsets, trace.n_blocks, capacity, leader, tail_first, ev_key, ev_blk,
                               sn_key, sn_blk)
     followed = hits[leader.astype(np.int64), np.arange(n_req)]
     return SelectorRun(real, leader, hits, int(start[1:].sum()), int(fallbacks), followed)
@@ -481,7 +510,7 @@ class LiveSelector:
 
     **Cost and quota.**  The window holds at most ``max_window_refs`` block references
     (the oldest requests leave first; 8 bytes a reference); :meth:`refresh` replays it
-    once per expert (E = 8 compiled replays, O(window) each) and only when
+    once per expert (E = 9 compiled replays, O(window) each) and only when
     ``min_new_refs`` references arrived since the last refresh.  The replays start cold
     at the window's first request, so the leader is the one of a selector that began
     there; a window shorter than the miniature cache's turnover shows no expert ahead and

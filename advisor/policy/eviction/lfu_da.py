@@ -16,12 +16,12 @@ import numba
 import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging, served
 
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, want_ev: np.ndarray,
-         want_snap: np.ndarray) -> tuple:
+         want_snap: np.ndarray, tail_first: bool) -> tuple:
     n_req = offsets.shape[0] - 1
     freq = np.zeros(n_blocks, dtype=np.int64)  # 0 = not cached
     stamp = np.zeros(n_blocks, dtype=np.int64)
@@ -43,7 +43,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
         while j < b and freq[flat[j]] > 0:
             j += 1
         hits[i] = j - a
-        for j in range(a, b):
+        for step in range(b - a):
+            j = served(a, b, step, tail_first)
             x = flat[j]
             clock += 1
             if freq[x] == 0:
@@ -54,7 +55,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
                         size -= 1
                         age = k
                         if want_ev[i]:
-                            log_eviction(evl, i, j - a, v)
+                            log_eviction(evl, i, step, v)
                 size += 1
             freq[x] += 1
             stamp[x] = clock
@@ -66,14 +67,17 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
     return hits, as_arrays(evl), as_arrays(snl)
 
 
-def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
-    """Hit blocks per request (int64 ``[requests]``) under LFU-DA with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests))[0]
+def simulate(trace: CompactTrace, capacity: int, tail_first: bool = False) -> np.ndarray:
+    """Hit blocks per request (int64 ``[requests]``) under LFU-DA with ``capacity`` blocks, its
+    references in the order of :func:`~advisor.policy.eviction.evlog.served`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests), tail_first)[0]
 
 
-def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
-    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap)
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray,
+           tail_first: bool = False) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`;
+    ``tail_first`` as for :func:`simulate`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap, tail_first)
 
 
 __all__ = ["replay", "simulate"]

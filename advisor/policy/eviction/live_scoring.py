@@ -163,11 +163,11 @@ def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
     after the first, horizon ``H`` = ``scorer``'s, in ns):
 
     * ``prefix_value``: :meth:`LiveScorer.score`;
-    * ``lru``, ``prefix_lru``: ``t`` (the planner walks leaves first, which is prefix-LRU);
-    * ``arc``, ``s3fifo``, ``sieve``: ``t + H·[h ≥ 1]`` — a block seen once (ARC's T1,
+    * ``lru_tail``, ``prefix_lru``: ``t`` (the planner walks leaves first, which is prefix-LRU);
+    * ``arc_tail``, ``s3fifo_tail``, ``sieve``: ``t + H·[h ≥ 1]`` — a block seen once (ARC's T1,
       S3-FIFO's small queue, SIEVE's unvisited) leaves before a block seen again that is
       at most ``H`` older (ARC's T2, S3-FIFO's main queue, SIEVE's visited);
-    * ``lfu_da``: ``t + H·min(h, 4)`` — frequency first, aged by recency (dynamic aging
+    * ``lfu_da_tail``: ``t + H·min(h, 4)`` — frequency first, aged by recency (dynamic aging
       lets an old frequent block go after ``H`` per hit);
     * ``finish_aware``: ``−residual_s`` (the expected time until the block's session
       returns, longest first out; :class:`FinishView`), or ``t`` where it is not known.
@@ -176,6 +176,7 @@ def expert_rank(expert: str, facts: BlockFacts, scorer: LiveScorer) -> float:
         ValueError: an unknown expert.
     """
     t = float(facts.last_access_ns)
+    expert = expert.removesuffix("_tail")  # the planner walks leaves first: every order here is tail first
     if expert == "prefix_value":
         return scorer.score(facts)
     if expert in ("lru", "prefix_lru"):

@@ -27,13 +27,14 @@ BASELINES: tuple[str, ...] = ("lru", "arc", "lfu_da", "s3fifo", "sieve", "prefix
 LABELS: dict[str, str] = {
     "lru": "LRU", "arc": "ARC", "lfu_da": "LFU-DA", "s3fifo": "S3-FIFO", "sieve": "SIEVE",
     "prefix_lru": "prefix-LRU", "belady": "Belady", "prefix_value": "prefix_value",
-    "finish_aware": "finish-aware", "adaptive": "default",
+    "finish_aware": "finish-aware", "adaptive": "default", "arc_tail": "ARC tail-first",
+    "s3fifo_tail": "S3-FIFO tail-first", "lfu_da_tail": "LFU-DA tail-first", "lru_tail": "LRU tail-first",
 }
 
 
-def _no_hints(mod: object) -> Simulator:
+def _no_hints(mod: object, **kwargs: bool) -> Simulator:
     def run(trace: CompactTrace, capacity: int, lookahead: int = 0, promote: bool = True) -> np.ndarray:
-        return mod.simulate(trace, capacity)  # type: ignore[attr-defined,no-any-return]
+        return mod.simulate(trace, capacity, **kwargs)  # type: ignore[attr-defined,no-any-return]
     return run
 
 
@@ -43,6 +44,10 @@ POLICIES: dict[str, Simulator] = {
     "lfu_da": _no_hints(lfu_da),
     "s3fifo": _no_hints(s3fifo),
     "sieve": _no_hints(sieve),
+    "arc_tail": _no_hints(arc, tail_first=True),
+    "lfu_da_tail": _no_hints(lfu_da, tail_first=True),
+    "s3fifo_tail": _no_hints(s3fifo, tail_first=True),
+    "lru_tail": _no_hints(lru, tail_first=True),
     "prefix_lru": _no_hints(prefix_lru),
     "belady": _no_hints(belady),
     "finish_aware": _no_hints(finish_aware),

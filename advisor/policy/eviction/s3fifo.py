@@ -19,7 +19,7 @@ import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging, served
 
 S, M, G = 0, 1, 2
 
@@ -41,7 +41,7 @@ def _evict_m(prev: np.ndarray, nxt: np.ndarray, head: np.ndarray, tail: np.ndarr
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, small_ratio: float,
-         move_threshold: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+         move_threshold: int, want_ev: np.ndarray, want_snap: np.ndarray, tail_first: bool) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 3)
     where = np.full(n_blocks, -1, dtype=np.int8)
     freq = np.zeros(n_blocks, dtype=np.int8)
@@ -62,7 +62,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
         while j < b and (where[flat[j]] == S or where[flat[j]] == M):
             j += 1
         hits[i] = j - a
-        for j in range(a, b):
+        for step in range(b - a):
+            j = served(a, b, step, tail_first)
             x = flat[j]
             w = where[x]
             if w == S or w == M:
@@ -82,13 +83,13 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
                             if size[M] > m_cap:
                                 v = _evict_m(prev, nxt, head, tail, size, where, freq)
                                 if log and v >= 0:
-                                    log_eviction(evl, i, j - a, v)
+                                    log_eviction(evl, i, step, v)
                         else:
                             freq[t] = 0
                             push_head(prev, nxt, head, tail, size, G, t)
                             where[t] = G
                             if log:
-                                log_eviction(evl, i, j - a, t)
+                                log_eviction(evl, i, step, t)
                             if size[G] > g_cap:
                                 g = tail[G]
                                 unlink(prev, nxt, head, tail, size, G, g)
@@ -97,7 +98,7 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
                 else:
                     v = _evict_m(prev, nxt, head, tail, size, where, freq)
                     if log and v >= 0:
-                        log_eviction(evl, i, j - a, v)
+                        log_eviction(evl, i, step, v)
             freq[x] = 0
             if w == G:
                 unlink(prev, nxt, head, tail, size, G, x)
@@ -109,21 +110,25 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
     return hits, as_arrays(evl), as_arrays(snl)
 
 
-def simulate(trace: CompactTrace, capacity: int, small_ratio: float = 0.1, move_threshold: int = 1) -> np.ndarray:
+def simulate(trace: CompactTrace, capacity: int, small_ratio: float = 0.1, move_threshold: int = 1,
+             tail_first: bool = False) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under S3-FIFO with ``capacity`` blocks.
 
     Args:
         small_ratio: share of the tier given to the small FIFO (paper: 0.1).
         move_threshold: accesses in ``S`` that earn a move to ``M`` (paper: 1).
+        tail_first: the order of each request's references
+            (:func:`~advisor.policy.eviction.evlog.served`); default: block by block.
     """
     return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, small_ratio, move_threshold,
-                *no_logging(trace.requests))[0]
+                *no_logging(trace.requests), tail_first)[0]
 
 
-def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray,
+           tail_first: bool = False) -> tuple:
     """``(hits, evictions, snapshots)`` with the paper's settings and the logs of
-    :mod:`advisor.policy.eviction.evlog`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, 0.1, 1, want_ev, want_snap)
+    :mod:`advisor.policy.eviction.evlog`; ``tail_first`` as for :func:`simulate`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, 0.1, 1, want_ev, want_snap, tail_first)
 
 
 __all__ = ["replay", "simulate"]

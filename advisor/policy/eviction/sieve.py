@@ -15,12 +15,12 @@ import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, log_resident, new_log, no_logging, prefix_hit
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, log_resident, new_log, no_logging, prefix_hit, served
 
 
 @numba.njit(cache=True)
 def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, want_ev: np.ndarray,
-         want_snap: np.ndarray) -> tuple:
+         want_snap: np.ndarray, tail_first: bool) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 1)
     cached = np.zeros(n_blocks, dtype=np.bool_)
     visited = np.zeros(n_blocks, dtype=np.bool_)
@@ -33,7 +33,8 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
         if want_snap[i]:
             log_resident(snl, i, cached)
         hits[i] = prefix_hit(flat, a, b, cached)
-        for j in range(a, b):
+        for step in range(b - a):
+            j = served(a, b, step, tail_first)
             x = flat[j]
             if cached[x]:
                 visited[x] = True
@@ -49,21 +50,24 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, wa
                 unlink(prev, nxt, head, tail, size, 0, o)
                 cached[o] = False
                 if want_ev[i]:
-                    log_eviction(evl, i, j - a, o)
+                    log_eviction(evl, i, step, o)
             push_head(prev, nxt, head, tail, size, 0, x)
             cached[x] = True
             visited[x] = False
     return hits, as_arrays(evl), as_arrays(snl)
 
 
-def simulate(trace: CompactTrace, capacity: int) -> np.ndarray:
-    """Hit blocks per request (int64 ``[requests]``) under SIEVE with ``capacity`` blocks."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests))[0]
+def simulate(trace: CompactTrace, capacity: int, tail_first: bool = False) -> np.ndarray:
+    """Hit blocks per request (int64 ``[requests]``) under SIEVE with ``capacity`` blocks, its
+    references in the order of :func:`~advisor.policy.eviction.evlog.served`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests), tail_first)[0]
 
 
-def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray) -> tuple:
-    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap)
+def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray,
+           tail_first: bool = False) -> tuple:
+    """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`;
+    ``tail_first`` as for :func:`simulate`."""
+    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap, tail_first)
 
 
 __all__ = ["replay", "simulate"]
