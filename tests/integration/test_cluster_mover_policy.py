@@ -97,7 +97,7 @@ def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: A
         leaders = {}
         for p, rep in sorted(reps.items()):
             # the evaluator's selection on the very requests this partition's selector holds
-            want = experts.EXPERTS[experts.next_leader(compact([list(w) for w in rep.selector._window]), cap)[0]]
+            want = experts.EXPERTS[experts.next_leader(compact([list(w.path) for w in rep.selector.window()]), cap)[0]]
             assert rep.selector.leader == want != "s3fifo_tail", (p, rep.selector.stats())
             leaders[str(p)] = want
         stats = policy()

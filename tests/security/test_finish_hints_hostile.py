@@ -186,7 +186,7 @@ def test_a_hint_applies_to_the_request_it_reported_not_to_a_later_one() -> None:
     assert sel.finished([1, 2, 3], "tool_calls", at_s=12.0)
     sel.observe([1, 2, 3, 4, 5], arrival_s=20.0, run_start=3)  # the session goes on
     sel.observe([1, 2, 3], arrival_s=500.0, run_start=2)  # block 3 Stored again, much later
-    fin = sel._finishes(list(sel._window), list(sel._meta), dict(sel._hints))
+    fin = sel._finishes(sel.window(), dict(sel._hints))
     assert fin.reason.tolist()[:2] == [FINISH_TOOL_CALL, FINISH_UNKNOWN] and fin.finish[0] == 12.0
     assert fin.reason[2] == FINISH_UNKNOWN, "the 500 s request took the hint posted for the 10 s one"
 
@@ -309,7 +309,7 @@ def test_hostile_stores_over_the_wire_never_break_the_selector(tmp_path: Path) -
         b = decode_batch(wire)
         index.apply_batch(b)
         assert observe(sel, index, b) == 1
-        assert list(sel._meta)[-1][3] == expect[k], repr(why)[:60]
+        assert sel.window()[-1].reason == expect[k], repr(why)[:60]
         seq += 1
     # a huge run: one chain of 20,000 Stores in one batch (the path is cut at max_path)
     run = [store(7_000_000, 7_000_000, None, BLK, "g2")]
@@ -322,7 +322,8 @@ def test_hostile_stores_over_the_wire_never_break_the_selector(tmp_path: Path) -
         r = 50_000_000 + i
         observe(sel, index, EventBatch(1, "evil", 1, seq + 1 + i, i % 7, [store(r, r, None, BLK, "g1")]))
     stats = sel.stats()
-    assert stats["window_refs"] <= window and stats["window_requests"] == len(sel._window) == len(sel._meta)
+    assert stats["window_refs"] <= window and stats["window_requests"] == len(sel.window())
+    assert sum(len(w.path) for w in sel.window()) == stats["window_refs"]
     for cap in (1, 10, 1_000, 10**7):
         assert sel.refresh(cap) in experts.EXPERTS
         sel.observe([1, 2], arrival_s=1.0)  # a new reference: the next refresh replays again

@@ -89,7 +89,7 @@ def test_live_advisor_switches_expert_on_events_where_its_leader_loses(
 
     def evaluator_leader() -> str:
         # the evaluator's selection on the requests the selector holds (one implementation)
-        return experts.EXPERTS[experts.next_leader(compact([list(w) for w in svc.selector._window]), cap)[0]]
+        return experts.EXPERTS[experts.next_leader(compact([list(w.path) for w in svc.selector.window()]), cap)[0]]
 
     try:
         assert svc.policy_leader() == experts.SelectorSettings().initial == "s3fifo_tail"  # before any evidence
@@ -133,7 +133,7 @@ def test_live_selector_is_the_evaluators_selection_on_a_window(loop_case: tuple[
     sel2 = experts.LiveSelector()
     tail = EventBatch(1, "w0", 7, 999, 1, [store(reqs[0][-1] + 10**6, reqs[0][0], reqs[0][-2], BLK, "g1")])
     sel2.observe_batch(tail, parent_of)
-    assert list(sel2._window[-1]) == reqs[0][:-1] + [reqs[0][-1] + 10**6]
+    assert list(sel2.window()[-1].path) == reqs[0][:-1] + [reqs[0][-1] + 10**6]
     # a hashed sample keeps whole prefixes and about its share of them; the window has a quota
     many = [[1_000 * (i % 300) + j for j in range(1, 6)] for i in range(900)]  # 300 roots, 3 visits each
     half = experts.LiveSelector(sample_rate=0.5, max_window_refs=2_000)
@@ -141,7 +141,7 @@ def test_live_selector_is_the_evaluators_selection_on_a_window(loop_case: tuple[
         half.observe(r)
     st = half.stats()
     assert 1_000 <= st["window_refs"] <= 2_000 and st["requests"] == len(many)
-    assert all(half.sampled(w[0]) and len(w) == 5 for w in half._window)
+    assert all(half.sampled(w.path[0]) and len(w.path) == 5 for w in half.window())
     roots = {r[0] for r in many}
     assert 0.35 < sum(half.sampled(x) for x in roots) / len(roots) < 0.65
     with pytest.raises(ValueError):
@@ -345,7 +345,8 @@ def test_finish_hints_have_a_quota_and_stores_can_carry_the_reason() -> None:
         b = EventBatch(1, source, 7, 0, 5 * 10**9, evs)
         index.apply_batch(b)
         observe(sel, index, b)
-        assert list(sel._meta)[-1] == (5.0, 0, 5.0 if expect else -1.0, expect)  # arrival, run start, finish, class
+        last = sel.window()[-1]
+        assert (last.arrival_s, last.run_start, last.finish_s, last.reason) == (5.0, 0, 5.0 if expect else -1.0, expect)
 
 
 def test_the_embedded_advisor_demotes_the_session_that_ended_its_turn_first(tmp_path: Path) -> None:

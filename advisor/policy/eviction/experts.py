@@ -143,6 +143,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -486,6 +487,25 @@ def _block_states(reqs: list[tuple[int, ...]], finishes: RequestFinishes) -> dic
     return out
 
 
+class WindowRequest(NamedTuple):
+    """One request of a :class:`LiveSelector`'s window.
+
+    Attributes:
+        path: its blocks, first block first, as int64 ids (the sequence hashes' u64 bits
+            read signed, the kernels' ids).
+        arrival_s: when it was seen (s, the batches' clock).
+        run_start: index in ``path`` of its first stored block (before it: ancestors).
+        finish_s: when it finished, from a Store's ``finish_reason`` (s; -1: not known).
+        reason: the class of that finish reason (:func:`finish_aware.finish_class`).
+    """
+
+    path: tuple[int, ...]
+    arrival_s: float
+    run_start: int
+    finish_s: float
+    reason: int
+
+
 class LiveSelector:
     """The live advisor's expert selection: :func:`next_leader` over a window of the
     requests the event stream shows, on a hashed sample of prefixes.
@@ -567,8 +587,7 @@ class LiveSelector:
         self.max_path = int(max_path)
         self.locations = frozenset(locations)
         self._limit = int(self.sample_rate * float(1 << 64)) if sample_rate < 1.0 else 1 << 64
-        self._window: deque[tuple[int, ...]] = deque()
-        self._meta: deque[tuple[float, int, float, int]] = deque()  # arrival s, run start, finish s (-1: none), class
+        self._window: deque[WindowRequest] = deque()
         self.max_hints = int(max_hints)
         self._hints: OrderedDict[int, tuple[float, int]] = OrderedDict()  # deepest prompt hash -> (finish s, class)
         self.hints_dropped = 0
@@ -629,15 +648,13 @@ class LiveSelector:
         req = tuple(h - (1 << 64) if h >= 1 << 63 else h for h in path[: self.max_path])
         with self._lock:
             t = self._arrival(arrival_s)
-            meta = (t, min(max(int(run_start), 0), len(req)), t if finish_reason is not None else -1.0,
-                    finish_aware.finish_class(finish_reason))
-            self._window.append(req)
-            self._meta.append(meta)
+            self._window.append(WindowRequest(req, t, min(max(int(run_start), 0), len(req)),
+                                              t if finish_reason is not None else -1.0,
+                                              finish_aware.finish_class(finish_reason)))
             self._refs += len(req)
             self._new += len(req)
             while self._refs > self.max_window_refs and len(self._window) > 1:
-                self._refs -= len(self._window.popleft())
-                self._meta.popleft()
+                self._refs -= len(self._window.popleft().path)
 
     def finished(self, hashes: Sequence[int], finish_reason: str | None, at_s: float | None = None) -> bool:
         """A router's word that the request whose prompt is ``hashes`` finished, and how
@@ -686,24 +703,30 @@ class LiveSelector:
             self.latest_s, self._latest_at = max(t, self.latest_s), host
         return t
 
-    def _finishes(self, reqs: list[tuple[int, ...]], meta: list[tuple[float, int, float, int]],
-                  hints: Mapping[int, tuple[float, int]]) -> RequestFinishes:
+    def window(self) -> list[WindowRequest]:
+        """The window's requests, oldest first (a copy)."""
+        with self._lock:
+            return list(self._window)
+
+    @staticmethod
+    def _finishes(window: Sequence[WindowRequest], hints: Mapping[int, tuple[float, int]]) -> RequestFinishes:
         """Each window request's arrival (made non-decreasing), finish and reason: its own
         (a Store's ``finish_reason``), else the router hint on the deepest hash of its Store
         run, taken by the latest request that arrived by the hint's time and by no other."""
-        n = len(reqs)
-        arrival = np.maximum.accumulate(np.array([m[0] for m in meta], dtype=np.float64)) if n else np.zeros(0)
+        n = len(window)
+        arrival = (np.maximum.accumulate(np.array([w.arrival_s for w in window], dtype=np.float64)) if n
+                   else np.zeros(0))
         finish = arrival.copy()
         reason = np.zeros(n, dtype=np.int8)
         taken: set[int] = set()
         for k in range(n - 1, -1, -1):
-            _, start, fin, cls = meta[k]
-            if fin >= 0:
-                finish[k], reason[k] = max(fin, arrival[k]), cls
+            w = window[k]
+            if w.finish_s >= 0:
+                finish[k], reason[k] = max(w.finish_s, arrival[k]), w.reason
                 continue
             if not hints:
                 continue
-            for h in reversed(reqs[k][start:]):
+            for h in reversed(w.path[w.run_start:]):
                 hint = hints.get(h)
                 if hint is not None and h not in taken and hint[0] >= arrival[k]:
                     taken.add(h)
@@ -775,11 +798,11 @@ class LiveSelector:
         with self._lock:
             if self._new < self.min_new_refs or not self._window:
                 return self.leader
-            reqs = list(self._window)
-            meta = list(self._meta)
+            window = list(self._window)
             hints = dict(self._hints)
             self._new = 0
-        finishes = self._finishes(reqs, meta, hints)
+        reqs = [w.path for w in window]
+        finishes = self._finishes(window, hints)
         trace = compact(reqs, finishes)
         # a tier larger than the window's distinct blocks never evicts: replay no larger one
         # (the block size comes from the latest Store, any publisher's: 1 byte would ask for
@@ -814,5 +837,6 @@ class LiveSelector:
                     "finish_hints_dropped": self.hints_dropped, "clock_refused": self.clock_refused}
 
 
-__all__ = ["CLOCK_AHEAD_S", "EXPERTS", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings", "expert_hits",
+__all__ = ["CLOCK_AHEAD_S", "EXPERTS", "TAIL_FIRST", "LiveSelector", "Selection", "SelectorRun", "SelectorSettings",
+           "WindowRequest", "expert_hits",
            "next_leader", "run", "schedule", "select", "simulate"]
