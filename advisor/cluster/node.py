@@ -41,7 +41,10 @@ events, last_ts_ns]} (what this partition applied of each source)}``; ``{"op": "
 ``{"op": "volumes", "usage": bool}`` ``{"position", "volumes": [{"id", "kind", "media",
 "capacity_bytes", "role", "stats"}] (the owner's mover's volumes, usage from the catalog;
 ``[]`` when ``usage`` is false or the owner runs no mover), "indexed": {volume: blocks of this
-partition placed there, a trunk block in partition sequence_hash % P only}}``.  A lookup
+partition placed there, a trunk block in partition sequence_hash % P only}}``;
+``{"op": "finished", "hash": h, "reason": r}`` (a router's finish hint for the request
+whose prompt ends at block ``h``, ``LiveSelector.finished``) ``{"position", "taken": bool}``
+(``false`` without a mover).  A lookup
 answer also carries ``"any"``: the leading blocks held at some location.  Any of them may be answered ``{"unavailable": reason}``.
 """
 
@@ -459,6 +462,25 @@ class ClusterClient:
             if got is not None:
                 return list(got)
         return None
+
+    def finished(self, hashes: Sequence[int], finish_reason: str) -> bool:
+        """Hand a router's finish hint (the prompt ``hashes``, first block first, and how it
+        ended) to the partitions whose selectors saw the request: the owner of the prompt's
+        last piece, or every partition when the whole prompt is trunk (each keeps the trunk);
+        whether one of them took it (``False`` for an empty prompt).
+
+        Raises:
+            PartitionUnavailable: a partition the hint goes to has no owner serving now.
+        """
+        if not hashes:
+            return False
+        last = self.scheme.pieces(hashes)[-1].partition
+        targets = [last] if last >= 0 else list(range(self.scheme.partitions))
+        op = {"op": "finished", "hash": int(hashes[-1]), "reason": str(finish_reason)[:64]}
+        taken = False
+        for p in targets:
+            taken = bool(self._request(p, op).get("taken")) or taken
+        return taken
 
     def lookup_full(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:
         """``(per location, any location)``: :meth:`lookup`'s answer and the number of

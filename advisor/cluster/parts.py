@@ -206,7 +206,9 @@ class Replica:
 
     def op(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"op": "status"}`` -> position, block count, per-source last seq;
-        ``{"op": "blocks_at", "location": L}`` -> the hashes held at ``L``."""
+        ``{"op": "blocks_at", "location": L}`` -> the hashes held at ``L``; ``{"op":
+        "finished", "hash", "reason"}`` -> whether the selector took the finish hint (the
+        other ops: :mod:`advisor.cluster.node`)."""
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}
         if request.get("op") == "volumes":
@@ -236,6 +238,12 @@ class Replica:
                 return {"position": self.position, "block": [info.sequence_hash, info.parent, info.prefix_hash,
                                                                info.size, sorted(info.locations), info.hits,
                                                                info.last_access_ns, info.orphan]}
+            if request.get("op") == "finished":
+                h, why = request.get("hash"), request.get("reason")
+                if not (type(h) is int and 0 <= h < 1 << 64 and isinstance(why, str)):
+                    return {"unavailable": "bad request: finished needs a u64 hash and a reason"}
+                taken = self.selector.finished([h], why[:64]) if self.selector is not None else False
+                return {"position": self.position, "taken": bool(taken)}
         return {"unavailable": f"bad request: unknown op {str(request.get('op'))[:40]!r}"}
 
     def _volumes(self, usage: bool) -> dict[str, Any]:

@@ -5,6 +5,8 @@ It offers what :class:`advisor.ops.query.AdvisorQuery` offers, answered by the c
 one advisor or for a whole cluster:
 
 * ``lookup`` asks each piece's owner (exact longest prefix across partitions);
+* ``finish_hint`` (``POST /v1/finished``) goes to the owner of the prompt's last piece,
+  whose selector saw the request's Stores;
 * ``blocks_at``, ``locations``, ``block``, ``stats`` and ``volumes`` fan out to every partition
   (the volumes are those the advisors' movers manage, ``python -m advisor.cluster --storage``);
 * a partition without a serving owner (a take-over) raises
@@ -91,6 +93,15 @@ class ClusterQuery:
         """Longest cached prefix of ``hashes`` per location, across partitions."""
         per, any_n = self._client.lookup_full(list(hashes))
         return LookupResult(len(hashes), dict(sorted(per.items())), any_n)
+
+    def finish_hint(self, hashes: Sequence[int], finish_reason: str) -> bool:
+        """Hand a router's word that the request with prompt ``hashes`` finished to the
+        partitions that saw it (:meth:`ClusterClient.finished`); ``False`` when none took it.
+
+        Raises:
+            PartitionUnavailable: a partition it goes to has no owner serving now.
+        """
+        return self._client.finished(list(hashes), finish_reason)
 
     def volumes(self) -> list[VolumeView]:
         """The volumes the cluster advisors manage (``--storage``), with their role, usage

@@ -119,8 +119,7 @@ def blocks_router(query: AdvisorQuery, lookup_rates: HitRates, read: Sequence[An
         policy keeps sessions waiting on a tool call (:mod:`advisor.policy.eviction.finish_aware`)."""
         hint = getattr(query, "finish_hint", None)
         if hint is None:
-            raise ApiError(501, "not_supported", "this API's advisor takes no finish hints (a partitioned "
-                                                 "cluster's API does not forward them yet)")
+            raise ApiError(501, "not_supported", "this API's advisor takes no finish hints")
         hashes, _ = hashes_of(req)
         return FinishedResponse(taken=bool(hint(hashes, req.finish_reason)),
                                 finish_class=FINISH_CLASS_NAMES[finish_class(req.finish_reason)])

@@ -19,9 +19,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
-from advisor.cluster.node import ClusterClient
+from advisor.cluster.node import ClusterClient, PartitionUnavailable
 from advisor.cluster.query import ClusterQuery
 from advisor.policy.eviction import experts
 from advisor.policy.eviction.compact import compact
@@ -42,6 +43,21 @@ def _announce_requests(rig: Any, w: str, reqs: list[list[int]]) -> None:
         rig.announce(w, [store(h, r[0], r[d - 1] if d else None, BLK, "g1") for d, h in enumerate(r)])
 
 
+def _cluster_api(rig: Any) -> tuple[Any, ClusterClient, TestClient]:
+    """Start the rig's cluster advisor; ``(node, client, http)``: a client of the cluster and
+    the REST API over it (close both)."""
+    node = rig.start()
+    client = ClusterClient(rig.js_url, rig.scheme, rig.ns, timeout_s=5.0)
+    return node, client, TestClient(create_app(ClusterQuery(client)), base_url="http://127.0.0.1")
+
+
+def _partitions_policy(http: TestClient) -> dict[str, Any]:
+    """``/v1/stats``'s ``policy.partitions``: each partition's expert selection."""
+    r = http.get("/v1/stats")
+    assert r.status_code == 200, r.text
+    return r.json()["policy"]["partitions"]  # type: ignore[no-any-return]
+
+
 def _folded(rig: Any, node: Any, marker: int) -> None:
     """Announce a one-block chain (a trunk block: every partition folds it) and wait until
     every replica indexed it, so every partition folded what was announced before."""
@@ -56,14 +72,10 @@ def _folded(rig: Any, node: Any, marker: int) -> None:
 def test_each_partition_ranks_by_its_own_leader_and_stats_show_it(rig_factory: Any) -> None:  # noqa: F811
     # fast: 4 MiB = 256 blocks, 128 per partition's share; demote below half of that share
     rig = rig_factory(partitions=2, demotion={"high_watermark": 0.5, "low_watermark": 0.3})
-    node = rig.start()
-    client = ClusterClient(rig.js_url, rig.scheme, rig.ns, timeout_s=5.0)
-    http = TestClient(create_app(ClusterQuery(client)), base_url="http://127.0.0.1")
+    node, client, http = _cluster_api(rig)
     try:
         def policy() -> dict[str, Any]:
-            r = http.get("/v1/stats")
-            assert r.status_code == 200, r.text
-            return r.json()["policy"]["partitions"]
+            return _partitions_policy(http)
 
         assert {p: st["leader"] for p, st in policy().items()} == {"0": "s3fifo_tail", "1": "s3fifo_tail"}
         # blocks on fast, announced there: each partition's share is over its watermark
@@ -139,3 +151,35 @@ def test_a_partition_demotes_the_superseded_branch_first(rig_factory: Any) -> No
     demoted = [r.item.sequence_hash for r in results if r.item.kind is PlanKind.DEMOTE]
     assert demoted == dead[-1][::-1][:2], [(r.item.sequence_hash, r.item.reason) for r in results]
     assert all("superseded branch" in r.item.reason for r in results if r.item.kind is PlanKind.DEMOTE)
+
+
+def test_the_cluster_api_hands_a_finish_hint_to_the_partition_that_saw_the_request(rig_factory: Any) -> None:  # noqa: F811
+    # POST /v1/finished on a partitioned cluster's API: the hint goes to the owner of the
+    # prompt's last piece (whose selector saw the request's Stores), an all-trunk prompt to
+    # every partition, and a malformed hint from a peer on the query subject is refused
+    rig = rig_factory(partitions=2)
+    _, client, http = _cluster_api(rig)
+    try:
+        def hints() -> dict[str, int]:
+            return {p: int(st["finish_hints"]) for p, st in _partitions_policy(http).items()}
+
+        chain = _chain(12, 12)  # trunk block, then a stretch of 8, then one more stretch
+        owner = rig.scheme.pieces(chain)[-1].partition
+        assert owner in (0, 1) and rig.scheme.pieces(chain)[1].partition >= 0
+        other = 1 - owner
+        assert hints() == {"0": 0, "1": 0}
+        r = http.post("/v1/finished", json={"sequence_hashes": [hex(h) for h in chain], "finish_reason": "tool_calls"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"taken": True, "finish_class": "tool_call"}
+        assert hints() == {str(owner): 1, str(other): 0}
+        r = http.post("/v1/finished", json={"sequence_hashes": chain[:1], "finish_reason": "end_turn"})
+        assert r.status_code == 200 and r.json()["finish_class"] == "end_turn", r.text
+        assert hints() == {str(owner): 2, str(other): 1}
+        for bad in ({"op": "finished", "hash": -1, "reason": "stop"}, {"op": "finished", "hash": True, "reason": "x"},
+                    {"op": "finished", "hash": 5, "reason": 7}, {"op": "finished", "hash": "5", "reason": "x"}):
+            with pytest.raises(PartitionUnavailable, match="bad request"):
+                client._request(owner, bad)
+        assert hints() == {str(owner): 2, str(other): 1}
+    finally:
+        http.close()
+        client.close()
