@@ -70,6 +70,9 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
                 if freq[x] < 3:
                     freq[x] += 1
                 continue
+            if w == G:  # a ghost hit leaves G before room is made (else G's trim could drop it twice)
+                unlink(prev, nxt, head, tail, size, G, x)
+                where[x] = -1
             while size[S] + size[M] >= capacity:
                 if size[S] >= s_cap or size[M] == 0:
                     evicted = False
@@ -101,7 +104,6 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, sm
                         log_eviction(evl, i, step, v)
             freq[x] = 0
             if w == G:
-                unlink(prev, nxt, head, tail, size, G, x)
                 push_head(prev, nxt, head, tail, size, M, x)
                 where[x] = M
             else:
