@@ -43,7 +43,7 @@ def _fixed(reqs: list[list[int]], cap: int, name: str) -> Any:
 # ---------------------------------------------------------------- tail first: the S3-FIFO bug
 
 
-@pytest.mark.parametrize(("case", "name"), [(S3_TAIL_CASE, "s3fifo_tail"), (S3_CLASSIC_CASE, "s3fifo")])
+@pytest.mark.parametrize(("case", "name"), [(S3_TAIL_CASE, "s3fifo_tail")])
 def test_a_fixed_s3fifo_leader_needs_no_fallback(case: Any, name: str) -> None:
     """Failed (fallbacks == 1) with the S3-FIFO ghost double-unlink above.  s3fifo_tail is
     the selector's first leader (``SelectorSettings.initial``), so it hit the default."""
@@ -52,15 +52,18 @@ def test_a_fixed_s3fifo_leader_needs_no_fallback(case: Any, name: str) -> None:
     assert run.fallbacks == 0, (name, run.hits.tolist(), run.expert_hits[E.index(name)].tolist())
 
 
-def test_s3fifo_tail_never_evicts_a_block_twice_without_referencing_it_in_between() -> None:
+@pytest.mark.parametrize(("case", "tail_first"), [(S3_TAIL_CASE, True), (S3_CLASSIC_CASE, False)])
+def test_s3fifo_never_evicts_a_block_twice_without_referencing_it_in_between(case: Any, tail_first: bool) -> None:
     """Failed with that bug: request 4 logged block 6 (dense id 5) evicted at step 3 and
-    again at step 5, served at step 2 only.  Root cause of the test above, at the kernel."""
-    reqs, cap = S3_TAIL_CASE
+    again at step 5, served at step 2 only (tail first; the classic order had its own case).
+    Root cause of the test above, at the kernel."""
+    reqs, cap = case
     tr = compact(reqs)
     every = np.ones(tr.requests, dtype=np.bool_)
-    _, (keys, blocks), _ = s3fifo.replay(tr, cap, every, np.zeros(tr.requests, dtype=np.bool_), tail_first=True)
+    _, (keys, blocks), _ = s3fifo.replay(tr, cap, every, np.zeros(tr.requests, dtype=np.bool_), tail_first=tail_first)
     evicted_since_ref: set[tuple[int, int]] = set()
-    order = {(i, k): int(tr.flat[tr.offsets[i + 1] - 1 - k]) for i in range(tr.requests)
+    order = {(i, k): int(tr.flat[tr.offsets[i + 1] - 1 - k] if tail_first else tr.flat[tr.offsets[i] + k])
+             for i in range(tr.requests)
              for k in range(int(tr.offsets[i + 1] - tr.offsets[i]))}
     last = (-1, -1)
     for key, v in zip(keys.tolist(), blocks.tolist()):
@@ -97,7 +100,7 @@ def test_tail_first_and_classic_leaders_are_reproduced_on_hostile_traces() -> No
     rng = np.random.default_rng(11)
     for reqs, cap in _traces(rng, 150):
         tr = compact(reqs)
-        for name in ("arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru", "s3fifo"):
+        for name in ("arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru"):
             run = experts.run(tr, cap, leader=np.full(tr.requests, E.index(name), np.int8))
             assert run.fallbacks == 0, (name, cap, reqs)
             assert (run.hits == POLICIES[name](tr, cap, 0, True)).all(), (name, cap, reqs)
@@ -105,7 +108,7 @@ def test_tail_first_and_classic_leaders_are_reproduced_on_hostile_traces() -> No
 
 def test_switching_every_request_between_tail_first_and_classic_leaders_needs_no_fallback() -> None:
     tail = [E.index(n) for n in ("arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail")]
-    classic = [E.index(n) for n in ("prefix_value", "sieve", "prefix_lru", "finish_aware", "s3fifo")]
+    classic = [E.index(n) for n in ("prefix_value", "sieve", "prefix_lru", "finish_aware")]
     rng = np.random.default_rng(12)
     for reqs, cap in _traces(rng, 150):
         tr = compact(reqs)

@@ -1,12 +1,12 @@
 """The default policy: the real tier follows, online, the best of a set of expert policies.
 
 Experts (:data:`EXPERTS`): ``prefix_value`` (:mod:`advisor.policy.eviction.prefix_value`), ARC,
-S3-FIFO, LFU-DA and LRU served tail first (below), SIEVE, prefix-LRU, ``finish_aware``
+S3-FIFO, LFU-DA and LRU served tail first (below), SIEVE, prefix-LRU and ``finish_aware``
 (:mod:`advisor.policy.eviction.finish_aware`: prefix-LRU where requests carry no finish
 reason, sessions waiting on a tool call kept over those that ended their turn where they
-do) and S3-FIFO in the classic order.  Every online baseline the evaluator reports is an
-expert or is dominated by one on every row measured (ARC, LFU-DA and LRU by their tail-first
-forms, below), so no baseline can be strong on a workload without the selector seeing it.
+do).  Every online baseline the evaluator reports is an expert or is matched by one on
+every row measured (ARC, S3-FIFO, LFU-DA and LRU by their tail-first forms, below), so no
+baseline can be strong on a workload without the selector seeing it.
 
 **Tail first.**  The block-level experts ARC, S3-FIFO, LFU-DA and LRU (:data:`TAIL_FIRST`)
 take each request's blocks last block first, the order in which vLLM returns a finished
@@ -14,18 +14,18 @@ request's blocks to its free queue (``KVCacheManager.free``: "We free the blocks
 order so that the tail blocks are evicted first when caching is enabled"): a prefix's first
 blocks are then its most recent, and a policy that evicts oldest first takes a prefix's
 tail before its head, the only order in which the blocks left can still be hit (a prefix
-hit stops at its first missing block).  The baselines keep the classic block-by-block order (``tail_first=False``).
-Measured over 169 rows (Mooncake, WEKA, the synthetic suite and variants of seeds 0, 1,000
-and 2,000; ``python bench/evaluator.py --tail-first 0,1000,2000``, docs/BENCHMARKS.md), tail
-first minus classic is +0.0000 to +0.099 for ARC, +0.0000 to +0.085 for LRU and −0.0019 to
-+0.102 for LFU-DA, so their classic forms are not experts; S3-FIFO's is −0.017 to +0.21
-(below on Mooncake at 5,859 blocks and on agent sessions at an eighth of their working set),
-so S3-FIFO is an expert in both orders; SIEVE's is −0.56 to +0.16 (its hand keeps "visited"
-blocks anywhere in the queue), so SIEVE keeps the classic order only.
+hit stops at its first missing block).  The baselines keep the classic block-by-block order
+(``tail_first=False``).  Measured over 169 rows (Mooncake, WEKA, the synthetic suite and
+variants of seeds 0, 1,000 and 2,000; ``python bench/evaluator.py --tail-first 0,1000,2000``,
+docs/BENCHMARKS.md), tail first minus classic is −0.0000 to +0.099 for ARC, −0.0000 to
++0.096 for S3-FIFO, +0.0000 to +0.085 for LRU and −0.0019 to +0.102 for LFU-DA, within the
+0.002 tolerance on every row, so their classic forms are not experts.  SIEVE's is −0.56 to
++0.16 (its hand keeps "visited" blocks anywhere in the queue), so SIEVE keeps the classic
+order.
 
 **Experts run whole.**  Every expert replays every request on a cache of its own with the
 tier's full capacity (its own metadata and ghost lists over all keys, exactly as it runs
-alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 9)
+alone), so its hit count per request is exact.  Cost: E full caches of metadata (E = 8)
 and E updates per block reference, i.e. E times one policy's memory and time.  The
 evaluator replays the experts one after another (peak memory: one expert's), then replays
 each expert that led again, logging its evictions during its spells (16 bytes per
@@ -128,8 +128,8 @@ switch: the trade measured above.  The evaluator reports S (``switches``) and Σ
 bound only through the first spell: starting on ``initial`` instead of the eventual best
 adds at most one switch (S + 1 → S + 2 spells).
 
-**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 9:
-36 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
+**Cost of the rule.**  Per request: E score updates and E(E − 1)/2 pair variances (E = 8:
+28 pairs), O(E²) time and memory independent of the trace; a switch in the evaluator costs
 one replay of the new leader's spell with its eviction log (above).  Live: a refresh
 replays the window once per expert, O(E × window) (:class:`LiveSelector`).
 """
@@ -153,12 +153,12 @@ from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compa
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
 
 EXPERTS: tuple[str, ...] = ("prefix_value", "arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru",
-                            "finish_aware", "s3fifo")
+                            "finish_aware")
 """Expert policies, in order (the first leader is :attr:`SelectorSettings.initial`)."""
 
 _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]] = {
     "prefix_value": prefix_value.replay, "sieve": sieve.replay, "prefix_lru": prefix_lru.replay,
-    "finish_aware": finish_aware.replay, "s3fifo": s3fifo.replay,
+    "finish_aware": finish_aware.replay,
     "arc_tail": functools.partial(arc.replay, tail_first=True),
     "s3fifo_tail": functools.partial(s3fifo.replay, tail_first=True),
     "lfu_da_tail": functools.partial(lfu_da.replay, tail_first=True),
@@ -530,7 +530,7 @@ class LiveSelector:
 
     **Cost and quota.**  The window holds at most ``max_window_refs`` block references
     (the oldest requests leave first; 8 bytes a reference); :meth:`refresh` replays it
-    once per expert (E = 9 compiled replays, O(window) each) and only when
+    once per expert (E = 8 compiled replays, O(window) each) and only when
     ``min_new_refs`` references arrived since the last refresh.  The replays start cold
     at the window's first request, so the leader is the one of a selector that began
     there; a window shorter than the miniature cache's turnover shows no expert ahead and
