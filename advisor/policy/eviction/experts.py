@@ -74,7 +74,8 @@ after the start, and following it then costs one more period (the switch cost be
 selector that starts on the recency-led expert loses about two periods of the gain.
 
 **Following without losing contents (mirroring).**  The real tier R holds blocks; the
-leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule), in the leader's order.
+leader L is one expert's cache.  Every request's blocks are inserted into R (the hit rule),
+in the leader's order.
 When L evicts a block that R holds, the block becomes an *orphan* of R (held, but not
 wanted by the leader); R evicts only orphans, oldest first, and only when it is over
 capacity.  At a switch the blocks of R the new leader does not hold become orphans, and
@@ -151,6 +152,7 @@ import numpy as np
 from advisor.policy.eviction import arc, finish_aware, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
 from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
+from advisor.policy.eviction.evlog import served
 
 EXPERTS: tuple[str, ...] = ("prefix_value", "arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru",
                             "finish_aware")
@@ -380,7 +382,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                 x = p
         tf = tail_first[leader[i]]
         for k in range(b - a):  # in the leader's order; refpos: the step of x's last reference
-            x = flat[b - 1 - k if tf else a + k]
+            x = flat[served(a, b, k, tf)]
             refpos[x] = k
             refseen[x] = i
             if state[x] != 0:
