@@ -343,8 +343,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
     prev, nxt, head, tail, size = new_lists(n_blocks, 2)  # 0 = held and wanted by the leader, 1 = orphans
     state = np.zeros(n_blocks, dtype=np.int8)  # 0 = not held, 1 = wanted, 2 = orphan
     mark = np.zeros(n_blocks, dtype=np.int64)  # == gen: the leader holds it
-    refpos = np.zeros(n_blocks, dtype=np.int64)
-    refseen = np.full(n_blocks, -1, dtype=np.int64)  # the request of refpos
+    refpos = np.full(n_blocks, -1, dtype=np.int64)  # index in flat of a block's last reference served
     n_req = offsets.shape[0] - 1
     hits = np.zeros(n_req, dtype=np.int64)
     gen = 0
@@ -381,10 +380,10 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                     state[x] = 2
                 x = p
         tf = tail_first[leader[i]]
-        for k in range(b - a):  # in the leader's order; refpos: the step of x's last reference
-            x = flat[served(a, b, k, tf)]
-            refpos[x] = k
-            refseen[x] = i
+        for k in range(b - a):  # in the leader's order
+            j = served(a, b, k, tf)
+            x = flat[j]
+            refpos[x] = j
             if state[x] != 0:
                 unlink(prev, nxt, head, tail, size, state[x] - 1, x)
             push_head(prev, nxt, head, tail, size, 0, x)
@@ -396,7 +395,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
             v = ev_blk[e]
             pos = ev_key[e] & 0xFFFFFFFF
             e += 1
-            if refseen[v] == i and refpos[v] > pos:
+            if refpos[v] >= a and (b - 1 - refpos[v] if tf else refpos[v] - a) > pos:
                 continue  # referenced again later in the same request: the leader holds it
             mark[v] = 0
             if state[v] == 1:
