@@ -21,6 +21,7 @@ Errors use the API's one shape (:mod:`api.errors`): 401 ``unauthorized``, 403
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -119,6 +120,18 @@ def scope_of(token: str, settings: ApiSecuritySettings) -> Scope | None:
     return "admin" if admin else "read" if read else None
 
 
+def client_id(token: str) -> str:
+    """A caller's name for per-client quotas: ``token-`` and the first 16 hex digits of the
+    token's SHA-256 (the token itself is never kept)."""
+    return "token-" + hashlib.sha256(token.encode("utf-8")).hexdigest()[:16]
+
+
+def client_of(request: Request) -> str | None:
+    """Who called (:func:`client_id` of the bearer token that passed :func:`require_read` or
+    :func:`require_admin`), or ``None`` without tokens (every caller is then one client)."""
+    return getattr(request.state, "client", None)
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (name or address, IPv6 with or without brackets) is loopback."""
     h = host.strip("[]").lower()
@@ -185,6 +198,7 @@ def _authorize(request: Request, creds: HTTPAuthorizationCredentials | None, nee
     scope = scope_of(creds.credentials, sec.settings)
     if scope is None:
         raise ApiError(401, "unauthorized", "unknown token", {"WWW-Authenticate": "Bearer"})
+    request.state.client = client_id(creds.credentials)
     if need == "admin" and scope != "admin":
         raise ApiError(403, "forbidden", "this route needs an admin token")
 

@@ -417,8 +417,9 @@ class StatsResponse(BaseModel):
         default_factory=dict,
         description="the default policy's live expert selection: leader (the expert whose order the policy rounds "
                     "follow), switches, requests observed, window_requests, window_refs, superseded_blocks (blocks "
-                    "the rounds rank first while they follow prefix_value), finish_hints and finish_hints_dropped "
-                    "(routers' POST /v1/finished hints kept, and dropped by their quota), clock_refused (batches "
+                    "the rounds rank first while they follow prefix_value), finish_hints, finish_hint_clients and "
+                    "finish_hints_dropped (routers' POST /v1/finished hints kept, the API tokens they came "
+                    "from, and hints dropped by their quota), clock_refused (batches "
                     "stamped more than 5 s ahead of the advisor's clock, not taken as arrivals) "
                     "(advisor.policy.eviction.experts.LiveSelector); on a partitioned cluster's API "
                     "{\"partitions\": {partition: those fields}}, each partition's own selection")

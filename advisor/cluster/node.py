@@ -42,8 +42,9 @@ events, last_ts_ns]} (what this partition applied of each source)}``; ``{"op": "
 "capacity_bytes", "role", "stats"}] (the owner's mover's volumes, usage from the catalog;
 ``[]`` when ``usage`` is false or the owner runs no mover), "indexed": {volume: blocks of this
 partition placed there, a trunk block in partition sequence_hash % P only}}``;
-``{"op": "finished", "hash": h, "reason": r}`` (a router's finish hint for the request
-whose prompt ends at block ``h``, ``LiveSelector.finished``) ``{"position", "taken": bool}``
+``{"op": "finished", "hash": h, "reason": r, "client": c}`` (a router's finish hint for the
+request whose prompt ends at block ``h``, ``LiveSelector.finished``; ``client``, optional, the
+API token's digest whose share of the hint quota it counts in) ``{"position", "taken": bool}``
 (``false`` without a mover).  A lookup
 answer also carries ``"any"``: the leading blocks held at some location.  Any of them may be answered ``{"unavailable": reason}``.
 """
@@ -463,11 +464,12 @@ class ClusterClient:
                 return list(got)
         return None
 
-    def finished(self, hashes: Sequence[int], finish_reason: str) -> bool:
+    def finished(self, hashes: Sequence[int], finish_reason: str, client: str | None = None) -> bool:
         """Hand a router's finish hint (the prompt ``hashes``, first block first, and how it
         ended) to the partitions whose selectors saw the request: the owner of the prompt's
         last piece, or every partition when the whole prompt is trunk (each keeps the trunk);
-        whether one of them took it (``False`` for an empty prompt).
+        whether one of them took it (``False`` for an empty prompt).  ``client`` names whose
+        share of the selectors' hint quota it counts in (``None``: the anonymous client).
 
         Raises:
             PartitionUnavailable: a partition the hint goes to has no owner serving now.
@@ -476,7 +478,9 @@ class ClusterClient:
             return False
         last = self.scheme.pieces(hashes)[-1].partition
         targets = [last] if last >= 0 else list(range(self.scheme.partitions))
-        op = {"op": "finished", "hash": int(hashes[-1]), "reason": str(finish_reason)[:64]}
+        op: dict[str, Any] = {"op": "finished", "hash": int(hashes[-1]), "reason": str(finish_reason)[:64]}
+        if client is not None:
+            op["client"] = str(client)[:64]
         taken = False
         for p in targets:
             taken = bool(self._request(p, op).get("taken")) or taken

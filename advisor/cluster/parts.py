@@ -207,7 +207,7 @@ class Replica:
     def op(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"op": "status"}`` -> position, block count, per-source last seq;
         ``{"op": "blocks_at", "location": L}`` -> the hashes held at ``L``; ``{"op":
-        "finished", "hash", "reason"}`` -> whether the selector took the finish hint (the
+        "finished", "hash", "reason", "client"?}`` -> whether the selector took the finish hint (the
         other ops: :mod:`advisor.cluster.node`)."""
         if not self.ready.is_set():
             return {"unavailable": "rebuilding"}
@@ -239,10 +239,11 @@ class Replica:
                                                                info.size, sorted(info.locations), info.hits,
                                                                info.last_access_ns, info.orphan]}
             if request.get("op") == "finished":
-                h, why = request.get("hash"), request.get("reason")
-                if not (type(h) is int and 0 <= h < 1 << 64 and isinstance(why, str)):
-                    return {"unavailable": "bad request: finished needs a u64 hash and a reason"}
-                taken = self.selector.finished([h], why[:64]) if self.selector is not None else False
+                h, why, who = request.get("hash"), request.get("reason"), request.get("client", "anonymous")
+                if not (type(h) is int and 0 <= h < 1 << 64 and isinstance(why, str) and isinstance(who, str)):
+                    return {"unavailable": "bad request: finished needs a u64 hash, a reason and a client name"}
+                taken = (self.selector.finished([h], why[:64], client=who[:64]) if self.selector is not None
+                         else False)
                 return {"position": self.position, "taken": bool(taken)}
         return {"unavailable": f"bad request: unknown op {str(request.get('op'))[:40]!r}"}
 

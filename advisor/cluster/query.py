@@ -94,14 +94,15 @@ class ClusterQuery:
         per, any_n = self._client.lookup_full(list(hashes))
         return LookupResult(len(hashes), dict(sorted(per.items())), any_n)
 
-    def finish_hint(self, hashes: Sequence[int], finish_reason: str) -> bool:
+    def finish_hint(self, hashes: Sequence[int], finish_reason: str, client: str | None = None) -> bool:
         """Hand a router's word that the request with prompt ``hashes`` finished to the
-        partitions that saw it (:meth:`ClusterClient.finished`); ``False`` when none took it.
+        partitions that saw it (:meth:`ClusterClient.finished`), with the ``client`` whose
+        share of the hint quota it counts in; ``False`` when none took it.
 
         Raises:
             PartitionUnavailable: a partition it goes to has no owner serving now.
         """
-        return self._client.finished(list(hashes), finish_reason)
+        return self._client.finished(list(hashes), finish_reason, client)
 
     def volumes(self) -> list[VolumeView]:
         """The volumes the cluster advisors manage (``--storage``), with their role, usage

@@ -13,11 +13,25 @@ Budgets and quotas:
 
 * ``bytes_per_s`` / ``burst_bytes``: a token bucket (:class:`advisor.moves.planner.TokenBucket`)
   on the bytes prefetches copy; items wait in the queue until their bytes fit;
-* ``max_pending_blocks``: blocks queued and not yet moved; a hint that does not fit is
-  refused whole and counted (``refused``);
+* ``max_pending_blocks``: blocks queued and not yet moved, shared by the routers that hint
+  (below); a hint that does not fit is refused whole and counted (``refused``);
 * ``max_blocks_per_hint``: the first blocks of a prefix only (the ones read first);
 * ``max_tracked``: prefetched blocks awaiting a used / wasted verdict; the oldest is
   judged wasted when the table is full.
+
+Fair share between routers (clients): each hint carries its client (the API passes a
+digest of the bearer token, :func:`api.auth.client_of`; one ``anonymous`` client without
+tokens), and each client has its own queue.  Admission is *longest queue drop* (LQD, the
+shared-buffer rule of Suter et al., "Design Considerations for Supporting TCP with Per-flow
+Queueing", INFOCOM 1998): a hint that does not fit in ``max_pending_blocks`` takes room from
+the client holding the most pending blocks, newest blocks first (``displaced``), as long as
+that client still holds more than the newcomer will; otherwise it is refused.  So a client
+that floods lookups fills the queue only while nobody else needs it: any other client can
+always queue up to an equal share (``max_pending_blocks`` / clients with pending blocks).
+Service is round robin over the clients, one item each per turn, within the bandwidth
+budget: a flood does not delay another client's prefetch by more than one item per
+flooding client per turn.  Clients are kept only while they have pending blocks, so their
+number is bounded by ``max_pending_blocks``.
 
 Outcome of a prefetched block (counters ``used`` / ``wasted``):
 
@@ -34,7 +48,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -77,7 +91,10 @@ class PrefetchCounters:
 
     Attributes:
         hints: lookups taken as hints.
-        refused: hints refused because the queue was full (``max_pending_blocks``).
+        refused: hints refused because the queue was full (``max_pending_blocks``) and no
+            client held more than the hinting one would (module docstring, "Fair share").
+        displaced: blocks dropped from the longest client's queue to admit another
+            client's hint (its next lookup hints them again).
         queued: blocks queued for a prefetch.
         issued: prefetch moves done (the block is on the fast volume).
         held: items the service held back (move guard, full-volume backoff, planner
@@ -89,6 +106,7 @@ class PrefetchCounters:
 
     hints: int = 0
     refused: int = 0
+    displaced: int = 0
     queued: int = 0
     held: int = 0
     issued: int = 0
@@ -97,6 +115,26 @@ class PrefetchCounters:
     bytes: int = 0
     used: int = 0
     wasted: int = 0
+
+
+ANONYMOUS = "anonymous"
+"""The client of hints that name none (an API without tokens, in-process callers)."""
+
+
+@dataclass
+class _ClientQueue:
+    """One client's pending work: hints not yet planned, blocks being planned, queued items."""
+
+    hints: deque[tuple[int, ...]] = field(default_factory=deque)
+    hint_blocks: int = 0
+    planning: int = 0
+    items: OrderedDict[int, PlanItem] = field(default_factory=OrderedDict)  # sequence hash -> item, oldest first
+
+    def pending(self) -> int:
+        return self.hint_blocks + self.planning + len(self.items)
+
+    def droppable(self) -> int:
+        return self.hint_blocks + len(self.items)
 
 
 class Prefetcher:
@@ -137,20 +175,24 @@ class Prefetcher:
         self._room = room
         self.bucket = TokenBucket(settings.bytes_per_s, settings.burst_bytes or settings.bytes_per_s, clock)
         self.counters = PrefetchCounters()
-        self._hints: deque[tuple[int, ...]] = deque()
-        self._hint_blocks = 0  # blocks in self._hints (an upper bound of what they queue)
-        self._in_flight = 0  # blocks taken from the hints or the queue and not yet done
-        self._queue: OrderedDict[int, PlanItem] = OrderedDict()  # sequence hash -> item, oldest first
+        # client -> its queue, in round-robin order (served clients move to the end); a client
+        # is dropped once it has nothing pending
+        self._clients: OrderedDict[str, _ClientQueue] = OrderedDict()
+        self._owner: dict[int, str] = {}  # sequence hash -> client whose queue holds its item
+        self._total = 0  # sum of the clients' pending blocks
+        self._in_flight = 0  # blocks taken from the queues and being moved
         self._tracked: OrderedDict[int, tuple[float, int]] = OrderedDict()  # hash -> (moved at, hits then)
         self._lock = threading.Lock()
         self._wake = threading.Event()
 
     # ---------------------------------------------------------------- producer side
-    def hint(self, hashes: Sequence[int]) -> bool:
+    def hint(self, hashes: Sequence[int], client: str = ANONYMOUS) -> bool:
         """Take one lookup's prefix as a hint; cheap, never blocks on storage.
 
         Args:
             hashes: sequence hashes of the prefix, first block first (u64).
+            client: who hinted (module docstring, "Fair share"; not a secret: the API
+                passes a digest of the token).
 
         Returns:
             Whether it was queued (``False``: refused by the quota, or empty).
@@ -160,38 +202,94 @@ class Prefetcher:
         head = tuple(hashes[: self.settings.max_blocks_per_hint])
         with self._lock:
             self.counters.hints += 1
-            if self._pending() + len(head) > self.settings.max_pending_blocks:
+            mine = self._clients.get(client)
+            after = (mine.pending() if mine is not None else 0) + len(head)
+            if not self._make_room(self._pending() + len(head) - self.settings.max_pending_blocks, client, after):
                 self.counters.refused += 1
                 return False
-            self._hints.append(head)
-            self._hint_blocks += len(head)
+            if mine is None:
+                mine = self._clients[client] = _ClientQueue()
+            mine.hints.append(head)
+            mine.hint_blocks += len(head)
+            self._total += len(head)
         self._wake.set()
         return True
+
+    def _make_room(self, need: int, client: str, after: int) -> bool:
+        """Free ``need`` blocks for ``client`` (who will hold ``after``) by longest queue drop;
+        ``False`` (and nothing dropped) when that cannot free enough (caller holds the lock)."""
+        if need <= 0:
+            return True
+        others = [(q.pending(), name) for name, q in self._clients.items() if name != client]
+        # what LQD may take: each other client down to ``after`` blocks, from what is droppable
+        free = sum(max(0, min(self._clients[n].droppable(), p - after)) for p, n in others)
+        if free < need:
+            return False
+        while need > 0:  # water-filling: always from the client holding the most
+            _, name = max((q.pending(), n) for n, q in self._clients.items()
+                          if n != client and q.droppable() and q.pending() > after)
+            need -= self._drop_newest(name, 1)
+        return True
+
+    def _drop_newest(self, name: str, n: int) -> int:
+        """Drop up to ``n`` of client ``name``'s newest blocks: the last blocks of its newest
+        hint, then its newest queued items (caller holds the lock); returns how many."""
+        q = self._clients[name]
+        dropped = 0
+        while dropped < n and q.hints:
+            last = q.hints.pop()
+            keep = max(0, len(last) - (n - dropped))
+            dropped += len(last) - keep
+            q.hint_blocks -= len(last) - keep
+            if keep:
+                q.hints.append(last[:keep])
+        while dropped < n and q.items:
+            h, _ = q.items.popitem(last=True)
+            del self._owner[h]
+            dropped += 1
+        self._total -= dropped
+        self.counters.displaced += dropped
+        if not q.pending():
+            del self._clients[name]
+        return dropped
 
     # ---------------------------------------------------------------- worker side
     def _plan_hints(self) -> None:
         """Turn queued hints into queued PROMOTE items (blocks not yet on the fast volume)."""
         with self._lock:
-            hints = list(self._hints)
-            self._hints.clear()
-            self._in_flight, self._hint_blocks = self._hint_blocks, 0  # still pending while planned
-        for head in hints:
-            for info in self._blocks(head):
-                if info is None:
-                    break  # the prefix ends where the index does
-                h = info.sequence_hash
-                if self.fast in info.locations or h in self._queue:
-                    continue
-                src = next((v for v in self.sources if v in info.locations), None)
-                if src is None:
-                    continue  # only in GPU / host memory of workers: nothing to promote
-                item = PlanItem(PlanKind.PROMOTE, f"prefetch: a lookup named this prefix; {src} -> {self.fast}",
-                                src, self.fast, sequence_hash=h, bytes=info.size)
-                with self._lock:
-                    self._queue[h] = item
-                    self.counters.queued += 1
-        with self._lock:
-            self._in_flight = 0
+            work = []
+            for name, q in self._clients.items():
+                if q.hints:
+                    work.append((name, list(q.hints)))
+                    q.hints.clear()
+                    q.planning, q.hint_blocks = q.planning + q.hint_blocks, 0  # still pending while planned
+        for name, hints in work:
+            for head in hints:
+                for info in self._blocks(head):
+                    if info is None:
+                        break  # the prefix ends where the index does
+                    h = info.sequence_hash
+                    if self.fast in info.locations:
+                        continue
+                    src = next((v for v in self.sources if v in info.locations), None)
+                    if src is None:
+                        continue  # only in GPU / host memory of workers: nothing to promote
+                    item = PlanItem(PlanKind.PROMOTE, f"prefetch: a lookup named this prefix; {src} -> {self.fast}",
+                                    src, self.fast, sequence_hash=h, bytes=info.size)
+                    with self._lock:
+                        if h in self._owner:
+                            continue  # queued already (by this client or another)
+                        q = self._clients[name]
+                        q.items[h] = item
+                        self._owner[h] = name
+                        self._total += 1
+                        self.counters.queued += 1
+            with self._lock:
+                q = self._clients[name]
+                self._total -= q.planning
+                q.planning = 0
+                if not q.pending():
+                    del self._clients[name]
 
     def step(self) -> list[PlanResult]:
         """One pass: plan the hints, move what the bandwidth budget allows, judge outcomes.
@@ -201,21 +299,31 @@ class Prefetcher:
         """
         self._plan_hints()
         batch: list[PlanItem] = []
-        room = self._room() if self._room is not None and self._queue else None
+        with self._lock:
+            waiting = any(q.items for q in self._clients.values())
+        room = self._room() if self._room is not None and waiting else None
         no_room = 0
         with self._lock:
-            while self._queue:
-                h, item = next(iter(self._queue.items()))
-                if room is not None and item.bytes > room:
-                    del self._queue[h]  # the fast volume has no room for it: dropped, not failed
-                    no_room += 1
-                    continue
-                if not self.bucket.try_take(item.bytes):
-                    break  # the rest waits for the budget
-                del self._queue[h]
-                batch.append(item)
-                if room is not None:
-                    room -= item.bytes
+            budget = True
+            while budget and any(q.items for q in self._clients.values()):
+                for name in list(self._clients):  # one turn: an item of each client, in order
+                    q = self._clients[name]
+                    if not q.items:
+                        continue
+                    h, item = next(iter(q.items.items()))
+                    if room is not None and item.bytes > room:
+                        self._take(name, h)  # the fast volume has no room for it: dropped, not failed
+                        no_room += 1
+                        continue
+                    if not self.bucket.try_take(item.bytes):
+                        budget = False  # the rest waits for the budget; this client goes first next time
+                        break
+                    self._take(name, h)
+                    if name in self._clients:
+                        self._clients.move_to_end(name)  # its turn is over: the others go first
+                    batch.append(item)
+                    if room is not None:
+                        room -= item.bytes
             self._in_flight = len(batch)
             self.counters.held += no_room
         try:
@@ -228,6 +336,15 @@ class Prefetcher:
         self._record(results)
         self.sweep()
         return results
+
+    def _take(self, name: str, h: int) -> None:
+        """Take item ``h`` off client ``name``'s queue (caller holds the lock)."""
+        q = self._clients[name]
+        del q.items[h]
+        del self._owner[h]
+        self._total -= 1
+        if not q.pending():
+            del self._clients[name]
 
     def _record(self, results: Sequence[PlanResult]) -> None:
         done = [r.item.sequence_hash for r in results if r.status is PlanStatus.DONE]
@@ -288,7 +405,7 @@ class Prefetcher:
             except Exception:  # noqa: BLE001 - a failed pass must not end prefetching
                 logger.exception("advisor: prefetch pass failed")
             with self._lock:
-                waiting = bool(self._queue)
+                waiting = any(q.items for q in self._clients.values())
             if waiting and not stop.is_set():
                 stop.wait(min(idle_s, 0.05))  # waiting for the bandwidth budget
 
@@ -298,22 +415,24 @@ class Prefetcher:
 
     def _pending(self) -> int:
         """Blocks in hints not yet planned, queued, or being moved (caller holds the lock)."""
-        return self._hint_blocks + len(self._queue) + self._in_flight
+        return self._total + self._in_flight
 
     def stats(self) -> dict[str, int]:
         """The counters (:class:`PrefetchCounters`) plus ``pending`` (blocks in hints not yet
-        planned, queued, or being moved: 0 once every hint so far is carried out) and
-        ``tracked`` (prefetched blocks awaiting a verdict)."""
+        planned, queued, or being moved: 0 once every hint so far is carried out),
+        ``clients`` (clients with pending blocks) and ``tracked`` (prefetched blocks awaiting
+        a verdict)."""
         with self._lock:
             out = dict(vars(self.counters))
             out["pending"] = self._pending()
+            out["clients"] = len(self._clients)
             out["tracked"] = len(self._tracked)
         return out
 
 
 class PrefetchCollector(Collector):
     """Prometheus view of a :class:`Prefetcher`: ``kvadvisor_prefetch_total{outcome}``
-    (``hint``, ``refused``, ``queued``, ``held``, ``issued``, ``skipped``, ``failed``, ``used``,
+    (``hint``, ``refused``, ``displaced``, ``queued``, ``held``, ``issued``, ``skipped``, ``failed``, ``used``,
     ``wasted``), ``kvadvisor_prefetch_bytes_total`` and ``kvadvisor_prefetch_pending``."""
 
     def __init__(self, prefetcher: Prefetcher) -> None:
@@ -323,11 +442,12 @@ class PrefetchCollector(Collector):
         st = self._p.stats()
         c = CounterMetricFamily("kvadvisor_prefetch", "Prefetch hints and prefetch moves by outcome",
                                 labels=["outcome"])
-        for name in ("hints", "refused", "queued", "held", "issued", "skipped", "failed", "used", "wasted"):
+        for name in ("hints", "refused", "displaced", "queued", "held", "issued", "skipped", "failed", "used",
+                     "wasted"):
             c.add_metric([name.removesuffix("s") if name == "hints" else name], st[name])
         yield c
         yield CounterMetricFamily("kvadvisor_prefetch_bytes", "Bytes copied by prefetch moves", value=st["bytes"])
         yield GaugeMetricFamily("kvadvisor_prefetch_pending", "Blocks waiting for a prefetch", value=st["pending"])
 
 
-__all__ = ["PrefetchCollector", "PrefetchCounters", "PrefetchSettings", "Prefetcher"]
+__all__ = ["ANONYMOUS", "PrefetchCollector", "PrefetchCounters", "PrefetchSettings", "Prefetcher"]

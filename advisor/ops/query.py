@@ -104,17 +104,23 @@ class AdvisorQuery:
                 where.append(frozenset(info.locations) if info is not None else frozenset())
         return LookupResult(len(hashes), dict(sorted(per.items())), anyn, where)
 
-    def prefetch_hint(self, hashes: Sequence[int]) -> bool:
-        """Take a router's lookup as a prefetch hint (:meth:`advisor.moves.prefetch.Prefetcher.hint`);
+    def prefetch_hint(self, hashes: Sequence[int], client: str | None = None) -> bool:
+        """Take a router's lookup as a prefetch hint (:meth:`advisor.moves.prefetch.Prefetcher.hint`)
+        from ``client`` (its fair share of the queue; ``None``: the anonymous client);
         ``False`` when refused by the quota or when the advisor does not prefetch."""
         p = self._svc.prefetcher
-        return p.hint(hashes) if p is not None else False
+        if p is None:
+            return False
+        return p.hint(hashes) if client is None else p.hint(hashes, client)
 
-    def finish_hint(self, hashes: Sequence[int], finish_reason: str) -> bool:
+    def finish_hint(self, hashes: Sequence[int], finish_reason: str, client: str | None = None) -> bool:
         """Take a router's word that the request with prompt ``hashes`` finished
-        (:meth:`advisor.policy.eviction.experts.LiveSelector.finished`); ``False`` for an
-        empty prompt or with hints off (``policy.selector.max_finish_hints = 0``)."""
-        return self._svc.selector.finished(hashes, finish_reason)
+        (:meth:`advisor.policy.eviction.experts.LiveSelector.finished`) from ``client`` (its
+        share of the hint quota; ``None``: the anonymous client); ``False`` for an empty
+        prompt or with hints off (``policy.selector.max_finish_hints = 0``)."""
+        if client is None:
+            return self._svc.selector.finished(hashes, finish_reason)
+        return self._svc.selector.finished(hashes, finish_reason, client=client)
 
     def volumes(self) -> list[VolumeView]:
         """Configured volumes with role, storage usage and indexed block count."""

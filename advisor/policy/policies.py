@@ -151,8 +151,8 @@ class SelectorLiveSettings(BaseModel):
         max_window_refs: block references of the newest requests kept for the replay
             (the quota of the selector's state: 8 bytes each).
         min_new_refs: new references observed before the next replay.
-        max_finish_hints: routers' finish hints kept (``POST /v1/finished``, oldest
-            dropped first; 0 = none taken).
+        max_finish_hints: routers' finish hints kept (``POST /v1/finished``; past it the
+            oldest hint of the API token holding the most is dropped; 0 = none taken).
         finish_reason_sources: publishers (``source``) whose Stores may carry a request's
             ``finish_reason`` in ``extra_metadata``; the others' is ignored (default none:
             a publisher could mark its own prefixes ``tool_calls`` to keep them cached).

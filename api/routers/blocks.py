@@ -9,9 +9,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
+from api.auth import client_of
 from api.errors import ApiError, json_response
 from api.hit_rates import HitRates, served_per_tier
 from api.models import (
@@ -114,25 +115,25 @@ def blocks_router(query: AdvisorQuery, lookup_rates: HitRates, read: Sequence[An
         return computed, computed
 
     @router.post("/v1/finished", response_model=FinishedResponse, dependencies=read)
-    def finished(req: FinishedRequest) -> FinishedResponse:
+    def finished(req: FinishedRequest, request: Request) -> FinishedResponse:
         """A router reports that a request finished and how (``finish_reason``): the default
         policy keeps sessions waiting on a tool call (:mod:`advisor.policy.eviction.finish_aware`)."""
         hint = getattr(query, "finish_hint", None)
         if hint is None:
             raise ApiError(501, "not_supported", "this API's advisor takes no finish hints")
         hashes, _ = hashes_of(req)
-        return FinishedResponse(taken=bool(hint(hashes, req.finish_reason)),
+        return FinishedResponse(taken=bool(hint(hashes, req.finish_reason, client_of(request))),
                                 finish_class=FINISH_CLASS_NAMES[finish_class(req.finish_reason)])
 
     @router.post("/v1/lookup", response_model=LookupResponse, dependencies=read)
-    async def lookup(req: LookupRequest) -> Response:
+    async def lookup(req: LookupRequest, request: Request) -> Response:
         # async and a pre-encoded body: the hot route of routers runs on the event loop (the
         # index lookup takes microseconds) and skips FastAPI's second validation pass
         hashes, computed = hashes_of(req)
         res = query.lookup(hashes)  # type: ignore[arg-type]  # validated to ints
         hint = getattr(query, "prefetch_hint", None)  # a router asks before it dispatches: prefetch
         if hint is not None:
-            hint(hashes)
+            hint(hashes, client_of(request))  # a fair share of the prefetch queue per token
         per_tier: dict[str, int] = {}
         per_worker: dict[str, dict[str, int]] = {}
         for loc, n in res.per_location.items():

@@ -107,3 +107,58 @@ def test_router_lookups_prefetch_the_prefix_from_s3_to_fast_and_count_used_and_w
         assert f'kvadvisor_prefetch_total{{outcome="{outcome}"}} {float(n)}' in text
     assert f"kvadvisor_prefetch_bytes_total {float(6 * BLK)}" in text
     assert 'kvadvisor_moves_total{kind="promote",status="done"} 6.0' in text
+
+
+def test_a_token_flooding_lookups_cannot_take_another_routers_share_of_the_prefetch_queue(
+        tmp_path: Path, local_s3: LocalS3) -> None:
+    # two read tokens, two clients: one floods the prefetch queue with long lookups; the other
+    # router's lookup still gets its blocks queued, by taking room from the flood.  The budget
+    # moves one block, then nothing for an hour (a full bucket lets one block larger than
+    # its burst through, then refills at 1 byte/s), so what is checked is the queue
+    from pydantic import SecretStr
+
+    from api.auth import ApiSecuritySettings
+    from api.server import serve_query
+
+    flood_token, router_token = "flood-" + "f" * 24, "router-" + "r" * 24
+    conf = settings(tmp_path, archive=(local_s3.endpoint, local_s3.access_key, local_s3.secret_key),
+                    policy={"planner": {"min_move_interval_s": 0}},
+                    prefetch={"bytes_per_s": 1.0, "burst_bytes": 1, "max_pending_blocks": 8})
+    svc = AdvisorService(conf)
+    svc.start()
+    worker = Worker(conf)
+    server = serve_query(svc.query(), security=ApiSecuritySettings(read_tokens=[SecretStr(flood_token),
+                                                                                SecretStr(router_token)]))
+    flood = httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {flood_token}"})
+    router = httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {router_token}"})
+    try:
+        flooded, mine = list(range(1, 25)), [101, 102, 103]
+        worker.put(flooded + mine, "s3")
+        worker.send(svc, "w0", *chain(flooded, "s3"), *chain(mine, "s3"))
+
+        def prefetch() -> dict[str, int]:
+            return router.get("/v1/stats").json()["prefetch"]
+
+        for k in range(3):  # 8 blocks each: the first fills the queue, the others are refused
+            assert flood.post("/v1/lookup", json={"sequence_hashes": flooded[8 * k: 8 * k + 8]}).status_code == 200
+        wait_for(lambda: prefetch()["queued"] == 8 and prefetch()["issued"] == 1, "the flood queued, one moved")
+        st = prefetch()
+        assert (st["hints"], st["pending"], st["clients"], st["refused"], st["displaced"]) == (3, 7, 1, 2, 0), st
+        # the other router: 3 blocks, made room for by the flood's 2 newest
+        assert router.post("/v1/lookup", json={"sequence_hashes": mine}).status_code == 200
+        wait_for(lambda: prefetch()["queued"] == 11, "the router's prefix queued")
+        st = prefetch()
+        assert (st["pending"], st["clients"], st["refused"], st["displaced"]) == (8, 2, 2, 2), st
+        # the flooder, again: it holds the most (5 against 3), so nobody gives way to it
+        assert flood.post("/v1/lookup", json={"sequence_hashes": flooded[8:9]}).status_code == 200
+        wait_for(lambda: prefetch()["hints"] == 5, "the flooder's last hint")
+        assert (prefetch()["refused"], prefetch()["displaced"], prefetch()["pending"]) == (3, 2, 8)
+        text = router.get("/metrics").text
+        assert 'kvadvisor_prefetch_total{outcome="displaced"} 2.0' in text
+        assert flood_token not in text and router_token not in text
+    finally:
+        flood.close()
+        router.close()
+        server.stop()
+        svc.stop()
+        worker.close()

@@ -145,6 +145,44 @@ def test_finish_hints_need_a_token_and_the_read_scope_suffices_as_documented(api
             assert r.status_code == 200 and r.json() == {"taken": True, "finish_class": "tool_call"}
 
 
+def test_a_token_flooding_finish_hints_cannot_push_out_another_routers(tmp_path: Path) -> None:
+    # the quota (4 hints) is shared by token: past it, the oldest hint of the token holding
+    # the most goes, so the flooder only ever drops its own once the other router has a share
+    from pydantic import SecretStr
+
+    from api.auth import ApiSecuritySettings
+
+    flood, router = "f" * 24, "g" * 24
+    svc = AdvisorService(AdvisorSettings(
+        journal_path=str(tmp_path / "j.sqlite"), api_enabled=False, snapshot_store="none",
+        policy=PolicySettings(selector=SelectorLiveSettings(max_finish_hints=4))))
+    svc.start()
+    try:
+        sec = ApiSecuritySettings(read_tokens=[SecretStr(flood), SecretStr(router)])
+        client = TestClient(create_app(svc.query(), security=sec), base_url="http://127.0.0.1")
+
+        def post(token: str, h: int) -> None:
+            r = client.post("/v1/finished", json={"sequence_hashes": [h], "finish_reason": "tool_calls"},
+                            headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200 and r.json()["taken"] is True
+
+        for h in (1, 2, 3, 4):
+            post(flood, h)
+        post(router, 100)  # the flooder holds the most: its oldest (1) goes
+        post(router, 101)  # again (2)
+        for h in range(5, 50):  # the flooder's own oldest go now, never the router's
+            post(flood, h)
+        assert set(svc.selector._hints) == {48, 49, 100, 101}  # noqa: SLF001 - the quota's state
+        st = client.get("/v1/stats", headers={"Authorization": f"Bearer {router}"}).json()["policy"]
+        assert (st["finish_hints"], st["finish_hint_clients"], st["finish_hints_dropped"]) == (4, 2, 47)
+        # a hint on a hash another token hinted moves it to the later token's share
+        post(flood, 100)
+        post(router, 102)  # the flooder holds 3 (48, 49, 100): its oldest, 48, goes
+        assert set(svc.selector._hints) == {49, 100, 101, 102}  # noqa: SLF001
+    finally:
+        svc.stop()
+
+
 @pytest.mark.parametrize("skew_s", [0.0, 60.0])
 def test_a_router_hint_is_timed_on_the_batches_clock(
         hinted: tuple[AdvisorService, TestClient], skew_s: float) -> None:

@@ -152,6 +152,9 @@ def test_hostile_finish_hints_are_refused_or_bounded_and_the_fold_goes_on(rig_fa
             {"op": "finished", "hash": [5], "reason": "stop"},
             {"op": "finished", "hash": False, "reason": "stop"},
             {"op": "finished", "hash": -(1 << 63), "reason": "stop"},
+            {"op": "finished", "hash": 5, "reason": "stop", "client": 7},
+            {"op": "finished", "hash": 5, "reason": "stop", "client": None},
+            {"op": "finished", "hash": 5, "reason": "stop", "client": ["a"]},
         ]
         for body in bad:
             with pytest.raises(PartitionUnavailable, match="bad request"):
@@ -174,6 +177,13 @@ def test_hostile_finish_hints_are_refused_or_bounded_and_the_fold_goes_on(rig_fa
             assert r.status_code == 200, r.text
         st = _partitions_policy(http)[str(owner)]
         assert st["finish_hints"] == 4 and st["finish_hints_dropped"] >= 36, st
+        # the quota is shared by client: a second client's hint pushes out the first's oldest,
+        # and the first one's flood then drops its own, never the second's
+        sel = node.serving()[owner].selector
+        assert client._request(owner, {"op": "finished", "hash": 77, "reason": "stop", "client": "token-b"})["taken"]
+        for k in range(10):
+            assert client._request(owner, {"op": "finished", "hash": 1000 + k, "reason": "stop"})["taken"]
+        assert 77 in sel._hints and sel.stats()["finish_hint_clients"] == 2  # noqa: SLF001 - the quota's state
         # an empty prompt is answered, not forwarded
         r = http.post("/v1/finished", json={"sequence_hashes": [], "finish_reason": "stop"})
         assert r.status_code == 200 and r.json()["taken"] is False, r.text

@@ -146,3 +146,74 @@ def test_used_wasted_verdicts() -> None:
     r.p.sweep()
     st = r.p.stats()
     assert (st["used"], st["wasted"], st["tracked"], st["issued"]) == (1, 2, 0, 3)
+
+
+def test_a_flooding_client_gives_way_to_another_down_to_an_equal_share() -> None:
+    # longest queue drop: the flooder's newest blocks make room for the other client's hint,
+    # while the flooder still holds more than the newcomer will; beyond that, refused
+    r = Rig(max_pending_blocks=8, bytes_per_s=2 * BLK)
+    r.chain(list(range(1, 13)), "s3")
+    r.chain(list(range(101, 110)), "s3")
+    assert r.p.hint(list(range(1, 9)), client="flood")
+    assert not r.p.hint([9, 10], client="flood")  # full, and nobody holds more than it
+    assert r.p.hint([101, 102, 103], client="router")  # 3 of the flooder's newest go
+    assert not r.p.hint([104, 105], client="router")  # it would hold 5 against the flooder's 5
+    assert r.p.hint([104], client="router")  # 4 and 4: an equal share
+    st = r.p.stats()
+    assert (st["pending"], st["clients"], st["displaced"], st["refused"]) == (8, 2, 4, 2)
+    # served in turns, one item of each client per turn: the router's first block goes in
+    # the first batch although the flooder hinted first
+    r.p.step()
+    assert r.moved == [[1, 101]]
+    r.t = 10.0  # the budget refills (burst: two blocks)
+    r.p.step()
+    assert r.moved == [[1, 101], [2, 102]]
+    r.t = 20.0
+    r.p.step()
+    r.t = 30.0
+    r.p.step()
+    # the flooder's hint kept its first blocks (its tail was displaced), the router's whole
+    assert sorted(h for b in r.moved for h in b) == [1, 2, 3, 4, 101, 102, 103, 104]
+    assert r.p.stats()["pending"] == 0 and r.p.stats()["clients"] == 0
+
+
+def test_an_equal_share_is_never_refused_whatever_the_others_hinted() -> None:
+    # property: with n clients holding blocks, a hint that leaves its client at or below
+    # max_pending / n is taken, and the total never passes the quota
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    cap = 24
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12)), max_size=40))
+    def run(hints: list[tuple[int, int]]) -> None:
+        r = Rig(max_pending_blocks=cap)
+        next_h = 1
+        for c, n in hints:
+            block = list(range(next_h, next_h + n))
+            next_h += n
+            before = {k: q.pending() for k, q in r.p._clients.items()}  # noqa: SLF001 - the invariant's input
+            mine = before.get(f"c{c}", 0) + n
+            clients = len(before.keys() | {f"c{c}"})
+            taken = r.p.hint(block, client=f"c{c}")
+            if mine * clients <= cap:
+                assert taken, (before, c, n)
+            assert r.p.stats()["pending"] <= cap
+            assert r.p.stats()["pending"] == sum(q.pending() for q in r.p._clients.values())  # noqa: SLF001
+
+    run()
+
+
+def test_turns_carry_over_between_passes_when_the_budget_allows_one_block_each() -> None:
+    # a budget of one block per pass: the client served last goes to the back, so the two
+    # clients alternate pass by pass instead of the first hinter taking every pass
+    r = Rig(bytes_per_s=BLK)
+    r.chain(list(range(1, 7)), "s3")
+    r.chain([101, 102, 103], "s3")
+    assert r.p.hint(list(range(1, 7)), client="flood")
+    assert r.p.hint([101, 102, 103], client="router")
+    for k in range(6):
+        r.t = float(k)
+        r.p.step()
+    assert r.moved == [[1], [101], [2], [102], [3], [103]]

@@ -545,8 +545,11 @@ class LiveSelector:
     (:meth:`finished`, ``POST /v1/finished``: the prompt's sequence hashes, matched to the
     latest window request that arrived by then and whose Store run holds the deepest of
     them; one request per hint).  Arrivals, hints and the ranking's "now" are on one
-    clock, the batches' (:meth:`clock_now`).  At most ``max_hints`` router hints are kept, oldest
-    dropped first (the quota of that state); a request without either has finished with
+    clock, the batches' (:meth:`clock_now`).  At most ``max_hints`` router hints are kept (the
+    quota of that state), shared by the routers: each hint names its client (a digest of the
+    API token), and past the quota the oldest hint of the client holding the most goes first
+    (longest queue drop, as the prefetch queue, :mod:`advisor.moves.prefetch`), so a token
+    that floods hints cannot push out another router's; a request without either has finished with
     no reason known at its arrival (the ``unknown`` state, prefix-LRU's order).
     :attr:`returns` holds the gaps the expert learned and :meth:`finish_states` each
     window block's state, the live ranking's inputs when it leads.
@@ -591,6 +594,8 @@ class LiveSelector:
         self._window: deque[WindowRequest] = deque()
         self.max_hints = int(max_hints)
         self._hints: OrderedDict[int, tuple[float, int]] = OrderedDict()  # deepest prompt hash -> (finish s, class)
+        self._hint_owner: dict[int, str] = {}  # deepest prompt hash -> the client that hinted it
+        self._client_hints: dict[str, OrderedDict[int, None]] = {}  # client -> its hints, oldest first
         self.hints_dropped = 0
         """Router finish hints dropped by the ``max_hints`` quota."""
         self.returns: finish_aware.ReturnTimes | None = None
@@ -657,7 +662,8 @@ class LiveSelector:
             while self._refs > self.max_window_refs and len(self._window) > 1:
                 self._refs -= len(self._window.popleft().path)
 
-    def finished(self, hashes: Sequence[int], finish_reason: str | None, at_s: float | None = None) -> bool:
+    def finished(self, hashes: Sequence[int], finish_reason: str | None, at_s: float | None = None,
+                 client: str = "anonymous") -> bool:
         """A router's word that the request whose prompt is ``hashes`` finished, and how
         (class docstring, "Finish reasons"); ``False`` when ``hashes`` is empty.
 
@@ -666,6 +672,8 @@ class LiveSelector:
             finish_reason: ``tool_calls``, ``stop``, ``length``, ... (:data:`finish_aware.FINISH_CLASSES`).
             at_s: when it finished (s, the batches' clock; default: that clock now,
                 :meth:`clock_now`, so a router's hint and the workers' Stores share one clock).
+            client: who hinted (the quota's share, class docstring; :func:`api.auth.client_id`
+                of the API token).
         """
         if not hashes or self.max_hints == 0 or (at_s is not None and not math.isfinite(at_s)):
             return False
@@ -673,12 +681,25 @@ class LiveSelector:
         key = h - (1 << 64) if h >= 1 << 63 else h
         with self._lock:
             t = self._clock_now() if at_s is None else float(at_s)
+            self._forget_hint(key)
             self._hints[key] = (t, finish_aware.finish_class(finish_reason))
-            self._hints.move_to_end(key)
-            while len(self._hints) > self.max_hints:
-                self._hints.popitem(last=False)
+            self._hint_owner[key] = client
+            self._client_hints.setdefault(client, OrderedDict())[key] = None
+            while len(self._hints) > self.max_hints:  # the longest holder's oldest hint goes
+                longest = max(self._client_hints, key=lambda c: len(self._client_hints[c]))
+                self._forget_hint(next(iter(self._client_hints[longest])))
                 self.hints_dropped += 1
         return True
+
+    def _forget_hint(self, key: int) -> None:
+        """Drop the hint on ``key`` if any (caller holds the lock)."""
+        if self._hints.pop(key, None) is None:
+            return
+        client = self._hint_owner.pop(key)
+        mine = self._client_hints[client]
+        del mine[key]
+        if not mine:
+            del self._client_hints[client]
 
     def clock_now(self) -> float:
         """The batches' clock now (s): the latest arrival, moved on by the host time passed
@@ -835,6 +856,7 @@ class LiveSelector:
             return {"leader": self.leader, "switches": self.switches, "requests": self.requests,
                     "window_requests": len(self._window), "window_refs": self._refs,
                     "superseded_blocks": len(self.superseded), "finish_hints": len(self._hints),
+                    "finish_hint_clients": len(self._client_hints),
                     "finish_hints_dropped": self.hints_dropped, "clock_refused": self.clock_refused}
 
 
