@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import nats
 import pytest
@@ -44,7 +46,8 @@ class _Recorder:
         self.overlaps: list[tuple[int, str, str]] = []
         self.events: list[tuple[str, str, int]] = []
 
-    def keeper(self, url: str, name: str, settings: LeaseSettings = SETTINGS) -> LeaseKeeper:
+    def keeper(self, url: str, name: str, settings: LeaseSettings = SETTINGS,
+               cls: type[LeaseKeeper] = LeaseKeeper) -> LeaseKeeper:
         def acq(p: int) -> None:
             with self.lock:
                 if p in self.holder:
@@ -58,7 +61,7 @@ class _Recorder:
                     del self.holder[p]
                 self.events.append((reason, name, p))
 
-        return LeaseKeeper(url, name, settings, on_acquire=acq, on_release=rel)
+        return cls(url, name, settings, on_acquire=acq, on_release=rel)
 
 
 def _balanced(keepers: list[LeaseKeeper]) -> bool:
@@ -146,15 +149,31 @@ def test_advisors_started_together_split_without_a_hand_over(js_url: str) -> Non
     nothing during its join delay, so both take their half directly and nobody releases
     a partition it took (without the delay the first takes all 8, then hands 4 over).
 
-    The delay here is 2 s, not the default heartbeat (0.5 s): on a loaded machine the
-    second start (connect, bind the bucket) took longer than 0.5 s, so it did not start
-    "together" and the first took all 8 (seen in a full-suite run)."""
+    On a loaded machine the second start (connect, bind the bucket) took longer than the
+    default delay (a heartbeat, 0.5 s), so it did not start "together" and the first took
+    all 8 (seen in a full-suite run); a longer delay (2 s) only moves that bound.  So the
+    first one's join delay here lasts until the second has joined as well: a round of the
+    first takes partitions only if the second's member entry was written before that round
+    read the bucket, however long the second start took."""
     settings = dataclasses.replace(SETTINGS, join_delay_s=2.0)
+    together = threading.Event()  # the second has joined: its member entry is in the bucket
+
+    class FirstOfTwo(LeaseKeeper):
+        seen_second = False
+
+        async def _balance(self, kv: Any) -> None:
+            self.seen_second = together.is_set()  # read before this round reads the members
+            await super()._balance(kv)
+
+        def _join_delay(self) -> float:
+            return super()._join_delay() if self.seen_second else math.inf
+
     rec = _Recorder()
     ks = []
     try:
-        for i in range(2):
-            ks.append(rec.keeper(js_url, f"adv-{i}", settings).start())
+        ks.append(rec.keeper(js_url, "adv-0", settings, cls=FirstOfTwo).start())
+        ks.append(rec.keeper(js_url, "adv-1", settings).start())
+        together.set()
         joined_at = ks[0]._joined_at  # the first one's join delay runs from its first heartbeat
         assert joined_at is not None
         apart_s = time.monotonic() - joined_at  # named when the split below fails: not together
