@@ -4,7 +4,6 @@ blocks, and moves are tried again after the backoff."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from advisor import AdvisorService, PlanKind, PlanStatus
@@ -24,6 +23,11 @@ def test_full_fast_volume_backs_off_and_reports(tmp_path: Path) -> None:
         w = Worker(s)
         try:
             with AdvisorService(s) as svc:
+                # the backoff's clock is the test's: on the wall clock, a stall of 2 s between
+                # the first round and the second (a loaded machine) ended the backoff, and the
+                # second round tried again (a guard timed from the second round missed that)
+                now = [1000.0]
+                svc.full_backoff._clock = lambda: now[0]
                 hot(w, svc, HOT)
                 first = svc.run_policies_once()
                 assert first and all(r.item.kind is PlanKind.PROMOTE for r in first)
@@ -31,14 +35,13 @@ def test_full_fast_volume_backs_off_and_reports(tmp_path: Path) -> None:
                 assert failed and all("VolumeFullError" in r.detail for r in failed)
                 assert svc.query().stats()["moves"]["failed"]["promote"] == len(failed)
                 reads = _slow_reads(svc)
-                t0 = time.monotonic()
-                second = svc.run_policies_once()
-                if time.monotonic() - t0 < 2.0:  # inside the backoff: nothing read, nothing tried
-                    assert second == []
-                    assert _slow_reads(svc) == reads
-                    assert svc.counters["deferred_volume_full"] > 0
+                now[0] += 1.9
+                second = svc.run_policies_once()  # inside the backoff: nothing read, nothing tried
+                assert second == []
+                assert _slow_reads(svc) == reads
+                assert svc.counters["deferred_volume_full"] > 0
                 assert svc.full_backoff.status()["fast"]["failures"] == 1
-                time.sleep(2.1)
+                now[0] += 0.2  # the 2 s backoff is over
                 third = svc.run_policies_once()  # tried again after the backoff, still full
                 assert third and any(r.status is PlanStatus.FAILED for r in third)
                 assert svc.full_backoff.status()["fast"]["delay_s"] == 4.0  # doubled
