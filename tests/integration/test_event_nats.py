@@ -187,7 +187,8 @@ def test_jetstream_late_subscriber_durable_resume_and_dedup(private_nats) -> Non
 
         sub = JetStreamSubscriber(url, "ns1", durable="vendor")
         sub.start()
-        rest = sub.get_many(10, 1.5)
+        # the two (however long a loaded machine takes), then nothing more within 1.5 s
+        rest = sub.get_many(2, 30.0) + sub.get_many(10, 1.5)
         assert [b.seq for b in rest] == [3, 4]  # resumes after the last ack, no doubles
         assert [e.sequence_hash for b in rest for e in b.events] == [100, 101, 102, 103]
         st = sub.stats()
@@ -222,7 +223,9 @@ def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -
             sub = JetStreamSubscriber(url, "nsr", durable="resumes")
             sub.start()
             try:
-                assert [b.seq for b in sub.get_many(10, 1.5)] == [3]
+                # at once, not after the 30 s ack wait: waited for up to 20 s (a loaded machine
+                # may start the subscriber late), then nothing more within 1.5 s
+                assert [b.seq for b in sub.get_many(1, 20.0) + sub.get_many(10, 1.5)] == [3]
             finally:
                 sub.close()
     finally:
