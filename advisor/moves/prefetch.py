@@ -21,17 +21,21 @@ Budgets and quotas:
 
 Fair share between routers (clients): each hint carries its client (the API passes a
 digest of the bearer token, :func:`api.auth.client_of`; one ``anonymous`` client without
-tokens), and each client has its own queue.  Admission is *longest queue drop* (LQD, the
-shared-buffer rule of Suter et al., "Design Considerations for Supporting TCP with Per-flow
-Queueing", INFOCOM 1998): a hint that does not fit in ``max_pending_blocks`` takes room from
-the client holding the most pending blocks, newest blocks first (``displaced``), as long as
-that client still holds more than the newcomer will; otherwise it is refused.  So a client
-that floods lookups fills the queue only while nobody else needs it: any other client can
-always queue up to an equal share (``max_pending_blocks`` / clients with pending blocks).
-Service is round robin over the clients, one item each per turn, within the bandwidth
-budget: a flood does not delay another client's prefetch by more than one item per
-flooding client per turn.  Clients are kept only while they have pending blocks, so their
-number is bounded by ``max_pending_blocks``.
+tokens), and each client has its own queue.  A client's pending blocks are those of its
+hints not yet walked, of the hint being walked, its queued items and its items being moved.
+Admission is *longest queue drop* (LQD, the shared-buffer rule of Suter et al., "Design
+Considerations for Supporting TCP with Per-flow Queueing", INFOCOM 1998): a hint that does
+not fit in ``max_pending_blocks`` takes room from the client holding the most pending blocks,
+newest blocks first (``displaced``; any but those being moved), as long as that client still
+holds more than the newcomer will; otherwise it is refused.  So a client that floods lookups
+fills the queue only while nobody else needs it: any other client can queue up to an equal
+share (``max_pending_blocks`` / clients with pending blocks), less only what of the longer
+queues is being moved (one batch, the bandwidth budget's burst at most).  Room is taken by
+water-filling over a heap, whole runs at a time: an admission costs O((clients + blocks) log
+clients), never clients x blocks.  Service is round robin over the clients, one item each
+per turn, within the bandwidth budget: a flood does not delay another client's prefetch by
+more than one item per flooding client per turn.  Clients are kept only while they have
+pending blocks, so their number is bounded by ``max_pending_blocks``.
 
 Outcome of a prefetched block (counters ``used`` / ``wasted``):
 
@@ -43,6 +47,7 @@ Outcome of a prefetched block (counters ``used`` / ``wasted``):
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -123,18 +128,20 @@ ANONYMOUS = "anonymous"
 
 @dataclass
 class _ClientQueue:
-    """One client's pending work: hints not yet planned, blocks being planned, queued items."""
+    """One client's pending work: hints not yet planned, the blocks of the hint being planned
+    (LQD may cut its tail), queued items, and blocks being moved (never dropped)."""
 
     hints: deque[tuple[int, ...]] = field(default_factory=deque)
     hint_blocks: int = 0
     planning: int = 0
     items: OrderedDict[int, PlanItem] = field(default_factory=OrderedDict)  # sequence hash -> item, oldest first
+    flight: int = 0
 
     def pending(self) -> int:
-        return self.hint_blocks + self.planning + len(self.items)
+        return self.hint_blocks + self.planning + len(self.items) + self.flight
 
     def droppable(self) -> int:
-        return self.hint_blocks + len(self.items)
+        return self.hint_blocks + self.planning + len(self.items)
 
 
 class Prefetcher:
@@ -180,7 +187,6 @@ class Prefetcher:
         self._clients: OrderedDict[str, _ClientQueue] = OrderedDict()
         self._owner: dict[int, str] = {}  # sequence hash -> client whose queue holds its item
         self._total = 0  # sum of the clients' pending blocks
-        self._in_flight = 0  # blocks taken from the queues and being moved
         self._tracked: OrderedDict[int, tuple[float, int]] = OrderedDict()  # hash -> (moved at, hits then)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -220,20 +226,26 @@ class Prefetcher:
         ``False`` (and nothing dropped) when that cannot free enough (caller holds the lock)."""
         if need <= 0:
             return True
-        others = [(q.pending(), name) for name, q in self._clients.items() if name != client]
         # what LQD may take: each other client down to ``after`` blocks, from what is droppable
-        free = sum(max(0, min(self._clients[n].droppable(), p - after)) for p, n in others)
-        if free < need:
+        heap = [(-p, name) for name, q in self._clients.items()
+                if name != client and (p := q.pending()) > after and q.droppable()]
+        if sum(min(self._clients[n].droppable(), -p - after) for p, n in heap) < need:
             return False
-        while need > 0:  # water-filling: always from the client holding the most
-            _, name = max((q.pending(), n) for n, q in self._clients.items()
-                          if n != client and q.droppable() and q.pending() > after)
-            need -= self._drop_newest(name, 1)
+        heapq.heapify(heap)
+        while need > 0:  # water-filling: from the client holding the most, down to the next one
+            p, name = heapq.heappop(heap)
+            q = self._clients[name]
+            level = max(after, -heap[0][0]) if heap else after
+            dropped = self._drop_newest(name, min(need, q.droppable(), max(1, -p - level)))
+            need -= dropped
+            if -p - dropped > after and q.droppable():
+                heapq.heappush(heap, (p + dropped, name))
         return True
 
     def _drop_newest(self, name: str, n: int) -> int:
         """Drop up to ``n`` of client ``name``'s newest blocks: the last blocks of its newest
-        hint, then its newest queued items (caller holds the lock); returns how many."""
+        hint, then the last of the hint being planned, then its newest queued items (caller
+        holds the lock); returns how many."""
         q = self._clients[name]
         dropped = 0
         while dropped < n and q.hints:
@@ -243,6 +255,9 @@ class Prefetcher:
             q.hint_blocks -= len(last) - keep
             if keep:
                 q.hints.append(last[:keep])
+        cut = min(n - dropped, q.planning)  # _plan_hints queues only the first ``planning`` blocks
+        q.planning -= cut
+        dropped += cut
         while dropped < n and q.items:
             h, _ = q.items.popitem(last=True)
             del self._owner[h]
@@ -255,41 +270,48 @@ class Prefetcher:
 
     # ---------------------------------------------------------------- worker side
     def _plan_hints(self) -> None:
-        """Turn queued hints into queued PROMOTE items (blocks not yet on the fast volume)."""
+        """Turn queued hints into queued PROMOTE items (blocks not yet on the fast volume), one
+        hint at a time (each hint queued before this pass): the hint being walked stays
+        pending (``planning``) and its tail may be displaced meanwhile; its blocks leave
+        ``planning`` as they become items, under one lock, so none counts twice."""
         with self._lock:
-            work = []
-            for name, q in self._clients.items():
-                if q.hints:
-                    work.append((name, list(q.hints)))
-                    q.hints.clear()
-                    q.planning, q.hint_blocks = q.planning + q.hint_blocks, 0  # still pending while planned
-        for name, hints in work:
-            for head in hints:
-                for info in self._blocks(head):
+            work = [(name, len(q.hints)) for name, q in self._clients.items() if q.hints]
+        for name, n in work:
+            for _ in range(n):
+                with self._lock:
+                    q = self._clients.get(name)
+                    if q is None or not q.hints:
+                        break  # displaced meanwhile
+                    head = q.hints.popleft()
+                    q.hint_blocks -= len(head)
+                    q.planning = len(head)
+                items: list[tuple[int, PlanItem]] = []  # (position in the hint, item)
+                for pos, info in enumerate(self._blocks(head)):
                     if info is None:
                         break  # the prefix ends where the index does
-                    h = info.sequence_hash
                     if self.fast in info.locations:
                         continue
                     src = next((v for v in self.sources if v in info.locations), None)
                     if src is None:
                         continue  # only in GPU / host memory of workers: nothing to promote
-                    item = PlanItem(PlanKind.PROMOTE, f"prefetch: a lookup named this prefix; {src} -> {self.fast}",
-                                    src, self.fast, sequence_hash=h, bytes=info.size)
-                    with self._lock:
+                    items.append((pos, PlanItem(PlanKind.PROMOTE,
+                                                f"prefetch: a lookup named this prefix; {src} -> {self.fast}",
+                                                src, self.fast, sequence_hash=info.sequence_hash, bytes=info.size)))
+                with self._lock:
+                    keep, q.planning = q.planning, 0  # LQD may have cut the tail (q is gone if all of it)
+                    self._total -= keep
+                    for pos, item in items:
+                        h = item.sequence_hash
+                        if pos >= keep:
+                            break
                         if h in self._owner:
                             continue  # queued already (by this client or another)
-                        q = self._clients[name]
                         q.items[h] = item
                         self._owner[h] = name
                         self._total += 1
                         self.counters.queued += 1
-            with self._lock:
-                q = self._clients[name]
-                self._total -= q.planning
-                q.planning = 0
-                if not q.pending():
-                    del self._clients[name]
+                    if not q.pending() and self._clients.get(name) is q:
+                        del self._clients[name]
 
     def step(self) -> list[PlanResult]:
         """One pass: plan the hints, move what the bandwidth budget allows, judge outcomes.
@@ -303,6 +325,7 @@ class Prefetcher:
             waiting = any(q.items for q in self._clients.values())
         room = self._room() if self._room is not None and waiting else None
         no_room = 0
+        flying: dict[str, int] = {}  # client -> its blocks in this batch
         with self._lock:
             budget = True
             while budget and any(q.items for q in self._clients.values()):
@@ -318,30 +341,38 @@ class Prefetcher:
                     if not self.bucket.try_take(item.bytes):
                         budget = False  # the rest waits for the budget; this client goes first next time
                         break
-                    self._take(name, h)
-                    if name in self._clients:
-                        self._clients.move_to_end(name)  # its turn is over: the others go first
+                    self._take(name, h, flight=True)
+                    flying[name] = flying.get(name, 0) + 1
+                    self._clients.move_to_end(name)  # its turn is over: the others go first
                     batch.append(item)
                     if room is not None:
                         room -= item.bytes
-            self._in_flight = len(batch)
             self.counters.held += no_room
         try:
             results = self._execute(batch) if batch else []
         finally:
-            with self._lock:
-                self._in_flight = 0
+            with self._lock:  # the moves are over: out of their clients' shares
+                for name, n in flying.items():
+                    q = self._clients[name]  # kept while it has blocks in flight (never dropped)
+                    q.flight -= n
+                    self._total -= n
+                    if not q.pending():
+                        del self._clients[name]
         with self._lock:
             self.counters.held += len(batch) - len(results)
         self._record(results)
         self.sweep()
         return results
 
-    def _take(self, name: str, h: int) -> None:
-        """Take item ``h`` off client ``name``'s queue (caller holds the lock)."""
+    def _take(self, name: str, h: int, flight: bool = False) -> None:
+        """Take item ``h`` off client ``name``'s queue (caller holds the lock): dropped, or into
+        the blocks it has being moved (``flight``, still in its share until the move ends)."""
         q = self._clients[name]
         del q.items[h]
         del self._owner[h]
+        if flight:
+            q.flight += 1
+            return
         self._total -= 1
         if not q.pending():
             del self._clients[name]
@@ -415,7 +446,7 @@ class Prefetcher:
 
     def _pending(self) -> int:
         """Blocks in hints not yet planned, queued, or being moved (caller holds the lock)."""
-        return self._total + self._in_flight
+        return self._total
 
     def stats(self) -> dict[str, int]:
         """The counters (:class:`PrefetchCounters`) plus ``pending`` (blocks in hints not yet
