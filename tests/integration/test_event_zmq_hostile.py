@@ -205,7 +205,7 @@ def test_a_client_that_stops_reading_gets_one_answer_at_a_time_and_is_abandoned(
     closed (what ZMQ queued for it freed) and new requests are answered again."""
     pub_ep, rep_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     pub = ZmqPublisher("w0", pub_ep, rep_ep,
-                       config=PublisherConfig(max_events=1, replay_stall_s=1.0, replay_max_stalled=1))
+                       config=PublisherConfig(max_events=1, replay_stall_s=3.0, replay_max_stalled=1))
     ctx = zmq.Context.instance()
     dealers: list[zmq.Socket] = []
     try:
@@ -219,6 +219,8 @@ def test_a_client_that_stops_reading_gets_one_answer_at_a_time_and_is_abandoned(
         # answer was abandoned, and was not refused as busy)
         b.send_multipart([b"", seq_to_bytes(0)])
         b.send_multipart([b"", seq_to_bytes(0)])
+        # (the other client must be answered before the stalled answer is abandoned and the
+        # socket recycled: replay_stall_s = 3 s, so only a stall of that length here races it)
         other = replay_client(ctx, rep_ep, dealers)
         other.send_multipart([b"", seq_to_bytes(3999)])
         assert read_answer(other) == [seq_to_bytes(3999), END_SEQ]
