@@ -470,9 +470,13 @@ class ClusterClient:
         last piece, or every partition when the whole prompt is trunk (each keeps the trunk);
         whether one of them took it (``False`` for an empty prompt).  ``client`` names whose
         share of the selectors' hint quota it counts in (``None``: the anonymous client).
+        Every partition it goes to is asked, even after one was unavailable, so an all-trunk
+        hint reaches every partition serving now; a retry after the error gives the others
+        the same hint again, which replaces theirs (one hint per prompt).
 
         Raises:
-            PartitionUnavailable: a partition the hint goes to has no owner serving now.
+            PartitionUnavailable: a partition the hint goes to has no owner serving now (the
+                first such one, after the others were asked).
         """
         if not hashes:
             return False
@@ -481,9 +485,14 @@ class ClusterClient:
         op: dict[str, Any] = {"op": "finished", "hash": int(hashes[-1]), "reason": str(finish_reason)[:64]}
         if client is not None:
             op["client"] = str(client)[:64]
-        taken = False
+        taken, missed = False, None
         for p in targets:
-            taken = bool(self._request(p, op).get("taken")) or taken
+            try:
+                taken = bool(self._request(p, op).get("taken")) or taken
+            except PartitionUnavailable as exc:
+                missed = missed or exc
+        if missed is not None:
+            raise missed
         return taken
 
     def lookup_full(self, hashes: Sequence[int]) -> tuple[dict[str, int], int]:

@@ -158,7 +158,7 @@ def test_the_cluster_api_hands_a_finish_hint_to_the_partition_that_saw_the_reque
     # prompt's last piece (whose selector saw the request's Stores), an all-trunk prompt to
     # every partition, and a malformed hint from a peer on the query subject is refused
     rig = rig_factory(partitions=2)
-    _, client, http = _cluster_api(rig)
+    node, client, http = _cluster_api(rig)
     try:
         def hints() -> dict[str, int]:
             return {p: int(st["finish_hints"]) for p, st in _partitions_policy(http).items()}
@@ -180,6 +180,19 @@ def test_the_cluster_api_hands_a_finish_hint_to_the_partition_that_saw_the_reque
             with pytest.raises(PartitionUnavailable, match="bad request"):
                 client._request(owner, bad)
         assert hints() == {str(owner): 2, str(other): 1}
+        # an all-trunk hint while one partition cannot answer (rebuilding): the other still
+        # takes it, whichever of the two is asked first, and the router is told to retry
+        for down in (0, 1):
+            up = 1 - down
+            before = hints()[str(up)]
+            part = node.serving()[down]
+            part.ready.clear()
+            try:
+                r = http.post("/v1/finished", json={"sequence_hashes": [0xABC0 + down], "finish_reason": "stop"})
+                assert r.status_code == 503 and "Retry-After" in r.headers, (r.status_code, r.text)
+            finally:
+                part.ready.set()
+            assert hints()[str(up)] == before + 1, (down, hints())
     finally:
         http.close()
         client.close()
