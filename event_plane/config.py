@@ -232,6 +232,9 @@ class SubscriberStats:
             them, a message over the size limit, which libzmq answers by disconnecting).
         receive_errors: unexpected errors of the transport's receive loop (out of sockets
             or file descriptors...); the loop pauses and goes on.
+        sources_forgotten: sources whose ordering state (and resync mark) was dropped:
+            never admitted (not bound to an origin) and beyond the most tracked at once
+            (:data:`event_plane.ordering.MAX_UNKEPT_SOURCES`), least recently seen first.
     """
 
     batches: int = 0
@@ -249,6 +252,7 @@ class SubscriberStats:
     parked_dropped: int = 0
     reconnects: int = 0
     receive_errors: int = 0
+    sources_forgotten: int = 0
 
     def add(self, other: SubscriberStats) -> SubscriberStats:
         """Return the field-wise sum of ``self`` and ``other`` (for merged subscribers)."""

@@ -11,12 +11,18 @@ Rules (``docs/events.md`` §4):
   tracked source and a new source/epoch alike: the batch is dropped and counted as a decode
   error, and nothing else changes;
 * a new epoch of a known source is a restart: tracking starts afresh, and batches of the
-  superseded epoch that arrive later are dropped (counted as duplicates).
+  superseded epoch that arrive later are dropped (counted as duplicates);
+* with a ``keep`` predicate (the subscriber's: the source is bound to an origin, i.e. the
+  application admitted it), at most ``max_unkept`` (:data:`MAX_UNKEPT_SOURCES`) sources not
+  kept are tracked: beyond, the least recently seen of them is forgotten (counted in
+  ``sources_forgotten``; its next batch is taken for a new source). A publisher sending
+  under ever new names cannot grow the tracker without bound.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 from event_plane.config import SubscriberStats
@@ -90,6 +96,11 @@ Recover = Callable[[str, int, int, int], list[EventBatch]]
 """``recover(source, epoch, first, last)`` -> the batches of that range it could fetch."""
 
 
+MAX_UNKEPT_SOURCES = 4096
+"""Sources a :class:`SeqTracker` with a ``keep`` predicate tracks at most while they are not
+kept (for the advisor: not bound to an origin, so never admitted); as many as the origin
+guard's claims (:class:`event_plane.origins.OriginGuard`)."""
+
 MAX_GAP = 1 << 24
 """Largest seq jump accepted (16.7 M batches): past the next expected seq of a tracked
 source, or past 0 for the first batch of a new source/epoch on a live transport."""
@@ -112,6 +123,9 @@ class SeqTracker:
         max_gap: a batch whose seq jumps further than this past the expected one (for a new
             source or epoch on a live transport: past 0) is counted as a decode error and
             dropped, not treated as a gap.
+        keep: ``keep(source)``: whether ``source`` is tracked for good; ``None``: every
+            source is. Sources not kept are tracked at most ``max_unkept`` at a time, the
+            least recently seen forgotten beyond (``on_forget(source)`` is then called).
     """
 
     def __init__(
@@ -123,6 +137,9 @@ class SeqTracker:
         first_seq_gap: bool = True,
         on_lost: LostCallback | None = None,
         max_gap: int = MAX_GAP,
+        keep: Callable[[str], bool] | None = None,
+        max_unkept: int = MAX_UNKEPT_SOURCES,
+        on_forget: Callable[[str], None] | None = None,
     ) -> None:
         self._first_seq_gap = first_seq_gap
         self._max_gap = max_gap
@@ -132,6 +149,10 @@ class SeqTracker:
         self._on_gap = on_gap
         self._current: dict[str, tuple[int, int]] = {}  # source -> (epoch, next expected seq)
         self._retired: dict[str, RetiredEpochs] = {}  # source -> superseded epochs (bounded)
+        self._keep = keep
+        self._max_unkept = max(1, max_unkept)
+        self._on_forget = on_forget
+        self._unkept: OrderedDict[str, None] = OrderedDict()  # tracked while not kept, least recently seen first
 
     def position(self, source: str) -> tuple[int, int] | None:
         """``(epoch, next expected seq)`` of ``source``, or ``None`` if never seen."""
@@ -181,10 +202,37 @@ class SeqTracker:
         if not known and cur is not None:
             self._retired.setdefault(source, RetiredEpochs()).add(cur[0])
             st.restarts += 1
+        if self._keep is not None:
+            if cur is None:
+                self._track(source)
+            elif source in self._unkept:
+                self._unkept.move_to_end(source)
         if seq > expected:
             expected = self._fill_gap(source, epoch, expected, seq - 1, recover)
         self._current[source] = (epoch, seq + 1)
         self._deliver(batch)
+
+    def _track(self, source: str) -> None:
+        """A new ``source``: note it if it is not kept, and forget the least recently seen
+        sources not kept beyond ``max_unkept`` (one kept since is only unnoted)."""
+        keep = self._keep
+        assert keep is not None
+        if keep(source):
+            return
+        unkept = self._unkept
+        unkept[source] = None
+        while len(unkept) > self._max_unkept:
+            old, _ = unkept.popitem(last=False)
+            if keep(old):
+                continue
+            self._current.pop(old, None)
+            self._retired.pop(old, None)
+            self._stats.sources_forgotten += 1
+            if self._on_forget is not None:
+                try:
+                    self._on_forget(old)
+                except Exception:  # noqa: BLE001 - a user callback must not stop delivery
+                    logger.exception("on_forget callback failed for %s", old[:64])
 
     def _fill_gap(self, source: str, epoch: int, first: int, last: int, recover: Recover | None) -> int:
         st = self._stats

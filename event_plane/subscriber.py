@@ -164,7 +164,20 @@ class Subscriber(abc.ABC):
             self._on_gap,
             first_seq_gap=first_seq_gap,
             on_lost=lambda source, epoch, count: self._schedule_resync(source),
+            keep=self._kept,
+            on_forget=self._forget_resync,
         )
+
+    def _kept(self, source: str) -> bool:
+        """Whether the ordering tracker keeps ``source`` for good: always without an origin
+        guard, else once it is bound (the application admitted a batch of it)."""
+        guard = self._origins
+        return guard is None or guard.origin_of(source) is not None
+
+    def _forget_resync(self, source: str) -> None:
+        """The tracker forgot ``source`` (never admitted): drop its resync mark too."""
+        with self._resync_lock:
+            self._resync.discard(source)
 
     @abc.abstractmethod
     def start(self) -> None:
