@@ -37,7 +37,7 @@ from api.dashboard import mount_dashboard
 from api.errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from api.hit_rates import HitRateCollector, HitRates
 from api.indexer import indexer_router
-from api.indexer_registry import IndexerRegistry
+from api.indexer_registry import IndexerCollector, IndexerRegistry
 from api.register_policy import EndpointPolicy
 from api.routers.blocks import blocks_router
 from api.routers.metrics import metrics_router
@@ -83,7 +83,8 @@ def create_app(
         policy = EndpointPolicy.of(settings.register_networks, settings.register_resolve_names, closed)
         store = query if hasattr(query, "load_registrations") else None
         registry = IndexerRegistry(settings.max_registrations, max_indexes=settings.max_indexes, policy=policy,
-                                   store=store)
+                                   store=store, max_worker_blocks=settings.max_worker_blocks,
+                                   max_blocks=settings.max_indexer_blocks)
         registry.restore()
     app.state.indexer_registry = registry
     app.add_middleware(GuardMiddleware, security=app.state.security)
@@ -93,10 +94,11 @@ def create_app(
     app.state.hit_rates = rates
     api_metrics = CollectorRegistry(auto_describe=False)
     api_metrics.register(HitRateCollector(rates.values()))
+    api_metrics.register(IndexerCollector(registry))
 
     app.include_router(blocks_router(query, rates["lookup"], read))
     app.include_router(volumes_router(query, read, admin))
-    app.include_router(stats_router(query, rates, read))
+    app.include_router(stats_router(query, rates, read, indexer=registry.stats))
     app.include_router(plans_router(query, read, admin))
     app.include_router(metrics_router(query, api_metrics, read))
 

@@ -61,6 +61,10 @@ class ApiSecuritySettings(BaseSettings):
         max_registrations: registrations held at once (lowered to the file-descriptor
             budget, :class:`api.indexer_registry.IndexerRegistry`).
         max_indexes: ``(model, tenant)`` indexes of the indexer routes.
+        max_worker_blocks / max_indexer_blocks: blocks one worker may hold in one index of
+            the indexer routes (2^17), and all their indexes together (2^21, about 1.8 GiB);
+            a block on several media counts once per medium
+            (:class:`api.worker_index.BlockBudget`).
 
     Raises:
         pydantic.ValidationError: a token shorter than 16 characters or with whitespace.
@@ -78,6 +82,8 @@ class ApiSecuritySettings(BaseSettings):
     register_resolve_names: bool = False
     max_registrations: int = Field(256, ge=1, le=4096)
     max_indexes: int = Field(64, ge=1, le=4096)
+    max_worker_blocks: int = Field(1 << 17, ge=1)
+    max_indexer_blocks: int = Field(1 << 21, ge=1)
 
     @field_validator("register_networks")
     @classmethod

@@ -25,15 +25,18 @@ from __future__ import annotations
 import logging
 import resource
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from api.errors import ApiError
 from api.register_policy import EndpointPolicy
 from api.token_hashes import TokenIdError, local_block_hashes
-from api.worker_index import WorkerIndex
+from api.worker_index import BlockBudget, WorkerIndex
 from event_plane.adapters.peer import PeerConverter, PeerFormatError, PeerSubscriber
 from event_plane.adapters.sglang import SGLANG_FIELDS, sglang_config
 from event_plane.adapters.vllm import VLLM_FIELDS, vllm_config
@@ -151,6 +154,24 @@ class _IndexingSubscriber(PeerSubscriber):
         self._stats.events += len(batch.events)
 
 
+class IndexerCollector(Collector):
+    """Prometheus view of a registry's block quotas: ``kvadvisor_api_indexer_blocks`` (held)
+    and ``kvadvisor_api_indexer_blocks_refused_total{reason}`` (``worker_blocks``, ``blocks``)."""
+
+    def __init__(self, registry: IndexerRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Any]:
+        st = self._registry.budget.as_dict()
+        yield GaugeMetricFamily("kvadvisor_api_indexer_blocks", "Blocks (per medium) held by the indexer routes' indexes",
+                                value=st["blocks"])
+        refused = CounterMetricFamily("kvadvisor_api_indexer_blocks_refused",
+                                      "Blocks the indexer routes' quotas refused", labels=["reason"])
+        for reason, n in st["refused_blocks"].items():
+            refused.add_metric([reason], n)
+        yield refused
+
+
 class IndexerRegistry:
     """Registrations, their subscriptions and the per-(model, tenant) indexes.
 
@@ -168,14 +189,19 @@ class IndexerRegistry:
             own ingest, which uses the process-wide context.
         store: keeps the registrations across restarts (none: they last as long as the
             registry).
+        max_worker_blocks / max_blocks: block quotas of the indexes (:class:`BlockBudget`):
+            blocks one worker holds in one index, blocks in all of them; a block on several
+            media counts once per medium.
 
     Thread-safe.
     """
 
     def __init__(self, max_registrations: int = 256, context: zmq.Context | None = None, *,
                  max_indexes: int = 64, policy: EndpointPolicy | None = None,
-                 store: RegistrationStore | None = None) -> None:
+                 store: RegistrationStore | None = None, max_worker_blocks: int = 1 << 17,
+                 max_blocks: int = 1 << 21) -> None:
         self._lock = threading.Lock()
+        self.budget = BlockBudget(max_worker_blocks, max_blocks)
         self._store = store
         self._save_lock = threading.Lock()
         self._to_restore: list[Registration] = []
@@ -222,7 +248,7 @@ class IndexerRegistry:
         if idx is None:
             if len(self._indexes) >= self._max_indexes:
                 raise ApiError(429, "too_many_indexes", f"at most {self._max_indexes} (model, tenant) indexes")
-            idx = self._indexes[(model_name, tenant_id)] = WorkerIndex(block_size)
+            idx = self._indexes[(model_name, tenant_id)] = WorkerIndex(block_size, self.budget)
         elif idx.block_size != block_size:
             raise ApiError(409, "block_size_mismatch",
                            f"{model_name}:{tenant_id} has block_size {idx.block_size}, not {block_size}")
@@ -399,6 +425,13 @@ class IndexerRegistry:
         """Current registrations, in registration order."""
         with self._lock:
             return [r for r, _ in self._regs.values()]
+
+    def stats(self) -> dict[str, Any]:
+        """``/v1/stats``' ``indexer``: registrations, indexes and the block quotas
+        (:meth:`BlockBudget.as_dict`: blocks held, the limits, blocks refused per reason)."""
+        with self._lock:
+            regs, indexes = len(self._regs), len(self._indexes)
+        return {"registrations": regs, "indexes": indexes, **self.budget.as_dict()}
 
     def subscriber_stats(self) -> dict[str, Any]:
         """Per registration ``"instance/dp_rank@model:tenant"``: batches, events, gaps, invalid events."""

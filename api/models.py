@@ -408,6 +408,10 @@ class StatsResponse(BaseModel):
     hit_rates: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='kind ("lookup", "query") -> "total" / "1m" / "1h" -> {lookups, tiers, workers} (api.hit_rates)')
+    indexer: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the indexer routes: registrations, indexes, blocks (per medium) held, max_worker_blocks, "
+                    "max_blocks, refused_blocks {worker_blocks, blocks} (api.worker_index.BlockBudget)")
     prefetch: dict[str, int] = Field(
         default_factory=dict,
         description="lookups taken as prefetch hints and the prefetch moves' outcomes: hints, refused, queued, "

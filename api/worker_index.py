@@ -51,6 +51,53 @@ class IndexCounters:
     queries: int = 0
 
 
+class BlockBudget:
+    """The block quotas of a registry's indexes: at most ``max_worker_blocks`` entries per
+    worker of one index and ``max_blocks`` in all the indexes sharing the budget. An entry is
+    one block on one medium (a block held on several media counts once per medium: what the
+    index keeps grows with each). Thread-safe.
+
+    Attributes:
+        held: entries held in all the indexes.
+        refused: blocks refused, per reason (``worker_blocks``, ``blocks``).
+    """
+
+    def __init__(self, max_worker_blocks: int = 1 << 17, max_blocks: int = 1 << 21) -> None:
+        self.max_worker_blocks = max_worker_blocks
+        self.max_blocks = max_blocks
+        self._lock = threading.Lock()
+        self.held = 0
+        self.refused = {"worker_blocks": 0, "blocks": 0}
+
+    def take(self, worker_held: int) -> str | None:
+        """Take one entry for a worker holding ``worker_held``; the reason when refused."""
+        with self._lock:
+            if worker_held >= self.max_worker_blocks:
+                self.refused["worker_blocks"] += 1
+                return "worker_blocks"
+            if self.held >= self.max_blocks:
+                self.refused["blocks"] += 1
+                return "blocks"
+            self.held += 1
+            return None
+
+    def give(self, n: int) -> None:
+        """Give ``n`` entries back."""
+        with self._lock:
+            self.held -= n
+
+    def refuse(self, reason: str, n: int) -> None:
+        """Count ``n`` more blocks refused for ``reason`` (the rest of a refused Store)."""
+        with self._lock:
+            self.refused[reason] += n
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"blocks": held, "max_worker_blocks", "max_blocks", "refused_blocks": {reason: n}}``."""
+        with self._lock:
+            return {"blocks": self.held, "max_worker_blocks": self.max_worker_blocks, "max_blocks": self.max_blocks,
+                    "refused_blocks": dict(self.refused)}
+
+
 @dataclass(frozen=True)
 class Overlap:
     """Answer to a query: per worker, matched blocks; per depth, holders.
@@ -71,14 +118,18 @@ class WorkerIndex:
 
     Args:
         block_size: tokens per block, fixed for the index.
+        budget: the block quotas (:class:`BlockBudget`), shared by a registry's indexes;
+            by default one of its own at the default limits.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, budget: BlockBudget | None = None) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
+        self.budget = budget if budget is not None else BlockBudget()
         self._lock = threading.Lock()
         self._workers: dict[WorkerKey, dict[int, _Block]] = {}
+        self._entries: dict[WorkerKey, int] = {}  # worker -> (block, medium) entries it holds
         self._holders: dict[int, dict[WorkerKey, dict[str, int]]] = {}
         self.counters = IndexCounters()
 
@@ -106,11 +157,14 @@ class WorkerIndex:
                 then ``parent`` need not be indexed.
 
         Returns:
-            Blocks applied (0 when the parent is unknown or the lengths differ).
+            Blocks applied (0 when the parent is unknown or the lengths differ). A block
+            new on ``medium`` beyond the quotas (:class:`BlockBudget`) is refused with the
+            rest of the Store (they would chain to it), counted in the budget.
         """
         if len(block_hashes) != len(local_hashes) or (chains is not None and len(chains) != len(block_hashes)):
             return 0
         with self._lock:
+            created = worker not in self._workers
             blocks = self._workers.setdefault(worker, {})
             parent_chain: int | None = None
             if chains is None and parent is not None:
@@ -120,8 +174,16 @@ class WorkerIndex:
                     return 0
                 parent_chain = rec.chain
             prev = parent
+            n = len(block_hashes)
             for i, (h, local) in enumerate(zip(block_hashes, local_hashes)):
                 rec = blocks.get(h)
+                if rec is None or medium not in rec.copies:
+                    refused = self.budget.take(self._entries.get(worker, 0))
+                    if refused is not None:
+                        self.budget.refuse(refused, n - i - 1)
+                        n = i
+                        break
+                    self._entries[worker] = self._entries.get(worker, 0) + 1
                 if rec is None:
                     c = chains[i] if chains is not None else chain_hash(parent_chain, local)
                     rec = _Block(c, local, prev)
@@ -130,8 +192,10 @@ class WorkerIndex:
                 media = self._holders.setdefault(rec.chain, {}).setdefault(worker, {})
                 media[medium] = media.get(medium, 0) + copies
                 parent_chain, prev = rec.chain, h
-            self.counters.stored_blocks += len(block_hashes)
-            return len(block_hashes)
+            if created and not blocks:
+                del self._workers[worker]  # refused whole: no empty worker left behind
+            self.counters.stored_blocks += n
+            return n
 
     def removed(self, worker: WorkerKey, block_hashes: Iterable[int], medium: str = "GPU") -> int:
         """Drop one copy of each block on ``medium``; returns copies dropped (unknown ones are counted)."""
@@ -169,6 +233,7 @@ class WorkerIndex:
             self._workers.pop(worker, None)
 
     def _forget(self, worker: WorkerKey) -> None:
+        self.budget.give(self._entries.pop(worker, 0))
         for rec in self._workers.get(worker, {}).values():
             holders = self._holders.get(rec.chain)
             if holders is not None:
@@ -186,6 +251,8 @@ class WorkerIndex:
             rec.copies[medium] = left
         else:
             del rec.copies[medium]
+            self._entries[worker] -= 1
+            self.budget.give(1)
         holders = self._holders.get(rec.chain, {})
         media = holders.get(worker, {})
         if media.get(medium, 0) > count:

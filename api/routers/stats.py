@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
@@ -18,15 +18,19 @@ if TYPE_CHECKING:
 __all__ = ["stats_router"]
 
 
-def stats_router(query: AdvisorQuery, rates: Mapping[str, HitRates], read: Sequence[Any]) -> APIRouter:
+def stats_router(query: AdvisorQuery, rates: Mapping[str, HitRates], read: Sequence[Any], *,
+                 indexer: Callable[[], dict[str, Any]] | None = None) -> APIRouter:
     """The stats (``read`` scope) and health (open) routes over ``query``; ``rates``: the
-    hit rates by kind (``lookup``, ``query``) that ``/v1/stats`` reports."""
+    hit rates by kind (``lookup``, ``query``) that ``/v1/stats`` reports; ``indexer``: the
+    indexer routes' figures (:meth:`api.indexer_registry.IndexerRegistry.stats`)."""
     router = APIRouter()
 
     @router.get("/v1/stats", response_model=StatsResponse, dependencies=list(read))
     def stats() -> StatsResponse:
         body = query.stats()
         body["hit_rates"] = {kind: t.snapshot() for kind, t in rates.items()}
+        if indexer is not None:
+            body["indexer"] = indexer()
         return StatsResponse.model_validate(body)
 
     @router.get("/healthz", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
