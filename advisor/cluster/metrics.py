@@ -3,22 +3,26 @@
 Read from the :class:`~advisor.cluster.node.ClusterNode` at scrape time (a custom collector in a
 private ``CollectorRegistry``), so they never drift from what the advisor serves:
 
-=============================================== ======= =======================================
-``kvadvisor_cluster_partitions_owned``           gauge   partitions this advisor serves (ready)
-``kvadvisor_cluster_partition_position``         gauge   stream sequence each held partition
-                                                         has folded, label ``partition``
-``kvadvisor_cluster_partition_blocks``           gauge   blocks indexed per held partition
-``kvadvisor_cluster_batches_applied_total``      counter batches folded per held partition
-``kvadvisor_cluster_batches_refused_total``      counter batches refused per held partition
-``kvadvisor_cluster_lookups_total``              counter lookups answered per held partition
-``kvadvisor_cluster_mover_results_total``        counter plan items executed by this advisor's
-                                                         mover, label ``result`` (``done``,
-                                                         ``skipped``, ``failed``, ``compacted``)
-``kvadvisor_cluster_mover_fenced_total``         counter rounds cut short because a newer lease
-                                                         holder raised a partition's fence
-``kvadvisor_cluster_mover_repairs_total``        counter index entries repaired from the catalog
-                                                         after taking a partition
-=============================================== ======= =======================================
+================================================== ======= =======================================
+``kvadvisor_cluster_partitions_owned``              gauge   partitions this advisor serves (ready)
+``kvadvisor_cluster_partition_position``            gauge   stream sequence each held partition
+                                                            has folded, label ``partition``
+``kvadvisor_cluster_partition_blocks``              gauge   blocks indexed per held partition
+``kvadvisor_cluster_batches_applied_total``         counter batches folded per held partition
+``kvadvisor_cluster_batches_refused_total``         counter batches refused per held partition
+``kvadvisor_cluster_lookups_total``                 counter lookups answered per held partition
+``kvadvisor_cluster_quota_refused_batches_total``   counter batches the state quotas refused whole
+                                                            per held partition, label ``reason``
+``kvadvisor_cluster_quota_refused_events_total``    counter events the state quotas refused per held
+                                                            partition (a whole batch's too), ``reason``
+``kvadvisor_cluster_mover_results_total``           counter plan items executed by this advisor's
+                                                            mover, label ``result`` (``done``,
+                                                            ``skipped``, ``failed``, ``compacted``)
+``kvadvisor_cluster_mover_fenced_total``            counter rounds cut short because a newer lease
+                                                            holder raised a partition's fence
+``kvadvisor_cluster_mover_repairs_total``           counter index entries repaired from the catalog
+                                                            after taking a partition
+================================================== ======= =======================================
 
 The ``mover`` series exist only for an advisor started with ``--storage``.
 
@@ -66,6 +70,12 @@ class ClusterCollector(Collector):
                                       labels=["advisor", "partition"])
         lookups = CounterMetricFamily("kvadvisor_cluster_lookups", "Lookups answered per held partition",
                                       labels=["advisor", "partition"])
+        q_batches = CounterMetricFamily("kvadvisor_cluster_quota_refused_batches",
+                                        "Batches the state quotas refused whole per held partition",
+                                        labels=["advisor", "partition", "reason"])
+        q_events = CounterMetricFamily("kvadvisor_cluster_quota_refused_events",
+                                       "Events the state quotas refused per held partition",
+                                       labels=["advisor", "partition", "reason"])
         for p, st in node.status()["partitions"].items():
             if not 0 <= int(p) < bound:  # never more series than partitions
                 continue
@@ -75,7 +85,12 @@ class ClusterCollector(Collector):
             applied.add_metric(lab, st["applied"])
             refused.add_metric(lab, st["errors"])
             lookups.add_metric(lab, st.get("lookups", 0))
-        yield from (position, blocks, applied, refused, lookups)
+            for key, n in st.get("quotas", {}).items():  # reasons: the fixed QuotaReason set
+                if key.startswith("quota_refused_batches_"):
+                    q_batches.add_metric([*lab, key[len("quota_refused_batches_"):]], n)
+                elif key.startswith("quota_refused_events_"):
+                    q_events.add_metric([*lab, key[len("quota_refused_events_"):]], n)
+        yield from (position, blocks, applied, refused, lookups, q_batches, q_events)
         if node.mover is not None:
             c = node.mover.status()["counters"]
             results = CounterMetricFamily("kvadvisor_cluster_mover_results", "Plan items executed by the mover",

@@ -202,7 +202,8 @@ class ClusterNode:
             return frozenset(p for p, r in self.replicas.items() if r.ready.is_set())
 
     def status(self) -> dict[str, Any]:
-        """``{"advisor", "partitions": {k: {"position", "blocks", "applied", "errors", "lookups", "ready"}}}``."""
+        """``{"advisor", "partitions": {k: {"position", "blocks", "applied", "errors", "lookups", "ready",
+        "fenced", "quotas"}}}`` (``quotas``: the fold's quota counters, ``QuotaGuard.as_dict``)."""
         with self._lock:
             reps = dict(self.replicas)
         parts = {}
@@ -210,7 +211,8 @@ class ClusterNode:
             with r.lock:
                 parts[p] = {"position": r.position, "blocks": len(r.index), "applied": r.applied,
                             "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set(),
-                            "fenced": r.fenced}
+                            "fenced": r.fenced,
+                            "quotas": r.fold.quotas.as_dict() if r.fold.quotas is not None else {}}
         out: dict[str, Any] = {"advisor": self.settings.advisor_id, "partitions": parts}
         if self.mover is not None:
             out["mover"] = self.mover.status()
@@ -565,6 +567,23 @@ def wait_until(cond: Any, timeout_s: float, step_s: float = 0.1) -> bool:
     return bool(cond())
 
 
+_QUOTA_FIELDS = ("quota_max_sources", "quota_max_locations", "quota_max_batch_events", "quota_max_event_metadata_bytes",
+                 "quota_max_batch_metadata_bytes", "quota_max_source_blocks", "quota_max_blocks")
+"""The :class:`ClusterSettings` state quotas, each a ``--quota-max-...`` option."""
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {n}")
+    return n
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one cluster advisor until SIGTERM/SIGINT (``python -m advisor.cluster --help``)."""
     import argparse
@@ -591,6 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--source-ttl", type=float, default=600.0,
                     help="seconds of silence on every partition after which a source's g1/g2 blocks are dropped "
                          "(advisor.cluster.expiry); 0: never")
+    quota_defaults = ClusterSettings("", "", "", PartitionScheme(1, 1, 1))
+    for name in _QUOTA_FIELDS:  # the embedded advisor's names (docs/security.md "State quotas")
+        env, default = f"KVADVISOR_CLUSTER_{name.upper()}", getattr(quota_defaults, name)
+        ap.add_argument("--" + name.replace("_", "-"), type=_positive_int, default=os.environ.get(env, str(default)),
+                        help=f"state quota of each partition's fold, per partition replica (default: ${env} or "
+                             f"{default})")
     ap.add_argument("--storage", default=None,
                     help="JSON storage settings (advisor.cluster.mover.ClusterStorageSettings): run the mover "
                          "(policy rounds on the owned partitions, fenced commits in the Redis catalog); a file that "
@@ -623,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nats_url=a.nats, redis_url=a.redis, advisor_id=a.id, namespace=a.namespace,
             scheme=PartitionScheme(a.partitions, a.trunk_depth, a.stretch), lease_ttl_s=a.lease_ttl,
             heartbeat_s=a.heartbeat, replicas=a.replicas, snapshot_interval_s=a.snapshot_interval,
-            source_ttl_s=a.source_ttl), storage).start()
+            source_ttl_s=a.source_ttl, **{name: getattr(a, name) for name in _QUOTA_FIELDS}), storage).start()
     except StorageError as exc:  # storage that validates but cannot be opened: one line, as a bad file
         print(f"error: cluster storage {a.storage}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

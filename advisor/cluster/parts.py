@@ -18,6 +18,7 @@ from advisor.ingest.jslog import JetStreamLog
 from advisor.cluster.leases import LeaseKeeper, LeaseSettings
 from advisor.cluster.partition_fold import PartitionFold
 from advisor.index.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
+from advisor.ingest.quotas import QuotaLimits
 from advisor.ingest.source_expiry import EXPIRY_SEQ_BASE
 from advisor.policy.live_selection import new_selector, observe
 from event_plane.codec import BatchHead, decode_batch, decode_head
@@ -46,6 +47,12 @@ class ClusterSettings:
         query_timeout_s: how long a client waits for an owner's answer.
         source_ttl_s: a source silent this long on every partition has its g1/g2 blocks
             dropped (:mod:`advisor.cluster.expiry`); ``0`` = never.
+        quota_max_sources / quota_max_locations / quota_max_batch_events /
+            quota_max_event_metadata_bytes / quota_max_batch_metadata_bytes /
+            quota_max_source_blocks / quota_max_blocks: the state quotas each partition's
+            fold applies to worker batches (:mod:`advisor.cluster.partition_fold`), with the
+            names and defaults of the embedded advisor's (``AdvisorSettings``); the limits
+            apply per partition replica (each partition's index on its own).
     """
 
     nats_url: str
@@ -60,6 +67,22 @@ class ClusterSettings:
     query_timeout_s: float = 2.0
     source_ttl_s: float = 600.0
     connect_options: dict[str, Any] = field(default_factory=dict)
+    quota_max_sources: int = 10_000
+    quota_max_locations: int = 256
+    quota_max_batch_events: int = 65_536
+    quota_max_event_metadata_bytes: int = 4096
+    quota_max_batch_metadata_bytes: int = 1 << 20
+    quota_max_source_blocks: int = 1 << 20
+    quota_max_blocks: int = 1 << 24
+
+    def quota_limits(self) -> QuotaLimits:
+        """The state quotas of a partition's fold (no rate limit: every fold of a log must
+        decide the same)."""
+        return QuotaLimits(max_sources=self.quota_max_sources, max_locations=self.quota_max_locations,
+                           max_batch_events=self.quota_max_batch_events,
+                           max_event_metadata_bytes=self.quota_max_event_metadata_bytes,
+                           max_batch_metadata_bytes=self.quota_max_batch_metadata_bytes,
+                           max_source_blocks=self.quota_max_source_blocks, max_blocks=self.quota_max_blocks)
 
     def lease_settings(self) -> LeaseSettings:
         """The lease settings these settings imply."""
@@ -111,7 +134,8 @@ class Replica:
 
         loaded = load_latest(self.snapshots, on_skip=skipped)
         self.index = loaded[1] if loaded else PrefixIndex()
-        self.fold = PartitionFold(self.index)  # each batch once (a stream may hold a re-sent one twice)
+        # each batch once (a stream may hold a re-sent one twice), within the state quotas
+        self.fold = PartitionFold(self.index, s.quota_limits(), trusted=is_mover_source)
         self.position = loaded[0].position if loaded else 0
         self.saved_position = self.position
         self.log = JetStreamLog(
@@ -174,7 +198,7 @@ class Replica:
                         if head is not None and head.seq < EXPIRY_SEQ_BASE:  # an expiry is no sign of life
                             self.heard[head.source] = time.monotonic()
                             if self.selector is not None and not is_mover_source(head.source):
-                                observe(self.selector, self.index, decode_batch(payload))
+                                observe(self.selector, self.index, self.fold.admitted or decode_batch(payload))
                 except Exception as exc:  # noqa: BLE001 - a bad batch is counted, never fatal
                     self.errors += 1
                     logger.warning("partition %d: batch at stream seq %d refused: %s", self.partition, seq, exc)
@@ -220,6 +244,8 @@ class Replica:
                         "policy": self.selector.stats() if self.selector is not None else {},
                         "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused,
+                        "quotas": self.fold.quotas.as_dict() if self.fold.quotas is not None else {},
+                        "tracked_epochs": self.fold.tracked_epochs(),
                         "snapshots_skipped": self.snapshots_skipped, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),
                         "sources": {name: [st.epoch, st.last_seq] for name, st in self.index.sources().items()},

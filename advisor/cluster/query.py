@@ -161,7 +161,9 @@ class ClusterQuery:
             "ingest_events_per_busy_s": 0.0,
             "ingest": {"origin_refused": sum(int(st.get("origin_refused", 0)) for st in status.values()),
                        "errors": sum(int(st["errors"]) for st in status.values()),
-                       "registrations_dropped": self._registrations_dropped},
+                       "registrations_dropped": self._registrations_dropped,
+                       # the state quotas of the partition folds, summed (per partition: /metrics)
+                       **_summed_quotas(status)},
             # the cluster movers publish their moves under "<advisor id>-mover" (advisor.cluster.mover)
             "advisor_events": sum(v["events"] for k, v in sources.items() if is_mover_source(k)),
             "promotions": done["promote"], "demotions": done["demote"],
@@ -240,3 +242,14 @@ class ClusterQuery:
             return {"status": "degraded", "journal_position": 0, "subscribed": True, "storage": False}
         return {"status": "ok", "journal_position": max(int(s["position"]) for s in status.values()),
                 "subscribed": True, "storage": False}
+
+
+def _summed_quotas(status: dict[Any, dict[str, Any]]) -> dict[str, int]:
+    """The partitions' quota counters (``quota_refused_*``, ``retired_epochs_forgotten``:
+    :meth:`advisor.ingest.quotas.QuotaGuard.as_dict`) summed; absent from an older advisor."""
+    out: dict[str, int] = {}
+    for st in status.values():
+        for key, n in st.get("quotas", {}).items():
+            if key.startswith("quota_refused_") or key == "retired_epochs_forgotten":
+                out[key] = out.get(key, 0) + int(n)
+    return out

@@ -233,7 +233,7 @@ class QuotaGuard:
 
     # ------------------------------------------------------------------ admission
     def admit(self, batch: EventBatch, index: IndexView, *, rate: bool = True,
-              bindings: int | None = None) -> Admission:
+              bindings: int | None = None, hits: bool = True) -> Admission:
         """Check ``batch`` against the quotas and the state of ``index`` (before the batch
         is applied to it); ``rate=False`` skips the token bucket (a decision that must come
         out the same when a log is folded again reads only the batch, the index and the
@@ -283,7 +283,7 @@ class QuotaGuard:
             for sl in set(map(_location_of, events))
         ):
             return Admission(batch)  # the common case: no metadata, no new volume name, room for the blocks
-        return self._admit_events(batch, index, sizes, budget)
+        return self._admit_events(batch, index, sizes, budget, hits)
 
     def _block_budget(self, batch: EventBatch, index: IndexView, new_source: bool) -> tuple[int, int] | None:
         """``None`` when every Store of ``batch`` fits both block quotas, else the Stores
@@ -310,7 +310,7 @@ class QuotaGuard:
         return max(lim.max_source_blocks - held, 0), max(lim.max_blocks - total, 0)
 
     def _admit_events(self, batch: EventBatch, index: IndexView, sizes: list[int] | None,
-                      budget: tuple[int, int] | None = None) -> Admission:
+                      budget: tuple[int, int] | None = None, hits: bool = True) -> Admission:
         lim = self.limits
         c = self.counters
         private_left, total_left = budget if budget is not None else (-1, -1)
@@ -345,7 +345,7 @@ class QuotaGuard:
                     else:
                         new_volumes.add(sl)
                 extra = ev.extra_metadata
-                if keep is not None and extra and HITS_KEY in extra:
+                if hits and keep is not None and extra and HITS_KEY in extra:
                     hits = reported_hits(extra[HITS_KEY])
                     if hits and not trusted:
                         c.hits_untrusted += 1
