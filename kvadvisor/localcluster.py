@@ -70,7 +70,7 @@ class NatsUsers:
     add-worker``, ``kvadvisor demo --scaled``) lose none of them.
 
     Raises (``add_worker``, ``remove_worker``): ValueError for a source that is not one
-    subject token or is the advisor's name; (any change) filelock.Timeout when the lock is
+    subject token, is the advisor's name or ends in ``-mover`` (a cluster mover's source); (any change) filelock.Timeout when the lock is
     not free within :data:`LOCK_TIMEOUT_S` seconds.
     """
 
@@ -147,6 +147,12 @@ class NatsUsers:
 def _check_worker(source: str) -> None:
     if not isinstance(source, str) or not _WORKER.match(source) or source == ADVISOR_USER:
         raise ValueError(f"worker name {source!r} must be one NATS subject token other than {ADVISOR_USER!r}")
+    from advisor.cluster.parts import MOVER_SUFFIX, is_mover_source  # noqa: PLC0415 - the cluster's rule, loaded on use
+
+    if is_mover_source(source):
+        # the partitions take batches of <advisor id>-mover as the cluster movers' own
+        # (no state quotas, not requests): only the advisor user may publish those
+        raise ValueError(f"worker name {source!r} must not end in {MOVER_SUFFIX!r} (the cluster movers' sources)")
 
 
 def reload_nats(pids: list[int]) -> None:

@@ -346,3 +346,14 @@ def test_a_password_or_token_file_others_may_read_is_refused(topology: tuple[Pat
     token.chmod(0o640)
     with pytest.raises(EventURLError, match="chmod 600"):
         nats_connection(f"nats://127.0.0.1:1?token_file={token}")
+
+
+def test_a_worker_cannot_be_named_as_a_cluster_mover(tmp_path: Path) -> None:
+    # the partitions take <advisor id>-mover batches as the movers' own (no state quotas):
+    # a worker user by such a name could publish past them, so none is made
+    users = NatsUsers(tmp_path / "users.json")
+    for name in ("adv-1-mover", "x-mover"):
+        with pytest.raises(ValueError, match="must not end in '-mover'"):
+            users.add_worker(name)
+    assert users.add_worker("mover-1")  # the suffix only
+    assert "x-mover" not in users.conf() and "mover-1" in users.conf()
