@@ -322,13 +322,13 @@ class Prefetcher:
         self._plan_hints()
         batch: list[PlanItem] = []
         with self._lock:
-            waiting = any(q.items for q in self._clients.values())
+            waiting = self._waiting()
         room = self._room() if self._room is not None and waiting else None
         no_room = 0
         flying: dict[str, int] = {}  # client -> its blocks in this batch
         with self._lock:
             budget = True
-            while budget and any(q.items for q in self._clients.values()):
+            while budget and self._waiting():
                 for name in list(self._clients):  # one turn: an item of each client, in order
                     q = self._clients[name]
                     if not q.items:
@@ -436,13 +436,17 @@ class Prefetcher:
             except Exception:  # noqa: BLE001 - a failed pass must not end prefetching
                 logger.exception("advisor: prefetch pass failed")
             with self._lock:
-                waiting = any(q.items for q in self._clients.values())
+                waiting = self._waiting()
             if waiting and not stop.is_set():
                 stop.wait(min(idle_s, 0.05))  # waiting for the bandwidth budget
 
     def stop(self) -> None:
         """Wake the worker loop so it sees its stop event."""
         self._wake.set()
+
+    def _waiting(self) -> bool:
+        """Whether some client has queued items (caller holds the lock)."""
+        return any(q.items for q in self._clients.values())
 
     def _pending(self) -> int:
         """Blocks in hints not yet planned, queued, or being moved (caller holds the lock)."""

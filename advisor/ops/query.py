@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor.index.prefix_index import BlockInfo
+from advisor.moves.prefetch import ANONYMOUS
 from advisor.policy.plan import PlanResult
 
 if TYPE_CHECKING:
@@ -109,9 +110,7 @@ class AdvisorQuery:
         from ``client`` (its fair share of the queue; ``None``: the anonymous client);
         ``False`` when refused by the quota or when the advisor does not prefetch."""
         p = self._svc.prefetcher
-        if p is None:
-            return False
-        return p.hint(hashes) if client is None else p.hint(hashes, client)
+        return p.hint(hashes, client or ANONYMOUS) if p is not None else False
 
     def finish_hint(self, hashes: Sequence[int], finish_reason: str, client: str | None = None) -> bool:
         """Take a router's word that the request with prompt ``hashes`` finished

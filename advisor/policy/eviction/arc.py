@@ -16,7 +16,7 @@ import numpy as np
 
 from advisor.policy.eviction.compact import CompactTrace
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, no_logging, served
+from advisor.policy.eviction.evlog import as_arrays, log_eviction, new_log, run_kernel, served
 
 T1, T2, B1, B2 = 0, 1, 2, 3
 
@@ -111,14 +111,14 @@ def _run(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, c: int, want_ev: 
 def simulate(trace: CompactTrace, capacity: int, tail_first: bool = False) -> np.ndarray:
     """Hit blocks per request (int64 ``[requests]``) under ARC with ``capacity`` blocks, its
     references in the order of :func:`~advisor.policy.eviction.evlog.served`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, *no_logging(trace.requests), tail_first)[0]
+    return run_kernel(_run, trace, capacity, tail_first)[0]
 
 
 def replay(trace: CompactTrace, capacity: int, want_ev: np.ndarray, want_snap: np.ndarray,
            tail_first: bool = False) -> tuple:
     """``(hits, evictions, snapshots)`` with the logs of :mod:`advisor.policy.eviction.evlog`;
     ``tail_first`` as for :func:`simulate`."""
-    return _run(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap, tail_first)
+    return run_kernel(_run, trace, capacity, tail_first, want_ev, want_snap)
 
 
 __all__ = ["replay", "simulate"]

@@ -20,8 +20,14 @@ alone passes all ``False`` and pays one test per eviction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
+
+if TYPE_CHECKING:
+    from advisor.policy.eviction.compact import CompactTrace
 
 
 @numba.njit(cache=True)
@@ -88,4 +94,15 @@ def no_logging(n_requests: int) -> tuple[np.ndarray, np.ndarray]:
     return z, z
 
 
-__all__ = ["as_arrays", "log_eviction", "log_resident", "new_log", "no_logging", "prefix_hit", "served"]
+def run_kernel(kernel: Callable[..., tuple], trace: CompactTrace, capacity: int, tail_first: bool,
+               want_ev: np.ndarray | None = None, want_snap: np.ndarray | None = None) -> tuple:
+    """``(hits, evictions, snapshots)`` of a block-level kernel over ``trace``: the calling
+    convention of ARC, LFU-DA, LRU and SIEVE, ``kernel(flat, offsets, n_blocks, capacity,
+    want_ev, want_snap, tail_first)``; without ``want_ev`` / ``want_snap`` nothing is logged
+    (:func:`no_logging`)."""
+    if want_ev is None or want_snap is None:
+        want_ev, want_snap = no_logging(trace.requests)
+    return kernel(trace.flat, trace.offsets, trace.n_blocks, capacity, want_ev, want_snap, tail_first)
+
+
+__all__ = ["as_arrays", "log_eviction", "log_resident", "new_log", "no_logging", "prefix_hit", "run_kernel", "served"]
