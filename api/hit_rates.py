@@ -14,6 +14,13 @@ lookups, and every indexer query). ``hit_rate`` = hits / lookups of that kind.
 
 Windows are kept as one-second buckets (the last 3,600), so a window's figures are exact to
 the second; the totals never reset. Thread-safe.
+
+Worker names come from events and indexer registrations, so they churn without bound. Each
+tally (the totals, each bucket, each window's sum) keeps at most ``max_worker_keys``
+workers: past that, the half with the fewest hits is folded into one worker key,
+:data:`OTHER` (hits, blocks and tokens summed), the way Prometheus exporters cap a label's
+cardinality. A folded worker that comes back starts a new key. Folding halves the keys, so
+its cost is O(log n) per new worker, amortised.
 """
 
 from __future__ import annotations
@@ -69,6 +76,11 @@ WINDOWS: dict[str, int] = {"1m": 60, "1h": 3600}
 Key = tuple[str, str]
 """``("tier", "G1")`` or ``("worker", "w0")``."""
 
+OTHER = "(other)"
+"""The worker key the least-hit workers are folded into past ``max_worker_keys``."""
+MAX_WORKER_KEYS = 1024
+"""Default cap on worker keys per tally (module docstring)."""
+
 
 class _Bucket:
     __slots__ = ("second", "lookups", "keys")
@@ -79,14 +91,31 @@ class _Bucket:
         self.keys: dict[Key, list[int]] = {}  # key -> [hits, blocks, tokens]
 
 
-def _add(into: dict[Key, list[int]], key: Key, blocks: int, tokens: int) -> None:
+def _add(into: dict[Key, list[int]], key: Key, blocks: int, tokens: int, max_workers: int) -> None:
     v = into.get(key)
     if v is None:
         into[key] = [1, blocks, tokens]
+        if key[0] == "worker" and len(into) > max_workers + len(TIER_ORDER) * 2:
+            _fold(into, max_workers)
     else:
         v[0] += 1
         v[1] += blocks
         v[2] += tokens
+
+
+def _fold(keys: dict[Key, list[int]], max_workers: int) -> None:
+    """Fold the least-hit half of the worker keys into :data:`OTHER` once there are more
+    than ``max_workers`` of them (module docstring)."""
+    workers = [k for k in keys if k[0] == "worker" and k[1] != OTHER]
+    if len(workers) <= max_workers:
+        return
+    workers.sort(key=lambda k: (keys[k][0], keys[k][1]))
+    other = keys.setdefault(("worker", OTHER), [0, 0, 0])
+    for k in workers[: len(workers) - max_workers // 2]:
+        h, bl, tk = keys.pop(k)
+        other[0] += h
+        other[1] += bl
+        other[2] += tk
 
 
 class HitRates:
@@ -95,11 +124,19 @@ class HitRates:
     Args:
         kind: ``"lookup"`` or ``"query"`` (the label of its metrics).
         clock: seconds source (``time.monotonic`` by default).
+        max_worker_keys: workers kept per tally before the least-hit half is folded into
+            :data:`OTHER` (module docstring).
+
+    Raises:
+        ValueError: ``max_worker_keys`` < 2.
     """
 
-    def __init__(self, kind: str, clock: Any = time.monotonic) -> None:
+    def __init__(self, kind: str, clock: Any = time.monotonic, max_worker_keys: int = MAX_WORKER_KEYS) -> None:
+        if max_worker_keys < 2:
+            raise ValueError(f"need max_worker_keys >= 2, got {max_worker_keys}")
         self.kind = kind
         self._clock = clock
+        self._max_workers = max_worker_keys
         self._lock = threading.Lock()
         self._buckets: deque[_Bucket] = deque()
         self._lookups = 0
@@ -126,8 +163,8 @@ class HitRates:
             b.lookups += 1
             self._lookups += 1
             for key, n in hits:
-                _add(b.keys, key, n, n * bt)
-                _add(self._totals, key, n, n * bt)
+                _add(b.keys, key, n, n * bt, self._max_workers)
+                _add(self._totals, key, n, n * bt, self._max_workers)
 
     def snapshot(self) -> dict[str, Any]:
         """``{"total": figures, "1m": figures, "1h": figures}``; figures = ``{"lookups": n,
@@ -146,6 +183,7 @@ class HitRates:
                         v[0] += h
                         v[1] += bl
                         v[2] += tk
+            _fold(keys, self._max_workers)
             out[name] = _figures(lookups, keys)
         return out
 

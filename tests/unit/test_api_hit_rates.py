@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 
 from advisor import AdvisorService, AdvisorSettings
@@ -52,3 +53,32 @@ def test_stats_and_metrics_show_lookup_hit_rates(tmp_path) -> None:  # noqa: ANN
         assert "kvadvisor_events_applied_total 3.0" in text  # the advisor's own metrics are still there
     finally:
         svc.stop()
+
+
+def test_worker_churn_is_folded_into_other_and_loses_no_count() -> None:
+    """Worker names come from peers: 5,000 one-off workers must not grow a tally past its cap,
+    and the folded figures still add up (every hit, block and token is counted once)."""
+    now = [1000.0]
+    h = HitRates("lookup", clock=lambda: now[0], max_worker_keys=64)
+    for i in range(30):  # two workers that keep hitting
+        h.record({"G1": 2}, {"steady-a": 2, "steady-b": 1}, 16)
+    for i in range(5000):
+        h.record({"G1": 1}, {f"churn-{i}": 1}, 16)
+        if i % 100 == 0:
+            now[0] += 1
+    s = h.snapshot()
+    for window in ("total", "1m", "1h"):
+        workers = s[window]["workers"]
+        assert len(workers) <= 64 + 1
+        assert "(other)" in workers
+    total = s["total"]["workers"]
+    assert {"steady-a", "steady-b"} <= total.keys()  # the busiest are kept
+    assert sum(v["hits"] for v in total.values()) == 30 * 2 + 5000
+    assert sum(v["blocks"] for v in total.values()) == 30 * 3 + 5000
+    assert sum(v["tokens"] for v in total.values()) == (30 * 3 + 5000) * 16
+    assert s["total"]["tiers"]["G1"]["hits"] == 5030  # tiers are never folded
+
+
+def test_a_worker_cap_below_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_worker_keys"):
+        HitRates("lookup", max_worker_keys=1)
