@@ -20,6 +20,7 @@ from advisor.cluster.partition_fold import PartitionFold
 from advisor.index.snapshot import RedisSnapshotStore, encode_index, load_latest, make_snapshot
 from advisor.ingest.quotas import QuotaLimits
 from advisor.ingest.source_expiry import EXPIRY_SEQ_BASE
+from advisor.policy.eviction.experts import ANONYMOUS
 from advisor.policy.live_selection import new_selector, observe
 from event_plane.codec import BatchHead, decode_batch, decode_head
 from event_plane.config import StreamLimits
@@ -265,7 +266,7 @@ class Replica:
                                                                info.size, sorted(info.locations), info.hits,
                                                                info.last_access_ns, info.orphan]}
             if request.get("op") == "finished":
-                h, why, who = request.get("hash"), request.get("reason"), request.get("client", "anonymous")
+                h, why, who = request.get("hash"), request.get("reason"), request.get("client", ANONYMOUS)
                 if not (type(h) is int and 0 <= h < 1 << 64 and isinstance(why, str) and isinstance(who, str)):
                     return {"unavailable": "bad request: finished needs a u64 hash, a reason and a client name"}
                 taken = (self.selector.finished([h], why[:64], client=who[:64]) if self.selector is not None

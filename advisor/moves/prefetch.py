@@ -60,6 +60,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 
 from advisor.index.prefix_index import BlockInfo
+from advisor.policy.eviction.experts import ANONYMOUS
 from advisor.policy.plan import PlanItem, PlanKind, PlanResult, PlanStatus
 from advisor.moves.planner import TokenBucket
 
@@ -121,9 +122,6 @@ class PrefetchCounters:
     used: int = 0
     wasted: int = 0
 
-
-ANONYMOUS = "anonymous"
-"""The client of hints that name none (an API without tokens, in-process callers)."""
 
 
 @dataclass

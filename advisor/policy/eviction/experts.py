@@ -166,6 +166,9 @@ _REPLAY: dict[str, Callable[[CompactTrace, int, np.ndarray, np.ndarray], tuple]]
     "lfu_da_tail": functools.partial(lfu_da.replay, tail_first=True),
     "lru_tail": functools.partial(lru.replay, tail_first=True),
 }
+ANONYMOUS = "anonymous"
+"""The client of hints that name none (an API without tokens, in-process callers); the
+finish-hint quota and the prefetch queue share by client (:func:`api.auth.client_id`)."""
 TAIL_FIRST: frozenset[str] = frozenset({"arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail"})
 """Experts that serve each request's blocks last block first (module docstring, "Tail first")."""
 
@@ -663,7 +666,7 @@ class LiveSelector:
                 self._refs -= len(self._window.popleft().path)
 
     def finished(self, hashes: Sequence[int], finish_reason: str | None, at_s: float | None = None,
-                 client: str = "anonymous") -> bool:
+                 client: str = ANONYMOUS) -> bool:
         """A router's word that the request whose prompt is ``hashes`` finished, and how
         (class docstring, "Finish reasons"); ``False`` when ``hashes`` is empty.
 
