@@ -60,7 +60,8 @@ class PartitionFold:
         duplicates: batches skipped as already applied.
         quotas: the guard (its ``counters``/``as_dict()``: what was refused), or ``None``.
         admitted: the batch last applied as decoded here (``None`` when it was applied from
-            its payload unread: no quotas, or a trusted source).
+            its payload unread: no quotas, a trusted source, or a batch of the common shape
+            that plainly fits the quotas, ``PrefixIndex.apply_payload_within``).
     """
 
     def __init__(self, index: PrefixIndex, limits: QuotaLimits | None = None,
@@ -68,6 +69,10 @@ class PartitionFold:
         self.index = index
         self.duplicates = 0
         self.quotas = QuotaGuard(limits) if limits is not None else None
+        # a batch of the common shape that plainly fits is checked and folded in one pass
+        # over its bytes (PrefixIndex.apply_payload_within), with nothing decoded here
+        self._plain = (() if limits is None else
+                       (limits.max_batch_events, limits.max_sources, limits.max_blocks, limits.max_source_blocks))
         self._trusted = trusted
         self.admitted: EventBatch | None = None
         # source -> {epoch -> last applied seq}; a snapshot knows each source's current epoch
@@ -101,7 +106,7 @@ class PartitionFold:
         guard = self.quotas
         if guard is None or (head is not None and self._trusted is not None and self._trusted(head.source)):
             self.index.apply_payload(payload)
-        else:
+        elif self.index.apply_payload_within(payload, *self._plain) < 0:  # not plainly within: the full check
             batch = decode_batch(payload)
             got = guard.admit(batch, self.index, rate=False, hits=False)
             if got.batch is None:

@@ -1131,13 +1131,61 @@ cdef class IndexCore:
         """
         self._enter()
         try:
-            return self._apply_payload(payload)
+            return self._apply_payload(payload, None)
         finally:
             self.folding = False
             if self.evcap > EV_KEEP:
                 self._drop_ev_buffer()
 
-    def _apply_payload(self, payload):
+    def apply_payload_within(self, payload, Py_ssize_t max_batch_events, Py_ssize_t max_sources,
+                             Py_ssize_t max_blocks, Py_ssize_t max_source_blocks):
+        """:meth:`apply_payload`, only when the batch has the common shape (see there) and
+        plainly fits the state quotas, which it then passes with nothing to count or rewrite
+        (``advisor/ingest/quotas.py``, ``QuotaGuard.admit`` without the rate and hits
+        checks): at most ``max_batch_events`` events; a known source, or fewer than
+        ``max_sources`` known; the source's current epoch; no event metadata; every storage
+        location ``g1``, ``g2`` or one the index holds; and room for every event even if each
+        were a Store (``len(index) + n <= max_blocks``, the source's ``g1`` + ``g2`` blocks
+        ``+ n <= max_source_blocks``).
+
+        Returns:
+            The number of events applied, or -1 with nothing applied or counted: the batch
+            needs the full check (``QuotaGuard.admit``), which decides it exactly as if this
+            method had not been called.
+
+        Raises:
+            RuntimeError: called during a fold of this index (see :meth:`apply_batch`).
+        """
+        self._enter()
+        try:
+            return self._apply_payload(payload, (max_batch_events, max_sources, max_blocks, max_source_blocks))
+        finally:
+            self.folding = False
+            if self.evcap > EV_KEEP:
+                self._drop_ev_buffer()
+
+    cdef bint _within(self, str source, uint64_t epoch, Py_ssize_t n, list locs, tuple limits) except -1:
+        """Whether a common-shape batch plainly fits ``limits`` (:meth:`apply_payload_within`)."""
+        cdef Py_ssize_t max_events = limits[0], max_sources = limits[1], max_blocks = limits[2]
+        cdef Py_ssize_t max_source_blocks = limits[3], held = 0
+        if n > max_events:
+            return False
+        src = self._sources.get(source)
+        if src is None:
+            if len(self._sources) >= max_sources:
+                return False
+        elif src.epoch != epoch:
+            return False
+        for sl in locs:
+            if sl not in _PRIV and sl not in self._loc_bit:
+                return False
+        if self.nlive + n > max_blocks:
+            return False
+        if src is not None:
+            held = self.count_at(f"{source}/g1") + self.count_at(f"{source}/g2")
+        return held + n <= max_source_blocks
+
+    def _apply_payload(self, payload, limits):
         cdef const unsigned char[::1] view
         cdef const unsigned char* p
         cdef Py_ssize_t pos = 0, end, n, k, off, ln, loc = -1, prev_off = 0, prev_ln = -1, narr, src_off = 0, src_ln = 0
@@ -1149,6 +1197,8 @@ cdef class IndexCore:
         try:
             view = payload
         except (TypeError, ValueError, BufferError):
+            if limits is not None:
+                return -1
             batch = decode_batch(payload)
             self._apply_batch(batch)
             return len(batch.events)
@@ -1220,10 +1270,14 @@ cdef class IndexCore:
             ok = True
             break
         if not ok:
+            if limits is not None:
+                return -1
             batch = decode_batch(payload)  # raises CodecError for malformed payloads
             self._apply_batch(batch)
             return len(batch.events)
         source = sys.intern(PyUnicode_DecodeASCII(<const char*>(p + src_off), src_ln, NULL))
+        if limits is not None and not self._within(source, epoch, n, locs, limits):
+            return -1
         src = self._sources.get(source)
         if src is not None and src.epoch != epoch:  # restart or stale epoch: the general path
             self._apply_batch(decode_batch(payload))
