@@ -198,15 +198,17 @@ def _lift_userinfo(url: str) -> tuple[list[str], dict[str, Any]]:
     return nodes, lifted
 
 
-async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, what: str) -> AsyncIterator[Any]:
+async def fetch_forever(psub: Any, batch_size: int, closed: threading.Event, what: str,
+                        wait_s: float = 0.2) -> AsyncIterator[Any]:
     """Yield the messages of a JetStream pull subscription until ``closed`` is set.
 
-    A fetch that times out is an idle poll; any other fetch error is logged on one line and
-    retried after 0.1 s (reconnecting is nats-py's job). ``what`` names the reader in logs.
+    Each pull request waits up to ``wait_s`` seconds on the server (its ``expires``); one that
+    times out is an idle poll; any other fetch error is logged on one line and retried after
+    0.1 s (reconnecting is nats-py's job). ``what`` names the reader in logs.
     """
     while not closed.is_set():
         try:
-            msgs = await psub.fetch(batch_size, timeout=0.2)
+            msgs = await psub.fetch(batch_size, timeout=wait_s)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nothing new yet
             continue
         except asyncio.CancelledError:
@@ -665,9 +667,12 @@ class JetStreamSubscriber(NatsSubscriber):
         batch_size: messages fetched per pull.
         stream: the stream's limits, used when this subscriber creates the stream and
             checked against an existing one (:class:`StreamLimits`; ``None`` = defaults).
+        pull_wait_s: how long each pull request waits on the server for messages (its
+            ``expires``, seconds; > 0). ``close`` does not depend on it: the last request's
+            inbox is unsubscribed first, so a request still waiting gets nothing.
 
     Raises:
-        ConfigError: bad namespace, durable name, ``deliver`` or stream limits.
+        ConfigError: bad namespace, durable name, ``deliver``, stream limits or ``pull_wait_s``.
         StreamMismatchError (from ``start``): ``stream.strict`` and the existing stream's
             configuration differs.
     """
@@ -685,6 +690,7 @@ class JetStreamSubscriber(NatsSubscriber):
         connect_timeout_s: float = 5.0,
         on_resync: ResyncCallback | None = None,
         stream: StreamLimits | None = None,
+        pull_wait_s: float = 0.2,
         **connect_options: Any,
     ) -> None:
         super().__init__(
@@ -696,6 +702,9 @@ class JetStreamSubscriber(NatsSubscriber):
             on_resync=on_resync,
             **connect_options,
         )
+        if not pull_wait_s > 0:
+            raise ConfigError(f"pull_wait_s must be > 0 seconds, got {pull_wait_s!r}")
+        self._pull_wait_s = float(pull_wait_s)
         if not isinstance(durable, str) or not re.match(r"^[A-Za-z0-9_\-]+$", durable):
             raise ConfigError(f"durable name {durable!r} is not a valid consumer name")
         self._durable = durable
@@ -799,7 +808,7 @@ class JetStreamSubscriber(NatsSubscriber):
         )
 
     async def _pull_loop(self, psub: Any) -> None:
-        async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream subscriber"):
+        async for msg in fetch_forever(psub, self._batch_size, self._closed, "JetStream subscriber", self._pull_wait_s):
             # The stream is durable: wait for room instead of dropping (back-pressure).
             while self._queue.full() and not self._closed.is_set():
                 await asyncio.sleep(0.005)
@@ -847,7 +856,7 @@ class JetStreamSubscriber(NatsSubscriber):
 
             async def _stop() -> None:
                 # 1. The server keeps this run's last pull request waiting until it expires
-                # (0.2 s) and hands it any message that becomes available meanwhile, a new one
+                # (pull_wait_s) and hands it any message that becomes available meanwhile, a new one
                 # or one handed back below, unless the request's inbox has no interest any
                 # more; the durable's next run would then get that batch only after the ack
                 # wait (30 s), behind later ones.  So the inbox is unsubscribed first, and the

@@ -203,7 +203,11 @@ def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -
     (here: the server has not yet seen the connection go, through a proxy that keeps the
     upstream connection open, as a loaded server that has not processed the close yet).
     A batch published meanwhile must not go to that dead request: the durable's next run
-    would get the later batches first and that one only after the ack wait (30 s)."""
+    would get the later batches first and that one only after the ack wait (30 s).  Each pull
+    request waits 5 s on the server, so the last one is still there when the next batch is
+    published, whatever the machine's load (with the default 0.2 s it could expire while the
+    close runs, and the test would pass without the unsubscribe it checks); one message per
+    pull, so a pull returns with its first message instead of waiting to fill a batch."""
     from nats_proxy import NatsDeliveryDelayProxy
 
     url, port, _, _ = private_nats
@@ -213,7 +217,7 @@ def test_a_durable_closed_then_resumed_gets_the_next_batch_first(private_nats) -
             for k in range(3):
                 pub.publish(evs(1, 10 * k + 1))
                 pub.flush()
-                sub = JetStreamSubscriber(proxy.url, "nsr", durable="resumes")
+                sub = JetStreamSubscriber(proxy.url, "nsr", durable="resumes", batch_size=1, pull_wait_s=5.0)
                 sub.start()
                 got = sub.get_many(1, 5.0)
                 sub.close()
