@@ -9,6 +9,9 @@ Invariants of :func:`check`:
   to the state of the pure-Python reference fold (``ReferencePrefixIndex``, whose branches
   are also what gives the fuzzer coverage to follow: msgspec and the compiled core are not
   instrumented);
+* the one-pass quota check (``PrefixIndex.apply_payload_within``, limits nothing reaches)
+  never raises on bytes: it declines (-1, nothing applied) every batch ``decode_batch``
+  refuses, and a batch it takes folds to the state ``apply_batch`` gives;
 * an accepted batch re-encodes to bytes that decode again, to an equal batch, whose encoding
   is the same bytes (``encode_batch_parts`` of its encoded events too), and each event
   decodes alone with ``decode_event``;
@@ -66,6 +69,13 @@ def check(data: bytes) -> None:
     except CodecError:
         pass
 
+    within = PrefixIndex()
+    taken = within.apply_payload_within(data, 1 << 62, 1 << 62, 1 << 62, 1 << 62)
+    if taken < 0 or err is not None:
+        assert taken == -1, f"apply_payload_within took {taken} events of a batch decode_batch refuses: {err}"
+        assert within.dump() == _EMPTY_DUMP, "apply_payload_within applied part of a batch it declined"
+        within = None
+
     idx = PrefixIndex()
     try:
         n = idx.apply_payload(data)
@@ -80,6 +90,9 @@ def check(data: bytes) -> None:
     ref = PrefixIndex()
     ref.apply_batch(batch)
     assert idx.dump() == ref.dump(), "apply_payload and apply_batch fold the same batch differently"
+    if within is not None:
+        assert taken == len(batch.events), f"apply_payload_within folded {taken} events of {len(batch.events)}"
+        assert within.dump() == ref.dump(), "apply_payload_within and apply_batch fold the same batch differently"
     spec = ReferencePrefixIndex()
     spec.apply_batch(batch)
     assert spec.dump() == ref.dump(), "the compiled fold differs from the reference fold"
