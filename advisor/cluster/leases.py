@@ -224,10 +224,15 @@ class LeaseKeeper:
             return lease.epoch if lease is not None else None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Release every lease (``on_release(p, "stop")`` first), leave, and disconnect."""
+        """Release every lease (``on_release(p, "stop")`` first), leave, and disconnect,
+        waiting up to ``timeout_s`` seconds for that; a keeper still busy then (NATS not
+        answering) is logged and left to end on its own: its leases lapse at their TTL."""
         self._signal_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("lease keeper %s: still stopping after %.0f s (leases lapse at their TTL)",
+                               self.advisor_id, timeout_s)
 
     def crash(self) -> None:
         """Stop without releasing anything (as a killed process would): for tests and drills."""

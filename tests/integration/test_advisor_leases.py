@@ -417,3 +417,23 @@ def test_a_read_of_the_bucket_misses_no_entry_while_entries_are_rewritten(js_url
     assert writes["n"] > 0
     short = [sorted(set(range(P)) - set(r)) for r in reads if set(r) != set(range(P))]
     assert short == [], f"{len(short)} of {len(reads)} reads missed partitions, e.g. {short[:3]}"
+
+
+def test_a_stop_that_outlasts_its_timeout_is_logged_and_still_completes(js_url: str, caplog) -> None:  # noqa: ANN001
+    """``stop(timeout_s)`` waits that long for the keeper to release and leave; one still busy
+    then (here: a mover's release callback that does not return) is named in the log, not
+    waited for in silence, and finishes on its own once the callback returns."""
+    settings = LeaseSettings(partitions=2, ttl_s=3.0, heartbeat_s=0.5, join_delay_s=0)
+    unblock = threading.Event()
+    k = LeaseKeeper(js_url, "adv-stuck", settings, on_release=lambda p, reason: unblock.wait(60))
+    k.start()
+    try:
+        _wait(lambda: len(k.owned()) == 2, 15, "both leases taken")
+        with caplog.at_level("WARNING", logger="advisor.cluster.leases"):
+            k.stop(0.5)
+        assert any("adv-stuck: still stopping" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        unblock.set()
+        k.stop(30)
+    assert not k._thread.is_alive()  # noqa: SLF001 - the keeper ended once the callback returned
+    _wait(lambda: lease_owners(js_url) == {}, 15, "every entry gone after the stop")
