@@ -346,14 +346,14 @@ class QuotaGuard:
                         new_volumes.add(sl)
                 extra = ev.extra_metadata
                 if hits and keep is not None and extra and HITS_KEY in extra:
-                    hits = reported_hits(extra[HITS_KEY])
-                    if hits and not trusted:
+                    reported = reported_hits(extra[HITS_KEY])
+                    if reported and not trusted:
                         c.hits_untrusted += 1
                         self.changes += 1
                         keep = msgspec.structs.replace(ev, extra_metadata={k2: v for k2, v in extra.items()
                                                                            if k2 != HITS_KEY})
-                    elif hits > lim.reported_hits_cap:
-                        c.hits_capped += hits - lim.reported_hits_cap
+                    elif reported > lim.reported_hits_cap:
+                        c.hits_capped += reported - lim.reported_hits_cap
                         self.changes += 1
                         keep = msgspec.structs.replace(ev, extra_metadata={**extra, HITS_KEY: lim.reported_hits_cap})
             if keep is not ev and out is None:

@@ -146,3 +146,21 @@ def test_scaled_mode_checks_stream_entries_as_it_folds_them_and_refolds_the_same
         assert fresh.counters["quota_refused_batches_sources"] == 1
     finally:
         fresh.stop()
+
+
+def test_a_store_reporting_no_hits_does_not_let_the_next_ones_through() -> None:
+    """Each Store's reported hits are checked on their own: a first Store reporting 0 hits
+    once switched the check off for the rest of its batch (its value was kept in the flag
+    that says whether to check), so a forged count after it went in untouched."""
+    from advisor.ingest.quotas import QuotaGuard, QuotaLimits
+
+    batch = EventBatch(WIRE_VERSION, "forger", 1, 0, 1, [store(1, 1, None, BS, "slow", {"hits": 0}),
+                                                         store(2, 2, None, BS, "slow", {"extra": 1}),
+                                                         store(3, 3, None, BS, "slow", FORGED)])
+    got = QuotaGuard(QuotaLimits()).admit(batch, PrefixIndex())
+    assert got.changed and got.batch is not None
+    assert got.batch.events[2].extra_metadata == {"tier": "nvme"}  # untrusted: the hits key is gone
+    trusted = QuotaGuard(QuotaLimits(reported_hits_sources=frozenset({"forger"}), reported_hits_cap=8))
+    got = trusted.admit(batch, PrefixIndex())
+    assert got.batch is not None and got.batch.events[2].extra_metadata == {"hits": 8, "tier": "nvme"}
+    assert trusted.counters.hits_capped == 10**6 - 8
