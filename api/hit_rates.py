@@ -95,6 +95,8 @@ def _add(into: dict[Key, list[int]], key: Key, blocks: int, tokens: int, max_wor
     v = into.get(key)
     if v is None:
         into[key] = [1, blocks, tokens]
+        # a cheap bound first: the keys beside the workers are at most the tiers (G1..G4 and
+        # the indexer's g1..g4) and OTHER; _fold counts the workers exactly
         if key[0] == "worker" and len(into) > max_workers + len(TIER_ORDER) * 2:
             _fold(into, max_workers)
     else:

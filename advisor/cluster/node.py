@@ -212,7 +212,7 @@ class ClusterNode:
                 parts[p] = {"position": r.position, "blocks": len(r.index), "applied": r.applied,
                             "errors": r.errors, "lookups": r.lookups, "ready": r.ready.is_set(),
                             "fenced": r.fenced,
-                            "quotas": r.fold.quotas.as_dict() if r.fold.quotas is not None else {}}
+                            "quotas": r.fold.quota_counters()}
         out: dict[str, Any] = {"advisor": self.settings.advisor_id, "partitions": parts}
         if self.mover is not None:
             out["mover"] = self.mover.status()

@@ -80,6 +80,10 @@ class PartitionFold:
             name: {st.epoch: st.last_seq} for name, st in index.sources().items() if st.last_seq < EXPIRY_SEQ_BASE
         }
 
+    def quota_counters(self) -> dict[str, int]:
+        """What the quotas refused and rewrote (``QuotaGuard.as_dict``); ``{}`` without quotas."""
+        return self.quotas.as_dict() if self.quotas is not None else {}
+
     def tracked_epochs(self) -> int:
         """How many (source, epoch) sequence marks the fold keeps."""
         return sum(map(len, self._last.values()))

@@ -245,7 +245,7 @@ class Replica:
                         "policy": self.selector.stats() if self.selector is not None else {},
                         "position": self.position, "blocks": len(self.index), "applied": self.applied,
                         "errors": self.errors, "origin_refused": self.origin_refused,
-                        "quotas": self.fold.quotas.as_dict() if self.fold.quotas is not None else {},
+                        "quotas": self.fold.quota_counters(),
                         "tracked_epochs": self.fold.tracked_epochs(),
                         "snapshots_skipped": self.snapshots_skipped, "started_at": self.started_at, "ready_at": self.ready_at,
                         "events": sum(st.events for st in self.index.sources().values()),

@@ -483,4 +483,4 @@ class PrefetchCollector(Collector):
         yield GaugeMetricFamily("kvadvisor_prefetch_pending", "Blocks waiting for a prefetch", value=st["pending"])
 
 
-__all__ = ["ANONYMOUS", "PrefetchCollector", "PrefetchCounters", "PrefetchSettings", "Prefetcher"]
+__all__ = ["PrefetchCollector", "PrefetchCounters", "PrefetchSettings", "Prefetcher"]

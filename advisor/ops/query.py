@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from advisor.index.prefix_index import BlockInfo
-from advisor.moves.prefetch import ANONYMOUS
+from advisor.policy.eviction.experts import ANONYMOUS
 from advisor.policy.plan import PlanResult
 
 if TYPE_CHECKING:
