@@ -150,17 +150,25 @@ def describe(model: TimeModel) -> str:
 
 
 @numba.njit(cache=True)
-def _lower_tier_of(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, caps: np.ndarray) -> np.ndarray:
+def _lower_tier_of(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, caps: np.ndarray, q_req: np.ndarray,
+                   q_blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each reference, the lower tier holding its block before the request: 0 = never
     seen, t >= 1 = tier t (tiers hold the most recently referenced distinct blocks, tier 1
     the first ``caps[0]``, tier 2 the next ``caps[1]``, ...): an LRU stack cut at the
-    cumulative capacities, tracked with one list per tier."""
+    cumulative capacities, tracked with one list per tier.  The same for each query
+    ``(q_req[k], q_blk[k])`` (``q_req`` non-decreasing): block ``q_blk[k]`` before request
+    ``q_req[k]``."""
     n_t = caps.shape[0]
     prev, nxt, head, tail, size = new_lists(n_blocks, n_t)
     where = np.full(n_blocks, -1, dtype=np.int64)
     out = np.zeros(flat.shape[0], dtype=np.int8)
+    q_out = np.zeros(q_req.shape[0], dtype=np.int8)
+    k = 0
     for i in range(offsets.shape[0] - 1):
         a, b = offsets[i], offsets[i + 1]
+        while k < q_req.shape[0] and q_req[k] <= i:
+            q_out[k] = where[q_blk[k]] + 1
+            k += 1
         for j in range(a, b):
             out[j] = where[flat[j]] + 1
         for j in range(a, b):
@@ -180,13 +188,25 @@ def _lower_tier_of(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, caps: n
                 v = tail[n_t - 1]
                 unlink(prev, nxt, head, tail, size, n_t - 1, v)
                 where[v] = -1
-    return out
+    return out, q_out
+
+
+@numba.njit(cache=True, inline="always")
+def _promote(now: float, lower: int, x: int, free: np.ndarray, busy: np.ndarray, ready_at: np.ndarray,
+             xfer: np.ndarray, lat: np.ndarray) -> None:
+    """A promotion of block ``x`` from tier ``lower`` (0 = never seen: the last tier) issued at
+    ``now`` on that tier's link (FIFO): the link's free time, its busy time and when ``x`` is ready."""
+    t = lower - 1 if lower >= 1 else free.shape[0] - 1
+    start = max(now, free[t])
+    free[t] = start + xfer[t]
+    busy[t] += xfer[t]
+    ready_at[x] = start + xfer[t] + lat[t]
 
 
 @numba.njit(cache=True)
 def _timed(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, times: np.ndarray, hits: np.ndarray,
            promoted: np.ndarray, lookahead: int, tier: np.ndarray, bw: np.ndarray, lat: np.ndarray,
-           block_bytes: float, block_s: float) -> tuple:
+           block_bytes: float, block_s: float, bg_req: np.ndarray, bg_blk: np.ndarray, bg_tier: np.ndarray) -> tuple:
     n_req = offsets.shape[0] - 1
     n_t = bw.shape[0]
     free = np.zeros(n_t)
@@ -197,17 +217,18 @@ def _timed(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, times: np.ndarr
     n_pref = 0
     n_late = 0
     xfer = block_bytes / bw
+    k = 0
     for i in range(n_req):
         now = times[i]
+        while k < bg_req.shape[0] and bg_req[k] <= i:  # background promotions issued now
+            _promote(now, bg_tier[k], bg_blk[k], free, busy, ready_at, xfer, lat)
+            n_pref += 1
+            k += 1
         w = i + lookahead
         if lookahead > 0 and promoted.shape[0] > 0 and w < n_req:  # request w became visible now
             for jj in range(offsets[w], offsets[w + 1]):
                 if promoted[jj]:
-                    t = tier[jj] - 1 if tier[jj] >= 1 else n_t - 1
-                    start = max(now, free[t])
-                    free[t] = start + xfer[t]
-                    busy[t] += xfer[t]
-                    ready_at[flat[jj]] = start + xfer[t] + lat[t]
+                    _promote(now, tier[jj], flat[jj], free, busy, ready_at, xfer, lat)
                     n_pref += 1
         a, b = offsets[i], offsets[i + 1]
         r = 0
@@ -248,7 +269,8 @@ def _timed(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, times: np.ndarr
 
 
 def replay(trace: CompactTrace, times_s: Sequence[float] | np.ndarray, hits: np.ndarray,
-           promoted: np.ndarray | None = None, lookahead: int = 0, model: TimeModel | None = None) -> TimedResult:
+           promoted: np.ndarray | None = None, lookahead: int = 0, model: TimeModel | None = None,
+           background: tuple[np.ndarray, np.ndarray] | None = None) -> TimedResult:
     """Blocks ready in time and the TTFT proxy of a policy's replay (module docstring).
 
     Args:
@@ -259,9 +281,15 @@ def replay(trace: CompactTrace, times_s: Sequence[float] | np.ndarray, hits: np.
             :func:`advisor.policy.eviction.prefix_value.simulate_promotions`.
         lookahead: K (0 = no hints).
         model: tiers, block size, prefill rate (default :class:`TimeModel`).
+        background: promotions not tied to a request, ``(request, block)`` (int64
+            ``[promotions]`` each, requests non-decreasing, dense block ids): each is a
+            transfer from the block's lower tier issued at that request's arrival (the
+            default policy's refill promotions, :attr:`advisor.policy.eviction.experts.
+            SelectorRun.promoted_at`); a hit on the block is ready once it is done.
 
     Raises:
-        ValueError: shapes that do not match the trace, or a lookahead without ``promoted``.
+        ValueError: shapes that do not match the trace, a lookahead without ``promoted``, or
+            background promotions out of order or out of range.
     """
     m = model or TimeModel()
     times = np.asarray(times_s, dtype=np.float64)
@@ -269,14 +297,22 @@ def replay(trace: CompactTrace, times_s: Sequence[float] | np.ndarray, hits: np.
         raise ValueError(f"need one time and one hit count per request ({trace.requests})")
     if lookahead > 0 and (promoted is None or promoted.shape != (trace.refs,)):
         raise ValueError("a lookahead needs the policy's promotions, one flag per reference")
+    bg_req, bg_blk = (np.asarray(x, dtype=np.int64) for x in background) if background is not None else (
+        np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    if bg_req.shape != bg_blk.shape or bg_req.ndim != 1 or (bg_req.size and (
+            (np.diff(bg_req) < 0).any() or bg_req.min() < 0 or bg_req.max() >= trace.requests
+            or bg_blk.min() < 0 or bg_blk.max() >= trace.n_blocks)):
+        raise ValueError("background promotions need one block per request index, requests non-decreasing and "
+                         "in range")
     caps = np.array([min(t.capacity, 2**62) for t in m.tiers], dtype=np.int64)
-    tier = _lower_tier_of(trace.flat, trace.offsets, trace.n_blocks, caps)
+    tier, bg_tier = _lower_tier_of(trace.flat, trace.offsets, trace.n_blocks, caps, bg_req, bg_blk)
     bw = np.array([t.bandwidth for t in m.tiers])
     lat = np.array([t.latency for t in m.tiers])
     prom = promoted if promoted is not None else np.zeros(0, dtype=np.bool_)
     ready, ttft, n_pref, n_late, busy = _timed(trace.flat, trace.offsets, trace.n_blocks, times,
                                                hits.astype(np.int64), prom, lookahead, tier, bw, lat,
-                                               float(m.block_bytes), m.block_tokens / m.prefill_tokens_per_s)
+                                               float(m.block_bytes), m.block_tokens / m.prefill_tokens_per_s,
+                                               bg_req, bg_blk, bg_tier)
     return TimedResult(ready, ttft, int(n_pref), int(n_late), [float(x) for x in busy])
 
 
@@ -298,17 +334,21 @@ def evaluate_timed(trace: CompactTrace, times_s: np.ndarray, capacity: int, look
     under the time model at ``capacity`` blocks.
 
     Args:
-        known: hits per request already replayed at this capacity (``lru``, ``belady``,
-            ``adaptive``), to skip those replays.
+        known: hits per request already replayed at this capacity (``lru``, ``belady``),
+            to skip those replays (the default policy is replayed here: its refill
+            promotions go on the links).
     """
-    from advisor.policy.eviction import prefix_value
+    from advisor.policy.eviction import experts, prefix_value
     from advisor.policy.eviction.registry import POLICIES
 
     known = known or {}
     rows = []
-    for name in ("lru", "belady", "adaptive"):
+    for name in ("lru", "belady"):
         h = known[name] if name in known else POLICIES[name](trace, capacity, 0, True)
         rows.append(TimedRow(name, float(h.sum()) / trace.refs, 0.0, replay(trace, times_s, h, None, 0, model)))
+    run = experts.run(trace, capacity)  # its refill promotions are transfers on the links
+    rows.append(TimedRow("adaptive", float(run.hits.sum()) / trace.refs, 0.0,
+                         replay(trace, times_s, run.hits, None, 0, model, (run.promoted_at, run.promoted_blocks))))
     for k in lookaheads:
         if k > 0:
             h, prom = prefix_value.simulate_promotions(trace, capacity, k)

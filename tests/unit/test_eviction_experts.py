@@ -202,3 +202,37 @@ def test_tail_first_keeps_a_prefix_head_that_block_order_loses() -> None:
         fwd = POLICIES[name](ct, 4, 0, True)
         tail = POLICIES[f"{name}_tail"](ct, 4, 0, True)
         assert tail[2] > fwd[2], (name, fwd, tail)
+
+
+def test_refill_promotions_bring_back_what_a_switch_lost_within_their_budget() -> None:
+    # a switch leaves the new leader's blocks the tier evicted on the tier below; promotions at
+    # refill_rate blocks per block referenced bring them back, into room taken from orphans only
+    case = synthetic.zipf(1.0, 2, n_objects=200, n_requests=2000)
+    ct = compact(case.requests)
+    cap = case.capacities[1]
+    rng = np.random.default_rng(5)
+    lead = np.repeat(rng.integers(0, len(experts.EXPERTS), ct.requests // 100 + 1), 100)[:ct.requests].astype(np.int8)
+    none = experts.run(ct, cap, experts.SelectorSettings(refill_rate=0.0), leader=lead)
+    assert none.promoted_at.size == 0 and (none.followed - none.hits).sum() > 0
+    for rate in (0.25, 1.0, 1e9):
+        run = experts.run(ct, cap, experts.SelectorSettings(refill_rate=rate), leader=lead)
+        assert run.fallbacks == 0 and run.promoted_at.size > 0
+        assert (run.followed - run.hits).sum() < (none.followed - none.hits).sum()
+        assert (np.diff(run.promoted_at) >= 0).all()
+        # within the budget: a spell's promotions before request i <= rate x blocks referenced since its switch
+        starts = np.flatnonzero(np.r_[True, lead[1:] != lead[:-1]])
+        spell = starts[np.searchsorted(starts, run.promoted_at, side="right") - 1]
+        assert (spell > 0).all()  # no refill before the first switch
+        for s in np.unique(spell):
+            at = run.promoted_at[spell == s]
+            budget = rate * (ct.offsets[at] - ct.offsets[s - 1])
+            assert (np.arange(1, at.size + 1) <= budget + 1e-9).all()
+        # each promoted block was referenced before (it is on a tier below) and is not promoted twice a spell
+        first_ref = np.full(ct.n_blocks, ct.requests)
+        for i in range(ct.requests - 1, -1, -1):
+            first_ref[ct.flat[ct.offsets[i]:ct.offsets[i + 1]]] = i
+        assert (first_ref[run.promoted_blocks] < run.promoted_at).all()
+        assert len(set(zip(spell.tolist(), run.promoted_blocks.tolist()))) == run.promoted_at.size
+    instant = experts.run(ct, cap, experts.SelectorSettings(refill_rate=1e9), leader=lead)
+    slow = experts.run(ct, cap, experts.SelectorSettings(refill_rate=0.25), leader=lead)
+    assert instant.hits.sum() >= slow.hits.sum() >= none.hits.sum()

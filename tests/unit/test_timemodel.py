@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from advisor.policy.eviction import experts
 from advisor.policy.eviction.compact import compact
-from kvadvisor import timemodel
+from kvadvisor import synthetic, timemodel
 from kvadvisor.cli import app
 from kvadvisor.trace import bundled_trace
 
@@ -60,3 +61,37 @@ def test_cli_tiers_prints_ready_in_time_and_ttft() -> None:
     bad = CliRunner().invoke(app, ["evaluate", "--trace", str(bundled_trace()), "--capacity", "200",
                                    "--tiers", "nvme=fast"])
     assert bad.exit_code == 2 and "GB/s" in bad.output
+
+
+def test_background_promotions_go_on_the_links_and_a_hit_waits_for_its_transfer() -> None:
+    # the default policy's refill promotions: transfers issued at a request's arrival, not tied to one
+    ct = compact([[1, 2], [3], [4], [1, 2]])
+    hits = np.array([0, 0, 0, 2])  # the tier had blocks 1 and 2 back for request 3
+    times = np.array([0.0, 1.0, 2.0, 2.5])
+    blocks = (np.array([1, 1]), np.array([0, 1]))  # dense ids of blocks 1 and 2, promoted at request 1 (t = 1)
+    fast = timemodel.replay(ct, times, hits, model=_model(2.0), background=blocks)  # done at 1.5 and 2.0
+    assert fast.ready.tolist() == [0, 0, 0, 2] and fast.prefetched == 2 and fast.late == 0
+    assert fast.link_busy[0] == pytest.approx(1.0)
+    slow = timemodel.replay(ct, times, hits, model=_model(1 / 0.8), background=blocks)  # 0.8 s: 1.8 and 2.6
+    assert slow.ready.tolist() == [0, 0, 0, 1] and slow.late == 1
+    assert slow.ttft[3] == pytest.approx(0.1)  # its second block arrives 0.1 s after the request
+    # without charging them the hits would be free: the same hits, no transfers, ready at once
+    free = timemodel.replay(ct, times, hits, model=_model(1 / 0.8))
+    assert free.ready.tolist() == [0, 0, 0, 2] and free.link_busy[0] == 0.0
+    with pytest.raises(ValueError, match="background"):
+        timemodel.replay(ct, times, hits, background=(np.array([2, 1]), np.array([0, 1])))
+    with pytest.raises(ValueError, match="background"):
+        timemodel.replay(ct, times, hits, background=(np.array([1]), np.array([99])))
+
+
+def test_the_default_policys_refill_promotions_are_charged_in_the_timed_table() -> None:
+    case = synthetic.shifting(3, phases=4, n_objects=100, per_phase=500)
+    ct = compact(case.requests)
+    times = np.arange(ct.requests, dtype=np.float64) * 0.01
+    cap = case.capacities[1]
+    rows = {r.policy: r for r in timemodel.evaluate_timed(ct, times, cap, [])}
+    run = experts.run(ct, cap)
+    assert run.promoted_at.size > 0  # the phases make it switch and refill
+    assert rows["adaptive"].result.prefetched == run.promoted_at.size
+    assert rows["adaptive"].hit_rate == pytest.approx(run.hits.sum() / ct.refs)
+    assert sum(rows["adaptive"].result.link_busy) > 0

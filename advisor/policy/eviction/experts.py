@@ -109,6 +109,28 @@ paired noise (S3-FIFO, SIEVE and ARC on Zipf traces, 0.002–0.005 apart), where
 rule knows the winner in time, and large tiers where one switch's refill is most of the
 tolerance.
 
+**Refill by promotion.**  The blocks a refill waits for are not lost: every block was
+written down when it was first referenced, so the tier below holds it (the evaluator's time
+model, :mod:`kvadvisor.timemodel`; the live advisor's slow volumes and archive).  So at a
+switch the real tier does not wait for references: it queues the new leader's blocks it
+lacks (from the leader's snapshot at the switch), most recently referenced first, and
+promotes them at ``refill_rate`` blocks per block referenced (ρ, default 1: promotion
+traffic never exceeds the demand traffic of the same requests), each into the room of one
+orphan and never of a block the leader holds (the invariant above holds), skipping a
+block the leader has evicted since or a request has brought back.  A spell's refill then
+ends after at most (blocks queued) / ρ block references instead of one reference to each,
+so c_k falls; the bound below is unchanged (a promotion only makes a block enter R
+sooner).  Cost: one queue of at most C blocks per switch, O(C log C) to order it, and the
+promotions themselves, which the evaluator reports (:attr:`SelectorRun.promoted_at`) and
+the time model puts on the tiers' links like any other transfer, so a hit on a promoted
+block counts as ready only once its transfer is done.  The live advisor's counterpart is
+the promotion policy's swaps (:func:`advisor.policy.policies.plan_swaps`): slow-volume
+blocks that rank above the fast volume's lowest leaves by the leader's order take their
+place, at most ``max_swaps`` a round.  Measured on 648 generated rows (the suite and its
+variants, seeds 0–11,000, no setting chosen on them): rows more than 0.002 below the best
+baseline 45 → 21 (ρ = 1; 18 with instant promotion), promotions 0.13–0.16 % of the block
+references (docs/benchmarks-history.md, "Refill by promotion").
+
 **Regret.**  Let the leader change S times, at requests t_1 < … < t_S, let ℓ_max be the
 longest request (blocks), G_e(t) expert e's hits on requests before t, and θ_max the
 largest threshold ``z·sqrt(V + 1)`` of the run.  With scores undecayed (H = ∞), after
@@ -143,7 +165,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numba
@@ -188,11 +210,14 @@ class SelectorSettings:
     z: float = 2.0
     initial: str = "s3fifo_tail"
     """The leader before any evidence (one of :data:`EXPERTS`, module docstring)."""
+    refill_rate: float = 1.0
+    """Refill promotions after a switch (module docstring, "Refill by promotion"): at most
+    this many blocks promoted from the tier below per block referenced; 0 = none."""
 
     def __post_init__(self) -> None:
-        if not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS:
-            raise ValueError(f"need half_life > 0, z >= 0 and initial one of {EXPERTS}, got {self.half_life}, "
-                             f"{self.z}, {self.initial!r}")
+        if not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS or not self.refill_rate >= 0:
+            raise ValueError(f"need half_life > 0, z >= 0, refill_rate >= 0 and initial one of {EXPERTS}, got "
+                             f"{self.half_life}, {self.z}, {self.refill_rate}, {self.initial!r}")
 
 
 @dataclass
@@ -209,6 +234,9 @@ class SelectorRun:
         followed: hits per request of the expert followed, ``expert_hits[leader[i], i]``
             (int64 ``[requests]``); ``followed − hits`` summed over a spell is that
             switch's refill cost (module docstring), 0 without switches.
+        promoted_at: the refill promotions (module docstring, "Refill by promotion"): the
+            request each was made before (int64 ``[promotions]``, non-decreasing).
+        promoted_blocks: the block of each (dense ids, int64 ``[promotions]``).
     """
 
     hits: np.ndarray
@@ -217,6 +245,8 @@ class SelectorRun:
     switches: int
     fallbacks: int
     followed: np.ndarray
+    promoted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    promoted_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @numba.njit(cache=True)
@@ -342,27 +372,32 @@ def select(trace: CompactTrace, capacity: int, settings: SelectorSettings | None
 @numba.njit(cache=True)
 def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int, leader: np.ndarray,
             tail_first: np.ndarray, ev_key: np.ndarray, ev_blk: np.ndarray, sn_key: np.ndarray,
-            sn_blk: np.ndarray) -> tuple:
+            sn_blk: np.ndarray, refill_rate: float) -> tuple:
     prev, nxt, head, tail, size = new_lists(n_blocks, 2)  # 0 = held and wanted by the leader, 1 = orphans
     state = np.zeros(n_blocks, dtype=np.int8)  # 0 = not held, 1 = wanted, 2 = orphan
     mark = np.zeros(n_blocks, dtype=np.int64)  # == gen: the leader holds it
     refpos = np.full(n_blocks, -1, dtype=np.int64)  # index in flat of a block's last reference served
     n_req = offsets.shape[0] - 1
     hits = np.zeros(n_req, dtype=np.int64)
+    queue = np.zeros(n_blocks, dtype=np.int64)  # refill promotions of the current spell, in order
+    qh = 0
+    qt = 0
+    credit = 0.0
+    pr_req = [np.int64(0)]
+    pr_req.pop()
+    pr_blk = [np.int64(0)]
+    pr_blk.pop()
     gen = 0
     e = 0
     s = 0
     fallbacks = 0
     for i in range(n_req):
         a, b = offsets[i], offsets[i + 1]
-        j = a
-        while j < b and state[flat[j]] != 0:
-            j += 1
-        hits[i] = j - a
         if i == 0 or leader[i] != leader[i - 1]:  # a switch: re-sort R by the new leader's contents
             gen += 1
             while s < sn_key.shape[0] and (sn_key[s] >> 32) < i:
                 s += 1
+            s0 = s
             while s < sn_key.shape[0] and (sn_key[s] >> 32) == i:
                 mark[sn_blk[s]] = gen
                 s += 1
@@ -382,6 +417,40 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                     push_head(prev, nxt, head, tail, size, 1, x)
                     state[x] = 2
                 x = p
+            qh = 0  # refill: the new leader's blocks R lacks, most recently referenced first
+            qt = 0
+            credit = 0.0
+            if i > 0 and refill_rate > 0:
+                for t in range(s0, s):
+                    if state[sn_blk[t]] == 0:
+                        queue[qt] = sn_blk[t]
+                        qt += 1
+                if qt > 1:
+                    order = np.argsort(-refpos[queue[:qt]], kind="mergesort")
+                    queue[:qt] = queue[:qt][order]
+        if qh < qt:  # promote what the budget allows, into room taken from orphans only
+            credit += refill_rate * (offsets[i] - offsets[i - 1])
+            while qh < qt and credit >= 1.0:
+                v = queue[qh]
+                qh += 1
+                if mark[v] != gen or state[v] != 0:
+                    continue  # the leader evicted it since, or a request brought it back
+                if size[0] + size[1] >= capacity:
+                    if size[1] == 0:  # R is all the leader's (cannot be while it holds v too): stop
+                        qh = qt
+                        break
+                    w = tail[1]
+                    unlink(prev, nxt, head, tail, size, 1, w)
+                    state[w] = 0
+                push_head(prev, nxt, head, tail, size, 0, v)
+                state[v] = 1
+                credit -= 1.0
+                pr_req.append(np.int64(i))
+                pr_blk.append(np.int64(v))
+        j = a
+        while j < b and state[flat[j]] != 0:
+            j += 1
+        hits[i] = j - a
         tf = tail_first[leader[i]]
         for k in range(b - a):  # in the leader's order
             j = served(a, b, k, tf)
@@ -414,7 +483,12 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                 unlink(prev, nxt, head, tail, size, 0, v)
                 fallbacks += 1
             state[v] = 0
-    return hits, fallbacks
+    rq = np.empty(len(pr_req), dtype=np.int64)
+    rb = np.empty(len(pr_blk), dtype=np.int64)
+    for t in range(len(pr_req)):
+        rq[t] = pr_req[t]
+        rb[t] = pr_blk[t]
+    return hits, fallbacks, rq, rb
 
 
 def _sorted_log(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -462,10 +536,11 @@ def run(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = 
     ev_key, ev_blk = _sorted_log(evs)
     sn_key, sn_blk = _sorted_log(sns)
     tail_first = np.array([name in TAIL_FIRST for name in EXPERTS], dtype=np.bool_)
-    real, fallbacks = _mirror(trace.flat, trace.offsets, trace.n_blocks, capacity, leader, tail_first, ev_key, ev_blk,
-                              sn_key, sn_blk)
+    rate = (settings or SelectorSettings()).refill_rate
+    real, fallbacks, at, blocks = _mirror(trace.flat, trace.offsets, trace.n_blocks, capacity, leader, tail_first,
+                                          ev_key, ev_blk, sn_key, sn_blk, float(rate))
     followed = hits[leader.astype(np.int64), np.arange(n_req)]
-    return SelectorRun(real, leader, hits, int(start[1:].sum()), int(fallbacks), followed)
+    return SelectorRun(real, leader, hits, int(start[1:].sum()), int(fallbacks), followed, at, blocks)
 
 
 def simulate(trace: CompactTrace, capacity: int, settings: SelectorSettings | None = None,
