@@ -20,11 +20,13 @@ the first half of the requests (where settings may be chosen) and on the second 
 held-out report), every policy replaying the whole trace in order and counting only its
 half (warm start).  The default policy's settings (:class:`advisor.policy.eviction.experts.
 SelectorSettings` and its experts' own) are one set chosen on neither half: the switching
-rule's two settings were set from the synthetic suite (docs/traces.md).  The trace is
+rule's settings were set from the synthetic suite and its variants (docs/traces.md; z on
+seeds 0–6,000).  The trace is
 ``--trace`` (WEKA directory or Mooncake jsonl) or ``$KVADVISOR_TRACES/claude_code_weka``.
 ``--robustness SEEDS`` replays the synthetic suite and its variants (the same generators
 with other parameters, :data:`kvadvisor.synthetic.VARIANTS`) generated with each seed: the
-acceptance (every row >= best - 0.002) on traces no setting was chosen on.
+acceptance (every row >= best - 0.002); seeds from 7,000 on are traces no setting was
+chosen on.
 ``--tail-first SEEDS`` replays each block-level baseline in its classic block-by-block
 order and tail first (a request's blocks last first, the order the default's experts use,
 :mod:`advisor.policy.eviction.experts`, "Tail first") on Mooncake, WEKA (from
