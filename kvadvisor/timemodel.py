@@ -22,6 +22,10 @@ be there, so that prefetching is no longer free.
   counts as *ready in time* only if it is on the fast tier and, if it was promoted, its
   transfer is done when the request's prefill starts; the ready prefix ends at the first
   block that is not.
+* **Background promotions** (the default policy's refill after a switch of experts,
+  :attr:`advisor.policy.eviction.experts.SelectorRun.promoted_at`): each is a transfer on
+  its block's tier link issued at the arrival of the request it was made before; a hit on
+  the block is ready once it is done.
 * **TTFT proxy** (seconds) of a request: with the ready prefix of r blocks, either load the
   following blocks that a lower tier holds (demand transfers issued at arrival, on the
   links, after the prefetches already queued) and recompute the rest, or recompute
