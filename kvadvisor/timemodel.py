@@ -301,8 +301,10 @@ def replay(trace: CompactTrace, times_s: Sequence[float] | np.ndarray, hits: np.
         raise ValueError(f"need one time and one hit count per request ({trace.requests})")
     if lookahead > 0 and (promoted is None or promoted.shape != (trace.refs,)):
         raise ValueError("a lookahead needs the policy's promotions, one flag per reference")
-    bg_req, bg_blk = (np.asarray(x, dtype=np.int64) for x in background) if background is not None else (
-        np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    raw = [np.asarray(x) for x in background] if background is not None else [np.zeros(0, dtype=np.int64)] * 2
+    if any(not np.issubdtype(x.dtype, np.integer) and x.size for x in raw):
+        raise ValueError("background promotions need integer request and block indices")
+    bg_req, bg_blk = (x.astype(np.int64) for x in raw)
     if bg_req.shape != bg_blk.shape or bg_req.ndim != 1 or (bg_req.size and (
             (np.diff(bg_req) < 0).any() or bg_req.min() < 0 or bg_req.max() >= trace.requests
             or bg_blk.min() < 0 or bg_blk.max() >= trace.n_blocks)):

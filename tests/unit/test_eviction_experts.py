@@ -233,6 +233,9 @@ def test_refill_promotions_bring_back_what_a_switch_lost_within_their_budget() -
             first_ref[ct.flat[ct.offsets[i]:ct.offsets[i + 1]]] = i
         assert (first_ref[run.promoted_blocks] < run.promoted_at).all()
         assert len(set(zip(spell.tolist(), run.promoted_blocks.tolist()))) == run.promoted_at.size
+    for bad in (-1.0, float("inf"), float("nan")):  # inf x an empty request's 0 blocks would stop the refill
+        with pytest.raises(ValueError, match="refill_rate"):
+            experts.SelectorSettings(refill_rate=bad)
     instant = experts.run(ct, cap, experts.SelectorSettings(refill_rate=1e9), leader=lead)
     slow = experts.run(ct, cap, experts.SelectorSettings(refill_rate=0.25), leader=lead)
     assert instant.hits.sum() >= slow.hits.sum() >= none.hits.sum()

@@ -82,6 +82,8 @@ def test_background_promotions_go_on_the_links_and_a_hit_waits_for_its_transfer(
         timemodel.replay(ct, times, hits, background=(np.array([2, 1]), np.array([0, 1])))
     with pytest.raises(ValueError, match="background"):
         timemodel.replay(ct, times, hits, background=(np.array([1]), np.array([99])))
+    with pytest.raises(ValueError, match="background"):  # not truncated to request 0
+        timemodel.replay(ct, times, hits, background=(np.array([0.5]), np.array([0])))
 
 
 def test_the_default_policys_refill_promotions_are_charged_in_the_timed_table() -> None:

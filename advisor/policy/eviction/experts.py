@@ -116,7 +116,8 @@ tolerance.
 written down when it was first referenced, so the tier below holds it (the evaluator's time
 model, :mod:`kvadvisor.timemodel`; the live advisor's slow volumes and archive).  So at a
 switch the real tier does not wait for references: it queues the new leader's blocks it
-lacks (from the leader's snapshot at the switch), most recently referenced first, and
+lacks (from the leader's snapshot at the switch), most recently referenced first (by last
+reference in the trace, so within one request its last block first), and
 promotes them at ``refill_rate`` blocks per block referenced (ρ, default 1: promotion
 traffic never exceeds the demand traffic of the same requests), each into the room of one
 orphan and never of a block the leader holds (the invariant above holds), skipping a
@@ -222,8 +223,9 @@ class SelectorSettings:
     this many blocks promoted from the tier below per block referenced; 0 = none."""
 
     def __post_init__(self) -> None:
-        if not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS or not self.refill_rate >= 0:
-            raise ValueError(f"need half_life > 0, z >= 0, refill_rate >= 0 and initial one of {EXPERTS}, got "
+        if (not self.half_life > 0 or self.z < 0 or self.initial not in EXPERTS
+                or not 0 <= self.refill_rate < math.inf):
+            raise ValueError(f"need half_life > 0, z >= 0, a finite refill_rate >= 0 and initial one of {EXPERTS}, got "
                              f"{self.half_life}, {self.z}, {self.refill_rate}, {self.initial!r}")
 
 
