@@ -118,8 +118,8 @@ model, :mod:`kvadvisor.timemodel`; the live advisor's slow volumes and archive).
 switch the real tier does not wait for references: it queues the new leader's blocks it
 lacks (from the leader's snapshot at the switch), most recently referenced first (by last
 reference in the trace, so within one request its last block first), and
-promotes them at ``refill_rate`` blocks per block referenced (ρ, default 1: promotion
-traffic never exceeds the demand traffic of the same requests), each into the room of one
+promotes them at ``refill_rate`` blocks per block referenced (ρ, default 1: a spell
+promotes no more blocks than its requests reference), each into the room of one
 orphan and never of a block the leader holds (the invariant above holds), skipping a
 block the leader has evicted since or a request has brought back.  A spell's refill then
 ends after at most (blocks queued) / ρ block references instead of one reference to each,
