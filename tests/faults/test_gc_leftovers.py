@@ -16,14 +16,22 @@ def _fast(svc: AdvisorService) -> tuple[int, int, int]:
     return st.used_bytes, st.live_bytes, st.segments
 
 
+MIN_AGE_S = 5.0
+
+
 def test_leftovers_of_killed_copies_are_collected_at_start_and_on_a_timer(tmp_path: Path) -> None:
-    s = settings(tmp_path, fast_blocks=40, gc_min_age_s=0, gc_interval_s=0.5)
+    # gc_min_age_s is the contract that keeps a copy in flight in another process safe: it
+    # must outlast the copy (docs/operations.md).  With 0 the advisor's timer could remove
+    # the crasher's segment between its write and its read-back check, and the crasher
+    # would fail before it is killed; 5 s is far longer than a 2 MiB copy takes.
+    s = settings(tmp_path, fast_blocks=40, gc_min_age_s=MIN_AGE_S, gc_interval_s=0.5)
     w = Worker(s)
     try:
         w.put(list(range(1, 33)), "slow")
         crash_mid_copy(s, list(range(1, 33)), "fast")  # 32 blocks: 2 MiB of 2.5 MiB on fast
         files = sorted((tmp_path / "fast").rglob("seg-*"))
         assert files, "the killed copy left segment files"
+        time.sleep(MIN_AGE_S + 0.5)  # time passes: the leftovers outgrow gc_min_age_s before the start
         svc = AdvisorService(s)
         svc.start()
         try:
@@ -32,7 +40,7 @@ def test_leftovers_of_killed_copies_are_collected_at_start_and_on_a_timer(tmp_pa
             assert list((tmp_path / "fast").rglob("seg-*")) == []
             # a crash while the advisor runs: the timer collects it
             crash_mid_copy(s, list(range(1, 33)), "fast")
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while _fast(svc)[2] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert _fast(svc) == (0, 0, 0)
