@@ -182,7 +182,7 @@ import numpy as np
 from advisor.policy.eviction import arc, finish_aware, lfu_da, lru, prefix_lru, prefix_value, s3fifo, sieve
 from advisor.policy.eviction.compact import CompactTrace, RequestFinishes, compact
 from advisor.policy.eviction.dlist import new_lists, push_head, unlink
-from advisor.policy.eviction.evlog import served
+from advisor.policy.eviction.evlog import as_arrays, new_log, served
 
 EXPERTS: tuple[str, ...] = ("prefix_value", "arc_tail", "s3fifo_tail", "lfu_da_tail", "lru_tail", "sieve", "prefix_lru",
                             "finish_aware")
@@ -392,10 +392,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
     qh = 0
     qt = 0
     credit = 0.0
-    pr_req = [np.int64(0)]
-    pr_req.pop()
-    pr_blk = [np.int64(0)]
-    pr_blk.pop()
+    promoted = new_log()  # (request, block) of each refill promotion
     gen = 0
     e = 0
     s = 0
@@ -454,8 +451,8 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                 push_head(prev, nxt, head, tail, size, 0, v)
                 state[v] = 1
                 credit -= 1.0
-                pr_req.append(np.int64(i))
-                pr_blk.append(np.int64(v))
+                promoted[0].append(np.int64(i))
+                promoted[1].append(np.int64(v))
         j = a
         while j < b and state[flat[j]] != 0:
             j += 1
@@ -492,11 +489,7 @@ def _mirror(flat: np.ndarray, offsets: np.ndarray, n_blocks: int, capacity: int,
                 unlink(prev, nxt, head, tail, size, 0, v)
                 fallbacks += 1
             state[v] = 0
-    rq = np.empty(len(pr_req), dtype=np.int64)
-    rb = np.empty(len(pr_blk), dtype=np.int64)
-    for t in range(len(pr_req)):
-        rq[t] = pr_req[t]
-        rb[t] = pr_blk[t]
+    rq, rb = as_arrays(promoted)
     return hits, fallbacks, rq, rb
 
 
